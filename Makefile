@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv when needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint setup clean
+
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip==26.3
+	$(BIN)/python -m pip install -q -r requirements-dev.txt -c constraints.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m vitmm.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check vitmm tests configs experiments
+
+test: lint
+	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

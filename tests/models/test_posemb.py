@@ -1,0 +1,104 @@
+"""Position embeddings: sin-cos formula, resampling invariances, RoPE relative property."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.models import posemb
+
+
+def _written_formula(h, w, dim, temperature, denom):
+    """The table written out element by element, as in the sincos_2d docstring."""
+    q = dim // 4
+    table = np.zeros((h * w, dim))
+    for r in range(h):
+        for c in range(w):
+            for k in range(q):
+                omega = temperature ** (-k / denom)
+                table[r * w + c, k] = np.sin(c * omega)
+                table[r * w + c, q + k] = np.cos(c * omega)
+                table[r * w + c, 2 * q + k] = np.sin(r * omega)
+                table[r * w + c, 3 * q + k] = np.cos(r * omega)
+    return table
+
+
+@pytest.mark.parametrize("convention, denom_of_q", [("big_vision", lambda q: q - 1), ("mae", lambda q: q)])
+@pytest.mark.parametrize("h, w, dim", [(4, 4, 16), (3, 5, 24), (2, 7, 8)])
+def test_sincos_equals_written_formula(convention, denom_of_q, h, w, dim):
+    got = posemb.sincos_2d(h, w, dim, convention=convention)
+    assert got.shape == (h * w, dim) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, _written_formula(h, w, dim, 10_000.0, denom_of_q(dim // 4)), atol=1e-6)
+
+
+def test_sincos_is_deterministic_and_encodes_rows_and_cols_separately():
+    a, b = posemb.sincos_2d(3, 5, 32), posemb.sincos_2d(3, 5, 32)
+    np.testing.assert_array_equal(a, b)
+    grid = np.asarray(a).reshape(3, 5, 32)
+    # First half depends on the column only, second half on the row only.
+    np.testing.assert_allclose(grid[:, :, :16], np.broadcast_to(grid[:1, :, :16], (3, 5, 16)))
+    np.testing.assert_allclose(grid[:, :, 16:], np.broadcast_to(grid[:, :1, 16:], (3, 5, 16)))
+    # Position (0, 0) is [0..0, 1..1, 0..0, 1..1].
+    np.testing.assert_array_equal(grid[0, 0], np.repeat([0.0, 1.0, 0.0, 1.0], 8))
+
+
+def test_sincos_rejects_width_not_multiple_of_4():
+    with pytest.raises(ValueError, match="dim=30"):
+        posemb.sincos_2d(4, 4, 30)
+
+
+@pytest.mark.parametrize("new_grid", [(7, 7), (20, 12), (3, 9)])
+def test_resampled_constant_field_stays_constant(new_grid):
+    table = jnp.full((1, 10, 6, 8), 0.37)
+    out = posemb.resample_grid(table, new_grid)
+    assert out.shape == (1, *new_grid, 8)
+    np.testing.assert_allclose(out, 0.37, atol=1e-6)
+
+
+def test_resample_same_size_is_identity_and_smooth_field_is_preserved():
+    table = jax.random.normal(jax.random.key(0), (1, 5, 7, 4))
+    np.testing.assert_array_equal(posemb.resample_grid(table, (5, 7)), table)
+    # A linear ramp along rows resampled 2x stays a ramp (bicubic reproduces linear functions
+    # away from the edges).
+    ramp = jnp.broadcast_to(jnp.arange(8.0)[None, :, None, None], (1, 8, 4, 1))
+    up = np.asarray(posemb.resample_grid(ramp, (16, 4)))[0, :, 0, 0]
+    np.testing.assert_allclose(np.diff(up[3:-3]), 0.5, atol=1e-5)
+
+
+def test_resample_flat_keeps_prefix_and_checks_length():
+    grid = jax.random.normal(jax.random.key(0), (1, 4 * 6, 8))
+    cls = jnp.ones((1, 1, 8))
+    flat = jnp.concatenate([cls, grid], axis=1)
+    out = posemb.resample_flat_posemb(flat, (4, 6), (8, 3), num_prefix_tokens=1)
+    assert out.shape == (1, 1 + 24, 8)
+    np.testing.assert_array_equal(out[:, :1], cls)
+    np.testing.assert_allclose(out[:, 1:].reshape(1, 8, 3, 8),
+                               posemb.resample_grid(grid.reshape(1, 4, 6, 8), (8, 3)), atol=1e-6)
+    with pytest.raises(ValueError, match="needs 26"):
+        posemb.resample_flat_posemb(flat, (5, 5), (8, 3), num_prefix_tokens=1)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    h, w, hd = 4, 5, 16
+    angles = posemb.rope_2d_angles(h, w, hd, theta=100.0)
+    q = jax.random.normal(jax.random.key(0), (hd,))
+    k = jax.random.normal(jax.random.key(1), (hd,))
+    n = h * w
+    rq = posemb.apply_rope(jnp.broadcast_to(q, (1, n, 1, hd)), angles)[0, :, 0]
+    rk = posemb.apply_rope(jnp.broadcast_to(k, (1, n, 1, hd)), angles)[0, :, 0]
+    scores = np.asarray(rq @ rk.T).reshape(h, w, h, w)
+    # Same (drow, dcol) offset from two different anchors gives the same score.
+    np.testing.assert_allclose(scores[0, 0, 1, 2], scores[2, 1, 3, 3], atol=1e-5)
+    np.testing.assert_allclose(scores[1, 3, 0, 1], scores[3, 4, 2, 2], atol=1e-5)
+    # ... and a different offset does not.
+    assert abs(scores[0, 0, 1, 2] - scores[0, 0, 2, 1]) > 1e-3
+    # Rotation keeps norms.
+    np.testing.assert_allclose(np.linalg.norm(rq, axis=-1), np.linalg.norm(q), rtol=1e-5)
+
+
+def test_rope_prefix_tokens_are_not_rotated():
+    angles = posemb.rope_2d_angles(2, 2, 8, num_prefix_tokens=3)
+    assert angles.shape == (3 + 4, 4)
+    np.testing.assert_array_equal(angles[:3], 0)
+    x = jax.random.normal(jax.random.key(0), (1, 7, 2, 8))
+    np.testing.assert_allclose(posemb.apply_rope(x, angles)[:, :3], x[:, :3], atol=1e-7)

@@ -1,0 +1,1 @@
+"""Flax Linen modules only: no I/O, no training state (see ARCHITECTURE.md)."""

@@ -1,0 +1,306 @@
+"""Vision Transformer (pre-LN) with every option a field.
+
+    model = ViT(variant="B/16", posemb="learn", pool="tok", num_registers=0)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)))
+    pooled, out = model.apply(variables, images)          # images: [B, H, W, C]
+
+Token sequence entering the encoder: ``[cls | registers | patches]`` (``out["with_posemb"]``,
+``[B, 1 + R + N, D]``). Positions are added to patch tokens before CLS and registers are
+prepended (big_vision, timm ``no_embed_class``), or, with ``posemb_layout="with_cls"``, the
+learned table also covers the CLS position (CLIP, timm default, DINOv2). Registers never get a
+position and are dropped from ``encoded``/``pooled`` (Darcet et al. 2023); they stay readable in
+``out["registers"]``.
+
+``out`` holds ``stem`` ``[B, h, w, D]``, ``with_posemb``, ``block_00`` … (each ``[B, 1+R+N, D]``),
+``encoded`` ``[B, 1+N, D]`` (after the final norm, CLS first when present), ``patch_tokens``
+``[B, N, D]``, ``registers`` ``[B, R, D]`` when ``R > 0``, ``pooled``, and ``logits`` with a head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vitmm.models import common
+from vitmm.models import posemb as pe
+from vitmm.models.patch_embed import ConvStem, PatchEmbed, check_images, grid_size, to_pair
+from vitmm.models.transformer import REMAT_NONE, Encoder, MAPHead
+
+POSEMBS = ("learn", "sincos2d", "rope2d", "none")
+POSEMB_LAYOUTS = ("patches", "with_cls")
+POOLS = ("tok", "gap", "map", "none")
+STEMS = ("patch", "conv")
+
+# Width, depth, MLP width, heads. Reference: Zhai et al. 2021 ("Scaling Vision Transformers"),
+# Table 2, as in big_vision's ``decode_variant``.
+VARIANTS: dict[str, tuple[int, int, int, int]] = {
+    "mu": (32, 1, 128, 2),
+    "Ti": (192, 12, 768, 3),
+    "S": (384, 12, 1536, 6),
+    "M": (512, 12, 2048, 8),
+    "B": (768, 12, 3072, 12),
+    "L": (1024, 24, 4096, 16),
+    "So400m": (1152, 27, 4304, 16),
+    "H": (1280, 32, 5120, 16),
+    "g": (1408, 40, 6144, 16),
+    "G": (1664, 48, 8192, 16),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    width: int
+    depth: int
+    mlp_dim: int
+    num_heads: int
+    patch_size: tuple[int, int]
+
+
+def decode_variant(variant: str) -> Arch:
+    """``"B/16"`` → ``Arch(768, 12, 3072, 12, (16, 16))``; ``"B/16x8"`` gives a non-square patch."""
+    match = re.fullmatch(r"([A-Za-z0-9]+)/(\d+)(?:x(\d+))?", variant)
+    if not match or match.group(1) not in VARIANTS:
+        raise ValueError(
+            f"Unknown ViT variant {variant!r}; expected NAME/PATCH (e.g. 'B/16', 'L/14', 'S/16x8') "
+            f"with NAME in {tuple(VARIANTS)}."
+        )
+    name, ph, pw = match.group(1), int(match.group(2)), match.group(3)
+    return Arch(*VARIANTS[name], patch_size=(ph, int(pw) if pw else ph))
+
+
+class ViT(nn.Module):
+    """Vision Transformer. Explicit ``width``/``depth``/``mlp_dim``/``num_heads``/``patch_size``
+    override the values that ``variant`` gives; without a variant all five are required.
+
+    Front end: ``stem`` ``"patch"`` (linear patch embedding, ``embed_impl`` ``"conv"`` or its
+    equal ``"unfold"``; ``stride``/``padding`` for overlapping patches) or ``"conv"``
+    (progressive conv stem with ``stem_channels``); ``stem_norm`` adds a LayerNorm after it;
+    ``size_policy`` ``"strict"`` (raise on images the patches do not tile) or ``"pad"``.
+
+    Positions: ``posemb`` in ``learn | sincos2d | rope2d | none``; ``posemb_layout`` in
+    ``patches | with_cls``; ``sincos_convention`` ``big_vision | mae``; ``rope_theta``;
+    ``dynamic_img_size`` resamples a learned table on the fly (bicubic) when the image gives a
+    different grid than the table was made for (otherwise that is an error; see
+    ``resize_posemb`` to resample parameters once when loading at a new resolution).
+
+    Tokens and pooling: ``class_token``; ``num_registers``; ``pool`` in ``tok | gap | map | none``
+    (``gap`` and ``map`` use the patch tokens only); ``pre_norm`` is CLIP's LayerNorm on the
+    whole sequence before the encoder; ``num_classes > 0`` adds a (zero-initialised) linear head.
+
+    Encoder: ``dropout``, ``drop_path_rate``, ``layerscale``, ``qk_norm``, ``act``, ``norm_eps``,
+    ``scan``, ``remat_policy``, ``dtype_mm`` (compute dtype; parameters stay float32).
+    """
+
+    variant: str | None = None
+    width: int | None = None
+    depth: int | None = None
+    mlp_dim: int | None = None
+    num_heads: int | None = None
+    patch_size: int | Sequence[int] | None = None
+    # Front end.
+    stem: str = "patch"
+    stem_channels: Sequence[int] | None = None
+    embed_impl: str = "conv"
+    stride: int | Sequence[int] | None = None
+    padding: int | Sequence[int] = 0
+    size_policy: str = "strict"
+    stem_norm: bool = False
+    # Positions.
+    posemb: str = "learn"
+    posemb_layout: str = "patches"
+    sincos_convention: str = "big_vision"
+    rope_theta: float = 100.0
+    dynamic_img_size: bool = False
+    # Tokens and pooling.
+    class_token: bool = True
+    num_registers: int = 0
+    pool: str = "tok"
+    pre_norm: bool = False
+    num_classes: int = 0
+    # Encoder.
+    dropout: float = 0.0
+    drop_path_rate: float = 0.0
+    layerscale: float | None = None
+    qk_norm: bool = False
+    act: str = "gelu"
+    norm_eps: float = 1e-6
+    scan: bool = False
+    remat_policy: str = REMAT_NONE
+    dtype_mm: str = "float32"
+    attn_impl: str | None = None
+
+    # ------------------------------------------------------------------------------------------
+    def arch(self) -> Arch:
+        """The resolved architecture (variant plus explicit overrides)."""
+        base = decode_variant(self.variant) if self.variant else None
+        values = {}
+        for field in ("width", "depth", "mlp_dim", "num_heads", "patch_size"):
+            value = getattr(self, field)
+            if value is None:
+                if base is None:
+                    raise ValueError(f"ViT needs a variant (e.g. 'B/16') or an explicit {field}.")
+                value = getattr(base, field)
+            values[field] = to_pair(value, "patch_size") if field == "patch_size" else value
+        return Arch(**values)
+
+    def grid(self, image_hw: Sequence[int]) -> tuple[int, int]:
+        """Token grid ``(h, w)`` this model makes from an ``(H, W)`` image (raises if it cannot)."""
+        arch = self.arch()
+        if self.stem == "conv":
+            return grid_size(image_hw, arch.patch_size)
+        return grid_size(image_hw, arch.patch_size, self.stride, self.padding)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return int(self.class_token) + self.num_registers
+
+    def _check_options(self, arch: Arch) -> None:
+        common.check_choice("posemb", self.posemb, POSEMBS)
+        common.check_choice("posemb_layout", self.posemb_layout, POSEMB_LAYOUTS)
+        common.check_choice("pool", self.pool, POOLS)
+        common.check_choice("stem", self.stem, STEMS)
+        if self.pool == "tok" and not self.class_token:
+            raise ValueError("pool='tok' reads the CLS token; set class_token=True or pick gap/map.")
+        if self.posemb_layout == "with_cls" and not self.class_token:
+            raise ValueError("posemb_layout='with_cls' needs class_token=True.")
+        if self.num_registers < 0:
+            raise ValueError(f"num_registers must be >= 0, got {self.num_registers}.")
+        if arch.width % arch.num_heads:
+            raise ValueError(f"width {arch.width} is not divisible by num_heads {arch.num_heads}.")
+
+    # ------------------------------------------------------------------------------------------
+    def _stem(self, images: jnp.ndarray, arch: Arch) -> jnp.ndarray:
+        if self.stem == "conv":
+            return ConvStem(arch.width, arch.patch_size, self.stem_channels, self.size_policy,
+                            self.dtype_mm, name="embedding")(images)
+        return PatchEmbed(arch.width, arch.patch_size, self.stride, self.padding, self.embed_impl,
+                          self.size_policy, self.dtype_mm, name="embedding")(images)
+
+    def _learned_table(self, grid: tuple[int, int], width: int) -> jnp.ndarray:
+        """The learned ``[1, h, w, D]`` table, resampled to ``grid`` when allowed."""
+        shape = (1, *grid, width)
+        if self.has_variable("params", "pos_embedding"):
+            shape = self.get_variable("params", "pos_embedding").shape
+        table = self.param("pos_embedding", common.trunc_normal(0.02), shape, jnp.float32)
+        if table.shape[1:3] != grid:
+            if not self.dynamic_img_size:
+                raise ValueError(
+                    f"The learned position table is for a {table.shape[1]}x{table.shape[2]} grid "
+                    f"but this image gives {grid[0]}x{grid[1]} patches. Resample the parameters "
+                    "once with vitmm.models.vit.resize_posemb(params, new_grid) or build the "
+                    "model with dynamic_img_size=True."
+                )
+            table = pe.resample_grid(table, grid)
+        return table
+
+    @nn.compact
+    def __call__(self, images: jnp.ndarray, *, train: bool = False):
+        arch = self.arch()
+        self._check_options(arch)
+        check_images(images)
+        out = {}
+        x = self._stem(images, arch)
+        b, h, w, d = x.shape
+        if self.stem_norm:
+            x = nn.LayerNorm(epsilon=self.norm_eps, name="stem_norm")(x)
+        out["stem"] = x
+        x = x.reshape(b, h * w, d)
+
+        cls = None
+        if self.class_token:
+            cls = self.param("cls", common.trunc_normal(0.02), (1, 1, d), jnp.float32)
+        rope = None
+        if self.posemb == "learn":
+            x = x + self._learned_table((h, w), d).reshape(1, h * w, d)
+            if self.posemb_layout == "with_cls":
+                cls = cls + self.param("cls_pos_embedding", common.trunc_normal(0.02), (1, 1, d))
+        elif self.posemb == "sincos2d":
+            table = pe.sincos_2d(h, w, d, convention=self.sincos_convention)
+            x = x + table[None]
+        elif self.posemb == "rope2d":
+            rope = pe.rope_2d_angles(h, w, d // arch.num_heads, self.rope_theta, self.num_prefix_tokens)
+
+        prefix = []
+        if cls is not None:
+            prefix.append(jnp.broadcast_to(cls, (b, 1, d)).astype(x.dtype))
+        if self.num_registers:
+            regs = self.param("registers", common.trunc_normal(0.02), (1, self.num_registers, d))
+            prefix.append(jnp.broadcast_to(regs, (b, self.num_registers, d)).astype(x.dtype))
+        x = jnp.concatenate([*prefix, x], axis=1)
+        out["with_posemb"] = x
+        if self.pre_norm:
+            x = nn.LayerNorm(epsilon=self.norm_eps, name="pre_norm")(x)
+
+        x, blocks = Encoder(
+            depth=arch.depth, num_heads=arch.num_heads, mlp_dim=arch.mlp_dim, dropout=self.dropout,
+            drop_path_rate=self.drop_path_rate, layerscale=self.layerscale, qk_norm=self.qk_norm,
+            act=self.act, norm_eps=self.norm_eps, scan=self.scan, remat_policy=self.remat_policy,
+            dtype_mm=self.dtype_mm, attn_impl=self.attn_impl, name="encoder",
+        )(x, rope=rope, deterministic=not train)
+        out.update(blocks)
+
+        n_cls = int(self.class_token)
+        patches = x[:, self.num_prefix_tokens:]
+        if self.num_registers:
+            out["registers"] = x[:, n_cls:self.num_prefix_tokens]
+        out["patch_tokens"] = patches
+        out["encoded"] = jnp.concatenate([x[:, :n_cls], patches], axis=1)
+
+        if self.pool == "tok":
+            pooled = x[:, 0]
+        elif self.pool == "gap":
+            pooled = patches.mean(axis=1)
+        elif self.pool == "map":
+            pooled = MAPHead(arch.num_heads, arch.mlp_dim, self.act, self.norm_eps, self.dtype_mm,
+                             name="map_head")(patches)
+        else:
+            pooled = out["encoded"]
+        out["pooled"] = pooled
+        if self.num_classes:
+            logits = nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(pooled)
+            out["logits"] = logits
+            return logits, out
+        return pooled, out
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter surgery and accounting.
+# ----------------------------------------------------------------------------------------------
+def resize_posemb(params: dict, new_grid: tuple[int, int]) -> dict:
+    """Returns ``params`` with the learned position table resampled (bicubic) to ``new_grid``.
+
+    Use it once when loading a checkpoint at a new resolution; the CLS position, if any, is
+    unchanged. Works for non-square grids.
+    """
+    if "pos_embedding" not in params:
+        raise ValueError(f"No learned 'pos_embedding' among the top-level params {sorted(params)}.")
+    params = dict(params)
+    params["pos_embedding"] = pe.resample_grid(params["pos_embedding"], tuple(new_grid))
+    return params
+
+
+def count_params(model: ViT, image_hw: Sequence[int] = (224, 224), channels: int = 3) -> int:
+    """Parameter count without allocating anything (``jax.eval_shape``)."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *image_hw, channels)))
+    return common.count_params(shapes["params"])
+
+
+def forward_flops(arch: Arch, image_hw: Sequence[int], channels: int = 3, num_prefix_tokens: int = 1) -> int:
+    """Analytic forward FLOPs per image (2 per multiply-add), the standard ViT count:
+
+    ``2·N_p·(C·ph·pw)·D + L·(8·N·D² + 4·N·D·mlp + 4·N²·D)`` with ``N_p`` patches and
+    ``N = N_p + prefix`` tokens; with ``mlp = 4D`` the layer term is ``24·N·D² + 4·N²·D``.
+    Norms, softmax and the head are ignored (well under 1%).
+    """
+    gh, gw = grid_size(image_hw, arch.patch_size)
+    n_patch = gh * gw
+    n = n_patch + num_prefix_tokens
+    d = arch.width
+    embed = 2 * n_patch * channels * arch.patch_size[0] * arch.patch_size[1] * d
+    layer = 8 * n * d * d + 4 * n * d * arch.mlp_dim + 4 * n * n * d
+    return embed + arch.depth * layer
