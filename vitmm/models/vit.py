@@ -304,3 +304,32 @@ def forward_flops(arch: Arch, image_hw: Sequence[int], channels: int = 3, num_pr
     embed = 2 * n_patch * channels * arch.patch_size[0] * arch.patch_size[1] * d
     layer = 8 * n * d * d + 4 * n * d * arch.mlp_dim + 4 * n * n * d
     return embed + arch.depth * layer
+
+
+def token_costs(name: str, resolutions: Sequence[int], patches: Sequence[int],
+                num_prefix_tokens: int = 1) -> list[dict]:
+    """Token counts and analytic costs of variant ``name`` (e.g. ``"B"``) per square resolution
+    and patch size. Combinations whose resolution is not a multiple of the patch get
+    ``tokens=None`` rather than a silently floored count.
+
+    ``attn_pairs`` is ``N²`` (scores per head per layer); ``attn_share`` is the part of a layer's
+    FLOPs spent in ``QKᵀ`` and ``AV``, ``4N²D / (8ND² + 4N·D·mlp + 4N²D)``.
+    """
+    rows = []
+    for res in resolutions:
+        for p in patches:
+            row = dict(variant=f"{name}/{p}", resolution=res, patch=p, patches=None, tokens=None,
+                       attn_pairs=None, gflops=None, attn_share=None)
+            if res % p == 0:
+                arch = decode_variant(f"{name}/{p}")
+                n_patch = (res // p) ** 2
+                n = n_patch + num_prefix_tokens
+                d = arch.width
+                attn = 4 * n * n * d
+                row.update(
+                    patches=n_patch, tokens=n, attn_pairs=n * n,
+                    gflops=forward_flops(arch, (res, res), num_prefix_tokens=num_prefix_tokens) / 1e9,
+                    attn_share=attn / (8 * n * d * d + 4 * n * d * arch.mlp_dim + attn),
+                )
+            rows.append(row)
+    return rows

@@ -1,0 +1,113 @@
+"""Configs parse and build; the front-end demo and the token-count experiment run."""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from vitmm import config_args, demo
+from vitmm.models import vit
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.py"))
+
+
+def load_config(path: pathlib.Path, arg=None):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def test_parse_arg_types_bare_flags_and_errors():
+    cfg = config_args.parse_arg("variant=L/14,image_size=336,smoke", variant="B/16", image_size=224,
+                                smoke=False)
+    assert (cfg.variant, cfg.image_size, cfg.smoke) == ("L/14", 336, True)
+    assert config_args.parse_arg("S/16", variant="B/16", smoke=False).variant == "S/16"
+    assert config_args.parse_arg(None, variant="B/16").variant == "B/16"
+    with pytest.raises(ValueError, match="Unknown config arg 'varient'.*known args"):
+        config_args.parse_arg("varient=S/16", variant="B/16")
+    with pytest.raises(ValueError, match="not a int"):
+        config_args.parse_arg("image_size=big", image_size=224)
+    with pytest.raises(ValueError, match="not a boolean"):
+        config_args.parse_arg("smoke=maybe", smoke=False)
+    with pytest.raises(AttributeError):  # locked against typos
+        cfg.imagesize = 3
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+@pytest.mark.parametrize("arg", [None, "smoke"])
+def test_every_config_builds_its_model(path, arg):
+    config = load_config(path, arg)
+    assert path.read_text().lstrip().startswith('"""') and "python -m" in path.read_text()
+    model = vit.ViT(**config.model.to_dict())
+    image = (config.image_size, config.image_size)
+    assert vit.count_params(model, image) > 0
+    with pytest.raises(AttributeError):
+        config.not_a_key = 1
+
+
+def test_demo_runs_and_reports_the_front_end():
+    lines = []
+    result = demo.run(load_config(ROOT / "configs/frontend_demo.py", "smoke"), print_fn=lines.append)
+    text = "\n".join(lines)
+    assert result["token_shape"] == (1, 197, 192)
+    assert result["params"] == 5_524_416  # ViT-Ti/16, timm layout
+    assert result["variants"]["Ti"] == 5_524_416
+    assert "(1, 197, 192)" in text and "sincos2d row" in text
+    row = next(r for r in result["rows"] if r["resolution"] == 384 and r["patch"] == 16)
+    assert (row["patches"], row["tokens"]) == (576, 577)
+    bad = next(r for r in result["rows"] if r["resolution"] == 384 and r["patch"] == 14)
+    assert bad["tokens"] is None
+
+
+def test_synthetic_image_is_deterministic():
+    a, b = demo.synthetic_image(64), demo.synthetic_image(64)
+    assert a.dtype.name == "uint8" and a.shape == (64, 64, 3)
+    assert (a == b).all() and len({tuple(p) for p in a.reshape(-1, 3)}) > 10
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "vitmm.demo", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_demo_command_line_with_overrides_and_typo():
+    ok = _run_cli("--config", "configs/frontend_demo.py:smoke", "--config.model.num_registers=2",
+                  "--config.image_size=160")
+    assert ok.returncode == 0, ok.stderr
+    assert "token shape           (1, 101, 192)" in ok.stdout  # 10x10 patches + CLS; registers dropped
+    bad = _run_cli("--config", "configs/frontend_demo.py:smoke", "--config.model.num_registrs=2")
+    assert bad.returncode != 0
+    assert "num_registrs" in bad.stderr
+
+
+def test_token_count_experiment_writes_tables(tmp_path):
+    spec = importlib.util.spec_from_file_location("token_counts", ROOT / "experiments/token_counts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(["--out", str(tmp_path)])
+    csv_text = (out / "token_counts.csv").read_text().splitlines()
+    assert csv_text[0].startswith("variant,resolution,patch")
+    assert len(csv_text) == 1 + len(module.VARIANTS) * len(module.RESOLUTIONS) * len(module.PATCHES)
+    assert "| B/16 | 224 | 197 | 38,809 | 35.1 |" in (out / "token_counts.md").read_text()
+
+
+def test_every_readme_model_example_builds():
+    """The README's option table shows a constructor per option; each must build as written."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    examples = re.findall(r"`(ViT\([^`]*\))`", (ROOT / "README.md").read_text())
+    assert len(examples) >= 20
+    on_gpu = jax.default_backend() == "gpu"
+    for example in examples:
+        if "cudnn" in example and not on_gpu:
+            continue  # cuDNN attention exists only on NVIDIA GPUs
+        model = eval(example, {"ViT": vit.ViT})  # noqa: S307 - our own README
+        shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))
+        assert shapes["params"], example

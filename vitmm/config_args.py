@@ -1,0 +1,54 @@
+"""Typed string arguments for config files: ``configs/x.py:variant=B/16,smoke``.
+
+A config's ``get_config(arg)`` declares the few axes a sweep varies with their defaults;
+``parse_arg`` turns the string after the colon into a locked ``ConfigDict`` of those types.
+Everything else is overridden with ``--config.key=value`` (ml_collections, also locked).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _cast(key: str, text: str, default):
+    if isinstance(default, bool):
+        lowered = text.lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+        raise ValueError(f"Config arg {key}={text!r} is not a boolean (use one of {_TRUE + _FALSE}).")
+    if default is None or isinstance(default, str):
+        return text
+    try:
+        return type(default)(text)
+    except ValueError as err:
+        raise ValueError(f"Config arg {key}={text!r} is not a {type(default).__name__}.") from err
+
+
+def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
+    """Parses ``"k1=v1,k2,k3=v3"`` against ``spec`` (name → default, whose type is kept).
+
+    A bare name sets a boolean to True (``smoke``); a single value without a name goes to the
+    first key of ``spec``. Unknown names are an error listing the known ones.
+    """
+    values = dict(spec)
+    for i, item in enumerate(filter(None, (arg or "").split(","))):
+        if "=" in item:
+            key, text = item.split("=", 1)
+        elif item in spec and isinstance(spec[item], bool):
+            key, text = item, "true"
+        elif i == 0 and spec:
+            key, text = next(iter(spec)), item
+        else:
+            raise ValueError(f"Cannot parse config arg {item!r} in {arg!r}; known args: {sorted(spec)}.")
+        key = key.strip()
+        if key not in spec:
+            raise ValueError(f"Unknown config arg {key!r} in {arg!r}; known args: {sorted(spec)}.")
+        values[key] = _cast(key, text.strip(), spec[key])
+    config = ml_collections.ConfigDict(values)
+    config.lock()
+    return config

@@ -1,0 +1,124 @@
+"""Front-end demo (the main job until pretraining lands): ``make demo``.
+
+    python -m vitmm.demo --config configs/frontend_demo.py[:variant=B/16] [--config.key=value]
+
+Feeds one deterministic synthetic image through the configured ViT and prints the token shape,
+the CLS norm, a row of the position table, parameter counts, and the token counts and costs of
+common resolutions and patch sizes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vitmm.models import common, posemb, vit
+
+
+def synthetic_image(size: int) -> np.ndarray:
+    """A deterministic ``[size, size, 3]`` uint8 scene: a colour ramp, a red disc, a blue square."""
+    y, x = np.mgrid[:size, :size] / max(size - 1, 1)
+    image = np.stack([0.2 + 0.6 * x, 0.2 + 0.6 * y, 0.5 * (1 - x)], axis=-1)
+    disc = (x - 0.3) ** 2 + (y - 0.35) ** 2 < 0.15**2
+    square = (np.abs(x - 0.7) < 0.12) & (np.abs(y - 0.65) < 0.12)
+    image[disc] = (0.9, 0.1, 0.1)
+    image[square] = (0.1, 0.2, 0.9)
+    return np.round(image * 255).astype(np.uint8)
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def run(config, print_fn=print) -> dict:
+    """Runs the demo for ``config`` (see ``configs/frontend_demo.py``); returns what it printed."""
+    model = vit.ViT(**config.model.to_dict())
+    arch = model.arch()
+    size = config.image_size
+    image = synthetic_image(size)
+    images = jnp.asarray(image[None], jnp.float32) / 127.5 - 1.0  # value range [-1, 1]
+
+    start = time.perf_counter()
+    variables = jax.jit(model.init)(jax.random.key(config.seed), images)
+    pooled, out = jax.jit(model.apply)(variables, images)
+    pooled.block_until_ready()
+    seconds = time.perf_counter() - start
+    params = variables["params"]
+    grid = model.grid((size, size))
+
+    print_fn(f"vitmm front-end demo: ViT-{config.model.variant} on one synthetic {size}x{size}x3 image "
+             f"(init + forward, compiled, {seconds:.1f} s on {jax.devices()[0].platform})")
+    print_fn(f"  patch grid            {grid[0]} x {grid[1]} = {grid[0] * grid[1]} patches of "
+             f"{arch.patch_size[0]}x{arch.patch_size[1]}")
+    print_fn(f"  token shape           {tuple(out['encoded'].shape)}  (batch, CLS + patches, width)")
+    cls_norm = float(jnp.linalg.norm(out["encoded"][0, 0]))
+    last_block = f"block_{arch.depth - 1:02d}"
+    cls_norm_raw = float(jnp.linalg.norm(out[last_block][0, 0]))
+    print_fn(f"  CLS norm              {cls_norm:.4f} after the final LayerNorm (≈ sqrt(width) at init), "
+             f"{cls_norm_raw:.4f} at {last_block} (residual stream)")
+    if "pos_embedding" in params:
+        row = np.asarray(params["pos_embedding"][0, 0, 1, :6])
+        print_fn(f"  learned pos row (0,1) {np.array2string(row, precision=4, floatmode='fixed')} ...")
+    sincos = np.asarray(posemb.sincos_2d(*grid, arch.width)[1, :6])
+    print_fn(f"  sincos2d row (0,1)    {np.array2string(sincos, precision=4, floatmode='fixed')} ...")
+
+    parts = {
+        "patch embedding": common.count_params(params["embedding"]),
+        "cls + positions": sum(common.count_params(params[k])
+                               for k in ("cls", "pos_embedding", "cls_pos_embedding") if k in params),
+        "encoder": common.count_params(params["encoder"]),
+    }
+    total = common.count_params(params)
+    print_fn("\nParameters of this model")
+    for name, count in parts.items():
+        print_fn(f"  {name:<16} {count:>14,}")
+    print_fn(f"  {'total':<16} {total:>14,}")
+
+    print_fn("\nViT variants at 224x224, patch 16, timm layout (learned positions cover CLS, no head)")
+    print_fn(f"  {'variant':<8} {'width':>6} {'depth':>6} {'mlp':>6} {'heads':>6} {'params':>15} "
+             f"{'GFLOP/img':>10}")
+    variants = {}
+    for name in config.variants:
+        v_arch = vit.decode_variant(f"{name}/16")
+        count = vit.count_params(vit.ViT(variant=f"{name}/16", posemb_layout="with_cls"))
+        variants[name] = count
+        gflops = vit.forward_flops(v_arch, (224, 224)) / 1e9
+        print_fn(f"  {name + '/16':<8} {v_arch.width:>6} {v_arch.depth:>6} {v_arch.mlp_dim:>6} "
+                 f"{v_arch.num_heads:>6} {count:>15,} {gflops:>10.2f}")
+
+    name = config.model.variant.split("/")[0]
+    rows = vit.token_costs(name, config.table_resolutions, config.table_patches)
+    base = next((r for r in rows if r["resolution"] == 224 and r["patch"] == 16), None)
+    print_fn(f"\nTokens per image and cost for ViT-{name} (N = patches + CLS; attention grows as N²)")
+    print_fn(f"  {'res':>5} {'patch':>5} {'patches':>8} {'N':>6} {'N² / N²(224/16)':>16} "
+             f"{'GFLOP fwd':>10} {'attn share':>10}")
+    for r in rows:
+        rel = (r["attn_pairs"] / base["attn_pairs"]) if (base and r["attn_pairs"]) else None
+        print_fn(f"  {r['resolution']:>5} {r['patch']:>5} {_fmt(r['patches'], ','):>8} "
+                 f"{_fmt(r['tokens'], ','):>6} {_fmt(rel, '.2f'):>16} {_fmt(r['gflops'], '.1f'):>10} "
+                 f"{_fmt(r['attn_share'], '.1%'):>10}")
+    print_fn("  (— : the resolution is not a multiple of the patch; vitmm raises instead of cropping)")
+    return dict(token_shape=tuple(out["encoded"].shape), cls_norm=cls_norm, params=total,
+                variants=variants, rows=rows, pooled_shape=tuple(pooled.shape))
+
+
+def main(argv=None) -> None:
+    from absl import app, flags, logging
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", "configs/frontend_demo.py", "Demo config file.",
+                                    lock_config=True)
+
+    def _main(_):
+        logging.set_verbosity(logging.WARNING)  # hide JAX's "no TPU/GPU backend" INFO lines
+        run(flags.FLAGS.config)
+
+    app.run(_main, argv=argv or sys.argv)
+
+
+if __name__ == "__main__":
+    main()
