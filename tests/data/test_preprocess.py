@@ -1,0 +1,82 @@
+"""Preprocessing ops and the op-string parser."""
+
+import numpy as np
+import pytest
+
+from vitmm.data import preprocess
+
+RNG = np.random.default_rng(0)
+
+
+def _run(spec, example, seed=0):
+    return preprocess.parse(spec)(example, np.random.default_rng(seed))
+
+
+def test_decode_converts_text_and_grayscale_and_rgba():
+    gray = np.arange(16, dtype=np.uint8).reshape(4, 4)
+    out = _run("decode", {"image": gray, "caption": b"hi", "questions": [b"a?", b"b?"]})
+    assert out["image"].shape == (4, 4, 3) and (out["image"][..., 2] == gray).all()
+    assert out["caption"] == "hi" and out["questions"] == ["a?", "b?"]
+    rgba = np.zeros((4, 4, 4), np.uint8)
+    rgba[..., 3] = 255
+    rgba[..., 0] = 9
+    out = _run("decode", {"image": rgba})
+    assert out["image"].shape == (4, 4, 3) and (out["image"][..., 0] == 9).all()
+    assert _run("decode", {"image": gray[..., None]})["image"].shape == (4, 4, 3)
+    with pytest.raises(ValueError, match="shape"):
+        _run("decode", {"image": np.zeros((4, 4, 2), np.uint8)})
+
+
+def test_resize_crop_value_range():
+    image = np.random.default_rng(1).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    out = _run("resize(20)|value_range(-1, 1)", {"image": image})
+    assert out["image"].shape == (20, 20, 3) and out["image"].dtype == np.float32
+    assert out["image"].min() >= -1 and out["image"].max() <= 1
+    out = _run("center_crop((30, 40))", {"image": image})
+    np.testing.assert_array_equal(out["image"], image[5:35, 10:50])
+    a = _run("random_resized_crop(16)", {"image": image}, seed=3)["image"]
+    b = _run("random_resized_crop(16)", {"image": image}, seed=3)["image"]
+    assert a.shape == (16, 16, 3)
+    np.testing.assert_array_equal(a, b)  # same rng stream, same crop
+    np.testing.assert_allclose(_run("value_range(0, 1)", {"image": np.full((1, 1, 3), 255, np.uint8)})
+                               ["image"], 1.0)
+
+
+def test_flip_swaps_left_and_right_in_text():
+    image = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    ex = {"image": image, "caption": "a star on the left", "questions": ["is it left of the box?"],
+          "answers": ["yes"]}
+    out = _run("flip_lr(prob=1.0)", ex)
+    np.testing.assert_array_equal(out["image"], image[:, ::-1])
+    assert out["caption"] == "a star on the right"
+    assert out["questions"] == ["is it right of the box?"] and out["answers"] == ["yes"]
+    kept = _run("flip_lr(prob=1.0, mode='skip')", ex)
+    np.testing.assert_array_equal(kept["image"], image)  # mentions left: not flipped
+    plain = _run("flip_lr(prob=1.0, mode='skip')", {**ex, "caption": "a star", "questions": []})
+    np.testing.assert_array_equal(plain["image"], image[:, ::-1])
+    never = _run("flip_lr(prob=0.0)", ex)
+    assert never["caption"] == ex["caption"]
+
+
+def test_tokenize_choose_keep_drop():
+    ex = {"caption": "a red circle", "questions": ["q1", "q2", "q3"], "answers": ["a1", "a2", "a3"],
+          "question_kinds": [0, 1, 2], "image": np.zeros((2, 2, 3), np.uint8)}
+    out = _run("choose|tokenize('caption', 8)|tokenize('question', 4, out_key='q')", ex)
+    i = ["q1", "q2", "q3"].index(out["question"])
+    assert out["answer"] == f"a{i + 1}" and out["question_kind"] == i
+    assert out["caption_tokens"].shape == (8,) and bool(out["caption_tokens_truncated"])
+    assert out["q"].dtype == np.int32 and not out["q_truncated"]
+    kept = _run("keep('image', 'caption')", ex)
+    assert sorted(kept) == ["caption", "image"]
+    assert "image" not in _run("drop('image')", ex)
+    with pytest.raises(KeyError, match="has no"):
+        _run("keep('nope')", ex)
+
+
+def test_parser_errors_name_the_problem():
+    with pytest.raises(ValueError, match="Unknown preprocessing op 'resise'.*available"):
+        preprocess.parse("decode|resise(3)")
+    with pytest.raises(ValueError, match="Cannot parse"):
+        preprocess.parse("resize(3")
+    with pytest.raises(ValueError, match="mode="):
+        preprocess.parse("flip_lr(mode='mirror')")

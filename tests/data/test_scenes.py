@@ -1,0 +1,102 @@
+"""The synthetic scenes generator: determinism, facts that match the pixels, questions."""
+
+import numpy as np
+import pytest
+
+from vitmm.data import scenes
+
+
+@pytest.mark.parametrize("difficulty", sorted(scenes.DIFFICULTIES))
+@pytest.mark.parametrize("resolution", [32, 64, 224])
+def test_deterministic_and_well_formed(difficulty, resolution):
+    a = scenes.generate(difficulty, resolution, 7, "train", seed=1)
+    b = scenes.generate(difficulty, resolution, 7, "train", seed=1)
+    assert a["image"].shape == (resolution, resolution, 3) and a["image"].dtype == np.uint8
+    np.testing.assert_array_equal(a["image"], b["image"])
+    assert a["caption"] == b["caption"] and a["questions"] == b["questions"]
+    c = scenes.generate(difficulty, resolution, 7, "validation", seed=1)
+    assert not np.array_equal(a["image"], c["image"]) or a["caption"] != c["caption"]
+
+
+def test_splits_and_seeds_differ():
+    imgs = {(split, seed): scenes.generate("medium", 32, 0, split, seed)["image"].tobytes()
+            for split in scenes.SPLIT_IDS for seed in (0, 1)}
+    assert len(set(imgs.values())) == len(imgs)
+
+
+@pytest.mark.parametrize("difficulty", sorted(scenes.DIFFICULTIES))
+def test_facts_agree_with_each_other(difficulty):
+    diff = scenes.DIFFICULTIES[difficulty]
+    for index in range(40):
+        ex = scenes.generate(difficulty, 64, index)
+        objs = ex["objects"]
+        n = len(objs["shape"])
+        assert 1 <= n <= diff.max_shapes
+        assert ex["shape_counts"].sum() == n == ex["color_counts"].sum()
+        for s, count in zip(diff.shapes, ex["shape_counts"], strict=True):
+            assert count == objs["shape"].count(s)
+        assert ex["label"] == (diff.shapes.index(objs["shape"][0]) if n == 1 else -1)
+        for x, y, region in zip(objs["x"], objs["y"], objs["region"], strict=True):
+            assert 0 < x < 1 and 0 < y < 1
+            assert region == scenes.region_of(x, y, 2 if diff.grid == 2 else 3)
+        # The caption names every object.
+        for shape, color in zip(objs["shape"], objs["color"], strict=True):
+            assert f"{color} {shape}" in ex["caption"]
+        assert len(ex["questions"]) == len(ex["answers"]) == len(ex["question_kinds"])
+
+
+def test_objects_are_drawn_where_the_facts_say():
+    for index in range(20):
+        ex = scenes.generate("easy", 64, index)
+        for x, y, color in zip(ex["objects"]["x"], ex["objects"]["y"], ex["objects"]["color"], strict=True):
+            pixel = ex["image"][int(y * 64), int(x * 64)].astype(int)
+            assert np.abs(pixel - np.array(scenes.COLORS[color])).max() < 40, (index, color, pixel)
+
+
+def test_answers_are_true():
+    for index in range(60):
+        ex = scenes.generate("hard", 64, index)
+        objs = ex["objects"]
+        for kind, q, a in zip(ex["question_kinds"], ex["questions"], ex["answers"], strict=True):
+            if kind == "count" and q == "how many shapes are there?":
+                assert int(a) == len(objs["shape"])
+            elif kind == "count":
+                shape = q.split("how many ")[1].split("s are there")[0]
+                assert int(a) == objs["shape"].count(shape)
+            elif kind == "exists":
+                shape = q[len("is there a "):-1]
+                assert a == ("yes" if shape in objs["shape"] else "no")
+            elif kind == "color_at":
+                region = next(r for r in objs["region"] if q.endswith(scenes.at(r) + "?"))
+                assert [c for c, r in zip(objs["color"], objs["region"], strict=True) if r == region] == [a]
+            elif kind == "relative":
+                assert a in ("yes", "no")
+
+
+def test_question_kinds_all_occur_and_yes_no_is_balanced():
+    kinds, yes, no = set(), 0, 0
+    for index in range(200):
+        ex = scenes.generate("medium", 32, index)
+        kinds.update(ex["question_kinds"])
+        yes += ex["answers"].count("yes")
+        no += ex["answers"].count("no")
+    assert kinds == set(scenes.QUESTION_KINDS)
+    assert 0.35 < yes / (yes + no) < 0.65
+
+
+def test_single_shape_images_cover_every_class():
+    labels = [scenes.generate("easy", 32, i)["label"] for i in range(200)]
+    assert set(labels) == {-1, 0, 1, 2, 3}
+    assert labels.count(-1) < 150  # about half of easy images hold one shape
+
+
+def test_swap_left_right_swaps_words_only():
+    assert scenes.swap_left_right("a star on the left of the bright top right") == \
+        "a star on the right of the bright top left"
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="Unknown scenes difficulty"):
+        scenes.generate("extreme", 32, 0)
+    with pytest.raises(ValueError, match="Unknown split"):
+        scenes.generate("easy", 32, 0, split="dev")

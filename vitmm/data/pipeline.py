@@ -1,0 +1,273 @@
+"""The input pipeline: any TFDS dataset (array_record) → grain → batches → devices.
+
+    source = get_source("scenes/easy_64", "train", data_dir)
+    pp = preprocess.parse("decode|flip_lr|value_range(-1, 1)|tokenize('caption', 48)|keep(...)")
+    it = train_iterator(source, pp, global_batch_size=256, seed=0)
+    batch = next(it); state = it.get_state(); ...; it.set_state(state)   # exact resume
+
+Training batches: each process reads its own slice of the records (``process_index`` of
+``process_count``), shuffles with a seed, repeats forever, augments with per-example random
+streams, and batches with drop-remainder. Evaluation batches: every record exactly once, spread
+over processes, the last batch padded and marked by ``batch["_mask"]`` (0 for padding) so that no
+example is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import pathlib
+from collections.abc import Callable, Iterator
+
+import grain
+import jax
+import numpy as np
+import tensorflow_datasets as tfds
+
+from vitmm.data import scenes_builder
+
+DEFAULT_DATA_DIR = scenes_builder.DEFAULT_DATA_DIR
+SCENES = "scenes"
+
+
+class SafeSource:
+    """A random-access source whose read errors name the dataset, split and record index."""
+
+    def __init__(self, source, name: str, split: str):
+        self._source, self.name, self.split = source, name, split
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int):
+        try:
+            return self._source[index]
+        except Exception as err:  # noqa: BLE001 - re-raised with the record's address
+            raise ValueError(
+                f"Cannot read record {index} of split {self.split!r} of dataset {self.name!r}: "
+                f"{type(err).__name__}: {err}. The file may be corrupt; rebuild the dataset."
+            ) from err
+
+    def __repr__(self) -> str:
+        return f"SafeSource({self.name!r}, split={self.split!r}, {len(self)} records)"
+
+
+def _data_dir(data_dir: str | None) -> str:
+    return str(pathlib.Path(data_dir or DEFAULT_DATA_DIR).expanduser())
+
+
+def get_source(name: str, split: str, data_dir: str | None = None) -> SafeSource:
+    """A random-access source for ``split`` of TFDS dataset ``name`` in ``data_dir``.
+
+    ``scenes[/CONFIG]`` is built on first use (offline, seconds). Any other dataset must already
+    be prepared in ``data_dir`` as array_record; nothing is downloaded.
+    """
+    data_dir = _data_dir(data_dir)
+    if name == SCENES or name.startswith(SCENES + "/"):
+        config = name.split("/", 1)[1] if "/" in name else scenes_builder.Scenes.DEFAULT_CONFIG_NAME
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if jax.process_index() == 0:
+                scenes_builder.prepare(config, data_dir)
+            multihost_utils.sync_global_devices("vitmm_scenes_prepared")
+        return SafeSource(_split_source(scenes_builder.prepare(config, data_dir), name, split), name, split)
+    return SafeSource(_prepared_source(name, split, data_dir), name, split)
+
+
+def _split_source(builder, name: str, split: str):
+    available = list(builder.info.splits)
+    if split.split("[")[0] not in available:
+        raise ValueError(f"Dataset {name!r} has no split {split!r}; it has {available}.")
+    return builder.as_data_source(split=split)
+
+
+def _prepared_source(name: str, split: str, data_dir: str):
+    """The data source of a prepared dataset, or an error that says what to do.
+
+    First TFDS's own ``tfds.data_source`` (the registered builder's code; also what
+    ``tfds.testing.mock_data`` mocks); then a read-only builder from the files alone, for
+    datasets such as ``coco_captions`` whose builder code imports TensorFlow.
+    """
+    from tensorflow_datasets.core import read_only_builder
+
+    try:
+        return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    except Exception as err:  # noqa: BLE001 - diagnosed below
+        first_error = err
+    try:
+        builder = read_only_builder.builder_from_files(name, data_dir=data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+        builder = None
+    if builder is not None:
+        return _split_source(_check_format(builder, name), name, split)
+    if isinstance(first_error, tfds.core.registered.DatasetNotFoundError):
+        raise ValueError(
+            f"Unknown dataset {name!r}: TFDS has no builder of that name and there is no prepared "
+            f"copy in {data_dir}/{name.split('/')[0]}. Check the name (e.g. 'cifar10', "
+            "'coco_captions', 'imagenet2012'), or use 'scenes/easy_64' for the built-in synthetic data."
+        ) from None
+    raise FileNotFoundError(
+        f"Dataset {name!r} is not prepared in {data_dir}: looked for "
+        f"{data_dir}/{name}/<version>/dataset_info.json. vitmm never downloads data. Prepare it "
+        f"once on a machine that can: `tfds build {name.split('/')[0]} --data_dir {data_dir} "
+        "--file_format array_record` (TFDS needs TensorFlow for that step only), then copy the "
+        "folder here or point data_dir at it."
+    ) from first_error
+
+
+def _check_format(builder, name: str):
+    info = builder.info
+    formats = {info.file_format, *info.alternative_file_formats}
+    if info.file_format is not None and tfds.core.file_adapters.FileFormat.ARRAY_RECORD not in formats:
+        raise ValueError(
+            f"Dataset {name!r} in {builder.data_dir} is stored as {info.file_format.value}; grain "
+            "needs random access: rebuild it with --file_format array_record, or convert it with "
+            f"`tfds convert_format --dataset_dir {builder.data_dir} --out_file_format array_record`."
+        )
+    return builder
+
+
+def collate(examples: list[dict]) -> dict:
+    """Stacks numeric fields into arrays; anything else (strings, ragged lists) stays a list."""
+    batch = {}
+    for key in examples[0]:
+        values = [ex[key] for ex in examples]
+        if all(isinstance(v, (np.ndarray, np.generic, int, float, bool)) for v in values):
+            arrays = [np.asarray(v) for v in values]
+            if len({a.shape for a in arrays}) == 1 and arrays[0].dtype.kind in "biuf":
+                batch[key] = np.stack(arrays)
+                continue
+        batch[key] = values
+    return batch
+
+
+def _process_slot(process_index, process_count) -> tuple[int, int]:
+    index = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    if not 0 <= index < count:
+        raise ValueError(f"process_index={index} is not in [0, {count}).")
+    return index, count
+
+
+def train_iterator(
+    source, pp_fn: Callable, global_batch_size: int, seed: int = 0, *,
+    process_index: int | None = None, process_count: int | None = None,
+    num_epochs: int | None = None, num_threads: int = 8, prefetch: int = 32,
+) -> grain.DatasetIterator:
+    """An endless (or ``num_epochs``) iterator of this process's training batches.
+
+    The iterator's ``get_state()``/``set_state()`` restore the exact position: a resumed run sees
+    the batches it would have seen. Batch size per process is ``global_batch_size / count``.
+    """
+    index, count = _process_slot(process_index, process_count)
+    if global_batch_size % count:
+        raise ValueError(f"Global batch {global_batch_size} does not split over {count} processes.")
+    per_process = global_batch_size // count
+    ds = grain.MapDataset.source(source)[index::count]
+    if len(ds) < per_process:
+        raise ValueError(f"This process holds {len(ds)} records, fewer than its batch of {per_process}.")
+    ds = ds.shuffle(seed=seed).repeat(num_epochs)
+    ds = ds.random_map(pp_fn, seed=seed)
+    ds = ds.batch(per_process, drop_remainder=True, batch_fn=collate)
+    options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+    return iter(ds.to_iter_dataset(options))
+
+
+class _PaddedIndex:
+    """Source view over ``indices`` with -1 meaning a padding slot (reads record ``fill``)."""
+
+    def __init__(self, source, indices: np.ndarray, fill: int):
+        self._source, self._indices, self._fill = source, indices, fill
+
+    def __len__(self):
+        return len(self._indices)
+
+    def __getitem__(self, i):
+        index = int(self._indices[i])
+        example = dict(self._source[index if index >= 0 else self._fill])
+        example["_mask"] = np.int32(index >= 0)
+        example["_index"] = np.int64(index)
+        return example
+
+
+def eval_batches(
+    source, pp_fn: Callable, batch_size: int, *, process_index: int | None = None,
+    process_count: int | None = None, seed: int = 0, num_threads: int = 8,
+) -> Iterator[dict]:
+    """Every record exactly once, as padded batches of ``batch_size`` per process.
+
+    Records are split into contiguous shards, one per process; all processes yield the same
+    number of batches (collectives need that), padding with ``_mask = 0``. ``_index`` is the
+    record's index in the split (-1 for padding).
+    """
+    index, count = _process_slot(process_index, process_count)
+    shards = np.array_split(np.arange(len(source)), count)
+    num_batches = max(1, math.ceil(max(len(s) for s in shards) / batch_size))
+    mine = np.full(num_batches * batch_size, -1, np.int64)
+    mine[: len(shards[index])] = shards[index]
+    ds = grain.MapDataset.source(_PaddedIndex(source, mine, fill=0))
+    ds = ds.random_map(pp_fn, seed=seed).batch(batch_size, batch_fn=collate)
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=16)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Device transfer.
+# ----------------------------------------------------------------------------------------------
+def to_device(batch: dict, sharding=None) -> dict:
+    """Moves the numeric arrays of a host batch to devices; other fields stay on the host.
+
+    With a ``sharding`` (e.g. ``NamedSharding(mesh, P("data"))``) each process's rows become its
+    part of one global array (``jax.make_array_from_process_local_data``).
+    """
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+            if sharding is None:
+                out[key] = jax.device_put(value)
+            else:
+                out[key] = jax.make_array_from_process_local_data(sharding, value)
+        else:
+            out[key] = value
+    return out
+
+
+class DeviceIterator:
+    """Prefetches ``size`` batches onto devices while keeping an exact, resumable state.
+
+    ``get_state()`` is the host iterator's state right after the last batch *returned* (not the
+    ones waiting in the prefetch queue), so saving it with a checkpoint and calling ``set_state``
+    later continues with the next unseen batch.
+    """
+
+    def __init__(self, host_iterator, size: int = 2, put: Callable[[dict], dict] = to_device):
+        self._it, self._size, self._put = host_iterator, size, put
+        self._queue: collections.deque = collections.deque()
+        self._state = host_iterator.get_state()
+
+    def _fill(self):
+        while len(self._queue) < self._size:
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                return
+            self._queue.append((self._put(batch), self._it.get_state()))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        self._fill()
+        if not self._queue:
+            raise StopIteration
+        batch, self._state = self._queue.popleft()
+        self._fill()
+        return batch
+
+    def get_state(self):
+        return self._state
+
+    def set_state(self, state) -> None:
+        self._queue.clear()
+        self._it.set_state(state)
+        self._state = state

@@ -1,0 +1,271 @@
+"""Preprocessing named in a config: ``"decode|resize(64)|flip_lr|value_range(-1, 1)|..."``.
+
+Each op is a registered factory; ``parse("a(1)|b(key='x')")`` returns one callable
+``fn(example, rng) -> example`` that grain runs as a ``random_map`` (``rng`` is a
+``np.random.Generator`` derived from the seed and the example's position, so a resumed run
+draws the same augmentations).
+
+Ops (all work on numpy, per example):
+  * ``decode``: text bytes (and lists of them) → str; images to uint8 RGB ``[H, W, 3]``. Grayscale
+    (``[H, W]`` or ``[H, W, 1]``) is repeated to three channels; RGBA drops its alpha channel,
+    as PIL's ``convert("RGB")`` and the Hugging Face/open_clip processors do.
+  * ``resize(size)``, ``center_crop(size)``, ``random_resized_crop(size, scale, ratio)``.
+  * ``flip_lr(prob=0.5, text_keys=(...), mode="swap")``: horizontal flip. A flipped image
+    makes "left" wrong in its text, so ``mode="swap"`` swaps the words left/right in the
+    listed text fields (default: captions and questions stay true); ``mode="skip"`` leaves any
+    example whose text mentions left or right unflipped.
+  * ``value_range(lo, hi)``: uint8 → float32 in ``[lo, hi]``.
+  * ``tokenize(key, max_len, out_key=None, ...)``: fixed-length int32 ids in ``out_key``
+    (default ``{key}_tokens``) and ``{out_key}_truncated``.
+  * ``choose(keys, out_keys)``: one random entry, at the same index, from parallel lists
+    (e.g. a question with its answer).
+  * ``keep(*keys)`` / ``drop(*keys)``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable
+
+import numpy as np
+from PIL import Image
+
+from vitmm.data import tokenizer as tok_lib
+from vitmm.data.scenes import swap_left_right
+
+_OPS: dict[str, Callable[..., Callable]] = {}
+_TEXT_DEFAULT = ("caption", "captions", "questions", "question", "answers", "answer", "text")
+
+
+def register(name: str):
+    def wrap(factory):
+        _OPS[name] = factory
+        return factory
+
+    return wrap
+
+
+def available_ops() -> tuple[str, ...]:
+    return tuple(sorted(_OPS))
+
+
+def _parse_op(text: str):
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as err:
+        raise ValueError(f"Cannot parse preprocessing op {text!r}: {err.msg}.") from err
+    if isinstance(node, ast.Name):
+        return node.id, (), {}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        args = tuple(ast.literal_eval(a) for a in node.args)
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        return node.func.id, args, kwargs
+    raise ValueError(f"Preprocessing op {text!r} must be NAME or NAME(args).")
+
+
+def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], dict]:
+    """Builds the per-example function for ``spec`` (ops separated by ``|``)."""
+    fns = []
+    for text in filter(str.strip, spec.split("|")):
+        name, args, kwargs = _parse_op(text)
+        if name not in _OPS:
+            raise ValueError(f"Unknown preprocessing op {name!r} in {spec!r}; available: {available_ops()}.")
+        if name == "tokenize":
+            kwargs.setdefault("tokenizer", tokenizer)
+        fns.append(_OPS[name](*args, **kwargs))
+
+    def apply(example: dict, rng: np.random.Generator) -> dict:
+        example = dict(example)
+        for fn in fns:
+            example = fn(example, rng)
+        return example
+
+    return apply
+
+
+# ----------------------------------------------------------------------------------------------
+def to_rgb(image: np.ndarray) -> np.ndarray:
+    """uint8 RGB ``[H, W, 3]`` from grayscale ``[H, W]``/``[H, W, 1]``, RGB or RGBA."""
+    image = np.asarray(image)
+    if image.ndim == 2:
+        image = image[..., None]
+    if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"Expected an image [H, W], [H, W, 1|3|4], got shape {image.shape}.")
+    if image.shape[-1] == 1:
+        image = np.repeat(image, 3, axis=-1)
+    elif image.shape[-1] == 4:
+        image = image[..., :3]
+    if image.dtype != np.uint8:
+        image = np.clip(image, 0, 255).astype(np.uint8)
+    return np.ascontiguousarray(image)
+
+
+def _resize(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    if image.shape[:2] == size:
+        return image
+    return np.asarray(Image.fromarray(image).resize((size[1], size[0]), Image.Resampling.BILINEAR))
+
+
+def _pair(size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+@register("decode")
+def decode(image_key="image"):
+    def fn(ex, rng):
+        del rng
+        for key, value in ex.items():
+            if isinstance(value, bytes):
+                ex[key] = value.decode("utf-8")
+            elif isinstance(value, list) and value and isinstance(value[0], bytes):
+                ex[key] = [v.decode("utf-8") for v in value]
+        if image_key in ex:
+            ex[image_key] = to_rgb(ex[image_key])
+        return ex
+
+    return fn
+
+
+@register("resize")
+def resize(size, key="image"):
+    size = _pair(size)
+
+    def fn(ex, rng):
+        ex[key] = _resize(ex[key], size)
+        return ex
+
+    return fn
+
+
+@register("center_crop")
+def center_crop(size, key="image"):
+    size = _pair(size)
+
+    def fn(ex, rng):
+        h, w = ex[key].shape[:2]
+        if h < size[0] or w < size[1]:
+            raise ValueError(f"center_crop{size} of an image of size {(h, w)}; resize first.")
+        top, left = (h - size[0]) // 2, (w - size[1]) // 2
+        ex[key] = ex[key][top : top + size[0], left : left + size[1]]
+        return ex
+
+    return fn
+
+
+@register("random_resized_crop")
+def random_resized_crop(size, scale=(0.5, 1.0), ratio=(3 / 4, 4 / 3), key="image"):
+    """Inception-style crop: a random area fraction in ``scale`` and aspect ratio in ``ratio``."""
+    size = _pair(size)
+
+    def fn(ex, rng):
+        image = ex[key]
+        h, w = image.shape[:2]
+        for _ in range(10):
+            area = h * w * rng.uniform(*scale)
+            aspect = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
+            ch, cw = int(round(np.sqrt(area / aspect))), int(round(np.sqrt(area * aspect)))
+            if 0 < ch <= h and 0 < cw <= w:
+                top, left = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
+                break
+        else:  # fall back to the whole image
+            top, left, ch, cw = 0, 0, h, w
+        ex[key] = _resize(np.ascontiguousarray(image[top : top + ch, left : left + cw]), size)
+        return ex
+
+    return fn
+
+
+_LEFT_RIGHT = re.compile(r"\b(left|right)\b")
+
+
+@register("flip_lr")
+def flip_lr(prob=0.5, text_keys=_TEXT_DEFAULT, mode="swap", key="image"):
+    if mode not in ("swap", "skip"):
+        raise ValueError(f"flip_lr mode={mode!r}; choose 'swap' (swap left/right in text) or 'skip'.")
+
+    def texts(ex):
+        for k in text_keys:
+            value = ex.get(k)
+            if isinstance(value, str):
+                yield value
+            elif isinstance(value, list):
+                yield from (v for v in value if isinstance(v, str))
+
+    def fn(ex, rng):
+        if rng.random() >= prob:
+            return ex
+        if mode == "skip" and any(_LEFT_RIGHT.search(t) for t in texts(ex)):
+            return ex
+        ex[key] = np.ascontiguousarray(ex[key][:, ::-1])
+        if mode == "swap":
+            for k in text_keys:
+                value = ex.get(k)
+                if isinstance(value, str):
+                    ex[k] = swap_left_right(value)
+                elif isinstance(value, list):
+                    ex[k] = [swap_left_right(v) if isinstance(v, str) else v for v in value]
+        return ex
+
+    return fn
+
+
+@register("value_range")
+def value_range(lo=-1.0, hi=1.0, key="image"):
+    def fn(ex, rng):
+        ex[key] = ex[key].astype(np.float32) * ((hi - lo) / 255.0) + lo
+        return ex
+
+    return fn
+
+
+@register("tokenize")
+def tokenize(key, max_len, out_key=None, tokenizer=None, add_bos=True, add_eos=True, padding="pad",
+             truncation="right"):
+    tokenizer = tokenizer or tok_lib.ByteTokenizer()
+    out_key = out_key or f"{key}_tokens"
+
+    def fn(ex, rng):
+        text = ex[key]
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        result = tok_lib.tokenize(tokenizer, text, max_len, add_bos=add_bos, add_eos=add_eos,
+                                  padding=padding, truncation=truncation)
+        ex[out_key] = result.ids
+        ex[f"{out_key}_truncated"] = np.bool_(result.truncated)
+        return ex
+
+    return fn
+
+
+@register("choose")
+def choose(keys=("questions", "answers", "question_kinds"), out_keys=("question", "answer", "question_kind")):
+    def fn(ex, rng):
+        n = len(ex[keys[0]])
+        if n == 0:
+            raise ValueError(f"choose{keys}: the example has no entries in {keys[0]!r}.")
+        i = int(rng.integers(n))
+        for k, out in zip(keys, out_keys, strict=True):
+            ex[out] = ex[k][i]
+        return ex
+
+    return fn
+
+
+@register("keep")
+def keep(*keys):
+    def fn(ex, rng):
+        missing = [k for k in keys if k not in ex]
+        if missing:
+            raise KeyError(f"keep{keys}: the example has no {missing}; it has {sorted(ex)}.")
+        return {k: ex[k] for k in keys}
+
+    return fn
+
+
+@register("drop")
+def drop(*keys):
+    def fn(ex, rng):
+        return {k: v for k, v in ex.items() if k not in keys}
+
+    return fn

@@ -1,0 +1,122 @@
+"""Tokenizers: a byte-level one built in, and local Hugging Face ``tokenizer.json`` files.
+
+Both share one contract: ``encode(text) -> list[int]`` without special tokens, ``decode``,
+``bos_id``/``eos_id``/``pad_id`` and ``vocab_size``. ``tokenize`` adds BOS/EOS, pads to a fixed
+length and truncates explicitly, telling the caller whether it did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+
+TRUNCATIONS = ("right", "error")
+PADDINGS = ("pad", "eos")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens. ``PAD = 0``, byte ``b`` is ``b + 1``, ``BOS = 257``, ``EOS = 258``.
+
+    EOS has the largest id, so CLIP's ``argmax(ids)`` finds the end of text; padding with 0 keeps
+    ``ids != pad_id`` a valid mask.
+    """
+
+    pad_id = 0
+    bos_id = 257
+    eos_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return [b + 1 for b in text.encode("utf-8")]
+
+    def decode(self, ids) -> str:
+        data = bytes(int(i) - 1 for i in ids if 1 <= int(i) <= 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local Hugging Face ``tokenizer.json`` (``tokenizers`` package; nothing is downloaded).
+
+    Special ids come from the arguments or, when not given, from the usual token names in the
+    vocabulary (``<|startoftext|>``/``<|endoftext|>`` for CLIP, ``<s>``/``</s>``/``<pad>``…).
+    """
+
+    _BOS = ("<|startoftext|>", "<s>", "[CLS]", "<bos>")
+    _EOS = ("<|endoftext|>", "</s>", "[SEP]", "<eos>")
+    _PAD = ("<pad>", "[PAD]", "<|pad|>")
+
+    def __init__(self, path: str | pathlib.Path, bos_id: int | None = None,
+                 eos_id: int | None = None, pad_id: int | None = None):
+        from tokenizers import Tokenizer
+
+        path = pathlib.Path(path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"No tokenizer.json at {path}; pass the path of a local file "
+                                    "(vitmm never downloads tokenizers).")
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = bos_id if bos_id is not None else self._find(self._BOS, "bos")
+        self.eos_id = eos_id if eos_id is not None else self._find(self._EOS, "eos")
+        # Without a pad token, pad with EOS (sticky EOS, as open_clip does for CLIP's BPE).
+        self.pad_id = pad_id if pad_id is not None else self._find(self._PAD, "pad", self.eos_id)
+
+    def _find(self, names, what, default=None) -> int:
+        for name in names:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        if default is not None:
+            return default
+        raise ValueError(f"tokenizer.json has none of {names} for the {what} token; pass {what}_id=.")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        special = {self.bos_id, self.eos_id, self.pad_id}
+        return self._tok.decode([int(i) for i in ids if int(i) not in special])
+
+
+def get_tokenizer(path: str | None = None, **special_ids):
+    """The byte tokenizer, or the ``tokenizer.json`` at ``path``."""
+    return HFTokenizer(path, **special_ids) if path else ByteTokenizer()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenized:
+    ids: np.ndarray  # int32 [max_len]
+    length: int  # tokens before padding, specials included
+    truncated: bool
+
+
+def tokenize(tokenizer, text: str, max_len: int, *, add_bos: bool = True, add_eos: bool = True,
+             padding: str = "pad", truncation: str = "right") -> Tokenized:
+    """``text`` → fixed-length ids ``[BOS] tokens [EOS] PAD…``.
+
+    ``truncation="right"`` cuts the text tokens so that BOS/EOS still fit (EOS stays the last
+    real token, which EOT/last pooling relies on) and reports ``truncated=True``;
+    ``"error"`` raises instead. ``padding="eos"`` pads with EOS ("sticky EOS", which SigLIP's
+    ``last`` pooling relies on).
+    """
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"Unknown truncation={truncation!r}; choose one of {TRUNCATIONS}.")
+    if padding not in PADDINGS:
+        raise ValueError(f"Unknown padding={padding!r}; choose one of {PADDINGS}.")
+    body = tokenizer.encode(text)
+    room = max_len - int(add_bos) - int(add_eos)
+    if room < 0:
+        raise ValueError(f"max_len={max_len} leaves no room for BOS/EOS.")
+    truncated = len(body) > room
+    if truncated:
+        if truncation == "error":
+            raise ValueError(f"Text of {len(body)} tokens does not fit max_len={max_len} "
+                             f"({room} after BOS/EOS): {text[:60]!r}…; raise max_len or use "
+                             "truncation='right'.")
+        body = body[:room]
+    ids = ([tokenizer.bos_id] if add_bos else []) + body + ([tokenizer.eos_id] if add_eos else [])
+    fill = tokenizer.pad_id if padding == "pad" else tokenizer.eos_id
+    out = np.full(max_len, fill, np.int32)
+    out[: len(ids)] = ids
+    return Tokenized(out, len(ids), truncated)
