@@ -149,3 +149,32 @@ def test_corrupt_record_names_split_and_index():
     pp = preprocess.parse("keep('x')")
     with pytest.raises(ValueError, match="record 5"):
         list(pipeline.eval_batches(src, pp, 4))
+
+
+def test_key_source_decodes_only_what_is_asked_and_equals_full_decode(data_dir, small_name):
+    full = _source(data_dir, small_name, "validation")
+    some = pipeline.get_source(f"scenes/{small_name}", "validation", data_dir, keys=("image", "caption"))
+    for i in (0, 7, 15):
+        a, b = full[i], some[i]
+        assert sorted(b) == ["caption", "image"]
+        np.testing.assert_array_equal(a["image"], b["image"])
+        assert a["caption"] == b["caption"]
+    with pytest.raises(ValueError, match=r"no feature\(s\) \['captions'\].*'caption'"):
+        pipeline.get_source(f"scenes/{small_name}", "validation", data_dir, keys=("captions",))
+    with tfds.testing.mock_data(num_examples=4):
+        mocked = pipeline.get_source("cifar10", "train", data_dir, keys=("image",))
+        assert sorted(mocked[0]) == ["image"]
+
+
+def test_input_benchmark_runs(tmp_path, data_dir, small_name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "experiments/bench_input.py"
+    spec = importlib.util.spec_from_file_location("bench_input", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--data", f"scenes/{small_name}", "--data_dir", data_dir, "--batch", "8",
+                          "--batches", "2", "--steps", "1", "--repeats", "1", "--out", str(tmp_path)])
+    assert result["input_examples_per_s"] > 0 and result["step_examples_per_s"] > 0
+    assert "headroom" in (tmp_path / "bench_input.md").read_text()

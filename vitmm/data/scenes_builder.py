@@ -147,8 +147,8 @@ def config_from_name(name: str) -> ScenesConfig:
 def prepare(config: str | ScenesConfig = "easy_64", data_dir: str | None = None) -> Scenes:
     """Returns the builder of a scenes config, building it into ``data_dir`` if needed."""
     data_dir = str(pathlib.Path(data_dir or DEFAULT_DATA_DIR).expanduser())
-    if isinstance(config, str):
-        config = config_from_name(config)
+    if isinstance(config, str) and config not in {c.name for c in Scenes.BUILDER_CONFIGS}:
+        config = config_from_name(config)  # raises for a bad name
     builder = Scenes(config=config, data_dir=data_dir, file_format="array_record")
     if not builder.is_prepared():
         builder.download_and_prepare(
