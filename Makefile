@@ -16,8 +16,9 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: pretrain a small CLIP on synthetic scenes (built on first use), evaluate, save.
 demo: $(STAMP)
-	$(BIN)/python -m vitmm.demo
+	$(BIN)/python -m vitmm.train --config configs/clip_scenes.py --workdir workdirs/clip_scenes
 
 lint: $(STAMP)
 	$(BIN)/ruff check vitmm tests configs experiments

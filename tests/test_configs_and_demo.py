@@ -40,11 +40,22 @@ def test_parse_arg_types_bare_flags_and_errors():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 @pytest.mark.parametrize("arg", [None, "smoke"])
 def test_every_config_builds_its_model(path, arg):
+    import jax
+    import jax.numpy as jnp
+
+    from vitmm.models import common, two_towers
+
     config = load_config(path, arg)
     assert path.read_text().lstrip().startswith('"""') and "python -m" in path.read_text()
-    model = vit.ViT(**config.model.to_dict())
-    image = (config.image_size, config.image_size)
-    assert vit.count_params(model, image) > 0
+    if "image" in config.model:  # a two-tower (contrastive) config
+        model = two_towers.TwoTowers(**config.model.to_dict())
+        size = config.input.image_size
+        shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, size, size, 3)),
+                                jnp.zeros((1, config.model.text.max_len), jnp.int32))
+        assert common.count_params(shapes["params"]) > 0
+    else:
+        model = vit.ViT(**config.model.to_dict())
+        assert vit.count_params(model, (config.image_size, config.image_size)) > 0
     with pytest.raises(AttributeError):
         config.not_a_key = 1
 

@@ -80,3 +80,12 @@ def test_parser_errors_name_the_problem():
         preprocess.parse("resize(3")
     with pytest.raises(ValueError, match="mode="):
         preprocess.parse("flip_lr(mode='mirror')")
+
+
+def test_nested_caption_lists_like_coco():
+    ex = {"image": np.zeros((4, 4, 3), np.uint8),
+          "captions": {"id": [7, 8], "text": [b"a dog on grass", b"a brown dog"]}}
+    out = _run("decode|choose(keys=('captions/text',), out_keys=('caption',))|keep('image', 'caption')", ex)
+    assert out["caption"] in ("a dog on grass", "a brown dog")
+    with pytest.raises(KeyError, match="captions/txt"):
+        _run("decode|choose(keys=('captions/txt',), out_keys=('caption',))", ex)

@@ -247,7 +247,13 @@ def eval_batches(
     mine = np.full(num_batches * batch_size, -1, np.int64)
     mine[: len(shards[index])] = shards[index]
     ds = grain.MapDataset.source(_PaddedIndex(source, mine, fill=0))
-    ds = ds.random_map(pp_fn, seed=seed).batch(batch_size, batch_fn=collate)
+
+    def pp_keep_mask(example, rng):  # the mask and index survive any keep(...) in the pp
+        out = pp_fn(example, rng)
+        out["_mask"], out["_index"] = example["_mask"], example["_index"]
+        return out
+
+    ds = ds.random_map(pp_keep_mask, seed=seed).batch(batch_size, batch_fn=collate)
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=16)))
 
 

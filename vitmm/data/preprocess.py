@@ -18,7 +18,7 @@ Ops (all work on numpy, per example):
   * ``tokenize(key, max_len, out_key=None, ...)``: fixed-length int32 ids in ``out_key``
     (default ``{key}_tokens``) and ``{out_key}_truncated``.
   * ``choose(keys, out_keys)``: one random entry, at the same index, from parallel lists
-    (e.g. a question with its answer).
+    (e.g. a question with its answer; ``"captions/text"`` reaches into nested features).
   * ``keep(*keys)`` / ``drop(*keys)``.
 """
 
@@ -111,15 +111,31 @@ def _pair(size) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
+def _decode_text(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, list) and value and isinstance(value[0], bytes):
+        return [v.decode("utf-8") for v in value]
+    if isinstance(value, dict):  # nested features, e.g. coco_captions' captions/text
+        return {k: _decode_text(v) for k, v in value.items()}
+    return value
+
+
+def get_path(example: dict, key: str):
+    """``example["captions"]["text"]`` for ``key="captions/text"``."""
+    value = example
+    for part in key.split("/"):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(f"No {key!r} in the example; it has {sorted(example)}.")
+        value = value[part]
+    return value
+
+
 @register("decode")
 def decode(image_key="image"):
     def fn(ex, rng):
         del rng
-        for key, value in ex.items():
-            if isinstance(value, bytes):
-                ex[key] = value.decode("utf-8")
-            elif isinstance(value, list) and value and isinstance(value[0], bytes):
-                ex[key] = [v.decode("utf-8") for v in value]
+        ex = {key: _decode_text(value) for key, value in ex.items()}
         if image_key in ex:
             ex[image_key] = to_rgb(ex[image_key])
         return ex
@@ -241,12 +257,12 @@ def tokenize(key, max_len, out_key=None, tokenizer=None, add_bos=True, add_eos=T
 @register("choose")
 def choose(keys=("questions", "answers", "question_kinds"), out_keys=("question", "answer", "question_kind")):
     def fn(ex, rng):
-        n = len(ex[keys[0]])
+        n = len(get_path(ex, keys[0]))
         if n == 0:
             raise ValueError(f"choose{keys}: the example has no entries in {keys[0]!r}.")
         i = int(rng.integers(n))
         for k, out in zip(keys, out_keys, strict=True):
-            ex[out] = ex[k][i]
+            ex[out] = get_path(ex, k)[i]
         return ex
 
     return fn

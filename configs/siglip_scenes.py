@@ -1,0 +1,32 @@
+"""SigLIP (sigmoid contrastive) on synthetic scenes: tiny towers that train on a 2-core CPU.
+
+    python -m vitmm.train --config configs/siglip_scenes.py --workdir workdirs/siglip_scenes
+    python -m vitmm.train --config configs/siglip_scenes.py:loss=sigmoid_chunked --workdir ...
+    python -m vitmm.train --config configs/siglip_scenes.py:smoke --workdir /tmp/siglip_smoke
+
+Args: ``steps``, ``data`` (scenes config), ``parallel`` (``jit``/``pmap``), ``loss``
+(``sigmoid`` or ``sigmoid_chunked``, the ppermute ring), ``smoke``. As in SigLIP: a
+bidirectional text tower pooled at the last position (sticky EOS padding), a MAP-pooled image
+tower, temperature 10 and bias -10 at init, no temperature clamp.
+"""
+
+from vitmm.config_args import parse_arg
+from vitmm.train import config_base
+
+
+def get_config(arg=None):
+    arg = parse_arg(arg, steps=400, data="easy_64", parallel="jit", loss="sigmoid", smoke=False)
+    c = config_base.contrastive(
+        image=dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="map",
+                   class_token=False, posemb="sincos2d"),
+        text=dict(width=128, depth=2, mlp_dim=512, num_heads=4, causal=False, pool="last"),
+        data=f"scenes/{arg.data}", image_size=int(arg.data.split("_")[1]), loss=arg.loss,
+        embed_dim=128, batch_size=128, total_steps=arg.steps, max_len=64,
+    )
+    c.parallel = arg.parallel
+    c.eval_every = max(arg.steps // 2, 1)
+    c.checkpoint_every = max(arg.steps // 2, 1)
+    if arg.smoke:
+        config_base.smoke(c)
+    c.lock()
+    return c

@@ -1,0 +1,87 @@
+"""Full-scale configs: they build at full size, and their smoke variant trains one step on a
+COCO-captions-shaped dataset read without TensorFlow (the read-only path a real COCO takes)."""
+
+import importlib.util
+import io
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from PIL import Image
+
+from vitmm.models import common, two_towers
+from vitmm.train import trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _config(name, arg=None):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def _png(seed):
+    pixels = np.random.default_rng(seed).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def fake_coco(tmp_path_factory):
+    """A tiny dataset named coco_captions with COCO's caption layout, built offline."""
+    with tfds.core.registered.skip_registration():
+
+        class CocoCaptions(tfds.core.GeneratorBasedBuilder):
+            VERSION = tfds.core.Version("1.1.0")
+            BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="2014")]  # as the real one
+
+            def _info(self):
+                return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+                    "image": tfds.features.Image(encoding_format="png"),
+                    "image/id": np.int64,
+                    "captions": tfds.features.Sequence({"id": np.int64, "text": tfds.features.Text()}),
+                }))
+
+            def _split_generators(self, dl_manager):
+                return {"train": self._generate_examples(0, 24), "val": self._generate_examples(100, 16)}
+
+            def _generate_examples(self, start, n):
+                for i in range(start, start + n):
+                    yield i, {"image": _png(i), "image/id": i,
+                              "captions": {"id": [2 * i, 2 * i + 1],
+                                           "text": [f"photo number {i}", f"picture {i} of things"]}}
+
+    data_dir = tmp_path_factory.mktemp("tfds")
+    CocoCaptions(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+    return str(data_dir)
+
+
+@pytest.mark.parametrize("name, expected_millions", [("clip_b16_coco", (120, 130)),
+                                                     ("siglip_b16", (175, 185))])
+def test_full_size_models_build(name, expected_millions):
+    c = _config(name)
+    model = two_towers.TwoTowers(**c.model.to_dict())
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)),
+                            jnp.zeros((1, c.model.text.max_len), jnp.int32))
+    millions = common.count_params(shapes["params"]) / 1e6
+    lo, hi = expected_millions
+    assert lo < millions < hi, millions  # byte vocabulary: no 49k/32k token embedding table
+    assert c.model.image.dtype_mm == "bfloat16" and c.model.image.scan
+
+
+@pytest.mark.parametrize("name", ["clip_b16_coco", "siglip_b16"])
+def test_smoke_step_on_coco_shaped_data(tmp_path, fake_coco, name):
+    c = _config(name, "smoke")
+    with c.unlocked():
+        c.input.data_dir = fake_coco
+        for ev in c.evals.values():
+            ev.data.data_dir = fake_coco
+    summary = trainer.train(c, tmp_path)
+    assert summary["final_step"] == 1 and np.isfinite(summary["history"][0]["loss"])
+    assert {"retrieval/i2t_r1", "val/loss"} <= set(summary["evals"])

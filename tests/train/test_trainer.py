@@ -1,0 +1,182 @@
+"""The contrastive trainer end to end on smoke configs (4 CPU devices, tiny towers, tiny data)."""
+
+import importlib.util
+import json
+import math
+import pathlib
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from vitmm.train import checkpoint as ckpt_lib
+from vitmm.train import trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def smoke_config(data_dir, name="clip_scenes", arg="smoke", evals=True, **overrides):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config(arg)
+    with c.unlocked():
+        c.input.data_dir = data_dir
+        for ev in c.evals.values():
+            ev.data.data_dir = data_dir
+        if not evals:
+            c.evals = ml_collections.ConfigDict()
+        for key, value in overrides.items():
+            target = c
+            *path, last = key.split(".")
+            for p in path:
+                target = target[p]
+            target[last] = value
+    return c
+
+
+@pytest.mark.parametrize("name, arg", [("clip_scenes", "smoke"), ("siglip_scenes", "smoke"),
+                                       ("siglip_scenes", "smoke,loss=sigmoid_chunked")])
+def test_smoke_runs_log_evaluate_and_checkpoint(tmp_path, data_dir, name, arg):
+    summary = trainer.train(smoke_config(data_dir, name, arg), tmp_path)
+    assert summary["final_step"] == 4 and summary["checkpoints"] == [4]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [entry["step"] for entry in lines if "loss" in entry]
+    assert steps == [2, 4]
+    for entry in lines:
+        if "loss" in entry:
+            assert {"loss", "lr", "grad_norm", "param_norm", "update_norm", "t", "b", "img_per_s"} <= set(entry)
+            assert all(math.isfinite(v) for v in entry.values())
+    assert {"zeroshot/accuracy", "retrieval/i2t_r1", "retrieval/t2i_r5", "val/loss"} <= set(summary["evals"])
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    if name == "siglip_scenes":
+        assert lines[0]["b"] == pytest.approx(-10.0, abs=0.1) and lines[0]["t"] == pytest.approx(10.0, rel=0.05)
+    else:
+        assert lines[0]["t"] == pytest.approx(1 / 0.07, rel=0.05)
+
+
+@pytest.mark.parametrize("name, arg", [("clip_scenes", "smoke"), ("siglip_scenes", "smoke,loss=sigmoid_chunked")])
+def test_pmap_and_jit_give_the_same_losses(tmp_path, data_dir, name, arg):
+    assert jax.device_count() == 4
+    runs = {}
+    for kind in ("jit", "pmap"):
+        c = smoke_config(data_dir, name, arg, evals=False, parallel=kind, log_every=1, total_steps=3)
+        runs[kind] = trainer.train(c, tmp_path / kind)
+    losses = {k: [h["loss"] for h in v["history"]] for k, v in runs.items()}
+    assert len(losses["jit"]) == 3
+    np.testing.assert_allclose(losses["jit"], losses["pmap"], rtol=1e-4)
+    assert runs["jit"]["param_checksum"] == pytest.approx(runs["pmap"]["param_checksum"], rel=1e-5)
+
+
+def test_resume_continues_exactly(tmp_path, data_dir):
+    c = smoke_config(data_dir, evals=False, log_every=1, total_steps=6, checkpoint_every=100)
+    straight = trainer.train(c, tmp_path / "straight")
+    first = trainer.train(c, tmp_path / "resumed", stop_at=3)
+    assert first["final_step"] == 3 and first["checkpoints"] == [3]
+    second = trainer.train(c, tmp_path / "resumed")
+    assert [h["step"] for h in second["history"]] == [4, 5, 6]
+    np.testing.assert_allclose([h["loss"] for h in second["history"]],
+                               [h["loss"] for h in straight["history"][3:]], rtol=1e-6)
+    assert second["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
+    make_input = trainer._input
+
+    def poisoned(config, tokenizer, par):
+        it = make_input(config, tokenizer, par)
+
+        class Poison:
+            count = 0
+
+            def __next__(self):
+                batch = next(it)
+                Poison.count += 1
+                if Poison.count == 3:
+                    batch = dict(batch, image=batch["image"] * np.nan)
+                return batch
+
+            def get_state(self):
+                return it.get_state()
+
+            def set_state(self, s):
+                it.set_state(s)
+
+        return Poison()
+
+    monkeypatch.setattr(trainer, "_input", poisoned)
+    c = smoke_config(data_dir, evals=False, total_steps=6, checkpoint_every=1)
+    with pytest.raises(FloatingPointError, match=r"Non-finite loss at step 3.*last good checkpoint \(step 2\)"):
+        trainer.train(c, tmp_path)
+    assert ckpt_lib.Checkpointer(tmp_path).all_steps() == [1, 2]
+
+
+def test_checkpoint_that_does_not_fit_the_model_is_an_error(tmp_path, data_dir):
+    trainer.train(smoke_config(data_dir, evals=False, total_steps=2), tmp_path)
+    wider = smoke_config(data_dir, evals=False, total_steps=4, **{"model.embed_dim": 64})
+    with pytest.raises(ValueError, match=r"does not fit the model:\n.*shape mismatch: img_proj/kernel: "
+                                         r"model \(128, 64\) vs checkpoint \(128, 128\)"):
+        trainer.train(wider, tmp_path)
+
+
+def test_initialise_from_another_run(tmp_path, data_dir):
+    a = trainer.train(smoke_config(data_dir, evals=False, total_steps=2), tmp_path / "a")
+    loaded = ckpt_lib.load_params(tmp_path / "a")
+    assert sum(float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(loaded)) == \
+        pytest.approx(a["param_checksum"], rel=1e-9)
+    # With a zero learning rate the run keeps exactly what it loaded.
+    b_config = smoke_config(data_dir, evals=False, total_steps=2, **{"optim.lr": 0.0,
+                                                                       "init.checkpoint": str(tmp_path / "a")})
+    b = trainer.train(b_config, tmp_path / "b")
+    assert b["param_checksum"] == pytest.approx(a["param_checksum"], rel=1e-9)
+    # A different head: loading fails loudly unless told what not to load.
+    other = smoke_config(data_dir, evals=False, total_steps=1, **{"model.embed_dim": 64,
+                                                                   "init.checkpoint": str(tmp_path / "a")})
+    with pytest.raises(ValueError, match=r"shape mismatch: img_proj/kernel"):
+        trainer.train(other, tmp_path / "c")
+    with other.unlocked():
+        other.init.dont_load = (r".*_proj/kernel",)
+    assert trainer.train(other, tmp_path / "d")["final_step"] == 1
+
+
+def test_merge_params_lists_every_problem():
+    init = {"a": np.zeros(2), "b": {"c": np.zeros((2, 3))}, "d": np.zeros(1)}
+    loaded = {"a": np.ones(2), "b": {"c": np.ones((3, 3))}, "e": np.ones(4)}
+    with pytest.raises(ValueError) as err:
+        ckpt_lib.merge_params(init, loaded)
+    text = str(err.value)
+    assert "missing in checkpoint: d" in text and "unused from checkpoint: e" in text
+    assert "shape mismatch: b/c: model (2, 3) vs checkpoint (3, 3)" in text
+    merged = ckpt_lib.merge_params(init, loaded, dont_load=("b/c", "d", "e"))
+    np.testing.assert_array_equal(merged["a"], 1)
+    np.testing.assert_array_equal(merged["b"]["c"], 0)
+
+
+def test_command_line_rejects_unknown_config_keys(tmp_path, data_dir):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "vitmm.train", "--config", "configs/clip_scenes.py:smoke",
+         "--workdir", str(tmp_path), f"--config.input.data_dir={data_dir}", "--config.total_step=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "total_step" in result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_vocabulary_must_match_the_tokenizer(tmp_path, data_dir):
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path / "tokenizer.json"
+    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2, "[UNK]": 3}
+    Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]")).save(str(path))
+    c = smoke_config(data_dir, evals=False, tokenizer=str(path))
+    with pytest.raises(ValueError, match=r"vocab_size=259 but the tokenizer .* has 4 tokens"):
+        trainer.train(c, tmp_path / "w")

@@ -1,0 +1,131 @@
+"""Checkpoints with orbax: the train state, the data-iterator state and run metadata, together.
+
+``workdir/checkpoints/<step>/{state,data,meta}``. Orbax writes each checkpoint to a temporary
+folder and renames it when complete, so a crash never leaves a half-written checkpoint that a
+resume would pick up. Restoring checks every array's shape against the model first and lists
+what does not fit.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import traverse_util
+
+
+def _flat(tree) -> dict:
+    return {"/".join(str(k) for k in path): v for path, v in traverse_util.flatten_dict(tree).items()}
+
+
+def _shape(x) -> tuple:
+    return tuple(getattr(x, "shape", ()))
+
+
+def shape_mismatches(expected, found) -> list[str]:
+    """Lines describing missing, unexpected and mis-shaped entries between two pytrees."""
+    want, have = _flat(expected), _flat(found)
+    lines = [f"  missing in checkpoint: {k} {_shape(v)}" for k, v in want.items() if k not in have]
+    lines += [f"  unexpected in checkpoint: {k} {_shape(v)}" for k, v in have.items() if k not in want]
+    lines += [f"  shape mismatch: {k}: model {_shape(v)} vs checkpoint {_shape(have[k])}"
+              for k, v in want.items() if k in have and _shape(v) != _shape(have[k])]
+    return lines
+
+
+class Checkpointer:
+    def __init__(self, workdir: str | pathlib.Path, keep: int = 2, async_save: bool = True):
+        self.directory = pathlib.Path(workdir).expanduser().absolute() / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+        )
+        self._mngr = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        )
+
+    def latest_step(self) -> int | None:
+        return self._mngr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._mngr.all_steps())
+
+    def save(self, step: int, state, data_state: dict, meta: dict) -> None:
+        self._mngr.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+            meta=ocp.args.JsonSave(meta)), force=True)
+
+    def restore(self, abstract_state, step: int | None = None):
+        """``(state, data_state, meta)`` of ``step`` (default: latest); the state takes the
+        shardings of ``abstract_state``'s ``ShapeDtypeStruct`` leaves."""
+        step = self.latest_step() if step is None else step
+        stored = self._mngr.item_metadata(step)["state"]
+        problems = shape_mismatches(abstract_state["params"], stored["params"])
+        if problems:
+            raise ValueError(
+                f"The checkpoint at step {step} in {self.directory} does not fit the model:\n"
+                + "\n".join(problems)
+                + "\nUse a fresh --workdir for a different model, or initialise from that run with "
+                "config.init.checkpoint and config.init.dont_load."
+            )
+        restored = self._mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore()))
+        return restored.state, restored.data, restored.meta
+
+    def wait(self) -> None:
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+
+def load_params(path: str | pathlib.Path, step: int | None = None) -> dict:
+    """The ``params`` of another run's checkpoint (``WORKDIR`` or ``WORKDIR/checkpoints``) as
+    numpy arrays, on the host."""
+    path = pathlib.Path(path).expanduser().absolute()
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    # One manager to read shapes (needs the handler bound), a plain one to restore only params.
+    with ocp.CheckpointManager(path, item_handlers={"state": ocp.StandardCheckpointHandler()},
+                               options=options) as meta_mngr:
+        step = meta_mngr.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"No checkpoint in {path}.")
+        meta = meta_mngr.item_metadata(step)["state"]
+    abstract = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), meta["params"])
+    with ocp.CheckpointManager(path, options=options) as mngr:
+        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item={"params": abstract},
+            restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract}),
+            partial_restore=True)))
+    return jax.tree.map(np.asarray, restored.state["params"])
+
+
+def merge_params(init: dict, loaded: dict, dont_load: Sequence[str] = (), source: str = "") -> dict:
+    """``init`` with every entry replaced by ``loaded``'s, except paths matching ``dont_load``.
+
+    Fails loudly: anything in the model not found in ``loaded`` (and not in ``dont_load``),
+    anything in ``loaded`` the model has no place for, and any shape mismatch is listed.
+    """
+    patterns = [re.compile(p) for p in dont_load]
+    skip = lambda k: any(p.fullmatch(k) for p in patterns)  # noqa: E731
+    want, have = _flat(init), _flat(loaded)
+    lines = [f"  missing in checkpoint: {k} {_shape(v)}" for k, v in want.items()
+             if k not in have and not skip(k)]
+    lines += [f"  unused from checkpoint: {k} {_shape(v)}" for k, v in have.items()
+              if k not in want and not skip(k)]
+    lines += [f"  shape mismatch: {k}: model {_shape(v)} vs checkpoint {_shape(have[k])}"
+              for k, v in want.items() if k in have and not skip(k) and _shape(v) != _shape(have[k])]
+    if lines:
+        raise ValueError(f"Cannot initialise from {source or 'the checkpoint'}:\n" + "\n".join(lines)
+                         + "\nAdd regexes of what not to load to config.init.dont_load.")
+    merged = {k: (v if skip(k) else have[k]) for k, v in want.items()}
+    return traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in merged.items()})

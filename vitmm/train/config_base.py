@@ -1,0 +1,107 @@
+"""Defaults shared by the contrastive configs; each file in ``configs/`` sets what it varies.
+
+Every field a run reads is here, so ``--config.key=value`` overrides are checked against it
+(the config is locked: a typo is an error naming the key).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def contrastive(*, image: dict, text: dict, data: str, image_size: int, loss: str = "softmax",
+                embed_dim: int = 128, batch_size: int = 128, total_steps: int = 1000,
+                max_len: int = 64) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.total_steps = total_steps
+    c.batch_size = batch_size
+    c.parallel = "jit"  # or "pmap"
+    c.fsdp = False
+    c.loss = loss  # softmax | sigmoid | sigmoid_chunked
+    siglip = loss.startswith("sigmoid")
+    c.max_temperature = config_dict.placeholder(float) if siglip else 100.0  # CLIP clamps t <= 100
+    c.tokenizer = config_dict.placeholder(str)  # a local tokenizer.json; default: bytes
+    c.log_every = 10
+    c.eval_every = 500
+    c.checkpoint_every = 500
+    c.keep_checkpoints = 2
+    c.sync_every = 8  # CPU with several devices only: block on the step every N steps
+
+    c.input = ml_collections.ConfigDict()
+    c.input.data = ml_collections.ConfigDict(dict(name=data, split="train"))
+    c.input.data_dir = config_dict.placeholder(str)
+    c.input.image_size = image_size
+    c.input.keys = ("image", "caption")
+    padding = "eos" if siglip and text.get("pool") == "last" else "pad"
+    c.input.pp = (f"decode|resize({image_size})|flip_lr|value_range(-1, 1)|"
+                  f"tokenize('caption', {max_len}, padding='{padding}')|keep('image', 'caption_tokens')")
+    c.input.num_threads = 1
+    c.input.prefetch = 8
+    c.input.device_prefetch = 2
+
+    c.model = ml_collections.ConfigDict()
+    c.model.image = ml_collections.ConfigDict(image)
+    c.model.text = ml_collections.ConfigDict(dict(vocab_size=259, max_len=max_len, **text))
+    c.model.embed_dim = embed_dim
+    c.model.temperature_init = 10.0 if siglip else 1 / 0.07
+    c.model.bias_init = -10.0 if siglip else config_dict.placeholder(float)
+
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=1e-3, warmup_steps=max(total_steps // 20, 1), end_factor=0.0, weight_decay=0.1,
+        b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0, freeze=(), accum_steps=1))
+
+    c.init = ml_collections.ConfigDict()
+    c.init.checkpoint = config_dict.placeholder(str)  # another run's workdir
+    c.init.dont_load = ()  # regexes of parameters to keep from the fresh init
+
+    val = ml_collections.ConfigDict(dict(name=data, split="validation"))
+    c.evals = ml_collections.ConfigDict()
+    c.evals.zeroshot = dict(type="zeroshot", data=val, num_examples=1000)
+    c.evals.retrieval = dict(type="retrieval", data=val, num_examples=1000)
+    c.evals.val = dict(type="val_loss", data=val, num_examples=1000, batch_size=256)
+
+    c.multihost = ml_collections.ConfigDict()
+    c.multihost.coordinator = config_dict.placeholder(str)  # e.g. 127.0.0.1:12345
+    c.multihost.bind_address = config_dict.placeholder(str)
+    c.multihost.num_processes = 1
+    c.multihost.process_id = 0
+    return c
+
+
+SMOKE_DATA = "scenes/easy_32_256_64_64_s0"  # builds in about a second
+
+
+def smoke(c: ml_collections.ConfigDict, steps: int = 4) -> ml_collections.ConfigDict:
+    """Shrinks a config to a seconds-long run on a small scenes build (tests execute it)."""
+    c.input.data.name = SMOKE_DATA
+    c.input.pp = c.input.pp.replace(f"resize({c.input.image_size})", "resize(32)")
+    c.input.image_size = 32
+    c.total_steps = steps
+    c.batch_size = 16
+    c.log_every = 2
+    c.eval_every = steps
+    c.checkpoint_every = steps
+    c.optim.warmup_steps = 1
+    for name in ("zeroshot", "retrieval", "val"):
+        c.evals[name].num_examples = 64
+        c.evals[name].data.name = SMOKE_DATA
+    c.evals.val.batch_size = 32
+    return c
+
+
+def smoke_full_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A full-scale config's architecture with one block per tower on 32 px images, one step."""
+    c.total_steps, c.batch_size, c.log_every, c.eval_every, c.checkpoint_every = 1, 8, 1, 1, 1
+    c.model.image.depth = 1
+    c.model.text.depth = 1
+    c.input.pp = c.input.pp.replace(f"random_resized_crop({c.input.image_size}", "random_resized_crop(32")
+    c.input.image_size = 32
+    c.input.num_threads = 1
+    c.optim.warmup_steps = 1
+    for ev in c.evals.values():
+        ev.num_examples = 16
+        if ev.type == "val_loss":
+            ev.batch_size = 8
+    return c

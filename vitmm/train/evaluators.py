@@ -1,0 +1,214 @@
+"""Evaluators for two-tower models, listed in ``config.evals``: ``{name: {type: ..., ...}}``.
+
+Protocol: ``evaluator.run(params) -> dict`` of metric names to floats. The image-text
+evaluators share one pass that embeds the evaluation split (cached per parameters), then:
+
+* ``zeroshot``: classify single-shape scenes by comparing each image with one prompt-ensembled
+  text embedding per class (``templates``); reports accuracy and chance level.
+* ``retrieval``: image→text and text→image Recall@1/@5 over the first ``num_examples`` pairs.
+  Several scenes share the same caption word for word; retrieving any pair with the identical
+  caption counts as correct, and the chance level printed accounts for that.
+* ``val_loss``: the training loss on consecutive full batches of ``batch_size`` pairs.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from vitmm import losses
+from vitmm.data import pipeline, preprocess
+from vitmm.data import tokenizer as tok_lib
+
+DEFAULT_TEMPLATES = ("a {}.", "there is a {}.", "one shape: a {}.")
+# For scenes: every colour and position is filled in and the class embedding is their average
+# (prompt ensembling as in CLIP), so prompts look like the captions the model was trained on.
+SCENES_TEMPLATES = ("a {color} {} {at}.", "there is a {color} {} {at}.", "one shape: a {color} {} ({region}).")
+
+
+class _Embeddings:
+    """Embeds an evaluation split once per set of parameters; shared by the evaluators."""
+
+    def __init__(self, embed_images, embed_texts, data: dict, max_len: int, tokenizer, batch_size: int,
+                 num_examples: int | None, image_size: int):
+        self._embed_images, self._embed_texts = embed_images, embed_texts
+        self.tokenizer, self.max_len, self.batch_size = tokenizer, max_len, batch_size
+        # data: name, split, data_dir; keys to read (default image, caption, label) and the ops
+        # that turn a record into one "caption" (default: it already has one).
+        keys = tuple(data.get("keys") or ("image", "caption", "label"))
+        source = pipeline.get_source(data["name"], data["split"], data.get("data_dir"), keys=keys)
+        self.source = source
+        self.num_examples = min(num_examples or len(source), len(source))
+        label = "'label'" if "label" in keys else ""
+        self._pp = preprocess.parse(
+            f"{data.get('pp') or 'decode'}|resize({image_size})|value_range(-1, 1)|"
+            f"tokenize('caption', {max_len})|keep('image', 'caption_tokens', {label})", tokenizer)
+        self.has_labels = "label" in keys
+        self._key, self._value = None, None
+
+    def get(self, params) -> dict:
+        key = id(params)
+        if key != self._key:
+            images, texts, tokens, labels = [], [], [], []
+            view = _Prefix(self.source, self.num_examples)
+            for batch in pipeline.eval_batches(view, self._pp, self.batch_size, process_index=0,
+                                               process_count=1, num_threads=1):
+                keep = batch["_mask"].astype(bool)
+                images.append(np.asarray(self._embed_images(params, batch["image"]))[keep])
+                texts.append(np.asarray(self._embed_texts(params, batch["caption_tokens"]))[keep])
+                tokens.append(batch["caption_tokens"][keep])
+                labels.append(batch["label"][keep] if self.has_labels else np.full(keep.sum(), -1))
+            self._value = dict(zimg=np.concatenate(images), ztxt=np.concatenate(texts),
+                               tokens=np.concatenate(tokens), labels=np.concatenate(labels))
+            self._key = key
+        return self._value
+
+    def texts(self, params, strings) -> np.ndarray:
+        ids = np.stack([tok_lib.tokenize(self.tokenizer, s, self.max_len).ids for s in strings])
+        return np.asarray(self._embed_texts(params, ids))
+
+
+class _Prefix:
+    def __init__(self, source, n):
+        self._source, self._n = source, n
+
+    def __len__(self):
+        return self._n
+
+    def __getitem__(self, i):
+        return self._source[i]
+
+
+class ZeroShot:
+    """``templates`` may use ``{color}``, ``{region}`` and ``{at}`` (e.g. "at the top left"),
+    filled with every value in ``fill`` and averaged."""
+
+    def __init__(self, embeddings: _Embeddings, class_names, templates=DEFAULT_TEMPLATES, fill=None, **_):
+        self.embeddings, self.class_names = embeddings, list(class_names)
+        self.templates, self.fill = tuple(templates), dict(fill or {})
+
+    def prompts(self, name: str) -> list[str]:
+        colors = self.fill.get("color") or [""]
+        regions = self.fill.get("region") or [""]
+        out = []
+        for tpl in self.templates:
+            for color in colors if "{color}" in tpl else [""]:
+                for region in regions if ("{region}" in tpl or "{at}" in tpl) else [""]:
+                    at = _at(region) if region else ""
+                    text = tpl.format(name, color=color, region=region, at=at)
+                    out.append(" ".join(text.split()).replace(" .", ".").replace(" ()", ""))
+        return sorted(set(out))
+
+    def run(self, params, t=None, b=None) -> dict:
+        emb = self.embeddings.get(params)
+        classes = []
+        for name in self.class_names:
+            z = self.embeddings.texts(params, self.prompts(name)).mean(0)
+            classes.append(z / np.linalg.norm(z))
+        single = emb["labels"] >= 0
+        if not single.any():
+            raise ValueError("zeroshot: the evaluation split has no single-shape (labelled) images.")
+        pred = (emb["zimg"][single] @ np.stack(classes).T).argmax(-1)
+        return {"accuracy": float((pred == emb["labels"][single]).mean()),
+                "chance": 1.0 / len(self.class_names), "examples": int(single.sum())}
+
+
+class Retrieval:
+    def __init__(self, embeddings: _Embeddings, **_):
+        self.embeddings = embeddings
+
+    def run(self, params, t=None, b=None) -> dict:
+        emb = self.embeddings.get(params)
+        tokens = emb["tokens"]
+        _, caption_id = np.unique(tokens, axis=0, return_inverse=True)
+        caption_id = caption_id.reshape(-1)
+        same = caption_id[:, None] == caption_id[None, :]  # pairs with identical captions
+        scores = emb["zimg"] @ emb["ztxt"].T
+        out = {}
+        for name, s in (("i2t", scores), ("t2i", scores.T)):
+            ranked = np.argsort(-s, axis=1)
+            hits = np.take_along_axis(same, ranked, axis=1)
+            for k in (1, 5):
+                out[f"{name}_r{k}"] = float(hits[:, :k].any(1).mean())
+        n = len(caption_id)
+        # Chance of hitting an identical caption within the top k of a random ranking.
+        matches = same.sum(1)
+        for k in (1, 5):
+            miss = np.ones(n)
+            for j in range(k):
+                miss *= np.clip((n - matches - j) / (n - j), 0, 1)
+            out[f"chance_r{k}"] = float((1 - miss).mean())
+        out["examples"] = n
+        return out
+
+
+class ValLoss:
+    def __init__(self, embeddings: _Embeddings, loss: str = "softmax", batch_size: int = 256, **_):
+        self.embeddings, self.loss, self.batch_size = embeddings, loss, batch_size
+
+    def run(self, params, t=None, b=None) -> dict:
+        emb = self.embeddings.get(params)
+        n = len(emb["zimg"]) // self.batch_size * self.batch_size
+        if n == 0:
+            raise ValueError(f"val_loss: {len(emb['zimg'])} examples are fewer than batch_size "
+                             f"{self.batch_size}.")
+        values = []
+        for i in range(0, n, self.batch_size):
+            zi, zt = emb["zimg"][i : i + self.batch_size], emb["ztxt"][i : i + self.batch_size]
+            if self.loss == "softmax":
+                values.append(float(losses.softmax_loss(zi, zt, t)))
+            else:
+                values.append(float(losses.sigmoid_loss(zi, zt, t, b)))
+        return {"loss": float(np.mean(values)), "batches": len(values)}
+
+
+TYPES = {"zeroshot": ZeroShot, "retrieval": Retrieval, "val_loss": ValLoss}
+
+
+def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_size: int) -> dict:
+    """Builds the evaluators of ``config.evals`` for a ``TwoTowers`` model."""
+    embed_images = jax.jit(lambda p, x: model.apply({"params": p}, x)[0])
+    embed_texts = jax.jit(lambda p, ids: model.apply({"params": p}, None, ids)[1])
+    caches: dict = {}
+    evaluators = {}
+    for name, cfg in evals_config.items():
+        cfg = dict(cfg)
+        kind = cfg.pop("type", name)
+        if kind not in TYPES:
+            raise ValueError(f"Unknown evaluator type {kind!r} for {name!r}; choose one of {tuple(TYPES)}.")
+        data = dict(cfg.pop("data"))
+        key = (data["name"], data["split"], cfg.get("num_examples"))
+        if key not in caches:
+            caches[key] = _Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
+                                      cfg.pop("embed_batch_size", 256), cfg.get("num_examples"),
+                                      image_size)
+        cfg.pop("every", None)
+        cfg.pop("num_examples", None)
+        cfg.pop("embed_batch_size", None)
+        if kind == "val_loss":
+            cfg.setdefault("loss", "sigmoid" if loss.startswith("sigmoid") else "softmax")
+        if kind == "zeroshot" and "class_names" not in cfg:
+            cfg["class_names"], fill = _scenes_classes(data)
+            cfg.setdefault("templates", SCENES_TEMPLATES)
+            cfg.setdefault("fill", fill)
+        evaluators[name] = TYPES[kind](caches[key], **cfg)
+    return evaluators
+
+
+def _at(region: str) -> str:
+    from vitmm.data import scenes
+
+    return scenes.at(region)
+
+
+def _scenes_classes(data: dict) -> tuple[list[str], dict]:
+    """Class names, colours and regions of a scenes config (other datasets name their classes)."""
+    name = data["name"]
+    if not name.startswith("scenes"):
+        raise ValueError(f"zeroshot on {name!r} needs class_names (and templates) in its config.")
+    from vitmm.data import scenes, scenes_builder
+
+    config = name.split("/", 1)[1] if "/" in name else scenes_builder.Scenes.DEFAULT_CONFIG_NAME
+    diff = scenes.DIFFICULTIES[scenes_builder.config_from_name(config).difficulty]
+    regions = scenes.REGIONS_2X2 if diff.grid == 2 else scenes.REGIONS_3X3
+    return list(diff.shapes), {"color": list(diff.colors), "region": list(regions)}

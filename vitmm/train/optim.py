@@ -1,0 +1,58 @@
+"""The optimizer from config: AdamW, warmup + cosine, clipping, weight-decay mask, freezing,
+gradient accumulation. Per-parameter rules are regexes over ``/``-joined parameter paths."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import jax
+import optax
+from flax import traverse_util
+
+# No weight decay on biases, norm scales, temperature/bias, positions, CLS/registers, MAP probe.
+NO_DECAY = (r".*/bias$", r".*norm.*/scale$", r"^t$", r"^b$", r".*pos_embedding$", r".*/cls$",
+            r"^cls$", r".*registers$", r".*/probe$", r".*/ls[12]$")
+
+
+def path_names(params) -> dict:
+    """``{"img/encoder/block_00/attn/qkv/kernel": leaf, ...}`` for a nested parameter dict."""
+    return {"/".join(k): v for k, v in traverse_util.flatten_dict(params).items()}
+
+
+def regex_mask(params, patterns: Sequence[str]):
+    """A pytree of bools like ``params``: True where the path fully matches any pattern."""
+    compiled = [re.compile(p) for p in patterns]
+    flat = traverse_util.flatten_dict(params)
+    mask = {k: any(c.fullmatch("/".join(k)) for c in compiled) for k in flat}
+    return traverse_util.unflatten_dict(mask)
+
+
+def schedule(cfg) -> optax.Schedule:
+    """Linear warmup from 0 to ``cfg.lr`` over ``warmup_steps``, then cosine decay to
+    ``lr * end_factor`` at ``total_steps``."""
+    warmup = min(cfg.warmup_steps, max(cfg.total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup, max(cfg.total_steps, warmup + 1), cfg.lr * cfg.get("end_factor", 0.0)
+    )
+
+
+def make_optimizer(cfg, params) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """``cfg``: lr, total_steps, warmup_steps, weight_decay, b1, b2, eps, clip_norm, freeze
+    (regexes of parameters that never change). Gradient accumulation lives in the train step
+    (micro-batches summed before one update), so schedules count updates."""
+    lr = schedule(cfg)
+    decay = jax.tree.map(lambda no: not no, regex_mask(params, NO_DECAY))
+    tx = optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm) if cfg.get("clip_norm") else optax.identity(),
+        optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay),
+    )
+    freeze = tuple(cfg.get("freeze", ()) or ())
+    if freeze:
+        frozen = regex_mask(params, freeze)
+        if not any(jax.tree.leaves(frozen)):
+            raise ValueError(f"freeze={freeze} matches no parameter; paths look like "
+                             f"{sorted(path_names(params))[:4]}.")
+        labels = jax.tree.map(lambda f: "frozen" if f else "train", frozen)
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+    return tx, lr

@@ -1,0 +1,142 @@
+"""Data parallelism behind one interface: ``jax.pmap`` or ``jax.jit`` over a device mesh.
+
+The train step is written once, for the batch a device group sees; ``Parallel`` places the
+state and batches and compiles the step:
+
+* ``"pmap"``: parameters replicated per local device, ``axis_name="batch"``, batches reshaped
+  to ``[local_devices, per_device, ...]``; the step reduces gradients with ``pmean``.
+* ``"jit"``: one ``Mesh`` over all devices with a ``data`` axis; batches are global arrays
+  sharded on it; parameters are replicated, or with ``fsdp=True`` each large parameter (and its
+  optimizer moments) is sharded along its largest divisible axis (ZeRO-3 style); XLA inserts
+  the collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import jax_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from vitmm.data import pipeline
+
+AXIS = "batch"  # pmap axis name
+MESH_AXIS = "data"
+KINDS = ("pmap", "jit")
+
+
+class Parallel:
+    def __init__(self, kind: str = "jit", fsdp: bool = False, fsdp_min_size: int = 2**16):
+        if kind not in KINDS:
+            raise ValueError(f"Unknown parallel={kind!r}; choose one of {KINDS}.")
+        self.kind, self.fsdp, self.fsdp_min_size = kind, fsdp, fsdp_min_size
+        self.mesh = jax.sharding.Mesh(np.array(jax.devices()), (MESH_AXIS,))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.batch_sharding = NamedSharding(self.mesh, P(MESH_AXIS))
+        # pmap's inputs: leading axis over this process's devices (what pmap itself produces).
+        local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()), (AXIS,))
+        self.local_sharding = NamedSharding(local_mesh, P(AXIS))
+
+    @property
+    def num_devices(self) -> int:
+        return jax.device_count()
+
+    @property
+    def needs_host_sync(self) -> bool:
+        """XLA:CPU deadlocks after ~30 un-synced steps with collectives: block every few steps."""
+        return jax.default_backend() == "cpu" and jax.device_count() > 1
+
+    # --- state -----------------------------------------------------------------------------
+    def state_sharding(self, abstract_state):
+        """NamedShardings for a state of ``ShapeDtypeStruct``s (jit path)."""
+
+        def rule(x):
+            shape = getattr(x, "shape", ())
+            if not self.fsdp or int(np.prod(shape, dtype=np.int64)) < self.fsdp_min_size:
+                return self.replicated
+            n = self.mesh.shape[MESH_AXIS]
+            for axis in np.argsort(shape)[::-1]:
+                if shape[axis] % n == 0:
+                    spec = [None] * len(shape)
+                    spec[axis] = MESH_AXIS
+                    return NamedSharding(self.mesh, P(*spec))
+            return self.replicated
+
+        return jax.tree.map(rule, abstract_state)
+
+    def put_state(self, state):
+        if self.kind == "pmap":
+            return jax_utils.replicate(state)
+        shardings = self.state_sharding(jax.eval_shape(lambda: state))
+        return jax.device_put(state, shardings)
+
+    def host_state(self, state):
+        """The state as one copy of global arrays (what a checkpoint stores)."""
+        if self.kind == "pmap":
+            return jax.tree.map(lambda x: x[0], state)
+        return state
+
+    def abstract_for_restore(self, abstract_state):
+        """``ShapeDtypeStruct``s with the shardings a restored state should land on."""
+        if self.kind == "pmap":
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]),
+                                     abstract_state)
+        else:
+            shardings = self.state_sharding(abstract_state)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            abstract_state, shardings)
+
+    # --- batches ---------------------------------------------------------------------------
+    def put_batch(self, batch: dict) -> dict:
+        if self.kind == "pmap":
+            n = jax.local_device_count()
+            out = {}
+            for key, value in batch.items():
+                if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+                    if value.shape[0] % n:
+                        raise ValueError(f"Batch of {value.shape[0]} rows does not split over {n} devices.")
+                    value = value.reshape(n, value.shape[0] // n, *value.shape[1:])
+                    out[key] = jax.device_put(value, self.local_sharding)
+                else:
+                    out[key] = value
+            return out
+        return pipeline.to_device(batch, self.batch_sharding)
+
+    # --- compilation -----------------------------------------------------------------------
+    def compile(self, step: Callable, state_example, donate: bool = True) -> Callable:
+        """``step(state, batch) -> (state, metrics)``, compiled for this kind of parallelism."""
+        if self.kind == "pmap":
+            return jax.pmap(step, axis_name=AXIS, donate_argnums=(0,) if donate else ())
+        shardings = self.state_sharding(jax.eval_shape(lambda: state_example))
+        return jax.jit(step, in_shardings=(shardings, self.batch_sharding),
+                       out_shardings=(shardings, self.replicated),
+                       donate_argnums=(0,) if donate else ())
+
+    def reduce(self, tree):
+        """Mean over devices of per-device values (pmap); identity for global arrays (jit)."""
+        return jax.lax.pmean(tree, AXIS) if self.kind == "pmap" else tree
+
+    def device_rng(self, rng):
+        return jax.random.fold_in(rng, jax.lax.axis_index(AXIS)) if self.kind == "pmap" else rng
+
+    def first(self, metrics):
+        """Metrics on the host: the first replica under pmap, the (replicated) value under jit."""
+        if self.kind == "pmap":
+            return jax.tree.map(lambda x: to_host(x)[0], metrics)
+        return jax.tree.map(to_host, metrics)
+
+
+def to_host(x) -> np.ndarray:
+    """A numpy copy of ``x`` on this process, also for arrays that span several processes
+    (replicated: the local copy; sharded: gathered from all processes)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_shards[0].data)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+

@@ -1,0 +1,299 @@
+"""The contrastive (CLIP/SigLIP) train loop: ``train(config, workdir) -> summary``.
+
+Reads top to bottom: setup → data → model and optimizer → state (fresh, initialised from
+another run, or resumed from this workdir) → loop (step, log, evaluate, checkpoint) → summary.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from vitmm import losses
+from vitmm.data import pipeline, preprocess
+from vitmm.data import tokenizer as tok_lib
+from vitmm.models import two_towers
+from vitmm.train import checkpoint as ckpt_lib
+from vitmm.train import evaluators as eval_lib
+from vitmm.train import optim
+from vitmm.train.parallel import Parallel, to_host
+
+METRIC_NAMES = ("loss", "grad_norm", "param_norm", "update_norm", "t", "b")
+LOSSES = ("softmax", "sigmoid", "sigmoid_chunked")
+
+
+# ================================================================================================
+#                                         Train step
+# ================================================================================================
+def _loss_impl(kind: str, par: Parallel):
+    """``(zimg, ztxt, t, b) -> loss`` for the loss and the parallelism (see ``vitmm.losses``)."""
+    if kind not in LOSSES:
+        raise ValueError(f"Unknown loss={kind!r}; choose one of {LOSSES}.")
+    if par.kind == "pmap":
+        return {"softmax": lambda zi, zt, t, b: losses.softmax_loss_pmap(zi, zt, t),
+                "sigmoid": losses.sigmoid_loss_pmap,
+                "sigmoid_chunked": losses.sigmoid_loss_chunked_pmap}[kind]
+    return {"softmax": lambda zi, zt, t, b: losses.softmax_loss(zi, zt, t),
+            "sigmoid": losses.sigmoid_loss,
+            "sigmoid_chunked": lambda zi, zt, t, b: losses.sigmoid_loss_chunked(zi, zt, t, b, par.mesh)}[kind]
+
+
+def make_train_step(model, tx, lr_schedule, config, par: Parallel):
+    """One update on the batch: ``step(state, batch) -> (state, metrics)``.
+
+    With ``accum_steps = k`` the batch is split into ``k`` micro-batches whose gradients are
+    averaged before one update (each micro-batch is its own contrastive problem: its
+    negatives are the other pairs of the same micro-batch, across all devices).
+    """
+    loss_impl = _loss_impl(config.loss, par)
+    accum = config.optim.get("accum_steps", 1)
+    max_t = config.get("max_temperature")
+
+    def loss_fn(params, batch, rng):
+        zimg, ztxt, out = model.apply({"params": params}, batch["image"], batch["caption_tokens"],
+                                      train=True, rngs={"dropout": rng})
+        t, b = out["t"], out.get("b", jnp.zeros(()))
+        return loss_impl(zimg, ztxt, t, b), (t, b)
+
+    def step(state, batch):
+        rng = par.device_rng(jax.random.fold_in(state["rng"], state["step"]))
+        params = state["params"]
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if accum > 1:
+            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+            def body(carry, inputs):
+                mb, i = inputs
+                (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
+                return jax.tree.map(jnp.add, carry, (loss, grads)), aux
+
+            zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), aux = jax.lax.scan(body, zero, (micro, jnp.arange(accum)))
+            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+            t, b = aux[0][-1], aux[1][-1]
+        else:
+            (loss, (t, b)), grads = grad_fn(params, batch, rng)
+        loss, grads = par.reduce((loss, grads))
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        if max_t:
+            params = two_towers.clamp_temperature(params, max_t)
+        metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params),
+                       update_norm=optax.tree.norm(updates), t=t, b=b, lr=lr_schedule(state["step"]))
+        finite = jnp.stack([jnp.isfinite(metrics[k]) for k in METRIC_NAMES])
+        first_bad = jnp.argmin(finite)  # index of the first non-finite metric, if any
+        bad = jnp.where((state["bad"][0] < 0) & ~finite.all(), jnp.stack([state["step"], first_bad]),
+                        state["bad"])
+        new_state = dict(params=params, opt_state=opt_state, step=state["step"] + 1, rng=state["rng"],
+                         bad=bad)
+        return new_state, metrics
+
+    return step
+
+
+# ================================================================================================
+#                                     Metrics and progress
+# ================================================================================================
+class MetricWriter:
+    """``metrics.jsonl`` (one JSON object per log step) and TensorBoard event files."""
+
+    def __init__(self, workdir: pathlib.Path, enabled: bool = True):
+        self.enabled = enabled
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self._jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+            self._tb = SummaryWriter(str(workdir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+        self._jsonl.flush()
+        for key, value in metrics.items():
+            self._tb.add_scalar(key, float(value), step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+
+
+# ================================================================================================
+#                                          Setup
+# ================================================================================================
+def maybe_initialize_distributed(config) -> None:
+    """``jax.distributed.initialize`` when ``config.multihost`` names a coordinator."""
+    mh = config.get("multihost")
+    if mh and mh.get("coordinator"):
+        jax.distributed.initialize(
+            coordinator_address=mh.coordinator, num_processes=mh.num_processes, process_id=mh.process_id,
+            coordinator_bind_address=mh.get("bind_address") or mh.coordinator,
+        )
+
+
+def _input(config, tokenizer, par: Parallel):
+    inp = config.input
+    keys = tuple(inp.get("keys") or ()) or None
+    source = pipeline.get_source(inp.data.name, inp.data.split, inp.get("data_dir"), keys=keys)
+    pp = preprocess.parse(inp.pp, tokenizer)
+    host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
+                                   num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8))
+    return pipeline.DeviceIterator(host, size=inp.get("device_prefetch", 2), put=par.put_batch)
+
+
+def _init_params(model, config):
+    res = config.input.image_size
+    images = jnp.zeros((1, res, res, 3), jnp.float32)
+    ids = jnp.zeros((1, config.model.text.max_len), jnp.int32)
+    return jax.jit(model.init)(jax.random.key(config.seed), images, ids)["params"]
+
+
+# ================================================================================================
+#                                          The loop
+# ================================================================================================
+def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> dict:
+    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint if there is one).
+
+    ``stop_at`` ends the run after that step with a checkpoint, as a preemption would (the
+    schedule still runs to ``config.total_steps``; calling ``train`` again resumes).
+    """
+    maybe_initialize_distributed(config)
+    workdir = pathlib.Path(workdir).expanduser()
+    workdir.mkdir(parents=True, exist_ok=True)
+    is_main = jax.process_index() == 0
+    par = Parallel(config.parallel, fsdp=config.get("fsdp", False))
+    if config.batch_size % jax.device_count():
+        raise ValueError(f"batch_size={config.batch_size} does not split over {jax.device_count()} devices.")
+    tokenizer = tok_lib.get_tokenizer(config.get("tokenizer"))
+    if config.model.text.vocab_size != tokenizer.vocab_size:
+        raise ValueError(
+            f"The text tower has vocab_size={config.model.text.vocab_size} but the tokenizer "
+            f"({config.get('tokenizer') or 'bytes'}) has {tokenizer.vocab_size} tokens; set "
+            f"--config.model.text.vocab_size={tokenizer.vocab_size}."
+        )
+
+    model = two_towers.TwoTowers(**config.model.to_dict())
+    params = _init_params(model, config)
+    optim_cfg = config.optim.copy_and_resolve_references()
+    with optim_cfg.unlocked():
+        optim_cfg.total_steps = config.total_steps
+    tx, lr_schedule = optim.make_optimizer(optim_cfg, params)
+
+    if config.init.get("checkpoint"):
+        loaded = ckpt_lib.load_params(config.init.checkpoint)
+        params = ckpt_lib.merge_params(params, loaded, config.init.get("dont_load") or (),
+                                       source=config.init.checkpoint)
+    state = dict(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+                 rng=jax.random.key_data(jax.random.key(config.seed)),
+                 bad=jnp.full((2,), -1, jnp.int32))
+
+    data = _input(config, tokenizer, par)
+    checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
+    start = 0
+    if checkpointer.latest_step() is not None:
+        abstract = par.abstract_for_restore(jax.eval_shape(lambda: state))
+        state, data_state, _ = checkpointer.restore(abstract)
+        data.set_state(data_state)
+        start = int(state["step"])
+        if is_main:
+            print(f"Resumed from step {start} in {checkpointer.directory}", flush=True)
+    state = par.put_state(state)
+
+    def step_with_key(state, batch):  # the RNG is stored as raw key data (plain pytree leaf)
+        keyed = dict(state, rng=jax.random.wrap_key_data(state["rng"]))
+        new, metrics = train_step(keyed, batch)
+        return dict(new, rng=jax.random.key_data(new["rng"])), metrics
+
+    train_step = make_train_step(model, tx, lr_schedule, config, par)
+    step_fn = par.compile(step_with_key, jax.tree.map(lambda x: x, par.host_state(state)))
+    evaluators = eval_lib.from_config(config.get("evals") or {}, model, config.model.text.max_len,
+                                      tokenizer, config.loss, config.input.image_size)
+    writer = MetricWriter(workdir, enabled=is_main)
+
+    total = config.total_steps
+    sync_every = config.get("sync_every", 8) if par.needs_host_sync else None
+    progress = tqdm(total=total, initial=start, desc="train", unit="step", disable=not is_main,
+                    dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
+    history, evals, last_log = [], {}, (time.perf_counter(), start)
+    metrics = None
+    try:
+        for step in range(start + 1, total + 1):
+            batch = next(data)
+            state, metrics = step_fn(state, batch)
+            at_log = step % config.log_every == 0 or step == total
+            at_ckpt = step % config.checkpoint_every == 0 or step in (total, stop_at)
+            at_eval = bool(evaluators) and (step % config.eval_every == 0 or step == total)
+            if at_log or at_ckpt or at_eval or (sync_every and step % sync_every == 0):
+                _check_finite(par.host_state(state)["bad"], checkpointer)
+            if at_log:
+                now = time.perf_counter()
+                host = {k: float(v) for k, v in par.first(metrics).items()}
+                host["img_per_s"] = (step - last_log[1]) * config.batch_size / max(now - last_log[0], 1e-9)
+                last_log = (now, step)
+                history.append({"step": step, **host})
+                writer.write(step, host)
+                progress.set_postfix(loss=f"{host['loss']:.3f}", t=f"{host['t']:.1f}",
+                                     img_s=f"{host['img_per_s']:.0f}", refresh=False)
+            if at_eval:
+                evals = _evaluate(evaluators, _host_params(par.host_state(state)["params"]),
+                                  par.first(metrics))
+                writer.write(step, evals)
+                if is_main:
+                    tqdm.write(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in evals.items()
+                                                            if not k.endswith("examples")))
+                last_log = (time.perf_counter(), step)  # keep evaluation out of img/s
+            if at_ckpt:
+                checkpointer.save(step, par.host_state(state), data.get_state(),
+                                  {"step": step, "config": config.to_json_best_effort()})
+            progress.update(1)
+            if step == stop_at:
+                break
+        if start >= total and evaluators:  # a finished run: report its final evaluation again
+            evals = _evaluate(evaluators, _host_params(par.host_state(state)["params"]),
+                              {"t": to_host(jnp.exp(par.host_state(state)["params"]["t"][0])),
+                               "b": to_host(par.host_state(state)["params"].get("b", jnp.zeros(1))[0])})
+    finally:
+        progress.close()
+        checkpointer.close()
+        writer.close()
+    params = _host_params(par.host_state(state)["params"])
+    checksum = float(sum(np.asarray(x, np.float64).sum() for x in jax.tree.leaves(params)))
+    return dict(history=history, evals=evals, final_step=int(to_host(par.host_state(state)["step"])),
+                workdir=str(workdir), checkpoints=checkpointer.all_steps(), param_checksum=checksum)
+
+
+def _host_params(params):
+    """Parameters as this process's numpy arrays (gathered when sharded across processes)."""
+    return jax.tree.map(to_host, params)
+
+
+def _check_finite(bad, checkpointer) -> None:
+    bad = to_host(bad)
+    if bad[0] >= 0:
+        last = checkpointer.latest_step()
+        raise FloatingPointError(
+            f"Non-finite {METRIC_NAMES[int(bad[1])]} at step {int(bad[0]) + 1}; the run stops. "
+            + (f"The last good checkpoint (step {last}) is kept in {checkpointer.directory}."
+               if last is not None else "No checkpoint had been written yet.")
+            + " Lower the learning rate, raise warmup or clip harder, then resume."
+        )
+
+
+def _evaluate(evaluators, params, metrics) -> dict:
+    t, b = float(metrics["t"]), float(metrics["b"])
+    out = {}
+    for name, evaluator in evaluators.items():
+        for key, value in evaluator.run(params, t=t, b=b).items():
+            out[f"{name}/{key}"] = float(value)
+    return out
+
