@@ -1,0 +1,118 @@
+"""Connectors: the token count every family reports equals the shape it produces, for every
+budget; unreachable budgets raise; merges, pooling and positions do what they claim."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.models import common
+from vitmm.models import connectors as C
+from vitmm.models.connectors import base
+
+D_IN, D_OUT = 24, 32
+CASES = [
+    ("identity", None, (4, 6)), ("linear", None, (4, 6)), ("linear", 24, (4, 6)), ("mlp", "all", (4, 6)),
+    ("qwen_resampler", 4, (4, 6)), ("qwen_resampler", 16, (8, 8)),
+    ("perceiver", 5, (4, 6)), ("perceiver", 64, (8, 8)),
+    ("qformer", 3, (4, 6)), ("qformer", 16, (8, 8)),
+    ("patch_merger", 6, (4, 6)), ("patch_merger", 16, (8, 8)), ("patch_merger", 4, (8, 8)),
+    ("pixel_shuffle", 6, (4, 6)), ("pixel_shuffle", 16, (8, 8)),
+    ("pool", 6, (4, 6)), ("pool", 9, (5, 5)), ("pool", 16, (8, 8)),
+    ("c_abstractor", 4, (4, 6)), ("c_abstractor", 9, (8, 8)),
+    ("ldp", 4, (4, 6)), ("ldp", 16, (8, 8)),
+]
+
+
+@pytest.mark.parametrize("name, budget, grid", CASES)
+def test_num_visual_tokens_equals_the_real_output_shape(name, budget, grid):
+    cfg = {"name": name, "budget": budget}
+    x = jax.random.normal(jax.random.key(0), (2, grid[0] * grid[1], D_OUT if name == "identity" else D_IN))
+    module = C.build(cfg, D_OUT)
+    out, variables = module.init_with_output(jax.random.key(1), x, grid)
+    assert out.shape == (2, C.num_visual_tokens(cfg, grid), D_OUT)
+    assert np.all(np.isfinite(out))
+    report = C.cost(cfg, x.shape[-1], D_OUT, grid)
+    assert report["tokens"] == out.shape[1]
+    assert report["params"] == common.count_params(variables.get("params", {}))
+    assert (report["flops"] > 0) == (name != "identity")
+
+
+@pytest.mark.parametrize("name, budget, grid, message", [
+    ("linear", 16, (8, 8), "keeps every patch token"),
+    ("patch_merger", 20, (8, 8), r"gives \[64, 16, 4, 1\] tokens; 20"),
+    ("pixel_shuffle", 6, (5, 5), "not among them"),
+    ("pool", 15, (8, 8), "reaches"),
+    ("qwen_resampler", 10, (8, 8), "not a perfect square"),
+    ("c_abstractor", None, (8, 8), "explicit budget"),
+    ("ldp", 12, (8, 8), "perfect square"),
+    ("perceiver", 0, (8, 8), "positive integer"),
+])
+def test_budgets_a_family_cannot_produce_raise(name, budget, grid, message):
+    with pytest.raises(C.BudgetError, match=message):
+        C.num_visual_tokens({"name": name, "budget": budget}, grid)
+    with pytest.raises(C.BudgetError):
+        C.build({"name": name, "budget": budget}, D_OUT).init(
+            jax.random.key(0), jnp.zeros((1, grid[0] * grid[1], D_IN)), grid)
+
+
+def test_unknown_connector_and_wrong_token_count():
+    with pytest.raises(ValueError, match="Unknown connector 'mlp2x'"):
+        C.build({"name": "mlp2x"}, 8)
+    with pytest.raises(ValueError, match="drop CLS"):
+        C.build({"name": "linear"}, 8).init(jax.random.key(0), jnp.zeros((1, 17, 4)), (4, 4))
+
+
+def test_pool_token_counts_ceil_for_bilinear_floor_for_average():
+    assert C.num_visual_tokens({"name": "pool", "budget": 9, "mode": "bilinear"}, (5, 5)) == 9  # ceil(5/2)²
+    assert C.num_visual_tokens({"name": "pool", "budget": 4, "mode": "average"}, (5, 5)) == 4  # floor(5/2)²
+    with pytest.raises(C.BudgetError):
+        C.num_visual_tokens({"name": "pool", "budget": 9, "mode": "average"}, (5, 5))
+
+
+def test_space_to_depth_concatenates_2x2_neighbours_in_raster_order():
+    grid = (4, 6)
+    x = jnp.arange(24, dtype=jnp.float32).reshape(1, 24, 1)  # token id = row * 6 + col
+    merged = np.asarray(base.space_to_depth(x, grid, 2))[0, :, :]
+    assert merged.shape == (6, 4)
+    np.testing.assert_array_equal(merged[0], [0, 1, 6, 7])  # top-left block
+    np.testing.assert_array_equal(merged[1], [2, 3, 8, 9])  # the block to its right
+    np.testing.assert_array_equal(merged[3], [12, 13, 18, 19])  # first block of the next row
+
+
+def test_adaptive_average_pool_matches_the_pytorch_formula():
+    grid, out = (5, 7), (3, 3)
+    x = np.random.default_rng(0).normal(size=(1, 35, 2)).astype(np.float32)
+    got = np.asarray(base.adaptive_avg_pool(jnp.asarray(x), grid, out)).reshape(3, 3, 2)
+    img = x.reshape(5, 7, 2)
+    for i in range(3):
+        for j in range(3):
+            r0, r1 = (i * 5) // 3, -(-((i + 1) * 5) // 3)
+            c0, c1 = (j * 7) // 3, -(-((j + 1) * 7) // 3)
+            np.testing.assert_allclose(got[i, j], img[r0:r1, c0:c1].mean((0, 1)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, position_aware", [("perceiver", False), ("qformer", False),
+                                                  ("qwen_resampler", True), ("c_abstractor", True)])
+def test_which_resamplers_see_where_patches_are(name, position_aware):
+    """Perceiver and Q-Former attend to an unordered set (no spatial positions); Qwen-VL's
+    resampler adds 2D sin-cos to keys and Honeybee a learned table, so permuting patches matters."""
+    grid = (4, 4)
+    cfg = {"name": name, "budget": 4}
+    x = jax.random.normal(jax.random.key(0), (1, 16, D_IN))
+    module = C.build(cfg, D_OUT)
+    variables = module.init(jax.random.key(1), x, grid)
+    perm = jax.random.permutation(jax.random.key(2), 16)
+    a, b = module.apply(variables, x, grid), module.apply(variables, x[:, perm], grid)
+    assert np.allclose(a, b, atol=1e-5) != position_aware
+
+
+def test_qwen_resampler_key_positions_follow_the_grid():
+    cfg = {"name": "qwen_resampler", "budget": 16}
+    module = C.build(cfg, D_OUT)
+    small = jnp.ones((1, 16, D_IN))
+    variables = module.init(jax.random.key(0), small, (4, 4))
+    # The same parameters serve any grid: key positions are resized from the query grid.
+    assert module.apply(variables, jnp.ones((1, 48, D_IN)), (6, 8)).shape == (1, 16, D_OUT)
+    assert variables["params"]["query"].shape == (16, D_OUT)
+    assert "bias" not in variables["params"]["kv_proj"]

@@ -1,0 +1,84 @@
+"""Optimizer rules (schedule, weight-decay mask, freezing) and state sharding (FSDP)."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from vitmm.train import optim
+from vitmm.train.parallel import MESH_AXIS, Parallel
+
+
+def _cfg(**kw):
+    base = dict(lr=1.0, total_steps=100, warmup_steps=10, end_factor=0.0, weight_decay=0.5, b1=0.9,
+                b2=0.98, eps=1e-8, clip_norm=0.0, freeze=())
+    base.update(kw)
+    return ml_collections.ConfigDict(base)
+
+
+PARAMS = {
+    "img": {"embedding": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "pos_embedding": jnp.ones(2),
+            "cls": jnp.ones(2), "encoder": {"block_00": {"norm1": {"scale": jnp.ones(2), "bias": jnp.ones(2)}}}},
+    "txt": {"token_embedding": {"embedding": jnp.ones((3, 2))}},
+    "t": jnp.ones(1), "b": jnp.ones(1),
+}
+
+
+def test_schedule_warms_up_then_decays_to_zero():
+    lr = optim.schedule(_cfg())
+    assert float(lr(0)) == 0.0 and float(lr(10)) == pytest.approx(1.0)
+    assert float(lr(55)) == pytest.approx(0.5, abs=1e-6) and float(lr(100)) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_weight_decay_skips_biases_norms_positions_tokens_temperature():
+    decay = optim.path_names(jax.tree.map(lambda no: not no, optim.regex_mask(PARAMS, optim.NO_DECAY)))
+    assert {k for k, v in decay.items() if v} == {"img/embedding/kernel", "txt/token_embedding/embedding"}
+
+
+def test_decay_is_applied_only_where_the_mask_says():
+    tx, _ = optim.make_optimizer(_cfg(warmup_steps=0, lr=0.1), PARAMS)
+    state = tx.init(PARAMS)
+    zeros = jax.tree.map(jnp.zeros_like, PARAMS)  # no gradient: only weight decay moves params
+    updates, _ = tx.update(zeros, state, PARAMS)
+    moved = optim.path_names(jax.tree.map(lambda u: bool(jnp.any(u != 0)), updates))
+    assert {k for k, v in moved.items() if v} == {"img/embedding/kernel", "txt/token_embedding/embedding"}
+
+
+def test_freezing_by_regex_keeps_parameters_fixed():
+    tx, _ = optim.make_optimizer(_cfg(warmup_steps=0, freeze=(r"img/.*",)), PARAMS)
+    grads = jax.tree.map(jnp.ones_like, PARAMS)
+    updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
+    names = optim.path_names(updates)
+    assert all(float(jnp.abs(v).max()) == 0 for k, v in names.items() if k.startswith("img/"))
+    assert float(jnp.abs(names["txt/token_embedding/embedding"]).max()) > 0
+    with pytest.raises(ValueError, match="matches no parameter"):
+        optim.make_optimizer(_cfg(freeze=("vision/.*",)), PARAMS)
+
+
+def test_clipping_bounds_the_update_input():
+    tx, _ = optim.make_optimizer(_cfg(clip_norm=1.0, weight_decay=0.0, warmup_steps=0), {"w": jnp.zeros(4)})
+    clipped = optax.clip_by_global_norm(1.0).update({"w": jnp.full(4, 100.0)}, None)[0]
+    assert float(optax.tree.norm(clipped)) == pytest.approx(1.0, rel=1e-5)
+    assert tx.update({"w": jnp.full(4, 100.0)}, tx.init({"w": jnp.zeros(4)}), {"w": jnp.zeros(4)})
+
+
+def test_fsdp_shards_large_parameters_on_their_largest_divisible_axis():
+    par = Parallel("jit", fsdp=True, fsdp_min_size=64)
+    n = par.mesh.shape[MESH_AXIS]
+    state = {"big": jnp.zeros((6, 8 * n)), "odd": jnp.zeros((7, 9, 3)), "small": jnp.zeros(4)}
+    shardings = par.state_sharding(jax.eval_shape(lambda: state))
+    assert shardings["big"].spec == jax.sharding.PartitionSpec(None, MESH_AXIS)
+    assert shardings["odd"].spec == jax.sharding.PartitionSpec()  # nothing divides: replicated
+    assert shardings["small"].spec == jax.sharding.PartitionSpec()
+    placed = par.put_state(state)
+    assert placed["big"].sharding.spec == jax.sharding.PartitionSpec(None, MESH_AXIS)
+    x = jnp.arange(6 * 8 * n, dtype=jnp.float32).reshape(6, 8 * n)
+    sharded = jax.device_put(x, shardings["big"])
+    np.testing.assert_allclose(jax.jit(lambda a: (a @ a.T).sum())(sharded), (x @ x.T).sum(), rtol=1e-6)
+
+
+def test_unknown_parallel_kind():
+    with pytest.raises(ValueError, match="Unknown parallel='dp'"):
+        Parallel("dp")

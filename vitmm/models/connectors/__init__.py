@@ -1,0 +1,70 @@
+"""Connectors from patch tokens to language-model tokens under an explicit token budget.
+
+    cfg = {"name": "pixel_shuffle", "budget": 16}
+    connector = connectors.build(cfg, out_dim=lm_width)
+    tokens = connector.apply(variables, patch_tokens, grid)      # [B, M, D]
+    connectors.num_visual_tokens(cfg, grid) == tokens.shape[1]   # tested for every family
+
+One small module per family; ``REGISTRY`` maps names to classes. ``cost(cfg, ...)`` reports
+parameters (``jax.eval_shape``) and FLOPs (XLA's cost analysis of the compiled forward).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from vitmm.models import common
+from vitmm.models.connectors.base import BudgetError
+from vitmm.models.connectors.c_abstractor import CAbstractor
+from vitmm.models.connectors.ldp import LDP
+from vitmm.models.connectors.merge import PatchMerger, PixelShuffle
+from vitmm.models.connectors.perceiver import Perceiver
+from vitmm.models.connectors.pool import Pool
+from vitmm.models.connectors.projectors import Identity, Linear, Mlp
+from vitmm.models.connectors.qformer import QFormer
+from vitmm.models.connectors.qwen_resampler import QwenResampler
+
+REGISTRY = {
+    "identity": Identity, "linear": Linear, "mlp": Mlp, "qwen_resampler": QwenResampler,
+    "perceiver": Perceiver, "qformer": QFormer, "patch_merger": PatchMerger,
+    "pixel_shuffle": PixelShuffle, "pool": Pool, "c_abstractor": CAbstractor, "ldp": LDP,
+}
+
+__all__ = ["REGISTRY", "BudgetError", "build", "num_visual_tokens", "cost"]
+
+
+def _split(cfg: dict):
+    cfg = dict(cfg)
+    name = cfg.pop("name", None)
+    if name not in REGISTRY:
+        raise ValueError(f"Unknown connector {name!r}; choose one of {tuple(REGISTRY)}.")
+    return name, cfg
+
+
+def build(cfg: dict, out_dim: int):
+    """The connector module for ``cfg`` (``name``, ``budget`` and family options)."""
+    name, kwargs = _split(cfg)
+    return REGISTRY[name](out_dim=out_dim, **kwargs)
+
+
+def num_visual_tokens(cfg: dict, grid: tuple[int, int]) -> int:
+    """How many tokens the connector hands the LM for a patch grid (raises ``BudgetError`` for a
+    budget the family cannot produce)."""
+    name, kwargs = _split(cfg)
+    extra = {"mode": kwargs["mode"]} if name == "pool" and "mode" in kwargs else {}
+    return REGISTRY[name].tokens(kwargs.get("budget"), tuple(grid), **extra)
+
+
+def cost(cfg: dict, in_dim: int, out_dim: int, grid: tuple[int, int]) -> dict:
+    """Parameters and forward FLOPs per image (XLA's count of the compiled program)."""
+    module = build(cfg, out_dim)
+    x = jnp.zeros((1, grid[0] * grid[1], in_dim), jnp.float32)
+    grid = tuple(grid)
+    shapes = jax.eval_shape(lambda key, x: module.init(key, x, grid), jax.random.key(0), x)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    analysis = jax.jit(lambda p, x: module.apply(p, x, grid)).lower(params, x).compile().cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0]
+    return {"params": common.count_params(shapes.get("params", {})), "flops": float(analysis.get("flops", 0.0)),
+            "tokens": num_visual_tokens(cfg, grid)}

@@ -1,0 +1,124 @@
+"""What every connector shares: the call contract, budget arithmetic and small layers.
+
+Contract: ``connector(x, grid)`` with patch tokens ``x: [B, N, C]`` in raster order over
+``grid = (h, w)`` (``N = h·w``, no CLS) returns ``[B, M, D]`` visual tokens for the language
+model, where ``M = num_visual_tokens(config, grid)``. Each family turns the requested budget
+into its own knob and raises ``BudgetError`` for a budget it cannot produce exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vitmm.models import common
+
+
+class BudgetError(ValueError):
+    """A connector cannot produce the requested number of visual tokens."""
+
+
+def check_tokens(x: jnp.ndarray, grid: tuple[int, int]) -> None:
+    if x.ndim != 3 or x.shape[1] != grid[0] * grid[1]:
+        raise ValueError(f"Connectors take patch tokens [B, h*w, C] for grid {grid}, got shape "
+                         f"{tuple(x.shape)}; drop CLS/registers first (out['patch_tokens']).")
+
+
+def all_tokens(budget, grid, family: str) -> int:
+    """Families that keep every patch token: the budget must be None/'all' or exactly h·w."""
+    n = grid[0] * grid[1]
+    if budget in (None, "all", n):
+        return n
+    raise BudgetError(f"{family} keeps every patch token ({grid[0]}x{grid[1]} = {n}); it cannot give "
+                      f"{budget}. Use a reducing connector (pool, pixel_shuffle, patch_merger, "
+                      "qwen_resampler, perceiver, qformer, c_abstractor, ldp) for a smaller budget.")
+
+
+def merge_factor(budget, grid, family: str) -> int:
+    """k such that merging k×k neighbours of the grid gives exactly ``budget`` tokens."""
+    h, w = grid
+    if budget in (None, "all"):
+        return 1
+    for k in range(1, min(h, w) + 1):
+        if h % k == 0 and w % k == 0 and (h // k) * (w // k) == budget:
+            return k
+    reachable = [(h // k) * (w // k) for k in range(1, min(h, w) + 1) if h % k == 0 and w % k == 0]
+    raise BudgetError(f"{family} merges k×k neighbours of the {h}x{w} grid, which gives {reachable} "
+                      f"tokens; {budget} is not among them.")
+
+
+def square_side(budget, family: str) -> int:
+    """Families that pool or query on a square side×side grid need a perfect-square budget."""
+    if budget in (None, "all"):
+        raise BudgetError(f"{family} needs an explicit budget (a perfect square, e.g. 16 or 64).")
+    side = math.isqrt(int(budget))
+    if side * side != budget or side == 0:
+        raise BudgetError(f"{family} produces a side×side grid of tokens; {budget} is not a perfect "
+                          f"square (nearest: {side * side} or {(side + 1) ** 2}).")
+    return side
+
+
+def space_to_depth(x: jnp.ndarray, grid: tuple[int, int], k: int) -> jnp.ndarray:
+    """``[B, h·w, C] → [B, (h/k)·(w/k), k·k·C]``: each k×k block of neighbours concatenated
+    (row-major within the block), blocks in raster order — Qwen2-VL's merge and InternVL's
+    pixel shuffle (the correct 'v2' orientation)."""
+    b, _, c = x.shape
+    h, w = grid
+    x = x.reshape(b, h // k, k, w // k, k, c).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, (h // k) * (w // k), k * k * c)
+
+
+def adaptive_avg_pool(x: jnp.ndarray, grid: tuple[int, int], out: tuple[int, int]) -> jnp.ndarray:
+    """PyTorch's ``AdaptiveAvgPool2d`` on ``[B, h·w, C]``: cell ``i`` averages rows
+    ``floor(i·h/out) .. ceil((i+1)·h/out)`` (cells may overlap when ``out`` does not divide)."""
+    b, _, c = x.shape
+    h, w = grid
+    img = x.reshape(b, h, w, c)
+    rows = []
+    for i in range(out[0]):
+        r0, r1 = (i * h) // out[0], -((-(i + 1) * h) // out[0])
+        cols = []
+        for j in range(out[1]):
+            c0, c1 = (j * w) // out[1], -((-(j + 1) * w) // out[1])
+            cols.append(img[:, r0:r1, c0:c1].mean(axis=(1, 2)))
+        rows.append(jnp.stack(cols, axis=1))
+    return jnp.stack(rows, axis=1).reshape(b, out[0] * out[1], c)
+
+
+class MLP(nn.Module):
+    """``Dense(hidden) → act → Dense(hidden) … → Dense(out)`` with ``depth`` Dense layers
+    (LLaVA ``mlp{depth}x_gelu`` uses hidden = out)."""
+
+    out_dim: int
+    depth: int = 2
+    hidden: int | None = None
+    act: str = "gelu"
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        act = common.activation(self.act)
+        for i in range(self.depth):
+            last = i == self.depth - 1
+            x = nn.Dense(self.out_dim if last else (self.hidden or self.out_dim), use_bias=self.use_bias,
+                         kernel_init=common.trunc_normal(0.02), name=f"fc{i + 1}")(x)
+            if not last:
+                x = act(x)
+        return x
+
+
+def mha(q_in, k_in, v_in, num_heads: int, name: str, use_bias: bool = True):
+    """Multi-head attention with separate query, key and value inputs (as
+    ``torch.nn.MultiheadAttention``): positions can go into q and k but not v."""
+    d = q_in.shape[-1]
+    if d % num_heads:
+        raise ValueError(f"Width {d} is not divisible by {num_heads} heads.")
+    hd = d // num_heads
+    proj = lambda x, n: nn.Dense(d, use_bias=use_bias, kernel_init=common.trunc_normal(0.02),  # noqa: E731
+                                 name=f"{name}_{n}")(x).reshape(*x.shape[:2], num_heads, hd)
+    out = jax.nn.dot_product_attention(proj(q_in, "q"), proj(k_in, "k"), proj(v_in, "v"))
+    return nn.Dense(d, use_bias=use_bias, kernel_init=common.trunc_normal(0.02),
+                    name=f"{name}_out")(out.reshape(*out.shape[:2], d))

@@ -1,0 +1,50 @@
+"""Neighbour merging: Qwen2-VL's ``patch_merger`` and InternVL's ``pixel_shuffle``.
+
+Both concatenate k×k neighbouring patch tokens (k = 2 in both papers: a 4× smaller budget) and
+map the k²·C vector to the LM width; the budget picks k (``(h/k)·(w/k)`` tokens, so only those
+budgets are reachable).
+  * ``patch_merger``: LayerNorm(C) per token, merge, MLP ``k²C → k²C → D`` (GELU).
+  * ``pixel_shuffle``: merge, LayerNorm(k²C), MLP ``k²C → D → D`` (GELU). The merge keeps the
+    image's orientation (InternVL's ``ps_version='v2'``; 'v1' transposed the image).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+
+from vitmm.models.connectors.base import MLP, check_tokens, merge_factor, space_to_depth
+
+
+class PatchMerger(nn.Module):
+    out_dim: int
+    budget: int | None = None
+
+    @staticmethod
+    def tokens(budget, grid):
+        k = merge_factor(budget, grid, "patch_merger")
+        return (grid[0] // k) * (grid[1] // k)
+
+    @nn.compact
+    def __call__(self, x, grid):
+        check_tokens(x, grid)
+        k = merge_factor(self.budget, grid, "patch_merger")
+        x = nn.LayerNorm(epsilon=1e-6, name="ln_q")(x)
+        x = space_to_depth(x, grid, k)
+        return MLP(self.out_dim, 2, hidden=x.shape[-1], name="mlp")(x)
+
+
+class PixelShuffle(nn.Module):
+    out_dim: int
+    budget: int | None = None
+
+    @staticmethod
+    def tokens(budget, grid):
+        k = merge_factor(budget, grid, "pixel_shuffle")
+        return (grid[0] // k) * (grid[1] // k)
+
+    @nn.compact
+    def __call__(self, x, grid):
+        check_tokens(x, grid)
+        k = merge_factor(self.budget, grid, "pixel_shuffle")
+        x = nn.LayerNorm(name="norm")(space_to_depth(x, grid, k))
+        return MLP(self.out_dim, 2, name="mlp")(x)
