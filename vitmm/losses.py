@@ -19,6 +19,8 @@ global batch, forward and gradients:
   each device only ever holds an ``n × n`` logit block (memory O(n²)).
   ``sigmoid_loss_chunked_pmap`` for pmap (local-loss convention as above) and
   ``sigmoid_loss_chunked`` for a mesh (``jax.shard_map``; returns the global loss).
+
+``lm_loss`` is the masked next-token loss (answer tokens only) of the VLM.
 """
 
 from __future__ import annotations
@@ -102,3 +104,19 @@ def sigmoid_loss_chunked(zimg, ztxt, t, b, mesh: jax.sharding.Mesh, axis: str = 
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis), P(), P()), out_specs=P())
     return fn(zimg, ztxt, jnp.asarray(t, jnp.float32), jnp.asarray(b, jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Language modelling (the VLM's answer loss).
+# ----------------------------------------------------------------------------------------------
+
+def lm_loss(logits: jnp.ndarray, targets: jnp.ndarray, mask: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Mean next-token cross-entropy over positions where ``mask`` is 1, and the token accuracy.
+
+    ``logits[:, i]`` predicts ``targets[:, i]`` (shift before calling)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    mask = mask.astype(jnp.float32)
+    count = jnp.maximum(mask.sum(), 1.0)
+    correct = (logits.argmax(-1) == targets).astype(jnp.float32)
+    return (nll * mask).sum() / count, (correct * mask).sum() / count

@@ -1,0 +1,107 @@
+"""The Llama-style LM and the VLM: masks, RoPE, token layout, answer-only loss, greedy decoding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from vitmm import losses
+from vitmm.data import tokenizer as tok_lib
+from vitmm.models import lm as lm_lib
+from vitmm.models import vlm as vlm_lib
+
+LM_KW = dict(vocab_size=259, width=32, depth=2, num_heads=4)
+VISION = dict(width=32, depth=2, mlp_dim=64, num_heads=4, patch_size=8)
+
+
+def test_lm_is_causal_and_prefix_mask_opens_the_prefix():
+    model = lm_lib.LM(**LM_KW)
+    ids = jax.random.randint(jax.random.key(0), (2, 10), 1, 250)
+    variables = model.init(jax.random.key(1), ids)
+    logits = model.apply(variables, ids)
+    assert logits.shape == (2, 10, 259)
+    changed = model.apply(variables, ids.at[:, 6].set(7))
+    np.testing.assert_allclose(changed[:, :6], logits[:, :6], atol=1e-5)  # the past never sees the future
+    assert not np.allclose(changed[:, 6:], logits[:, 6:], atol=1e-4)
+    prefix = model.apply(variables, ids, prefix_len=5)
+    changed_prefix = model.apply(variables, ids.at[:, 4].set(7), prefix_len=5)
+    assert not np.allclose(changed_prefix[:, 2], prefix[:, 2], atol=1e-4)  # inside the prefix: both ways
+    mask = lm_lib.attention_mask(4, jnp.array([2]))
+    np.testing.assert_array_equal(mask[0, 0], [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+
+
+def test_lm_has_no_biases_and_uses_rmsnorm_and_swiglu():
+    params = lm_lib.LM(**LM_KW).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    block = params["block_00"]
+    assert set(block["mlp"]) == {"gate", "up", "down"} and "bias" not in block["mlp"]["gate"]
+    assert set(block["attn_norm"]) == {"scale"}  # RMSNorm: no bias
+    assert "bias" not in block["attn"]["qkv"]
+
+
+def test_lm_loss_counts_only_masked_positions():
+    logits = jnp.log(jnp.array([[[0.7, 0.3], [0.1, 0.9], [0.5, 0.5]]]))
+    targets = jnp.array([[0, 1, 0]])
+    loss, acc = losses.lm_loss(logits, targets, jnp.array([[0, 1, 0]]))
+    np.testing.assert_allclose(loss, -np.log(0.9), rtol=1e-6)
+    assert float(acc) == 1.0
+
+
+@pytest.mark.parametrize("connector, vision_layer, use_cls", [
+    ({"name": "mlp"}, -2, False), ({"name": "pool", "budget": 4}, -1, True),
+    ({"name": "qwen_resampler", "budget": 4}, -1, False)])
+def test_vlm_places_visual_tokens_after_bos(connector, vision_layer, use_cls):
+    model = vlm_lib.VLM(VISION, connector, LM_KW, vision_layer=vision_layer, use_cls=use_cls)
+    images = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
+    ids = jax.random.randint(jax.random.key(1), (2, 6), 1, 250).at[:, 0].set(257)
+    variables = model.init(jax.random.key(2), images, ids)
+    m = model.apply(variables, (32, 32), method=vlm_lib.VLM.num_visual_tokens)
+    assert m == (16 if connector["name"] == "mlp" else 4) + int(use_cls)
+    logits = model.apply(variables, images, ids)
+    assert logits.shape == (2, 1 + m + 5, 259)
+    assert vlm_lib.text_logits(logits, m).shape == (2, 6, 259)
+    # Text logits after the image depend on the image.
+    other = model.apply(variables, images[::-1], ids)
+    assert not np.allclose(other[:, -1], logits[:, -1], atol=1e-5)
+
+
+def test_vlm_learns_an_answer_and_greedy_decoding_returns_it():
+    """Overfit two examples: the answer-only loss falls and greedy decoding reproduces answers."""
+    tok = tok_lib.ByteTokenizer()
+    model = vlm_lib.VLM(VISION, {"name": "pool", "budget": 4}, LM_KW)
+    images = jnp.stack([jnp.zeros((32, 32, 3)), jnp.ones((32, 32, 3))])
+    answers = ["red", "blue"]
+    prompt = [tok.bos_id] + tok.encode("colour?")
+    seqs = [prompt + tok.encode(a) + [tok.eos_id] for a in answers]
+    length = max(map(len, seqs))
+    ids = np.zeros((2, length), np.int32)
+    answer_mask = np.zeros((2, length), np.float32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        answer_mask[i, len(prompt): len(s)] = 1  # answer + EOS are the targets
+    ids, answer_mask = jnp.asarray(ids), jnp.asarray(answer_mask)
+    variables = model.init(jax.random.key(0), images, ids)
+    m = model.apply(variables, (32, 32), method=vlm_lib.VLM.num_visual_tokens)
+    tx = optax.adam(3e-3)
+    params, opt = variables["params"], tx.init(variables["params"])
+
+    def loss_fn(p):
+        logits = vlm_lib.text_logits(model.apply({"params": p}, images, ids), m)
+        return losses.lm_loss(logits[:, :-1], ids[:, 1:], answer_mask[:, 1:])[0]
+
+    @jax.jit
+    def step(p, o):
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    first = None
+    for _ in range(150):
+        params, opt, loss = step(params, opt)
+        first = first if first is not None else float(loss)
+    assert float(loss) < 0.05 * first
+    prompts = jnp.asarray(np.tile(np.array(prompt + [0] * (length - len(prompt)), np.int32), (2, 1)))
+    out = vlm_lib.greedy_decode(model, {"params": params}, images, np.asarray(prompts),
+                                np.full(2, len(prompt)), max_new_tokens=6, eos_id=tok.eos_id)
+    decoded = [tok.decode(row[: list(row).index(tok.eos_id)] if tok.eos_id in row else row) for row in out]
+    assert decoded == answers

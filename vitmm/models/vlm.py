@@ -1,0 +1,126 @@
+"""A small vision-language model: ViT tower → connector → decoder LM.
+
+    vlm = VLM(vision=dict(width=128, depth=4, ...), connector={"name": "pool", "budget": 16},
+              lm=dict(width=256, depth=4, num_heads=4))
+    logits = vlm.apply(variables, images, ids)      # [B, 1 + M + (L - 1), vocab]
+
+Sequence: ``[BOS] [M visual tokens] [text tokens after BOS…]`` (``placement="after_bos"``,
+LLaVA's layout with the image first). ``vision_layer`` picks the tower output: ``-1`` the
+encoded tokens (after the final LayerNorm), ``-2`` the output of the second-to-last block
+(LLaVA's ``hidden_states[-2]``), ``-n`` block ``depth - n``. ``use_cls`` prepends the CLS
+token, projected by its own linear layer, to the connector's output (the grid-based connectors
+only take patch tokens). ``prefix_lm`` lets BOS, the image and the prompt attend to each other
+both ways (pass ``prompt_len``); otherwise attention is causal throughout.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vitmm.models import common, connectors
+from vitmm.models.lm import LM
+from vitmm.models.vit import ViT
+
+
+class VLM(nn.Module):
+    vision: dict
+    connector: dict
+    lm: dict
+    vision_layer: int = -1
+    use_cls: bool = False
+
+    def setup(self):
+        self.tower = ViT(**self.vision)
+        self.language = LM(**self.lm)
+        self.project = connectors.build(self.connector, out_dim=self.language.width)
+        if self.use_cls:
+            self.cls_proj = nn.Dense(self.language.width, kernel_init=common.trunc_normal(0.02))
+
+    def num_visual_tokens(self, image_hw) -> int:
+        grid = self.tower.grid(image_hw)
+        return connectors.num_visual_tokens(self.connector, grid) + int(self.use_cls)
+
+    def features(self, images: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray | None, tuple[int, int]]:
+        """Patch tokens ``[B, N, C]`` of the chosen layer, the CLS token if any, and the grid."""
+        _, out = self.tower(images)
+        grid = tuple(out["stem"].shape[1:3])
+        depth = self.tower.arch().depth
+        if self.vision_layer == -1:
+            seq = out["encoded"]
+            cls = seq[:, 0] if self.tower.class_token else None
+            patches = out["patch_tokens"]
+        else:
+            index = depth + self.vision_layer + 1
+            if not 0 <= index < depth:
+                raise ValueError(f"vision_layer={self.vision_layer} does not exist in a {depth}-block tower.")
+            seq = out[f"block_{index:02d}"]
+            cls = seq[:, 0] if self.tower.class_token else None
+            patches = seq[:, self.tower.num_prefix_tokens:]
+        if self.use_cls and cls is None:
+            raise ValueError("use_cls=True needs a tower with class_token=True.")
+        return patches, cls, grid
+
+    def visual_tokens(self, images: jnp.ndarray, features=None) -> jnp.ndarray:
+        """``[B, M, D]`` tokens for the LM (``features`` may be precomputed tower outputs)."""
+        patches, cls, grid = features if features is not None else self.features(images)
+        tokens = self.project(patches, grid)
+        if self.use_cls:
+            tokens = jnp.concatenate([self.cls_proj(cls)[:, None], tokens], axis=1)
+        return tokens
+
+    def __call__(self, images, ids, prompt_len=None, prefix_lm: bool = False, features=None):
+        """Logits for ``[BOS] visual ids[:, 1:]``; ``ids[:, 0]`` must be BOS."""
+        visual = self.visual_tokens(images, features)
+        text = self.language.embed(ids)
+        x = jnp.concatenate([text[:, :1], visual.astype(text.dtype), text[:, 1:]], axis=1)
+        prefix = None
+        if prefix_lm:
+            if prompt_len is None:
+                raise ValueError("prefix_lm=True needs prompt_len (BOS + prompt tokens).")
+            prefix = visual.shape[1] + jnp.asarray(prompt_len)
+        return self.language(embeds=x, prefix_len=prefix)
+
+
+def text_logits(logits: jnp.ndarray, num_visual: int) -> jnp.ndarray:
+    """Drops the visual positions: ``[B, L, vocab]`` aligned with the text ids (position ``i``
+    predicts ``ids[:, i + 1]``)."""
+    return jnp.concatenate([logits[:, :1], logits[:, 1 + num_visual:]], axis=1)
+
+
+def greedy_decode(model: VLM, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray,
+                  max_new_tokens: int, eos_id: int, prefix_lm: bool = False) -> np.ndarray:
+    """Greedy answers ``[B, max_new_tokens]`` (EOS, then padding with EOS) after each prompt.
+
+    ``prompt_ids: [B, L]`` holds BOS + prompt left-aligned, ``prompt_len`` their lengths; the
+    buffer has room for ``max_new_tokens`` more. One compiled step per generated token, over a
+    fixed-size buffer (no recompilation).
+    """
+    b, length = prompt_ids.shape
+    buffer = np.zeros((b, length + max_new_tokens), np.int32)
+    buffer[:, :length] = prompt_ids
+    num_visual = model.apply(variables, images.shape[1:3], method=VLM.num_visual_tokens)
+    features = model.apply(variables, images, method=VLM.features)
+
+    @jax.jit
+    def next_token(ids, pos):
+        logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm,
+                             features=features)
+        logits = text_logits(logits, num_visual)
+        return jnp.take_along_axis(logits, (pos - 1)[:, None, None], axis=1)[:, 0].argmax(-1)
+
+    pos = np.asarray(prompt_len).copy()
+    done = np.zeros(b, bool)
+    out = np.full((b, max_new_tokens), eos_id, np.int32)
+    for step in range(max_new_tokens):
+        token = np.asarray(next_token(jnp.asarray(buffer), jnp.asarray(pos)))
+        token = np.where(done, eos_id, token)
+        out[:, step] = token
+        buffer[np.arange(b), pos] = token
+        pos = np.minimum(pos + 1, buffer.shape[1] - 1)
+        done |= token == eos_id
+        if done.all():
+            break
+    return out
