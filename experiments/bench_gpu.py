@@ -133,18 +133,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scan", action="store_true")
     parser.add_argument("--remat", default="none")
+    parser.add_argument("--batch_scale", type=float, default=1.0, help="multiplies every batch size")
+    parser.add_argument("--only_cudnn", action="store_true", help="skip the XLA-attention cases")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
     results = {"agreement": agreement()}
     print(json.dumps(results["agreement"]), flush=True)
+    b = lambda n: int(n * args.batch_scale)  # noqa: E731
     cases = [
-        ("ViT-B/16 xla tok(197)", lambda: vit_case("B/16", 256, None, False, args)),
-        ("ViT-B/16 cudnn gap(196)", lambda: vit_case("B/16", 256, "cudnn", True, args)),
-        ("ViT-L/16 xla tok(197)", lambda: vit_case("L/16", 128, None, False, args)),
-        ("ViT-L/16 cudnn gap(196)", lambda: vit_case("L/16", 128, "cudnn", True, args)),
-        ("SigLIP-B/16 pair cudnn", lambda: siglip_case(256, "cudnn", args)),
+        ("ViT-B/16 xla tok(197)", lambda: vit_case("B/16", b(256), None, False, args)),
+        ("ViT-B/16 cudnn gap(196)", lambda: vit_case("B/16", b(256), "cudnn", True, args)),
+        ("ViT-L/16 xla tok(197)", lambda: vit_case("L/16", b(128), None, False, args)),
+        ("ViT-L/16 cudnn gap(196)", lambda: vit_case("L/16", b(128), "cudnn", True, args)),
+        ("SigLIP-B/16 pair cudnn", lambda: siglip_case(b(256), "cudnn", args)),
     ]
+    if args.only_cudnn:
+        cases = [c for c in cases if "xla" not in c[0]]
     for name, run in cases:
         try:
             r = run()
