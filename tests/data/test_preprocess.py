@@ -89,3 +89,16 @@ def test_nested_caption_lists_like_coco():
     assert out["caption"] in ("a dog on grass", "a brown dog")
     with pytest.raises(KeyError, match="captions/txt"):
         _run("decode|choose(keys=('captions/txt',), out_keys=('caption',))", ex)
+
+
+def test_qa_tokens_mark_the_answer_and_keep_it_whole():
+    ex = {"question": "how many stars are there?", "answer": "2"}
+    out = _run("qa_tokens(40)", ex)
+    ids, mask, n = out["ids"], out["answer_mask"], int(out["prompt_len"])
+    text = bytes(int(i) - 1 for i in ids[1:n]).decode()
+    assert ids[0] == 257 and text == "how many stars are there? "
+    assert list(ids[n:n + 2]) == [ord("2") + 1, 258] and mask.sum() == 2 and mask[n] == 1 and mask[n - 1] == 0
+    short = _run("qa_tokens(12)", ex)  # the question is cut, the answer and EOS stay
+    assert bool(short["qa_truncated"]) and list(short["ids"][-2:]) == [ord("2") + 1, 258]
+    with pytest.raises(ValueError, match="does not fit"):
+        _run("qa_tokens(3)", {"question": "q", "answer": "long answer"})

@@ -180,3 +180,25 @@ def test_vocabulary_must_match_the_tokenizer(tmp_path, data_dir):
     c = smoke_config(data_dir, evals=False, tokenizer=str(path))
     with pytest.raises(ValueError, match=r"vocab_size=259 but the tokenizer .* has 4 tokens"):
         trainer.train(c, tmp_path / "w")
+
+
+def test_vlm_tower_initialises_from_a_clip_run(tmp_path, data_dir):
+    import jax.numpy as jnp
+
+    from vitmm.models import vlm as vlm_lib
+
+    clip = smoke_config(data_dir, evals=False, total_steps=1)
+    trainer.train(clip, tmp_path / "clip")
+    vision = clip.model.image.to_dict()
+    lm = dict(vocab_size=259, width=32, depth=1, num_heads=4)
+    model = vlm_lib.VLM(vision, {"name": "pool", "budget": 4}, lm)
+    images, ids = jnp.zeros((1, 32, 32, 3)), jnp.zeros((1, 4), jnp.int32)
+    params = model.init(jax.random.key(0), images, ids)["params"]
+    loaded = ckpt_lib.init_tower_from_clip(params, tmp_path / "clip")
+    clip_img = ckpt_lib.load_params(tmp_path / "clip")["img"]
+    jax.tree.map(np.testing.assert_array_equal, loaded["tower"], clip_img)
+    jax.tree.map(np.testing.assert_array_equal, loaded["language"], params["language"])
+    narrow = vlm_lib.VLM({**vision, "width": 64}, {"name": "pool", "budget": 4}, lm)
+    narrow_params = narrow.init(jax.random.key(0), images, ids)["params"]
+    with pytest.raises(ValueError, match=r"shape mismatch: embedding/kernel"):
+        ckpt_lib.init_tower_from_clip(narrow_params, tmp_path / "clip")

@@ -17,6 +17,8 @@ Ops (all work on numpy, per example):
   * ``value_range(lo, hi)``: uint8 → float32 in ``[lo, hi]``.
   * ``tokenize(key, max_len, out_key=None, ...)``: fixed-length int32 ids in ``out_key``
     (default ``{key}_tokens``) and ``{out_key}_truncated``.
+  * ``qa_tokens(max_len)``: a question and its answer as one sequence for the VLM, with the
+    answer mask and the prompt length.
   * ``choose(keys, out_keys)``: one random entry, at the same index, from parallel lists
     (e.g. a question with its answer; ``"captions/text"`` reaches into nested features).
   * ``keep(*keys)`` / ``drop(*keys)``.
@@ -71,7 +73,7 @@ def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], di
         name, args, kwargs = _parse_op(text)
         if name not in _OPS:
             raise ValueError(f"Unknown preprocessing op {name!r} in {spec!r}; available: {available_ops()}.")
-        if name == "tokenize":
+        if name in ("tokenize", "qa_tokens"):
             kwargs.setdefault("tokenizer", tokenizer)
         fns.append(_OPS[name](*args, **kwargs))
 
@@ -249,6 +251,34 @@ def tokenize(key, max_len, out_key=None, tokenizer=None, add_bos=True, add_eos=T
                                   padding=padding, truncation=truncation)
         ex[out_key] = result.ids
         ex[f"{out_key}_truncated"] = np.bool_(result.truncated)
+        return ex
+
+    return fn
+
+
+@register("qa_tokens")
+def qa_tokens(max_len, question_key="question", answer_key="answer", tokenizer=None, separator=" "):
+    """``[BOS] question separator answer [EOS] PAD…`` as ``ids`` (int32 ``[max_len]``), with
+    ``answer_mask`` (1 on the answer and EOS: the tokens the VLM is trained to produce),
+    ``prompt_len`` (BOS + question + separator) and ``qa_truncated``. A question too long for
+    ``max_len`` is cut from the right so that the whole answer always fits."""
+    tokenizer = tokenizer or tok_lib.ByteTokenizer()
+
+    def fn(ex, rng):
+        question = tokenizer.encode(ex[question_key] + separator)
+        answer = tokenizer.encode(ex[answer_key]) + [tokenizer.eos_id]
+        room = max_len - 1 - len(answer)
+        if room < 1:
+            raise ValueError(f"qa_tokens: answer {ex[answer_key]!r} does not fit max_len={max_len}.")
+        truncated = len(question) > room
+        question = question[:room]
+        seq = [tokenizer.bos_id] + question + answer
+        ids = np.full(max_len, tokenizer.pad_id, np.int32)
+        ids[: len(seq)] = seq
+        mask = np.zeros(max_len, np.float32)
+        mask[1 + len(question): len(seq)] = 1.0
+        ex["ids"], ex["answer_mask"] = ids, mask
+        ex["prompt_len"], ex["qa_truncated"] = np.int32(1 + len(question)), np.bool_(truncated)
         return ex
 
     return fn

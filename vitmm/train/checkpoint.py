@@ -129,3 +129,17 @@ def merge_params(init: dict, loaded: dict, dont_load: Sequence[str] = (), source
                          + "\nAdd regexes of what not to load to config.init.dont_load.")
     merged = {k: (v if skip(k) else have[k]) for k, v in want.items()}
     return traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in merged.items()})
+
+
+def init_tower_from_clip(vlm_params: dict, clip_workdir: str | pathlib.Path, tower_key: str = "tower",
+                         image_key: str = "img") -> dict:
+    """``vlm_params`` with its vision tower replaced by a CLIP run's image tower.
+
+    ``clip_workdir`` is a ``vitmm.train`` workdir; its ``params[image_key]`` must match the VLM's
+    tower exactly: anything missing, left over or mis-shaped is listed in the error.
+    """
+    loaded = load_params(clip_workdir)
+    if image_key not in loaded:
+        raise ValueError(f"The checkpoint in {clip_workdir} has no {image_key!r} tower; it has {sorted(loaded)}.")
+    tower = merge_params(vlm_params[tower_key], loaded[image_key], source=f"{clip_workdir} ({image_key})")
+    return {**vlm_params, tower_key: tower}
