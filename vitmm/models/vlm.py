@@ -15,6 +15,8 @@ both ways (pass ``prompt_len``); otherwise attention is causal throughout.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -90,32 +92,43 @@ def text_logits(logits: jnp.ndarray, num_visual: int) -> jnp.ndarray:
     return jnp.concatenate([logits[:, :1], logits[:, 1 + num_visual:]], axis=1)
 
 
+def _next_token(model, variables, images, ids, pos, prompt_len, num_visual, prefix_lm):
+    logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm)
+    logits = text_logits(logits, num_visual)
+    return jnp.take_along_axis(logits, (pos - 1)[:, None, None], axis=1)[:, 0].argmax(-1)
+
+
+_STEP_CACHE: dict = {}  # id(model) -> (model, compiled step); modules with dict fields don't hash
+
+
+def _decode_step(model):
+    entry = _STEP_CACHE.get(id(model))
+    if entry is None or entry[0] is not model:
+        entry = (model, jax.jit(functools.partial(_next_token, model), static_argnames=("num_visual", "prefix_lm")))
+        _STEP_CACHE[id(model)] = entry
+    return entry[1]
+
+
 def greedy_decode(model: VLM, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray,
                   max_new_tokens: int, eos_id: int, prefix_lm: bool = False) -> np.ndarray:
     """Greedy answers ``[B, max_new_tokens]`` (EOS, then padding with EOS) after each prompt.
 
     ``prompt_ids: [B, L]`` holds BOS + prompt left-aligned, ``prompt_len`` their lengths; the
-    buffer has room for ``max_new_tokens`` more. One compiled step per generated token, over a
-    fixed-size buffer (no recompilation).
+    buffer has room for ``max_new_tokens`` more. One compiled step (cached across calls) per
+    generated token over a fixed-size buffer; the whole sequence is recomputed each step (no KV
+    cache: answers here are a few tokens).
     """
     b, length = prompt_ids.shape
     buffer = np.zeros((b, length + max_new_tokens), np.int32)
     buffer[:, :length] = prompt_ids
     num_visual = model.apply(variables, images.shape[1:3], method=VLM.num_visual_tokens)
-    features = model.apply(variables, images, method=VLM.features)
-
-    @jax.jit
-    def next_token(ids, pos):
-        logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm,
-                             features=features)
-        logits = text_logits(logits, num_visual)
-        return jnp.take_along_axis(logits, (pos - 1)[:, None, None], axis=1)[:, 0].argmax(-1)
-
-    pos = np.asarray(prompt_len).copy()
+    pos = np.asarray(prompt_len).astype(np.int32).copy()
+    prompt_len = jnp.asarray(pos)
     done = np.zeros(b, bool)
     out = np.full((b, max_new_tokens), eos_id, np.int32)
     for step in range(max_new_tokens):
-        token = np.asarray(next_token(jnp.asarray(buffer), jnp.asarray(pos)))
+        token = np.asarray(_decode_step(model)(variables, images, jnp.asarray(buffer), jnp.asarray(pos),
+                                               prompt_len, num_visual=num_visual, prefix_lm=prefix_lm))
         token = np.where(done, eos_id, token)
         out[:, step] = token
         buffer[np.arange(b), pos] = token

@@ -27,6 +27,10 @@ def summary_table(summary: dict) -> str:
         if key in evals:
             lines.append(f"{label:<28} {evals[key]:>8.3f} "
                          f"{evals[chance] if chance else float('nan'):>8.3f}".replace("nan", "  -"))
+    shown = {key for _, key, _ in rows}
+    for key, value in evals.items():  # anything else an evaluator reports (e.g. VLM accuracies)
+        if key not in shown and "chance" not in key and not key.endswith(("examples", "batches")):
+            lines.append(f"{key:<28} {value:>8.3f} {'-':>8}")
     lines.append(f"checkpoints {summary['checkpoints']} in {summary['workdir']}")
     return "\n".join(lines)
 

@@ -105,3 +105,66 @@ def smoke_full_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         if ev.type == "val_loss":
             ev.batch_size = 8
     return c
+
+
+def vlm(*, vision: dict, lm: dict, connector: dict, data: str, image_size: int, stage: int = 1,
+        batch_size: int = 64, total_steps: int = 500, max_len: int = 64) -> ml_collections.ConfigDict:
+    """A VLM run on scenes questions: stage 1 trains the connector (tower and LM frozen), stage 2
+    also the LM (tower frozen), as in LLaVA."""
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 (connector only) or 2 (connector and LM), got {stage}.")
+    c = ml_collections.ConfigDict()
+    c.task = "vlm"
+    c.seed = 0
+    c.total_steps = total_steps
+    c.batch_size = batch_size
+    c.parallel = "jit"
+    c.fsdp = False
+    c.tokenizer = config_dict.placeholder(str)
+    c.log_every = 10
+    c.eval_every = total_steps
+    c.checkpoint_every = total_steps
+    c.keep_checkpoints = 2
+    c.sync_every = 8
+
+    c.input = ml_collections.ConfigDict()
+    c.input.data = ml_collections.ConfigDict(dict(name=data, split="train"))
+    c.input.data_dir = config_dict.placeholder(str)
+    c.input.image_size = image_size
+    c.input.keys = ("image", "questions", "answers", "question_kinds")
+    c.input.pp = (f"decode|resize({image_size})|value_range(-1, 1)|choose|qa_tokens({max_len})|"
+                  "keep('image', 'ids', 'answer_mask', 'prompt_len')")
+    c.input.num_threads = 1
+    c.input.prefetch = 8
+    c.input.device_prefetch = 2
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vision = ml_collections.ConfigDict(vision)
+    c.model.connector = ml_collections.ConfigDict(connector)
+    c.model.lm = ml_collections.ConfigDict(dict(vocab_size=259, **lm))
+    c.model.vision_layer = -1
+    c.model.use_cls = False
+    c.model.prefix_lm = False
+    c.model.max_len = max_len
+
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=1e-3 if stage == 1 else 3e-4, warmup_steps=max(total_steps // 20, 1), end_factor=0.0,
+        weight_decay=0.0, b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0, accum_steps=1,
+        freeze=(r"tower/.*", r"language/.*") if stage == 1 else (r"tower/.*",)))
+
+    c.init = ml_collections.ConfigDict()
+    c.init.vision = config_dict.placeholder(str)  # a CLIP run's workdir (python -m vitmm.train)
+    c.init.allow_random_tower = False
+    c.init.checkpoint = config_dict.placeholder(str)  # stage 2: the stage-1 workdir
+    c.init.dont_load = ()
+
+    c.evals = ml_collections.ConfigDict()
+    c.evals.qa = dict(type="qa", data=dict(name=data, split="validation"), num_examples=512, batch_size=128,
+                      max_new_tokens=8)
+
+    c.multihost = ml_collections.ConfigDict()
+    c.multihost.coordinator = config_dict.placeholder(str)
+    c.multihost.bind_address = config_dict.placeholder(str)
+    c.multihost.num_processes = 1
+    c.multihost.process_id = 0
+    return c

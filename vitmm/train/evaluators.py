@@ -212,3 +212,55 @@ def _scenes_classes(data: dict) -> tuple[list[str], dict]:
     diff = scenes.DIFFICULTIES[scenes_builder.config_from_name(config).difficulty]
     regions = scenes.REGIONS_2X2 if diff.grid == 2 else scenes.REGIONS_3X3
     return list(diff.shapes), {"color": list(diff.colors), "region": list(regions)}
+
+
+class QAAccuracy:
+    """Greedy-decoded answers of a VLM against the reference, exact match, per question kind.
+
+    ``cfg``: ``data`` (name, split, data_dir; a scenes config), ``num_examples`` (images; one
+    seeded random question each), ``batch_size``, ``max_new_tokens``.
+    """
+
+    def __init__(self, model, cfg: dict, max_len: int, tokenizer, image_size: int, prefix_lm: bool):
+        from vitmm.data import scenes
+
+        cfg.pop("type", None)
+        cfg.pop("every", None)
+        data = dict(cfg["data"])
+        self.model, self.tokenizer, self.prefix_lm = model, tokenizer, prefix_lm
+        self.batch_size = cfg.get("batch_size", 64)
+        self.max_new_tokens = cfg.get("max_new_tokens", 8)
+        source = pipeline.get_source(data["name"], data["split"], data.get("data_dir"),
+                                     keys=("image", "questions", "answers", "question_kinds"))
+        self.source = _Prefix(source, min(cfg.get("num_examples") or len(source), len(source)))
+        self.kinds = scenes.QUESTION_KINDS
+        self._pp = preprocess.parse(
+            f"decode|resize({image_size})|value_range(-1, 1)|choose|qa_tokens({max_len})|"
+            "keep('image', 'ids', 'prompt_len', 'answer', 'question_kind')", tokenizer)
+
+    def run(self, params, **_) -> dict:
+        from vitmm.models import vlm
+
+        variables = {"params": params}
+        correct, kinds = [], []
+        for batch in pipeline.eval_batches(self.source, self._pp, self.batch_size, process_index=0,
+                                           process_count=1, num_threads=1):
+            prompts = batch["ids"].copy()
+            prompts[np.arange(prompts.shape[1])[None, :] >= batch["prompt_len"][:, None]] = self.tokenizer.pad_id
+            out = vlm.greedy_decode(self.model, variables, batch["image"], prompts, batch["prompt_len"],
+                                    self.max_new_tokens, self.tokenizer.eos_id, self.prefix_lm)
+            for row, answer, kind, keep in zip(out, batch["answer"], batch["question_kind"], batch["_mask"],
+                                              strict=True):
+                if not keep:
+                    continue
+                row = list(row)
+                text = self.tokenizer.decode(row[: row.index(self.tokenizer.eos_id)] if self.tokenizer.eos_id in row
+                                             else row)
+                correct.append(text == answer)
+                kinds.append(int(kind))
+        correct, kinds = np.array(correct), np.array(kinds)
+        result = {"accuracy": float(correct.mean()), "examples": int(len(correct))}
+        for i, name in enumerate(self.kinds):
+            if (kinds == i).any():
+                result[f"acc_{name}"] = float(correct[kinds == i].mean())
+        return result

@@ -1,4 +1,5 @@
-"""The contrastive (CLIP/SigLIP) train loop: ``train(config, workdir) -> summary``.
+"""The train loop: ``train(config, workdir) -> summary`` for any task in ``vitmm.train.tasks``
+(contrastive CLIP/SigLIP pretraining, VLM connector/LM training).
 
 Reads top to bottom: setup → data → model and optimizer → state (fresh, initialised from
 another run, or resumed from this workdir) → loop (step, log, evaluate, checkpoint) → summary.
@@ -17,56 +18,32 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from vitmm import losses
 from vitmm.data import pipeline, preprocess
 from vitmm.data import tokenizer as tok_lib
-from vitmm.models import two_towers
 from vitmm.train import checkpoint as ckpt_lib
-from vitmm.train import evaluators as eval_lib
-from vitmm.train import optim
+from vitmm.train import optim, tasks
 from vitmm.train.parallel import Parallel, to_host
 
-METRIC_NAMES = ("loss", "grad_norm", "param_norm", "update_norm", "t", "b")
-LOSSES = ("softmax", "sigmoid", "sigmoid_chunked")
+BASE_METRICS = ("loss", "grad_norm", "param_norm", "update_norm")
 
 
 # ================================================================================================
 #                                         Train step
 # ================================================================================================
-def _loss_impl(kind: str, par: Parallel):
-    """``(zimg, ztxt, t, b) -> loss`` for the loss and the parallelism (see ``vitmm.losses``)."""
-    if kind not in LOSSES:
-        raise ValueError(f"Unknown loss={kind!r}; choose one of {LOSSES}.")
-    if par.kind == "pmap":
-        return {"softmax": lambda zi, zt, t, b: losses.softmax_loss_pmap(zi, zt, t),
-                "sigmoid": losses.sigmoid_loss_pmap,
-                "sigmoid_chunked": losses.sigmoid_loss_chunked_pmap}[kind]
-    return {"softmax": lambda zi, zt, t, b: losses.softmax_loss(zi, zt, t),
-            "sigmoid": losses.sigmoid_loss,
-            "sigmoid_chunked": lambda zi, zt, t, b: losses.sigmoid_loss_chunked(zi, zt, t, b, par.mesh)}[kind]
-
-
-def make_train_step(model, tx, lr_schedule, config, par: Parallel):
+def make_train_step(task, tx, lr_schedule, config, par: Parallel):
     """One update on the batch: ``step(state, batch) -> (state, metrics)``.
 
     With ``accum_steps = k`` the batch is split into ``k`` micro-batches whose gradients are
-    averaged before one update (each micro-batch is its own contrastive problem: its
-    negatives are the other pairs of the same micro-batch, across all devices).
+    averaged before one update (for a contrastive task each micro-batch is its own contrastive
+    problem: its negatives are the other pairs of the same micro-batch, across all devices).
     """
-    loss_impl = _loss_impl(config.loss, par)
     accum = config.optim.get("accum_steps", 1)
-    max_t = config.get("max_temperature")
-
-    def loss_fn(params, batch, rng):
-        zimg, ztxt, out = model.apply({"params": params}, batch["image"], batch["caption_tokens"],
-                                      train=True, rngs={"dropout": rng})
-        t, b = out["t"], out.get("b", jnp.zeros(()))
-        return loss_impl(zimg, ztxt, t, b), (t, b)
+    names = BASE_METRICS + task.aux_names
 
     def step(state, batch):
         rng = par.device_rng(jax.random.fold_in(state["rng"], state["step"]))
         params = state["params"]
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        grad_fn = jax.value_and_grad(task.loss_fn, has_aux=True)
         if accum > 1:
             micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
@@ -78,17 +55,15 @@ def make_train_step(model, tx, lr_schedule, config, par: Parallel):
             zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), aux = jax.lax.scan(body, zero, (micro, jnp.arange(accum)))
             loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
-            t, b = aux[0][-1], aux[1][-1]
+            aux = jax.tree.map(lambda a: a[-1], aux)
         else:
-            (loss, (t, b)), grads = grad_fn(params, batch, rng)
-        loss, grads = par.reduce((loss, grads))
+            (loss, aux), grads = grad_fn(params, batch, rng)
+        loss, grads, aux = par.reduce((loss, grads, aux))
         updates, opt_state = tx.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
-        if max_t:
-            params = two_towers.clamp_temperature(params, max_t)
+        params = task.post_update(optax.apply_updates(params, updates))
         metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params),
-                       update_norm=optax.tree.norm(updates), t=t, b=b, lr=lr_schedule(state["step"]))
-        finite = jnp.stack([jnp.isfinite(metrics[k]) for k in METRIC_NAMES])
+                       update_norm=optax.tree.norm(updates), lr=lr_schedule(state["step"]), **aux)
+        finite = jnp.stack([jnp.isfinite(metrics[k]) for k in names])
         first_bad = jnp.argmin(finite)  # index of the first non-finite metric, if any
         bad = jnp.where((state["bad"][0] < 0) & ~finite.all(), jnp.stack([state["step"], first_bad]),
                         state["bad"])
@@ -151,13 +126,6 @@ def _input(config, tokenizer, par: Parallel):
     return pipeline.DeviceIterator(host, size=inp.get("device_prefetch", 2), put=par.put_batch)
 
 
-def _init_params(model, config):
-    res = config.input.image_size
-    images = jnp.zeros((1, res, res, 3), jnp.float32)
-    ids = jnp.zeros((1, config.model.text.max_len), jnp.int32)
-    return jax.jit(model.init)(jax.random.key(config.seed), images, ids)["params"]
-
-
 # ================================================================================================
 #                                          The loop
 # ================================================================================================
@@ -175,15 +143,8 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
     if config.batch_size % jax.device_count():
         raise ValueError(f"batch_size={config.batch_size} does not split over {jax.device_count()} devices.")
     tokenizer = tok_lib.get_tokenizer(config.get("tokenizer"))
-    if config.model.text.vocab_size != tokenizer.vocab_size:
-        raise ValueError(
-            f"The text tower has vocab_size={config.model.text.vocab_size} but the tokenizer "
-            f"({config.get('tokenizer') or 'bytes'}) has {tokenizer.vocab_size} tokens; set "
-            f"--config.model.text.vocab_size={tokenizer.vocab_size}."
-        )
-
-    model = two_towers.TwoTowers(**config.model.to_dict())
-    params = _init_params(model, config)
+    task = tasks.from_config(config, par, tokenizer)
+    params = task.init_params()
     optim_cfg = config.optim.copy_and_resolve_references()
     with optim_cfg.unlocked():
         optim_cfg.total_steps = config.total_steps
@@ -214,10 +175,10 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
         new, metrics = train_step(keyed, batch)
         return dict(new, rng=jax.random.key_data(new["rng"])), metrics
 
-    train_step = make_train_step(model, tx, lr_schedule, config, par)
+    train_step = make_train_step(task, tx, lr_schedule, config, par)
     step_fn = par.compile(step_with_key, jax.tree.map(lambda x: x, par.host_state(state)))
-    evaluators = eval_lib.from_config(config.get("evals") or {}, model, config.model.text.max_len,
-                                      tokenizer, config.loss, config.input.image_size)
+    evaluators = task.evaluators()
+    metric_names = BASE_METRICS + task.aux_names
     writer = MetricWriter(workdir, enabled=is_main)
 
     total = config.total_steps
@@ -234,7 +195,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
             at_ckpt = step % config.checkpoint_every == 0 or step in (total, stop_at)
             at_eval = bool(evaluators) and (step % config.eval_every == 0 or step == total)
             if at_log or at_ckpt or at_eval or (sync_every and step % sync_every == 0):
-                _check_finite(par.host_state(state)["bad"], checkpointer)
+                _check_finite(par.host_state(state)["bad"], checkpointer, metric_names)
             if at_log:
                 now = time.perf_counter()
                 host = {k: float(v) for k, v in par.first(metrics).items()}
@@ -242,11 +203,12 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
                 last_log = (now, step)
                 history.append({"step": step, **host})
                 writer.write(step, host)
-                progress.set_postfix(loss=f"{host['loss']:.3f}", t=f"{host['t']:.1f}",
-                                     img_s=f"{host['img_per_s']:.0f}", refresh=False)
+                shown = {k: f"{host[k]:.3g}" for k in ("loss",) + task.aux_names[:1]}
+                progress.set_postfix(**shown, img_s=f"{host['img_per_s']:.0f}", refresh=False)
             if at_eval:
+                host_metrics = par.first(metrics)
                 evals = _evaluate(evaluators, _host_params(par.host_state(state)["params"]),
-                                  par.first(metrics))
+                                  {k: host_metrics[k] for k in task.aux_names})
                 writer.write(step, evals)
                 if is_main:
                     tqdm.write(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in evals.items()
@@ -259,9 +221,8 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
             if step == stop_at:
                 break
         if start >= total and evaluators:  # a finished run: report its final evaluation again
-            evals = _evaluate(evaluators, _host_params(par.host_state(state)["params"]),
-                              {"t": to_host(jnp.exp(par.host_state(state)["params"]["t"][0])),
-                               "b": to_host(par.host_state(state)["params"].get("b", jnp.zeros(1))[0])})
+            params = _host_params(par.host_state(state)["params"])
+            evals = _evaluate(evaluators, params, task.final_aux(params))
     finally:
         progress.close()
         checkpointer.close()
@@ -277,23 +238,23 @@ def _host_params(params):
     return jax.tree.map(to_host, params)
 
 
-def _check_finite(bad, checkpointer) -> None:
+def _check_finite(bad, checkpointer, names) -> None:
     bad = to_host(bad)
     if bad[0] >= 0:
         last = checkpointer.latest_step()
         raise FloatingPointError(
-            f"Non-finite {METRIC_NAMES[int(bad[1])]} at step {int(bad[0]) + 1}; the run stops. "
+            f"Non-finite {names[int(bad[1])]} at step {int(bad[0]) + 1}; the run stops. "
             + (f"The last good checkpoint (step {last}) is kept in {checkpointer.directory}."
                if last is not None else "No checkpoint had been written yet.")
             + " Lower the learning rate, raise warmup or clip harder, then resume."
         )
 
 
-def _evaluate(evaluators, params, metrics) -> dict:
-    t, b = float(metrics["t"]), float(metrics["b"])
+def _evaluate(evaluators, params, aux) -> dict:
+    aux = {k: float(v) for k, v in aux.items()}
     out = {}
     for name, evaluator in evaluators.items():
-        for key, value in evaluator.run(params, t=t, b=b).items():
+        for key, value in evaluator.run(params, **aux).items():
             out[f"{name}/{key}"] = float(value)
     return out
 

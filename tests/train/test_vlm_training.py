@@ -1,0 +1,83 @@
+"""VLM training through the same loop: stages freeze what they should, the tower comes from a
+CLIP run of `vitmm.train`, and the QA evaluator reports accuracy per question kind."""
+
+import importlib.util
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from vitmm.train import checkpoint as ckpt_lib
+from vitmm.train import trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def _config(name, arg, data_dir, **overrides):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config(arg)
+    with c.unlocked():
+        c.input.data_dir = data_dir
+        for ev in c.evals.values():
+            ev.data.data_dir = data_dir
+        for key, value in overrides.items():
+            target = c
+            *path, last = key.split(".")
+            for p in path:
+                target = target[p]
+            target[last] = value
+    return c
+
+
+def test_stages_train_what_they_should_from_a_clip_tower(tmp_path, data_dir):
+    clip = _config("clip_scenes", "smoke", data_dir, total_steps=1)
+    with clip.unlocked():
+        clip.evals = type(clip.evals)()
+    trainer.train(clip, tmp_path / "clip")
+    clip_img = ckpt_lib.load_params(tmp_path / "clip")["img"]
+
+    stage1 = _config("vlm_scenes", "smoke,connector=pool,budget=4", data_dir,
+                     **{"init.vision": str(tmp_path / "clip"), "init.allow_random_tower": False})
+    summary = trainer.train(stage1, tmp_path / "s1")
+    assert {"qa/accuracy", "qa/acc_exists", "qa/examples"} <= set(summary["evals"])
+    assert all(np.isfinite(h["loss"]) and 0 <= h["token_acc"] <= 1 for h in summary["history"])
+    params = ckpt_lib.load_params(tmp_path / "s1")
+    jax.tree.map(np.testing.assert_array_equal, params["tower"], clip_img)  # frozen, from CLIP
+
+    # Stage 2 starts from stage 1; the LM now trains, the tower still does not.
+    stage2 = _config("vlm_scenes", "smoke,connector=pool,budget=4,stage=2", data_dir,
+                     **{"init.vision": str(tmp_path / "clip"), "init.checkpoint": str(tmp_path / "s1"),
+                        "init.allow_random_tower": False})
+    trainer.train(stage2, tmp_path / "s2")
+    after = ckpt_lib.load_params(tmp_path / "s2")
+    jax.tree.map(np.testing.assert_array_equal, after["tower"], clip_img)
+    moved = jax.tree.map(lambda a, b: bool(np.any(a != b)), after["language"], params["language"])
+    assert any(jax.tree.leaves(moved))
+
+
+def test_stage1_keeps_the_language_model_fixed(tmp_path, data_dir):
+    c = _config("vlm_scenes", "smoke,connector=mlp", data_dir, total_steps=2)
+    with c.unlocked():
+        c.evals = type(c.evals)()
+    stopped = trainer.train(c, tmp_path / "a", stop_at=1)
+    first = ckpt_lib.load_params(tmp_path / "a")
+    trainer.train(c, tmp_path / "a")
+    second = ckpt_lib.load_params(tmp_path / "a")
+    assert stopped["final_step"] == 1
+    jax.tree.map(np.testing.assert_array_equal, second["language"], first["language"])
+    changed = jax.tree.map(lambda x, y: bool(np.any(x != y)), second["project"], first["project"])
+    assert all(jax.tree.leaves(changed))
+
+
+def test_a_vlm_needs_a_pretrained_tower(tmp_path, data_dir):
+    c = _config("vlm_scenes", "smoke", data_dir, **{"init.allow_random_tower": False})
+    with pytest.raises(ValueError, match="init.vision=WORKDIR"):
+        trainer.train(c, tmp_path)
