@@ -47,7 +47,16 @@ def test_every_config_builds_its_model(path, arg):
 
     config = load_config(path, arg)
     assert path.read_text().lstrip().startswith('"""') and "python -m" in path.read_text()
-    if "image" in config.model:  # a two-tower (contrastive) config
+    if "lm" in config.model:  # a VLM config
+        from vitmm.models import vlm
+
+        m = config.model
+        model = vlm.VLM(m.vision.to_dict(), m.connector.to_dict(), m.lm.to_dict(), m.vision_layer, m.use_cls)
+        size = config.input.image_size
+        shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, size, size, 3)),
+                                jnp.zeros((1, m.max_len), jnp.int32))
+        assert {"tower", "project", "language"} <= set(shapes["params"])
+    elif "image" in config.model:  # a two-tower (contrastive) config
         model = two_towers.TwoTowers(**config.model.to_dict())
         size = config.input.image_size
         shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, size, size, 3)),
@@ -122,3 +131,10 @@ def test_every_readme_model_example_builds():
         model = eval(example, {"ViT": vit.ViT})  # noqa: S307 - our own README
         shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))
         assert shapes["params"], example
+
+
+def test_load_applies_dotted_overrides_and_rejects_unknown_keys():
+    config = config_args.load(ROOT / "configs/frontend_demo.py", "smoke", **{"model.num_registers": 3})
+    assert config.model.num_registers == 3 and config.model.variant == "Ti/16"
+    with pytest.raises(KeyError, match="model.num_registrs"):
+        config_args.load(ROOT / "configs/frontend_demo.py", None, **{"model.num_registrs": 3})

@@ -52,3 +52,27 @@ def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict(values)
     config.lock()
     return config
+
+
+def load(path, arg: str | None = None, **overrides) -> ml_collections.ConfigDict:
+    """``get_config(arg)`` of the config file at ``path``, with dotted-key ``overrides`` applied
+    (``{"optim.lr": 0.0}``); for scripts and tests (the command line uses ``--config.k=v``).
+    Keys are checked as on the command line: an unknown one is an error naming it."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg)
+    for key, value in overrides.items():
+        *parents, last = key.split(".")
+        target = config
+        for part in parents:
+            target = target[part]
+        if last not in target:
+            raise KeyError(f"Unknown config key {key!r} in {path.name}.")
+        with target.unlocked():
+            target[last] = value
+    return config

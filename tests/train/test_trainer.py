@@ -1,6 +1,5 @@
 """The contrastive trainer end to end on smoke configs (4 CPU devices, tiny towers, tiny data)."""
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -10,34 +9,19 @@ import ml_collections
 import numpy as np
 import pytest
 
+from vitmm import config_args
 from vitmm.train import checkpoint as ckpt_lib
-from vitmm.train import trainer
+from vitmm.train import config_base, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
-
-
 def smoke_config(data_dir, name="clip_scenes", arg="smoke", evals=True, **overrides):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config(arg)
-    with c.unlocked():
-        c.input.data_dir = data_dir
-        for ev in c.evals.values():
-            ev.data.data_dir = data_dir
-        if not evals:
+    """``configs/{name}.py:{arg}`` reading and evaluating on ``data_dir``."""
+    c = config_base.with_data_dir(config_args.load(ROOT / "configs" / f"{name}.py", arg, **overrides), data_dir)
+    if not evals:
+        with c.unlocked():
             c.evals = ml_collections.ConfigDict()
-        for key, value in overrides.items():
-            target = c
-            *path, last = key.split(".")
-            for p in path:
-                target = target[p]
-            target[last] = value
     return c
 
 

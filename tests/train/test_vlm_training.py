@@ -1,40 +1,20 @@
 """VLM training through the same loop: stages freeze what they should, the tower comes from a
 CLIP run of `vitmm.train`, and the QA evaluator reports accuracy per question kind."""
 
-import importlib.util
 import pathlib
 
 import jax
 import numpy as np
 import pytest
 
+from vitmm import config_args
 from vitmm.train import checkpoint as ckpt_lib
-from vitmm.train import trainer
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
+from vitmm.train import config_base, trainer
 
 
 def _config(name, arg, data_dir, **overrides):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config(arg)
-    with c.unlocked():
-        c.input.data_dir = data_dir
-        for ev in c.evals.values():
-            ev.data.data_dir = data_dir
-        for key, value in overrides.items():
-            target = c
-            *path, last = key.split(".")
-            for p in path:
-                target = target[p]
-            target[last] = value
-    return c
+    path = pathlib.Path(__file__).resolve().parents[2] / "configs" / f"{name}.py"
+    return config_base.with_data_dir(config_args.load(path, arg, **overrides), data_dir)
 
 
 def test_stages_train_what_they_should_from_a_clip_tower(tmp_path, data_dir):

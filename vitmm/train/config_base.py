@@ -168,3 +168,12 @@ def vlm(*, vision: dict, lm: dict, connector: dict, data: str, image_size: int, 
     c.multihost.num_processes = 1
     c.multihost.process_id = 0
     return c
+
+
+def with_data_dir(c: ml_collections.ConfigDict, data_dir: str) -> ml_collections.ConfigDict:
+    """Points the run's input and every evaluator at ``data_dir``."""
+    with c.unlocked():
+        c.input.data_dir = data_dir
+        for ev in c.evals.values():
+            ev.data.data_dir = data_dir
+    return c
