@@ -24,7 +24,7 @@ def get_config(arg=None):
     arg = parse_arg(arg, data="coco_captions", steps=10_000, batch=4096, smoke=False)
     fast = dict(dtype_mm="bfloat16", scan=True, remat_policy="nothing_saveable", norm_eps=1e-5)
     c = config_base.contrastive(
-        image=dict(variant="B/16", pool="tok", posemb_layout="with_cls", pre_norm=True, **fast),
+        image=dict(variant="B/16", pool="tok", posemb_layout="with_cls", pre_norm=True, embed_bias=False, **fast),
         text=dict(width=512, depth=12, num_heads=8, causal=True, pool="eot", **fast),
         data=arg.data, image_size=224, loss="softmax", embed_dim=512, batch_size=arg.batch,
         total_steps=arg.steps, max_len=77,

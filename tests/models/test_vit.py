@@ -325,3 +325,13 @@ def test_count_params_helper_matches_tree():
     variables, _ = _init(model)
     assert vit.count_params(model, (32, 32)) == common.count_params(variables["params"])
     assert isinstance(model, nn.Module)
+
+
+def test_openai_clip_vision_tower_layout_counts_like_open_clip():
+    """OpenAI/open_clip ViT-B/16 visual tower: no patch bias, positions over CLS, LayerNorm before
+    the encoder, a 768→512 projection without bias: 86,192,640 parameters."""
+    model = vit.ViT(variant="B/16", embed_bias=False, posemb_layout="with_cls", pre_norm=True, norm_eps=1e-5)
+    tower = vit.count_params(model)
+    assert tower == 86_192_640 - 768 * 512
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))["params"]
+    assert set(params["embedding"]) == {"kernel"}

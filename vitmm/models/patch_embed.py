@@ -138,6 +138,7 @@ class PatchEmbed(nn.Module):
       size_policy: ``"strict"`` raises on an image the patches do not tile; ``"pad"`` zero-pads
         the bottom/right edge up to the next size that fits.
       dtype_mm: compute dtype of the projection (parameters stay float32).
+      use_bias: OpenAI CLIP's patch projection has none.
     """
 
     width: int
@@ -147,6 +148,7 @@ class PatchEmbed(nn.Module):
     impl: str = "conv"
     size_policy: str = "strict"
     dtype_mm: str | jnp.dtype = "float32"
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, images: jnp.ndarray) -> jnp.ndarray:
@@ -165,7 +167,6 @@ class PatchEmbed(nn.Module):
         kernel = self.param(
             "kernel", common.trunc_normal(0.02), (*patch, channels, self.width), jnp.float32
         )
-        bias = self.param("bias", nn.initializers.zeros, (self.width,), jnp.float32)
         dtype = jnp.dtype(self.dtype_mm)
         if self.impl == "conv":
             x = jax.lax.conv_general_dilated(
@@ -178,7 +179,9 @@ class PatchEmbed(nn.Module):
         else:
             patches = unfold_patches(images.astype(dtype), patch, stride, padding)
             x = patches @ kernel.reshape(-1, self.width).astype(dtype)
-        return x + bias.astype(dtype)
+        if self.use_bias:
+            x = x + self.param("bias", nn.initializers.zeros, (self.width,), jnp.float32).astype(dtype)
+        return x
 
 
 class ConvStem(nn.Module):

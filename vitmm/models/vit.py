@@ -80,6 +80,7 @@ class ViT(nn.Module):
     Front end: ``stem`` ``"patch"`` (linear patch embedding, ``embed_impl`` ``"conv"`` or its
     equal ``"unfold"``; ``stride``/``padding`` for overlapping patches) or ``"conv"``
     (progressive conv stem with ``stem_channels``); ``stem_norm`` adds a LayerNorm after it;
+    ``embed_bias=False`` drops the patch projection's bias (OpenAI CLIP);
     ``size_policy`` ``"strict"`` (raise on images the patches do not tile) or ``"pad"``.
 
     Positions: ``posemb`` in ``learn | sincos2d | rope2d | none``; ``posemb_layout`` in
@@ -110,6 +111,7 @@ class ViT(nn.Module):
     padding: int | Sequence[int] = 0
     size_policy: str = "strict"
     stem_norm: bool = False
+    embed_bias: bool = True
     # Positions.
     posemb: str = "learn"
     posemb_layout: str = "patches"
@@ -179,7 +181,7 @@ class ViT(nn.Module):
             return ConvStem(arch.width, arch.patch_size, self.stem_channels, self.size_policy,
                             self.dtype_mm, name="embedding")(images)
         return PatchEmbed(arch.width, arch.patch_size, self.stride, self.padding, self.embed_impl,
-                          self.size_policy, self.dtype_mm, name="embedding")(images)
+                          self.size_policy, self.dtype_mm, self.embed_bias, name="embedding")(images)
 
     def _learned_table(self, grid: tuple[int, int], width: int) -> jnp.ndarray:
         """The learned ``[1, h, w, D]`` table, resampled to ``grid`` when allowed."""
