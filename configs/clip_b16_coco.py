@@ -17,8 +17,6 @@ tokenizer.json). bfloat16 matmuls, scanned and rematerialised blocks, FSDP over 
 from vitmm.config_args import parse_arg
 from vitmm.train import config_base
 
-COCO_PP = "decode|choose(keys=('captions/text',), out_keys=('caption',))"
-
 
 def get_config(arg=None):
     arg = parse_arg(arg, data="coco_captions", steps=10_000, batch=4096, smoke=False)
@@ -30,18 +28,8 @@ def get_config(arg=None):
         total_steps=arg.steps, max_len=77,
     )
     c.fsdp = True
-    c.input.keys = ("image", "captions")
-    c.input.pp = (f"{COCO_PP}|random_resized_crop(224, scale=(0.9, 1.0))|value_range(-1, 1)|"
-                  "tokenize('caption', 77)|keep('image', 'caption_tokens')")
-    c.input.num_threads = 16
+    config_base.image_caption_data(c, arg.data, max_len=77, padding="pad")
     c.optim.update(dict(lr=5e-4, weight_decay=0.2, warmup_steps=min(2000, arg.steps // 10)))
-    val = dict(name=arg.data, split="val", keys=("image", "captions"), pp=COCO_PP)
-    del c.evals["zeroshot"]  # COCO has no class labels
-    c.evals.retrieval = dict(type="retrieval", data=val, num_examples=5000)
-    c.evals.val = dict(type="val_loss", data=val, num_examples=5000, batch_size=1024)
-    c.eval_every = 1000
-    c.checkpoint_every = 1000
-    c.log_every = 50
     if arg.smoke:
         config_base.smoke_full_scale(c)
     c.lock()

@@ -15,8 +15,6 @@ tiny images, for one step.
 from vitmm.config_args import parse_arg
 from vitmm.train import config_base
 
-COCO_PP = "decode|choose(keys=('captions/text',), out_keys=('caption',))"
-
 
 def get_config(arg=None):
     arg = parse_arg(arg, data="coco_captions", steps=10_000, batch=4096, smoke=False)
@@ -28,18 +26,8 @@ def get_config(arg=None):
         total_steps=arg.steps, max_len=64,
     )
     c.fsdp = True
-    c.input.keys = ("image", "captions")
-    c.input.pp = (f"{COCO_PP}|random_resized_crop(224, scale=(0.9, 1.0))|value_range(-1, 1)|"
-                  "tokenize('caption', 64, padding='eos')|keep('image', 'caption_tokens')")
-    c.input.num_threads = 16
+    config_base.image_caption_data(c, arg.data, max_len=64, padding="eos")
     c.optim.update(dict(lr=1e-3, weight_decay=1e-4, warmup_steps=min(2000, arg.steps // 10)))
-    val = dict(name=arg.data, split="val", keys=("image", "captions"), pp=COCO_PP)
-    del c.evals["zeroshot"]
-    c.evals.retrieval = dict(type="retrieval", data=val, num_examples=5000)
-    c.evals.val = dict(type="val_loss", data=val, num_examples=5000, batch_size=1024)
-    c.eval_every = 1000
-    c.checkpoint_every = 1000
-    c.log_every = 50
     if arg.smoke:
         config_base.smoke_full_scale(c)
     c.lock()

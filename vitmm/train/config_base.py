@@ -177,3 +177,23 @@ def with_data_dir(c: ml_collections.ConfigDict, data_dir: str) -> ml_collections
         for ev in c.evals.values():
             ev.data.data_dir = data_dir
     return c
+
+
+COCO_PP = "decode|choose(keys=('captions/text',), out_keys=('caption',))"
+
+
+def image_caption_data(c: ml_collections.ConfigDict, data: str, max_len: int, padding: str = "pad",
+                       val_split: str = "val") -> ml_collections.ConfigDict:
+    """Input and evaluation for a COCO-captions-style dataset (several captions per image: one
+    is drawn per example): 224 px crops, retrieval and validation loss on ``val_split`` (no
+    class labels, so no zero-shot), and the cadence of a long accelerator run."""
+    c.input.keys = ("image", "captions")
+    c.input.pp = (f"{COCO_PP}|random_resized_crop(224, scale=(0.9, 1.0))|value_range(-1, 1)|"
+                  f"tokenize('caption', {max_len}, padding='{padding}')|keep('image', 'caption_tokens')")
+    c.input.num_threads = 16
+    val = dict(name=data, split=val_split, keys=("image", "captions"), pp=COCO_PP)
+    del c.evals["zeroshot"]
+    c.evals.retrieval = dict(type="retrieval", data=val, num_examples=5000)
+    c.evals.val = dict(type="val_loss", data=val, num_examples=5000, batch_size=1024)
+    c.eval_every, c.checkpoint_every, c.log_every = 1000, 1000, 50
+    return c
