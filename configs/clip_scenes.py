@@ -14,17 +14,10 @@ from vitmm.train import config_base
 
 def get_config(arg=None):
     arg = parse_arg(arg, steps=400, data="easy_64", parallel="jit", smoke=False)
-    c = config_base.contrastive(
-        image=dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
-                   class_token=False, posemb="sincos2d"),
+    return config_base.scenes_contrastive(
+        arg,
+        image=dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8,
+                   pool="gap", class_token=False, posemb="sincos2d"),
         text=dict(width=128, depth=2, mlp_dim=512, num_heads=4, causal=True, pool="eot"),
-        data=f"scenes/{arg.data}", image_size=int(arg.data.split("_")[1]), loss="softmax",
-        embed_dim=128, batch_size=128, total_steps=arg.steps, max_len=64,
+        loss="softmax",
     )
-    c.parallel = arg.parallel
-    c.eval_every = max(arg.steps // 2, 1)
-    c.checkpoint_every = max(arg.steps // 2, 1)
-    if arg.smoke:
-        config_base.smoke(c)
-    c.lock()
-    return c

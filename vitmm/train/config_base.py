@@ -197,3 +197,18 @@ def image_caption_data(c: ml_collections.ConfigDict, data: str, max_len: int, pa
     c.evals.val = dict(type="val_loss", data=val, num_examples=5000, batch_size=1024)
     c.eval_every, c.checkpoint_every, c.log_every = 1000, 1000, 50
     return c
+
+
+def scenes_contrastive(arg, *, image: dict, text: dict, loss: str) -> ml_collections.ConfigDict:
+    """A CPU-sized contrastive run on ``scenes/{arg.data}`` from the typed args the scenes
+    configs share (``steps``, ``data``, ``parallel``, ``smoke``): 128 pairs per step, 128-d
+    embeddings, byte captions of at most 64 tokens, evaluation and a checkpoint half-way and at
+    the end. Returns the config locked."""
+    c = contrastive(image=image, text=text, data=f"scenes/{arg.data}", image_size=int(arg.data.split("_")[1]),
+                    loss=loss, embed_dim=128, batch_size=128, total_steps=arg.steps, max_len=64)
+    c.parallel = arg.parallel
+    c.eval_every = c.checkpoint_every = max(arg.steps // 2, 1)
+    if arg.smoke:
+        smoke(c)
+    c.lock()
+    return c
