@@ -105,3 +105,18 @@ def test_vlm_learns_an_answer_and_greedy_decoding_returns_it():
                                 np.full(2, len(prompt)), max_new_tokens=6, eos_id=tok.eos_id)
     decoded = [tok.decode(row[: list(row).index(tok.eos_id)] if tok.eos_id in row else row) for row in out]
     assert decoded == answers
+
+    # Teacher-forced exact match agrees with greedy decoding: right answers score True; swapped
+    # answers and a longer answer that greedy decoding would end early score False.
+    def scored(texts):
+        rows = [prompt + tok.encode(a) + [tok.eos_id] for a in texts]
+        width = max(map(len, rows))
+        seq, mask = np.zeros((2, width), np.int32), np.zeros((2, width), np.float32)
+        for i, r in enumerate(rows):
+            seq[i, : len(r)], mask[i, len(prompt): len(r)] = r, 1
+        return np.asarray(vlm_lib.answer_scores(model, {"params": params}, jnp.asarray(seq), jnp.asarray(mask),
+                                                images=images)[2])
+
+    assert scored(answers).tolist() == [True, True]
+    assert scored(answers[::-1]).tolist() == [False, False]
+    assert scored(["redd", "blue"]).tolist() == [False, True]

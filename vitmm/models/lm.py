@@ -9,6 +9,7 @@ tokens that way).
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -99,3 +100,16 @@ class LM(nn.Module):
             x = block(x, rope, mask)
         return self.head(self.final_norm(x)).astype(jnp.float32)
 
+
+
+def forward_flops(lm_config: dict, seq_len: int) -> float:
+    """Forward FLOPs of one sequence of ``seq_len`` input embeddings through the LM (XLA's count
+    of the compiled program: blocks, final norm and the vocabulary head)."""
+    model = LM(**lm_config)
+    x = jnp.zeros((1, seq_len, model.width), jnp.float32)
+    shapes = jax.eval_shape(lambda k, x: model.init(k, embeds=x), jax.random.key(0), x)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    analysis = jax.jit(lambda p, x: model.apply(p, embeds=x)).lower(params, x).compile().cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0]
+    return float(analysis.get("flops", 0.0))

@@ -92,6 +92,26 @@ def text_logits(logits: jnp.ndarray, num_visual: int) -> jnp.ndarray:
     return jnp.concatenate([logits[:, :1], logits[:, 1 + num_visual:]], axis=1)
 
 
+def answer_scores(model: VLM, variables, ids, answer_mask, *, images=None, features=None, prompt_len=None,
+                  prefix_lm: bool = False) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Teacher-forced answer scoring: ``(nll, correct, exact)`` with ``[B, L-1]`` per-position
+    negative log-likelihoods and argmax hits, and ``[B]`` exact-match flags.
+
+    ``ids`` is ``[BOS] prompt answer [EOS] PAD…`` and ``answer_mask`` marks answer + EOS (as
+    ``qa_tokens`` makes them). ``exact`` is True iff the argmax is right at every answer
+    position; that is precisely when greedy decoding reproduces the answer and its EOS (each
+    greedy step sees the correct prefix until the first miss), so one forward pass gives
+    greedy exact-match accuracy (tests check this against ``greedy_decode``).
+    """
+    logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm, features=features)
+    num_visual = logits.shape[1] - ids.shape[1]
+    logits = text_logits(logits, num_visual)[:, :-1]
+    targets, mask = ids[:, 1:], answer_mask[:, 1:] > 0
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], axis=-1)[..., 0]
+    correct = logits.argmax(-1) == targets
+    return nll, correct, jnp.all(correct | ~mask, axis=1)
+
+
 def _next_token(model, variables, images, ids, pos, prompt_len, num_visual, prefix_lm):
     logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm)
     logits = text_logits(logits, num_visual)

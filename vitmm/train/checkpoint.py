@@ -8,6 +8,7 @@ what does not fit.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 from collections.abc import Sequence
@@ -107,6 +108,24 @@ def load_params(path: str | pathlib.Path, step: int | None = None) -> dict:
             restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract}),
             partial_restore=True)))
     return jax.tree.map(np.asarray, restored.state["params"])
+
+
+def load_config(path: str | pathlib.Path, step: int | None = None) -> dict:
+    """The config (a plain dict) that another ``vitmm.train`` run saved with its checkpoint."""
+    path = pathlib.Path(path).expanduser().absolute()
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    with ocp.CheckpointManager(path, item_handlers={"meta": ocp.JsonCheckpointHandler()},
+                               options=options) as mngr:
+        step = mngr.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"No checkpoint in {path}.")
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    config = meta.get("config")
+    if config is None:
+        raise ValueError(f"The checkpoint at step {step} in {path} carries no config.")
+    return json.loads(config) if isinstance(config, str) else config
 
 
 def merge_params(init: dict, loaded: dict, dont_load: Sequence[str] = (), source: str = "") -> dict:
