@@ -99,16 +99,17 @@ def resolve(family: str, requested: int | str, grid: tuple[int, int], max_ratio:
 
 
 # ------------------------------------------------------------------------------------ data
-def ensure_tower(workdir: pathlib.Path, smoke: bool) -> None:
+def ensure_tower(workdir: pathlib.Path, smoke: bool, data_dir=None) -> None:
     """Trains the CLIP tower with ``configs/clip_scenes.py`` when ``workdir`` has no checkpoint."""
     if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
         return
     from vitmm.config_args import load
-    from vitmm.train import trainer
+    from vitmm.train import config_base, trainer
 
     arg = "smoke" if smoke else None
     print(f"No CLIP checkpoint in {workdir}: training configs/clip_scenes.py{':' + arg if arg else ''} first.")
-    trainer.train(load(ROOT / "configs/clip_scenes.py", arg), workdir)
+    config = load(ROOT / "configs/clip_scenes.py", arg)
+    trainer.train(config_base.with_data_dir(config, data_dir) if data_dir else config, workdir)
 
 
 def encode_split(tower: ViT, params, data: str, split: str, limit: int, image_size: int, tokenizer,
@@ -492,7 +493,7 @@ def main(argv=None) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
 
     tower_dir = pathlib.Path(args.tower or (out / "tower" if args.smoke else ROOT / "workdirs/clip_scenes"))
-    ensure_tower(tower_dir, args.smoke)
+    ensure_tower(tower_dir, args.smoke, args.data_dir)
     clip_config = ckpt_lib.load_config(tower_dir)
     tower_cfg = clip_config["model"]["image"]
     image_size = clip_config["input"]["image_size"]

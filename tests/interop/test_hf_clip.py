@@ -1,0 +1,169 @@
+"""Hugging Face CLIP checkpoints load into vitmm and compute what transformers computes.
+
+Fixtures: tiny random CLIP models saved by transformers with its outputs
+(``tests/fixtures/interop/make_fixtures.py``; versions in ``manifest.json``). Tolerance: max
+abs difference ≤ 1e-4 in float32.
+"""
+
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.interop import hf, io
+from vitmm.models.text import TextTransformer
+from vitmm.models.two_towers import TwoTowers
+from vitmm.models.vit import ViT
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
+ATOL = 1e-4
+
+
+def _io(name):
+    return dict(np.load(FIXTURES / name / "io.npz"))
+
+
+def _images(ref):
+    return jnp.asarray(ref["pixel_values"].transpose(0, 2, 3, 1))  # NCHW → NHWC
+
+
+def test_clip_model_matches_transformers():
+    ref = _io("hf_clip")
+    kwargs, params = hf.load_clip(FIXTURES / "hf_clip")
+    model = TwoTowers(**kwargs)
+    zimg, ztxt, out = model.apply({"params": params}, _images(ref), jnp.asarray(ref["input_ids"], jnp.int32))
+    depth = kwargs["image"]["depth"]
+    checks = {
+        "vision_last_hidden_state": out[f"img/block_{depth - 1:02d}"],
+        "vision_penultimate": out[f"img/block_{depth - 2:02d}"],
+        "vision_pooler_output": out["img/pooled"],
+        "image_embeds": zimg,
+        "text_last_hidden_state": out["txt/encoded"],
+        "text_pooler_output": out["txt/pooled"],
+        "text_embeds": ztxt,
+        "logits_per_image": out["t"] * zimg @ ztxt.T,
+    }
+    for name, got in checks.items():
+        np.testing.assert_allclose(np.asarray(got), ref[name], atol=ATOL, rtol=0, err_msg=name)
+
+
+def test_standalone_vision_model_without_prefix_loads_the_same_tower():
+    ref = _io("hf_clip_vision")
+    assert not any(k.startswith("vision_model.") for k in io.read_tensors(FIXTURES / "hf_clip_vision"))
+    kwargs, params = hf.load_clip_vision(FIXTURES / "hf_clip_vision")
+    _, from_full = hf.load_clip_vision(FIXTURES / "hf_clip")  # the vision half of a CLIPModel
+    for a, b in zip(_leaves(params), _leaves(from_full), strict=True):
+        np.testing.assert_array_equal(a, b)
+    pooled, out = ViT(**kwargs).apply({"params": params}, _images(ref))
+    np.testing.assert_allclose(np.asarray(out[f"block_{kwargs['depth'] - 1:02d}"]), ref["vision_last_hidden_state"],
+                               atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(pooled), ref["vision_pooler_output"], atol=ATOL, rtol=0)
+
+
+def _leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_text_tower_alone_matches():
+    ref = _io("hf_clip")
+    kwargs, params = hf.load_clip_text(FIXTURES / "hf_clip")
+    assert kwargs["eos_id"] == 258
+    pooled, out = TextTransformer(**kwargs).apply({"params": params}, jnp.asarray(ref["input_ids"], jnp.int32))
+    np.testing.assert_allclose(np.asarray(out["encoded"]), ref["text_last_hidden_state"], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(pooled), ref["text_pooler_output"], atol=ATOL, rtol=0)
+
+
+def test_vision_export_round_trips_exactly(tmp_path):
+    kwargs, params = hf.load_clip_vision(FIXTURES / "hf_clip")
+    tensors, config = hf.export_clip_vision(kwargs, params)
+    original = {k: v for k, v in io.read_tensors(FIXTURES / "hf_clip").items() if k.startswith("vision_model.")}
+    assert sorted(tensors) == sorted(original)
+    for k, v in original.items():
+        np.testing.assert_array_equal(tensors[k], v, err_msg=k)
+    io.write_safetensors(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kwargs2, params2 = hf.load_clip_vision(tmp_path)
+    assert kwargs2 == kwargs
+    for a, b in zip(_leaves(params), _leaves(params2), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_loading_at_a_new_resolution_resamples_positions():
+    kwargs, params = hf.load_clip_vision(FIXTURES / "hf_clip", image_size=48)
+    assert params["pos_embedding"].shape == (1, 6, 6, kwargs["width"])
+    pooled, _ = ViT(**kwargs).apply({"params": params}, jnp.zeros((1, 48, 48, 3)))
+    assert pooled.shape == (1, kwargs["width"])
+    with pytest.raises(ValueError, match="not a multiple of the patch size 8"):
+        hf.load_clip_vision(FIXTURES / "hf_clip", image_size=50)
+
+
+def test_mismatches_are_listed(tmp_path):
+    tensors = io.read_tensors(FIXTURES / "hf_clip")
+    del tensors["vision_model.encoder.layers.1.mlp.fc2.bias"]
+    tensors["vision_model.extra.weight"] = np.zeros(3, np.float32)
+    tensors["vision_model.encoder.layers.0.layer_norm1.weight"] = np.zeros(5, np.float32)
+    io.write_safetensors(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((FIXTURES / "hf_clip/config.json").read_text())
+    with pytest.raises(ValueError) as err:
+        hf.load_clip(tmp_path)
+    message = str(err.value)
+    assert "missing in checkpoint: vision_model.encoder.layers.1.mlp.fc2.bias" in message
+    assert "unexpected in checkpoint (no place in the model): vision_model.extra.weight" in message
+    # Shapes are checked once nothing is missing.
+    del tensors["vision_model.extra.weight"]
+    tensors["vision_model.encoder.layers.1.mlp.fc2.bias"] = np.zeros(32, np.float32)
+    io.write_safetensors(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"shape mismatch: img/encoder/block_00/norm1/scale"):
+        hf.load_clip(tmp_path)
+
+
+def test_config_that_disagrees_with_the_weights_is_an_error(tmp_path):
+    config = json.loads((FIXTURES / "hf_clip/config.json").read_text())
+    config["vision_config"]["num_hidden_layers"] = 5
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((FIXTURES / "hf_clip/model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"num_hidden_layers.*\(5, 3\)"):
+        hf.load_clip(tmp_path)
+
+
+def test_missing_files_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        hf.load_clip(tmp_path / "openai/clip-vit-base-patch32")
+    with pytest.raises(FileNotFoundError, match="expected one of"):
+        hf.load_clip(tmp_path)
+
+
+def test_convert_cli_writes_a_checkpoint_that_vitmm_initialises_from(tmp_path):
+    import jax
+
+    from vitmm import convert
+    from vitmm.models import vlm
+    from vitmm.train import checkpoint as ckpt_lib
+
+    out = tmp_path / "converted"
+    convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(out)])
+    kwargs, params = hf.load_clip(FIXTURES / "hf_clip")
+    loaded = ckpt_lib.load_params(out)
+    for a, b in zip(_leaves(params), _leaves(loaded), strict=True):
+        np.testing.assert_array_equal(a, b)
+    config = ckpt_lib.load_config(out)
+    assert config["model"]["image"] == json.loads(json.dumps(kwargs["image"]))
+    assert config["input"]["image_size"] == 32
+    # A VLM takes the converted tower as its vision tower.
+    lm_kw = dict(vocab_size=259, width=32, depth=1, num_heads=2)
+    model = vlm.VLM(kwargs["image"], {"name": "pool", "budget": 4}, lm_kw)
+    init = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)), jnp.zeros((1, 4), jnp.int32))
+    init = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), init["params"])
+    merged = ckpt_lib.init_tower_from_clip(init, out)
+    np.testing.assert_array_equal(merged["tower"]["pos_embedding"], params["img"]["pos_embedding"])
+    with pytest.raises(SystemExit, match="already holds a checkpoint"):
+        convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(out)])
+    vision_out = tmp_path / "vision336"
+    convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip_vision"), "--out", str(vision_out),
+                  "--tower", "vision", "--image_size", "48"])
+    assert ckpt_lib.load_params(vision_out)["img"]["pos_embedding"].shape == (1, 6, 6, 32)
+    assert ckpt_lib.load_config(vision_out)["input"]["image_size"] == 48

@@ -1,0 +1,83 @@
+"""The token-budget experiment: budget resolution, and a smoke sweep that writes every output."""
+
+import csv
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from vitmm.models import connectors
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tb():
+    spec = importlib.util.spec_from_file_location("token_budget", ROOT / "experiments/token_budget.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("family,requested,tokens,note", [
+    ("pool", 16, 16, ""),
+    ("pool", "all", 64, ""),
+    ("qwen_resampler", "all", 64, ""),
+    ("perceiver", 5, 5, ""),
+    ("patch_merger", 9, 16, "nearest to 9"),    # 2x2 merges reach 64, 16, 4, 1 on 8x8
+    ("pixel_shuffle", 3, 4, "nearest to 3"),
+    ("c_abstractor", 8, 9, "nearest to 8"),     # perfect squares only
+    ("linear", 16, None, "unreachable (reaches [64])"),
+    ("patch_merger", 200, None, "unreachable (reaches [1, 4, 16, 64])"),
+])
+def test_budgets_resolve_to_reachable_counts_or_are_marked(tb, family, requested, tokens, note):
+    setting, got, got_note = tb.resolve(family, requested, (8, 8), max_ratio=2.0)
+    assert (got, got_note) == (tokens, note)
+    if tokens is not None:  # the setting really produces that many tokens
+        assert connectors.num_visual_tokens({"name": family, "budget": setting}, (8, 8)) == tokens
+
+
+def test_reachable_counts_on_a_non_square_grid(tb):
+    assert sorted(tb.reachable("patch_merger", (6, 4))) == [6, 24]  # k = 1, 2 divide both sides
+    assert sorted(tb.reachable("linear", (6, 4))) == [24]
+
+
+def test_smoke_sweep_writes_tables_and_plots(tmp_path):
+    """A whole sweep end to end (tower training, features, two worker processes, outputs)."""
+    out = tmp_path / "tb"
+    env = dict(os.environ, XLA_FLAGS="")  # the workers pick their own thread settings
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/token_budget.py"), "--smoke", "--workers", "2", "--out", str(out),
+         "--data_dir", str(tmp_path / "tfds")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "runs.csv")))
+    setup = json.loads((out / "setup.json").read_text())
+    grid = tuple(setup["grid"])
+    assert grid == (4, 4)
+    seeds = {r["seed"] for r in rows if r["status"] == "ok"}
+    assert seeds == {"0", "1"}
+    by_key = {(r["family"], r["budget"]): r for r in rows}
+    assert by_key[("linear", "4")]["status"] == "unreachable"
+    assert by_key[("patch_merger", "9")]["tokens"] == "16" and "nearest to 9" in by_key[("patch_merger", "9")]["note"]
+    assert by_key[("blind", "0")]["status"] == "ok"
+    for r in rows:
+        if r["status"] != "ok" or r["family"] == "blind":
+            continue
+        cfg = {"name": r["family"], "budget": int(r["tokens"])}
+        assert 0.0 <= float(r["accuracy"]) <= 1.0
+        assert float(r["train_ex_s"]) > 0 and float(r["infer_ex_s"]) > 0
+        assert int(r["connector_params"]) > 0 and float(r["lm_mflops"]) > 0
+        if r["family"] == "pool":  # pool's budget→stride: the row's count is what the model produces
+            assert connectors.num_visual_tokens(cfg, grid) == int(r["tokens"])
+    # LM cost grows with the visual tokens it reads.
+    pool = {int(r["tokens"]): float(r["lm_mflops"]) for r in rows if r["family"] == "pool" and r["status"] == "ok"}
+    assert pool[4] < pool[16]
+    table = (out / "token_budget.md").read_text()
+    assert "| linear | 4 | unreachable" in table and "| patch_merger | 9 | 16 (nearest to 9) |" in table
+    for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,71 @@
+"""Convert another codebase's checkpoint into a vitmm checkpoint folder.
+
+    python -m vitmm.convert --from hf --src ~/models/clip-vit-base-patch16 --out workdirs/hf_clip_b16
+    python -m vitmm.convert --from hf --src PATH --out DIR --tower vision --image_size 336
+
+``DIR`` is laid out like a ``vitmm.train`` workdir (``checkpoints/0`` with ``params`` and a
+``meta`` config), so ``--config.init.vision=DIR`` (a VLM's tower), ``--config.init.checkpoint=DIR``
+and ``checkpoint.load_params(DIR)`` read it. Parameters sit under ``img``/``txt``/``img_proj``/
+``txt_proj``/``t`` as in ``TwoTowers``; the model's keyword arguments are in the config at
+``model.image``/``model.text``/``model.embed_dim``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+SOURCES = ("hf",)
+TOWERS = ("both", "vision", "text")
+
+
+def convert(source: str, src: str, out: str, tower: str = "both", image_size: int | None = None) -> pathlib.Path:
+    from vitmm.interop import hf
+    from vitmm.train.checkpoint import Checkpointer
+
+    if source not in SOURCES:
+        raise ValueError(f"--from {source!r} is not supported yet; choose one of {SOURCES}.")
+    if tower not in TOWERS:
+        raise ValueError(f"--tower must be one of {TOWERS}, got {tower!r}.")
+    out = pathlib.Path(out).expanduser().absolute()
+    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        raise FileExistsError(f"{out} already holds a checkpoint; choose a new --out.")
+    model: dict = {}
+    if tower == "both":
+        kwargs, params = hf.load_clip(src, image_size=image_size)
+        model = {"image": kwargs["image"], "text": kwargs["text"], "embed_dim": kwargs["embed_dim"]}
+    elif tower == "vision":
+        kwargs, img = hf.load_clip_vision(src, image_size=image_size)
+        params, model = {"img": img}, {"image": kwargs, "text": None, "embed_dim": None}
+    else:
+        kwargs, txt = hf.load_clip_text(src)
+        params, model = {"txt": txt}, {"image": None, "text": kwargs, "embed_dim": None}
+    config = {"model": model, "source": {"from": source, "src": str(src), "tower": tower}}
+    if model["image"] is not None:
+        grid = params["img"]["pos_embedding"].shape[1]
+        config["input"] = {"image_size": int(grid * model["image"]["patch_size"])}
+    checkpointer = Checkpointer(out, keep=1, async_save=False)
+    checkpointer.save(0, {"params": params}, {}, {"step": 0, "config": json.dumps(config)})
+    checkpointer.close()
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vitmm.convert", description=__doc__.splitlines()[0])
+    parser.add_argument("--from", dest="source", required=True, choices=SOURCES)
+    parser.add_argument("--src", required=True, help="checkpoint folder (config.json + weights) or weights file")
+    parser.add_argument("--out", required=True, help="new vitmm checkpoint folder")
+    parser.add_argument("--tower", default="both", choices=TOWERS)
+    parser.add_argument("--image_size", type=int, default=None, help="resample positions to this resolution")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.source, args.src, args.out, args.tower, args.image_size)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        sys.exit(f"vitmm.convert: {e}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

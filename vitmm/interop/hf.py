@@ -1,0 +1,317 @@
+"""Hugging Face transformers CLIP checkpoints ↔ vitmm ``TwoTowers`` / ``ViT`` / ``TextTransformer``.
+
+    kwargs, params = hf.load_clip("path/to/clip")          # CLIPModel folder or file
+    model = TwoTowers(**kwargs)
+    zimg, ztxt, out = model.apply({"params": params}, images_nhwc, ids)
+
+    kwargs, params = hf.load_clip_vision("path/to/clip")   # a ViT (CLIPModel or CLIPVisionModel)
+    tensors, config = hf.export_clip_vision(kwargs, params)  # back to CLIPVisionModel's layout
+
+Correspondence (checked to 1e-4 against transformers in ``tests/interop``):
+
+* HF ``last_hidden_state`` of the vision tower is the last block's output *before*
+  ``post_layernorm`` = vitmm ``out["block_{depth-1:02d}"]``; ``hidden_states[-2]`` (LLaVA's
+  feature layer) = ``out["block_{depth-2:02d}"]``; ``pooler_output`` = ``post_layernorm`` of
+  the CLS token = vitmm's pooled output (``pool="tok"``, the final norm being ``post_layernorm``).
+* HF ``text_model`` ``last_hidden_state`` is after ``final_layer_norm`` = vitmm ``encoded``;
+  ``pooler_output`` is the EOS token (first ``eos_token_id``, or ``argmax(ids)`` for legacy configs
+  with ``eos_token_id == 2``) = vitmm ``pool="eot"`` with ``eos_id``.
+* ``image_embeds``/``text_embeds`` are the projections L2-normalised = vitmm's ``zimg``/``ztxt``;
+  ``logit_scale`` is vitmm's ``t`` (log temperature). HF ``CLIPModel`` outputs put those
+  projected embeddings, not the towers' poolers, under ``image_embeds``/``text_embeds``; the
+  poolers are in ``vision_model_output``/``text_model_output``.
+* q/k/v projections are fused into one ``qkv`` kernel (q|k|v, head, head_dim), PyTorch linear
+  weights ``[out, in]`` become ``[in, out]``, the patch conv ``[D, C, ph, pw]`` becomes
+  ``[ph, pw, C, D]``, the flat position table ``[1 + h·w, D]`` splits into the CLS position and
+  the grid ``[1, h, w, D]``.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vitmm.interop import io
+
+ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+               "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "silu"}
+# transformers' CLIP defaults, for keys a saved config.json omits.
+VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                       num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+TEXT_DEFAULTS = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
+                     num_attention_heads=8, max_position_embeddings=77, hidden_act="quick_gelu",
+                     layer_norm_eps=1e-5, eos_token_id=49407)
+IGNORED = re.compile(r".*(position_ids)$")  # buffers some checkpoints carry
+
+
+class StateDict:
+    """A checkpoint's tensors with bookkeeping: what was used, what is missing."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], source: str):
+        self.tensors, self.source = tensors, source
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+
+    def has(self, key: str) -> bool:
+        return key in self.tensors
+
+    def take(self, key: str) -> np.ndarray:
+        if key not in self.tensors:
+            self.missing.append(key)
+            return np.zeros((0,), np.float32)
+        self.used.add(key)
+        return np.asarray(self.tensors[key], np.float32)
+
+    def unused(self) -> list[str]:
+        return sorted(k for k in self.tensors if k not in self.used and not IGNORED.fullmatch(k))
+
+
+def _activation(name: str) -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"Activation {name!r} has no vitmm counterpart; supported: {sorted(ACTIVATIONS)}.")
+    return ACTIVATIONS[name]
+
+
+def _linear(sd: StateDict, prefix: str, bias: bool = True) -> dict:
+    out = {"kernel": sd.take(prefix + ".weight").T}
+    if bias:
+        out["bias"] = sd.take(prefix + ".bias")
+    return out
+
+
+def _norm(sd: StateDict, prefix: str) -> dict:
+    return {"scale": sd.take(prefix + ".weight"), "bias": sd.take(prefix + ".bias")}
+
+
+def _encoder(sd: StateDict, prefix: str, depth: int, final_norm: str) -> dict:
+    enc = {}
+    for i in range(depth):
+        p = f"{prefix}.layers.{i}"
+        q, k, v = (_linear(sd, f"{p}.self_attn.{n}_proj") for n in "qkv")
+        enc[f"block_{i:02d}"] = {
+            "norm1": _norm(sd, f"{p}.layer_norm1"),
+            "attn": {"qkv": {"kernel": np.concatenate([q["kernel"], k["kernel"], v["kernel"]], axis=1),
+                             "bias": np.concatenate([q["bias"], k["bias"], v["bias"]])},
+                     "out": _linear(sd, f"{p}.self_attn.out_proj")},
+            "norm2": _norm(sd, f"{p}.layer_norm2"),
+            "mlp": {"fc1": _linear(sd, f"{p}.mlp.fc1"), "fc2": _linear(sd, f"{p}.mlp.fc2")},
+        }
+    enc["encoder_norm"] = _norm(sd, final_norm)
+    return enc
+
+
+def _depth(tensors: dict, prefix: str) -> int:
+    layers = {int(m.group(1)) for k in tensors if (m := re.match(re.escape(prefix) + r"\.layers\.(\d+)\.", k))}
+    return max(layers) + 1 if layers else 0
+
+
+def _prefix(tensors: dict, tower: str) -> str | None:
+    """``"vision_model"`` (hub and CLIPModel layout), ``""`` (a standalone CLIPVisionModel saved by
+    transformers 5.x) or None when the tower is absent."""
+    if any(k.startswith(f"{tower}.embeddings.") for k in tensors):
+        return f"{tower}."
+    if any(k.startswith("embeddings.") for k in tensors):
+        return ""
+    return None
+
+
+def _vision_config(config: dict) -> dict:
+    v = config.get("vision_config", config if config.get("model_type") == "clip_vision_model" else {})
+    return {**VISION_DEFAULTS, **{k: x for k, x in v.items() if x is not None}}
+
+
+def _text_config(config: dict) -> dict:
+    t = config.get("text_config", config if config.get("model_type") == "clip_text_model" else {})
+    return {**TEXT_DEFAULTS, **{k: x for k, x in t.items() if x is not None}}
+
+
+def vision_kwargs(config: dict, tensors: dict, prefix: str) -> dict:
+    """``ViT`` keyword arguments of a CLIP vision tower (shapes checked against the config)."""
+    v = _vision_config(config)
+    patch = tensors[f"{prefix}embeddings.patch_embedding.weight"]
+    width, channels, ph, pw = patch.shape
+    depth = _depth(tensors, f"{prefix}encoder")
+    mlp = tensors[f"{prefix}encoder.layers.0.mlp.fc1.weight"].shape[0]
+    found = dict(hidden_size=width, num_channels=channels, patch_size=ph, num_hidden_layers=depth,
+                 intermediate_size=mlp)
+    wrong = {k: (v[k], x) for k, x in found.items() if v[k] != x}
+    if wrong or ph != pw:
+        raise ValueError(f"config.json and the weights disagree (config, weights): {wrong or {'patch': (ph, pw)}}.")
+    return dict(width=width, depth=depth, mlp_dim=mlp, num_heads=v["num_attention_heads"], patch_size=ph,
+                class_token=True, pre_norm=True, posemb="learn", posemb_layout="with_cls", pool="tok",
+                act=_activation(v["hidden_act"]), norm_eps=float(v["layer_norm_eps"]), embed_bias=False)
+
+
+def text_kwargs(config: dict, tensors: dict, prefix: str) -> dict:
+    """``TextTransformer`` keyword arguments of a CLIP text tower."""
+    t = _text_config(config)
+    vocab, width = tensors[f"{prefix}embeddings.token_embedding.weight"].shape
+    max_len = tensors[f"{prefix}embeddings.position_embedding.weight"].shape[0]
+    depth = _depth(tensors, f"{prefix}encoder")
+    mlp = tensors[f"{prefix}encoder.layers.0.mlp.fc1.weight"].shape[0]
+    found = dict(vocab_size=vocab, hidden_size=width, max_position_embeddings=max_len, num_hidden_layers=depth,
+                 intermediate_size=mlp)
+    wrong = {k: (t[k], x) for k, x in found.items() if t[k] != x}
+    if wrong:
+        raise ValueError(f"config.json and the weights disagree (config, weights): {wrong}.")
+    eos = t.get("eos_token_id")
+    return dict(vocab_size=vocab, width=width, depth=depth, mlp_dim=mlp, num_heads=t["num_attention_heads"],
+                max_len=max_len, causal=True, pool="eot", eos_id=None if eos in (None, 2) else int(eos),
+                act=_activation(t["hidden_act"]), norm_eps=float(t["layer_norm_eps"]))
+
+
+def vision_params(sd: StateDict, kw: dict, prefix: str) -> dict:
+    patch = sd.take(f"{prefix}embeddings.patch_embedding.weight")
+    pos = sd.take(f"{prefix}embeddings.position_embedding.weight")
+    side = math.isqrt(pos.shape[0] - 1)
+    if side * side != pos.shape[0] - 1:
+        raise ValueError(f"{prefix}embeddings.position_embedding has {pos.shape[0] - 1} patch rows, not a square "
+                         "grid; non-square tables need the grid given explicitly.")
+    return {
+        "cls": sd.take(f"{prefix}embeddings.class_embedding").reshape(1, 1, -1),
+        "embedding": {"kernel": patch.transpose(2, 3, 1, 0)},
+        "cls_pos_embedding": pos[None, :1],
+        "pos_embedding": pos[1:].reshape(1, side, side, -1),
+        "pre_norm": _norm(sd, f"{prefix}pre_layrnorm"),
+        "encoder": _encoder(sd, f"{prefix}encoder", kw["depth"], f"{prefix}post_layernorm"),
+    }
+
+
+def text_params(sd: StateDict, kw: dict, prefix: str) -> dict:
+    return {
+        "token_embedding": {"embedding": sd.take(f"{prefix}embeddings.token_embedding.weight")},
+        "pos_embedding": sd.take(f"{prefix}embeddings.position_embedding.weight")[None],
+        "encoder": _encoder(sd, f"{prefix}encoder", kw["depth"], f"{prefix}final_layer_norm"),
+    }
+
+
+def _finish(sd: StateDict, module, params: dict, example_args: tuple, what: str) -> dict:
+    """Checks the converted tree against the model's own and the checkpoint's leftovers."""
+    from vitmm.train.checkpoint import shape_mismatches
+
+    expected = jax.eval_shape(module.init, jax.random.key(0), *example_args)["params"]
+    lines = [f"  missing in checkpoint: {k}" for k in sd.missing]
+    lines += [f"  unexpected in checkpoint (no place in the model): {k}" for k in sd.unused()]
+    if not sd.missing:
+        lines += shape_mismatches(expected, params)
+    if lines:
+        raise ValueError(f"Cannot load {sd.source} as {what}:\n" + "\n".join(lines))
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+
+
+def load_clip(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+    """``(TwoTowers kwargs, params)`` of a ``CLIPModel`` checkpoint (folder or weights file with
+    ``config.json`` beside it). ``image_size`` resamples the position table to a new resolution."""
+    from vitmm.models.two_towers import TwoTowers
+
+    tensors, config = io.read_tensors(src), io.read_json(src)
+    sd = StateDict(tensors, str(src))
+    vp, tp = _prefix(tensors, "vision_model"), _prefix(tensors, "text_model")
+    if vp != "vision_model." or tp != "text_model.":
+        raise ValueError(f"{src} is not a CLIPModel checkpoint (needs vision_model.* and text_model.* weights); "
+                         "use load_clip_vision or load_clip_text for a single tower.")
+    image, text = vision_kwargs(config, tensors, vp), text_kwargs(config, tensors, tp)
+    proj = tensors["visual_projection.weight"].shape[0]
+    params = {"img": vision_params(sd, image, vp), "txt": text_params(sd, text, tp),
+              "img_proj": _linear(sd, "visual_projection", bias=False),
+              "txt_proj": _linear(sd, "text_projection", bias=False),
+              "t": sd.take("logit_scale").reshape(1)}
+    kwargs = dict(image=image, text=text, embed_dim=proj)
+    res = image["patch_size"] * params["img"]["pos_embedding"].shape[1]
+    model = TwoTowers(**kwargs)
+    params = _finish(sd, model, params, (jnp.zeros((1, res, res, 3)), jnp.zeros((1, text["max_len"]), jnp.int32)),
+                     "a vitmm TwoTowers (CLIP)")
+    if image_size is not None:
+        params = {**params, "img": _resize(params["img"], image, image_size)}
+    return kwargs, params
+
+
+def load_clip_vision(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+    """``(ViT kwargs, params)`` of a CLIP vision tower: a ``CLIPVisionModel`` (with or without
+    the ``vision_model.`` prefix) or the vision half of a ``CLIPModel``."""
+    from vitmm.models.vit import ViT
+
+    tensors, config = io.read_tensors(src), io.read_json(src)
+    prefix = _prefix(tensors, "vision_model")
+    if prefix is None:
+        raise ValueError(f"{src} holds no CLIP vision tower (no vision_model.embeddings.* or embeddings.* weights).")
+    # Only the tower's own weights count; a CLIPModel's text tower and heads are left alone.
+    own = {k: v for k, v in tensors.items() if k.startswith(prefix) and (prefix or not k.startswith("text_"))}
+    own = {k: v for k, v in own.items() if not k.startswith(("visual_projection", "text_projection", "logit_scale"))}
+    sd = StateDict(own, str(src))
+    kwargs = vision_kwargs(config, tensors, prefix)
+    params = vision_params(sd, kwargs, prefix)
+    res = kwargs["patch_size"] * params["pos_embedding"].shape[1]
+    params = _finish(sd, ViT(**kwargs), params, (jnp.zeros((1, res, res, 3)),), "a vitmm ViT (CLIP vision)")
+    if image_size is not None:
+        params = _resize(params, kwargs, image_size)
+    return kwargs, params
+
+
+def load_clip_text(src: str | pathlib.Path) -> tuple[dict, dict]:
+    """``(TextTransformer kwargs, params)`` of a CLIP text tower (``CLIPTextModel`` or ``CLIPModel``)."""
+    from vitmm.models.text import TextTransformer
+
+    tensors, config = io.read_tensors(src), io.read_json(src)
+    prefix = "text_model." if any(k.startswith("text_model.") for k in tensors) else ""
+    own = {k: v for k, v in tensors.items() if k.startswith(prefix) and not k.startswith("vision_model.")
+           and not k.startswith(("visual_projection", "text_projection", "logit_scale"))}
+    sd = StateDict(own, str(src))
+    kwargs = text_kwargs(config, tensors, prefix)
+    params = text_params(sd, kwargs, prefix)
+    params = _finish(sd, TextTransformer(**kwargs), params, (jnp.zeros((1, kwargs["max_len"]), jnp.int32),),
+                     "a vitmm TextTransformer (CLIP text)")
+    return kwargs, params
+
+
+def _resize(params: dict, kwargs: dict, image_size: int) -> dict:
+    from vitmm.models.vit import resize_posemb
+
+    patch = kwargs["patch_size"]
+    if image_size % patch:
+        raise ValueError(f"image_size={image_size} is not a multiple of the patch size {patch}.")
+    return resize_posemb(params, (image_size // patch, image_size // patch))
+
+
+def export_clip_vision(kwargs: dict, params: dict, prefix: str = "vision_model.") -> tuple[dict, dict]:
+    """``(tensors, config)`` in transformers' ``CLIPVisionModel`` layout (``prefix`` as hub
+    checkpoints carry it), for ``io.write_safetensors`` and a ``config.json``."""
+    p = jax.tree.map(np.asarray, params)
+    width, heads = kwargs["width"], kwargs["num_heads"]
+    grid = p["pos_embedding"].shape[1:3]
+    if grid[0] != grid[1]:
+        raise ValueError(f"transformers' CLIP needs a square position grid, got {grid}.")
+    out = {
+        f"{prefix}embeddings.class_embedding": p["cls"].reshape(-1),
+        f"{prefix}embeddings.patch_embedding.weight": p["embedding"]["kernel"].transpose(3, 2, 0, 1),
+        f"{prefix}embeddings.position_embedding.weight": np.concatenate(
+            [p["cls_pos_embedding"].reshape(1, width), p["pos_embedding"].reshape(-1, width)]),
+        f"{prefix}pre_layrnorm.weight": p["pre_norm"]["scale"], f"{prefix}pre_layrnorm.bias": p["pre_norm"]["bias"],
+        f"{prefix}post_layernorm.weight": p["encoder"]["encoder_norm"]["scale"],
+        f"{prefix}post_layernorm.bias": p["encoder"]["encoder_norm"]["bias"],
+    }
+    for i in range(kwargs["depth"]):
+        b, q = p["encoder"][f"block_{i:02d}"], f"{prefix}encoder.layers.{i}"
+        kernel, bias = b["attn"]["qkv"]["kernel"], b["attn"]["qkv"]["bias"]
+        for j, name in enumerate("qkv"):
+            out[f"{q}.self_attn.{name}_proj.weight"] = kernel[:, j * width:(j + 1) * width].T
+            out[f"{q}.self_attn.{name}_proj.bias"] = bias[j * width:(j + 1) * width]
+        out[f"{q}.self_attn.out_proj.weight"] = b["attn"]["out"]["kernel"].T
+        out[f"{q}.self_attn.out_proj.bias"] = b["attn"]["out"]["bias"]
+        for n in (1, 2):
+            out[f"{q}.layer_norm{n}.weight"] = b[f"norm{n}"]["scale"]
+            out[f"{q}.layer_norm{n}.bias"] = b[f"norm{n}"]["bias"]
+            out[f"{q}.mlp.fc{n}.weight"] = b["mlp"][f"fc{n}"]["kernel"].T
+            out[f"{q}.mlp.fc{n}.bias"] = b["mlp"][f"fc{n}"]["bias"]
+    act = {v: k for k, v in ACTIVATIONS.items() if k not in ("gelu_new",)}[kwargs.get("act", "quick_gelu")]
+    config = {"model_type": "clip_vision_model", "architectures": ["CLIPVisionModel"], "hidden_size": width,
+              "intermediate_size": kwargs["mlp_dim"], "num_hidden_layers": kwargs["depth"],
+              "num_attention_heads": heads, "num_channels": p["embedding"]["kernel"].shape[2],
+              "image_size": grid[0] * kwargs["patch_size"], "patch_size": kwargs["patch_size"],
+              "hidden_act": act, "layer_norm_eps": kwargs.get("norm_eps", 1e-5)}
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, config

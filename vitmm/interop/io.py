@@ -1,0 +1,67 @@
+"""Reading and writing tensors and configs of other codebases: safetensors, ``.npz``, and
+PyTorch ``.bin`` through ``torch.load(weights_only=True)`` when PyTorch is installed (never
+unpickling code)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_model.safetensors", "open_clip_pytorch_model.bin")
+
+
+def weights_path(src: str | pathlib.Path) -> pathlib.Path:
+    """The weights file of ``src``: the file itself, or the known file name inside a folder."""
+    src = pathlib.Path(src).expanduser()
+    if src.is_file():
+        return src
+    if src.is_dir():
+        for name in WEIGHT_FILES:
+            if (src / name).is_file():
+                return src / name
+        if (src / "model.safetensors.index.json").is_file():
+            raise ValueError(f"{src} holds a sharded checkpoint; merge the shards into one model.safetensors "
+                             "first (vitmm reads single files).")
+        raise FileNotFoundError(f"No weights in {src}: expected one of {WEIGHT_FILES}.")
+    raise FileNotFoundError(f"{src} does not exist (vitmm only reads local files; nothing is downloaded).")
+
+
+def read_tensors(src: str | pathlib.Path) -> dict[str, np.ndarray]:
+    """``{name: float32/int array}`` from a safetensors, npz or PyTorch file (or a folder)."""
+    path = weights_path(src)
+    if path.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        return {k: np.asarray(v) for k, v in load_file(str(path)).items()}
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    if path.suffix in (".bin", ".pt", ".pth"):
+        try:
+            import torch
+        except ImportError as e:
+            raise ImportError(f"{path} is a PyTorch file; reading it needs PyTorch installed, or convert it to "
+                              "safetensors first.") from e
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state)
+        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+    raise ValueError(f"Unknown weights format {path.suffix!r} for {path}; expected .safetensors, .npz or .bin.")
+
+
+def read_json(src: str | pathlib.Path, name: str = "config.json") -> dict:
+    path = pathlib.Path(src).expanduser()
+    path = path / name if path.is_dir() else path.with_name(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"No {name} next to the weights in {path.parent}.")
+    return json.loads(path.read_text())
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: str | pathlib.Path) -> None:
+    from safetensors.numpy import save_file
+
+    path = pathlib.Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)  # never a half-written file under the final name
