@@ -2,6 +2,11 @@
 
     python -m vitmm.convert --from hf --src ~/models/clip-vit-base-patch16 --out workdirs/hf_clip_b16
     python -m vitmm.convert --from hf --src PATH --out DIR --tower vision --image_size 336
+    python -m vitmm.convert --from hf --src ~/models/dinov2-small --out workdirs/dinov2_s --image_size 224
+
+``--from hf`` reads ``CLIPModel``/``CLIPVisionModel``/``CLIPTextModel`` (``--tower`` picks
+both, vision or text) and ``ViTModel``/``Dinov2Model``/``Dinov2WithRegistersModel`` folders
+(``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``), by their ``model_type``.
 
 ``DIR`` is laid out like a ``vitmm.train`` workdir (``checkpoints/0`` with ``params`` and a
 ``meta`` config), so ``--config.init.vision=DIR`` (a VLM's tower), ``--config.init.checkpoint=DIR``
@@ -22,7 +27,7 @@ TOWERS = ("both", "vision", "text")
 
 
 def convert(source: str, src: str, out: str, tower: str = "both", image_size: int | None = None) -> pathlib.Path:
-    from vitmm.interop import hf
+    from vitmm.interop import hf, io
     from vitmm.train.checkpoint import Checkpointer
 
     if source not in SOURCES:
@@ -33,7 +38,13 @@ def convert(source: str, src: str, out: str, tower: str = "both", image_size: in
     if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise FileExistsError(f"{out} already holds a checkpoint; choose a new --out.")
     model: dict = {}
-    if tower == "both":
+    kind = io.read_json(src).get("model_type")
+    if kind in hf.VIT_TYPES:  # a ViT / Dinov2 backbone: one tower
+        if tower == "text":
+            raise ValueError(f"{src} is a {kind} image backbone; it has no text tower.")
+        kwargs, img = hf.load_vit(src, image_size=image_size)
+        params, model = {"img": img}, {"image": kwargs, "text": None, "embed_dim": None}
+    elif tower == "both":
         kwargs, params = hf.load_clip(src, image_size=image_size)
         model = {"image": kwargs["image"], "text": kwargs["text"], "embed_dim": kwargs["embed_dim"]}
     elif tower == "vision":

@@ -1,7 +1,8 @@
 """Load other codebases' checkpoints into vitmm models, from local files only.
 
 ``hf``: Hugging Face transformers CLIP (``CLIPModel``, ``CLIPVisionModel``, ``CLIPTextModel``),
-and export of the CLIP vision tower back to that layout. Each loader returns the vitmm model's
+``ViTModel``, ``Dinov2Model`` and ``Dinov2WithRegistersModel`` (transformers 5.x and legacy key
+names), and export of the CLIP vision tower back to the transformers layout. Each loader returns the vitmm model's
 keyword arguments and its parameters; anything the file holds that the model has no place for,
 anything the model needs that the file lacks, and every shape mismatch is listed in one error.
 Parity with the original implementations is tested on committed fixtures (``tests/interop``).

@@ -88,25 +88,51 @@ def _norm(sd: StateDict, prefix: str) -> dict:
     return {"scale": sd.take(prefix + ".weight"), "bias": sd.take(prefix + ".bias")}
 
 
-def _encoder(sd: StateDict, prefix: str, depth: int, final_norm: str) -> dict:
-    enc = {}
-    for i in range(depth):
-        p = f"{prefix}.layers.{i}"
-        q, k, v = (_linear(sd, f"{p}.self_attn.{n}_proj") for n in "qkv")
-        enc[f"block_{i:02d}"] = {
-            "norm1": _norm(sd, f"{p}.layer_norm1"),
-            "attn": {"qkv": {"kernel": np.concatenate([q["kernel"], k["kernel"], v["kernel"]], axis=1),
-                             "bias": np.concatenate([q["bias"], k["bias"], v["bias"]])},
-                     "out": _linear(sd, f"{p}.self_attn.out_proj")},
-            "norm2": _norm(sd, f"{p}.layer_norm2"),
-            "mlp": {"fc1": _linear(sd, f"{p}.mlp.fc1"), "fc2": _linear(sd, f"{p}.mlp.fc2")},
-        }
+# One role, several names: CLIP, transformers 5.x ViT/Dinov2, and the legacy hub layout.
+ALIASES = {
+    "q": ("self_attn.q_proj", "attention.q_proj", "attention.attention.query"),
+    "k": ("self_attn.k_proj", "attention.k_proj", "attention.attention.key"),
+    "v": ("self_attn.v_proj", "attention.v_proj", "attention.attention.value"),
+    "o": ("self_attn.out_proj", "attention.o_proj", "attention.output.dense"),
+    "norm1": ("layer_norm1", "layernorm_before", "norm1"),
+    "norm2": ("layer_norm2", "layernorm_after", "norm2"),
+    "fc1": ("mlp.fc1", "intermediate.dense"),
+    "fc2": ("mlp.fc2", "output.dense"),
+}
+
+
+def _name(sd: StateDict, block: str, role: str) -> str:
+    for alias in ALIASES[role]:
+        if sd.has(f"{block}.{alias}.weight"):
+            return f"{block}.{alias}"
+    return f"{block}.{ALIASES[role][0]}"  # reported as missing
+
+
+def _block(sd: StateDict, block: str) -> dict:
+    q, k, v = (_linear(sd, _name(sd, block, n)) for n in "qkv")
+    out = {
+        "norm1": _norm(sd, _name(sd, block, "norm1")),
+        "attn": {"qkv": {"kernel": np.concatenate([q["kernel"], k["kernel"], v["kernel"]], axis=1),
+                         "bias": np.concatenate([q["bias"], k["bias"], v["bias"]])},
+                 "out": _linear(sd, _name(sd, block, "o"))},
+        "norm2": _norm(sd, _name(sd, block, "norm2")),
+        "mlp": {"fc1": _linear(sd, _name(sd, block, "fc1")), "fc2": _linear(sd, _name(sd, block, "fc2"))},
+    }
+    if sd.has(f"{block}.layer_scale1.lambda1"):  # Dinov2's LayerScale
+        out["ls1"] = sd.take(f"{block}.layer_scale1.lambda1")
+        out["ls2"] = sd.take(f"{block}.layer_scale2.lambda1")
+    return out
+
+
+def _encoder(sd: StateDict, blocks: str, depth: int, final_norm: str) -> dict:
+    """``blocks``: the blocks' prefix up to the index (e.g. ``vision_model.encoder.layers``)."""
+    enc = {f"block_{i:02d}": _block(sd, f"{blocks}.{i}") for i in range(depth)}
     enc["encoder_norm"] = _norm(sd, final_norm)
     return enc
 
 
-def _depth(tensors: dict, prefix: str) -> int:
-    layers = {int(m.group(1)) for k in tensors if (m := re.match(re.escape(prefix) + r"\.layers\.(\d+)\.", k))}
+def _depth(tensors: dict, blocks: str) -> int:
+    layers = {int(m.group(1)) for k in tensors if (m := re.match(re.escape(blocks) + r"\.(\d+)\.", k))}
     return max(layers) + 1 if layers else 0
 
 
@@ -135,7 +161,7 @@ def vision_kwargs(config: dict, tensors: dict, prefix: str) -> dict:
     v = _vision_config(config)
     patch = tensors[f"{prefix}embeddings.patch_embedding.weight"]
     width, channels, ph, pw = patch.shape
-    depth = _depth(tensors, f"{prefix}encoder")
+    depth = _depth(tensors, f"{prefix}encoder.layers")
     mlp = tensors[f"{prefix}encoder.layers.0.mlp.fc1.weight"].shape[0]
     found = dict(hidden_size=width, num_channels=channels, patch_size=ph, num_hidden_layers=depth,
                  intermediate_size=mlp)
@@ -152,7 +178,7 @@ def text_kwargs(config: dict, tensors: dict, prefix: str) -> dict:
     t = _text_config(config)
     vocab, width = tensors[f"{prefix}embeddings.token_embedding.weight"].shape
     max_len = tensors[f"{prefix}embeddings.position_embedding.weight"].shape[0]
-    depth = _depth(tensors, f"{prefix}encoder")
+    depth = _depth(tensors, f"{prefix}encoder.layers")
     mlp = tensors[f"{prefix}encoder.layers.0.mlp.fc1.weight"].shape[0]
     found = dict(vocab_size=vocab, hidden_size=width, max_position_embeddings=max_len, num_hidden_layers=depth,
                  intermediate_size=mlp)
@@ -178,7 +204,7 @@ def vision_params(sd: StateDict, kw: dict, prefix: str) -> dict:
         "cls_pos_embedding": pos[None, :1],
         "pos_embedding": pos[1:].reshape(1, side, side, -1),
         "pre_norm": _norm(sd, f"{prefix}pre_layrnorm"),
-        "encoder": _encoder(sd, f"{prefix}encoder", kw["depth"], f"{prefix}post_layernorm"),
+        "encoder": _encoder(sd, f"{prefix}encoder.layers", kw["depth"], f"{prefix}post_layernorm"),
     }
 
 
@@ -186,7 +212,7 @@ def text_params(sd: StateDict, kw: dict, prefix: str) -> dict:
     return {
         "token_embedding": {"embedding": sd.take(f"{prefix}embeddings.token_embedding.weight")},
         "pos_embedding": sd.take(f"{prefix}embeddings.position_embedding.weight")[None],
-        "encoder": _encoder(sd, f"{prefix}encoder", kw["depth"], f"{prefix}final_layer_norm"),
+        "encoder": _encoder(sd, f"{prefix}encoder.layers", kw["depth"], f"{prefix}final_layer_norm"),
     }
 
 
@@ -269,10 +295,78 @@ def load_clip_text(src: str | pathlib.Path) -> tuple[dict, dict]:
     return kwargs, params
 
 
+# Backbone loaders skip what is not the backbone: ViTModel's tanh pooler, the masked-modelling
+# mask token and an image-classification head (documented in load_vit).
+BACKBONE_SKIP = re.compile(r"^(pooler\..*|embeddings\.mask_token|classifier\..*)$")
+VIT_TYPES = {"vit": 1e-12, "dinov2": 1e-6, "dinov2_with_registers": 1e-6}
+
+
+def load_vit(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+    """``(ViT kwargs, params)`` of a transformers ``ViTModel``, ``Dinov2Model`` or
+    ``Dinov2WithRegistersModel`` (also their ``*ForImageClassification`` backbones), in the
+    transformers 5.x key layout or the legacy hub one.
+
+    HF ``last_hidden_state`` (after the final LayerNorm) = vitmm ``out["encoded"]``; Dinov2's
+    ``pooler_output`` (normed CLS) = vitmm's pooled output. Not loaded: ViTModel's ``pooler``
+    (a tanh dense layer on CLS, which only ``ViTModel(add_pooling_layer=True)`` uses), the
+    ``mask_token`` of masked pretraining and any classification head. Dinov2's registers take no
+    position, as in vitmm. ``image_size`` resamples the position grid once (Dinov2 checkpoints
+    are trained at 518 px; transformers re-interpolates on every call instead).
+    """
+    from vitmm.models.vit import ViT
+
+    tensors, config = io.read_tensors(src), io.read_json(src)
+    kind = config.get("model_type")
+    if kind not in VIT_TYPES:
+        raise ValueError(f"{src}: model_type {kind!r} is not one of {sorted(VIT_TYPES)}; for CLIP use load_clip.")
+    for head in ("vit.", "dinov2.", "dinov2_with_registers."):
+        if any(k.startswith(head) for k in tensors):
+            tensors = {k[len(head):] if k.startswith(head) else k: v for k, v in tensors.items()}
+    tensors = {k: v for k, v in tensors.items() if not BACKBONE_SKIP.match(k)}
+    blocks = "layers" if any(k.startswith("layers.") for k in tensors) else "encoder.layer"
+    sd = StateDict(tensors, str(src))
+    patch = tensors["embeddings.patch_embeddings.projection.weight"]
+    width, channels, ph, pw = patch.shape
+    depth = _depth(tensors, blocks)
+    fc1 = _name(sd, f"{blocks}.0", "fc1") + ".weight"
+    if fc1 not in tensors:
+        raise ValueError(f"{src}: no MLP weights at {fc1}; SwiGLU FFNs (Dinov2 giant) are not supported.")
+    registers = tensors["embeddings.register_tokens"].shape[1] if "embeddings.register_tokens" in tensors else 0
+    kwargs = dict(width=width, depth=depth, mlp_dim=tensors[fc1].shape[0], num_heads=config["num_attention_heads"],
+                  patch_size=(ph, pw) if ph != pw else ph, class_token=True, num_registers=registers,
+                  posemb="learn", posemb_layout="with_cls", pool="tok",
+                  act=_activation(config.get("hidden_act", "gelu")),
+                  norm_eps=float(config.get("layer_norm_eps", VIT_TYPES[kind])),
+                  layerscale=1.0 if f"{blocks}.0.layer_scale1.lambda1" in tensors else None)
+    if kwargs["num_heads"] and width % kwargs["num_heads"]:
+        raise ValueError(f"width {width} is not divisible by num_attention_heads={kwargs['num_heads']}.")
+    pos = sd.take("embeddings.position_embeddings")[0]
+    side = math.isqrt(pos.shape[0] - 1)
+    if side * side != pos.shape[0] - 1:
+        raise ValueError(f"embeddings.position_embeddings has {pos.shape[0] - 1} patch rows, not a square grid.")
+    params = {
+        "cls": sd.take("embeddings.cls_token"),
+        "cls_pos_embedding": pos[None, :1],
+        "pos_embedding": pos[1:].reshape(1, side, side, -1),
+        "embedding": {"kernel": sd.take("embeddings.patch_embeddings.projection.weight").transpose(2, 3, 1, 0),
+                      "bias": sd.take("embeddings.patch_embeddings.projection.bias")},
+        "encoder": _encoder(sd, blocks, depth, "layernorm"),
+    }
+    if registers:
+        params["registers"] = sd.take("embeddings.register_tokens")
+    res = (side * ph, side * pw)
+    params = _finish(sd, ViT(**kwargs), params, (jnp.zeros((1, *res, channels)),), f"a vitmm ViT ({kind})")
+    if image_size is not None:
+        params = _resize(params, kwargs, image_size)
+    return kwargs, params
+
+
 def _resize(params: dict, kwargs: dict, image_size: int) -> dict:
     from vitmm.models.vit import resize_posemb
 
     patch = kwargs["patch_size"]
+    if not isinstance(patch, int):
+        raise ValueError(f"image_size= assumes square patches; resample non-square ({patch}) with vit.resize_posemb.")
     if image_size % patch:
         raise ValueError(f"image_size={image_size} is not a multiple of the patch size {patch}.")
     return resize_posemb(params, (image_size // patch, image_size // patch))

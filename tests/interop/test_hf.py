@@ -1,6 +1,7 @@
-"""Hugging Face CLIP checkpoints load into vitmm and compute what transformers computes.
+"""Hugging Face checkpoints (CLIP, ViT, Dinov2 with and without registers) load into vitmm and
+compute what transformers computes.
 
-Fixtures: tiny random CLIP models saved by transformers with its outputs
+Fixtures: tiny random models saved by transformers with its outputs
 (``tests/fixtures/interop/make_fixtures.py``; versions in ``manifest.json``). Tolerance: max
 abs difference ≤ 1e-4 in float32.
 """
@@ -167,3 +168,34 @@ def test_convert_cli_writes_a_checkpoint_that_vitmm_initialises_from(tmp_path):
                   "--tower", "vision", "--image_size", "48"])
     assert ckpt_lib.load_params(vision_out)["img"]["pos_embedding"].shape == (1, 6, 6, 32)
     assert ckpt_lib.load_config(vision_out)["input"]["image_size"] == 48
+
+
+@pytest.mark.parametrize("name,registers,layerscale", [
+    ("hf_vit", 0, False), ("hf_vit_legacy_keys", 0, False), ("hf_dinov2", 0, True), ("hf_dinov2_registers", 4, True),
+])
+def test_vit_and_dinov2_backbones_match_transformers(name, registers, layerscale):
+    ref = _io(name)
+    kwargs, params = hf.load_vit(FIXTURES / name)
+    assert kwargs["num_registers"] == registers and (kwargs["layerscale"] is not None) == layerscale
+    pooled, out = ViT(**kwargs).apply({"params": params}, _images(ref))
+    # transformers' sequence is [CLS, registers, patches]; vitmm returns registers separately.
+    seq = jnp.concatenate([out["encoded"][:, :1], out["registers"], out["patch_tokens"]], axis=1) if registers \
+        else out["encoded"]
+    np.testing.assert_allclose(np.asarray(seq), ref["last_hidden_state"], atol=ATOL, rtol=0)
+    if name.startswith("hf_dinov2"):  # Dinov2's pooler is the normed CLS token; ViTModel's is a tanh layer
+        np.testing.assert_allclose(np.asarray(pooled), ref["pooler_output"], atol=ATOL, rtol=0)
+
+
+def test_load_vit_refuses_other_model_types():
+    with pytest.raises(ValueError, match="model_type 'clip' is not one of"):
+        hf.load_vit(FIXTURES / "hf_clip")
+
+
+def test_convert_cli_takes_a_dinov2_backbone(tmp_path):
+    from vitmm import convert
+    from vitmm.train import checkpoint as ckpt_lib
+
+    convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_dinov2_registers"), "--out", str(tmp_path / "d")])
+    config = ckpt_lib.load_config(tmp_path / "d")
+    assert config["model"]["image"]["num_registers"] == 4 and config["input"]["image_size"] == 28
+    assert ckpt_lib.load_params(tmp_path / "d")["img"]["registers"].shape == (1, 4, 32)
