@@ -5,14 +5,15 @@
     python -m vitmm.convert --from hf --src ~/models/dinov2-small --out workdirs/dinov2_s --image_size 224
 
 ``--from hf`` reads ``CLIPModel``/``CLIPVisionModel``/``CLIPTextModel`` (``--tower`` picks
-both, vision or text) and ``ViTModel``/``Dinov2Model``/``Dinov2WithRegistersModel`` folders
-(``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``), by their ``model_type``.
+both, vision or text), ``SiglipModel``/``SiglipVisionModel`` and ``ViTModel``/``Dinov2Model``/
+``Dinov2WithRegistersModel`` folders (``config.json`` + ``model.safetensors`` or
+``pytorch_model.bin``), by their ``model_type``.
 
 ``DIR`` is laid out like a ``vitmm.train`` workdir (``checkpoints/0`` with ``params`` and a
 ``meta`` config), so ``--config.init.vision=DIR`` (a VLM's tower), ``--config.init.checkpoint=DIR``
 and ``checkpoint.load_params(DIR)`` read it. Parameters sit under ``img``/``txt``/``img_proj``/
-``txt_proj``/``t`` as in ``TwoTowers``; the model's keyword arguments are in the config at
-``model.image``/``model.text``/``model.embed_dim``.
+``txt_proj``/``t``/``b`` as in ``TwoTowers``; the model's keyword arguments are in the config
+at ``model`` (``TwoTowers(**config["model"])``; ``model.image`` alone for a ViT).
 """
 
 from __future__ import annotations
@@ -44,9 +45,18 @@ def convert(source: str, src: str, out: str, tower: str = "both", image_size: in
             raise ValueError(f"{src} is a {kind} image backbone; it has no text tower.")
         kwargs, img = hf.load_vit(src, image_size=image_size)
         params, model = {"img": img}, {"image": kwargs, "text": None, "embed_dim": None}
+    elif kind in ("siglip", "siglip_vision_model"):
+        if tower == "text":
+            raise ValueError("A SigLIP text tower alone is not supported; convert both towers (--tower both).")
+        if tower == "both" and kind == "siglip":
+            kwargs, params = hf.load_siglip(src, image_size=image_size)
+            model = {k: v for k, v in kwargs.items()}
+        else:
+            kwargs, img = hf.load_siglip_vision(src, image_size=image_size)
+            params, model = {"img": img}, {"image": kwargs, "text": None, "embed_dim": None}
     elif tower == "both":
         kwargs, params = hf.load_clip(src, image_size=image_size)
-        model = {"image": kwargs["image"], "text": kwargs["text"], "embed_dim": kwargs["embed_dim"]}
+        model = dict(kwargs)
     elif tower == "vision":
         kwargs, img = hf.load_clip_vision(src, image_size=image_size)
         params, model = {"img": img}, {"image": kwargs, "text": None, "embed_dim": None}

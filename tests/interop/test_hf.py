@@ -199,3 +199,41 @@ def test_convert_cli_takes_a_dinov2_backbone(tmp_path):
     config = ckpt_lib.load_config(tmp_path / "d")
     assert config["model"]["image"]["num_registers"] == 4 and config["input"]["image_size"] == 28
     assert ckpt_lib.load_params(tmp_path / "d")["img"]["registers"].shape == (1, 4, 32)
+
+
+def test_siglip_model_matches_transformers():
+    ref = _io("hf_siglip")
+    kwargs, params = hf.load_siglip(FIXTURES / "hf_siglip")
+    assert kwargs["image_proj"] is False and kwargs["text_proj_bias"] is True
+    assert "img_proj" not in params and "bias" in params["txt_proj"]
+    zimg, ztxt, out = TwoTowers(**kwargs).apply({"params": params}, _images(ref),
+                                                 jnp.asarray(ref["input_ids"], jnp.int32))
+    checks = {
+        "vision_last_hidden_state": out["img/encoded"],  # SigLIP's is after post_layernorm
+        "vision_pooler_output": out["img/pooled"],       # the MAP head
+        "image_embeds": zimg,
+        "text_last_hidden_state": out["txt/encoded"],
+        "text_embeds": ztxt,
+        "logits_per_image": out["t"] * zimg @ ztxt.T + out["b"],
+    }
+    for name, got in checks.items():
+        np.testing.assert_allclose(np.asarray(got), ref[name], atol=ATOL, rtol=0, err_msg=name)
+    # The text pooler of transformers is the head's output before normalisation.
+    np.testing.assert_allclose(np.asarray(ztxt), ref["text_pooler_output"] /
+                               np.linalg.norm(ref["text_pooler_output"], axis=-1, keepdims=True), atol=ATOL)
+    vkw, vparams = hf.load_siglip_vision(FIXTURES / "hf_siglip")
+    pooled, _ = ViT(**vkw).apply({"params": vparams}, _images(ref))
+    np.testing.assert_allclose(np.asarray(pooled), ref["vision_pooler_output"], atol=ATOL, rtol=0)
+
+
+def test_convert_cli_takes_siglip_and_the_model_rebuilds_from_its_config(tmp_path):
+    from vitmm import convert
+    from vitmm.train import checkpoint as ckpt_lib
+
+    convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_siglip"), "--out", str(tmp_path / "s")])
+    config, params = ckpt_lib.load_config(tmp_path / "s"), ckpt_lib.load_params(tmp_path / "s")
+    ref = _io("hf_siglip")
+    zimg, ztxt, out = TwoTowers(**config["model"]).apply({"params": params}, _images(ref),
+                                                         jnp.asarray(ref["input_ids"], jnp.int32))
+    np.testing.assert_allclose(np.asarray(out["t"] * zimg @ ztxt.T + out["b"]), ref["logits_per_image"],
+                               atol=ATOL, rtol=0)

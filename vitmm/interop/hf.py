@@ -295,6 +295,108 @@ def load_clip_text(src: str | pathlib.Path) -> tuple[dict, dict]:
     return kwargs, params
 
 
+def _map_head(sd: StateDict, prefix: str, width: int) -> dict:
+    """torch ``nn.MultiheadAttention`` (packed ``in_proj``) pooling head → vitmm ``MAPHead``."""
+    w, b = sd.take(f"{prefix}.attention.in_proj_weight"), sd.take(f"{prefix}.attention.in_proj_bias")
+    return {
+        "probe": sd.take(f"{prefix}.probe"),
+        "attn": {"q": {"kernel": w[:width].T, "bias": b[:width]},
+                 "kv": {"kernel": w[width:].T, "bias": b[width:]},
+                 "out": _linear(sd, f"{prefix}.attention.out_proj")},
+        "norm": _norm(sd, f"{prefix}.layernorm"),
+        "mlp": {"fc1": _linear(sd, f"{prefix}.mlp.fc1"), "fc2": _linear(sd, f"{prefix}.mlp.fc2")},
+    }
+
+
+def _siglip_vision(sd: StateDict, config: dict, tensors: dict, prefix: str) -> tuple[dict, dict]:
+    v = {**VISION_DEFAULTS, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
+         **config.get("vision_config", config if config.get("model_type") == "siglip_vision_model" else {})}
+    width, channels, ph, pw = tensors[f"{prefix}embeddings.patch_embedding.weight"].shape
+    depth = _depth(tensors, f"{prefix}encoder.layers")
+    pos = sd.take(f"{prefix}embeddings.position_embedding.weight")
+    side = math.isqrt(pos.shape[0])
+    if side * side != pos.shape[0]:
+        raise ValueError(f"{prefix}embeddings.position_embedding has {pos.shape[0]} rows, not a square grid.")
+    head = f"{prefix}head.probe" in tensors
+    kwargs = dict(width=width, depth=depth, mlp_dim=tensors[f"{prefix}encoder.layers.0.mlp.fc1.weight"].shape[0],
+                  num_heads=v["num_attention_heads"], patch_size=ph, class_token=False, posemb="learn",
+                  pool="map" if head else "gap", act=_activation(v["hidden_act"]),
+                  norm_eps=float(v["layer_norm_eps"]))
+    params = {
+        "embedding": {"kernel": sd.take(f"{prefix}embeddings.patch_embedding.weight").transpose(2, 3, 1, 0),
+                      "bias": sd.take(f"{prefix}embeddings.patch_embedding.bias")},
+        "pos_embedding": pos.reshape(1, side, side, width),
+        "encoder": _encoder(sd, f"{prefix}encoder.layers", depth, f"{prefix}post_layernorm"),
+    }
+    if head:
+        params["map_head"] = _map_head(sd, f"{prefix}head", width)
+    return kwargs, params
+
+
+def load_siglip(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+    """``(TwoTowers kwargs, params)`` of a transformers ``SiglipModel``.
+
+    As in the original: the image embedding is the MAP head's output (no projection), the text
+    embedding is a linear head with bias on the last token (sticky-EOS padding puts EOS there),
+    ``logit_scale``/``logit_bias`` are vitmm's ``t``/``b``. Both towers use ``gelu_tanh``.
+    """
+    from vitmm.models.two_towers import TwoTowers
+
+    tensors, config = io.read_tensors(src), io.read_json(src)
+    if config.get("model_type") != "siglip":
+        raise ValueError(f"{src}: model_type {config.get('model_type')!r} is not 'siglip'.")
+    sd = StateDict(tensors, str(src))
+    image, img = _siglip_vision(sd, config, tensors, "vision_model.")
+    t = {**TEXT_DEFAULTS, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, **config.get("text_config", {})}
+    vocab, width = tensors["text_model.embeddings.token_embedding.weight"].shape
+    depth = _depth(tensors, "text_model.encoder.layers")
+    text = dict(vocab_size=vocab, width=width, depth=depth,
+                mlp_dim=tensors["text_model.encoder.layers.0.mlp.fc1.weight"].shape[0],
+                num_heads=t["num_attention_heads"],
+                max_len=tensors["text_model.embeddings.position_embedding.weight"].shape[0], causal=False,
+                pool="last", act=_activation(t["hidden_act"]), norm_eps=float(t["layer_norm_eps"]))
+    embed_dim = tensors["text_model.head.weight"].shape[0]
+    if embed_dim != image["width"]:
+        raise ValueError(f"The text head maps to {embed_dim} but the image embedding has {image['width']} dims.")
+    params = {
+        "img": img,
+        "txt": {"token_embedding": {"embedding": sd.take("text_model.embeddings.token_embedding.weight")},
+                "pos_embedding": sd.take("text_model.embeddings.position_embedding.weight")[None],
+                "encoder": _encoder(sd, "text_model.encoder.layers", depth, "text_model.final_layer_norm")},
+        "txt_proj": _linear(sd, "text_model.head"),
+        "t": sd.take("logit_scale").reshape(1),
+        "b": sd.take("logit_bias").reshape(1),
+    }
+    kwargs = dict(image=image, text=text, embed_dim=embed_dim, image_proj=False, text_proj_bias=True,
+                  temperature_init=10.0, bias_init=-10.0)
+    res = image["patch_size"] * img["pos_embedding"].shape[1]
+    example = (jnp.zeros((1, res, res, 3)), jnp.zeros((1, text["max_len"]), jnp.int32))
+    params = _finish(sd, TwoTowers(**kwargs), params, example, "a vitmm TwoTowers (SigLIP)")
+    if image_size is not None:
+        params = {**params, "img": _resize(params["img"], image, image_size)}
+    return kwargs, params
+
+
+def load_siglip_vision(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+    """``(ViT kwargs, params)`` of a SigLIP vision tower (``SiglipVisionModel`` with or without
+    the ``vision_model.`` prefix, or the vision half of a ``SiglipModel``)."""
+    from vitmm.models.vit import ViT
+
+    tensors, config = io.read_tensors(src), io.read_json(src)
+    prefix = _prefix(tensors, "vision_model")
+    if prefix is None:
+        raise ValueError(f"{src} holds no SigLIP vision tower.")
+    own = {k: v for k, v in tensors.items() if k.startswith(prefix) and not k.startswith("text_model.")
+           and k not in ("logit_scale", "logit_bias")}
+    sd = StateDict(own, str(src))
+    kwargs, params = _siglip_vision(sd, config, own, prefix)
+    res = kwargs["patch_size"] * params["pos_embedding"].shape[1]
+    params = _finish(sd, ViT(**kwargs), params, (jnp.zeros((1, res, res, 3)),), "a vitmm ViT (SigLIP vision)")
+    if image_size is not None:
+        params = _resize(params, kwargs, image_size)
+    return kwargs, params
+
+
 # Backbone loaders skip what is not the backbone: ViTModel's tanh pooler, the masked-modelling
 # mask token and an image-classification head (documented in load_vit).
 BACKBONE_SKIP = re.compile(r"^(pooler\..*|embeddings\.mask_token|classifier\..*)$")

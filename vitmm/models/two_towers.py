@@ -9,6 +9,10 @@ Both embeddings are L2-normalised. The temperature is a parameter stored as a lo
 ``exp``. SigLIP's bias ``b`` (init -10) exists when ``bias_init`` is set. Either input may be
 ``None`` (image-only evaluation); either tower config may be ``None`` (a one-tower model).
 ``out`` re-exports each tower's intermediates under ``img/`` and ``txt/``.
+
+Projections: both towers get a bias-free linear map to ``embed_dim`` (CLIP). The original
+SigLIP uses its MAP-pooled image output as the embedding (``image_proj=False``) and a text head
+with a bias (``text_proj_bias=True``); ``embed_dim=None`` drops both projections.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class TwoTowers(nn.Module):
     image: dict | None = None
     text: dict | None = None
     embed_dim: int | None = 512
+    image_proj: bool = True
+    text_proj_bias: bool = False
     temperature_init: float = CLIP_TEMPERATURE_INIT
     bias_init: float | None = None
 
@@ -46,7 +52,7 @@ class TwoTowers(nn.Module):
             if self.image is None:
                 raise ValueError("This TwoTowers model has no image tower (image=None).")
             pooled, img_out = ViT(**self.image, name="img")(images, train=train)
-            zimg = self._project(pooled, "img_proj")
+            zimg = self._project(pooled, "img_proj") if self.image_proj else pooled
             out.update({f"img/{k}": v for k, v in img_out.items()})
             out["img/norm"] = jnp.linalg.norm(zimg, axis=-1)
             zimg = l2_normalize(zimg)
@@ -54,7 +60,7 @@ class TwoTowers(nn.Module):
             if self.text is None:
                 raise ValueError("This TwoTowers model has no text tower (text=None).")
             pooled, txt_out = TextTransformer(**self.text, name="txt")(texts, train=train)
-            ztxt = self._project(pooled, "txt_proj")
+            ztxt = self._project(pooled, "txt_proj", bias=self.text_proj_bias)
             out.update({f"txt/{k}": v for k, v in txt_out.items()})
             out["txt/norm"] = jnp.linalg.norm(ztxt, axis=-1)
             ztxt = l2_normalize(ztxt)
@@ -64,10 +70,10 @@ class TwoTowers(nn.Module):
             out["b"] = self.param("b", nn.initializers.constant(self.bias_init), (1,))[0]
         return zimg, ztxt, out
 
-    def _project(self, pooled: jnp.ndarray, name: str) -> jnp.ndarray:
+    def _project(self, pooled: jnp.ndarray, name: str, bias: bool = False) -> jnp.ndarray:
         if not self.embed_dim:
             return pooled
-        return nn.Dense(self.embed_dim, use_bias=False, kernel_init=common.trunc_normal(0.02),
+        return nn.Dense(self.embed_dim, use_bias=bias, kernel_init=common.trunc_normal(0.02),
                         name=name)(pooled)
 
 
