@@ -412,16 +412,9 @@ def plot(summary: list[dict], out: pathlib.Path) -> None:
         pts = sorted({s["tokens"]: s for s in ok if s["family"] == family}.values(), key=lambda s: s["tokens"])
         ax.errorbar([s["tokens"] for s in pts], [100 * s["accuracy"] for s in pts],
                     yerr=[100 * s["accuracy_std"] for s in pts], marker="o", capsize=3, label=family)
-    if blind:
-        ax.axhline(100 * blind["accuracy"], color="grey", linestyle="--", label="blind (no image)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("visual tokens handed to the LM")
-    ax.set_ylabel("exact-match accuracy (%)")
-    ax.set_title("Accuracy vs. token budget (mean ± std over seeds)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_budget.png", dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, blind, "visual tokens handed to the LM", "Accuracy vs. token budget (mean ± std over seeds)",
+            out / "accuracy_vs_budget.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for family in families:
@@ -431,15 +424,20 @@ def plot(summary: list[dict], out: pathlib.Path) -> None:
         for s in pts:
             ax.annotate(str(s["tokens"]), (s["connector_mflops"] + s["lm_mflops"], 100 * s["accuracy"]),
                         fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    _finish(plt, fig, ax, blind, "connector + LM forward MFLOP per example (labels: visual tokens)",
+            "Accuracy vs. cost", out / "accuracy_vs_cost.png")
+
+
+def _finish(plt, fig, ax, blind, xlabel: str, title: str, path: pathlib.Path) -> None:
     if blind:
         ax.axhline(100 * blind["accuracy"], color="grey", linestyle="--", label="blind (no image)")
-    ax.set_xscale("log")
-    ax.set_xlabel("connector + LM forward MFLOP per example (labels: visual tokens)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("exact-match accuracy (%)")
-    ax.set_title("Accuracy vs. cost")
+    ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_cost.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 

@@ -61,3 +61,19 @@ def test_hf_tokenizer_missing_file_and_missing_specials(tmp_path):
     with pytest.raises(ValueError, match="bos_id="):
         tok_lib.HFTokenizer(path)
     assert tok_lib.HFTokenizer(path, bos_id=0, eos_id=1).pad_id == 1  # pads with EOS
+
+
+def test_word_tokenizer_round_trips_closed_vocabulary_and_marks_unknown_words():
+    from vitmm.data.tokenizer import WordTokenizer
+
+    corpus = ["what colour is the shape at the top left?", "is there a star?", "yes", "no", "red"]
+    tok = WordTokenizer.from_texts(corpus)
+    assert tok.words[:4] == ["<pad>", "<bos>", "<eos>", "<unk>"] and tok.vocab_size == len(tok.words)
+    assert WordTokenizer.from_texts(reversed(corpus)).words == tok.words  # sorted: order-independent ids
+    for text in corpus:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("is there a hexagon?")[3] == tok.unk_id
+    ids = tok.encode("is there a star?")
+    assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == "is there a star?"
+    with pytest.raises(ValueError, match="unique"):
+        WordTokenizer(["a", "a"])

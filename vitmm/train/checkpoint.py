@@ -87,22 +87,32 @@ class Checkpointer:
         self._mngr.close()
 
 
-def load_params(path: str | pathlib.Path, step: int | None = None) -> dict:
-    """The ``params`` of another run's checkpoint (``WORKDIR`` or ``WORKDIR/checkpoints``) as
-    numpy arrays, on the host."""
+def _read_only(path: str | pathlib.Path, **handlers):
+    """``(checkpoints folder, manager)`` for another run's ``WORKDIR`` or ``WORKDIR/checkpoints``."""
     path = pathlib.Path(path).expanduser().absolute()
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    return path, ocp.CheckpointManager(path, item_handlers=handlers or None, options=options)
+
+
+def _step(mngr, path, step: int | None) -> int:
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"No checkpoint in {path}.")
+    return step
+
+
+def load_params(path: str | pathlib.Path, step: int | None = None) -> dict:
+    """The ``params`` of another run's checkpoint (``WORKDIR`` or ``WORKDIR/checkpoints``) as
+    numpy arrays, on the host."""
     # One manager to read shapes (needs the handler bound), a plain one to restore only params.
-    with ocp.CheckpointManager(path, item_handlers={"state": ocp.StandardCheckpointHandler()},
-                               options=options) as meta_mngr:
-        step = meta_mngr.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"No checkpoint in {path}.")
+    path, meta_mngr = _read_only(path, state=ocp.StandardCheckpointHandler())
+    with meta_mngr:
+        step = _step(meta_mngr, path, step)
         meta = meta_mngr.item_metadata(step)["state"]
     abstract = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), meta["params"])
-    with ocp.CheckpointManager(path, options=options) as mngr:
+    with _read_only(path)[1] as mngr:
         restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item={"params": abstract},
             restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract}),
@@ -112,15 +122,9 @@ def load_params(path: str | pathlib.Path, step: int | None = None) -> dict:
 
 def load_config(path: str | pathlib.Path, step: int | None = None) -> dict:
     """The config (a plain dict) that another ``vitmm.train`` run saved with its checkpoint."""
-    path = pathlib.Path(path).expanduser().absolute()
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    with ocp.CheckpointManager(path, item_handlers={"meta": ocp.JsonCheckpointHandler()},
-                               options=options) as mngr:
-        step = mngr.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"No checkpoint in {path}.")
+    path, mngr = _read_only(path, meta=ocp.JsonCheckpointHandler())
+    with mngr:
+        step = _step(mngr, path, step)
         meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     config = meta.get("config")
     if config is None:
