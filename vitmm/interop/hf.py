@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm.interop import io
+from vitmm.interop.common import StateDict, finish, linear, norm, resize
 
 ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "silu"}
@@ -46,46 +47,12 @@ VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layer
 TEXT_DEFAULTS = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
                      num_attention_heads=8, max_position_embeddings=77, hidden_act="quick_gelu",
                      layer_norm_eps=1e-5, eos_token_id=49407)
-IGNORED = re.compile(r".*(position_ids)$")  # buffers some checkpoints carry
-
-
-class StateDict:
-    """A checkpoint's tensors with bookkeeping: what was used, what is missing."""
-
-    def __init__(self, tensors: dict[str, np.ndarray], source: str):
-        self.tensors, self.source = tensors, source
-        self.used: set[str] = set()
-        self.missing: list[str] = []
-
-    def has(self, key: str) -> bool:
-        return key in self.tensors
-
-    def take(self, key: str) -> np.ndarray:
-        if key not in self.tensors:
-            self.missing.append(key)
-            return np.zeros((0,), np.float32)
-        self.used.add(key)
-        return np.asarray(self.tensors[key], np.float32)
-
-    def unused(self) -> list[str]:
-        return sorted(k for k in self.tensors if k not in self.used and not IGNORED.fullmatch(k))
 
 
 def _activation(name: str) -> str:
     if name not in ACTIVATIONS:
         raise ValueError(f"Activation {name!r} has no vitmm counterpart; supported: {sorted(ACTIVATIONS)}.")
     return ACTIVATIONS[name]
-
-
-def _linear(sd: StateDict, prefix: str, bias: bool = True) -> dict:
-    out = {"kernel": sd.take(prefix + ".weight").T}
-    if bias:
-        out["bias"] = sd.take(prefix + ".bias")
-    return out
-
-
-def _norm(sd: StateDict, prefix: str) -> dict:
-    return {"scale": sd.take(prefix + ".weight"), "bias": sd.take(prefix + ".bias")}
 
 
 # One role, several names: CLIP, transformers 5.x ViT/Dinov2, and the legacy hub layout.
@@ -109,14 +76,14 @@ def _name(sd: StateDict, block: str, role: str) -> str:
 
 
 def _block(sd: StateDict, block: str) -> dict:
-    q, k, v = (_linear(sd, _name(sd, block, n)) for n in "qkv")
+    q, k, v = (linear(sd, _name(sd, block, n)) for n in "qkv")
     out = {
-        "norm1": _norm(sd, _name(sd, block, "norm1")),
+        "norm1": norm(sd, _name(sd, block, "norm1")),
         "attn": {"qkv": {"kernel": np.concatenate([q["kernel"], k["kernel"], v["kernel"]], axis=1),
                          "bias": np.concatenate([q["bias"], k["bias"], v["bias"]])},
-                 "out": _linear(sd, _name(sd, block, "o"))},
-        "norm2": _norm(sd, _name(sd, block, "norm2")),
-        "mlp": {"fc1": _linear(sd, _name(sd, block, "fc1")), "fc2": _linear(sd, _name(sd, block, "fc2"))},
+                 "out": linear(sd, _name(sd, block, "o"))},
+        "norm2": norm(sd, _name(sd, block, "norm2")),
+        "mlp": {"fc1": linear(sd, _name(sd, block, "fc1")), "fc2": linear(sd, _name(sd, block, "fc2"))},
     }
     if sd.has(f"{block}.layer_scale1.lambda1"):  # Dinov2's LayerScale
         out["ls1"] = sd.take(f"{block}.layer_scale1.lambda1")
@@ -127,7 +94,7 @@ def _block(sd: StateDict, block: str) -> dict:
 def _encoder(sd: StateDict, blocks: str, depth: int, final_norm: str) -> dict:
     """``blocks``: the blocks' prefix up to the index (e.g. ``vision_model.encoder.layers``)."""
     enc = {f"block_{i:02d}": _block(sd, f"{blocks}.{i}") for i in range(depth)}
-    enc["encoder_norm"] = _norm(sd, final_norm)
+    enc["encoder_norm"] = norm(sd, final_norm)
     return enc
 
 
@@ -203,7 +170,7 @@ def vision_params(sd: StateDict, kw: dict, prefix: str) -> dict:
         "embedding": {"kernel": patch.transpose(2, 3, 1, 0)},
         "cls_pos_embedding": pos[None, :1],
         "pos_embedding": pos[1:].reshape(1, side, side, -1),
-        "pre_norm": _norm(sd, f"{prefix}pre_layrnorm"),
+        "pre_norm": norm(sd, f"{prefix}pre_layrnorm"),
         "encoder": _encoder(sd, f"{prefix}encoder.layers", kw["depth"], f"{prefix}post_layernorm"),
     }
 
@@ -214,20 +181,6 @@ def text_params(sd: StateDict, kw: dict, prefix: str) -> dict:
         "pos_embedding": sd.take(f"{prefix}embeddings.position_embedding.weight")[None],
         "encoder": _encoder(sd, f"{prefix}encoder.layers", kw["depth"], f"{prefix}final_layer_norm"),
     }
-
-
-def _finish(sd: StateDict, module, params: dict, example_args: tuple, what: str) -> dict:
-    """Checks the converted tree against the model's own and the checkpoint's leftovers."""
-    from vitmm.train.checkpoint import shape_mismatches
-
-    expected = jax.eval_shape(module.init, jax.random.key(0), *example_args)["params"]
-    lines = [f"  missing in checkpoint: {k}" for k in sd.missing]
-    lines += [f"  unexpected in checkpoint (no place in the model): {k}" for k in sd.unused()]
-    if not sd.missing:
-        lines += shape_mismatches(expected, params)
-    if lines:
-        raise ValueError(f"Cannot load {sd.source} as {what}:\n" + "\n".join(lines))
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
 def load_clip(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
@@ -244,16 +197,16 @@ def load_clip(src: str | pathlib.Path, image_size: int | None = None) -> tuple[d
     image, text = vision_kwargs(config, tensors, vp), text_kwargs(config, tensors, tp)
     proj = tensors["visual_projection.weight"].shape[0]
     params = {"img": vision_params(sd, image, vp), "txt": text_params(sd, text, tp),
-              "img_proj": _linear(sd, "visual_projection", bias=False),
-              "txt_proj": _linear(sd, "text_projection", bias=False),
+              "img_proj": linear(sd, "visual_projection", bias=False),
+              "txt_proj": linear(sd, "text_projection", bias=False),
               "t": sd.take("logit_scale").reshape(1)}
     kwargs = dict(image=image, text=text, embed_dim=proj)
     res = image["patch_size"] * params["img"]["pos_embedding"].shape[1]
     model = TwoTowers(**kwargs)
-    params = _finish(sd, model, params, (jnp.zeros((1, res, res, 3)), jnp.zeros((1, text["max_len"]), jnp.int32)),
+    params = finish(sd, model, params, (jnp.zeros((1, res, res, 3)), jnp.zeros((1, text["max_len"]), jnp.int32)),
                      "a vitmm TwoTowers (CLIP)")
     if image_size is not None:
-        params = {**params, "img": _resize(params["img"], image, image_size)}
+        params = {**params, "img": resize(params["img"], image, image_size)}
     return kwargs, params
 
 
@@ -273,9 +226,9 @@ def load_clip_vision(src: str | pathlib.Path, image_size: int | None = None) -> 
     kwargs = vision_kwargs(config, tensors, prefix)
     params = vision_params(sd, kwargs, prefix)
     res = kwargs["patch_size"] * params["pos_embedding"].shape[1]
-    params = _finish(sd, ViT(**kwargs), params, (jnp.zeros((1, res, res, 3)),), "a vitmm ViT (CLIP vision)")
+    params = finish(sd, ViT(**kwargs), params, (jnp.zeros((1, res, res, 3)),), "a vitmm ViT (CLIP vision)")
     if image_size is not None:
-        params = _resize(params, kwargs, image_size)
+        params = resize(params, kwargs, image_size)
     return kwargs, params
 
 
@@ -290,7 +243,7 @@ def load_clip_text(src: str | pathlib.Path) -> tuple[dict, dict]:
     sd = StateDict(own, str(src))
     kwargs = text_kwargs(config, tensors, prefix)
     params = text_params(sd, kwargs, prefix)
-    params = _finish(sd, TextTransformer(**kwargs), params, (jnp.zeros((1, kwargs["max_len"]), jnp.int32),),
+    params = finish(sd, TextTransformer(**kwargs), params, (jnp.zeros((1, kwargs["max_len"]), jnp.int32),),
                      "a vitmm TextTransformer (CLIP text)")
     return kwargs, params
 
@@ -302,9 +255,9 @@ def _map_head(sd: StateDict, prefix: str, width: int) -> dict:
         "probe": sd.take(f"{prefix}.probe"),
         "attn": {"q": {"kernel": w[:width].T, "bias": b[:width]},
                  "kv": {"kernel": w[width:].T, "bias": b[width:]},
-                 "out": _linear(sd, f"{prefix}.attention.out_proj")},
-        "norm": _norm(sd, f"{prefix}.layernorm"),
-        "mlp": {"fc1": _linear(sd, f"{prefix}.mlp.fc1"), "fc2": _linear(sd, f"{prefix}.mlp.fc2")},
+                 "out": linear(sd, f"{prefix}.attention.out_proj")},
+        "norm": norm(sd, f"{prefix}.layernorm"),
+        "mlp": {"fc1": linear(sd, f"{prefix}.mlp.fc1"), "fc2": linear(sd, f"{prefix}.mlp.fc2")},
     }
 
 
@@ -363,7 +316,7 @@ def load_siglip(src: str | pathlib.Path, image_size: int | None = None) -> tuple
         "txt": {"token_embedding": {"embedding": sd.take("text_model.embeddings.token_embedding.weight")},
                 "pos_embedding": sd.take("text_model.embeddings.position_embedding.weight")[None],
                 "encoder": _encoder(sd, "text_model.encoder.layers", depth, "text_model.final_layer_norm")},
-        "txt_proj": _linear(sd, "text_model.head"),
+        "txt_proj": linear(sd, "text_model.head"),
         "t": sd.take("logit_scale").reshape(1),
         "b": sd.take("logit_bias").reshape(1),
     }
@@ -371,9 +324,9 @@ def load_siglip(src: str | pathlib.Path, image_size: int | None = None) -> tuple
                   temperature_init=10.0, bias_init=-10.0)
     res = image["patch_size"] * img["pos_embedding"].shape[1]
     example = (jnp.zeros((1, res, res, 3)), jnp.zeros((1, text["max_len"]), jnp.int32))
-    params = _finish(sd, TwoTowers(**kwargs), params, example, "a vitmm TwoTowers (SigLIP)")
+    params = finish(sd, TwoTowers(**kwargs), params, example, "a vitmm TwoTowers (SigLIP)")
     if image_size is not None:
-        params = {**params, "img": _resize(params["img"], image, image_size)}
+        params = {**params, "img": resize(params["img"], image, image_size)}
     return kwargs, params
 
 
@@ -391,9 +344,9 @@ def load_siglip_vision(src: str | pathlib.Path, image_size: int | None = None) -
     sd = StateDict(own, str(src))
     kwargs, params = _siglip_vision(sd, config, own, prefix)
     res = kwargs["patch_size"] * params["pos_embedding"].shape[1]
-    params = _finish(sd, ViT(**kwargs), params, (jnp.zeros((1, res, res, 3)),), "a vitmm ViT (SigLIP vision)")
+    params = finish(sd, ViT(**kwargs), params, (jnp.zeros((1, res, res, 3)),), "a vitmm ViT (SigLIP vision)")
     if image_size is not None:
-        params = _resize(params, kwargs, image_size)
+        params = resize(params, kwargs, image_size)
     return kwargs, params
 
 
@@ -457,21 +410,10 @@ def load_vit(src: str | pathlib.Path, image_size: int | None = None) -> tuple[di
     if registers:
         params["registers"] = sd.take("embeddings.register_tokens")
     res = (side * ph, side * pw)
-    params = _finish(sd, ViT(**kwargs), params, (jnp.zeros((1, *res, channels)),), f"a vitmm ViT ({kind})")
+    params = finish(sd, ViT(**kwargs), params, (jnp.zeros((1, *res, channels)),), f"a vitmm ViT ({kind})")
     if image_size is not None:
-        params = _resize(params, kwargs, image_size)
+        params = resize(params, kwargs, image_size)
     return kwargs, params
-
-
-def _resize(params: dict, kwargs: dict, image_size: int) -> dict:
-    from vitmm.models.vit import resize_posemb
-
-    patch = kwargs["patch_size"]
-    if not isinstance(patch, int):
-        raise ValueError(f"image_size= assumes square patches; resample non-square ({patch}) with vit.resize_posemb.")
-    if image_size % patch:
-        raise ValueError(f"image_size={image_size} is not a multiple of the patch size {patch}.")
-    return resize_posemb(params, (image_size // patch, image_size // patch))
 
 
 def export_clip_vision(kwargs: dict, params: dict, prefix: str = "vision_model.") -> tuple[dict, dict]:

@@ -1,0 +1,84 @@
+"""What every loader shares: a state dict that tracks what it used, PyTorch-to-Flax layouts, and
+the final check of a converted tree against the model's own."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IGNORED = re.compile(r".*(position_ids|attn_mask)$")  # buffers some checkpoints carry
+
+
+class StateDict:
+    """A checkpoint's tensors with bookkeeping: what was used, what is missing."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], source: str):
+        self.tensors, self.source = tensors, source
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+
+    def has(self, key: str) -> bool:
+        return key in self.tensors
+
+    def take(self, key: str) -> np.ndarray:
+        if key not in self.tensors:
+            self.missing.append(key)
+            return np.zeros((0,), np.float32)
+        self.used.add(key)
+        return np.asarray(self.tensors[key], np.float32)
+
+    def unused(self) -> list[str]:
+        return sorted(k for k in self.tensors if k not in self.used and not IGNORED.fullmatch(k))
+
+
+def linear(sd: StateDict, prefix: str, bias: bool = True) -> dict:
+    out = {"kernel": sd.take(prefix + ".weight").T}
+    if bias:
+        out["bias"] = sd.take(prefix + ".bias")
+    return out
+
+
+def norm(sd: StateDict, prefix: str) -> dict:
+    return {"scale": sd.take(prefix + ".weight"), "bias": sd.take(prefix + ".bias")}
+
+
+def finish(sd: StateDict, module, params: dict, example_args: tuple, what: str) -> dict:
+    """Checks the converted tree against the model's own and the checkpoint's leftovers."""
+    from vitmm.train.checkpoint import shape_mismatches
+
+    expected = jax.eval_shape(module.init, jax.random.key(0), *example_args)["params"]
+    lines = [f"  missing in checkpoint: {k}" for k in sd.missing]
+    lines += [f"  unexpected in checkpoint (no place in the model): {k}" for k in sd.unused()]
+    if not sd.missing:
+        lines += shape_mismatches(expected, params)
+    if lines:
+        raise ValueError(f"Cannot load {sd.source} as {what}:\n" + "\n".join(lines))
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+
+
+def resize(params: dict, kwargs: dict, image_size: int) -> dict:
+    from vitmm.models.vit import resize_posemb
+
+    patch = kwargs["patch_size"]
+    if not isinstance(patch, int):
+        raise ValueError(f"image_size= assumes square patches; resample non-square ({patch}) with vit.resize_posemb.")
+    if image_size % patch:
+        raise ValueError(f"image_size={image_size} is not a multiple of the patch size {patch}.")
+    return resize_posemb(params, (image_size // patch, image_size // patch))
+
+
+def grid_table(flat: np.ndarray, what: str) -> np.ndarray:
+    """A flat ``[h·w, D]`` position table as vitmm's ``[1, h, w, D]`` (square grids)."""
+    side = int(round(flat.shape[0] ** 0.5))
+    if side * side != flat.shape[0]:
+        raise ValueError(f"{what} has {flat.shape[0]} patch rows, not a square grid; resample it to a square "
+                         "grid first or build the ViT with the grid given explicitly.")
+    return flat.reshape(1, side, side, flat.shape[-1])
+
+
+def conv_kernel(weight: np.ndarray) -> np.ndarray:
+    """PyTorch conv ``[D, C, ph, pw]`` → vitmm patch kernel ``[ph, pw, C, D]``."""
+    return weight.transpose(2, 3, 1, 0)
