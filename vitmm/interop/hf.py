@@ -28,7 +28,6 @@ Correspondence (checked to 1e-4 against transformers in ``tests/interop``):
 
 from __future__ import annotations
 
-import math
 import pathlib
 import re
 
@@ -37,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm.interop import io
-from vitmm.interop.common import StateDict, finish, linear, norm, resize
+from vitmm.interop.common import StateDict, conv_kernel, finish, grid_table, linear, norm, resize
 
 ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "silu"}
@@ -161,15 +160,11 @@ def text_kwargs(config: dict, tensors: dict, prefix: str) -> dict:
 def vision_params(sd: StateDict, kw: dict, prefix: str) -> dict:
     patch = sd.take(f"{prefix}embeddings.patch_embedding.weight")
     pos = sd.take(f"{prefix}embeddings.position_embedding.weight")
-    side = math.isqrt(pos.shape[0] - 1)
-    if side * side != pos.shape[0] - 1:
-        raise ValueError(f"{prefix}embeddings.position_embedding has {pos.shape[0] - 1} patch rows, not a square "
-                         "grid; non-square tables need the grid given explicitly.")
     return {
         "cls": sd.take(f"{prefix}embeddings.class_embedding").reshape(1, 1, -1),
-        "embedding": {"kernel": patch.transpose(2, 3, 1, 0)},
+        "embedding": {"kernel": conv_kernel(patch)},
         "cls_pos_embedding": pos[None, :1],
-        "pos_embedding": pos[1:].reshape(1, side, side, -1),
+        "pos_embedding": grid_table(pos[1:], f"{prefix}embeddings.position_embedding"),
         "pre_norm": norm(sd, f"{prefix}pre_layrnorm"),
         "encoder": _encoder(sd, f"{prefix}encoder.layers", kw["depth"], f"{prefix}post_layernorm"),
     }
@@ -267,18 +262,15 @@ def _siglip_vision(sd: StateDict, config: dict, tensors: dict, prefix: str) -> t
     width, channels, ph, pw = tensors[f"{prefix}embeddings.patch_embedding.weight"].shape
     depth = _depth(tensors, f"{prefix}encoder.layers")
     pos = sd.take(f"{prefix}embeddings.position_embedding.weight")
-    side = math.isqrt(pos.shape[0])
-    if side * side != pos.shape[0]:
-        raise ValueError(f"{prefix}embeddings.position_embedding has {pos.shape[0]} rows, not a square grid.")
     head = f"{prefix}head.probe" in tensors
     kwargs = dict(width=width, depth=depth, mlp_dim=tensors[f"{prefix}encoder.layers.0.mlp.fc1.weight"].shape[0],
                   num_heads=v["num_attention_heads"], patch_size=ph, class_token=False, posemb="learn",
                   pool="map" if head else "gap", act=_activation(v["hidden_act"]),
                   norm_eps=float(v["layer_norm_eps"]))
     params = {
-        "embedding": {"kernel": sd.take(f"{prefix}embeddings.patch_embedding.weight").transpose(2, 3, 1, 0),
+        "embedding": {"kernel": conv_kernel(sd.take(f"{prefix}embeddings.patch_embedding.weight")),
                       "bias": sd.take(f"{prefix}embeddings.patch_embedding.bias")},
-        "pos_embedding": pos.reshape(1, side, side, width),
+        "pos_embedding": grid_table(pos, f"{prefix}embeddings.position_embedding"),
         "encoder": _encoder(sd, f"{prefix}encoder.layers", depth, f"{prefix}post_layernorm"),
     }
     if head:
@@ -396,19 +388,17 @@ def load_vit(src: str | pathlib.Path, image_size: int | None = None) -> tuple[di
     if kwargs["num_heads"] and width % kwargs["num_heads"]:
         raise ValueError(f"width {width} is not divisible by num_attention_heads={kwargs['num_heads']}.")
     pos = sd.take("embeddings.position_embeddings")[0]
-    side = math.isqrt(pos.shape[0] - 1)
-    if side * side != pos.shape[0] - 1:
-        raise ValueError(f"embeddings.position_embeddings has {pos.shape[0] - 1} patch rows, not a square grid.")
     params = {
         "cls": sd.take("embeddings.cls_token"),
         "cls_pos_embedding": pos[None, :1],
-        "pos_embedding": pos[1:].reshape(1, side, side, -1),
-        "embedding": {"kernel": sd.take("embeddings.patch_embeddings.projection.weight").transpose(2, 3, 1, 0),
+        "pos_embedding": grid_table(pos[1:], "embeddings.position_embeddings"),
+        "embedding": {"kernel": conv_kernel(sd.take("embeddings.patch_embeddings.projection.weight")),
                       "bias": sd.take("embeddings.patch_embeddings.projection.bias")},
         "encoder": _encoder(sd, blocks, depth, "layernorm"),
     }
     if registers:
         params["registers"] = sd.take("embeddings.register_tokens")
+    side = params["pos_embedding"].shape[1]
     res = (side * ph, side * pw)
     params = finish(sd, ViT(**kwargs), params, (jnp.zeros((1, *res, channels)),), f"a vitmm ViT ({kind})")
     if image_size is not None:
