@@ -3,11 +3,16 @@
     python -m vitmm.convert --from hf --src ~/models/clip-vit-base-patch16 --out workdirs/hf_clip_b16
     python -m vitmm.convert --from hf --src PATH --out DIR --tower vision --image_size 336
     python -m vitmm.convert --from hf --src ~/models/dinov2-small --out workdirs/dinov2_s --image_size 224
+    python -m vitmm.convert --from timm --src vit_small_patch16_224/model.safetensors --out DIR --num_heads 6
+    python -m vitmm.convert --from open_clip --src ViT-B-16-quickgelu/open_clip_model.safetensors --out DIR
 
 ``--from hf`` reads ``CLIPModel``/``CLIPVisionModel``/``CLIPTextModel`` (``--tower`` picks
 both, vision or text), ``SiglipModel``/``SiglipVisionModel`` and ``ViTModel``/``Dinov2Model``/
 ``Dinov2WithRegistersModel`` folders (``config.json`` + ``model.safetensors`` or
-``pytorch_model.bin``), by their ``model_type``.
+``pytorch_model.bin``), by their ``model_type``. ``--from timm`` reads a ``VisionTransformer``
+state dict (``--num_heads``, default width/64; ``--global_pool`` when a CLS model was trained with
+``avg``); ``--from open_clip`` a ViT ``CLIP`` state dict (QuickGELU from ``open_clip_config.json``
+beside it, or ``--quick_gelu true|false``).
 
 ``DIR`` is laid out like a ``vitmm.train`` workdir (``checkpoints/0`` with ``params`` and a
 ``meta`` config), so ``--config.init.vision=DIR`` (a VLM's tower), ``--config.init.checkpoint=DIR``
@@ -23,22 +28,22 @@ import json
 import pathlib
 import sys
 
-SOURCES = ("hf",)
+SOURCES = ("hf", "timm", "open_clip")
 TOWERS = ("both", "vision", "text")
 
 
-def convert(source: str, src: str, out: str, tower: str = "both", image_size: int | None = None) -> pathlib.Path:
-    from vitmm.interop import hf, io
-    from vitmm.train.checkpoint import Checkpointer
+def _one_tower(model: dict, params: dict, tower: str) -> tuple[dict, dict]:
+    """The ``vision`` or ``text`` half of a two-tower ``(model, params)``; ``both`` as is."""
+    if tower == "vision":
+        return {"image": model["image"], "text": None, "embed_dim": None}, {"img": params["img"]}
+    if tower == "text":
+        return {"image": None, "text": model["text"], "embed_dim": None}, {"txt": params["txt"]}
+    return model, params
 
-    if source not in SOURCES:
-        raise ValueError(f"--from {source!r} is not supported yet; choose one of {SOURCES}.")
-    if tower not in TOWERS:
-        raise ValueError(f"--tower must be one of {TOWERS}, got {tower!r}.")
-    out = pathlib.Path(out).expanduser().absolute()
-    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-        raise FileExistsError(f"{out} already holds a checkpoint; choose a new --out.")
-    model: dict = {}
+
+def _from_hf(src, tower, image_size) -> tuple[dict, dict]:
+    from vitmm.interop import hf, io
+
     kind = io.read_json(src).get("model_type")
     if kind in hf.VIT_TYPES:  # a ViT / Dinov2 backbone: one tower
         if tower == "text":
@@ -63,10 +68,36 @@ def convert(source: str, src: str, out: str, tower: str = "both", image_size: in
     else:
         kwargs, txt = hf.load_clip_text(src)
         params, model = {"txt": txt}, {"image": None, "text": kwargs, "embed_dim": None}
+    return model, params
+
+
+def convert(source: str, src: str, out: str, tower: str = "both", image_size: int | None = None,
+            num_heads: int | None = None, global_pool: str | None = None,
+            quick_gelu: bool | None = None) -> pathlib.Path:
+    from vitmm.interop import openclip, timm_vit
+    from vitmm.train.checkpoint import Checkpointer
+
+    if source not in SOURCES:
+        raise ValueError(f"--from {source!r} is not supported yet; choose one of {SOURCES}.")
+    if tower not in TOWERS:
+        raise ValueError(f"--tower must be one of {TOWERS}, got {tower!r}.")
+    out = pathlib.Path(out).expanduser().absolute()
+    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        raise FileExistsError(f"{out} already holds a checkpoint; choose a new --out.")
+    if source == "hf":
+        model, params = _from_hf(src, tower, image_size)
+    elif source == "timm":
+        if tower == "text":
+            raise ValueError(f"{src} is a timm image backbone; it has no text tower.")
+        kwargs, img = timm_vit.load(src, num_heads=num_heads, global_pool=global_pool, image_size=image_size)
+        model, params = {"image": kwargs, "text": None, "embed_dim": None}, {"img": img}
+    else:
+        model, params = openclip.load(src, quick_gelu=quick_gelu, image_size=image_size)
+        model, params = _one_tower(model, params, tower)
     config = {"model": model, "source": {"from": source, "src": str(src), "tower": tower}}
     if model["image"] is not None:
-        grid = params["img"]["pos_embedding"].shape[1]
-        config["input"] = {"image_size": int(grid * model["image"]["patch_size"])}
+        grid, patch = params["img"]["pos_embedding"].shape[1], model["image"]["patch_size"]
+        config["input"] = {"image_size": int(grid * (patch if isinstance(patch, int) else patch[0]))}
     checkpointer = Checkpointer(out, keep=1, async_save=False)
     checkpointer.save(0, {"params": params}, {}, {"step": 0, "config": json.dumps(config)})
     checkpointer.close()
@@ -80,9 +111,15 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="new vitmm checkpoint folder")
     parser.add_argument("--tower", default="both", choices=TOWERS)
     parser.add_argument("--image_size", type=int, default=None, help="resample positions to this resolution")
+    parser.add_argument("--num_heads", type=int, default=None, help="timm: attention heads (default width // 64)")
+    parser.add_argument("--global_pool", default=None, help="timm: token | avg | map | '' (default: from the tensors)")
+    parser.add_argument("--quick_gelu", default=None, choices=("true", "false"),
+                        help="open_clip: QuickGELU MLPs (default: open_clip_config.json beside the weights)")
     args = parser.parse_args(argv)
+    quick_gelu = None if args.quick_gelu is None else args.quick_gelu == "true"
     try:
-        out = convert(args.source, args.src, args.out, args.tower, args.image_size)
+        out = convert(args.source, args.src, args.out, args.tower, args.image_size, args.num_heads, args.global_pool,
+                      quick_gelu)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"vitmm.convert: {e}")
     print(f"wrote {out}")

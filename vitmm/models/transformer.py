@@ -97,7 +97,8 @@ class Block(nn.Module):
 
 
 class Encoder(nn.Module):
-    """``depth`` pre-LN blocks and a final LayerNorm. Returns ``(x, out)``.
+    """``depth`` pre-LN blocks and a final LayerNorm (``final_norm=False`` drops it: the model
+    normalises later, e.g. a ViT with ``fc_norm``). Returns ``(x, out)``.
 
     ``out["block_NN"]`` holds each block's output ``[B, T, D]`` (before the final norm).
     Stochastic depth grows linearly from 0 at the first block to ``drop_path_rate`` at the last.
@@ -119,6 +120,7 @@ class Encoder(nn.Module):
     remat_policy: str = REMAT_NONE
     dtype_mm: str | jnp.dtype = "float32"
     attn_impl: str | None = None
+    final_norm: bool = True
 
     @nn.compact
     def __call__(self, x, rope=None, mask=None, deterministic=True):
@@ -160,7 +162,8 @@ class Encoder(nn.Module):
                     x, float(rates[i]), rope, mask, deterministic
                 )
                 out[f"block_{i:02d}"] = x
-        x = nn.LayerNorm(epsilon=self.norm_eps, name="encoder_norm")(x)
+        if self.final_norm:
+            x = nn.LayerNorm(epsilon=self.norm_eps, name="encoder_norm")(x)
         return x, out
 
 

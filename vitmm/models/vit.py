@@ -91,7 +91,9 @@ class ViT(nn.Module):
 
     Tokens and pooling: ``class_token``; ``num_registers``; ``pool`` in ``tok | gap | map | none``
     (``gap`` and ``map`` use the patch tokens only); ``pre_norm`` is CLIP's LayerNorm on the
-    whole sequence before the encoder; ``num_classes > 0`` adds a (zero-initialised) linear head.
+    whole sequence before the encoder; ``fc_norm`` moves the final LayerNorm from the tokens to
+    the pooled vector (timm's ``fc_norm``, MAE fine-tuning; ``encoded``/``patch_tokens`` are then
+    the last block's raw outputs); ``num_classes > 0`` adds a (zero-initialised) linear head.
 
     Encoder: ``dropout``, ``drop_path_rate``, ``layerscale``, ``qk_norm``, ``act``, ``norm_eps``,
     ``scan``, ``remat_policy``, ``dtype_mm`` (compute dtype; parameters stay float32).
@@ -123,6 +125,7 @@ class ViT(nn.Module):
     num_registers: int = 0
     pool: str = "tok"
     pre_norm: bool = False
+    fc_norm: bool = False
     num_classes: int = 0
     # Encoder.
     dropout: float = 0.0
@@ -168,6 +171,8 @@ class ViT(nn.Module):
         common.check_choice("stem", self.stem, STEMS)
         if self.pool == "tok" and not self.class_token:
             raise ValueError("pool='tok' reads the CLS token; set class_token=True or pick gap/map.")
+        if self.fc_norm and self.pool == "none":
+            raise ValueError("fc_norm normalises the pooled vector; pool='none' has none. Drop fc_norm.")
         if self.posemb_layout == "with_cls" and not self.class_token:
             raise ValueError("posemb_layout='with_cls' needs class_token=True.")
         if self.num_registers < 0:
@@ -242,7 +247,7 @@ class ViT(nn.Module):
             depth=arch.depth, num_heads=arch.num_heads, mlp_dim=arch.mlp_dim, dropout=self.dropout,
             drop_path_rate=self.drop_path_rate, layerscale=self.layerscale, qk_norm=self.qk_norm,
             act=self.act, norm_eps=self.norm_eps, scan=self.scan, remat_policy=self.remat_policy,
-            dtype_mm=self.dtype_mm, attn_impl=self.attn_impl, name="encoder",
+            dtype_mm=self.dtype_mm, attn_impl=self.attn_impl, final_norm=not self.fc_norm, name="encoder",
         )(x, rope=rope, deterministic=not train)
         out.update(blocks)
 
@@ -262,6 +267,8 @@ class ViT(nn.Module):
                              name="map_head")(patches)
         else:
             pooled = out["encoded"]
+        if self.fc_norm:
+            pooled = nn.LayerNorm(epsilon=self.norm_eps, name="fc_norm")(pooled)
         out["pooled"] = pooled
         if self.num_classes:
             logits = nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(pooled)

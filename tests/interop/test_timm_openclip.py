@@ -1,0 +1,125 @@
+"""timm ViTs and open_clip CLIP load into vitmm and compute what timm / open_clip compute.
+
+Fixtures: tiny random models saved by timm 1.0 / open_clip 3.3 with their outputs
+(``tests/fixtures/interop/make_fixtures.py --only timm,open_clip``; versions in
+``manifest.json``). Tolerance: max abs difference ≤ 1e-4 in float32.
+"""
+
+import json
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.interop import openclip, timm_vit
+from vitmm.models.two_towers import TwoTowers
+from vitmm.models.vit import ViT
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
+ATOL = 1e-4
+TIMM_CASES = ["timm_vit", "timm_vit_reg", "timm_vit_gap", "timm_vit_fc_norm", "timm_vit_map"]
+
+
+def _io(name):
+    return dict(np.load(FIXTURES / name / "io.npz"))
+
+
+def _images(ref):
+    return jnp.asarray(ref["pixel_values"].transpose(0, 2, 3, 1))  # NCHW → NHWC
+
+
+def _timm_sequence(out, kwargs):
+    """vitmm's outputs in timm's ``forward_features`` order: [CLS?, registers, patches]."""
+    parts = [out["encoded"][:, :1]] if kwargs["class_token"] else []
+    if kwargs["num_registers"]:
+        parts.append(out["registers"])
+    return jnp.concatenate([*parts, out["patch_tokens"]], axis=1)
+
+
+@pytest.mark.parametrize("name", TIMM_CASES)
+def test_timm_vit_matches_timm(name):
+    ref, build = _io(name), json.loads((FIXTURES / name / "build.json").read_text())
+    kwargs, params = timm_vit.load(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"])
+    assert kwargs["class_token"] == build.get("class_token", True)
+    assert kwargs["num_registers"] == build.get("reg_tokens", 0)
+    logits, out = ViT(**kwargs).apply({"params": params}, _images(ref))
+    np.testing.assert_allclose(np.asarray(_timm_sequence(out, kwargs)), ref["features"], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(out["pooled"]), ref["pooled"], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits if kwargs.get("num_classes") else out["pooled"]), ref["logits"],
+                               atol=ATOL, rtol=0)
+
+
+def test_timm_pooling_is_read_from_the_tensors():
+    pools = {name: timm_vit.load(FIXTURES / name / "model.safetensors", num_heads=4)[0]
+             for name in ("timm_vit", "timm_vit_gap", "timm_vit_fc_norm", "timm_vit_map")}
+    assert [(k["pool"], k["fc_norm"]) for k in pools.values()] == [("tok", False), ("gap", False), ("gap", True),
+                                                                   ("map", False)]
+    assert pools["timm_vit_gap"]["posemb_layout"] == "patches" and pools["timm_vit"]["posemb_layout"] == "with_cls"
+
+
+def test_timm_refusals_name_the_reason():
+    path = FIXTURES / "timm_vit" / "model.safetensors"
+    with pytest.raises(ValueError, match="avgmax"):
+        timm_vit.load(path, num_heads=4, global_pool="avgmax")
+    with pytest.raises(ValueError, match="reads CLS/register tokens"):
+        timm_vit.load(path, num_heads=4, global_pool="map")
+    with pytest.raises(ValueError, match="not a timm VisionTransformer"):
+        timm_vit.load(FIXTURES / "open_clip" / "open_clip_model.safetensors")
+
+
+def test_timm_wrong_head_count_changes_the_output():
+    """The head count is not in the weights: a wrong one loads but computes something else."""
+    ref = _io("timm_vit")
+    kwargs, params = timm_vit.load(FIXTURES / "timm_vit" / "model.safetensors", num_heads=2)
+    logits, _ = ViT(**kwargs).apply({"params": params}, _images(ref))
+    assert np.abs(np.asarray(logits) - ref["logits"]).max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def open_clip_out():
+    ref = _io("open_clip")
+    kwargs, params = openclip.load(FIXTURES / "open_clip" / "open_clip_model.safetensors")
+    zimg, ztxt, out = TwoTowers(**kwargs).apply({"params": params}, _images(ref),
+                                                jnp.asarray(ref["input_ids"], jnp.int32))
+    return ref, kwargs, zimg, ztxt, out
+
+
+def test_open_clip_matches_open_clip(open_clip_out):
+    ref, kwargs, zimg, ztxt, out = open_clip_out
+    assert kwargs["image"]["act"] == "quick_gelu"  # read from open_clip_config.json beside the weights
+    checks = {"image_features": zimg, "text_features": ztxt,
+              "image_proj": zimg * out["img/norm"][:, None], "text_proj": ztxt * out["txt/norm"][:, None],
+              "logits_per_image": out["t"] * zimg @ ztxt.T}
+    for name, got in checks.items():
+        np.testing.assert_allclose(np.asarray(got), ref[name], atol=ATOL, rtol=0, err_msg=name)
+
+
+def test_open_clip_without_its_config_asks_for_quick_gelu(tmp_path):
+    shutil.copy(FIXTURES / "open_clip" / "open_clip_model.safetensors", tmp_path)
+    with pytest.raises(ValueError, match="quick_gelu"):
+        openclip.load(tmp_path / "open_clip_model.safetensors")
+    kwargs, _ = openclip.load(tmp_path / "open_clip_model.safetensors", quick_gelu=False)
+    assert kwargs["text"]["act"] == "gelu"
+
+
+def test_convert_cli_takes_timm_and_open_clip(tmp_path, open_clip_out):
+    from vitmm import convert
+    from vitmm.train import checkpoint as ckpt_lib
+
+    ref, _, zimg, _, _ = open_clip_out
+    convert.main(["--from", "open_clip", "--src", str(FIXTURES / "open_clip" / "open_clip_model.safetensors"),
+                  "--out", str(tmp_path / "oc")])
+    config, params = ckpt_lib.load_config(tmp_path / "oc"), ckpt_lib.load_params(tmp_path / "oc")
+    got, _, _ = TwoTowers(**config["model"]).apply({"params": params}, _images(ref), None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(zimg), atol=1e-6, rtol=0)
+
+    convert.main(["--from", "timm", "--src", str(FIXTURES / "timm_vit_reg" / "model.safetensors"),
+                  "--out", str(tmp_path / "tv"), "--num_heads", "4", "--image_size", "48"])
+    config = ckpt_lib.load_config(tmp_path / "tv")
+    assert config["input"]["image_size"] == 48 and config["model"]["image"]["num_registers"] == 4
+    assert ckpt_lib.load_params(tmp_path / "tv")["img"]["pos_embedding"].shape == (1, 6, 6, 32)
+    with pytest.raises(SystemExit, match="no text tower"):
+        convert.main(["--from", "timm", "--src", str(FIXTURES / "timm_vit" / "model.safetensors"),
+                      "--out", str(tmp_path / "tt"), "--tower", "text"])

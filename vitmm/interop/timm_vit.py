@@ -1,0 +1,146 @@
+"""timm ``VisionTransformer`` state dicts → vitmm ``ViT``.
+
+    kwargs, params = timm_vit.load("vit_small_patch16_224/model.safetensors", num_heads=6)
+    pooled, out = ViT(**kwargs).apply({"params": params}, images_nhwc)
+
+Correspondence (checked to 1e-4 against timm 1.0 in ``tests/interop``): timm's
+``forward_features`` is vitmm's ``out["encoded"]`` with registers re-inserted after CLS
+(``[CLS?, registers, patches]``), ``forward_head(..., pre_logits=True)`` is ``pooled`` and the
+model's output is ``logits``. timm's layout is vitmm's almost name for name (fused ``qkv``,
+``proj`` = ``out``, ``fc1``/``fc2``, ``ls1``/``ls2`` LayerScale, ``norm_pre`` = ``pre_norm``,
+``fc_norm``, the ``attn_pool`` = ``map_head`` with its ``q``/``kv`` split). What differs:
+
+* ``pos_embed`` is flat: ``[1, prefix + h·w, D]`` when CLS and registers have positions
+  (``no_embed_class=False``, timm's default) or ``[1, h·w, D]`` (``no_embed_class=True``). vitmm
+  gives CLS a position with ``posemb_layout="with_cls"`` and registers none: a register's
+  position is a constant added to a learned constant, so it is folded into the register (exact).
+* ``qkv_bias=False`` becomes an exact zero bias.
+* The head count and activation are not in a state dict: ``num_heads`` defaults to
+  ``width // 64`` (timm's ViTs' head width), ``act`` to exact GELU, ``norm_eps`` to 1e-6.
+* ``global_pool`` is read from the tensors (``attn_pool`` → ``map``, ``fc_norm`` → ``avg``, a CLS
+  token → ``token``, else ``avg``); pass it when a CLS model was trained with ``avg``.
+  ``avgmax``/``max`` have no vitmm pooling, and ``map`` over a sequence with CLS or registers
+  differs from vitmm's patch-only ``map``: both are refused with that reason.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import jax.numpy as jnp
+import numpy as np
+
+from vitmm.interop import io
+from vitmm.interop.common import StateDict, conv_kernel, finish, grid_table, linear, norm, resize
+
+POOLS = {"token": "tok", "avg": "gap", "map": "map", "": "none"}
+
+
+def _block(sd: StateDict, p: str, qk_norm: bool, layerscale: bool) -> dict:
+    qkv = sd.take(f"{p}.attn.qkv.weight")
+    out = {
+        "norm1": norm(sd, f"{p}.norm1"),
+        "attn": {"qkv": {"kernel": qkv.T}, "out": linear(sd, f"{p}.attn.proj")},
+        "norm2": norm(sd, f"{p}.norm2"),
+        "mlp": {"fc1": linear(sd, f"{p}.mlp.fc1"), "fc2": linear(sd, f"{p}.mlp.fc2")},
+    }
+    out["attn"]["qkv"]["bias"] = (sd.take(f"{p}.attn.qkv.bias") if sd.has(f"{p}.attn.qkv.bias")
+                                  else np.zeros(qkv.shape[0], np.float32))
+    if qk_norm:
+        out["attn"]["q_norm"] = norm(sd, f"{p}.attn.q_norm")
+        out["attn"]["k_norm"] = norm(sd, f"{p}.attn.k_norm")
+    if layerscale:
+        out["ls1"], out["ls2"] = sd.take(f"{p}.ls1.gamma"), sd.take(f"{p}.ls2.gamma")
+    return out
+
+
+def _prefix_rows(rows: int, prefix: int) -> int:
+    """How many leading rows of a flat position table belong to CLS/registers."""
+    square = lambda n: n > 0 and round(n ** 0.5) ** 2 == n  # noqa: E731
+    with_prefix, without = prefix > 0 and square(rows - prefix), square(rows)
+    if with_prefix and without:
+        raise ValueError(f"pos_embed has {rows} rows: both {rows} patches and {prefix} prefix + {rows - prefix} "
+                         "patches are square grids; this tiny grid is ambiguous, resample it first.")
+    if not (with_prefix or without):
+        raise ValueError(f"pos_embed has {rows} rows, neither a square grid nor {prefix} prefix tokens + a square "
+                         "grid; non-square grids are not read from a flat table.")
+    return prefix if with_prefix else 0
+
+
+def _infer_pool(tensors: dict) -> str:
+    if "attn_pool.latent" in tensors:
+        return "map"
+    if "fc_norm.weight" in tensors or "cls_token" not in tensors:
+        return "avg"
+    return "token"
+
+
+def load(src: str | pathlib.Path, num_heads: int | None = None, global_pool: str | None = None,
+         act: str = "gelu", norm_eps: float = 1e-6, image_size: int | None = None) -> tuple[dict, dict]:
+    """``(ViT kwargs, params)`` of a timm ``VisionTransformer`` state dict (safetensors/npz/.bin)."""
+    from vitmm.models.vit import ViT
+
+    tensors = io.read_tensors(src)
+    if "patch_embed.proj.weight" not in tensors or "blocks.0.attn.qkv.weight" not in tensors:
+        raise ValueError(f"{src} is not a timm VisionTransformer state dict (no patch_embed.proj.weight / "
+                         "blocks.0.attn.qkv.weight); hybrid (ResNet stem) and EVA/BEiT models are other classes.")
+    global_pool = _infer_pool(tensors) if global_pool is None else global_pool
+    if global_pool not in POOLS:
+        raise ValueError(f"global_pool={global_pool!r}: vitmm has no such pooling; it maps timm's "
+                         f"{sorted(POOLS)} ('' = no pooling).")
+    sd = StateDict(tensors, str(src))
+    width, channels, ph, pw = tensors["patch_embed.proj.weight"].shape
+    depth = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"blocks\.(\d+)\.", k)))
+    has_cls = "cls_token" in tensors
+    registers = tensors["reg_token"].shape[1] if "reg_token" in tensors else 0
+    if global_pool == "map" and (has_cls or registers):
+        raise ValueError("timm's attention pool reads CLS/register tokens too; vitmm's map pools the patch tokens "
+                         "only, so this model's pooled output would differ. Not supported.")
+    pos = sd.take("pos_embed")[0]
+    prefix_rows = _prefix_rows(pos.shape[0], int(has_cls) + registers)
+    qk_norm = "blocks.0.attn.q_norm.weight" in tensors
+    layerscale = "blocks.0.ls1.gamma" in tensors
+    fc_norm = "fc_norm.weight" in tensors
+    kwargs = dict(width=width, depth=depth, mlp_dim=tensors["blocks.0.mlp.fc1.weight"].shape[0],
+                  num_heads=num_heads or max(width // 64, 1), patch_size=ph if ph == pw else (ph, pw),
+                  class_token=has_cls, num_registers=registers, posemb="learn",
+                  posemb_layout="with_cls" if has_cls and prefix_rows else "patches", pool=POOLS[global_pool],
+                  pre_norm="norm_pre.weight" in tensors, fc_norm=fc_norm, qk_norm=qk_norm,
+                  layerscale=1.0 if layerscale else None, act=act, norm_eps=norm_eps,
+                  embed_bias="patch_embed.proj.bias" in tensors)
+    params = {"embedding": {"kernel": conv_kernel(sd.take("patch_embed.proj.weight"))},
+              "pos_embedding": grid_table(pos[prefix_rows:], "pos_embed"),
+              "encoder": {f"block_{i:02d}": _block(sd, f"blocks.{i}", qk_norm, layerscale) for i in range(depth)}}
+    if fc_norm:
+        params["fc_norm"] = norm(sd, "fc_norm")
+    else:
+        params["encoder"]["encoder_norm"] = norm(sd, "norm")
+    if kwargs["embed_bias"]:
+        params["embedding"]["bias"] = sd.take("patch_embed.proj.bias")
+    if has_cls:
+        params["cls"] = sd.take("cls_token")
+        if prefix_rows:
+            params["cls_pos_embedding"] = pos[None, :1]
+    if registers:
+        reg = sd.take("reg_token")
+        if prefix_rows:
+            reg = reg + pos[None, int(has_cls):int(has_cls) + registers]
+        params["registers"] = reg
+    if kwargs["pre_norm"]:
+        params["pre_norm"] = norm(sd, "norm_pre")
+    if global_pool == "map":
+        kv = sd.take("attn_pool.kv.weight"), sd.take("attn_pool.kv.bias")
+        params["map_head"] = {"probe": sd.take("attn_pool.latent"),
+                              "attn": {"q": linear(sd, "attn_pool.q"), "kv": {"kernel": kv[0].T, "bias": kv[1]},
+                                       "out": linear(sd, "attn_pool.proj")},
+                              "norm": norm(sd, "attn_pool.norm"),
+                              "mlp": {"fc1": linear(sd, "attn_pool.mlp.fc1"), "fc2": linear(sd, "attn_pool.mlp.fc2")}}
+    if sd.has("head.weight"):
+        kwargs["num_classes"] = tensors["head.weight"].shape[0]
+        params["head"] = linear(sd, "head")
+    res = (params["pos_embedding"].shape[1] * ph, params["pos_embedding"].shape[2] * pw)
+    params = finish(sd, ViT(**kwargs), params, (jnp.zeros((1, *res, channels)),), "a vitmm ViT (timm)")
+    if image_size is not None:
+        params = resize(params, kwargs, image_size)
+    return kwargs, params
