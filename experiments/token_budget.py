@@ -7,7 +7,7 @@
 One frozen CLIP image tower (a ``python -m vitmm.train`` workdir; default
 ``workdirs/clip_scenes``, which ``make demo`` writes and this script trains first when it is
 missing) encodes every image once; all runs of the sweep read those features. Each run trains a
-connector and a small Llama-style LM (random init, bytes) together on (image, question, answer)
+connector and a small Llama-style LM (random init, word tokens) together on (image, question, answer)
 triples — LLaVA's stage 2 with the tower frozen; a stage 1 would be meaningless with an untrained
 LM — and scores exact-match accuracy per question kind on validation questions. Exact match is
 computed teacher-forced in one forward pass, which equals greedy decoding's exact match
@@ -17,7 +17,10 @@ Budgets are visual tokens handed to the LM. A family whose knob cannot hit a bud
 at its nearest reachable count (within a factor ``--max_ratio``) and the tables record the
 actual count; a budget it cannot approach is listed as unreachable, with what it can reach. A
 ``blind`` baseline (the same LM, its visual token carrying no image) measures what the questions
-alone give away.
+alone give away. The two families with a hidden width of their own (``qformer`` 256,
+``c_abstractor`` 256 by default) run at the tower's width instead, so that no connector is wider
+than what it reads: at 256 they cost 3–4× the LM's step and would take the sweep past its hour
+(``--native_widths`` keeps the defaults).
 
 Writes to ``--out``: ``runs.csv`` (one row per run and seed), ``token_budget.md`` (mean ± std
 over seeds per family and budget: accuracy per question kind, parameters, connector and LM
@@ -45,6 +48,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from vitmm import losses
 from vitmm.data import pipeline, preprocess, scenes
 from vitmm.data.tokenizer import ByteTokenizer, WordTokenizer
 from vitmm.models import connectors, lm, vlm
@@ -62,7 +66,7 @@ KINDS = scenes.QUESTION_KINDS
 
 # The LM, training steps and batch (questions), images encoded per split, and seeds of a preset.
 PRESETS = {
-    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=500, batch_size=64, lr=3e-3, workers=2,
+    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=500, batch_size=32, lr=3e-3, workers=2,
                     train_images=10_000, val_images=1_000, seeds="0,1,2", families=",".join(FAMILIES),
                     budgets=",".join(BUDGETS)),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=12, batch_size=16, lr=3e-3, workers=1,
@@ -199,8 +203,7 @@ class Run:
 
     def _loss(self, params, patches, ids, mask):
         nll, _, _ = self._scores(params, patches, ids, mask)
-        m = mask[:, 1:]
-        return (nll * m).sum() / jnp.maximum(m.sum(), 1.0)
+        return losses.masked_mean(nll, mask[:, 1:])
 
     def _step(self, params, opt_state, patches, ids, mask):
         loss, grads = jax.value_and_grad(self._loss)(params, patches, ids, mask)
@@ -254,11 +257,14 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, steps: int, batc
 _WORKER: dict = {}  # a worker process's context and data (set by _init_worker)
 
 
-def _init_worker(context: dict, arrays: str, queue) -> None:
-    # One thread per worker: two single-threaded runs side by side beat one run on two threads
-    # for models this small (measured ~1.5x). The flags take effect at JAX's first computation.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
-                               "intra_op_parallelism_threads=1")
+def _init_worker(context: dict, arrays: str, queue, cores: list[int]) -> None:
+    # One core per worker: two single-core runs side by side beat one run on two cores for models
+    # this small (measured ~1.5x). XLA sizes its CPU thread pool from the process's affinity when
+    # the backend starts (first computation), so pinning here is what makes a worker single-core;
+    # XLA flags do not (--xla_cpu_multi_thread_eigen=false still ran two busy pool threads per
+    # worker, four on two cores, at half the throughput).
+    index = multiprocessing.current_process()._identity[0]  # consecutive numbers for the pool's workers
+    os.sched_setaffinity(0, {cores[index % len(cores)]})
     data = np.load(arrays, mmap_mode="r", allow_pickle=False)
     split = lambda name: {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(name + "/")}  # noqa: E731
     _WORKER.update(context=context, train=split("train"), val=split("val"), queue=queue)
@@ -315,8 +321,9 @@ def run_jobs(jobs: dict, context: dict, train: dict, val: dict, workers: int) ->
             np.savez(arrays, **{f"train/{k}": v for k, v in train.items() if k != "grid"},
                      **{f"val/{k}": v for k, v in val.items() if k != "grid"})
             queue = manager.Queue()
+            cores = sorted(os.sched_getaffinity(0))
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                                        initargs=(context, arrays, queue)) as pool:
+                                                        initargs=(context, arrays, queue, cores)) as pool:
                 # The most expensive settings (most tokens) first, so the pool ends evenly.
                 order = sorted(jobs, key=lambda key: -key[1])
                 futures = {pool.submit(_worker_job, key[0], jobs[key]): key for key in order}
@@ -395,7 +402,38 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
             + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{s['train_ex_s']:,.0f} | {s['infer_ex_s']:,.0f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + spread_lines(summary)) + "\n"
+
+
+def spread_lines(summary: list[dict]) -> list[str]:
+    """Connector vs token count at a glance: at each token count, how far apart the families are
+    (MM1 / TokenPacker's question), and per family, what going from its fewest to its most tokens
+    gains. Rows at the same actual count are compared whatever budget was requested."""
+    ok = [s for s in summary if s["status"] == "ok" and s["family"] != "blind"]
+    at: dict[int, dict[str, float]] = {}
+    for s in ok:
+        at.setdefault(int(s["tokens"]), {})[s["family"]] = 100 * s["accuracy"]
+    lines = ["Spread across connectors at equal token counts (points of exact-match accuracy):", "",
+             "| tokens | families | best | worst | spread | mean |", "|---:|---:|---|---|---:|---:|"]
+    for tokens in sorted(at):
+        acc = at[tokens]
+        if len(acc) < 2:
+            continue
+        best, worst = max(acc, key=acc.get), min(acc, key=acc.get)
+        lines.append(f"| {tokens} | {len(acc)} | {best} {acc[best]:.1f} | {worst} {acc[worst]:.1f} | "
+                     f"{acc[best] - acc[worst]:.1f} | {np.mean(list(acc.values())):.1f} |")
+    lines += ["", "Gain from the family's fewest to its most tokens (points):", "",
+              "| connector | fewest | most | gain |", "|---|---|---|---:|"]
+    for family in dict.fromkeys(s["family"] for s in ok):
+        counts = {t: acc[family] for t, acc in at.items() if family in acc}
+        if len(counts) > 1:
+            lo, hi = min(counts), max(counts)
+            gain = counts[hi] - counts[lo]
+            lines.append(f"| {family} | {lo}: {counts[lo]:.1f} | {hi}: {counts[hi]:.1f} | {gain:+.1f} |")
+    blind = [s for s in summary if s["family"] == "blind" and s["status"] == "ok"]
+    if blind:
+        lines += ["", f"No image (`blind`, the questions' prior): {100 * blind[0]['accuracy']:.1f}."]
+    return lines
 
 
 def plot(summary: list[dict], out: pathlib.Path) -> None:
@@ -473,6 +511,8 @@ def main(argv=None) -> pathlib.Path:
     parser.add_argument("--workers", type=int, default=None,
                         help="single-threaded worker processes (default: the preset's; 1 = in this process)")
     parser.add_argument("--no_blind", action="store_true", help="skip the no-image baseline")
+    parser.add_argument("--native_widths", action="store_true",
+                        help="qformer / c_abstractor at their own hidden widths (256), not the tower's")
     parser.add_argument("--smoke", action="store_true", help="a tiny sweep that runs in about a minute")
     args = parser.parse_args(argv)
     preset = PRESETS["smoke" if args.smoke else "default"]
@@ -525,9 +565,11 @@ def main(argv=None) -> pathlib.Path:
           f"unreachable: {[(f, b) for f, b, s, _, _ in plan if s is None]}")
 
     jobs = {}  # (family, tokens) -> connector config; two budgets at one reachable count share a job
+    widths = {} if args.native_widths else {"qformer": {"width": in_dim}, "c_abstractor": {"hidden": in_dim}}
     for family, _, setting, tokens, _ in plan:
         if setting is not None:
-            jobs.setdefault((family, tokens), {"name": "pool" if family == BLIND else family, "budget": setting})
+            jobs.setdefault((family, tokens), {"name": "pool" if family == BLIND else family, "budget": setting,
+                                               **widths.get(family, {})})
     context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, grid=grid, in_dim=in_dim, max_len=max_len, steps=steps,
                    lr=lr, batch_size=batch_size, seeds=seeds)
     results = run_jobs(jobs, context, train, val, args.workers or preset["workers"])
@@ -545,7 +587,8 @@ def main(argv=None) -> pathlib.Path:
 
     setup = {"tower": str(tower_dir), "tower_config": tower_cfg, "data": data, "image_size": image_size,
              "grid": list(grid), "lm": lm_preset, "steps": steps, "batch_size": batch_size, "lr": lr,
-             "seeds": seeds, "tokenizer": args.tokenizer, "vocab_size": tokenizer.vocab_size, "max_len": max_len,
+             "seeds": seeds, "connector_widths": widths, "tokenizer": args.tokenizer,
+             "vocab_size": tokenizer.vocab_size, "max_len": max_len,
              "train_images": len(train["patches"]),
              "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
              "workers": args.workers or preset["workers"], "backend": jax.default_backend(),

@@ -79,5 +79,6 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path):
     assert pool[4] < pool[16]
     table = (out / "token_budget.md").read_text()
     assert "| linear | 4 | unreachable" in table and "| patch_merger | 9 | 16 (nearest to 9) |" in table
+    assert "Spread across connectors at equal token counts" in table and "| pool | 4: " in table
     for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,6 @@ parameters (``jax.eval_shape``) and FLOPs (XLA's cost analysis of the compiled f
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from vitmm.models import common
@@ -61,10 +60,7 @@ def cost(cfg: dict, in_dim: int, out_dim: int, grid: tuple[int, int]) -> dict:
     module = build(cfg, out_dim)
     x = jnp.zeros((1, grid[0] * grid[1], in_dim), jnp.float32)
     grid = tuple(grid)
-    shapes = jax.eval_shape(lambda key, x: module.init(key, x, grid), jax.random.key(0), x)
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    analysis = jax.jit(lambda p, x: module.apply(p, x, grid)).lower(params, x).compile().cost_analysis()
-    if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0]
-    return {"params": common.count_params(shapes.get("params", {})), "flops": float(analysis.get("flops", 0.0)),
+    shapes, flops = common.traced_cost(lambda key, x: module.init(key, x, grid),
+                                       lambda p, x: module.apply(p, x, grid), x)
+    return {"params": common.count_params(shapes.get("params", {})), "flops": flops,
             "tokens": num_visual_tokens(cfg, grid)}

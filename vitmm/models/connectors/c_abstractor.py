@@ -12,7 +12,7 @@ from __future__ import annotations
 import flax.linen as nn
 
 from vitmm.models import common
-from vitmm.models.connectors.base import MLP, adaptive_avg_pool, check_tokens, square_side
+from vitmm.models.connectors.base import MLP, DepthwiseConv, adaptive_avg_pool, check_tokens, square_side
 
 
 class ResBlock(nn.Module):
@@ -21,7 +21,7 @@ class ResBlock(nn.Module):
     @nn.compact
     def __call__(self, x):  # x: [B, h, w, C]
         y = nn.silu(nn.LayerNorm(name="norm1")(nn.Conv(self.width, (1, 1), name="conv1")(x)))
-        y = nn.Conv(self.width, (3, 3), padding="SAME", feature_group_count=self.width, name="conv2")(y)
+        y = DepthwiseConv(self.width, name="conv2")(y)
         y = nn.silu(nn.LayerNorm(name="norm2")(y))
         se = y.mean(axis=(1, 2), keepdims=True)
         se = nn.Conv(max(self.width // 4, 1), (1, 1), name="se_reduce")(se)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from vitmm.models.connectors.base import MLP, adaptive_avg_pool, check_tokens, square_side
+from vitmm.models.connectors.base import MLP, DepthwiseConv, adaptive_avg_pool, check_tokens, square_side
 
 
 class LDP(nn.Module):
@@ -23,5 +23,5 @@ class LDP(nn.Module):
         b = x.shape[0]
         x = MLP(self.out_dim, 2, name="mlp")(x)
         x = adaptive_avg_pool(x, grid, (side, side)).reshape(b, side, side, self.out_dim)
-        x = x + nn.Conv(self.out_dim, (3, 3), padding="SAME", feature_group_count=self.out_dim, name="peg")(x)
+        x = x + DepthwiseConv(self.out_dim, name="peg")(x)
         return x.reshape(b, side * side, self.out_dim)
