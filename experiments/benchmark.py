@@ -3,6 +3,7 @@
     python experiments/benchmark.py                       # ViT-Ti/16 and S/16, 224 px, batch 32, fp32
     python experiments/benchmark.py --variants Ti/16,S/16,B/16 --repeats 7
     python experiments/benchmark.py --torch_python /path/to/venv/bin/python   # PyTorch lives elsewhere
+    python experiments/benchmark.py --scaling S --batch 8 # step time vs tokens, next to the analytic count
 
 For each variant, a JAX worker process and a PyTorch worker process take turns (so drift on a
 shared machine hits both alike) and each reports: training-step and inference images/s (median
@@ -16,6 +17,11 @@ that has ``torch`` and ``transformers`` (``torch==2.13.0`` installs from a local
 ``--no_torch``. Both frameworks get the same number of threads (``--threads``, default: all cores).
 
 Writes ``benchmark.csv`` and ``benchmark.md`` (with ratios vitmm / reference) to ``--out``.
+
+``--scaling WIDTH`` instead times vitmm alone (inference and training) at 224 px with patches 32, 16
+and 8 and at 448 px with patch 16 (49 to 3,136 tokens), and sets each time, relative to /16 at
+224 px, next to the analytic FLOP ratio: where the measured ratio exceeds the prediction, the
+N² attention terms or memory traffic cost more than their FLOPs. Writes ``scaling.{csv,md}``.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def jax_worker(variant: str, batch: int, res: int, warmup: int, repeats: int, mo
     import jax.numpy as jnp
     import optax
 
-    from vitmm.models import vit
+    from vitmm.models import common, vit
 
     model = vit.ViT(variant=variant, num_classes=1000, pool="tok")
     images = jax.random.normal(jax.random.key(0), (batch, res, res, 3), jnp.float32)
@@ -88,9 +94,7 @@ def jax_worker(variant: str, batch: int, res: int, warmup: int, repeats: int, mo
         start = time.perf_counter()
         compiled = forward.lower(params, images).compile()
         out["compile_s"] = time.perf_counter() - start
-        analysis = compiled.cost_analysis()
-        analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-        out["xla_gflop_per_image"] = float(analysis.get("flops", 0.0)) / batch / 1e9
+        out["xla_gflop_per_image"] = common.xla_flops(compiled) / batch / 1e9
 
         def run():
             compiled(params, images).block_until_ready()
@@ -177,6 +181,50 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SCALING = ((32, 224), (16, 224), (8, 224), (16, 448))  # (patch, resolution): 49, 196, 784, 784 tokens
+
+
+def scaling(width: str, args) -> list[dict]:
+    """Measured step time vs the analytic prediction as tokens grow (vitmm only)."""
+    rows = []
+    for patch, res in SCALING:
+        variant = f"{width}/{patch}"
+        for mode in ("infer", "train"):
+            spec = dict(variant=variant, batch=args.batch, res=res, warmup=args.warmup, repeats=args.repeats,
+                        mode=mode, arch={})
+            r = _run_worker(sys.executable, "jax", spec, args.threads)
+            rows.append(dict(variant=variant, res=res, tokens=(res // patch) ** 2, mode=mode,
+                             analytic_gflop_per_image=analytic_gflop(variant, res), step_s=r["step_s"]))
+            print(f"{variant} @ {res}: {mode} {r['step_s']:.3f} s/step", flush=True)
+    for r in rows:
+        base = next(b for b in rows if b["variant"] == f"{width}/16" and b["res"] == 224 and b["mode"] == r["mode"])
+        r["predicted_ratio"] = r["analytic_gflop_per_image"] / base["analytic_gflop_per_image"]
+        r["measured_ratio"] = r["step_s"] / base["step_s"]
+    return rows
+
+
+def scaling_markdown(rows: list[dict], setup: dict) -> str:
+    lines = [f"{setup['date']}, {setup['machine']}, float32, batch {setup['batch']}, {setup['threads']} threads, "
+             f"medians of {setup['repeats']} steps; ratios relative to /16 at 224 px of the same mode.", "",
+             "| model | px | tokens | analytic GFLOP/img | mode | s/step | predicted ratio | measured ratio |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['res']} | {r['tokens']} | {r['analytic_gflop_per_image']:.2f} | "
+                     f"{r['mode']} | {r['step_s']:.3f} | {r['predicted_ratio']:.2f} | {r['measured_ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(out: pathlib.Path, name: str, rows: list[dict], markdown: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)
+
+
 def main(argv=None) -> pathlib.Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="Ti/16,S/16")
@@ -187,6 +235,8 @@ def main(argv=None) -> pathlib.Path:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--torch_python", default=sys.executable, help="a Python with torch and transformers")
     parser.add_argument("--no_torch", action="store_true")
+    parser.add_argument("--scaling", default=None, metavar="WIDTH",
+                        help="time one width (e.g. S) across patch sizes and resolutions instead")
     parser.add_argument("--out", default="results/benchmark")
     parser.add_argument("--_worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
@@ -201,6 +251,13 @@ def main(argv=None) -> pathlib.Path:
 
     from vitmm.models import vit
 
+    out = pathlib.Path(args.out)
+    setup = dict(date=time.strftime("%Y-%m-%d"), machine=f"{os.cpu_count()}-core {os.uname().machine} CPU",
+                 batch=args.batch, res=args.res, threads=args.threads, repeats=args.repeats, warmup=args.warmup)
+    if args.scaling:
+        rows = scaling(args.scaling, args)
+        _write(out, "scaling", rows, scaling_markdown(rows, setup))
+        return out
     rows = []
     for variant in args.variants.split(","):
         flops = analytic_gflop(variant, args.res)
@@ -222,17 +279,7 @@ def main(argv=None) -> pathlib.Path:
             rows.extend(results)
             summary = (f"{r['framework'].split()[0]} {variant} {mode}: {r['images_s']:.1f} img/s" for r in results)
             print(" | ".join(summary), flush=True)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    setup = dict(date=time.strftime("%Y-%m-%d"), machine=f"{os.cpu_count()}-core {os.uname().machine} CPU",
-                 batch=args.batch, res=args.res, threads=args.threads, repeats=args.repeats, warmup=args.warmup)
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / "benchmark.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "benchmark.md").write_text(to_markdown(rows, setup))
-    print(to_markdown(rows, setup))
+    _write(out, "benchmark", rows, to_markdown(rows, setup))
     return out
 
 

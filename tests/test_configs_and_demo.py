@@ -1,5 +1,6 @@
 """Configs parse and build; the front-end demo and the token-count experiment run."""
 
+import csv
 import importlib.util
 import pathlib
 import subprocess
@@ -142,7 +143,6 @@ def test_load_applies_dotted_overrides_and_rejects_unknown_keys():
 
 def test_benchmark_script_runs_and_writes_its_tables(tmp_path):
     """The vitmm side of experiments/benchmark.py on a tiny variant (the PyTorch side needs torch)."""
-    import csv
     import subprocess
     import sys
 
@@ -160,3 +160,25 @@ def test_benchmark_script_runs_and_writes_its_tables(tmp_path):
     infer = rows[1]
     assert abs(float(infer["xla_gflop_per_image"]) / float(infer["analytic_gflop_per_image"]) - 1) < 0.2
     assert "| mu/16 | train | vitmm |" in (out / "benchmark.md").read_text()
+
+
+def test_benchmark_scaling_table_sets_measured_next_to_predicted_ratios(tmp_path, monkeypatch):
+    """The scaling mode's bookkeeping, with the timed worker replaced by a clock that is exactly
+    proportional to the analytic FLOPs: every measured ratio must then equal its prediction."""
+    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "experiments/benchmark.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fake = lambda python, kind, spec, threads: {"step_s": bench.analytic_gflop(spec["variant"], spec["res"])}  # noqa: E731
+    monkeypatch.setattr(bench, "_run_worker", fake)
+    out = bench.main(["--scaling", "Ti", "--out", str(tmp_path)])
+    rows = list(csv.DictReader(open(out / "scaling.csv")))
+    assert [(r["variant"], int(r["res"]), int(r["tokens"])) for r in rows[::2]] == [
+        ("Ti/32", 224, 49), ("Ti/16", 224, 196), ("Ti/8", 224, 784), ("Ti/16", 448, 784)]
+    for r in rows:
+        assert float(r["measured_ratio"]) == pytest.approx(float(r["predicted_ratio"]), rel=1e-9)
+    by = {(r["variant"], r["res"], r["mode"]): float(r["predicted_ratio"]) for r in rows}
+    assert by[("Ti/16", "224", "infer")] == 1.0
+    # Same tokens: the same encoder FLOPs; only the patch projection (4x the pixels at 448) differs.
+    assert by[("Ti/8", "224", "infer")] == pytest.approx(by[("Ti/16", "448", "infer")], rel=0.03)
+    assert by[("Ti/8", "224", "infer")] > 4  # 4x tokens: linear terms 4x, attention 16x
+    assert "| Ti/8 | 224 | 784 |" in (out / "scaling.md").read_text()

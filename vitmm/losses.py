@@ -110,13 +110,21 @@ def sigmoid_loss_chunked(zimg, ztxt, t, b, mesh: jax.sharding.Mesh, axis: str = 
 # Language modelling (the VLM's answer loss).
 # ----------------------------------------------------------------------------------------------
 
+def token_nll(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
+    """Per-position negative log-likelihood ``[..., L]`` of ``targets`` under ``logits [..., L, V]``."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def masked_mean(x: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+    """Mean of ``x`` where ``mask`` is nonzero (0 when nothing is masked in)."""
+    mask = mask.astype(jnp.float32)
+    return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
 def lm_loss(logits: jnp.ndarray, targets: jnp.ndarray, mask: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Mean next-token cross-entropy over positions where ``mask`` is 1, and the token accuracy.
 
     ``logits[:, i]`` predicts ``targets[:, i]`` (shift before calling)."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    mask = mask.astype(jnp.float32)
-    count = jnp.maximum(mask.sum(), 1.0)
     correct = (logits.argmax(-1) == targets).astype(jnp.float32)
-    return (nll * mask).sum() / count, (correct * mask).sum() / count
+    return masked_mean(token_nll(logits, targets), mask), masked_mean(correct, mask)

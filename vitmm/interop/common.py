@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vitmm.models.common import shape_mismatches
+
 IGNORED = re.compile(r".*(position_ids|attn_mask)$")  # buffers some checkpoints carry
 
 
@@ -47,8 +49,6 @@ def norm(sd: StateDict, prefix: str) -> dict:
 
 def finish(sd: StateDict, module, params: dict, example_args: tuple, what: str) -> dict:
     """Checks the converted tree against the model's own and the checkpoint's leftovers."""
-    from vitmm.train.checkpoint import shape_mismatches
-
     expected = jax.eval_shape(module.init, jax.random.key(0), *example_args)["params"]
     lines = [f"  missing in checkpoint: {k}" for k in sd.missing]
     lines += [f"  unexpected in checkpoint (no place in the model): {k}" for k in sd.unused()]

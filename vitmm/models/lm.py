@@ -9,7 +9,6 @@ tokens that way).
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -107,9 +106,5 @@ def forward_flops(lm_config: dict, seq_len: int) -> float:
     of the compiled program: blocks, final norm and the vocabulary head)."""
     model = LM(**lm_config)
     x = jnp.zeros((1, seq_len, model.width), jnp.float32)
-    shapes = jax.eval_shape(lambda k, x: model.init(k, embeds=x), jax.random.key(0), x)
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    analysis = jax.jit(lambda p, x: model.apply(p, embeds=x)).lower(params, x).compile().cost_analysis()
-    if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0]
-    return float(analysis.get("flops", 0.0))
+    _, flops = common.traced_cost(lambda k, x: model.init(k, embeds=x), lambda p, x: model.apply(p, embeds=x), x)
+    return flops

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vitmm import losses
 from vitmm.models import common, connectors
 from vitmm.models.lm import LM
 from vitmm.models.vit import ViT
@@ -107,7 +108,7 @@ def answer_scores(model: VLM, variables, ids, answer_mask, *, images=None, featu
     num_visual = logits.shape[1] - ids.shape[1]
     logits = text_logits(logits, num_visual)[:, :-1]
     targets, mask = ids[:, 1:], answer_mask[:, 1:] > 0
-    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], axis=-1)[..., 0]
+    nll = losses.token_nll(logits, targets)
     correct = logits.argmax(-1) == targets
     return nll, correct, jnp.all(correct | ~mask, axis=1)
 

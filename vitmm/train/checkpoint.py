@@ -18,23 +18,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-
-def _flat(tree) -> dict:
-    return {"/".join(str(k) for k in path): v for path, v in traverse_util.flatten_dict(tree).items()}
-
-
-def _shape(x) -> tuple:
-    return tuple(getattr(x, "shape", ()))
-
-
-def shape_mismatches(expected, found) -> list[str]:
-    """Lines describing missing, unexpected and mis-shaped entries between two pytrees."""
-    want, have = _flat(expected), _flat(found)
-    lines = [f"  missing in checkpoint: {k} {_shape(v)}" for k, v in want.items() if k not in have]
-    lines += [f"  unexpected in checkpoint: {k} {_shape(v)}" for k, v in have.items() if k not in want]
-    lines += [f"  shape mismatch: {k}: model {_shape(v)} vs checkpoint {_shape(have[k])}"
-              for k, v in want.items() if k in have and _shape(v) != _shape(have[k])]
-    return lines
+from vitmm.models.common import flat_tree as _flat
+from vitmm.models.common import shape_mismatches
+from vitmm.models.common import tree_shape as _shape
 
 
 class Checkpointer:
