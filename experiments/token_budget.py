@@ -19,7 +19,7 @@ actual count; a budget it cannot approach is listed as unreachable, with what it
 ``blind`` baseline (the same LM, its visual token carrying no image) measures what the questions
 alone give away. The two families with a hidden width of their own (``qformer`` 256,
 ``c_abstractor`` 256 by default) run at the tower's width instead, so that no connector is wider
-than what it reads: at 256 they cost 3–4× the LM's step and would take the sweep past its hour
+than what it reads: at 256 their training step cost 6–11× the others' and would take the sweep past its hour
 (``--native_widths`` keeps the defaults).
 
 Writes to ``--out``: ``runs.csv`` (one row per run and seed), ``token_budget.md`` (mean ± std

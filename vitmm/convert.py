@@ -32,12 +32,21 @@ SOURCES = ("hf", "timm", "open_clip")
 TOWERS = ("both", "vision", "text")
 
 
+def _vision(kwargs: dict, img: dict) -> tuple[dict, dict]:
+    """``(model config, params)`` of an image tower alone (a ``TwoTowers`` without text)."""
+    return {"image": kwargs, "text": None, "embed_dim": None}, {"img": img}
+
+
+def _text(kwargs: dict, txt: dict) -> tuple[dict, dict]:
+    return {"image": None, "text": kwargs, "embed_dim": None}, {"txt": txt}
+
+
 def _one_tower(model: dict, params: dict, tower: str) -> tuple[dict, dict]:
     """The ``vision`` or ``text`` half of a two-tower ``(model, params)``; ``both`` as is."""
     if tower == "vision":
-        return {"image": model["image"], "text": None, "embed_dim": None}, {"img": params["img"]}
+        return _vision(model["image"], params["img"])
     if tower == "text":
-        return {"image": None, "text": model["text"], "embed_dim": None}, {"txt": params["txt"]}
+        return _text(model["text"], params["txt"])
     return model, params
 
 
@@ -49,25 +58,25 @@ def _from_hf(src, tower, image_size) -> tuple[dict, dict]:
         if tower == "text":
             raise ValueError(f"{src} is a {kind} image backbone; it has no text tower.")
         kwargs, img = hf.load_vit(src, image_size=image_size)
-        params, model = {"img": img}, {"image": kwargs, "text": None, "embed_dim": None}
+        model, params = _vision(kwargs, img)
     elif kind in ("siglip", "siglip_vision_model"):
         if tower == "text":
             raise ValueError("A SigLIP text tower alone is not supported; convert both towers (--tower both).")
         if tower == "both" and kind == "siglip":
             kwargs, params = hf.load_siglip(src, image_size=image_size)
-            model = {k: v for k, v in kwargs.items()}
+            model = dict(kwargs)
         else:
             kwargs, img = hf.load_siglip_vision(src, image_size=image_size)
-            params, model = {"img": img}, {"image": kwargs, "text": None, "embed_dim": None}
+            model, params = _vision(kwargs, img)
     elif tower == "both":
         kwargs, params = hf.load_clip(src, image_size=image_size)
         model = dict(kwargs)
     elif tower == "vision":
         kwargs, img = hf.load_clip_vision(src, image_size=image_size)
-        params, model = {"img": img}, {"image": kwargs, "text": None, "embed_dim": None}
+        model, params = _vision(kwargs, img)
     else:
         kwargs, txt = hf.load_clip_text(src)
-        params, model = {"txt": txt}, {"image": None, "text": kwargs, "embed_dim": None}
+        model, params = _text(kwargs, txt)
     return model, params
 
 
@@ -90,7 +99,7 @@ def convert(source: str, src: str, out: str, tower: str = "both", image_size: in
         if tower == "text":
             raise ValueError(f"{src} is a timm image backbone; it has no text tower.")
         kwargs, img = timm_vit.load(src, num_heads=num_heads, global_pool=global_pool, image_size=image_size)
-        model, params = {"image": kwargs, "text": None, "embed_dim": None}, {"img": img}
+        model, params = _vision(kwargs, img)
     else:
         model, params = openclip.load(src, quick_gelu=quick_gelu, image_size=image_size)
         model, params = _one_tower(model, params, tower)
