@@ -5,6 +5,7 @@
     python -m vitmm.convert --from hf --src ~/models/dinov2-small --out workdirs/dinov2_s --image_size 224
     python -m vitmm.convert --from timm --src vit_small_patch16_224/model.safetensors --out DIR --num_heads 6
     python -m vitmm.convert --from open_clip --src ViT-B-16-quickgelu/open_clip_model.safetensors --out DIR
+    python -m vitmm.convert --from big_vision --src webli_en_b16_224_63724782.npz --out DIR   # SigLIP
 
 ``--from hf`` reads ``CLIPModel``/``CLIPVisionModel``/``CLIPTextModel`` (``--tower`` picks
 both, vision or text), ``SiglipModel``/``SiglipVisionModel`` and ``ViTModel``/``Dinov2Model``/
@@ -12,7 +13,9 @@ both, vision or text), ``SiglipModel``/``SiglipVisionModel`` and ``ViTModel``/``
 ``pytorch_model.bin``), by their ``model_type``. ``--from timm`` reads a ``VisionTransformer``
 state dict (``--num_heads``, default width/64; ``--global_pool`` when a CLS model was trained with
 ``avg``); ``--from open_clip`` a ViT ``CLIP`` state dict (QuickGELU from ``open_clip_config.json``
-beside it, or ``--quick_gelu true|false``).
+beside it, or ``--quick_gelu true|false``); ``--from big_vision`` a big_vision ``.npz`` (a ViT, or
+``img``/``txt`` two towers such as SigLIP; also vision_transformer's AugReg ViTs), every shape
+read from the file (``--tower vision`` keeps the image tower of two).
 
 ``DIR`` is laid out like a ``vitmm.train`` workdir (``checkpoints/0`` with ``params`` and a
 ``meta`` config), so ``--config.init.vision=DIR`` (a VLM's tower), ``--config.init.checkpoint=DIR``
@@ -28,7 +31,7 @@ import json
 import pathlib
 import sys
 
-SOURCES = ("hf", "timm", "open_clip")
+SOURCES = ("hf", "timm", "open_clip", "big_vision")
 TOWERS = ("both", "vision", "text")
 
 
@@ -80,6 +83,17 @@ def _from_hf(src, tower, image_size) -> tuple[dict, dict]:
     return model, params
 
 
+def _from_big_vision(src, tower, image_size) -> tuple[dict, dict]:
+    from vitmm.interop import big_vision
+
+    if not big_vision.is_two_towers(src):
+        if tower == "text":
+            raise ValueError(f"{src} is a big_vision ViT; it has no text tower.")
+        return _vision(*big_vision.load_vit(src, image_size=image_size))
+    model, params = big_vision.load_two_towers(src, image_size=image_size)
+    return _one_tower(model, params, tower)
+
+
 def convert(source: str, src: str, out: str, tower: str = "both", image_size: int | None = None,
             num_heads: int | None = None, global_pool: str | None = None,
             quick_gelu: bool | None = None) -> pathlib.Path:
@@ -100,9 +114,11 @@ def convert(source: str, src: str, out: str, tower: str = "both", image_size: in
             raise ValueError(f"{src} is a timm image backbone; it has no text tower.")
         kwargs, img = timm_vit.load(src, num_heads=num_heads, global_pool=global_pool, image_size=image_size)
         model, params = _vision(kwargs, img)
-    else:
+    elif source == "open_clip":
         model, params = openclip.load(src, quick_gelu=quick_gelu, image_size=image_size)
         model, params = _one_tower(model, params, tower)
+    else:
+        model, params = _from_big_vision(src, tower, image_size)
     config = {"model": model, "source": {"from": source, "src": str(src), "tower": tower}}
     if model["image"] is not None:
         grid, patch = params["img"]["pos_embedding"].shape[1], model["image"]["patch_size"]
