@@ -585,7 +585,9 @@ def main(argv=None) -> pathlib.Path:
         for seed in seeds:
             rows.append({**base, "seed": seed, "status": "ok", **cost, **results[(family, tokens)][seed]})
 
-    setup = {"tower": str(tower_dir), "tower_config": tower_cfg, "data": data, "image_size": image_size,
+    shown = tower_dir.resolve()
+    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # no machine paths in results
+    setup = {"tower": str(shown), "tower_config": tower_cfg, "data": data, "image_size": image_size,
              "grid": list(grid), "lm": lm_preset, "steps": steps, "batch_size": batch_size, "lr": lr,
              "seeds": seeds, "connector_widths": widths, "tokenizer": args.tokenizer,
              "vocab_size": tokenizer.vocab_size, "max_len": max_len,
