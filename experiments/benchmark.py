@@ -63,6 +63,7 @@ def jax_worker(variant: str, batch: int, res: int, warmup: int, repeats: int, mo
 
     from vitmm.models import common, vit
 
+    jax.config.update("jax_enable_compilation_cache", False)  # compile_s is a real compile, cache or not
     model = vit.ViT(variant=variant, num_classes=1000, pool="tok")
     images = jax.random.normal(jax.random.key(0), (batch, res, res, 3), jnp.float32)
     labels = jax.random.randint(jax.random.key(1), (batch,), 0, 1000)
