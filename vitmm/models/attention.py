@@ -4,6 +4,12 @@ Self-attention uses one fused ``qkv`` projection (kernel ``[D, 3·D]``, output l
 ``(q|k|v, head, head_dim)``, the layout of timm/open_clip's ``qkv`` weight) because one large
 matmul is cheaper than three small ones. Cross-attention (``kv`` given) projects queries with
 ``q`` and keys/values with a fused ``kv``.
+
+The attention itself: ``implementation="matmul"`` is softmax attention written heads-first with
+two batched matmuls (``matmul_attention``); ``"xla"``/``"cudnn"`` go to
+``jax.nn.dot_product_attention``. The default (None) is ``"matmul"`` on CPU, where it measured
+faster than ``jax.nn.dot_product_attention``'s XLA path (ViT-Ti/16, batch 8, 2 threads, train
+step 1.30–1.38 s → 1.20 s; forward 0.30–0.32 → 0.25–0.30 s), and JAX's own choice elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +20,24 @@ import jax.numpy as jnp
 
 from vitmm.models import posemb
 
-ATTENTION_IMPLS = (None, "xla", "cudnn")
+ATTENTION_IMPLS = (None, "matmul", "xla", "cudnn")
+
+
+def matmul_attention(q, k, v, mask=None, is_causal: bool = False):
+    """Softmax attention, ``q: [B, T, N, H]``, ``k, v: [B, S, N, H]`` → ``[B, T, N, H]``, the
+    semantics of ``jax.nn.dot_product_attention`` (scale ``H**-0.5``; ``mask`` True = attend,
+    broadcastable to ``[B, N, T, S]``; ``is_causal`` aligned top-left), computed heads-first with
+    two batched matmuls; logits and softmax in float32."""
+    qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # [B, N, T|S, H]
+    logits = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32)
+    logits = logits * (q.shape[-1] ** -0.5)
+    if is_causal:
+        causal = jnp.tril(jnp.ones(logits.shape[-2:], bool))
+        mask = causal if mask is None else jnp.logical_and(mask, causal)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.swapaxes(jnp.matmul(probs, vh), 1, 2)
 
 
 class Attention(nn.Module):
@@ -26,7 +49,8 @@ class Attention(nn.Module):
       use_bias: biases on the projections.
       dtype_mm: compute dtype of the projections and the attention itself.
       is_causal: causal mask (text tower, LM).
-      implementation: passed to ``jax.nn.dot_product_attention`` (None lets JAX choose).
+      implementation: ``"matmul"`` (``matmul_attention``), or ``"xla"``/``"cudnn"`` for
+        ``jax.nn.dot_product_attention``; None: ``"matmul"`` on CPU, JAX's choice elsewhere.
       norm_eps: epsilon of the qk LayerNorms.
     """
 
@@ -78,7 +102,13 @@ class Attention(nn.Module):
                 raise ValueError("RoPE is only defined here for self-attention.")
             q, k = posemb.apply_rope(q, rope), posemb.apply_rope(k, rope)
         q, k, v = (a.astype(dtype) for a in (q, k, v))
-        out = jax.nn.dot_product_attention(
-            q, k, v, mask=mask, is_causal=self.is_causal, implementation=self.implementation
-        )
+        if self.implementation not in ATTENTION_IMPLS:
+            raise ValueError(f"Attention implementation {self.implementation!r} is not one of {ATTENTION_IMPLS}.")
+        impl = self.implementation
+        if impl is None and jax.default_backend() == "cpu":
+            impl = "matmul"
+        if impl == "matmul":
+            out = matmul_attention(q, k, v, mask=mask, is_causal=self.is_causal)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.is_causal, implementation=impl)
         return dense(width, "out")(out.reshape(b, t, width))
