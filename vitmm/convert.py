@@ -120,9 +120,11 @@ def convert(source: str, src: str, out: str, tower: str = "both", image_size: in
     else:
         model, params = _from_big_vision(src, tower, image_size)
     config = {"model": model, "source": {"from": source, "src": str(src), "tower": tower}}
-    if model["image"] is not None:
+    if model["image"] is not None and "pos_embedding" in params["img"]:  # the resolution the table is for
         grid, patch = params["img"]["pos_embedding"].shape[1], model["image"]["patch_size"]
         config["input"] = {"image_size": int(grid * (patch if isinstance(patch, int) else patch[0]))}
+    elif model["image"] is not None and image_size is not None:  # fixed sin-cos positions fit any size
+        config["input"] = {"image_size": image_size}
     checkpointer = Checkpointer(out, keep=1, async_save=False)
     checkpointer.save(0, {"params": params}, {}, {"step": 0, "config": json.dumps(config)})
     checkpointer.close()

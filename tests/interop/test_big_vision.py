@@ -8,18 +8,16 @@ transformers' outputs, its image tower also checked through timm's loader. Toler
 difference ≤ 1e-4 in float32.
 """
 
-import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import ATOL, FIXTURES, check_siglip, images, load_io
 
 from vitmm.interop import big_vision
 from vitmm.models.two_towers import TwoTowers
 from vitmm.models.vit import ViT
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
-ATOL = 1e-4
 VIT_CASES = {  # name: (class token, pool, position layout)
     "bv_vit": (True, "tok", "patches"),
     "bv_vit_gap_scan": (False, "gap", "patches"),
@@ -27,47 +25,28 @@ VIT_CASES = {  # name: (class token, pool, position layout)
 }
 
 
-def _io(name):
-    return dict(np.load(FIXTURES / name / "io.npz"))
-
-
-def _images(ref):
-    return jnp.asarray(ref["pixel_values"].transpose(0, 2, 3, 1))  # NCHW → NHWC
-
-
 @pytest.mark.parametrize("name", VIT_CASES)
 def test_vit_matches_the_original(name):
-    ref = _io(name)
+    ref = load_io(name)
     kwargs, params = big_vision.load_vit(FIXTURES / name / "model.npz")
     class_token, pool, layout = VIT_CASES[name]
     assert (kwargs["class_token"], kwargs["pool"], kwargs["posemb_layout"]) == (class_token, pool, layout)
     assert (kwargs["num_heads"], kwargs["depth"], kwargs["mlp_dim"], kwargs["num_classes"]) == (4, 2, 64, 10)
-    logits, out = ViT(**kwargs).apply({"params": params}, _images(ref))
+    logits, out = ViT(**kwargs).apply({"params": params}, images(ref))
     np.testing.assert_allclose(np.asarray(out["encoded"]), ref["features"], atol=ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(out["pooled"]), ref["pooled"], atol=ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=ATOL, rtol=0)
 
 
 def test_siglip_two_towers_match_transformers():
-    ref = _io("bv_siglip")
+    ref = load_io("bv_siglip")
     kwargs, params = big_vision.load_two_towers(FIXTURES / "bv_siglip" / "model.npz")
     assert kwargs["image"]["pool"] == "map" and not kwargs["image"]["class_token"]
     assert kwargs["text"]["pool"] == "last" and kwargs["text"]["num_heads"] == 4
-    zimg, ztxt, out = TwoTowers(**kwargs).apply({"params": params}, _images(ref),
-                                                jnp.asarray(ref["input_ids"], jnp.int32))
-    checks = {
-        "vision_last_hidden_state": out["img/encoded"],
-        "vision_pooler_output": out["img/pooled"],
-        "image_embeds": zimg,
-        "text_last_hidden_state": out["txt/encoded"],
-        "text_embeds": ztxt,
-        "logits_per_image": out["t"] * zimg @ ztxt.T + out["b"],
-    }
-    for key, got in checks.items():
-        np.testing.assert_allclose(np.asarray(got), ref[key], atol=ATOL, rtol=0, err_msg=key)
+    check_siglip(kwargs, params, ref)
     # The image tower alone, from the same file.
     vkw, vparams = big_vision.load_vit(FIXTURES / "bv_siglip" / "model.npz")
-    pooled, _ = ViT(**vkw).apply({"params": vparams}, _images(ref))
+    pooled, _ = ViT(**vkw).apply({"params": vparams}, images(ref))
     np.testing.assert_allclose(np.asarray(pooled), ref["vision_pooler_output"], atol=ATOL, rtol=0)
 
 
@@ -108,6 +87,19 @@ def test_a_representation_layer_is_refused(tmp_path):
         big_vision.load_vit(_rewrite(tmp_path, "bv_vit_augreg", change))
 
 
+def test_a_file_without_a_position_table_uses_fixed_sincos_positions(tmp_path):
+    from vitmm import convert
+    from vitmm.train import checkpoint as ckpt_lib
+
+    path = _rewrite(tmp_path, "bv_vit", lambda t: t.pop("params/pos_embedding"))
+    kwargs, params = big_vision.load_vit(path)
+    assert kwargs["posemb"] == "sincos2d" and "pos_embedding" not in params
+    logits, _ = ViT(**kwargs).apply({"params": params}, jnp.zeros((1, 48, 48, 3)))  # any size
+    assert logits.shape == (1, 10)
+    convert.main(["--from", "big_vision", "--src", str(path), "--out", str(tmp_path / "c"), "--image_size", "48"])
+    assert ckpt_lib.load_config(tmp_path / "c")["input"]["image_size"] == 48
+
+
 def test_wrong_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="use load_vit"):
         big_vision.load_two_towers(FIXTURES / "bv_vit" / "model.npz")
@@ -126,11 +118,11 @@ def test_convert_cli_takes_big_vision_files(tmp_path):
     from vitmm import convert
     from vitmm.train import checkpoint as ckpt_lib
 
-    ref = _io("bv_siglip")
+    ref = load_io("bv_siglip")
     convert.main(["--from", "big_vision", "--src", str(FIXTURES / "bv_siglip" / "model.npz"), "--out",
                   str(tmp_path / "s")])
     config, params = ckpt_lib.load_config(tmp_path / "s"), ckpt_lib.load_params(tmp_path / "s")
-    zimg, ztxt, out = TwoTowers(**config["model"]).apply({"params": params}, _images(ref),
+    zimg, ztxt, out = TwoTowers(**config["model"]).apply({"params": params}, images(ref),
                                                          jnp.asarray(ref["input_ids"], jnp.int32))
     np.testing.assert_allclose(np.asarray(out["t"] * zimg @ ztxt.T + out["b"]), ref["logits_per_image"],
                                atol=ATOL, rtol=0)

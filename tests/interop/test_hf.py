@@ -7,34 +7,23 @@ abs difference ≤ 1e-4 in float32.
 """
 
 import json
-import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import ATOL, FIXTURES, check_siglip, images, load_io
 
 from vitmm.interop import hf, io
 from vitmm.models.text import TextTransformer
 from vitmm.models.two_towers import TwoTowers
 from vitmm.models.vit import ViT
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
-ATOL = 1e-4
-
-
-def _io(name):
-    return dict(np.load(FIXTURES / name / "io.npz"))
-
-
-def _images(ref):
-    return jnp.asarray(ref["pixel_values"].transpose(0, 2, 3, 1))  # NCHW → NHWC
-
 
 def test_clip_model_matches_transformers():
-    ref = _io("hf_clip")
+    ref = load_io("hf_clip")
     kwargs, params = hf.load_clip(FIXTURES / "hf_clip")
     model = TwoTowers(**kwargs)
-    zimg, ztxt, out = model.apply({"params": params}, _images(ref), jnp.asarray(ref["input_ids"], jnp.int32))
+    zimg, ztxt, out = model.apply({"params": params}, images(ref), jnp.asarray(ref["input_ids"], jnp.int32))
     depth = kwargs["image"]["depth"]
     checks = {
         "vision_last_hidden_state": out[f"img/block_{depth - 1:02d}"],
@@ -51,13 +40,13 @@ def test_clip_model_matches_transformers():
 
 
 def test_standalone_vision_model_without_prefix_loads_the_same_tower():
-    ref = _io("hf_clip_vision")
+    ref = load_io("hf_clip_vision")
     assert not any(k.startswith("vision_model.") for k in io.read_tensors(FIXTURES / "hf_clip_vision"))
     kwargs, params = hf.load_clip_vision(FIXTURES / "hf_clip_vision")
     _, from_full = hf.load_clip_vision(FIXTURES / "hf_clip")  # the vision half of a CLIPModel
     for a, b in zip(_leaves(params), _leaves(from_full), strict=True):
         np.testing.assert_array_equal(a, b)
-    pooled, out = ViT(**kwargs).apply({"params": params}, _images(ref))
+    pooled, out = ViT(**kwargs).apply({"params": params}, images(ref))
     np.testing.assert_allclose(np.asarray(out[f"block_{kwargs['depth'] - 1:02d}"]), ref["vision_last_hidden_state"],
                                atol=ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(pooled), ref["vision_pooler_output"], atol=ATOL, rtol=0)
@@ -70,7 +59,7 @@ def _leaves(tree):
 
 
 def test_text_tower_alone_matches():
-    ref = _io("hf_clip")
+    ref = load_io("hf_clip")
     kwargs, params = hf.load_clip_text(FIXTURES / "hf_clip")
     assert kwargs["eos_id"] == 258
     pooled, out = TextTransformer(**kwargs).apply({"params": params}, jnp.asarray(ref["input_ids"], jnp.int32))
@@ -174,10 +163,10 @@ def test_convert_cli_writes_a_checkpoint_that_vitmm_initialises_from(tmp_path):
     ("hf_vit", 0, False), ("hf_vit_legacy_keys", 0, False), ("hf_dinov2", 0, True), ("hf_dinov2_registers", 4, True),
 ])
 def test_vit_and_dinov2_backbones_match_transformers(name, registers, layerscale):
-    ref = _io(name)
+    ref = load_io(name)
     kwargs, params = hf.load_vit(FIXTURES / name)
     assert kwargs["num_registers"] == registers and (kwargs["layerscale"] is not None) == layerscale
-    pooled, out = ViT(**kwargs).apply({"params": params}, _images(ref))
+    pooled, out = ViT(**kwargs).apply({"params": params}, images(ref))
     # transformers' sequence is [CLS, registers, patches]; vitmm returns registers separately.
     seq = jnp.concatenate([out["encoded"][:, :1], out["registers"], out["patch_tokens"]], axis=1) if registers \
         else out["encoded"]
@@ -202,27 +191,16 @@ def test_convert_cli_takes_a_dinov2_backbone(tmp_path):
 
 
 def test_siglip_model_matches_transformers():
-    ref = _io("hf_siglip")
+    ref = load_io("hf_siglip")
     kwargs, params = hf.load_siglip(FIXTURES / "hf_siglip")
     assert kwargs["image_proj"] is False and kwargs["text_proj_bias"] is True
     assert "img_proj" not in params and "bias" in params["txt_proj"]
-    zimg, ztxt, out = TwoTowers(**kwargs).apply({"params": params}, _images(ref),
-                                                 jnp.asarray(ref["input_ids"], jnp.int32))
-    checks = {
-        "vision_last_hidden_state": out["img/encoded"],  # SigLIP's is after post_layernorm
-        "vision_pooler_output": out["img/pooled"],       # the MAP head
-        "image_embeds": zimg,
-        "text_last_hidden_state": out["txt/encoded"],
-        "text_embeds": ztxt,
-        "logits_per_image": out["t"] * zimg @ ztxt.T + out["b"],
-    }
-    for name, got in checks.items():
-        np.testing.assert_allclose(np.asarray(got), ref[name], atol=ATOL, rtol=0, err_msg=name)
+    zimg, ztxt = check_siglip(kwargs, params, ref)
     # The text pooler of transformers is the head's output before normalisation.
     np.testing.assert_allclose(np.asarray(ztxt), ref["text_pooler_output"] /
                                np.linalg.norm(ref["text_pooler_output"], axis=-1, keepdims=True), atol=ATOL)
     vkw, vparams = hf.load_siglip_vision(FIXTURES / "hf_siglip")
-    pooled, _ = ViT(**vkw).apply({"params": vparams}, _images(ref))
+    pooled, _ = ViT(**vkw).apply({"params": vparams}, images(ref))
     np.testing.assert_allclose(np.asarray(pooled), ref["vision_pooler_output"], atol=ATOL, rtol=0)
 
 
@@ -232,8 +210,8 @@ def test_convert_cli_takes_siglip_and_the_model_rebuilds_from_its_config(tmp_pat
 
     convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_siglip"), "--out", str(tmp_path / "s")])
     config, params = ckpt_lib.load_config(tmp_path / "s"), ckpt_lib.load_params(tmp_path / "s")
-    ref = _io("hf_siglip")
-    zimg, ztxt, out = TwoTowers(**config["model"]).apply({"params": params}, _images(ref),
+    ref = load_io("hf_siglip")
+    zimg, ztxt, out = TwoTowers(**config["model"]).apply({"params": params}, images(ref),
                                                          jnp.asarray(ref["input_ids"], jnp.int32))
     np.testing.assert_allclose(np.asarray(out["t"] * zimg @ ztxt.T + out["b"]), ref["logits_per_image"],
                                atol=ATOL, rtol=0)

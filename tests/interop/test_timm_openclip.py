@@ -6,28 +6,18 @@ Fixtures: tiny random models saved by timm 1.0 / open_clip 3.3 with their output
 """
 
 import json
-import pathlib
 import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import ATOL, FIXTURES, images, load_io
 
 from vitmm.interop import openclip, timm_vit
 from vitmm.models.two_towers import TwoTowers
 from vitmm.models.vit import ViT
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
-ATOL = 1e-4
 TIMM_CASES = ["timm_vit", "timm_vit_reg", "timm_vit_gap", "timm_vit_fc_norm", "timm_vit_map"]
-
-
-def _io(name):
-    return dict(np.load(FIXTURES / name / "io.npz"))
-
-
-def _images(ref):
-    return jnp.asarray(ref["pixel_values"].transpose(0, 2, 3, 1))  # NCHW → NHWC
 
 
 def _timm_sequence(out, kwargs):
@@ -40,11 +30,11 @@ def _timm_sequence(out, kwargs):
 
 @pytest.mark.parametrize("name", TIMM_CASES)
 def test_timm_vit_matches_timm(name):
-    ref, build = _io(name), json.loads((FIXTURES / name / "build.json").read_text())
+    ref, build = load_io(name), json.loads((FIXTURES / name / "build.json").read_text())
     kwargs, params = timm_vit.load(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"])
     assert kwargs["class_token"] == build.get("class_token", True)
     assert kwargs["num_registers"] == build.get("reg_tokens", 0)
-    logits, out = ViT(**kwargs).apply({"params": params}, _images(ref))
+    logits, out = ViT(**kwargs).apply({"params": params}, images(ref))
     np.testing.assert_allclose(np.asarray(_timm_sequence(out, kwargs)), ref["features"], atol=ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(out["pooled"]), ref["pooled"], atol=ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(logits if kwargs.get("num_classes") else out["pooled"]), ref["logits"],
@@ -71,17 +61,17 @@ def test_timm_refusals_name_the_reason():
 
 def test_timm_wrong_head_count_changes_the_output():
     """The head count is not in the weights: a wrong one loads but computes something else."""
-    ref = _io("timm_vit")
+    ref = load_io("timm_vit")
     kwargs, params = timm_vit.load(FIXTURES / "timm_vit" / "model.safetensors", num_heads=2)
-    logits, _ = ViT(**kwargs).apply({"params": params}, _images(ref))
+    logits, _ = ViT(**kwargs).apply({"params": params}, images(ref))
     assert np.abs(np.asarray(logits) - ref["logits"]).max() > 1e-3
 
 
 @pytest.fixture(scope="module")
 def open_clip_out():
-    ref = _io("open_clip")
+    ref = load_io("open_clip")
     kwargs, params = openclip.load(FIXTURES / "open_clip" / "open_clip_model.safetensors")
-    zimg, ztxt, out = TwoTowers(**kwargs).apply({"params": params}, _images(ref),
+    zimg, ztxt, out = TwoTowers(**kwargs).apply({"params": params}, images(ref),
                                                 jnp.asarray(ref["input_ids"], jnp.int32))
     return ref, kwargs, zimg, ztxt, out
 
@@ -112,7 +102,7 @@ def test_convert_cli_takes_timm_and_open_clip(tmp_path, open_clip_out):
     convert.main(["--from", "open_clip", "--src", str(FIXTURES / "open_clip" / "open_clip_model.safetensors"),
                   "--out", str(tmp_path / "oc")])
     config, params = ckpt_lib.load_config(tmp_path / "oc"), ckpt_lib.load_params(tmp_path / "oc")
-    got, _, _ = TwoTowers(**config["model"]).apply({"params": params}, _images(ref), None)
+    got, _, _ = TwoTowers(**config["model"]).apply({"params": params}, images(ref), None)
     np.testing.assert_allclose(np.asarray(got), np.asarray(zimg), atol=1e-6, rtol=0)
 
     convert.main(["--from", "timm", "--src", str(FIXTURES / "timm_vit_reg" / "model.safetensors"),
