@@ -32,15 +32,36 @@ def test_matmul_attention_equals_jax_dot_product_attention(t, s, causal, masked)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
-def test_attention_module_default_is_matmul_on_cpu_and_implementations_agree():
+def test_a_row_with_every_key_masked_gets_uniform_weights_like_jax():
+    q, k, v = _qkv()
+    mask = jnp.ones((2, 1, 7, 7), bool).at[0, :, 3].set(False)
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    got = matmul_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(got[0, 3]), np.asarray(v[0].mean(0)), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["self", "cross", "qk_norm", "rope", "causal", "mask"])
+def test_attention_module_default_is_matmul_on_cpu_and_implementations_agree(kind):
+    """The matmul path works heads-first (one transpose in, one out); every option of the module
+    must give what the [B, T, heads, hd] jax.nn.dot_product_attention path gives, gradients too."""
     x = jax.random.normal(jax.random.key(1), (2, 6, 24))
-    outs = {}
+    kv = jax.random.normal(jax.random.key(2), (2, 9, 24)) if kind == "cross" else None
+    call = {}
+    if kind == "rope":
+        call["rope"] = jax.random.uniform(jax.random.key(3), (6, 4), maxval=3.0)
+    if kind == "mask":
+        call["mask"] = (jnp.arange(6)[None, :] < jnp.array([6, 2])[:, None])[:, None, None, :]
+    outs, grads = {}, {}
     for impl in (None, "matmul", "xla"):
-        module = Attention(num_heads=3, implementation=impl)
-        params = module.init(jax.random.key(0), x)
-        outs[impl] = module.apply(params, x)
+        module = Attention(num_heads=3, implementation=impl, qk_norm=kind == "qk_norm", is_causal=kind == "causal")
+        params = module.init(jax.random.key(0), x, kv, **call)
+        outs[impl] = module.apply(params, x, kv, **call)
+        grads[impl] = jax.grad(lambda p, x: (module.apply(p, x, kv, **call) ** 2).sum(), (0, 1))(params, x)  # noqa: B023
     np.testing.assert_array_equal(np.asarray(outs[None]), np.asarray(outs["matmul"]))
     np.testing.assert_allclose(np.asarray(outs["matmul"]), np.asarray(outs["xla"]), atol=1e-6, rtol=0)
+    for a, b in zip(jax.tree.leaves(grads["matmul"]), jax.tree.leaves(grads["xla"]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="'flash' is not one of"):
         Attention(num_heads=3, implementation="flash").init(jax.random.key(0), x)
 
@@ -51,3 +72,46 @@ def test_bfloat16_inputs_stay_close():
     got = matmul_attention(*(a.astype(jnp.bfloat16) for a in (q, k, v)))
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=0.05)
+
+
+def test_gelu_is_the_exact_gelu_with_its_derivatives():
+    from vitmm.models import common
+
+    x = jnp.linspace(-10.0, 10.0, 20001)
+    exact = lambda x: jax.nn.gelu(x, approximate=False)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(common.gelu(x)), np.asarray(exact(x)), atol=1e-6, rtol=0)
+    d1 = jax.vmap(jax.grad(common.gelu))(x)
+    np.testing.assert_allclose(np.asarray(d1), np.asarray(jax.vmap(jax.grad(exact))(x)), atol=1e-6, rtol=0)
+    d2 = jax.vmap(jax.grad(jax.grad(common.gelu)))(x[::100])  # custom_jvp stays differentiable
+    np.testing.assert_allclose(np.asarray(d2), np.asarray(jax.vmap(jax.grad(jax.grad(exact)))(x[::100])),
+                               atol=1e-5, rtol=0)
+    assert common.gelu(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    assert common.activation("gelu") is common.gelu
+
+
+def _xla_flags_after_import(env_flags, opt_out=None):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "VITMM_XLA_CPU_DEFAULTS")}
+    if env_flags is not None:
+        env["XLA_FLAGS"] = env_flags
+    if opt_out is not None:
+        env["VITMM_XLA_CPU_DEFAULTS"] = opt_out
+    code = ("import os, vitmm, jax, jax.numpy as jnp\n"
+            "a = jnp.ones((64, 64))\n"
+            "hlo = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(a, a).compile().as_text()\n"
+            "print(os.environ.get('XLA_FLAGS')); print('__ynn_fusion' in hlo)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    flags, ynn = out.strip().splitlines()
+    return flags, ynn == "True"
+
+
+def test_importing_vitmm_turns_off_ynn_fusions_on_cpu_and_keeps_the_users_flags():
+    flag = "--xla_cpu_experimental_ynn_fusion_type"
+    assert _xla_flags_after_import(None) == (f"{flag}=", False)
+    flags, ynn = _xla_flags_after_import("--xla_force_host_platform_device_count=2")
+    assert flags == f"--xla_force_host_platform_device_count=2 {flag}=" and not ynn
+    assert _xla_flags_after_import(f"{flag}=dot") == (f"{flag}=dot", True)  # the user's own choice wins
+    assert _xla_flags_after_import(None, opt_out="0") == ("None", True)  # XLA's default left alone

@@ -6,10 +6,12 @@ matmul is cheaper than three small ones. Cross-attention (``kv`` given) projects
 ``q`` and keys/values with a fused ``kv``.
 
 The attention itself: ``implementation="matmul"`` is softmax attention written heads-first with
-two batched matmuls (``matmul_attention``); ``"xla"``/``"cudnn"`` go to
-``jax.nn.dot_product_attention``. The default (None) is ``"matmul"`` on CPU, where it measured
-faster than ``jax.nn.dot_product_attention``'s XLA path (ViT-Ti/16, batch 8, 2 threads, train
-step 1.30–1.38 s → 1.20 s; forward 0.30–0.32 → 0.25–0.30 s), and JAX's own choice elsewhere.
+two batched matmuls, normalised after the second one, and a hand-written (FlashAttention-style)
+backward (``heads_first_attention``); ``"xla"``/``"cudnn"`` go to ``jax.nn.dot_product_attention``.
+The default (None) is ``"matmul"`` on CPU, where it measured faster than
+``jax.nn.dot_product_attention``'s XLA path (ViT-Ti/16, batch 8, 2 threads, train step
+1.30–1.38 s → 1.20 s; the custom backward and the single transposes took ViT-S/16, batch 8, a
+further 2.87–3.07 s → 2.73–2.79 s), and JAX's own choice elsewhere.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from vitmm.models import posemb
 
@@ -27,17 +30,63 @@ def matmul_attention(q, k, v, mask=None, is_causal: bool = False):
     """Softmax attention, ``q: [B, T, N, H]``, ``k, v: [B, S, N, H]`` → ``[B, T, N, H]``, the
     semantics of ``jax.nn.dot_product_attention`` (scale ``H**-0.5``; ``mask`` True = attend,
     broadcastable to ``[B, N, T, S]``; ``is_causal`` aligned top-left), computed heads-first with
-    two batched matmuls; logits and softmax in float32."""
-    qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # [B, N, T|S, H]
-    logits = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32)
-    logits = logits * (q.shape[-1] ** -0.5)
+    two batched matmuls and a hand-written backward (``_heads_first``); logits and softmax
+    statistics in float32."""
+    qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+    return jnp.swapaxes(heads_first_attention(qh, kh, vh, mask=mask, is_causal=is_causal), 1, 2)
+
+
+def heads_first_attention(q, k, v, mask=None, is_causal: bool = False):
+    """``matmul_attention`` on heads-first arrays: ``q: [B, N, T, H]``, ``k, v: [B, N, S, H]`` →
+    ``[B, N, T, H]``."""
     if is_causal:
-        causal = jnp.tril(jnp.ones(logits.shape[-2:], bool))
+        causal = jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool))
         mask = causal if mask is None else jnp.logical_and(mask, causal)
     if mask is not None:
+        mask = jnp.broadcast_to(mask, (*q.shape[:3], k.shape[2]))
+    return _heads_first(q, k, v, mask)
+
+
+def _scores(q, k, mask):
+    """Row-max-shifted unnormalised probabilities ``e = exp(s - max s)`` and their row sums."""
+    logits = jnp.matmul(q, jnp.swapaxes(k, -1, -2), preferred_element_type=jnp.float32)
+    logits = logits * (q.shape[-1] ** -0.5)
+    if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.swapaxes(jnp.matmul(probs, vh), 1, 2)
+    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    return e, jnp.sum(e, axis=-1, keepdims=True)
+
+
+@jax.custom_vjp
+def _heads_first(q, k, v, mask):
+    return _heads_first_fwd(q, k, v, mask)[0]
+
+
+def _heads_first_fwd(q, k, v, mask):
+    # Normalising after the second matmul ([T, H] divisions instead of [T, S]) is what makes the
+    # forward fast; a row with every key masked gets uniform weights, as in jax.nn.softmax.
+    e, denom = _scores(q, k, mask)
+    out = (jnp.matmul(e.astype(v.dtype), v, preferred_element_type=jnp.float32) / denom).astype(v.dtype)
+    return out, (q, k, v, mask, e, denom, out)
+
+
+def _heads_first_bwd(res, d_out):
+    # With o = e·v / l (l the row sums of e): dv = eᵀ·g with g = d_out / l, and the logits'
+    # gradient is e ∘ (g·vᵀ − rowsum(g ∘ o)) — FlashAttention's backward, without the
+    # [T, S] softmax Jacobian pass that autodiff of the normalised form needs.
+    q, k, v, mask, e, denom, out = res
+    g = d_out.astype(jnp.float32) / denom
+    dv = jnp.matmul(jnp.swapaxes(e, -1, -2).astype(v.dtype), g.astype(v.dtype), preferred_element_type=jnp.float32)
+    d_logits = jnp.matmul(g.astype(v.dtype), jnp.swapaxes(v, -1, -2), preferred_element_type=jnp.float32)
+    d_logits = e * (d_logits - jnp.sum(g * out.astype(jnp.float32), axis=-1, keepdims=True))
+    d_logits = (d_logits * (q.shape[-1] ** -0.5)).astype(q.dtype)
+    dq = jnp.matmul(d_logits, k, preferred_element_type=jnp.float32)
+    dk = jnp.matmul(jnp.swapaxes(d_logits, -1, -2), q, preferred_element_type=jnp.float32)
+    d_mask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_mask
+
+
+_heads_first.defvjp(_heads_first_fwd, _heads_first_bwd)
 
 
 class Attention(nn.Module):
@@ -85,30 +134,41 @@ class Attention(nn.Module):
             features, use_bias=self.use_bias, dtype=dtype, name=name,
             kernel_init=nn.initializers.xavier_uniform(),
         )
+        if self.implementation not in ATTENTION_IMPLS:
+            raise ValueError(f"Attention implementation {self.implementation!r} is not one of {ATTENTION_IMPLS}.")
+        impl = self.implementation
+        if impl is None and jax.default_backend() == "cpu":
+            impl = "matmul"
+        # "matmul" works heads-first ([B, heads, T, head_dim]); the projections are laid out
+        # token-major, so it moves q, k and v there with one transpose (and its gradient back with
+        # one), and the output with another. jax.nn.dot_product_attention takes [B, T, heads, hd].
+        heads_first = impl == "matmul"
+
+        def split(proj, tokens, parts):
+            proj = proj.reshape(b, tokens, parts, self.num_heads, head_dim)
+            if heads_first:
+                proj = jnp.transpose(proj, (2, 0, 3, 1, 4))  # [parts, B, heads, tokens, hd]
+            axis = 0 if heads_first else 2
+            # split (not indexing): its transpose is one concatenate, not pads and adds
+            return [jnp.squeeze(part, axis) for part in jnp.split(proj, parts, axis=axis)]
+
         b, t = x.shape[:2]
         if kv is None:
-            qkv = dense(3 * width, "qkv")(x).reshape(b, t, 3, self.num_heads, head_dim)
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            q, k, v = split(dense(3 * width, "qkv")(x), t, 3)
         else:
-            s = kv.shape[1]
-            q = dense(width, "q")(x).reshape(b, t, self.num_heads, head_dim)
-            kv_proj = dense(2 * width, "kv")(kv).reshape(b, s, 2, self.num_heads, head_dim)
-            k, v = kv_proj[:, :, 0], kv_proj[:, :, 1]
+            (q,) = split(dense(width, "q")(x), t, 1)
+            k, v = split(dense(2 * width, "kv")(kv), kv.shape[1], 2)
         if self.qk_norm:
             q = nn.LayerNorm(epsilon=self.norm_eps, name="q_norm")(q)
             k = nn.LayerNorm(epsilon=self.norm_eps, name="k_norm")(k)
         if rope is not None:
             if kv is not None:
                 raise ValueError("RoPE is only defined here for self-attention.")
-            q, k = posemb.apply_rope(q, rope), posemb.apply_rope(k, rope)
+            seq_axis = 2 if heads_first else 1
+            q, k = posemb.apply_rope(q, rope, seq_axis=seq_axis), posemb.apply_rope(k, rope, seq_axis=seq_axis)
         q, k, v = (a.astype(dtype) for a in (q, k, v))
-        if self.implementation not in ATTENTION_IMPLS:
-            raise ValueError(f"Attention implementation {self.implementation!r} is not one of {ATTENTION_IMPLS}.")
-        impl = self.implementation
-        if impl is None and jax.default_backend() == "cpu":
-            impl = "matmul"
-        if impl == "matmul":
-            out = matmul_attention(q, k, v, mask=mask, is_causal=self.is_causal)
+        if heads_first:
+            out = jnp.swapaxes(heads_first_attention(q, k, v, mask=mask, is_causal=self.is_causal), 1, 2)
         else:
             out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.is_causal, implementation=impl)
         return dense(width, "out")(out.reshape(b, t, width))

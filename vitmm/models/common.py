@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
@@ -25,8 +26,31 @@ def quick_gelu(x: jnp.ndarray) -> jnp.ndarray:
     return x * jax.nn.sigmoid(1.702 * x)
 
 
+@jax.custom_jvp
+def gelu(x: jnp.ndarray) -> jnp.ndarray:
+    """Exact GELU ``x·Φ(x)``, written as PyTorch computes it, ``0.5·x·(1 + erf(x/√2))``.
+
+    ``jax.nn.gelu(approximate=False)`` goes through ``erfc`` and autodiff of it, which on XLA:CPU
+    cost about a third more than this form with its derivative ``Φ(x) + x·φ(x)`` written out
+    (forward+backward of a ViT-S MLP activation, 6304×1536, 2 threads).
+    """
+    return x * _normal_cdf(x)
+
+
+def _normal_cdf(x):
+    return 0.5 * (1.0 + jax.lax.erf(x * (1 / math.sqrt(2))))
+
+
+@gelu.defjvp
+def _gelu_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    cdf = _normal_cdf(x)
+    pdf = jnp.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+    return x * cdf, (cdf + x * pdf) * dx
+
+
 ACTIVATIONS: dict[str, Callable[[jnp.ndarray], jnp.ndarray]] = {
-    "gelu": lambda x: nn.gelu(x, approximate=False),  # PyTorch nn.GELU(), timm, HF ViT
+    "gelu": gelu,  # PyTorch nn.GELU(), timm, HF ViT
     "gelu_tanh": lambda x: nn.gelu(x, approximate=True),  # big_vision (flax default), SigLIP
     "quick_gelu": quick_gelu,  # OpenAI CLIP
     "relu": nn.relu,

@@ -123,16 +123,18 @@ def rope_2d_angles(
     return jnp.asarray(angles, jnp.float32)
 
 
-def apply_rope(x: jnp.ndarray, angles: jnp.ndarray) -> jnp.ndarray:
-    """Rotates ``x: [B, T, heads, head_dim]`` by ``angles: [T, head_dim // 2]``.
+def apply_rope(x: jnp.ndarray, angles: jnp.ndarray, seq_axis: int = 1) -> jnp.ndarray:
+    """Rotates ``x: [B, T, heads, head_dim]`` (``seq_axis=2``: ``[B, heads, T, head_dim]``) by
+    ``angles: [T, head_dim // 2]``.
 
     Uses the half-split ("rotate_half") pairing: channel ``k`` pairs with ``k + head_dim/2``,
     the layout of Hugging Face Llama/Qwen2-VL, so their weights load without permutation.
     """
-    if angles.shape[0] != x.shape[1] or 2 * angles.shape[1] != x.shape[-1]:
+    if angles.shape[0] != x.shape[seq_axis] or 2 * angles.shape[1] != x.shape[-1]:
         raise ValueError(f"RoPE angles {angles.shape} do not fit queries/keys of shape {x.shape}.")
-    cos = jnp.cos(angles)[None, :, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[None, :, None, :].astype(x.dtype)
+    expand = (None, slice(None), None, slice(None)) if seq_axis == 1 else (None, None, slice(None), slice(None))
+    cos = jnp.cos(angles)[expand].astype(x.dtype)
+    sin = jnp.sin(angles)[expand].astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
