@@ -116,3 +116,16 @@ def test_conv_stem_matches_patch_grid():
     assert len([k for k in params["params"] if k.startswith("conv_")]) == 4
     with pytest.raises(ValueError, match="power-of-two"):
         ConvStem(48, 14).init(jax.random.key(0), jnp.zeros((1, 56, 56, 3)))
+
+
+def test_trunc_normal_draws_the_same_numbers_as_flax_for_conv_kernels():
+    import flax.linen as nn
+
+    from vitmm.models import common
+
+    flax_init = nn.initializers.truncated_normal(stddev=0.02)
+    for shape in [(8, 16), (3, 3, 3, 6), (2, 5, 7)]:
+        want = flax_init(jax.random.key(3), shape)
+        got = common.trunc_normal(0.02)(jax.random.key(3), shape)
+        assert got.shape == shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

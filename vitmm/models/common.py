@@ -12,8 +12,20 @@ from flax import traverse_util
 
 
 def trunc_normal(std: float = 0.02) -> Callable:
-    """Truncated normal at ±2σ (the ViT/timm ``trunc_normal_(std=.02)`` initialiser)."""
-    return nn.initializers.truncated_normal(stddev=std)
+    """Truncated normal at ±2σ (the ViT/timm ``trunc_normal_(std=.02)`` initialiser).
+
+    Draws conv kernels as ``[prod(leading dims), out]`` and reshapes: the same numbers (JAX's
+    partitionable threefry counts elements in row-major order), but XLA:CPU compiled the 4-D draw
+    about twice as slowly, and a ConvStem's initialisation went from 26 s to 2.8 s of compiling.
+    """
+    draw = nn.initializers.truncated_normal(stddev=std)
+
+    def init(key, shape, dtype=jnp.float32):
+        if len(shape) <= 2:
+            return draw(key, shape, dtype)
+        return draw(key, (math.prod(shape[:-1]), shape[-1]), dtype).reshape(shape)
+
+    return init
 
 
 def check_choice(name: str, value, choices: Sequence) -> None:
