@@ -30,7 +30,7 @@ def matmul_attention(q, k, v, mask=None, is_causal: bool = False):
     """Softmax attention, ``q: [B, T, N, H]``, ``k, v: [B, S, N, H]`` → ``[B, T, N, H]``, the
     semantics of ``jax.nn.dot_product_attention`` (scale ``H**-0.5``; ``mask`` True = attend,
     broadcastable to ``[B, N, T, S]``; ``is_causal`` aligned top-left), computed heads-first with
-    two batched matmuls and a hand-written backward (``_heads_first``); logits and softmax
+    two batched matmuls and a hand-written backward (``heads_first_attention``); logits and softmax
     statistics in float32."""
     qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
     return jnp.swapaxes(heads_first_attention(qh, kh, vh, mask=mask, is_causal=is_causal), 1, 2)
@@ -42,9 +42,7 @@ def heads_first_attention(q, k, v, mask=None, is_causal: bool = False):
     if is_causal:
         causal = jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool))
         mask = causal if mask is None else jnp.logical_and(mask, causal)
-    if mask is not None:
-        mask = jnp.broadcast_to(mask, (*q.shape[:3], k.shape[2]))
-    return _heads_first(q, k, v, mask)
+    return _heads_first(q, k, v, mask)  # the mask stays as small as it came: jnp.where broadcasts it
 
 
 def _scores(q, k, mask):
@@ -143,6 +141,7 @@ class Attention(nn.Module):
         # token-major, so it moves q, k and v there with one transpose (and its gradient back with
         # one), and the output with another. jax.nn.dot_product_attention takes [B, T, heads, hd].
         heads_first = impl == "matmul"
+        b, t = x.shape[:2]
 
         def split(proj, tokens, parts):
             proj = proj.reshape(b, tokens, parts, self.num_heads, head_dim)
@@ -152,7 +151,6 @@ class Attention(nn.Module):
             # split (not indexing): its transpose is one concatenate, not pads and adds
             return [jnp.squeeze(part, axis) for part in jnp.split(proj, parts, axis=axis)]
 
-        b, t = x.shape[:2]
         if kv is None:
             q, k, v = split(dense(3 * width, "qkv")(x), t, 3)
         else:

@@ -132,9 +132,10 @@ def apply_rope(x: jnp.ndarray, angles: jnp.ndarray, seq_axis: int = 1) -> jnp.nd
     """
     if angles.shape[0] != x.shape[seq_axis] or 2 * angles.shape[1] != x.shape[-1]:
         raise ValueError(f"RoPE angles {angles.shape} do not fit queries/keys of shape {x.shape}.")
-    expand = (None, slice(None), None, slice(None)) if seq_axis == 1 else (None, None, slice(None), slice(None))
-    cos = jnp.cos(angles)[expand].astype(x.dtype)
-    sin = jnp.sin(angles)[expand].astype(x.dtype)
+    shape = [1] * x.ndim  # angles broadcast over every axis but the sequence and the channels
+    shape[seq_axis], shape[-1] = angles.shape
+    cos = jnp.cos(angles).reshape(shape).astype(x.dtype)
+    sin = jnp.sin(angles).reshape(shape).astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
