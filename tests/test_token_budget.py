@@ -46,13 +46,14 @@ def test_reachable_counts_on_a_non_square_grid(tb):
     assert sorted(tb.reachable("linear", (6, 4))) == [24]
 
 
-def test_smoke_sweep_writes_tables_and_plots(tmp_path):
-    """A whole sweep end to end (tower training, features, two worker processes, outputs)."""
+def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
+    """A whole sweep end to end on the session's smoke CLIP (features, two worker processes,
+    outputs; training the tower when a workdir has none is the same ``trainer.train``)."""
     out = tmp_path / "tb"
     env = dict(os.environ, XLA_FLAGS="")  # the workers pick their own thread settings
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments/token_budget.py"), "--smoke", "--workers", "2", "--out", str(out),
-         "--data_dir", str(tmp_path / "tfds")],
+         "--tower", str(clip_smoke_run.workdir), "--data_dir", clip_smoke_run.data_dir],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "runs.csv")))

@@ -3,6 +3,7 @@
 import json
 import math
 import pathlib
+import shutil
 
 import jax
 import ml_collections
@@ -25,12 +26,9 @@ def smoke_config(data_dir, name="clip_scenes", arg="smoke", evals=True, **overri
     return c
 
 
-@pytest.mark.parametrize("name, arg", [("clip_scenes", "smoke"), ("siglip_scenes", "smoke"),
-                                       ("siglip_scenes", "smoke,loss=sigmoid_chunked")])
-def test_smoke_runs_log_evaluate_and_checkpoint(tmp_path, data_dir, name, arg):
-    summary = trainer.train(smoke_config(data_dir, name, arg), tmp_path)
+def check_smoke_run(workdir: pathlib.Path, summary: dict, name: str) -> None:
     assert summary["final_step"] == 4 and summary["checkpoints"] == [4]
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     steps = [entry["step"] for entry in lines if "loss" in entry]
     assert steps == [2, 4]
     for entry in lines:
@@ -38,11 +36,20 @@ def test_smoke_runs_log_evaluate_and_checkpoint(tmp_path, data_dir, name, arg):
             assert {"loss", "lr", "grad_norm", "param_norm", "update_norm", "t", "b", "img_per_s"} <= set(entry)
             assert all(math.isfinite(v) for v in entry.values())
     assert {"zeroshot/accuracy", "retrieval/i2t_r1", "retrieval/t2i_r5", "val/loss"} <= set(summary["evals"])
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     if name == "siglip_scenes":
         assert lines[0]["b"] == pytest.approx(-10.0, abs=0.1) and lines[0]["t"] == pytest.approx(10.0, rel=0.05)
     else:
         assert lines[0]["t"] == pytest.approx(1 / 0.07, rel=0.05)
+
+
+def test_clip_smoke_run_logs_evaluates_and_checkpoints(clip_smoke_run):
+    check_smoke_run(clip_smoke_run.workdir, clip_smoke_run.summary, "clip_scenes")
+
+
+@pytest.mark.parametrize("arg", ["smoke", "smoke,loss=sigmoid_chunked"])
+def test_siglip_smoke_runs_log_evaluate_and_checkpoint(tmp_path, data_dir, arg):
+    check_smoke_run(tmp_path, trainer.train(smoke_config(data_dir, "siglip_scenes", arg), tmp_path), "siglip_scenes")
 
 
 @pytest.mark.parametrize("name, arg", [("clip_scenes", "smoke"), ("siglip_scenes", "smoke,loss=sigmoid_chunked")])
@@ -50,23 +57,23 @@ def test_pmap_and_jit_give_the_same_losses(tmp_path, data_dir, name, arg):
     assert jax.device_count() == 4
     runs = {}
     for kind in ("jit", "pmap"):
-        c = smoke_config(data_dir, name, arg, evals=False, parallel=kind, log_every=1, total_steps=3)
+        c = smoke_config(data_dir, name, arg, evals=False, parallel=kind, log_every=1)
         runs[kind] = trainer.train(c, tmp_path / kind)
     losses = {k: [h["loss"] for h in v["history"]] for k, v in runs.items()}
-    assert len(losses["jit"]) == 3
+    assert len(losses["jit"]) == 4
     np.testing.assert_allclose(losses["jit"], losses["pmap"], rtol=1e-4)
     assert runs["jit"]["param_checksum"] == pytest.approx(runs["pmap"]["param_checksum"], rel=1e-5)
 
 
 def test_resume_continues_exactly(tmp_path, data_dir):
-    c = smoke_config(data_dir, evals=False, log_every=1, total_steps=6, checkpoint_every=100)
+    c = smoke_config(data_dir, evals=False, log_every=1, checkpoint_every=100)
     straight = trainer.train(c, tmp_path / "straight")
-    first = trainer.train(c, tmp_path / "resumed", stop_at=3)
-    assert first["final_step"] == 3 and first["checkpoints"] == [3]
+    first = trainer.train(c, tmp_path / "resumed", stop_at=2)
+    assert first["final_step"] == 2 and first["checkpoints"] == [2]
     second = trainer.train(c, tmp_path / "resumed")
-    assert [h["step"] for h in second["history"]] == [4, 5, 6]
+    assert [h["step"] for h in second["history"]] == [3, 4]
     np.testing.assert_allclose([h["loss"] for h in second["history"]],
-                               [h["loss"] for h in straight["history"][3:]], rtol=1e-6)
+                               [h["loss"] for h in straight["history"][2:]], rtol=1e-6)
     assert second["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
 
 
@@ -95,33 +102,31 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data
         return Poison()
 
     monkeypatch.setattr(trainer, "_input", poisoned)
-    c = smoke_config(data_dir, evals=False, total_steps=6, checkpoint_every=1)
+    c = smoke_config(data_dir, evals=False, checkpoint_every=1)
     with pytest.raises(FloatingPointError, match=r"Non-finite loss at step 3.*last good checkpoint \(step 2\)"):
         trainer.train(c, tmp_path)
     assert ckpt_lib.Checkpointer(tmp_path).all_steps() == [1, 2]
 
 
-def test_checkpoint_that_does_not_fit_the_model_is_an_error(tmp_path, data_dir):
-    trainer.train(smoke_config(data_dir, evals=False, total_steps=2), tmp_path)
-    wider = smoke_config(data_dir, evals=False, total_steps=4, **{"model.embed_dim": 64})
+def test_checkpoint_that_does_not_fit_the_model_is_an_error(tmp_path, data_dir, clip_smoke_run):
+    shutil.copytree(clip_smoke_run.workdir / "checkpoints", tmp_path / "checkpoints")
+    wider = smoke_config(data_dir, evals=False, total_steps=8, **{"model.embed_dim": 64})
     with pytest.raises(ValueError, match=r"does not fit the model:\n.*shape mismatch: img_proj/kernel: "
                                          r"model \(128, 64\) vs checkpoint \(128, 128\)"):
         trainer.train(wider, tmp_path)
 
 
-def test_initialise_from_another_run(tmp_path, data_dir):
-    a = trainer.train(smoke_config(data_dir, evals=False, total_steps=2), tmp_path / "a")
-    loaded = ckpt_lib.load_params(tmp_path / "a")
+def test_initialise_from_another_run(tmp_path, data_dir, clip_smoke_run):
+    a, a_dir = clip_smoke_run.summary, str(clip_smoke_run.workdir)
+    loaded = ckpt_lib.load_params(a_dir)
     assert sum(float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(loaded)) == \
         pytest.approx(a["param_checksum"], rel=1e-9)
     # With a zero learning rate the run keeps exactly what it loaded.
-    b_config = smoke_config(data_dir, evals=False, total_steps=2, **{"optim.lr": 0.0,
-                                                                       "init.checkpoint": str(tmp_path / "a")})
+    b_config = smoke_config(data_dir, evals=False, total_steps=1, **{"optim.lr": 0.0, "init.checkpoint": a_dir})
     b = trainer.train(b_config, tmp_path / "b")
     assert b["param_checksum"] == pytest.approx(a["param_checksum"], rel=1e-9)
     # A different head: loading fails loudly unless told what not to load.
-    other = smoke_config(data_dir, evals=False, total_steps=1, **{"model.embed_dim": 64,
-                                                                   "init.checkpoint": str(tmp_path / "a")})
+    other = smoke_config(data_dir, evals=False, total_steps=1, **{"model.embed_dim": 64, "init.checkpoint": a_dir})
     with pytest.raises(ValueError, match=r"shape mismatch: img_proj/kernel"):
         trainer.train(other, tmp_path / "c")
     with other.unlocked():
@@ -166,23 +171,22 @@ def test_vocabulary_must_match_the_tokenizer(tmp_path, data_dir):
         trainer.train(c, tmp_path / "w")
 
 
-def test_vlm_tower_initialises_from_a_clip_run(tmp_path, data_dir):
+def test_vlm_tower_initialises_from_a_clip_run(data_dir, clip_smoke_run):
     import jax.numpy as jnp
 
     from vitmm.models import vlm as vlm_lib
 
-    clip = smoke_config(data_dir, evals=False, total_steps=1)
-    trainer.train(clip, tmp_path / "clip")
-    vision = clip.model.image.to_dict()
+    clip_dir = clip_smoke_run.workdir
+    vision = smoke_config(data_dir).model.image.to_dict()
     lm = dict(vocab_size=259, width=32, depth=1, num_heads=4)
     model = vlm_lib.VLM(vision, {"name": "pool", "budget": 4}, lm)
     images, ids = jnp.zeros((1, 32, 32, 3)), jnp.zeros((1, 4), jnp.int32)
     params = model.init(jax.random.key(0), images, ids)["params"]
-    loaded = ckpt_lib.init_tower_from_clip(params, tmp_path / "clip")
-    clip_img = ckpt_lib.load_params(tmp_path / "clip")["img"]
+    loaded = ckpt_lib.init_tower_from_clip(params, clip_dir)
+    clip_img = ckpt_lib.load_params(clip_dir)["img"]
     jax.tree.map(np.testing.assert_array_equal, loaded["tower"], clip_img)
     jax.tree.map(np.testing.assert_array_equal, loaded["language"], params["language"])
     narrow = vlm_lib.VLM({**vision, "width": 64}, {"name": "pool", "budget": 4}, lm)
     narrow_params = narrow.init(jax.random.key(0), images, ids)["params"]
     with pytest.raises(ValueError, match=r"shape mismatch: embedding/kernel"):
-        ckpt_lib.init_tower_from_clip(narrow_params, tmp_path / "clip")
+        ckpt_lib.init_tower_from_clip(narrow_params, clip_dir)

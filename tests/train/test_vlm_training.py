@@ -17,15 +17,12 @@ def _config(name, arg, data_dir, **overrides):
     return config_base.with_data_dir(config_args.load(path, arg, **overrides), data_dir)
 
 
-def test_stages_train_what_they_should_from_a_clip_tower(tmp_path, data_dir):
-    clip = _config("clip_scenes", "smoke", data_dir, total_steps=1)
-    with clip.unlocked():
-        clip.evals = type(clip.evals)()
-    trainer.train(clip, tmp_path / "clip")
-    clip_img = ckpt_lib.load_params(tmp_path / "clip")["img"]
+def test_stages_train_what_they_should_from_a_clip_tower(tmp_path, data_dir, clip_smoke_run):
+    clip_dir = str(clip_smoke_run.workdir)
+    clip_img = ckpt_lib.load_params(clip_dir)["img"]
 
     stage1 = _config("vlm_scenes", "smoke,connector=pool,budget=4", data_dir,
-                     **{"init.vision": str(tmp_path / "clip"), "init.allow_random_tower": False})
+                     **{"init.vision": clip_dir, "init.allow_random_tower": False})
     summary = trainer.train(stage1, tmp_path / "s1")
     assert {"qa/accuracy", "qa/acc_exists", "qa/examples"} <= set(summary["evals"])
     assert all(np.isfinite(h["loss"]) and 0 <= h["token_acc"] <= 1 for h in summary["history"])
@@ -34,7 +31,7 @@ def test_stages_train_what_they_should_from_a_clip_tower(tmp_path, data_dir):
 
     # Stage 2 starts from stage 1; the LM now trains, the tower still does not.
     stage2 = _config("vlm_scenes", "smoke,connector=pool,budget=4,stage=2", data_dir,
-                     **{"init.vision": str(tmp_path / "clip"), "init.checkpoint": str(tmp_path / "s1"),
+                     **{"init.vision": clip_dir, "init.checkpoint": str(tmp_path / "s1"),
                         "init.allow_random_tower": False})
     trainer.train(stage2, tmp_path / "s2")
     after = ckpt_lib.load_params(tmp_path / "s2")
