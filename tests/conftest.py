@@ -3,6 +3,13 @@
 * Four virtual CPU devices, so that data-parallel code (pmap, meshes, shard_map collectives)
   is tested on every run; single-device code still runs on device 0.
 * float32 matmuls at full precision, so that tolerances mean what they say.
+* XLA's CPU backend compiles with LLVM at -O0 (``TEST_XLA_FLAGS``, also passed to the
+  subprocesses tests start). Most of the suite's time is compilation of small programs, not
+  running them: tests/models took 288 s at the default level and 195 s at -O0 (2 workers, cold
+  cache). LLVM's level changes how the kernels are vectorised and scheduled; the arithmetic is
+  the same up to contracted multiply-adds (XLA does not enable fast-math on CPU), far inside
+  every tolerance here. Benchmarks and
+  experiments run at the default level. ``VITMM_TEST_XLA_OPT=1`` keeps the default in tests too.
 * One persistent XLA compilation cache for the session, shared by both xdist workers and every
   subprocess a test starts (through the environment): many tests compile the very same smoke
   train step (the trainer's resume test alone compiles it three times: 78 s without the cache,
@@ -23,9 +30,10 @@ import tempfile
 
 import pytest
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-).strip()
+TEST_XLA_FLAGS = "" if os.environ.get("VITMM_TEST_XLA_OPT") == "1" else "--xla_backend_optimization_level=0"
+os.environ["VITMM_TEST_XLA_FLAGS"] = TEST_XLA_FLAGS  # for the subprocesses that set their own XLA_FLAGS
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS, "--xla_force_host_platform_device_count=4"]).strip()
 
 _cache = os.environ.get("VITMM_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), f"vitmm-test-xla-{os.getuid()}"))
 if _cache:

@@ -50,7 +50,8 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     """A whole sweep end to end on the session's smoke CLIP (features, two worker processes,
     outputs; training the tower when a workdir has none is the same ``trainer.train``)."""
     out = tmp_path / "tb"
-    env = dict(os.environ, XLA_FLAGS="")  # the workers pick their own thread settings
+    # The workers pick their own thread settings; only the tests' compile level is passed on.
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments/token_budget.py"), "--smoke", "--workers", "2", "--out", str(out),
          "--tower", str(clip_smoke_run.workdir), "--data_dir", clip_smoke_run.data_dir],

@@ -51,7 +51,7 @@ def test_two_processes_train_as_one(tmp_path):
     script.write_text(WORKER)
     coordinator = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["XLA_FLAGS"] = f"{os.environ.get('VITMM_TEST_XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"
     env["PYTHONPATH"] = str(ROOT)
     procs = [subprocess.Popen(
         ["timeout", "-s", "KILL", "240", sys.executable, str(script), str(ROOT / "configs/clip_scenes.py"),
