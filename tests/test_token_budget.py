@@ -46,6 +46,20 @@ def test_reachable_counts_on_a_non_square_grid(tb):
     assert sorted(tb.reachable("linear", (6, 4))) == [24]
 
 
+def test_tower_is_trained_only_when_its_workdir_has_no_checkpoint(tb, tmp_path, monkeypatch):
+    from vitmm.train import trainer
+
+    calls = []
+    monkeypatch.setattr(trainer, "train", lambda config, workdir: calls.append((config, workdir)))
+    tb.ensure_tower(tmp_path / "w", smoke=True, data_dir=str(tmp_path / "tfds"))
+    (config, workdir), = calls  # configs/clip_scenes.py:smoke on the given data_dir
+    assert workdir == tmp_path / "w" and config.total_steps == 4 and config.input.image_size == 32
+    assert config.input.data_dir == str(tmp_path / "tfds")
+    (tmp_path / "w" / "checkpoints" / "4").mkdir(parents=True)
+    tb.ensure_tower(tmp_path / "w", smoke=True)
+    assert len(calls) == 1
+
+
 def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     """A whole sweep end to end on the session's smoke CLIP (features, two worker processes,
     outputs; training the tower when a workdir has none is the same ``trainer.train``)."""
