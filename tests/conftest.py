@@ -8,8 +8,8 @@
   running them: tests/models took 288 s at the default level and 195 s at -O0 (2 workers, cold
   cache). LLVM's level changes how the kernels are vectorised and scheduled; the arithmetic is
   the same up to contracted multiply-adds (XLA does not enable fast-math on CPU), far inside
-  every tolerance here. Benchmarks and
-  experiments run at the default level. ``VITMM_TEST_XLA_OPT=1`` keeps the default in tests too.
+  every tolerance here. Benchmarks and experiments run at the default level.
+  ``VITMM_TEST_XLA_OPT=1`` keeps the default in tests too.
 * One persistent XLA compilation cache for the session, shared by both xdist workers and every
   subprocess a test starts (through the environment): many tests compile the very same smoke
   train step (the trainer's resume test alone compiles it three times: 78 s without the cache,
