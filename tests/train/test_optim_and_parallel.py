@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from vitmm.train import optim
-from vitmm.train.parallel import MESH_AXIS, Parallel
+from vitmm.train.parallel import MESH_AXIS, Parallel, to_host
 
 
 def _cfg(**kw):
@@ -82,3 +82,26 @@ def test_fsdp_shards_large_parameters_on_their_largest_divisible_axis():
 def test_unknown_parallel_kind():
     with pytest.raises(ValueError, match="Unknown parallel='dp'"):
         Parallel("dp")
+
+
+@pytest.mark.parametrize("kind", ["pmap", "jit"])
+def test_the_step_is_traced_once_from_the_first_step_on(kind):
+    """The state put on the devices has the layout the step's own outputs have, so the second
+    step reuses the first step's program (pmap used to trace and compile it twice)."""
+    par = Parallel(kind)
+    traces = []
+
+    def step(state, batch):
+        traces.append(1)
+        new = dict(state, w=state["w"] + par.reduce(batch["x"].sum()), step=state["step"] + 1)
+        return new, {"s": par.reduce(batch["x"].sum())}
+
+    state = {"w": jnp.zeros(3), "step": jnp.zeros((), jnp.int32)}
+    placed = par.put_state(state)
+    step_fn = par.compile(step, state)
+    for _ in range(3):
+        placed, metrics = step_fn(placed, par.put_batch({"x": np.ones((8, 2), np.float32)}))
+    assert len(traces) == 1
+    host = par.host_state(placed)
+    np.testing.assert_allclose(to_host(host["w"]), np.full(3, 3 * 16.0 / (par.num_devices if kind == "pmap" else 1)))
+    assert int(to_host(host["step"])) == 3

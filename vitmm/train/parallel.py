@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from flax import jax_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -69,7 +68,12 @@ class Parallel:
 
     def put_state(self, state):
         if self.kind == "pmap":
-            return jax_utils.replicate(state)
+            # One copy per local device, laid out as pmap lays out its own outputs: with
+            # flax's replicate (device_put_sharded, a mesh of its own) the first step's inputs
+            # differ in sharding from every later step's, and pmap traced and compiled the step twice.
+            n = jax.local_device_count()
+            return jax.tree.map(
+                lambda x: jax.device_put(np.broadcast_to(np.asarray(x), (n, *np.shape(x))), self.local_sharding), state)
         shardings = self.state_sharding(jax.eval_shape(lambda: state))
         return jax.device_put(state, shardings)
 
