@@ -15,9 +15,10 @@
   train step (the trainer's resume test alone compiles it three times: 78 s without the cache,
   53 s cold, 33 s warm). Programs are keyed by their HLO, options and the JAX version, so a hit
   is the same executable. ``VITMM_TEST_XLA_CACHE=`` (empty) turns it off.
-* ``clip_smoke_run``: one trained smoke CLIP for the session, for the tests that need a trained
-  CLIP (initialising from it, a VLM tower, the token-budget sweep) rather than a run of their
-  own; training tests that vary the config keep ``total_steps`` at the smoke's 4 so that their
+* ``clip_smoke_run`` (and ``siglip_chunked_smoke_run``): one trained smoke run for the session,
+  for the tests that need a trained CLIP (initialising from it, a VLM tower, the token-budget
+  sweep) or a reference run to compare against (pmap vs jit, resuming) rather than a run of
+  their own; training tests that vary the config keep ``total_steps`` at the smoke's 4 so that their
   train steps compile to the same program (the schedule's length is a constant in it).
 """
 
@@ -53,23 +54,35 @@ class SharedRun:
     summary: dict  # what trainer.train returned (through JSON)
 
 
-@pytest.fixture(scope="session")
-def clip_smoke_run(tmp_path_factory):
-    """``configs/clip_scenes.py:smoke`` trained once for the whole session (4 steps, evaluated
-    and checkpointed at step 4), for every test that needs a trained CLIP rather than a run of
-    its own. xdist workers share one run: the first to get the lock trains, the others read."""
+def _shared_run(tmp_path_factory, name: str, arg: str) -> SharedRun:
+    """``configs/{name}.py:{arg}`` trained once for the whole session. xdist workers share one
+    run: the first to get the lock trains, the others read its summary."""
     from vitmm import config_args
     from vitmm.train import config_base, trainer
 
     base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "clip_smoke_run"
+    key = f"{name}-{arg}".replace(",", "-").replace("=", "-")
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared_run-{key}"
     root.mkdir(exist_ok=True)
     workdir, data_dir, done = root / "run", root / "tfds", root / "summary.json"
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            config = config_args.load(pathlib.Path(__file__).parents[1] / "configs/clip_scenes.py", "smoke")
+            config = config_args.load(pathlib.Path(__file__).parents[1] / "configs" / f"{name}.py", arg)
             summary = trainer.train(config_base.with_data_dir(config, str(data_dir)), workdir)
             (root / "summary.tmp").write_text(json.dumps(summary, default=float))
             (root / "summary.tmp").rename(done)
     return SharedRun(workdir, str(data_dir), json.loads(done.read_text()))
+
+
+@pytest.fixture(scope="session")
+def clip_smoke_run(tmp_path_factory):
+    """``configs/clip_scenes.py:smoke`` (4 steps, logged at 2 and 4, evaluated and checkpointed
+    at 4): the trained CLIP of the session."""
+    return _shared_run(tmp_path_factory, "clip_scenes", "smoke")
+
+
+@pytest.fixture(scope="session")
+def siglip_chunked_smoke_run(tmp_path_factory):
+    """``configs/siglip_scenes.py:smoke,loss=sigmoid_chunked``, trained once for the session."""
+    return _shared_run(tmp_path_factory, "siglip_scenes", "smoke,loss=sigmoid_chunked")

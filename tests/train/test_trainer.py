@@ -47,33 +47,43 @@ def test_clip_smoke_run_logs_evaluates_and_checkpoints(clip_smoke_run):
     check_smoke_run(clip_smoke_run.workdir, clip_smoke_run.summary, "clip_scenes")
 
 
-@pytest.mark.parametrize("arg", ["smoke", "smoke,loss=sigmoid_chunked"])
-def test_siglip_smoke_runs_log_evaluate_and_checkpoint(tmp_path, data_dir, arg):
-    check_smoke_run(tmp_path, trainer.train(smoke_config(data_dir, "siglip_scenes", arg), tmp_path), "siglip_scenes")
+def test_siglip_smoke_run_logs_evaluates_and_checkpoints(tmp_path, data_dir):
+    summary = trainer.train(smoke_config(data_dir, "siglip_scenes", "smoke"), tmp_path)
+    check_smoke_run(tmp_path, summary, "siglip_scenes")
 
 
-@pytest.mark.parametrize("name, arg", [("clip_scenes", "smoke"), ("siglip_scenes", "smoke,loss=sigmoid_chunked")])
-def test_pmap_and_jit_give_the_same_losses(tmp_path, data_dir, name, arg):
+def test_siglip_chunked_smoke_run_logs_evaluates_and_checkpoints(siglip_chunked_smoke_run):
+    check_smoke_run(siglip_chunked_smoke_run.workdir, siglip_chunked_smoke_run.summary, "siglip_scenes")
+
+
+@pytest.mark.parametrize("shared, name, arg", [
+    ("clip_smoke_run", "clip_scenes", "smoke"),
+    ("siglip_chunked_smoke_run", "siglip_scenes", "smoke,loss=sigmoid_chunked"),
+], ids=["clip", "siglip_chunked"])
+def test_pmap_and_jit_give_the_same_losses(tmp_path, request, shared, name, arg):
+    """The session's run of the config (jit over the 4-device mesh, the default) against the
+    same config under pmap; evaluation does not touch the training state."""
     assert jax.device_count() == 4
-    runs = {}
-    for kind in ("jit", "pmap"):
-        c = smoke_config(data_dir, name, arg, evals=False, parallel=kind, log_every=1)
-        runs[kind] = trainer.train(c, tmp_path / kind)
-    losses = {k: [h["loss"] for h in v["history"]] for k, v in runs.items()}
-    assert len(losses["jit"]) == 4
-    np.testing.assert_allclose(losses["jit"], losses["pmap"], rtol=1e-4)
-    assert runs["jit"]["param_checksum"] == pytest.approx(runs["pmap"]["param_checksum"], rel=1e-5)
+    jit_run = request.getfixturevalue(shared)
+    assert jit_run.summary["history"] and smoke_config(jit_run.data_dir, name, arg).parallel == "jit"
+    pmap = trainer.train(smoke_config(jit_run.data_dir, name, arg, evals=False, parallel="pmap"), tmp_path)
+    losses = {k: [(h["step"], h["loss"]) for h in v["history"]] for k, v in (("jit", jit_run.summary), ("pmap", pmap))}
+    assert [s for s, _ in losses["jit"]] == [s for s, _ in losses["pmap"]] == [2, 4]
+    np.testing.assert_allclose([x for _, x in losses["jit"]], [x for _, x in losses["pmap"]], rtol=1e-4)
+    assert jit_run.summary["param_checksum"] == pytest.approx(pmap["param_checksum"], rel=1e-5)
 
 
-def test_resume_continues_exactly(tmp_path, data_dir):
-    c = smoke_config(data_dir, evals=False, log_every=1, checkpoint_every=100)
-    straight = trainer.train(c, tmp_path / "straight")
-    first = trainer.train(c, tmp_path / "resumed", stop_at=2)
+def test_resume_continues_exactly(tmp_path, clip_smoke_run):
+    """Stopped at step 2 and resumed, a run ends where the session's uninterrupted run ended."""
+    straight = clip_smoke_run.summary
+    c = smoke_config(clip_smoke_run.data_dir, evals=False, log_every=1, checkpoint_every=100)
+    first = trainer.train(c, tmp_path, stop_at=2)
     assert first["final_step"] == 2 and first["checkpoints"] == [2]
-    second = trainer.train(c, tmp_path / "resumed")
+    second = trainer.train(c, tmp_path)
     assert [h["step"] for h in second["history"]] == [3, 4]
-    np.testing.assert_allclose([h["loss"] for h in second["history"]],
-                               [h["loss"] for h in straight["history"][2:]], rtol=1e-6)
+    assert [h["step"] for h in straight["history"]] == [2, 4]
+    np.testing.assert_allclose([first["history"][1]["loss"], second["history"][1]["loss"]],
+                               [h["loss"] for h in straight["history"]], rtol=1e-6)
     assert second["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
 
 
