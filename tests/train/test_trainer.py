@@ -200,3 +200,30 @@ def test_vlm_tower_initialises_from_a_clip_run(data_dir, clip_smoke_run):
     narrow_params = narrow.init(jax.random.key(0), images, ids)["params"]
     with pytest.raises(ValueError, match=r"shape mismatch: embedding/kernel"):
         ckpt_lib.init_tower_from_clip(narrow_params, clip_dir)
+
+
+def test_evaluation_embeds_every_new_parameter_tree(clip_smoke_run, monkeypatch):
+    """The embedding cache is keyed on the params object it was given: a new tree gets new
+    embeddings even when it has the id() of an earlier one (CPython reuses a freed tree's
+    address), and ``clear()`` drops the cache."""
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.train import evaluators as eval_lib
+    from vitmm.train import tasks
+    from vitmm.train.parallel import Parallel
+
+    monkeypatch.setattr(eval_lib, "id", lambda obj: 0, raising=False)  # every tree has one id
+    c = smoke_config(clip_smoke_run.data_dir)
+    task = tasks.from_config(c, Parallel("jit"), tok_lib.get_tokenizer(c.get("tokenizer")))
+    evaluators = task.evaluators()
+    embeddings = evaluators["retrieval"].embeddings
+    assert evaluators["zeroshot"].embeddings is embeddings  # one pass over the split for all three
+    fresh = jax.tree.map(np.asarray, task.init_params())
+    trained = ckpt_lib.load_params(clip_smoke_run.workdir)
+    first = embeddings.get(fresh)["zimg"].copy()
+    second = embeddings.get(trained)["zimg"]
+    assert np.abs(first - second).max() > 1e-3
+    np.testing.assert_allclose(embeddings.get(fresh)["zimg"], first, rtol=1e-5, atol=1e-6)
+    cached = embeddings.get(fresh)
+    assert embeddings.get(fresh) is cached
+    evaluators["val"].clear()
+    assert embeddings.get(fresh) is not cached

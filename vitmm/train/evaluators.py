@@ -1,7 +1,8 @@
 """Evaluators for two-tower models, listed in ``config.evals``: ``{name: {type: ..., ...}}``.
 
-Protocol: ``evaluator.run(params) -> dict`` of metric names to floats. The image-text
-evaluators share one pass that embeds the evaluation split (cached per parameters), then:
+Protocol: ``evaluator.run(params) -> dict`` of metric names to floats, and ``clear()`` after a
+round of evaluation. The image-text evaluators share one pass that embeds the evaluation split
+(cached for the params object it was given, until ``clear()``), then:
 
 * ``zeroshot``: classify single-shape scenes by comparing each image with one prompt-ensembled
   text embedding per class (``templates``); reports accuracy and chance level.
@@ -44,11 +45,12 @@ class _Embeddings:
             f"{data.get('pp') or 'decode'}|resize({image_size})|value_range(-1, 1)|"
             f"tokenize('caption', {max_len})|keep('image', 'caption_tokens', {label})", tokenizer)
         self.has_labels = "label" in keys
-        self._key, self._value = None, None
+        self._params, self._value = None, None
 
     def get(self, params) -> dict:
-        key = id(params)
-        if key != self._key:
+        # Keyed on the params object itself, held until clear(): an id() key could match a
+        # new params tree allocated where a freed one was, and return the old embeddings.
+        if params is not self._params:
             images, texts, tokens, labels = [], [], [], []
             view = _Prefix(self.source, self.num_examples)
             for batch in pipeline.eval_batches(view, self._pp, self.batch_size, process_index=0,
@@ -60,8 +62,12 @@ class _Embeddings:
                 labels.append(batch["label"][keep] if self.has_labels else np.full(keep.sum(), -1))
             self._value = dict(zimg=np.concatenate(images), ztxt=np.concatenate(texts),
                                tokens=np.concatenate(tokens), labels=np.concatenate(labels))
-            self._key = key
+            self._params = params
         return self._value
+
+    def clear(self) -> None:
+        """Drops the cached embeddings and the parameters they came from."""
+        self._params, self._value = None, None
 
     def texts(self, params, strings) -> np.ndarray:
         ids = np.stack([tok_lib.tokenize(self.tokenizer, s, self.max_len).ids for s in strings])
@@ -79,7 +85,17 @@ class _Prefix:
         return self._source[i]
 
 
-class ZeroShot:
+class _OnEmbeddings:
+    """An evaluator that reads the shared embeddings of its split; ``clear()`` releases them
+    (and the parameters they were computed from) once a round of evaluation is done."""
+
+    embeddings: _Embeddings
+
+    def clear(self) -> None:
+        self.embeddings.clear()
+
+
+class ZeroShot(_OnEmbeddings):
     """``templates`` may use ``{color}``, ``{region}`` and ``{at}`` (e.g. "at the top left"),
     filled with every value in ``fill`` and averaged."""
 
@@ -113,7 +129,7 @@ class ZeroShot:
                 "chance": 1.0 / len(self.class_names), "examples": int(single.sum())}
 
 
-class Retrieval:
+class Retrieval(_OnEmbeddings):
     def __init__(self, embeddings: _Embeddings, **_):
         self.embeddings = embeddings
 
@@ -142,7 +158,7 @@ class Retrieval:
         return out
 
 
-class ValLoss:
+class ValLoss(_OnEmbeddings):
     def __init__(self, embeddings: _Embeddings, loss: str = "softmax", batch_size: int = 256, **_):
         self.embeddings, self.loss, self.batch_size = embeddings, loss, batch_size
 
@@ -264,3 +280,6 @@ class QAAccuracy:
             if (kinds == i).any():
                 result[f"acc_{name}"] = float(correct[kinds == i].mean())
         return result
+
+    def clear(self) -> None:  # nothing cached between rounds
+        pass

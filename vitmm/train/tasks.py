@@ -4,7 +4,8 @@
 * ``loss_fn(params, batch, rng) -> (loss, aux)``: ``aux`` are scalars logged and checked for
   NaN/Inf with the loss;
 * ``post_update(params)``: constraints after each update (CLIP's temperature clamp);
-* ``evaluators()``: ``{name: evaluator}`` with ``run(params, **aux) -> dict``.
+* ``evaluators()``: ``{name: evaluator}`` with ``run(params, **aux) -> dict`` and ``clear()`` (drops
+  what a round of evaluation cached).
 
 ``config.task`` picks ``contrastive`` (CLIP/SigLIP) or ``vlm`` (connector + LM on questions).
 """

@@ -253,8 +253,12 @@ def _check_finite(bad, checkpointer, names) -> None:
 def _evaluate(evaluators, params, aux) -> dict:
     aux = {k: float(v) for k, v in aux.items()}
     out = {}
-    for name, evaluator in evaluators.items():
-        for key, value in evaluator.run(params, **aux).items():
-            out[f"{name}/{key}"] = float(value)
+    try:
+        for name, evaluator in evaluators.items():
+            for key, value in evaluator.run(params, **aux).items():
+                out[f"{name}/{key}"] = float(value)
+    finally:
+        for evaluator in evaluators.values():
+            evaluator.clear()  # the host copy of the parameters is not kept until the next round
     return out
 
