@@ -93,15 +93,16 @@ def test_the_step_is_traced_once_from_the_first_step_on(kind):
 
     def step(state, batch):
         traces.append(1)
-        new = dict(state, w=state["w"] + par.reduce(batch["x"].sum()), step=state["step"] + 1)
-        return new, {"s": par.reduce(batch["x"].sum())}
+        total = par.reduce(batch["x"].sum())  # pmap: the mean over devices of their shard's sum
+        return dict(state, w=state["w"] + total, step=state["step"] + 1), {"total": total}
 
     state = {"w": jnp.zeros(3), "step": jnp.zeros((), jnp.int32)}
     placed = par.put_state(state)
     step_fn = par.compile(step, state)
     for _ in range(3):
-        placed, metrics = step_fn(placed, par.put_batch({"x": np.ones((8, 2), np.float32)}))
+        placed, _ = step_fn(placed, par.put_batch({"x": np.ones((8, 2), np.float32)}))
     assert len(traces) == 1
     host = par.host_state(placed)
-    np.testing.assert_allclose(to_host(host["w"]), np.full(3, 3 * 16.0 / (par.num_devices if kind == "pmap" else 1)))
+    per_step = 16.0 / par.num_devices if kind == "pmap" else 16.0
+    np.testing.assert_allclose(to_host(host["w"]), np.full(3, 3 * per_step))
     assert int(to_host(host["step"])) == 3
