@@ -17,12 +17,6 @@
   step compiled in 24 s instead of 8 and ran in 4.6 s instead of 4.2), so users keep the MLIR
   emitters. Benchmarks and experiments run with XLA's defaults; ``VITMM_TEST_XLA_OPT=1`` runs
   the tests with them too.
-* A collective on the virtual devices may wait 600 s for its last participant instead of XLA's
-  40 before XLA aborts the process. On this 2-core machine, with both workers compiling and
-  running at once, the pmap trainer test's worker died with "Fatal Python error: Aborted" and no
-  Python exception while its step was in flight (once in about six runs of tests/train); a pmap
-  step with one replica held back past the limit dies exactly so. A real deadlock still ends,
-  10 minutes later.
 * One persistent XLA compilation cache for the session, shared by both xdist workers and every
   subprocess a test starts (through the environment): many tests compile the very same smoke
   train step (the trainer's resume test alone compiles it three times: 78 s without the cache,
@@ -44,11 +38,8 @@ import tempfile
 
 import pytest
 
-TEST_XLA_FLAGS = " ".join([
-    "" if os.environ.get("VITMM_TEST_XLA_OPT") == "1"
-    else "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_collective_call_terminate_timeout_seconds=600",
-]).strip()
+TEST_XLA_FLAGS = ("" if os.environ.get("VITMM_TEST_XLA_OPT") == "1"
+                  else "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 os.environ["VITMM_TEST_XLA_FLAGS"] = TEST_XLA_FLAGS  # for the subprocesses that set their own XLA_FLAGS
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS, "--xla_force_host_platform_device_count=4"]).strip()

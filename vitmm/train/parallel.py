@@ -80,7 +80,14 @@ class Parallel:
     def host_state(self, state):
         """The state as one copy of global arrays (what a checkpoint stores)."""
         if self.kind == "pmap":
-            return jax.tree.map(lambda x: x[0], state)
+            # Replica 0's shard, read where it lies. Indexing ``x[0]`` ran one program over all
+            # local devices per leaf; a few hundred of those, queued behind a step, left
+            # XLA:CPU deadlocked in an all-reduce (three replicas waiting, the fourth not launched).
+            def first_replica(x):
+                shard = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+                return shard.data.reshape(x.shape[1:])
+
+            return jax.tree.map(first_replica, state)
         return state
 
     def abstract_for_restore(self, abstract_state):

@@ -195,7 +195,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
             at_ckpt = step % config.checkpoint_every == 0 or step in (total, stop_at)
             at_eval = bool(evaluators) and (step % config.eval_every == 0 or step == total)
             if at_log or at_ckpt or at_eval or (sync_every and step % sync_every == 0):
-                _check_finite(par.host_state(state)["bad"], checkpointer, metric_names)
+                _check_finite(par.host_state(state["bad"]), checkpointer, metric_names)
             if at_log:
                 now = time.perf_counter()
                 host = {k: float(v) for k, v in par.first(metrics).items()}
