@@ -106,3 +106,18 @@ def test_the_step_is_traced_once_from_the_first_step_on(kind):
     per_step = 16.0 / par.num_devices if kind == "pmap" else 16.0
     np.testing.assert_allclose(to_host(host["w"]), np.full(3, 3 * per_step))
     assert int(to_host(host["step"])) == 3
+
+
+def test_pmap_host_state_is_replica_zero_read_from_its_own_device():
+    """What a checkpoint stores under pmap: replica 0's copy, on the first local device, taken
+    without running a program over all devices per leaf (hundreds of those queued behind a
+    step deadlocked XLA:CPU)."""
+    par = Parallel("pmap")
+    n = jax.local_device_count()
+    per_replica = np.arange(n * 6, dtype=np.float32).reshape(n, 2, 3)  # replica r holds 6r..6r+5
+    state = {"w": jax.device_put(per_replica, par.local_sharding), "step": par.put_state({"s": jnp.int32(7)})["s"]}
+    jax.block_until_ready(state)
+    host = par.host_state(state)
+    np.testing.assert_array_equal(to_host(host["w"]), per_replica[0])
+    assert host["w"].shape == (2, 3) and host["step"].shape == () and int(to_host(host["step"])) == 7
+    assert host["w"].sharding.device_set == {jax.local_devices()[0]}
