@@ -1,8 +1,10 @@
-"""vitmm against a PyTorch reference, side by side in one run: ViT training and inference speed.
+"""vitmm against a PyTorch reference, side by side in one run: ViT and CLIP training and inference speed.
 
-    python experiments/benchmark.py                       # ViT-Ti/16 and S/16, 224 px, batch 32, fp32
+    python experiments/benchmark.py                       # ViT-Ti/16, S/16, CLIP B/32 pairs; 224 px, batch 32
+    python experiments/benchmark.py --pair '' --variants S/16   # ViT-S/16 alone
     python experiments/benchmark.py --variants Ti/16,S/16,B/16 --repeats 7
     python experiments/benchmark.py --torch_python /path/to/venv/bin/python   # PyTorch lives elsewhere
+    python experiments/benchmark.py --torch_python ... --timm_python /path/to/timm-venv/bin/python
     python experiments/benchmark.py --scaling S --batch 8 # step time vs tokens, next to the analytic count
 
 For each variant, a JAX worker process and a PyTorch worker process take turns (so drift on a
@@ -12,7 +14,23 @@ process, achieved FLOP/s from the analytic count (forward per image = 2·N_p·3P
 L·(24·N·D² + 4·N²·D), training = 3× forward; cross-checked against XLA's cost analysis) and the
 share of a float32 matmul rate measured in the same worker. The reference is transformers'
 ``ViTForImageClassification`` with SDPA attention (the same shapes: CLS, 1000-class head, AdamW,
-cross-entropy). PyTorch is not a vitmm dependency: pass ``--torch_python`` for an interpreter
+cross-entropy). ``--timm_python`` adds timm's ``VisionTransformer`` (fused SDPA attention) as a
+second ViT reference, from an interpreter with ``torch`` and ``timm`` (timm needs torchvision,
+which here imports only beside ``torch==2.14.1``, hence its own interpreter). The ratio column
+is vitmm's throughput over the row's.
+
+``--pair`` (default ``B/32``) adds CLIP image+text pairs with that image tower and OpenAI CLIP's
+text tower (width 512, 12 layers, 8 heads, 77 tokens, vocabulary 49,408, causal, pooled at the
+end-of-text token; embeddings 512; ``--pair_text_*`` change it): the softmax contrastive loss of
+``TwoTowers`` against transformers' ``CLIPModel(..., return_loss=True)``, and for inference the
+image-text logits. Throughput is then image+text pairs/s, and the analytic count adds the text
+tower by the same formula (N = 77).
+
+The XLA column divides XLA's cost analysis of the compiled step (or forward) by the analytic
+count (3× forward for a training step): above 1 where norms, softmax, heads and the optimizer add
+FLOPs, a little under 1 in training where the patch embedding needs no input gradient.
+
+PyTorch is not a vitmm dependency: pass ``--torch_python`` for an interpreter
 that has ``torch`` and ``transformers`` (``torch==2.13.0`` installs from a local file here), or
 ``--no_torch``. Both frameworks get the same number of threads (``--threads``, default: all cores).
 
@@ -56,50 +74,81 @@ def _peak_rss_mb() -> float:
 
 
 # ------------------------------------------------------------------------------------ JAX side
-def jax_worker(variant: str, batch: int, res: int, warmup: int, repeats: int, mode: str) -> dict:
+def _jax_task(task: str, variant: str, batch: int, res: int, pair: dict):
+    """(init of a key, inputs, loss of (params, inputs), forward of (params, inputs)) for ``task``."""
     import jax
     import jax.numpy as jnp
     import optax
 
-    from vitmm.models import common, vit
+    from vitmm import losses
+    from vitmm.models import two_towers, vit
+
+    images = jax.random.normal(jax.random.key(0), (batch, res, res, 3), jnp.float32)
+    if task == "vit":
+        model = vit.ViT(variant=variant, num_classes=1000, pool="tok")
+        labels = jax.random.randint(jax.random.key(1), (batch,), 0, 1000)
+
+        def loss(p, x):
+            logits, _ = model.apply({"params": p}, x[0], train=True)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, x[1]).mean()
+
+        init = lambda key: model.init(key, images[:1])  # noqa: E731
+        return init, (images, labels), loss, lambda p, x: model.apply({"params": p}, x[0])[0]
+    model = two_towers.TwoTowers(
+        image=dict(variant=variant, pool="tok", pre_norm=True, embed_bias=False), embed_dim=pair["embed_dim"],
+        text=dict(vocab_size=pair["vocab"], width=pair["text_width"], depth=pair["text_depth"],
+                  num_heads=pair["text_heads"], max_len=pair["text_len"], causal=True, pool="eot"))
+    ids = jnp.asarray(_pair_ids(batch, pair))
+
+    def loss(p, x):
+        zimg, ztxt, out = model.apply({"params": p}, *x, train=True)
+        return losses.softmax_loss(zimg, ztxt, out["t"])
+
+    def forward(p, x):
+        zimg, ztxt, out = model.apply({"params": p}, *x)
+        return out["t"] * zimg @ ztxt.T
+
+    return lambda key: model.init(key, images[:1], ids[:1]), (images, ids), loss, forward
+
+
+def jax_worker(task: str, variant: str, batch: int, res: int, warmup: int, repeats: int, mode: str,
+               pair: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from vitmm.models import common
 
     jax.config.update("jax_enable_compilation_cache", False)  # compile_s is a real compile, cache or not
-    model = vit.ViT(variant=variant, num_classes=1000, pool="tok")
-    images = jax.random.normal(jax.random.key(0), (batch, res, res, 3), jnp.float32)
-    labels = jax.random.randint(jax.random.key(1), (batch,), 0, 1000)
-    params = jax.jit(model.init)(jax.random.key(2), images[:1])["params"]
-    out = {"framework": "vitmm", "variant": variant, "mode": mode}
+    init, inputs, loss_fn, forward = _jax_task(task, variant, batch, res, pair)
+    params = jax.jit(init)(jax.random.key(2))["params"]
+    out = {"framework": "vitmm", "task": task, "variant": variant, "mode": mode}
     if mode == "train":
         tx = optax.adamw(1e-4)
         opt_state = tx.init(params)
 
-        def loss_fn(p):
-            logits, _ = model.apply({"params": p}, images, train=True)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        def step(p, o):
-            loss, grads = jax.value_and_grad(loss_fn)(p)
+        def step(p, o, x):
+            loss, grads = jax.value_and_grad(loss_fn)(p, x)
             updates, o = tx.update(grads, o, p)
             return optax.apply_updates(p, updates), o, loss
 
         start = time.perf_counter()
-        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state).compile()
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, inputs).compile()
         out["compile_s"] = time.perf_counter() - start
         state = [params, opt_state]
 
         def run():
-            state[0], state[1], loss = compiled(state[0], state[1])
+            state[0], state[1], loss = compiled(state[0], state[1], inputs)
             loss.block_until_ready()
     else:
-        forward = jax.jit(lambda p, x: model.apply({"params": p}, x)[0])
         start = time.perf_counter()
-        compiled = forward.lower(params, images).compile()
+        compiled = jax.jit(forward).lower(params, inputs).compile()
         out["compile_s"] = time.perf_counter() - start
-        out["xla_gflop_per_image"] = common.xla_flops(compiled) / batch / 1e9
 
         def run():
-            compiled(params, images).block_until_ready()
+            compiled(params, inputs).block_until_ready()
 
+    out["xla_gflop_per_image"] = common.xla_flops(compiled) / batch / 1e9
     out["step_s"] = _median_time(run, warmup, repeats)
     a = jax.random.normal(jax.random.key(3), (2048, 2048), jnp.float32)
     dot = jax.jit(jnp.dot).lower(a, a).compile()
@@ -108,40 +157,88 @@ def jax_worker(variant: str, batch: int, res: int, warmup: int, repeats: int, mo
     return out
 
 
+def _pair_ids(batch: int, pair: dict):
+    """Token ids both frameworks share: random text, end-of-text (the largest id) at a random spot."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, pair["vocab"] - 1, (batch, pair["text_len"]))
+    ids[np.arange(batch), rng.integers(pair["text_len"] // 2, pair["text_len"], batch)] = pair["vocab"] - 1
+    return ids
+
+
 # ------------------------------------------------------------------------------------ PyTorch side
-def torch_worker(variant: str, batch: int, res: int, warmup: int, repeats: int, mode: str, threads: int,
-                 arch: dict) -> dict:
-    """``arch``: width, depth, num_heads, mlp_dim, patch (from vitmm's variant table)."""
-    import torch
+def _torch_model(task: str, res: int, arch: dict, pair: dict, ref: str):
+    if ref == "timm":
+        import timm
+
+        return timm.models.vision_transformer.VisionTransformer(
+            img_size=res, patch_size=arch["patch"], embed_dim=arch["width"], depth=arch["depth"],
+            num_heads=arch["num_heads"], mlp_ratio=arch["mlp_dim"] / arch["width"], num_classes=1000,
+            global_pool="token")
     import transformers
 
-    torch.set_num_threads(threads)
-    config = transformers.ViTConfig(hidden_size=arch["width"], num_hidden_layers=arch["depth"],
-                                    num_attention_heads=arch["num_heads"], intermediate_size=arch["mlp_dim"],
-                                    image_size=res, patch_size=arch["patch"], num_labels=1000, hidden_act="gelu",
-                                    layer_norm_eps=1e-6)
+    vision = dict(hidden_size=arch["width"], num_hidden_layers=arch["depth"], num_attention_heads=arch["num_heads"],
+                  intermediate_size=arch["mlp_dim"], image_size=res, patch_size=arch["patch"], hidden_act="gelu",
+                  layer_norm_eps=1e-6)
+    if task == "vit":
+        config = transformers.ViTConfig(**vision, num_labels=1000)
+        config._attn_implementation = "sdpa"
+        return transformers.ViTForImageClassification(config)
+    text = dict(vocab_size=pair["vocab"], hidden_size=pair["text_width"], num_hidden_layers=pair["text_depth"],
+                num_attention_heads=pair["text_heads"], intermediate_size=4 * pair["text_width"],
+                max_position_embeddings=pair["text_len"], hidden_act="gelu", layer_norm_eps=1e-6,
+                eos_token_id=2)  # 2: the legacy rule, pool at argmax(ids) (vitmm's eos_id=None)
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=pair["embed_dim"])
     config._attn_implementation = "sdpa"
-    model = transformers.ViTForImageClassification(config)
+    return transformers.CLIPModel(config)
+
+
+def torch_worker(task: str, variant: str, batch: int, res: int, warmup: int, repeats: int, mode: str,
+                 threads: int, arch: dict, pair: dict, ref: str) -> dict:
+    """``arch``: width, depth, num_heads, mlp_dim, patch (from vitmm's variant table); ``ref``:
+    ``transformers`` or ``timm``."""
+    import importlib
+
+    import torch
+
+    torch.set_num_threads(threads)
+    model = _torch_model(task, res, arch, pair, ref)
+    logits = (lambda o: o) if ref == "timm" else (lambda o: o.logits)  # noqa: E731
     g = torch.Generator().manual_seed(0)
     images = torch.randn(batch, 3, res, res, generator=g)
-    labels = torch.randint(0, 1000, (batch,), generator=g)
-    out = {"framework": f"torch {torch.__version__} + transformers {transformers.__version__} (sdpa)",
-           "variant": variant, "mode": mode}
+    if task == "vit":
+        labels = torch.randint(0, 1000, (batch,), generator=g)
+
+        def loss_fn():
+            return torch.nn.functional.cross_entropy(logits(model(images)), labels)
+
+        def forward():
+            return logits(model(images))
+    else:
+        ids = torch.as_tensor(_pair_ids(batch, pair))
+
+        def loss_fn():
+            return model(input_ids=ids, pixel_values=images, return_loss=True).loss
+
+        def forward():
+            return model(input_ids=ids, pixel_values=images).logits_per_image
+    out = {"framework": f"torch {torch.__version__} + {ref} {importlib.import_module(ref).__version__} (sdpa)",
+           "task": task, "variant": variant, "mode": mode}
     if mode == "train":
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def run():
             opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(model(pixel_values=images).logits, labels)
-            loss.backward()
+            loss_fn().backward()
             opt.step()
     else:
         model.eval()
 
         def run():
             with torch.inference_mode():
-                model(pixel_values=images)
+                forward()
 
     out["step_s"] = _median_time(run, warmup, repeats)
     a = torch.randn(2048, 2048, generator=g)
@@ -160,11 +257,15 @@ def _run_worker(python: str, kind: str, spec: dict, threads: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def analytic_gflop(variant: str, res: int) -> float:
+def analytic_gflop(variant: str, res: int, pair: dict | None = None) -> float:
+    """Forward GFLOP per image (per image+text pair with ``pair``: the text tower by the same count)."""
     from vitmm.models import vit
 
-    arch = vit.decode_variant(variant)
-    return vit.forward_flops(arch, (res, res)) / 1e9
+    flops = vit.forward_flops(vit.decode_variant(variant), (res, res))
+    if pair:
+        n, d = pair["text_len"], pair["text_width"]
+        flops += pair["text_depth"] * (24 * n * d * d + 4 * n * n * d)
+    return flops / 1e9
 
 
 def to_markdown(rows: list[dict], setup: dict) -> str:
@@ -172,14 +273,20 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
              f"{setup['threads']} threads, medians of {setup['repeats']} steps after {setup['warmup']} warm-up. "
              "Utilisation = analytic FLOP/s over the same worker's 2048² float32 matmul rate.",
              "",
-             "| variant | mode | framework | images/s | ratio vitmm/ref | GFLOP/s | util. | compile s | peak RSS MB |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| model | mode | framework | images/s | vitmm ÷ this | GFLOP/s | util. | XLA/analytic FLOPs "
+             "| compile s | peak RSS MB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['ratio']:.2f}×" if r.get("ratio") else ""
         compile_s = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else ""
-        lines.append(f"| {r['variant']} | {r['mode']} | {r['framework']} | {r['images_s']:.1f} | {ratio} | "
-                     f"{r['gflops']:.1f} | {r['util']:.0%} | {compile_s} | {r['peak_rss_mb']:.0f} |")
+        xla = f"{r['xla_vs_analytic']:.3f}" if r.get("xla_vs_analytic") else ""
+        lines.append(f"| {_label(r)} | {r['mode']} | {r['framework']} | {r['images_s']:.1f} | {ratio} | "
+                     f"{r['gflops']:.1f} | {r['util']:.0%} | {xla} | {compile_s} | {r['peak_rss_mb']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def _label(r: dict) -> str:
+    return f"CLIP {r['variant']} + text (pairs)" if r["task"] == "pair" else f"ViT-{r['variant']}"
 
 
 SCALING = ((32, 224), (16, 224), (8, 224), (16, 448))  # (patch, resolution): 49, 196, 784, 784 tokens
@@ -191,8 +298,8 @@ def scaling(width: str, args) -> list[dict]:
     for patch, res in SCALING:
         variant = f"{width}/{patch}"
         for mode in ("infer", "train"):
-            spec = dict(variant=variant, batch=args.batch, res=res, warmup=args.warmup, repeats=args.repeats,
-                        mode=mode, arch={})
+            spec = dict(task="vit", variant=variant, batch=args.batch, res=res, warmup=args.warmup,
+                        repeats=args.repeats, mode=mode, arch={}, pair={})
             r = _run_worker(sys.executable, "jax", spec, args.threads)
             rows.append(dict(variant=variant, res=res, tokens=(res // patch) ** 2, mode=mode,
                              analytic_gflop_per_image=analytic_gflop(variant, res), step_s=r["step_s"]))
@@ -229,6 +336,12 @@ def _write(out: pathlib.Path, name: str, rows: list[dict], markdown: str) -> Non
 def main(argv=None) -> pathlib.Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="Ti/16,S/16")
+    parser.add_argument("--pair", default="B/32", help="image towers of CLIP image+text pairs ('' for none)")
+    parser.add_argument("--pair_text_width", type=int, default=512)
+    parser.add_argument("--pair_text_depth", type=int, default=12)
+    parser.add_argument("--pair_text_len", type=int, default=77)
+    parser.add_argument("--pair_vocab", type=int, default=49408)
+    parser.add_argument("--pair_embed_dim", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--res", type=int, default=224)
     parser.add_argument("--warmup", type=int, default=2)
@@ -236,6 +349,8 @@ def main(argv=None) -> pathlib.Path:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--torch_python", default=sys.executable, help="a Python with torch and transformers")
     parser.add_argument("--no_torch", action="store_true")
+    parser.add_argument("--timm_python", default=None,
+                        help="a Python with torch and timm: timm's VisionTransformer as a second ViT reference")
     parser.add_argument("--scaling", default=None, metavar="WIDTH",
                         help="time one width (e.g. S) across patch sizes and resolutions instead")
     parser.add_argument("--out", default="results/benchmark")
@@ -259,26 +374,33 @@ def main(argv=None) -> pathlib.Path:
         rows = scaling(args.scaling, args)
         _write(out, "scaling", rows, scaling_markdown(rows, setup))
         return out
+    pair = dict(vocab=args.pair_vocab, text_width=args.pair_text_width, text_depth=args.pair_text_depth,
+                text_heads=args.pair_text_width // 64, text_len=args.pair_text_len, embed_dim=args.pair_embed_dim)
+    cases = [("vit", v) for v in args.variants.split(",") if v] + [("pair", v) for v in args.pair.split(",") if v]
     rows = []
-    for variant in args.variants.split(","):
-        flops = analytic_gflop(variant, args.res)
+    for task, variant in cases:
+        flops = analytic_gflop(variant, args.res, pair if task == "pair" else None)
         a = vit.decode_variant(variant)
         arch = dict(width=a.width, depth=a.depth, num_heads=a.num_heads, mlp_dim=a.mlp_dim, patch=a.patch_size[0])
         for mode in ("train", "infer"):
-            spec = dict(variant=variant, batch=args.batch, res=args.res, warmup=args.warmup, repeats=args.repeats,
-                        mode=mode, arch=arch)
+            spec = dict(task=task, variant=variant, batch=args.batch, res=args.res, warmup=args.warmup,
+                        repeats=args.repeats, mode=mode, arch=arch, pair=pair)
             results = [_run_worker(sys.executable, "jax", spec, args.threads)]
             if not args.no_torch:
-                results.append(_run_worker(args.torch_python, "torch", spec, args.threads))
+                results.append(_run_worker(args.torch_python, "torch", {**spec, "ref": "transformers"}, args.threads))
+            if args.timm_python and task == "vit":
+                results.append(_run_worker(args.timm_python, "torch", {**spec, "ref": "timm"}, args.threads))
             for r in results:
                 r["images_s"] = args.batch / r["step_s"]
                 r["gflops"] = flops * (3 if mode == "train" else 1) * r["images_s"]
                 r["util"] = r["gflops"] / r["matmul_gflops"]
                 r["analytic_gflop_per_image"] = flops
-            if len(results) == 2:
-                results[0]["ratio"] = results[0]["images_s"] / results[1]["images_s"]
+                if r.get("xla_gflop_per_image"):
+                    r["xla_vs_analytic"] = r["xla_gflop_per_image"] / (flops * (3 if mode == "train" else 1))
+            for r in results[1:]:
+                r["ratio"] = results[0]["images_s"] / r["images_s"]
             rows.extend(results)
-            summary = (f"{r['framework'].split()[0]} {variant} {mode}: {r['images_s']:.1f} img/s" for r in results)
+            summary = (f"{r['framework']} {_label(r)} {mode}: {r['images_s']:.1f} img/s" for r in results)
             print(" | ".join(summary), flush=True)
     _write(out, "benchmark", rows, to_markdown(rows, setup))
     return out
