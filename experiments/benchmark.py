@@ -269,8 +269,11 @@ def analytic_gflop(variant: str, res: int, pair: dict | None = None) -> float:
 
 
 def to_markdown(rows: list[dict], setup: dict) -> str:
+    rounds = (f", {setup['rounds']} rounds taking turns (times: medians over rounds; ratios: median of the rounds' "
+              "paired ratios, range in brackets)") if setup.get("rounds", 1) > 1 else ""
     lines = [f"{setup['date']}, {setup['machine']}, float32, batch {setup['batch']}, {setup['res']}×{setup['res']}, "
-             f"{setup['threads']} threads, medians of {setup['repeats']} steps after {setup['warmup']} warm-up. "
+             f"{setup['threads']} threads, medians of {setup['repeats']} steps after {setup['warmup']} warm-up"
+             f"{rounds}. "
              "Utilisation = analytic FLOP/s over the same worker's 2048² float32 matmul rate.",
              "",
              "| model | mode | framework | images/s | vitmm ÷ this | GFLOP/s | util. | XLA/analytic FLOPs "
@@ -278,11 +281,24 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['ratio']:.2f}×" if r.get("ratio") else ""
+        if r.get("ratio") and r["rounds"] > 1:
+            ratio += f" ({r['ratio_min']:.2f}–{r['ratio_max']:.2f})"
         compile_s = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else ""
         xla = f"{r['xla_vs_analytic']:.3f}" if r.get("xla_vs_analytic") else ""
         lines.append(f"| {_label(r)} | {r['mode']} | {r['framework']} | {r['images_s']:.1f} | {ratio} | "
                      f"{r['gflops']:.1f} | {r['util']:.0%} | {xla} | {compile_s} | {r['peak_rss_mb']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def _over_rounds(results: list[dict]) -> dict:
+    """One worker's rounds as one row: medians of the times and rates, the largest peak memory."""
+    out = dict(results[0])
+    for key in ("step_s", "compile_s", "matmul_gflops"):
+        if key in out:
+            out[key] = statistics.median(r[key] for r in results)
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+    out["rounds"] = len(results)
+    return out
 
 
 def _label(r: dict) -> str:
@@ -347,6 +363,9 @@ def main(argv=None) -> pathlib.Path:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every worker this many times, taking turns; ratios are medians of the rounds' "
+                             "paired ratios, shown with their range")
     parser.add_argument("--torch_python", default=sys.executable, help="a Python with torch and transformers")
     parser.add_argument("--no_torch", action="store_true")
     parser.add_argument("--timm_python", default=None,
@@ -369,7 +388,8 @@ def main(argv=None) -> pathlib.Path:
 
     out = pathlib.Path(args.out)
     setup = dict(date=time.strftime("%Y-%m-%d"), machine=f"{os.cpu_count()}-core {os.uname().machine} CPU",
-                 batch=args.batch, res=args.res, threads=args.threads, repeats=args.repeats, warmup=args.warmup)
+                 batch=args.batch, res=args.res, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
+                 rounds=args.rounds)
     if args.scaling:
         rows = scaling(args.scaling, args)
         _write(out, "scaling", rows, scaling_markdown(rows, setup))
@@ -385,11 +405,14 @@ def main(argv=None) -> pathlib.Path:
         for mode in ("train", "infer"):
             spec = dict(task=task, variant=variant, batch=args.batch, res=args.res, warmup=args.warmup,
                         repeats=args.repeats, mode=mode, arch=arch, pair=pair)
-            results = [_run_worker(sys.executable, "jax", spec, args.threads)]
+            workers = [(sys.executable, "jax", spec)]
             if not args.no_torch:
-                results.append(_run_worker(args.torch_python, "torch", {**spec, "ref": "transformers"}, args.threads))
+                workers.append((args.torch_python, "torch", {**spec, "ref": "transformers"}))
             if args.timm_python and task == "vit":
-                results.append(_run_worker(args.timm_python, "torch", {**spec, "ref": "timm"}, args.threads))
+                workers.append((args.timm_python, "torch", {**spec, "ref": "timm"}))
+            rounds = [[_run_worker(python, kind, worker_spec, args.threads) for python, kind, worker_spec in workers]
+                      for _ in range(args.rounds)]
+            results = [_over_rounds([rnd[i] for rnd in rounds]) for i in range(len(workers))]
             for r in results:
                 r["images_s"] = args.batch / r["step_s"]
                 r["gflops"] = flops * (3 if mode == "train" else 1) * r["images_s"]
@@ -397,8 +420,10 @@ def main(argv=None) -> pathlib.Path:
                 r["analytic_gflop_per_image"] = flops
                 if r.get("xla_gflop_per_image"):
                     r["xla_vs_analytic"] = r["xla_gflop_per_image"] / (flops * (3 if mode == "train" else 1))
-            for r in results[1:]:
-                r["ratio"] = results[0]["images_s"] / r["images_s"]
+            for i, r in enumerate(results[1:], 1):
+                paired = [rnd[i]["step_s"] / rnd[0]["step_s"] for rnd in rounds]  # vitmm speed over this one's
+                r["ratio"] = statistics.median(paired)
+                r["ratio_min"], r["ratio_max"] = min(paired), max(paired)
             rows.extend(results)
             summary = (f"{r['framework']} {_label(r)} {mode}: {r['images_s']:.1f} img/s" for r in results)
             print(" | ".join(summary), flush=True)

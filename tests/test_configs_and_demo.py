@@ -189,3 +189,29 @@ def test_benchmark_scaling_table_sets_measured_next_to_predicted_ratios(tmp_path
     assert by[("Ti/8", "224", "infer")] == pytest.approx(by[("Ti/16", "448", "infer")], rel=0.03)
     assert by[("Ti/8", "224", "infer")] > 4  # 4x tokens: linear terms 4x, attention 16x
     assert "| Ti/8 | 224 | 784 |" in (out / "scaling.md").read_text()
+
+
+def test_benchmark_rounds_take_turns_and_report_the_median_paired_ratio(tmp_path, monkeypatch):
+    """``--rounds 3``: each round runs vitmm then the reference; a row's time is the median over
+    rounds and its ratio the median of the rounds' paired ratios, with their range."""
+    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "experiments/benchmark.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+    times = {"jax": [1.0, 2.0, 1.0], "torch": [1.5, 2.0, 3.0]}  # paired ratios 1.5, 1.0, 3.0 per mode
+
+    def fake(python, kind, spec, threads):
+        calls.append(kind)
+        n = sum(c == kind for c in calls) - 1
+        return {"framework": kind, "task": spec["task"], "variant": spec["variant"], "mode": spec["mode"],
+                "step_s": times[kind][n % 3], "matmul_gflops": 100.0, "peak_rss_mb": 10.0 + n}
+
+    monkeypatch.setattr(bench, "_run_worker", fake)
+    out = bench.main(["--variants", "Ti/16", "--pair", "", "--rounds", "3", "--out", str(tmp_path)])
+    assert calls == ["jax", "torch"] * 6  # turns, for train then infer
+    rows = list(csv.DictReader(open(out / "benchmark.csv")))
+    ref = rows[1]
+    assert float(rows[0]["step_s"]) == 1.0 and float(ref["step_s"]) == 2.0
+    assert float(ref["ratio"]) == 1.5 and float(ref["ratio_min"]) == 1.0 and float(ref["ratio_max"]) == 3.0
+    assert float(ref["peak_rss_mb"]) == 12.0
+    assert "1.50× (1.00–3.00)" in (out / "benchmark.md").read_text()
