@@ -35,6 +35,9 @@ that has ``torch`` and ``transformers`` (``torch==2.13.0`` installs from a local
 ``--no_torch``. Both frameworks get the same number of threads (``--threads``, default: all cores).
 
 Writes ``benchmark.csv`` and ``benchmark.md`` (with ratios vitmm / reference) to ``--out``.
+``--rounds R`` runs every worker R times, taking turns: times are medians over the rounds, a
+ratio is the median of the rounds' paired ratios, shown with their range (on a shared machine
+one run's ratio can move by ±0.1).
 
 ``--scaling WIDTH`` instead times vitmm alone (inference and training) at 224 px with patches 32, 16
 and 8 and at 448 px with patch 16 (49 to 3,136 tokens), and sets each time, relative to /16 at
