@@ -95,8 +95,10 @@ def _jax_task(task: str, variant: str, batch: int, res: int, pair: dict):
             logits, _ = model.apply({"params": p}, x[0], train=True)
             return optax.softmax_cross_entropy_with_integer_labels(logits, x[1]).mean()
 
-        init = lambda key: model.init(key, images[:1])  # noqa: E731
-        return init, (images, labels), loss, lambda p, x: model.apply({"params": p}, x[0])[0]
+        def logits(p, x):
+            return model.apply({"params": p}, x[0])[0]
+
+        return lambda key: model.init(key, images[:1]), (images, labels), loss, logits
     model = two_towers.TwoTowers(
         image=dict(variant=variant, pool="tok", pre_norm=True, embed_bias=False), embed_dim=pair["embed_dim"],
         text=dict(vocab_size=pair["vocab"], width=pair["text_width"], depth=pair["text_depth"],
