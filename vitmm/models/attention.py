@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vitmm.models import posemb
+from vitmm.models import layers, posemb
 
 ATTENTION_IMPLS = (None, "matmul", "xla", "cudnn")
 
@@ -128,7 +128,7 @@ class Attention(nn.Module):
             raise ValueError(f"Width {width} is not divisible by num_heads={self.num_heads}.")
         head_dim = width // self.num_heads
         dtype = jnp.dtype(self.dtype_mm)
-        dense = lambda features, name: nn.Dense(  # noqa: E731
+        dense = lambda features, name: layers.Dense(  # noqa: E731
             features, use_bias=self.use_bias, dtype=dtype, name=name,
             kernel_init=nn.initializers.xavier_uniform(),
         )

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from vitmm.models import common
+from vitmm.models import common, layers
 from vitmm.models.attention import Attention
 
 
@@ -40,7 +40,7 @@ class SwiGLU(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype_mm,  # noqa: E731
+        dense = lambda n, name: layers.Dense(n, use_bias=False, dtype=self.dtype_mm,  # noqa: E731
                                          kernel_init=common.trunc_normal(0.02), name=name)
         return dense(x.shape[-1], "down")(nn.silu(dense(self.mlp_dim, "gate")(x)) * dense(self.mlp_dim, "up")(x))
 
@@ -82,7 +82,7 @@ class LM(nn.Module):
                                self.norm_eps, self.dtype_mm, name=f"block_{i:02d}")
                        for i in range(self.depth)]
         self.final_norm = nn.RMSNorm(epsilon=self.norm_eps)
-        self.head = nn.Dense(self.vocab_size, use_bias=False, kernel_init=common.trunc_normal(0.02))
+        self.head = layers.Dense(self.vocab_size, use_bias=False, kernel_init=common.trunc_normal(0.02))
 
     def embed(self, ids: jnp.ndarray) -> jnp.ndarray:
         return self.token_embedding(ids)

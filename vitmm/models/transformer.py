@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vitmm.models import common
+from vitmm.models import common, layers
 from vitmm.models.attention import Attention
 
 REMAT_NONE = "none"
@@ -43,10 +43,10 @@ class MlpBlock(nn.Module):
     def __call__(self, x: jnp.ndarray, deterministic: bool = True) -> jnp.ndarray:
         dtype = jnp.dtype(self.dtype_mm)
         init = nn.initializers.xavier_uniform()
-        y = nn.Dense(self.mlp_dim, dtype=dtype, kernel_init=init, name="fc1")(x)
+        y = layers.Dense(self.mlp_dim, dtype=dtype, kernel_init=init, name="fc1")(x)
         y = common.activation(self.act)(y)
         y = nn.Dropout(self.dropout)(y, deterministic)
-        return nn.Dense(x.shape[-1], dtype=dtype, kernel_init=init, name="fc2")(y)
+        return layers.Dense(x.shape[-1], dtype=dtype, kernel_init=init, name="fc2")(y)
 
 
 class Block(nn.Module):

@@ -22,7 +22,7 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
-from vitmm.models import common
+from vitmm.models import common, layers
 from vitmm.models.text import TextTransformer
 from vitmm.models.vit import ViT
 
@@ -73,7 +73,7 @@ class TwoTowers(nn.Module):
     def _project(self, pooled: jnp.ndarray, name: str, bias: bool = False) -> jnp.ndarray:
         if not self.embed_dim:
             return pooled
-        return nn.Dense(self.embed_dim, use_bias=bias, kernel_init=common.trunc_normal(0.02),
+        return layers.Dense(self.embed_dim, use_bias=bias, kernel_init=common.trunc_normal(0.02),
                         name=name)(pooled)
 
 

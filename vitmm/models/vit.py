@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vitmm.models import common
+from vitmm.models import common, layers
 from vitmm.models import posemb as pe
 from vitmm.models.patch_embed import ConvStem, PatchEmbed, check_images, grid_size, to_pair
 from vitmm.models.transformer import REMAT_NONE, Encoder, MAPHead
@@ -271,7 +271,7 @@ class ViT(nn.Module):
             pooled = nn.LayerNorm(epsilon=self.norm_eps, name="fc_norm")(pooled)
         out["pooled"] = pooled
         if self.num_classes:
-            logits = nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(pooled)
+            logits = layers.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(pooled)
             out["logits"] = logits
             return logits, out
         return pooled, out

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm import losses
-from vitmm.models import common, connectors
+from vitmm.models import common, connectors, layers
 from vitmm.models.lm import LM
 from vitmm.models.vit import ViT
 
@@ -40,7 +40,7 @@ class VLM(nn.Module):
         self.language = LM(**self.lm)
         self.project = connectors.build(self.connector, out_dim=self.language.width)
         if self.use_cls:
-            self.cls_proj = nn.Dense(self.language.width, kernel_init=common.trunc_normal(0.02))
+            self.cls_proj = layers.Dense(self.language.width, kernel_init=common.trunc_normal(0.02))
 
     def num_visual_tokens(self, image_hw) -> int:
         grid = self.tower.grid(image_hw)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from vitmm.models import common
+from vitmm.models import common, layers
 from vitmm.models.connectors.base import check_tokens, mha
 
 
@@ -36,7 +36,7 @@ class Perceiver(nn.Module):
         m = self.tokens(self.budget, grid)
         d = self.out_dim
         heads = max(d // self.head_dim, 1)
-        x = nn.Dense(d, kernel_init=common.trunc_normal(0.02), name="in_proj")(x)
+        x = layers.Dense(d, kernel_init=common.trunc_normal(0.02), name="in_proj")(x)
         latents = self.param("latents", nn.initializers.normal(1.0), (m, d))
         latents = jnp.broadcast_to(latents, (x.shape[0], m, d))
         for i in range(self.depth):
@@ -45,7 +45,7 @@ class Perceiver(nn.Module):
             kv = jnp.concatenate([media, lat], axis=1)
             latents = latents + mha(lat, kv, kv, heads, f"attn_{i}", use_bias=False)
             y = nn.LayerNorm(name=f"ff_norm_{i}")(latents)
-            y = nn.Dense(self.ff_mult * d, use_bias=False, name=f"ff_in_{i}")(y)
-            y = nn.Dense(d, use_bias=False, name=f"ff_out_{i}")(common.activation("gelu")(y))
+            y = layers.Dense(self.ff_mult * d, use_bias=False, name=f"ff_in_{i}")(y)
+            y = layers.Dense(d, use_bias=False, name=f"ff_out_{i}")(common.activation("gelu")(y))
             latents = latents + y
         return nn.LayerNorm(name="norm_out")(latents)

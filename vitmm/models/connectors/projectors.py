@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from vitmm.models import common
+from vitmm.models import common, layers
 from vitmm.models.connectors.base import MLP, all_tokens, check_tokens
 
 
@@ -42,7 +42,7 @@ class Linear(nn.Module):
     def __call__(self, x, grid):
         check_tokens(x, grid)
         self.tokens(self.budget, grid)
-        return nn.Dense(self.out_dim, kernel_init=common.trunc_normal(0.02), name="proj")(x)
+        return layers.Dense(self.out_dim, kernel_init=common.trunc_normal(0.02), name="proj")(x)
 
 
 class Mlp(nn.Module):

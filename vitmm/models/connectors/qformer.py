@@ -7,7 +7,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from vitmm.models import common
+from vitmm.models import common, layers
 from vitmm.models.connectors.base import BudgetError, check_tokens, mha
 
 
@@ -30,14 +30,14 @@ class QFormer(nn.Module):
         check_tokens(x, grid)
         m = self.tokens(self.budget, grid)
         d, heads = self.width, max(self.width // self.head_dim, 1)
-        img = nn.Dense(d, kernel_init=common.trunc_normal(0.02), name="img_proj")(x)
+        img = layers.Dense(d, kernel_init=common.trunc_normal(0.02), name="img_proj")(x)
         q = self.param("queries", common.trunc_normal(0.02), (m, d))
         q = jnp.broadcast_to(q, (x.shape[0], m, d))
         for i in range(self.depth):
             q = nn.LayerNorm(epsilon=1e-12, name=f"sa_norm_{i}")(q + mha(q, q, q, heads, f"self_{i}"))
             if i % self.cross_attention_freq == 0:
                 q = nn.LayerNorm(epsilon=1e-12, name=f"ca_norm_{i}")(q + mha(q, img, img, heads, f"cross_{i}"))
-            y = nn.Dense(4 * d, name=f"ff_in_{i}")(q)
-            y = nn.Dense(d, name=f"ff_out_{i}")(common.activation("gelu")(y))
+            y = layers.Dense(4 * d, name=f"ff_in_{i}")(q)
+            y = layers.Dense(d, name=f"ff_out_{i}")(common.activation("gelu")(y))
             q = nn.LayerNorm(epsilon=1e-12, name=f"ff_norm_{i}")(q + y)
-        return nn.Dense(self.out_dim, kernel_init=common.trunc_normal(0.02), name="out_proj")(q)
+        return layers.Dense(self.out_dim, kernel_init=common.trunc_normal(0.02), name="out_proj")(q)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from vitmm.models import common, posemb
+from vitmm.models import common, layers, posemb
 from vitmm.models.connectors.base import check_tokens, mha, square_side
 
 
@@ -37,9 +37,9 @@ class QwenResampler(nn.Module):
         pos_q = posemb.sincos_2d(side, side, d, convention="mae")
         pos_k = posemb.resample_grid(pos_q.reshape(side, side, d), grid).reshape(grid[0] * grid[1], d)
         kv = nn.LayerNorm(epsilon=1e-6, name="ln_kv")(
-            nn.Dense(d, use_bias=False, kernel_init=common.trunc_normal(0.02), name="kv_proj")(x))
+            layers.Dense(d, use_bias=False, kernel_init=common.trunc_normal(0.02), name="kv_proj")(x))
         q = nn.LayerNorm(epsilon=1e-6, name="ln_q")(query)
         q = jnp.broadcast_to(q + pos_q, (x.shape[0], *q.shape))
         out = mha(q, kv + pos_k, kv, heads, "attn")
         out = nn.LayerNorm(epsilon=1e-6, name="ln_post")(out)
-        return nn.Dense(self.out_dim, use_bias=False, kernel_init=common.trunc_normal(0.02), name="proj")(out)
+        return layers.Dense(self.out_dim, use_bias=False, kernel_init=common.trunc_normal(0.02), name="proj")(out)
