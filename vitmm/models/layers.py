@@ -37,10 +37,14 @@ def _ones_outer(tokens: int, v: jnp.ndarray) -> jnp.ndarray:
     return jax.lax.dot_general(jnp.ones((tokens, 1), v.dtype), v[None, :], (((1,), (0,)), ((), ())))
 
 
+def _last_axis_matmul(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
 @jax.custom_jvp
 def dense(x: jnp.ndarray, kernel: jnp.ndarray, bias: jnp.ndarray | None = None) -> jnp.ndarray:
     """``x @ kernel (+ bias)`` over the last axis of ``x: [..., D]``; ``kernel: [D, F]``, ``bias: [F]``."""
-    out = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    out = _last_axis_matmul(x, kernel)
     return out if bias is None else out + bias
 
 
@@ -53,7 +57,7 @@ def _dense_jvp(primals, tangents):
     d_params = x2 @ dkernel
     if bias is not None:
         d_params = d_params + _ones_outer(x2.shape[0], dbias)
-    return out, jax.lax.dot_general(dx, kernel, (((x.ndim - 1,), (0,)), ((), ()))) + d_params.reshape(out.shape)
+    return out, _last_axis_matmul(dx, kernel) + d_params.reshape(out.shape)
 
 
 class Dense(nn.Dense):

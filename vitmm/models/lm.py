@@ -41,7 +41,7 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x):
         dense = lambda n, name: layers.Dense(n, use_bias=False, dtype=self.dtype_mm,  # noqa: E731
-                                         kernel_init=common.trunc_normal(0.02), name=name)
+                                             kernel_init=common.trunc_normal(0.02), name=name)
         return dense(x.shape[-1], "down")(nn.silu(dense(self.mlp_dim, "gate")(x)) * dense(self.mlp_dim, "up")(x))
 
 

@@ -74,7 +74,7 @@ class TwoTowers(nn.Module):
         if not self.embed_dim:
             return pooled
         return layers.Dense(self.embed_dim, use_bias=bias, kernel_init=common.trunc_normal(0.02),
-                        name=name)(pooled)
+                            name=name)(pooled)
 
 
 def clamp_temperature(params: dict, max_temperature: float = MAX_TEMPERATURE) -> dict:

@@ -104,7 +104,7 @@ class MLP(nn.Module):
         for i in range(self.depth):
             last = i == self.depth - 1
             x = layers.Dense(self.out_dim if last else (self.hidden or self.out_dim), use_bias=self.use_bias,
-                         kernel_init=common.trunc_normal(0.02), name=f"fc{i + 1}")(x)
+                             kernel_init=common.trunc_normal(0.02), name=f"fc{i + 1}")(x)
             if not last:
                 x = act(x)
         return x
@@ -118,10 +118,10 @@ def mha(q_in, k_in, v_in, num_heads: int, name: str, use_bias: bool = True):
         raise ValueError(f"Width {d} is not divisible by {num_heads} heads.")
     hd = d // num_heads
     proj = lambda x, n: layers.Dense(d, use_bias=use_bias, kernel_init=common.trunc_normal(0.02),  # noqa: E731
-                                 name=f"{name}_{n}")(x).reshape(*x.shape[:2], num_heads, hd)
+                                     name=f"{name}_{n}")(x).reshape(*x.shape[:2], num_heads, hd)
     out = jax.nn.dot_product_attention(proj(q_in, "q"), proj(k_in, "k"), proj(v_in, "v"))
     return layers.Dense(d, use_bias=use_bias, kernel_init=common.trunc_normal(0.02),
-                    name=f"{name}_out")(out.reshape(*out.shape[:2], d))
+                        name=f"{name}_out")(out.reshape(*out.shape[:2], d))
 
 
 class DepthwiseConv(nn.Module):
