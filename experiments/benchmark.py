@@ -34,6 +34,11 @@ PyTorch is not a vitmm dependency: pass ``--torch_python`` for an interpreter
 that has ``torch`` and ``transformers`` (``torch==2.13.0`` installs from a local file here), or
 ``--no_torch``. Both frameworks get the same number of threads (``--threads``, default: all cores).
 
+Every worker, of either framework, starts with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` added
+(``--glibc_tunables``; '' for none): malloc then asks the kernel for transparent huge pages for its
+large blocks, and XLA's per-step temporaries no longer page-fault 4 KiB at a time (the faults/step
+column counts them).
+
 Writes ``benchmark.csv`` and ``benchmark.md`` (with ratios vitmm / reference) to ``--out``.
 ``--rounds R`` runs every worker R times, taking turns: times are medians over the rounds, a
 ratio is the median of the rounds' paired ratios, shown with their range (on a shared machine
@@ -59,16 +64,26 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# XLA:CPU allocates a step's temporaries as one block (~1.4 GB for ViT-Ti/16 training at batch 32),
+# which glibc maps afresh each step: ~360,000 page faults of 4 KiB. With this tunable (glibc >= 2.35)
+# malloc asks for transparent huge pages where the kernel's THP mode is "madvise", and the faults
+# drop to ~2,000 (README "Performance"). Older glibc ignores it.
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
-def _median_time(fn, warmup: int, repeats: int) -> float:
+def _median_time(fn, warmup: int, repeats: int, faults: dict | None = None) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after ``warmup``; with ``faults``, also the
+    process's minor page faults per timed call (``faults["minor_faults_per_step"]``)."""
     for _ in range(warmup):
         fn()
     times = []
+    minflt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+    if faults is not None:
+        faults["minor_faults_per_step"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - minflt) / repeats
     return statistics.median(times)
 
 
@@ -154,7 +169,8 @@ def jax_worker(task: str, variant: str, batch: int, res: int, warmup: int, repea
             compiled(params, inputs).block_until_ready()
 
     out["xla_gflop_per_image"] = common.xla_flops(compiled) / batch / 1e9
-    out["step_s"] = _median_time(run, warmup, repeats)
+    out["step_s"] = _median_time(run, warmup, repeats, out)
+    out["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
     a = jax.random.normal(jax.random.key(3), (2048, 2048), jnp.float32)
     dot = jax.jit(jnp.dot).lower(a, a).compile()
     out["matmul_gflops"] = 2 * 2048**3 / _median_time(lambda: dot(a, a).block_until_ready(), 2, 5) / 1e9
@@ -245,7 +261,8 @@ def torch_worker(task: str, variant: str, batch: int, res: int, warmup: int, rep
             with torch.inference_mode():
                 forward()
 
-    out["step_s"] = _median_time(run, warmup, repeats)
+    out["step_s"] = _median_time(run, warmup, repeats, out)
+    out["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
     a = torch.randn(2048, 2048, generator=g)
     out["matmul_gflops"] = 2 * 2048**3 / _median_time(lambda: torch.mm(a, a), 2, 5) / 1e9
     out["peak_rss_mb"] = _peak_rss_mb()
@@ -253,8 +270,15 @@ def torch_worker(task: str, variant: str, batch: int, res: int, warmup: int, rep
 
 
 # ------------------------------------------------------------------------------------ driver
-def _run_worker(python: str, kind: str, spec: dict, threads: int) -> dict:
+def _with_tunables(tunables: str) -> str:
+    """``GLIBC_TUNABLES`` of this process with ``tunables`` appended."""
+    return ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), tunables) if t)
+
+
+def _run_worker(python: str, kind: str, spec: dict, threads: int, tunables: str = "") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if tunables:  # glibc reads them when a process starts, so each worker gets them in its environment
+        env["GLIBC_TUNABLES"] = _with_tunables(tunables)
     proc = subprocess.run([python, __file__, "--_worker", kind, "--_spec", json.dumps({**spec, "threads": threads})],
                           capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
@@ -276,29 +300,33 @@ def analytic_gflop(variant: str, res: int, pair: dict | None = None) -> float:
 def to_markdown(rows: list[dict], setup: dict) -> str:
     rounds = (f", {setup['rounds']} rounds taking turns (times: medians over rounds; ratios: median of the rounds' "
               "paired ratios, range in brackets)") if setup.get("rounds", 1) > 1 else ""
+    tunables = (f" Every worker ran with GLIBC_TUNABLES={setup['glibc_tunables']}."
+                if setup.get("glibc_tunables") else "")
     lines = [f"{setup['date']}, {setup['machine']}, float32, batch {setup['batch']}, {setup['res']}×{setup['res']}, "
              f"{setup['threads']} threads, medians of {setup['repeats']} steps after {setup['warmup']} warm-up"
-             f"{rounds}. "
-             "Utilisation = analytic FLOP/s over the same worker's 2048² float32 matmul rate.",
+             f"{rounds}.{tunables} "
+             "Utilisation = analytic FLOP/s over the same worker's 2048² float32 matmul rate; faults = the "
+             "worker's minor page faults per timed step.",
              "",
              "| model | mode | framework | images/s | vitmm ÷ this | GFLOP/s | util. | XLA/analytic FLOPs "
-             "| compile s | peak RSS MB |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| compile s | peak RSS MB | faults/step |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['ratio']:.2f}×" if r.get("ratio") else ""
         if r.get("ratio") and r["rounds"] > 1:
             ratio += f" ({r['ratio_min']:.2f}–{r['ratio_max']:.2f})"
         compile_s = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else ""
         xla = f"{r['xla_vs_analytic']:.3f}" if r.get("xla_vs_analytic") else ""
+        faults = f"{r['minor_faults_per_step']:,.0f}" if r.get("minor_faults_per_step") is not None else ""
         lines.append(f"| {_label(r)} | {r['mode']} | {r['framework']} | {r['images_s']:.1f} | {ratio} | "
-                     f"{r['gflops']:.1f} | {r['util']:.0%} | {xla} | {compile_s} | {r['peak_rss_mb']:.0f} |")
+                     f"{r['gflops']:.1f} | {r['util']:.0%} | {xla} | {compile_s} | {r['peak_rss_mb']:.0f} | {faults} |")
     return "\n".join(lines) + "\n"
 
 
 def _over_rounds(results: list[dict]) -> dict:
     """One worker's rounds as one row: medians of the times and rates, the largest peak memory."""
     out = dict(results[0])
-    for key in ("step_s", "compile_s", "matmul_gflops"):
+    for key in ("step_s", "compile_s", "matmul_gflops", "minor_faults_per_step"):
         if key in out:
             out[key] = statistics.median(r[key] for r in results)
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
@@ -321,7 +349,7 @@ def scaling(width: str, args) -> list[dict]:
         for mode in ("infer", "train"):
             spec = dict(task="vit", variant=variant, batch=args.batch, res=res, warmup=args.warmup,
                         repeats=args.repeats, mode=mode, arch={}, pair={})
-            r = _run_worker(sys.executable, "jax", spec, args.threads)
+            r = _run_worker(sys.executable, "jax", spec, args.threads, args.glibc_tunables)
             rows.append(dict(variant=variant, res=res, tokens=(res // patch) ** 2, mode=mode,
                              analytic_gflop_per_image=analytic_gflop(variant, res), step_s=r["step_s"]))
             print(f"{variant} @ {res}: {mode} {r['step_s']:.3f} s/step", flush=True)
@@ -377,6 +405,9 @@ def main(argv=None) -> pathlib.Path:
                         help="a Python with torch and timm: timm's VisionTransformer as a second ViT reference")
     parser.add_argument("--scaling", default=None, metavar="WIDTH",
                         help="time one width (e.g. S) across patch sizes and resolutions instead")
+    parser.add_argument("--glibc_tunables", default=HUGE_PAGES,
+                        help="GLIBC_TUNABLES added for every worker, both frameworks ('' for none; default: "
+                             "transparent huge pages for malloc's large blocks)")
     parser.add_argument("--out", default="results/benchmark")
     parser.add_argument("--_worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
@@ -394,7 +425,7 @@ def main(argv=None) -> pathlib.Path:
     out = pathlib.Path(args.out)
     setup = dict(date=time.strftime("%Y-%m-%d"), machine=f"{os.cpu_count()}-core {os.uname().machine} CPU",
                  batch=args.batch, res=args.res, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
-                 rounds=args.rounds)
+                 rounds=args.rounds, glibc_tunables=_with_tunables(args.glibc_tunables))
     if args.scaling:
         rows = scaling(args.scaling, args)
         _write(out, "scaling", rows, scaling_markdown(rows, setup))
@@ -415,8 +446,8 @@ def main(argv=None) -> pathlib.Path:
                 workers.append((args.torch_python, "torch", {**spec, "ref": "transformers"}))
             if args.timm_python and task == "vit":
                 workers.append((args.timm_python, "torch", {**spec, "ref": "timm"}))
-            rounds = [[_run_worker(python, kind, worker_spec, args.threads) for python, kind, worker_spec in workers]
-                      for _ in range(args.rounds)]
+            rounds = [[_run_worker(python, kind, worker_spec, args.threads, args.glibc_tunables)
+                       for python, kind, worker_spec in workers] for _ in range(args.rounds)]
             results = [_over_rounds([rnd[i] for rnd in rounds]) for i in range(len(workers))]
             for r in results:
                 r["images_s"] = args.batch / r["step_s"]

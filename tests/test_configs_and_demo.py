@@ -162,10 +162,12 @@ def test_benchmark_script_runs_and_writes_its_tables(tmp_path):
         # XLA's own count agrees with the analytic formula, which leaves out norms, softmax, the
         # 1000-class head and the optimizer (up to ~15% of these tiny models, ~1% of ViT-S/16).
         assert abs(float(r["xla_vs_analytic"]) - 1) < 0.2, r
+        assert "glibc.malloc.hugetlb=1" in r["glibc_tunables"] and float(r["minor_faults_per_step"]) >= 0
     # The pair's analytic count is the image tower's plus the text tower's (1 layer, 16 tokens, width 64).
     assert float(rows[2]["analytic_gflop_per_image"]) == pytest.approx(
         float(rows[0]["analytic_gflop_per_image"]) + (24 * 16 * 64**2 + 4 * 16**2 * 64) / 1e9, rel=1e-9)
     markdown = (out / "benchmark.md").read_text()
+    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in markdown
     assert "| ViT-mu/16 | train | vitmm |" in markdown and "| CLIP mu/16 + text (pairs) | infer | vitmm |" in markdown
 
 
@@ -175,7 +177,7 @@ def test_benchmark_scaling_table_sets_measured_next_to_predicted_ratios(tmp_path
     spec = importlib.util.spec_from_file_location("benchmark", ROOT / "experiments/benchmark.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    fake = lambda python, kind, spec, threads: {"step_s": bench.analytic_gflop(spec["variant"], spec["res"])}  # noqa: E731
+    fake = lambda python, kind, spec, threads, tunables: {"step_s": bench.analytic_gflop(spec["variant"], spec["res"])}  # noqa: E731
     monkeypatch.setattr(bench, "_run_worker", fake)
     out = bench.main(["--scaling", "Ti", "--out", str(tmp_path)])
     rows = list(csv.DictReader(open(out / "scaling.csv")))
@@ -200,8 +202,9 @@ def test_benchmark_rounds_take_turns_and_report_the_median_paired_ratio(tmp_path
     calls = []
     times = {"jax": [1.0, 2.0, 1.0], "torch": [1.5, 2.0, 3.0]}  # paired ratios 1.5, 1.0, 3.0 per mode
 
-    def fake(python, kind, spec, threads):
+    def fake(python, kind, spec, threads, tunables):
         calls.append(kind)
+        assert tunables == bench.HUGE_PAGES  # the same allocator setting for both frameworks
         n = sum(c == kind for c in calls) - 1
         return {"framework": kind, "task": spec["task"], "variant": spec["variant"], "mode": spec["mode"],
                 "step_s": times[kind][n % 3], "matmul_gflops": 100.0, "peak_rss_mb": 10.0 + n}
