@@ -46,13 +46,22 @@ def heads_first_attention(q, k, v, mask=None, is_causal: bool = False):
 
 
 def _scores(q, k, mask):
-    """Row-max-shifted unnormalised probabilities ``e = exp(s - max s)`` and their row sums."""
-    logits = jnp.matmul(q, jnp.swapaxes(k, -1, -2), preferred_element_type=jnp.float32)
-    logits = logits * (q.shape[-1] ** -0.5)
+    """Row-max-shifted unnormalised probabilities ``e = exp(s - max s)`` and their row sums, with
+    ``s = q·kᵀ`` (``q`` already scaled).
+
+    ``kᵀ`` is materialised behind an optimisation barrier: XLA would otherwise fold the transpose
+    into the dot, and XLA:CPU's batched product with the contraction on both operands' last axis
+    ran ~20% slower than the plain ``[T, H]·[H, S]`` form (ViT-Ti/16 and S/16 shapes, batch 32)."""
+    kt = jax.lax.optimization_barrier(jnp.swapaxes(k, -1, -2))
+    logits = jnp.matmul(q, kt, preferred_element_type=jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     return e, jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _scale(q):
+    return q.shape[-1] ** -0.5
 
 
 @jax.custom_vjp
@@ -61,27 +70,31 @@ def _heads_first(q, k, v, mask):
 
 
 def _heads_first_fwd(q, k, v, mask):
-    # Normalising after the second matmul ([T, H] divisions instead of [T, S]) is what makes the
-    # forward fast; a row with every key masked gets uniform weights, as in jax.nn.softmax.
-    e, denom = _scores(q, k, mask)
+    # The scale goes on q ([T, H]) rather than on the logits ([T, S]): one pass over the [T, S]
+    # array fewer, bit-identical when it is a power of two (head dim 64: 1/8). Normalising after
+    # the second matmul ([T, H] divisions instead of [T, S]) is what makes the forward fast; a
+    # row with every key masked gets uniform weights, as in jax.nn.softmax.
+    qs = q * jnp.asarray(_scale(q), q.dtype)
+    e, denom = _scores(qs, k, mask)
     out = (jnp.matmul(e.astype(v.dtype), v, preferred_element_type=jnp.float32) / denom).astype(v.dtype)
-    return out, (q, k, v, mask, e, denom, out)
+    return out, (qs, k, v, mask, e, denom, out)
 
 
 def _heads_first_bwd(res, d_out):
     # With o = e·v / l (l the row sums of e): dv = eᵀ·g with g = d_out / l, and the logits'
     # gradient is e ∘ (g·vᵀ − rowsum(g ∘ o)) — FlashAttention's backward, without the
-    # [T, S] softmax Jacobian pass that autodiff of the normalised form needs.
-    q, k, v, mask, e, denom, out = res
+    # [T, S] softmax Jacobian pass that autodiff of the normalised form needs. q's gradient
+    # carries the scale that the forward put on q (the products use the scaled qs).
+    qs, k, v, mask, e, denom, out = res
     g = d_out.astype(jnp.float32) / denom
     dv = jnp.matmul(jnp.swapaxes(e, -1, -2).astype(v.dtype), g.astype(v.dtype), preferred_element_type=jnp.float32)
     d_logits = jnp.matmul(g.astype(v.dtype), jnp.swapaxes(v, -1, -2), preferred_element_type=jnp.float32)
     d_logits = e * (d_logits - jnp.sum(g * out.astype(jnp.float32), axis=-1, keepdims=True))
-    d_logits = (d_logits * (q.shape[-1] ** -0.5)).astype(q.dtype)
-    dq = jnp.matmul(d_logits, k, preferred_element_type=jnp.float32)
-    dk = jnp.matmul(jnp.swapaxes(d_logits, -1, -2), q, preferred_element_type=jnp.float32)
+    d_logits = d_logits.astype(qs.dtype)
+    dq = jnp.matmul(d_logits, k, preferred_element_type=jnp.float32) * _scale(qs)
+    dk = jnp.matmul(jnp.swapaxes(d_logits, -1, -2), qs, preferred_element_type=jnp.float32)
     d_mask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_mask
+    return dq.astype(qs.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_mask
 
 
 _heads_first.defvjp(_heads_first_fwd, _heads_first_bwd)
