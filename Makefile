@@ -16,9 +16,14 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 
 setup: $(STAMP)
 
+# glibc >= 2.35 then backs malloc's large blocks with transparent huge pages: XLA:CPU's per-step
+# temporaries stop page-faulting 4 KiB at a time (make demo: 9.6M -> 0.27M faults, ~7% less time;
+# README "CPU speed against PyTorch"). Older glibc ignores it; a GLIBC_TUNABLES of your own is kept.
+TUNABLES := $(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1
+
 # The main job: pretrain a small CLIP on synthetic scenes (built on first use), evaluate, save.
 demo: $(STAMP)
-	$(BIN)/python -m vitmm.train --config configs/clip_scenes.py --workdir workdirs/clip_scenes
+	GLIBC_TUNABLES=$(TUNABLES) $(BIN)/python -m vitmm.train --config configs/clip_scenes.py --workdir workdirs/clip_scenes
 
 lint: $(STAMP)
 	$(BIN)/ruff check vitmm tests configs experiments
