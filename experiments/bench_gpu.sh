@@ -2,6 +2,8 @@
 # GPU benchmark: ViT-B/16, ViT-L/16 training and SigLIP-B/16 pair training, MFU against 989 TFLOP/s.
 # Runs in a few minutes on one H100/H200 with the JAX/Flax/optax the machine has installed:
 #   bash experiments/bench_gpu.sh [extra args for experiments/bench_gpu.py]
+#   bash experiments/bench_gpu.sh --profile       # and where each step's device time goes (profile.md)
+#   bash experiments/bench_gpu.sh --sweep         # ViT-B/16 under several XLA flags and model settings
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

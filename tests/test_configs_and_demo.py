@@ -2,6 +2,7 @@
 
 import csv
 import importlib.util
+import json
 import pathlib
 import subprocess
 import sys
@@ -218,3 +219,45 @@ def test_benchmark_rounds_take_turns_and_report_the_median_paired_ratio(tmp_path
     assert float(ref["ratio"]) == 1.5 and float(ref["ratio_min"]) == 1.0 and float(ref["ratio_max"]) == 3.0
     assert float(ref["peak_rss_mb"]) == 12.0
     assert "1.50× (1.00–3.00)" in (out / "benchmark.md").read_text()
+
+
+def _bench_gpu():
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "experiments/bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_gpu_tiny_runs_every_case_and_profiles_it(tmp_path):
+    """experiments/bench_gpu.py end to end at --tiny size on the CPU: every case times, its
+    profile attributes the step's ops, and the tables are written."""
+    out = tmp_path / "bench_gpu.json"
+    results = _bench_gpu().main(["--tiny", "--profile", "--steps", "2", "--repeats", "1", "--out", str(out)])
+    assert set(results) == {"agreement", *(c[0] for c in _bench_gpu().CASES)}
+    # bf16 against float32 on the same tokens: close, not equal (cuDNN is absent on a CPU)
+    assert 1e-4 < results["agreement"]["xla_bf16"]["rel"] < 0.02
+    assert "error" in results["agreement"]["cudnn_bf16"] or results["agreement"]["cudnn_bf16"]["rel"] < 0.02
+    for name, r in results.items():
+        if name == "agreement":
+            continue
+        assert "error" not in r, (name, r)
+        assert r["step_s"] > 0 and r["flops"] > 0 and r["batch"] == 2
+        assert r["profile"]["unknown_ops"] == 0 and r["profile"]["by_kind"]["matmul"] > 0
+    assert json.loads(out.read_text()).keys() == results.keys()
+    profile = (tmp_path / "profile.md").read_text()
+    assert profile.count("## ") == len(results) - 1 and "| forward | encoder/block_*/mlp/fc1 |" in profile
+
+
+def test_bench_gpu_sweep_runs_each_setting_in_its_own_process(tmp_path, monkeypatch):
+    """The sweep hands each setting's XLA flags and arguments to a fresh process: a flag XLA does
+    not know fails that setting alone, and speed-ups are against the baseline runs."""
+    bench = _bench_gpu()
+    monkeypatch.setattr(bench, "SWEEP", [("baseline", "", []), ("bogus flag", "--xla_no_such_flag_anywhere=1", []),
+                                         ("tanh GELU", "", ["--act", "gelu_tanh"])])
+    out = tmp_path / "sweep.json"
+    rows = bench.main(["--tiny", "--sweep", "--steps", "1", "--repeats", "1", "--out", str(out)])["sweep"]
+    assert [r["setting"] for r in rows] == ["baseline", "bogus flag", "tanh GELU"]
+    assert rows[0]["speedup"] == pytest.approx(1.0) and rows[2]["step_ms"] > 0 and "speedup" in rows[2]
+    assert "error" in rows[1] and "step_ms" not in rows[1]
+    markdown = out.with_suffix(".md").read_text()
+    assert "| tanh GELU | `` | `--act gelu_tanh` |" in markdown and "| bogus flag |" in markdown
