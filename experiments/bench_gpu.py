@@ -58,6 +58,10 @@ SWEEP = [
     ("cuBLASLt GEMMs", "--xla_gpu_enable_cublaslt=true", []),
     ("no command buffers", "--xla_gpu_enable_command_buffer=", []),
     ("tanh GELU", "", ["--act", "gelu_tanh"]),
+    ("cuBLASLt + tanh GELU (bias+GELU epilogue)", "--xla_gpu_enable_cublaslt=true", ["--act", "gelu_tanh"]),
+    ("bf16 residual stream", "", ["--dtype_residual", "bfloat16"]),
+    ("bf16 residual + cuBLASLt + tanh GELU", "--xla_gpu_enable_cublaslt=true",
+     ["--dtype_residual", "bfloat16", "--act", "gelu_tanh"]),
     ("patch embedding as a matmul", "", ["--embed_impl", "unfold"]),
     ("baseline again", "", []),
 ]
@@ -110,7 +114,7 @@ def build_case(tower: str, variant: str, batch: int, attn_impl, gap: bool, args)
     res, depth = (TINY["res"], TINY["depth"]) if args.tiny else (224, None)
     if args.tiny:
         batch, attn_impl, variant = TINY["batch"], None, "Ti/16"
-    fast = dict(dtype_mm="bfloat16", scan=args.scan, remat_policy=args.remat)
+    fast = dict(dtype_mm="bfloat16", dtype_residual=args.dtype_residual, scan=args.scan, remat_policy=args.remat)
     image_kw = dict(variant=variant, depth=depth, attn_impl=attn_impl, act=args.act, embed_impl=args.embed_impl,
                     pool="gap" if gap else "tok", class_token=not gap, **fast)
     images = jax.random.normal(jax.random.key(0), (batch, res, res, 3), jnp.bfloat16)
@@ -171,7 +175,8 @@ def run_case(name: str, spec: tuple, args, profile_md: list[str]) -> dict:
 
 
 def agreement(tiny: bool = False) -> dict:
-    """cuDNN attention vs XLA, and bf16 vs float32, on the GPU (relative error of the tokens)."""
+    """cuDNN attention vs XLA, bf16 matmuls and a bf16 residual stream vs float32, on the GPU
+    (relative error of the encoded tokens)."""
     res, depth = (TINY["res"], TINY["depth"]) if tiny else (224, None)
     images = jax.random.normal(jax.random.key(0), (8, res, res, 3))
     out = {}
@@ -180,7 +185,8 @@ def agreement(tiny: bool = False) -> dict:
     variables = base.init(jax.random.key(1), images[:1])
     ref = base.apply(variables, images)[1]["encoded"]
     for name, model in [("cudnn_bf16", vit.ViT(**kw, attn_impl="cudnn", dtype_mm="bfloat16")),
-                        ("xla_bf16", vit.ViT(**kw, dtype_mm="bfloat16"))]:
+                        ("xla_bf16", vit.ViT(**kw, dtype_mm="bfloat16")),
+                        ("xla_bf16_residual_bf16", vit.ViT(**kw, dtype_mm="bfloat16", dtype_residual="bfloat16"))]:
         try:
             got = model.apply(variables, images)[1]["encoded"]
             out[name] = dict(max_abs=float(jnp.max(jnp.abs(got - ref))),
@@ -239,6 +245,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--remat", default="none")
     parser.add_argument("--act", default="gelu", help="activation of the image towers (e.g. gelu_tanh)")
     parser.add_argument("--embed_impl", default="conv", help="patch embedding: conv or unfold (a matmul)")
+    parser.add_argument("--dtype_residual", default=None, help="residual stream dtype (e.g. bfloat16; default float32)")
     parser.add_argument("--batch_scale", type=float, default=1.0, help="multiplies every batch size")
     parser.add_argument("--only_cudnn", action="store_true", help="skip the XLA-attention cases")
     parser.add_argument("--cases", default="", help="comma-separated substrings: run the cases that match one")

@@ -236,6 +236,7 @@ def test_bench_gpu_tiny_runs_every_case_and_profiles_it(tmp_path):
     assert set(results) == {"agreement", *(c[0] for c in _bench_gpu().CASES)}
     # bf16 against float32 on the same tokens: close, not equal (cuDNN is absent on a CPU)
     assert 1e-4 < results["agreement"]["xla_bf16"]["rel"] < 0.02
+    assert 1e-4 < results["agreement"]["xla_bf16_residual_bf16"]["rel"] < 0.03
     assert "error" in results["agreement"]["cudnn_bf16"] or results["agreement"]["cudnn_bf16"]["rel"] < 0.02
     for name, r in results.items():
         if name == "agreement":
@@ -253,11 +254,12 @@ def test_bench_gpu_sweep_runs_each_setting_in_its_own_process(tmp_path, monkeypa
     not know fails that setting alone, and speed-ups are against the baseline runs."""
     bench = _bench_gpu()
     monkeypatch.setattr(bench, "SWEEP", [("baseline", "", []), ("bogus flag", "--xla_no_such_flag_anywhere=1", []),
-                                         ("tanh GELU", "", ["--act", "gelu_tanh"])])
+                                         ("tanh GELU", "", ["--act", "gelu_tanh", "--dtype_residual", "bfloat16"])])
     out = tmp_path / "sweep.json"
     rows = bench.main(["--tiny", "--sweep", "--steps", "1", "--repeats", "1", "--out", str(out)])["sweep"]
     assert [r["setting"] for r in rows] == ["baseline", "bogus flag", "tanh GELU"]
     assert rows[0]["speedup"] == pytest.approx(1.0) and rows[2]["step_ms"] > 0 and "speedup" in rows[2]
     assert "error" in rows[1] and "step_ms" not in rows[1]
     markdown = out.with_suffix(".md").read_text()
-    assert "| tanh GELU | `` | `--act gelu_tanh` |" in markdown and "| bogus flag |" in markdown
+    assert "| tanh GELU | `` | `--act gelu_tanh --dtype_residual bfloat16` |" in markdown
+    assert "| bogus flag |" in markdown

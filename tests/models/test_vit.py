@@ -191,6 +191,27 @@ def test_bfloat16_compute_stays_close_to_float32_and_keeps_float32_params():
     assert rel < 0.01, rel
 
 
+@pytest.mark.parametrize("scan,layerscale", [(False, None), (True, 0.1)])
+def test_bfloat16_residual_stream_stays_bfloat16_and_close(scan, layerscale):
+    """dtype_residual keeps every block's output in bf16 (also through a scanned encoder and
+    layerscale's float32 gamma); the final norm returns float32, close to the float32 model."""
+    kw = dict(width=64, depth=2, mlp_dim=128, num_heads=4, patch_size=8, layerscale=layerscale)
+    f32 = vit.ViT(**kw)
+    variables, images = _init(f32)
+    model = vit.ViT(**kw, dtype_mm="bfloat16", dtype_residual="bfloat16", scan=scan)
+    params = variables["params"]
+    if scan:
+        params = {**params, "encoder": transformer.stack_blocks(params["encoder"])}
+    _, out = model.apply({"params": params}, images)
+    assert out["block_00"].dtype == out["block_01"].dtype == jnp.bfloat16
+    a, b = f32.apply(variables, images)[1]["encoded"], out["encoded"]
+    assert b.dtype == jnp.float32
+    rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a))
+    assert 0 < rel < 0.02, rel  # bf16 residual adds on top of bf16 matmuls: a few bf16 steps
+    grads = jax.grad(lambda p: model.apply({"params": p}, images)[1]["encoded"].astype(jnp.float32).sum())(params)
+    assert all(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
 def test_dropout_and_drop_path_only_in_training():
     model = vit.ViT(**TINY, dropout=0.1, drop_path_rate=0.5)
     variables, images = _init(model)

@@ -42,6 +42,7 @@ class TextTransformer(nn.Module):
     scan: bool = False
     remat_policy: str = REMAT_NONE
     dtype_mm: str = "float32"
+    dtype_residual: str | None = None  # dtype of the residual stream (see transformer.Encoder)
 
     @nn.compact
     def __call__(self, ids: jnp.ndarray, *, train: bool = False):
@@ -61,7 +62,8 @@ class TextTransformer(nn.Module):
         x, blocks = Encoder(
             depth=self.depth, num_heads=self.num_heads, mlp_dim=self.mlp_dim or 4 * self.width,
             dropout=self.dropout, act=self.act, norm_eps=self.norm_eps, is_causal=self.causal,
-            scan=self.scan, remat_policy=self.remat_policy, dtype_mm=self.dtype_mm, name="encoder",
+            scan=self.scan, remat_policy=self.remat_policy, dtype_mm=self.dtype_mm,
+            dtype_residual=self.dtype_residual, name="encoder",
         )(x, deterministic=not train)
         out.update(blocks)
         out["encoded"] = x

@@ -96,7 +96,8 @@ class ViT(nn.Module):
     the last block's raw outputs); ``num_classes > 0`` adds a (zero-initialised) linear head.
 
     Encoder: ``dropout``, ``drop_path_rate``, ``layerscale``, ``qk_norm``, ``act``, ``norm_eps``,
-    ``scan``, ``remat_policy``, ``dtype_mm`` (compute dtype; parameters stay float32).
+    ``scan``, ``remat_policy``, ``dtype_mm`` (compute dtype; parameters stay float32),
+    ``dtype_residual`` (dtype of the residual stream between blocks; None: float32).
     """
 
     variant: str | None = None
@@ -137,6 +138,7 @@ class ViT(nn.Module):
     scan: bool = False
     remat_policy: str = REMAT_NONE
     dtype_mm: str = "float32"
+    dtype_residual: str | None = None
     attn_impl: str | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -247,7 +249,8 @@ class ViT(nn.Module):
             depth=arch.depth, num_heads=arch.num_heads, mlp_dim=arch.mlp_dim, dropout=self.dropout,
             drop_path_rate=self.drop_path_rate, layerscale=self.layerscale, qk_norm=self.qk_norm,
             act=self.act, norm_eps=self.norm_eps, scan=self.scan, remat_policy=self.remat_policy,
-            dtype_mm=self.dtype_mm, attn_impl=self.attn_impl, final_norm=not self.fc_norm, name="encoder",
+            dtype_mm=self.dtype_mm, attn_impl=self.attn_impl, final_norm=not self.fc_norm,
+            dtype_residual=self.dtype_residual, name="encoder",
         )(x, rope=rope, deterministic=not train)
         out.update(blocks)
 
