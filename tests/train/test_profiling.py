@@ -50,6 +50,7 @@ def test_kinds_from_gpu_style_instructions():
         '  %gemm_fusion = bf16[8,8]{1,0} fusion(%x), kind=kCustom, calls=%fused_gemm, '
         'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
         "  %transpose.3 = bf16[8,8]{0,1} transpose(%x), dimensions={1,0}",
+        "  %wrapped_reduce = f32[8]{0} fusion(%custom-call.1), kind=kLoop, calls=%fused_add",
         "  %all-reduce.4 = bf16[8,8]{1,0} all-reduce(%x), to_apply=%fused_add",
         "  ROOT %loop_fusion = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add, "
         'metadata={op_name="jit(step)/add"}',
@@ -63,6 +64,8 @@ def test_kinds_from_gpu_style_instructions():
     assert ops["gemm_fusion"].kind == "matmul"  # a fusion around a dot
     assert ops["transpose.3"].kind == "copy" and ops["all-reduce.4"].kind == "collective"
     assert ops["loop_fusion"].kind == "fusion" and ops["loop_fusion"].phase == "other"
+    # no metadata of its own or in its computation: it takes its operand's
+    assert (ops["wrapped_reduce"].phase, ops["wrapped_reduce"].module) == ("forward", "encoder/block_*/mlp/fc1")
     assert profiling.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
     assert profiling.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     assert profiling.kernel_kind("loop_add_fusion") == "unattributed"

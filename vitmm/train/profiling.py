@@ -11,7 +11,8 @@ compiled HLO (``jitted.lower(...).compile().as_text()``). Each instruction gets
 - a **pass** and **module** from its ``op_name`` metadata: ``jit(step)/jvp(ViT)/encoder/block_03/
   mlp/fc1/dot_general`` is the forward of ``encoder/block_*/mlp/fc1`` (block numbers collapse so a
   layer type sums over depth), ``transpose(jvp(...))`` the backward, and anything outside a model
-  (``jit(step)/add``: loss, optimizer update) is ``other``.
+  (``jit(step)/add``: loss, optimizer update) is ``other``. An instruction without metadata
+  takes its fused computation's, or else its operands'.
 
 On a GPU the events are kernels on the device's streams, so their times add up to the busy time
 of the step. On XLA:CPU they are thunks on the host's threads: several can overlap, and a dot's
@@ -37,6 +38,7 @@ _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS_RE = re.compile(r"calls=%?([\w.\-]+)")
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+_OPERAND_RE = re.compile(r"%([\w.\-]+)")
 _MODULE_RE = re.compile(r"^HloModule\s+([\w.\-]+)")
 _ATTENTION_MARKS = ("fmha", "flash", "__cudnn$fusion", "dot_product_attention")
 _GEMM_MARKS = ("cublas", "gemm", "__triton", "cutlass", "nvjet", "xmma", "gemv", "matmul")
@@ -123,6 +125,28 @@ def parse_hlo_ops(hlo_text: str) -> dict[str, HloOp]:
                 found |= opcodes_under(called, seen)
         return found
 
+    lines = {name: line for instructions in computations.values() for name, _, line in instructions}
+
+    def op_name_of(name: str, depth: int = 0) -> str | None:
+        """The instruction's own ``op_name``; else its fused computation's; else its operands'
+        (XLA:CPU's ``wrapped_reduce-window`` fusions, for one, carry no metadata)."""
+        line = lines.get(name)
+        if line is None or depth > 4:
+            return None
+        own = _OP_NAME_RE.search(line)
+        if own:
+            return own.group(1)
+        for called in _CALLS_RE.findall(line):
+            for _, _, inner in computations.get(called, ()):
+                if inner_name := _OP_NAME_RE.search(inner):
+                    return inner_name.group(1)
+        opening = line.find("(", line.find("=") + 1)
+        closing = line.find(")", opening)
+        for operand in _OPERAND_RE.findall(line[opening:closing]):
+            if found := op_name_of(operand, depth + 1):
+                return found
+        return None
+
     ops = {}
     for instructions in computations.values():
         for name, opcode, line in instructions:
@@ -130,8 +154,8 @@ def parse_hlo_ops(hlo_text: str) -> dict[str, HloOp]:
             if opcode == "fusion":
                 for called in _CALLS_RE.findall(line):
                     fused |= opcodes_under(called, set())
-            op_name = _OP_NAME_RE.search(line)
-            phase, module = source_of(op_name.group(1)) if op_name else ("other", "")
+            op_name = op_name_of(name)
+            phase, module = source_of(op_name) if op_name else ("other", "")
             ops[name] = HloOp(name, opcode, _kind(opcode, line, fused), phase, module)
     return ops
 
