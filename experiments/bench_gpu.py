@@ -85,8 +85,9 @@ def time_step(step, state, batch, steps: int, repeats: int):
 
 
 def profile_step(step, state, batch, steps: int) -> profiling.OpProfile:
-    """Device time of the compiled step by op kind and module (``vitmm.train.profiling``)."""
-    hlo = step.lower(state, batch).compile().as_text()
+    """Device time of the compiled step (a ``jax.stages.Compiled``) by op kind and module
+    (``vitmm.train.profiling``)."""
+    hlo = step.as_text()
     holder = [state]
 
     def run():
@@ -153,6 +154,7 @@ def build_case(tower: str, variant: str, batch: int, attn_impl, gap: bool, args)
 
 def run_case(name: str, spec: tuple, args, profile_md: list[str]) -> dict:
     step, state, data, flops, batch = build_case(*spec, args)
+    step = step.lower(state, data).compile()  # compiled once, timed and traced alike
     times, state = time_step(step, state, data, args.steps, args.repeats)
     t = statistics.median(times)
     r = dict(times=times, flops=flops, batch=batch, step_s=t, examples_per_s=batch / t,
@@ -160,7 +162,12 @@ def run_case(name: str, spec: tuple, args, profile_md: list[str]) -> dict:
     print(f"{name:<26} batch {batch:>4}  step {t * 1e3:8.1f} ms  {r['examples_per_s']:8.0f} ex/s  "
           f"{r['tflops']:6.1f} TFLOP/s  MFU {r['mfu']:.1%}", flush=True)
     if args.profile:
-        prof = profile_step(step, state, data, args.steps)
+        try:
+            prof = profile_step(step, state, data, args.steps)
+        except Exception as err:  # noqa: BLE001 - a failed trace must not lose the timing
+            traceback.print_exc()
+            r["profile"] = dict(error=f"{type(err).__name__}: {err}"[:500])
+            return r
         tables = [f"## {name} (batch {batch}): device busy {prof.busy_ms:.1f} ms of a {prof.wall_ms:.1f} ms "
                   f"step (traced), {prof.unknown_ops} events with an unknown op",
                   prof.to_markdown("kind"), prof.to_markdown("phase", "kind"),
