@@ -45,6 +45,10 @@ def test_kinds_from_gpu_style_instructions():
         "  %x = bf16[8,8]{1,0} parameter(0)",
         '  %custom-call.1 = (bf16[8,8], s8[64]) custom-call(%x, %x), custom_call_target="__cublas$gemm", '
         'metadata={op_name="jit(step)/jvp(ViT)/encoder/block_01/mlp/fc1/dot_general"}',
+        '  %custom-call.5 = (bf16[8,8], s8[64]) custom-call(%x, %x), custom_call_target="__cublas$gemm", '
+        'metadata={op_name="jit(step)/jvp(ViT)/encoder/block_01/attn/dot_product_attention/dot_general"}',
+        '  %cudnn_gemm = bf16[8,8]{1,0} fusion(%x), kind=kCustom, calls=%fused_gemm, '
+        'backend_config={"fusion_backend_config":{"kind":"__cudnn$fusion"}}',
         '  %custom-call.2 = (bf16[8,8], u8[0]) custom-call(%x, %x, %x), custom_call_target="__cudnn$fmhaSoftmax", '
         'metadata={op_name="jit(step)/transpose(jvp(ViT))/encoder/block_01/attn/dot_product_attention"}',
         '  %gemm_fusion = bf16[8,8]{1,0} fusion(%x), kind=kCustom, calls=%fused_gemm, '
@@ -61,7 +65,8 @@ def test_kinds_from_gpu_style_instructions():
     assert ops["custom-call.1"] == profiling.HloOp("custom-call.1", "custom-call", "matmul", "forward",
                                                    "encoder/block_*/mlp/fc1")
     assert (ops["custom-call.2"].kind, ops["custom-call.2"].phase) == ("attention", "backward")
-    assert ops["gemm_fusion"].kind == "matmul"  # a fusion around a dot
+    assert ops["gemm_fusion"].kind == "matmul" and ops["cudnn_gemm"].kind == "matmul"  # fusions around a dot
+    assert ops["custom-call.5"].kind == "matmul"  # XLA's attention: GEMMs, whatever the source's name
     assert ops["transpose.3"].kind == "copy" and ops["all-reduce.4"].kind == "collective"
     assert ops["loop_fusion"].kind == "fusion" and ops["loop_fusion"].phase == "other"
     # no metadata of its own or in its computation: it takes its operand's

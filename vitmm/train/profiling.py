@@ -40,7 +40,9 @@ _CALLS_RE = re.compile(r"calls=%?([\w.\-]+)")
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 _OPERAND_RE = re.compile(r"%([\w.\-]+)")
 _MODULE_RE = re.compile(r"^HloModule\s+([\w.\-]+)")
-_ATTENTION_MARKS = ("fmha", "flash", "__cudnn$fusion", "dot_product_attention")
+_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+_BACKEND_KIND_RE = re.compile(r'"kind":"([^"]+)"')
+_ATTENTION_MARKS = ("fmha", "flash")
 _GEMM_MARKS = ("cublas", "gemm", "__triton", "cutlass", "nvjet", "xmma", "gemv", "matmul")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -78,16 +80,17 @@ def source_of(op_name: str) -> tuple[str, str]:
 
 
 def _kind(opcode: str, line: str, fused_opcodes: set[str]) -> str:
-    low = line.lower()
-    if opcode in ("custom-call", "fusion"):
-        target = low.split("custom_call_target=", 1)[-1] if opcode == "custom-call" else low
-        if any(mark in target for mark in _ATTENTION_MARKS):
-            return "attention"
-        if opcode == "custom-call" and any(mark in target for mark in _GEMM_MARKS):
-            return "matmul"
-        if "conv" in target and opcode == "custom-call":
-            return "conv"
-    if opcode in ("dot", "dot-general") or "dot" in fused_opcodes or '"__triton_gemm"' in line:
+    # what runs: a custom call's target, or the backend kind of a custom fusion (cuDNN, Triton);
+    # never the op_name metadata, which names the Python source, not the kernel
+    target = _TARGET_RE.search(line) if opcode == "custom-call" else _BACKEND_KIND_RE.search(line)
+    target = target.group(1).lower() if target else ""
+    if any(mark in target for mark in _ATTENTION_MARKS):
+        return "attention"
+    if any(mark in target for mark in _GEMM_MARKS):
+        return "matmul"
+    if "conv" in target:
+        return "conv"
+    if opcode in ("dot", "dot-general") or "dot" in fused_opcodes:
         return "matmul"
     if opcode == "convolution" or "convolution" in fused_opcodes:
         return "conv"
