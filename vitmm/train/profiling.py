@@ -43,7 +43,7 @@ _MODULE_RE = re.compile(r"^HloModule\s+([\w.\-]+)")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 _BACKEND_KIND_RE = re.compile(r'"kind":"([^"]+)"')
 _ATTENTION_MARKS = ("fmha", "flash")
-_GEMM_MARKS = ("cublas", "gemm", "__triton", "cutlass", "nvjet", "xmma", "gemv", "matmul")
+_GEMM_MARKS = ("cublas", "gemm", "cutlass", "nvjet", "xmma", "gemv", "matmul")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
