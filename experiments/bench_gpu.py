@@ -85,17 +85,15 @@ def time_step(step, state, batch, steps: int, repeats: int):
 
 
 def profile_step(step, state, batch, steps: int) -> profiling.OpProfile:
-    """Device time of the compiled step (a ``jax.stages.Compiled``) by op kind and module
-    (``vitmm.train.profiling``)."""
-    hlo = step.as_text()
+    """Device time of the compiled, already warm step (a ``jax.stages.Compiled``) by op kind and
+    module (``vitmm.train.profiling``)."""
     holder = [state]
 
     def run():
         holder[0], loss = step(holder[0], batch)
         jax.block_until_ready(loss)
 
-    run()
-    return profiling.profile_ops(run, hlo, steps)
+    return profiling.profile_ops(run, step.as_text(), steps)
 
 
 def train_step(loss_fn, tx):
@@ -109,7 +107,7 @@ def train_step(loss_fn, tx):
 
 
 def build_case(tower: str, variant: str, batch: int, attn_impl, gap: bool, args):
-    """``(step, state, batch, training FLOPs per step)`` for one case."""
+    """``(jitted step, train state, data, training FLOPs per step, batch size)`` for one case."""
     res, depth = (TINY["res"], TINY["depth"]) if args.tiny else (224, None)
     if args.tiny:
         batch, attn_impl, variant = TINY["batch"], None, "Ti/16"

@@ -237,12 +237,15 @@ class OpProfile:
 def profile_ops(run_step: Callable[[], Any], hlo_text: str, steps: int = 5,
                 logdir: str | None = None) -> OpProfile:
     """Trace ``steps`` calls of ``run_step`` (which must block until its step is done) and
-    attribute device time to the ops of ``hlo_text`` (module docstring). Warm up before."""
+    attribute device time to the ops of ``hlo_text`` (module docstring). Warm up before. The
+    trace goes to ``logdir`` if given (for TensorBoard/XProf), else to a temporary folder."""
     if steps < 1:
         raise ValueError(f"steps={steps}: profile at least one step.")
+    if logdir is None:
+        with tempfile.TemporaryDirectory(prefix="vitmm_profile_") as tmp:
+            return profile_ops(run_step, hlo_text, steps, tmp)
     module = hlo_module_name(hlo_text)
     ops = parse_hlo_ops(hlo_text)
-    logdir = logdir or tempfile.mkdtemp(prefix="vitmm_profile_")
     with jax.profiler.trace(logdir):
         start = time.perf_counter()
         for _ in range(steps):
@@ -253,17 +256,11 @@ def profile_ops(run_step: Callable[[], Any], hlo_text: str, steps: int = 5,
         raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {logdir}.")
     ours, other = trace_events(paths[-1], module)
     rows: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-    unknown = 0
-    for name, ns in ours:
-        op = ops.get(name)
-        if op is None:
-            unknown += 1
-            key = ("unattributed", "other", name)
-        else:
-            key = (op.kind, op.phase, op.module)
+    keyed = [((op.kind, op.phase, op.module) if (op := ops.get(name)) else ("unattributed", "other", name), ns)
+             for name, ns in ours]
+    unknown = sum(1 for name, _ in ours if name not in ops)
+    keyed += [((kernel_kind(name), "other", "(kernels without an HLO op)"), ns) for name, ns in other]
+    for key, ns in keyed:
         rows[key][0] += ns / 1e6 / steps
         rows[key][1] += 1 / steps
-    for name, ns in other:
-        rows[(kernel_kind(name), "other", "(kernels without an HLO op)")][0] += ns / 1e6 / steps
-        rows[(kernel_kind(name), "other", "(kernels without an HLO op)")][1] += 1 / steps
     return OpProfile(steps, wall * 1e3, {k: (v[0], v[1]) for k, v in rows.items()}, unknown)
