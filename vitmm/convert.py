@@ -2,6 +2,7 @@
 
     python -m vitmm.convert --from hf --src ~/models/clip-vit-base-patch16 --out workdirs/hf_clip_b16
     python -m vitmm.convert --from hf --src PATH --out DIR --tower vision --image_size 336
+    python -m vitmm.convert --from hf --src PATH --out DIR --tower vision --image_size 336x448   # H x W
     python -m vitmm.convert --from hf --src ~/models/dinov2-small --out workdirs/dinov2_s --image_size 224
     python -m vitmm.convert --from timm --src vit_small_patch16_224/model.safetensors --out DIR --num_heads 6
     python -m vitmm.convert --from open_clip --src ViT-B-16-quickgelu/open_clip_model.safetensors --out DIR
@@ -15,7 +16,8 @@ state dict (``--num_heads``, default width/64; ``--global_pool`` when a CLS mode
 ``avg``); ``--from open_clip`` a ViT ``CLIP`` state dict (QuickGELU from ``open_clip_config.json``
 beside it, or ``--quick_gelu true|false``); ``--from big_vision`` a big_vision ``.npz`` (a ViT, or
 ``img``/``txt`` two towers such as SigLIP; also vision_transformer's AugReg ViTs), every shape
-read from the file (``--tower vision`` keeps the image tower of two).
+read from the file (``--tower vision`` keeps the image tower of two). ``--image_size`` resamples
+the learned position table the way the source does (``posemb_resample`` in the saved model config).
 
 ``DIR`` is laid out like a ``vitmm.train`` workdir (``checkpoints/0`` with ``params`` and a
 ``meta`` config), so ``--config.init.vision=DIR`` (a VLM's tower), ``--config.init.checkpoint=DIR``
@@ -94,10 +96,11 @@ def _from_big_vision(src, tower, image_size) -> tuple[dict, dict]:
     return _one_tower(model, params, tower)
 
 
-def convert(source: str, src: str, out: str, tower: str = "both", image_size: int | None = None,
+def convert(source: str, src: str, out: str, tower: str = "both", image_size: int | tuple[int, int] | None = None,
             num_heads: int | None = None, global_pool: str | None = None,
             quick_gelu: bool | None = None) -> pathlib.Path:
     from vitmm.interop import openclip, timm_vit
+    from vitmm.models.patch_embed import to_pair
     from vitmm.train.checkpoint import Checkpointer
 
     if source not in SOURCES:
@@ -120,15 +123,26 @@ def convert(source: str, src: str, out: str, tower: str = "both", image_size: in
     else:
         model, params = _from_big_vision(src, tower, image_size)
     config = {"model": model, "source": {"from": source, "src": str(src), "tower": tower}}
+    size = None
     if model["image"] is not None and "pos_embedding" in params["img"]:  # the resolution the table is for
-        grid, patch = params["img"]["pos_embedding"].shape[1], model["image"]["patch_size"]
-        config["input"] = {"image_size": int(grid * (patch if isinstance(patch, int) else patch[0]))}
+        grid, patch = params["img"]["pos_embedding"].shape[1:3], to_pair(model["image"]["patch_size"])
+        size = (int(grid[0] * patch[0]), int(grid[1] * patch[1]))
     elif model["image"] is not None and image_size is not None:  # fixed sin-cos positions fit any size
-        config["input"] = {"image_size": image_size}
+        size = to_pair(image_size)
+    if size is not None:  # an int for a square image, else [height, width]
+        config["input"] = {"image_size": size[0] if size[0] == size[1] else list(size)}
     checkpointer = Checkpointer(out, keep=1, async_save=False)
     checkpointer.save(0, {"params": params}, {}, {"step": 0, "config": json.dumps(config)})
     checkpointer.close()
     return out
+
+
+def image_size_arg(text: str) -> int | tuple[int, int]:
+    """``"336"`` → 336, ``"336x448"`` → ``(336, 448)`` (height × width)."""
+    parts = text.lower().split("x")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--image_size {text!r}: give a positive size (336) or HxW (336x448).")
+    return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
 def main(argv=None) -> None:
@@ -137,7 +151,8 @@ def main(argv=None) -> None:
     parser.add_argument("--src", required=True, help="checkpoint folder (config.json + weights) or weights file")
     parser.add_argument("--out", required=True, help="new vitmm checkpoint folder")
     parser.add_argument("--tower", default="both", choices=TOWERS)
-    parser.add_argument("--image_size", type=int, default=None, help="resample positions to this resolution")
+    parser.add_argument("--image_size", type=image_size_arg, default=None,
+                        help="resample positions to this resolution: 336, or HxW such as 336x448")
     parser.add_argument("--num_heads", type=int, default=None, help="timm: attention heads (default width // 64)")
     parser.add_argument("--global_pool", default=None, help="timm: token | avg | map | '' (default: from the tensors)")
     parser.add_argument("--quick_gelu", default=None, choices=("true", "false"),

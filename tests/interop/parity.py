@@ -11,6 +11,7 @@ from vitmm.models.two_towers import TwoTowers
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
 ATOL = 1e-4  # max abs difference in float32
+RESIZED_RTOL = 1e-5  # at a new resolution: max abs difference ≤ 1e-5 × the reference's largest value
 
 
 def load_io(name: str) -> dict:
@@ -18,8 +19,20 @@ def load_io(name: str) -> dict:
     return dict(np.load(FIXTURES / name / "io.npz"))
 
 
-def images(ref: dict) -> jnp.ndarray:
-    return jnp.asarray(ref["pixel_values"].transpose(0, 2, 3, 1))  # NCHW → NHWC
+def images(ref: dict, key: str = "pixel_values") -> jnp.ndarray:
+    return jnp.asarray(ref[key].transpose(0, 2, 3, 1))  # NCHW → NHWC
+
+
+def resized_hw(ref: dict) -> tuple[int, int]:
+    """The fixture's second resolution (non-square), ``(height, width)`` in pixels."""
+    return tuple(ref["pixel_values_resized"].shape[2:4])
+
+
+def assert_close_relative(got, want, what: str, rtol: float = RESIZED_RTOL):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= rtol, f"{what}: max abs difference {err:.2e} of the largest value (allowed {rtol:.0e})"
 
 
 def check_siglip(kwargs: dict, params: dict, ref: dict):

@@ -11,7 +11,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parity import ATOL, FIXTURES, check_siglip, images, load_io
+from parity import ATOL, FIXTURES, RESIZED_RTOL, assert_close_relative, check_siglip, images, load_io, resized_hw
 
 from vitmm.interop import hf, io
 from vitmm.models.text import TextTransformer
@@ -87,7 +87,7 @@ def test_loading_at_a_new_resolution_resamples_positions():
     assert params["pos_embedding"].shape == (1, 6, 6, kwargs["width"])
     pooled, _ = ViT(**kwargs).apply({"params": params}, jnp.zeros((1, 48, 48, 3)))
     assert pooled.shape == (1, kwargs["width"])
-    with pytest.raises(ValueError, match="not a multiple of the patch size 8"):
+    with pytest.raises(ValueError, match="not a multiple of the patch size 8x8"):
         hf.load_clip_vision(FIXTURES / "hf_clip", image_size=50)
 
 
@@ -215,3 +215,85 @@ def test_convert_cli_takes_siglip_and_the_model_rebuilds_from_its_config(tmp_pat
                                                          jnp.asarray(ref["input_ids"], jnp.int32))
     np.testing.assert_allclose(np.asarray(out["t"] * zimg @ ztxt.T + out["b"]), ref["logits_per_image"],
                                atol=ATOL, rtol=0)
+
+
+# ---- a new, non-square resolution: positions resampled the way transformers does it -----------
+def test_clip_vision_at_a_non_square_resolution_matches_interpolate_pos_encoding():
+    """transformers' ``interpolate_pos_encoding=True`` at 40x56 px (a 4x4 table to 5x7)."""
+    ref = load_io("hf_clip")
+    kwargs, params = hf.load_clip_vision(FIXTURES / "hf_clip", image_size=resized_hw(ref))
+    assert kwargs["posemb_resample"] == "torch_bicubic"
+    assert params["pos_embedding"].shape[1:3] == (5, 7)
+    pooled, out = ViT(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"))
+    assert_close_relative(out[f"block_{kwargs['depth'] - 1:02d}"], ref["vision_last_hidden_state_resized"],
+                          "last_hidden_state")
+    assert_close_relative(pooled, ref["vision_pooler_output_resized"], "pooler_output")
+    # The same table built on the fly (dynamic_img_size) gives the same numbers.
+    _, at_train_size = hf.load_clip_vision(FIXTURES / "hf_clip")
+    pooled2, _ = ViT(**{**kwargs, "dynamic_img_size": True}).apply({"params": at_train_size},
+                                                                   images(ref, "pixel_values_resized"))
+    np.testing.assert_allclose(np.asarray(pooled2), np.asarray(pooled), atol=1e-6, rtol=0)
+    # vitmm's own (jax) resampling is a different function: far outside the tolerance.
+    jax_kwargs = {**kwargs, "posemb_resample": "jax", "dynamic_img_size": True}
+    pooled3, _ = ViT(**jax_kwargs).apply({"params": at_train_size}, images(ref, "pixel_values_resized"))
+    want = ref["vision_pooler_output_resized"]
+    assert np.abs(np.asarray(pooled3) - want).max() > 10 * RESIZED_RTOL * np.abs(want).max()
+
+
+def test_siglip_vision_at_a_non_square_resolution_matches_interpolate_pos_encoding():
+    ref = load_io("hf_siglip")
+    kwargs, params = hf.load_siglip_vision(FIXTURES / "hf_siglip", image_size=resized_hw(ref))
+    pooled, out = ViT(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"))
+    assert_close_relative(out["encoded"], ref["vision_last_hidden_state_resized"], "last_hidden_state")
+    assert_close_relative(pooled, ref["vision_pooler_output_resized"], "pooler_output")
+
+
+@pytest.mark.parametrize("name, method", [("hf_vit", "torch_bicubic"), ("hf_dinov2", "torch_bicubic"),
+                                          ("hf_dinov2_registers", "torch_bicubic_aa")])
+def test_vit_backbones_at_a_non_square_resolution_match_transformers(name, method):
+    """ViT and DINOv2 interpolate without anti-aliasing, DINOv2 with registers with it."""
+    ref = load_io(name)
+    kwargs, params = hf.load_vit(FIXTURES / name, image_size=resized_hw(ref))
+    assert kwargs["posemb_resample"] == method
+    _, out = ViT(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"))
+    seq = out["encoded"]
+    if kwargs["num_registers"]:  # transformers' order: CLS, registers, patches
+        seq = jnp.concatenate([seq[:, :1], out["registers"], seq[:, 1:]], axis=1)
+    assert_close_relative(seq, ref["last_hidden_state_resized"], name)
+
+
+def test_convert_cli_takes_a_non_square_size(tmp_path):
+    from vitmm import convert
+    from vitmm.train import checkpoint
+
+    out = convert.convert("hf", str(FIXTURES / "hf_clip"), str(tmp_path / "c"), "vision", (40, 56))
+    config = checkpoint.load_config(out)
+    assert config["input"]["image_size"] == [40, 56]
+    assert config["model"]["image"]["posemb_resample"] == "torch_bicubic"
+    assert convert.image_size_arg("40x56") == (40, 56) and convert.image_size_arg("336") == 336
+    with pytest.raises(SystemExit):
+        convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(tmp_path / "d"),
+                      "--image_size", "40x"])
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])  # the fixture's tower has 3 blocks: -4 is the encoder's input
+def test_vlm_vision_layer_minus_n_is_hf_hidden_states_minus_n(n):
+    """``VLM(vision_layer=-n)`` hands the connector exactly transformers' ``hidden_states[-n]``
+    (CLS and patches), for a converted HF CLIP tower."""
+    from vitmm.models.vlm import VLM
+
+    ref = load_io("hf_clip")
+    kwargs, params = hf.load_clip_vision(FIXTURES / "hf_clip")
+    hidden = ref["vision_hidden_states"]
+    assert hidden.shape[0] == kwargs["depth"] + 1
+    model = VLM(kwargs, {"name": "identity"}, dict(vocab_size=259, width=32, depth=1, num_heads=4),
+                vision_layer=-n, use_cls=True)
+    patches, cls, grid = model.apply({"params": {"tower": params}}, images(ref), method=VLM.features)
+    assert grid == (4, 4)
+    np.testing.assert_allclose(np.asarray(cls), hidden[-n][:, 0], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(patches), hidden[-n][:, 1:], atol=ATOL, rtol=0)
+    if n == 2:
+        np.testing.assert_allclose(np.asarray(patches), ref["vision_penultimate"][:, 1:], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="-2 … -4"):
+        VLM(kwargs, {"name": "identity"}, dict(vocab_size=259, width=32, depth=1, num_heads=4),
+            vision_layer=-5).apply({"params": {"tower": params}}, images(ref), method=VLM.features)

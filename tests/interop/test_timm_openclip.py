@@ -11,7 +11,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parity import ATOL, FIXTURES, images, load_io
+from parity import ATOL, FIXTURES, assert_close_relative, images, load_io, resized_hw
 
 from vitmm.interop import openclip, timm_vit
 from vitmm.models.two_towers import TwoTowers
@@ -39,6 +39,22 @@ def test_timm_vit_matches_timm(name):
     np.testing.assert_allclose(np.asarray(out["pooled"]), ref["pooled"], atol=ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(logits if kwargs.get("num_classes") else out["pooled"]), ref["logits"],
                                atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", TIMM_CASES)
+def test_timm_vit_at_a_non_square_resolution_matches_dynamic_img_size(name):
+    """timm's ``dynamic_img_size`` (``resample_abs_pos_embed``: bicubic, anti-aliased) at 40x56 px,
+    reproduced by resampling once at load and by vitmm's own ``dynamic_img_size``."""
+    ref, build = load_io(name), json.loads((FIXTURES / name / "build.json").read_text())
+    src = FIXTURES / name / "model.safetensors"
+    kwargs, params = timm_vit.load(src, num_heads=build["num_heads"], image_size=resized_hw(ref))
+    assert kwargs["posemb_resample"] == "torch_bicubic_aa"
+    _, out = ViT(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"))
+    assert_close_relative(_timm_sequence(out, kwargs), ref["features_resized"], name)
+    _, at_train_size = timm_vit.load(src, num_heads=build["num_heads"])
+    _, out = ViT(**{**kwargs, "dynamic_img_size": True}).apply({"params": at_train_size},
+                                                               images(ref, "pixel_values_resized"))
+    assert_close_relative(_timm_sequence(out, kwargs), ref["features_resized"], name + " (dynamic)")
 
 
 def test_timm_pooling_is_read_from_the_tensors():
@@ -84,6 +100,15 @@ def test_open_clip_matches_open_clip(open_clip_out):
               "logits_per_image": out["t"] * zimg @ ztxt.T}
     for name, got in checks.items():
         np.testing.assert_allclose(np.asarray(got), ref[name], atol=ATOL, rtol=0, err_msg=name)
+
+
+def test_open_clip_at_a_non_square_resolution_matches_resize_pos_embed():
+    """open_clip's ``resize_pos_embed`` (bicubic, anti-aliased) into a 40x56 px model."""
+    ref = load_io("open_clip")
+    kwargs, params = openclip.load(FIXTURES / "open_clip" / "open_clip_model.safetensors", image_size=resized_hw(ref))
+    assert kwargs["image"]["posemb_resample"] == "torch_bicubic_aa"
+    zimg, _, out = TwoTowers(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"), None)
+    assert_close_relative(zimg * out["img/norm"][:, None], ref["image_proj_resized"], "image_proj")
 
 
 def test_open_clip_without_its_config_asks_for_quick_gelu(tmp_path):

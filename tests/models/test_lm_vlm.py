@@ -63,6 +63,58 @@ def test_vlm_places_visual_tokens_after_bos(connector, vision_layer, use_cls):
     # Text logits after the image depend on the image.
     other = model.apply(variables, images[::-1], ids)
     assert not np.allclose(other[:, -1], logits[:, -1], atol=1e-5)
+    # The visual positions hold the connector's output: splicing [BOS, visual, text] by hand into
+    # the LM gives the same logits, and moving the visual tokens after the text changes the
+    # logits at the text positions.
+    visual = model.apply(variables, images, method=vlm_lib.VLM.visual_tokens)
+    assert visual.shape == (2, m, LM_KW["width"])
+    text = model.apply(variables, ids, method=lambda mod, i: mod.language.embed(i))
+    by_hand = model.apply(variables, method=lambda mod: mod.language(
+        embeds=jnp.concatenate([text[:, :1], visual, text[:, 1:]], axis=1)))
+    np.testing.assert_allclose(by_hand, logits, atol=1e-5, rtol=0)
+    moved = model.apply(variables, method=lambda mod: mod.language(
+        embeds=jnp.concatenate([text, visual], axis=1)))
+    assert not np.allclose(moved[:, 1:6], logits[:, 1 + m:], atol=1e-4)
+
+
+def _vlm_and_variables():
+    model = vlm_lib.VLM(VISION, {"name": "pool", "budget": 4}, LM_KW)
+    images = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
+    variables = model.init(jax.random.key(3), images, jnp.full((2, 4), 257, jnp.int32))
+    return model, variables, images
+
+
+def test_the_first_text_prediction_sees_the_image():
+    """With a BOS-only prompt the first predicted token comes from the last visual position
+    (BOS cannot see the image under the causal mask)."""
+    model, variables, images = _vlm_and_variables()
+    m = model.apply(variables, (32, 32), method=vlm_lib.VLM.num_visual_tokens)
+    bos = jnp.full((2, 1), 257, jnp.int32)
+    first = vlm_lib.text_logits(model.apply(variables, images, bos), m)[:, 0]
+    other = vlm_lib.text_logits(model.apply(variables, images[::-1], bos), m)[:, 0]
+    assert first.shape == (2, 259)
+    assert np.abs(np.asarray(first - other)).max() > 1e-3
+    np.testing.assert_array_equal(first, model.apply(variables, images, bos)[:, -1])  # = the last visual
+
+
+def test_greedy_decoding_equals_an_unpadded_step_by_step_forward():
+    """Ragged prompts (BOS only, and BOS + 2 tokens) in one padded batch: each generated token
+    equals the argmax at the last position of that example's own unpadded sequence."""
+    model, variables, images = _vlm_and_variables()
+    prompts = [[257], [257, 70, 80]]
+    buffer = np.zeros((2, 3), np.int32)
+    for i, p in enumerate(prompts):
+        buffer[i, : len(p)] = p
+    out = vlm_lib.greedy_decode(model, variables, images, buffer, np.array([1, 3]), max_new_tokens=4, eos_id=258)
+    for i, p in enumerate(prompts):
+        seq = list(p)
+        for _ in range(4):
+            logits = model.apply(variables, images[i:i + 1], jnp.asarray([seq], jnp.int32))
+            seq.append(int(np.asarray(logits[0, -1]).argmax()))
+        want = seq[len(p):]
+        if 258 in want:  # EOS, then EOS padding
+            want = want[: want.index(258) + 1] + [258] * (3 - want.index(258))
+        assert out[i].tolist() == want, (i, out[i].tolist(), want)
 
 
 def test_vlm_learns_an_answer_and_greedy_decoding_returns_it():

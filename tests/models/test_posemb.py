@@ -1,11 +1,17 @@
-"""Position embeddings: sin-cos formula, resampling invariances, RoPE relative property."""
+"""Position embeddings: sin-cos formula, resampling (each source's, against the source's own
+outputs) and its invariances, RoPE relative property."""
+
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.ndimage
 
 from vitmm.models import posemb
+
+TORCH_RESAMPLE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/torch_resample/io.npz"
 
 
 def _written_formula(h, w, dim, temperature, denom):
@@ -47,12 +53,44 @@ def test_sincos_rejects_width_not_multiple_of_4():
         posemb.sincos_2d(4, 4, 30)
 
 
-@pytest.mark.parametrize("new_grid", [(7, 7), (20, 12), (3, 9)])
-def test_resampled_constant_field_stays_constant(new_grid):
+@pytest.mark.parametrize("method", posemb.RESAMPLE_METHODS)
+@pytest.mark.parametrize("new_grid", [(7, 7), (20, 12), (3, 9), (1, 1)])
+def test_resampled_constant_field_stays_constant(new_grid, method):
     table = jnp.full((1, 10, 6, 8), 0.37)
-    out = posemb.resample_grid(table, new_grid)
+    out = posemb.resample_grid(table, new_grid, method)
     assert out.shape == (1, *new_grid, 8)
     np.testing.assert_allclose(out, 0.37, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["torch_bicubic", "torch_bicubic_aa"])
+def test_torch_modes_reproduce_torch_interpolate(method):
+    """Against ``F.interpolate(mode="bicubic", align_corners=False[, antialias=True])``'s stored
+    outputs: up, down, square and not. Tolerance: 1.5e-6 of the table's largest value (a few
+    float32 ulps: torch's own summation order; a float64 evaluation of the same weights is no
+    closer). The jax default differs from both by ~1e-2, which is why the modes exist."""
+    ref = np.load(TORCH_RESAMPLE)
+    for i, (h, w, nh, nw) in enumerate(ref["cases"]):
+        got = np.asarray(posemb.resample_grid(jnp.asarray(ref[f"in_{i}"]), (nh, nw), method))
+        want = ref[f"{method}_{i}"]
+        assert got.shape == want.shape
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() <= 1.5e-6 * scale, (i, (h, w, nh, nw))
+        if (h, w) != (nh, nw) and method == "torch_bicubic":
+            assert np.abs(np.asarray(posemb.resample_grid(jnp.asarray(ref[f"in_{i}"]), (nh, nw))) - want).max() > 1e-3
+
+
+@pytest.mark.parametrize("old, new", [((4, 4), (6, 5)), ((7, 5), (3, 2)), ((16, 16), (5, 7)), ((3, 8), (9, 1))])
+def test_big_vision_mode_is_scipy_zoom_order_1(old, new):
+    """big_vision's ``resample_posemb``: ``scipy.ndimage.zoom(grid, (new/old, new/old, 1), order=1)``."""
+    table = np.asarray(jax.random.normal(jax.random.key(1), (1, *old, 5)))
+    want = scipy.ndimage.zoom(table[0], (new[0] / old[0], new[1] / old[1], 1), order=1)
+    got = np.asarray(posemb.resample_grid(jnp.asarray(table), new, "big_vision"))[0]
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+def test_unknown_resample_method_is_named():
+    with pytest.raises(ValueError, match="'nearest'.*torch_bicubic"):
+        posemb.resample_grid(jnp.zeros((1, 4, 4, 2)), (2, 2), "nearest")
 
 
 def test_resample_same_size_is_identity_and_smooth_field_is_preserved():

@@ -48,6 +48,7 @@ import numpy as np
 
 from vitmm.interop import io
 from vitmm.interop.common import StateDict, finish, grid_table, resize
+from vitmm.models.patch_embed import to_pair
 
 TOP = ("params/", "opt/target/")
 # (attention, second norm, MLP) names inside an encoder block.
@@ -199,7 +200,7 @@ def _vit(t: _Tower, act: str, norm_eps: float, pool: str | None) -> tuple[dict, 
     has_cls = t.has("cls")
     kwargs = dict(width=width, depth=enc.depth, mlp_dim=enc.mlp_dim, num_heads=enc.num_heads,
                   patch_size=ph if ph == pw else (ph, pw), class_token=has_cls, posemb="learn",
-                  posemb_layout="patches", act=act, norm_eps=norm_eps,
+                  posemb_layout="patches", posemb_resample="big_vision", act=act, norm_eps=norm_eps,
                   pool=pool or ("map" if t.has("MAPHead_0/probe") else "tok" if has_cls else "gap"))
     params = {"embedding": {"kernel": t.take("embedding/kernel"), "bias": t.take("embedding/bias")},
               "encoder": enc.params()}
@@ -226,15 +227,16 @@ def _vit(t: _Tower, act: str, norm_eps: float, pool: str | None) -> tuple[dict, 
     return kwargs, params, side
 
 
-def _example(kwargs: dict, side: int | None, channels: int, image_size: int | None) -> jnp.ndarray:
+def _example(kwargs: dict, side: int | None, channels: int, image_size: int | tuple[int, int] | None) -> jnp.ndarray:
     ph, pw = (kwargs["patch_size"],) * 2 if isinstance(kwargs["patch_size"], int) else kwargs["patch_size"]
     if side is None:  # sin-cos positions work at any size
-        side = (image_size or 224) // ph
+        h, w = to_pair(image_size or 224, "image_size")
+        return jnp.zeros((1, h // ph * ph, w // pw * pw, channels))
     return jnp.zeros((1, side * ph, side * pw, channels))
 
 
 def load_vit(src: str | pathlib.Path, act: str = "gelu_tanh", norm_eps: float = 1e-6, pool: str | None = None,
-             image_size: int | None = None) -> tuple[dict, dict]:
+             image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(ViT kwargs, params)`` of a big_vision or vision_transformer ViT ``.npz`` (or the image
     tower of a two-tower one). ``pool`` (vitmm's ``tok | gap | map | none``) overrides the pooling
     read from the tensors, e.g. ``"none"`` for a backbone whose pooled output is not wanted."""
@@ -253,7 +255,7 @@ def load_vit(src: str | pathlib.Path, act: str = "gelu_tanh", norm_eps: float = 
 
 
 def load_two_towers(src: str | pathlib.Path, act: str = "gelu_tanh", norm_eps: float = 1e-6,
-                    image_size: int | None = None) -> tuple[dict, dict]:
+                    image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(TwoTowers kwargs, params)`` of a big_vision two-tower ``.npz`` (SigLIP, LiT)."""
     from vitmm.models.two_towers import TwoTowers
 

@@ -59,15 +59,19 @@ def finish(sd: StateDict, module, params: dict, example_args: tuple, what: str) 
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
-def resize(params: dict, kwargs: dict, image_size: int) -> dict:
+def resize(params: dict, kwargs: dict, image_size) -> dict:
+    """Resamples a converted tower's learned position table for ``image_size`` (an int for a
+    square image or ``(height, width)``), the way its source does (``kwargs["posemb_resample"]``)."""
+    from vitmm.models.patch_embed import to_pair
     from vitmm.models.vit import resize_posemb
 
-    patch = kwargs["patch_size"]
-    if not isinstance(patch, int):
-        raise ValueError(f"image_size= assumes square patches; resample non-square ({patch}) with vit.resize_posemb.")
-    if image_size % patch:
-        raise ValueError(f"image_size={image_size} is not a multiple of the patch size {patch}.")
-    return resize_posemb(params, (image_size // patch, image_size // patch))
+    size = to_pair(image_size, "image_size")
+    patch = to_pair(kwargs["patch_size"], "patch_size")
+    if size[0] % patch[0] or size[1] % patch[1]:
+        raise ValueError(f"image_size={size[0]}x{size[1]} is not a multiple of the patch size "
+                         f"{patch[0]}x{patch[1]}; pick a size that the patches tile.")
+    grid = (size[0] // patch[0], size[1] // patch[1])
+    return resize_posemb(params, grid, kwargs.get("posemb_resample", "jax"))
 
 
 def grid_table(flat: np.ndarray, what: str) -> np.ndarray:

@@ -136,6 +136,7 @@ def vision_kwargs(config: dict, tensors: dict, prefix: str) -> dict:
         raise ValueError(f"config.json and the weights disagree (config, weights): {wrong or {'patch': (ph, pw)}}.")
     return dict(width=width, depth=depth, mlp_dim=mlp, num_heads=v["num_attention_heads"], patch_size=ph,
                 class_token=True, pre_norm=True, posemb="learn", posemb_layout="with_cls", pool="tok",
+                posemb_resample="torch_bicubic",
                 act=_activation(v["hidden_act"]), norm_eps=float(v["layer_norm_eps"]), embed_bias=False)
 
 
@@ -178,7 +179,7 @@ def text_params(sd: StateDict, kw: dict, prefix: str) -> dict:
     }
 
 
-def load_clip(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+def load_clip(src: str | pathlib.Path, image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(TwoTowers kwargs, params)`` of a ``CLIPModel`` checkpoint (folder or weights file with
     ``config.json`` beside it). ``image_size`` resamples the position table to a new resolution."""
     from vitmm.models.two_towers import TwoTowers
@@ -205,7 +206,7 @@ def load_clip(src: str | pathlib.Path, image_size: int | None = None) -> tuple[d
     return kwargs, params
 
 
-def load_clip_vision(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+def load_clip_vision(src: str | pathlib.Path, image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(ViT kwargs, params)`` of a CLIP vision tower: a ``CLIPVisionModel`` (with or without
     the ``vision_model.`` prefix) or the vision half of a ``CLIPModel``."""
     from vitmm.models.vit import ViT
@@ -265,6 +266,7 @@ def _siglip_vision(sd: StateDict, config: dict, tensors: dict, prefix: str) -> t
     head = f"{prefix}head.probe" in tensors
     kwargs = dict(width=width, depth=depth, mlp_dim=tensors[f"{prefix}encoder.layers.0.mlp.fc1.weight"].shape[0],
                   num_heads=v["num_attention_heads"], patch_size=ph, class_token=False, posemb="learn",
+                  posemb_resample="torch_bicubic",
                   pool="map" if head else "gap", act=_activation(v["hidden_act"]),
                   norm_eps=float(v["layer_norm_eps"]))
     params = {
@@ -278,7 +280,7 @@ def _siglip_vision(sd: StateDict, config: dict, tensors: dict, prefix: str) -> t
     return kwargs, params
 
 
-def load_siglip(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+def load_siglip(src: str | pathlib.Path, image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(TwoTowers kwargs, params)`` of a transformers ``SiglipModel``.
 
     As in the original: the image embedding is the MAP head's output (no projection), the text
@@ -322,7 +324,7 @@ def load_siglip(src: str | pathlib.Path, image_size: int | None = None) -> tuple
     return kwargs, params
 
 
-def load_siglip_vision(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+def load_siglip_vision(src: str | pathlib.Path, image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(ViT kwargs, params)`` of a SigLIP vision tower (``SiglipVisionModel`` with or without
     the ``vision_model.`` prefix, or the vision half of a ``SiglipModel``)."""
     from vitmm.models.vit import ViT
@@ -346,9 +348,12 @@ def load_siglip_vision(src: str | pathlib.Path, image_size: int | None = None) -
 # mask token and an image-classification head (documented in load_vit).
 BACKBONE_SKIP = re.compile(r"^(pooler\..*|embeddings\.mask_token|classifier\..*)$")
 VIT_TYPES = {"vit": 1e-12, "dinov2": 1e-6, "dinov2_with_registers": 1e-6}
+# Each model's interpolate_pos_encoding: F.interpolate bicubic, with antialias=True only for
+# DINOv2 with registers (transformers 5.24).
+RESAMPLE = {"vit": "torch_bicubic", "dinov2": "torch_bicubic", "dinov2_with_registers": "torch_bicubic_aa"}
 
 
-def load_vit(src: str | pathlib.Path, image_size: int | None = None) -> tuple[dict, dict]:
+def load_vit(src: str | pathlib.Path, image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(ViT kwargs, params)`` of a transformers ``ViTModel``, ``Dinov2Model`` or
     ``Dinov2WithRegistersModel`` (also their ``*ForImageClassification`` backbones), in the
     transformers 5.x key layout or the legacy hub one.
@@ -381,7 +386,7 @@ def load_vit(src: str | pathlib.Path, image_size: int | None = None) -> tuple[di
     registers = tensors["embeddings.register_tokens"].shape[1] if "embeddings.register_tokens" in tensors else 0
     kwargs = dict(width=width, depth=depth, mlp_dim=tensors[fc1].shape[0], num_heads=config["num_attention_heads"],
                   patch_size=(ph, pw) if ph != pw else ph, class_token=True, num_registers=registers,
-                  posemb="learn", posemb_layout="with_cls", pool="tok",
+                  posemb="learn", posemb_layout="with_cls", pool="tok", posemb_resample=RESAMPLE[kind],
                   act=_activation(config.get("hidden_act", "gelu")),
                   norm_eps=float(config.get("layer_norm_eps", VIT_TYPES[kind])),
                   layerscale=1.0 if f"{blocks}.0.layer_scale1.lambda1" in tensors else None)

@@ -56,7 +56,7 @@ def _model_cfg(src) -> dict | None:
 
 
 def load(src: str | pathlib.Path, quick_gelu: bool | None = None, head_width: int | None = None,
-         text_heads: int | None = None, image_size: int | None = None) -> tuple[dict, dict]:
+         text_heads: int | None = None, image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(TwoTowers kwargs, params)`` of an open_clip ``CLIP`` (ViT image tower, text transformer)."""
     from vitmm.models.two_towers import TwoTowers
 
@@ -79,7 +79,8 @@ def load(src: str | pathlib.Path, quick_gelu: bool | None = None, head_width: in
     vpos = sd.take("visual.positional_embedding")
     image = dict(width=width, depth=vdepth, mlp_dim=tensors["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
                  num_heads=max(width // head_width, 1), patch_size=patch, class_token=True, pre_norm=True,
-                 posemb="learn", posemb_layout="with_cls", pool="tok", act=act, norm_eps=1e-5, embed_bias=False)
+                 posemb="learn", posemb_layout="with_cls", pool="tok", act=act, norm_eps=1e-5, embed_bias=False,
+                 posemb_resample="torch_bicubic_aa")
     vocab, twidth = tensors["token_embedding.weight"].shape
     tdepth = _depth(tensors, "transformer")
     tpos = sd.take("positional_embedding")

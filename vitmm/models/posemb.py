@@ -54,20 +54,93 @@ def sincos_2d(
     return jnp.asarray(table, dtype=jnp.float32)
 
 
-def resample_grid(table: jnp.ndarray, new_grid: tuple[int, int], method: str = "bicubic") -> jnp.ndarray:
+# How each source resamples a position table (``resample_grid``'s ``method``):
+#   * ``"jax"``: ``jax.image.resize`` bicubic (Keys a = -0.5), anti-aliased when shrinking;
+#     vitmm's own models.
+#   * ``"torch_bicubic"``: ``F.interpolate(mode="bicubic", align_corners=False)`` (a = -0.75,
+#     clamped edges, no anti-aliasing): transformers' ViT/CLIP/SigLIP/DINOv2
+#     ``interpolate_pos_encoding``, Qwen-VL's ``get_abs_pos``.
+#   * ``"torch_bicubic_aa"``: the same call with ``antialias=True`` (a = -0.5, the kernel widened
+#     when shrinking, weights renormalised at the edges): timm's ``resample_abs_pos_embed``,
+#     open_clip's ``resize_pos_embed``, transformers' DINOv2-with-registers.
+#   * ``"big_vision"``: ``scipy.ndimage.zoom(order=1)`` per axis (linear, corners aligned):
+#     big_vision's ``resample_posemb``.
+RESAMPLE_METHODS = ("jax", "torch_bicubic", "torch_bicubic_aa", "big_vision")
+
+
+def _cubic(x: np.ndarray, a: float) -> np.ndarray:
+    """Keys' cubic convolution kernel with parameter ``a`` at distances ``x`` (in ``x``'s dtype)."""
+    x = np.abs(x)
+    a, one, two = x.dtype.type(a), x.dtype.type(1), x.dtype.type(2)
+    near = ((a + 2) * x - (a + 3)) * x * x + one
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < one, near, np.where(x < two, far, x.dtype.type(0)))
+
+
+def resample_weights(size: int, new_size: int, method: str) -> np.ndarray:
+    """The ``[new_size, size]`` matrix that resamples one axis the way ``method`` does.
+
+    The torch modes follow PyTorch's CPU kernels step by step in float32 (the scale, the source
+    coordinates and the kernel taps are rounded where torch rounds them), so the weights are
+    torch's own.
+    """
+    w = np.zeros((new_size, size), np.float32)
+    rows = np.arange(new_size)
+    f32 = np.float32
+    if method == "torch_bicubic":  # upsample_bicubic2d: half-pixel source index, 4 clamped taps
+        scale = f32(size) / f32(new_size)
+        src = scale * (rows.astype(f32) + f32(0.5)) - f32(0.5)
+        base = np.floor(src)
+        t = src - base
+        taps = (_cubic(t + f32(1), -0.75), _cubic(t, -0.75), _cubic(f32(1) - t, -0.75),
+                _cubic(f32(1) - t + f32(1), -0.75))
+        for j, weight in enumerate(taps):
+            np.add.at(w, (rows, np.clip(base.astype(int) - 1 + j, 0, size - 1)), weight)
+    elif method == "torch_bicubic_aa":  # _upsample_bicubic2d_aa (PIL's filter, a = -0.5)
+        scale = f32(size) / f32(new_size)
+        support = f32(2.0 * scale) if scale >= 1 else f32(2.0)
+        invscale = f32(1.0 / scale) if scale >= 1 else f32(1.0)
+        for i in rows:
+            center = f32(float(scale) * (i + 0.5))  # double arithmetic, stored as float
+            lo = max(int(float(center) - float(support) + 0.5), 0)
+            hi = min(int(float(center) + float(support) + 0.5), size)
+            taps = np.arange(lo, hi)
+            dist = ((taps.astype(f32) - center).astype(np.float64) + 0.5) * float(invscale)
+            k = _cubic(dist.astype(f32), -0.5)
+            total = k.sum(dtype=f32)
+            w[i, taps] = k / total if total != 0 else k
+    elif method == "big_vision":  # scipy.ndimage.zoom(order=1): corners aligned
+        src = rows * ((size - 1) / (new_size - 1)) if new_size > 1 else np.zeros(1)
+        base = np.clip(np.floor(src).astype(int), 0, size - 1)
+        frac = src - base
+        np.add.at(w, (rows, base), 1 - frac)
+        np.add.at(w, (rows, np.minimum(base + 1, size - 1)), frac)
+    else:
+        raise ValueError(f"Unknown resampling method {method!r}; choose one of {RESAMPLE_METHODS}.")
+    return w
+
+
+def resample_grid(table: jnp.ndarray, new_grid: tuple[int, int], method: str = "jax") -> jnp.ndarray:
     """Resamples a grid of position vectors ``[..., h, w, D]`` to ``[..., new_h, new_w, D]``.
 
-    Bicubic with anti-aliasing when shrinking (as timm's ``resample_abs_pos_embed``); works for
-    non-square grids in both directions. The interpolation weights sum to one, so a constant
-    field stays constant (tested).
+    ``method`` (``RESAMPLE_METHODS``) reproduces one source's resampling to float32 rounding, so
+    a converted checkpoint at a new resolution computes what its original computes; works for
+    non-square grids in both directions. Every method's weights sum to one along each axis, so
+    a constant field stays constant (tested).
     """
     *lead, h, w, d = table.shape
     new_h, new_w = new_grid
     if (h, w) == (new_h, new_w):
         return table
-    out = jax.image.resize(
-        table.astype(jnp.float32), (*lead, new_h, new_w, d), method=method, antialias=True
-    )
+    if method == "jax":
+        out = jax.image.resize(table.astype(jnp.float32), (*lead, new_h, new_w, d), method="bicubic",
+                               antialias=True)
+        return out.astype(table.dtype)
+    rows = jnp.asarray(resample_weights(h, new_h, method), jnp.float32)
+    cols = jnp.asarray(resample_weights(w, new_w, method), jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    out = jnp.einsum("ph,...hwd->...pwd", rows, table.astype(jnp.float32), precision=hp)
+    out = jnp.einsum("qw,...pwd->...pqd", cols, out, precision=hp)
     return out.astype(table.dtype)
 
 
@@ -76,7 +149,7 @@ def resample_flat_posemb(
     old_grid: tuple[int, int],
     new_grid: tuple[int, int],
     num_prefix_tokens: int = 0,
-    method: str = "bicubic",
+    method: str = "jax",
 ) -> jnp.ndarray:
     """Resamples a flat ``[1, prefix + h*w, D]`` table (timm/CLIP/big_vision checkpoint layout).
 

@@ -11,7 +11,9 @@ learned table also covers the CLS position (CLIP, timm default, DINOv2). Registe
 position and are dropped from ``encoded``/``pooled`` (Darcet et al. 2023); they stay readable in
 ``out["registers"]``.
 
-``out`` holds ``stem`` ``[B, h, w, D]``, ``with_posemb``, ``block_00`` … (each ``[B, 1+R+N, D]``),
+``out`` holds ``stem`` ``[B, h, w, D]``, ``with_posemb``, ``encoder_input`` (after ``pre_norm``;
+HF's ``hidden_states[0]``), ``block_00`` … (each ``[B, 1+R+N, D]``; ``block_k`` is HF's
+``hidden_states[k + 1]``),
 ``encoded`` ``[B, 1+N, D]`` (after the final norm, CLS first when present), ``patch_tokens``
 ``[B, N, D]``, ``registers`` ``[B, R, D]`` when ``R > 0``, ``pooled``, and ``logits`` with a head.
 """
@@ -85,9 +87,10 @@ class ViT(nn.Module):
 
     Positions: ``posemb`` in ``learn | sincos2d | rope2d | none``; ``posemb_layout`` in
     ``patches | with_cls``; ``sincos_convention`` ``big_vision | mae``; ``rope_theta``;
-    ``dynamic_img_size`` resamples a learned table on the fly (bicubic) when the image gives a
-    different grid than the table was made for (otherwise that is an error; see
-    ``resize_posemb`` to resample parameters once when loading at a new resolution).
+    ``dynamic_img_size`` resamples a learned table on the fly when the image gives a different
+    grid than the table was made for (otherwise that is an error; see ``resize_posemb`` to
+    resample parameters once when loading at a new resolution); ``posemb_resample`` is how
+    (``posemb.RESAMPLE_METHODS``: converters set their source's, vitmm's own default is ``"jax"``).
 
     Tokens and pooling: ``class_token``; ``num_registers``; ``pool`` in ``tok | gap | map | none``
     (``gap`` and ``map`` use the patch tokens only); ``pre_norm`` is CLIP's LayerNorm on the
@@ -121,6 +124,7 @@ class ViT(nn.Module):
     sincos_convention: str = "big_vision"
     rope_theta: float = 100.0
     dynamic_img_size: bool = False
+    posemb_resample: str = "jax"
     # Tokens and pooling.
     class_token: bool = True
     num_registers: int = 0
@@ -171,6 +175,7 @@ class ViT(nn.Module):
         common.check_choice("posemb_layout", self.posemb_layout, POSEMB_LAYOUTS)
         common.check_choice("pool", self.pool, POOLS)
         common.check_choice("stem", self.stem, STEMS)
+        common.check_choice("posemb_resample", self.posemb_resample, pe.RESAMPLE_METHODS)
         if self.pool == "tok" and not self.class_token:
             raise ValueError("pool='tok' reads the CLS token; set class_token=True or pick gap/map.")
         if self.fc_norm and self.pool == "none":
@@ -204,7 +209,7 @@ class ViT(nn.Module):
                     "once with vitmm.models.vit.resize_posemb(params, new_grid) or build the "
                     "model with dynamic_img_size=True."
                 )
-            table = pe.resample_grid(table, grid)
+            table = pe.resample_grid(table, grid, self.posemb_resample)
         return table
 
     @nn.compact
@@ -244,6 +249,7 @@ class ViT(nn.Module):
         out["with_posemb"] = x
         if self.pre_norm:
             x = nn.LayerNorm(epsilon=self.norm_eps, name="pre_norm")(x)
+        out["encoder_input"] = x
 
         x, blocks = Encoder(
             depth=arch.depth, num_heads=arch.num_heads, mlp_dim=arch.mlp_dim, dropout=self.dropout,
@@ -283,16 +289,17 @@ class ViT(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Parameter surgery and accounting.
 # ----------------------------------------------------------------------------------------------
-def resize_posemb(params: dict, new_grid: tuple[int, int]) -> dict:
-    """Returns ``params`` with the learned position table resampled (bicubic) to ``new_grid``.
+def resize_posemb(params: dict, new_grid: tuple[int, int], method: str = "jax") -> dict:
+    """Returns ``params`` with the learned position table resampled to ``new_grid``.
 
-    Use it once when loading a checkpoint at a new resolution; the CLS position, if any, is
-    unchanged. Works for non-square grids.
+    Use it once when loading a checkpoint at a new resolution, with the ``method`` its source
+    uses (a converted model's ``posemb_resample``); the CLS position, if any, is unchanged.
+    Works for non-square grids.
     """
     if "pos_embedding" not in params:
         raise ValueError(f"No learned 'pos_embedding' among the top-level params {sorted(params)}.")
     params = dict(params)
-    params["pos_embedding"] = pe.resample_grid(params["pos_embedding"], tuple(new_grid))
+    params["pos_embedding"] = pe.resample_grid(params["pos_embedding"], tuple(new_grid), method)
     return params
 
 

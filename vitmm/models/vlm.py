@@ -4,10 +4,15 @@
               lm=dict(width=256, depth=4, num_heads=4))
     logits = vlm.apply(variables, images, ids)      # [B, 1 + M + (L - 1), vocab]
 
-Sequence: ``[BOS] [M visual tokens] [text tokens after BOS…]`` (``placement="after_bos"``,
-LLaVA's layout with the image first). ``vision_layer`` picks the tower output: ``-1`` the
-encoded tokens (after the final LayerNorm), ``-2`` the output of the second-to-last block
-(LLaVA's ``hidden_states[-2]``), ``-n`` block ``depth - n``. ``use_cls`` prepends the CLS
+Sequence: ``[BOS] [M visual tokens] [text tokens after BOS…]`` (LLaVA's layout with the
+image first). Under the causal mask BOS sees no image, so the last visual position predicts
+``ids[1]`` and text position ``i`` predicts ``ids[i + 1]`` (``text_logits``).
+
+``vision_layer`` picks the tower output. For ``n >= 2``, ``-n`` is exactly Hugging Face's
+``hidden_states[-n]``: ``-2`` the second-to-last block's output (LLaVA's feature layer), ``-n``
+block ``depth - n``, ``-(depth + 1)`` the encoder's input (after ``pre_norm``). ``-1`` is
+vitmm's ``encoded``: the last block after the tower's final norm (HF's ``hidden_states[-1]``
+only for towers without one, e.g. ``fc_norm=True``). ``use_cls`` prepends the CLS
 token, projected by its own linear layer, to the connector's output (the grid-based connectors
 only take patch tokens). ``prefix_lm`` lets BOS, the image and the prompt attend to each other
 both ways (pass ``prompt_len``); otherwise attention is causal throughout.
@@ -56,10 +61,11 @@ class VLM(nn.Module):
             cls = seq[:, 0] if self.tower.class_token else None
             patches = out["patch_tokens"]
         else:
-            index = depth + self.vision_layer + 1
-            if not 0 <= index < depth:
-                raise ValueError(f"vision_layer={self.vision_layer} does not exist in a {depth}-block tower.")
-            seq = out[f"block_{index:02d}"]
+            index = depth + self.vision_layer  # HF's hidden_states[index + 1] is block_{index}
+            if not -1 <= index < depth - 1:
+                raise ValueError(f"vision_layer={self.vision_layer} does not exist in a {depth}-block tower: "
+                                 f"choose -1 (encoded) or -2 … -{depth + 1} (as HF's hidden_states[-n]).")
+            seq = out["encoder_input"] if index == -1 else out[f"block_{index:02d}"]
             cls = seq[:, 0] if self.tower.class_token else None
             patches = seq[:, self.tower.num_prefix_tokens:]
         if self.use_cls and cls is None:
@@ -88,9 +94,10 @@ class VLM(nn.Module):
 
 
 def text_logits(logits: jnp.ndarray, num_visual: int) -> jnp.ndarray:
-    """Drops the visual positions: ``[B, L, vocab]`` aligned with the text ids (position ``i``
-    predicts ``ids[:, i + 1]``)."""
-    return jnp.concatenate([logits[:, :1], logits[:, 1 + num_visual:]], axis=1)
+    """``[B, L, vocab]`` aligned with the text ids ``[B, L]``: position ``i`` predicts
+    ``ids[:, i + 1]``. The predictor of ``ids[:, 1]`` is the last visual position (BOS sees no
+    image under the causal mask); BOS's own logits and the other visual positions are dropped."""
+    return logits[:, num_visual:]
 
 
 def answer_scores(model: VLM, variables, ids, answer_mask, *, images=None, features=None, prompt_len=None,
