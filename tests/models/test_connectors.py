@@ -63,11 +63,60 @@ def test_unknown_connector_and_wrong_token_count():
         C.build({"name": "linear"}, 8).init(jax.random.key(0), jnp.zeros((1, 17, 4)), (4, 4))
 
 
-def test_pool_token_counts_ceil_for_bilinear_floor_for_average():
-    assert C.num_visual_tokens({"name": "pool", "budget": 9, "mode": "bilinear"}, (5, 5)) == 9  # ceil(5/2)²
-    assert C.num_visual_tokens({"name": "pool", "budget": 4, "mode": "average"}, (5, 5)) == 4  # floor(5/2)²
+def test_pool_token_counts_ceil_except_llava_average():
+    for mode in ("area", "bilinear", "llava_bilinear"):
+        assert C.num_visual_tokens({"name": "pool", "budget": 9, "mode": mode}, (5, 5)) == 9  # ceil(5/2)²
+    assert C.num_visual_tokens({"name": "pool", "budget": 4, "mode": "llava_average"}, (5, 5)) == 4  # floor(5/2)²
     with pytest.raises(C.BudgetError):
-        C.num_visual_tokens({"name": "pool", "budget": 9, "mode": "average"}, (5, 5))
+        C.num_visual_tokens({"name": "pool", "budget": 9, "mode": "llava_average"}, (5, 5))
+    with pytest.raises(ValueError, match="'average'.*area"):
+        C.num_visual_tokens({"name": "pool", "budget": 4, "mode": "average"}, (8, 8))
+
+
+# Every family with every budget it reaches on an 8x8 grid (and a non-square one).
+COVERAGE = [(name, budget, (8, 8)) for name, budgets in {
+    "identity": [None], "linear": [None], "mlp": [None], "qwen_resampler": [1, 4, 16, 64],
+    "perceiver": [1, 4, 16], "qformer": [1, 4, 16], "patch_merger": [64, 16, 4, 1],
+    "pixel_shuffle": [64, 16, 4, 1], "pool": [64, 16, 9, 4, 1], "c_abstractor": [1, 4, 9, 16, 64],
+    "ldp": [1, 4, 9, 16, 64]}.items() for budget in budgets] + [
+    ("pool", 6, (5, 7)), ("pool", 2, (5, 7)), ("ldp", 4, (5, 7)), ("c_abstractor", 9, (5, 7))]
+
+
+def _patch_gradients(cfg, grid, d_in=D_IN):
+    """``|d (r · output) / d patch|`` per patch for a random readout ``r``, at a random init
+    (one compiled program: eager dispatch of the wider families costs seconds)."""
+    module = C.build(cfg, D_OUT)
+
+    @jax.jit
+    def per_patch(x):
+        variables = module.init(jax.random.key(1), x, grid)
+        r = jax.random.normal(jax.random.key(2), (1, C.num_visual_tokens(cfg, grid), D_OUT))
+        g = jax.grad(lambda x: (module.apply(variables, x, grid) * r).sum())(x)
+        return jnp.abs(g[0]).sum(-1)
+
+    return np.asarray(per_patch(jax.random.normal(jax.random.key(0), (1, grid[0] * grid[1], d_in))))
+
+
+@pytest.mark.parametrize("name, budget, grid", COVERAGE)
+def test_every_patch_reaches_the_output(name, budget, grid):
+    """Coverage: the output depends on every patch token, for every family and budget."""
+    assert name in C.REGISTRY
+    per_patch = _patch_gradients({"name": name, "budget": budget}, grid, D_OUT if name == "identity" else D_IN)
+    assert (per_patch > 0).all(), f"{name} at {budget} tokens ignores {int((per_patch == 0).sum())} patches"
+
+
+def test_coverage_list_names_every_family():
+    assert {name for name, _, _ in COVERAGE} == set(C.REGISTRY)
+
+
+@pytest.mark.parametrize("mode, budget, grid, unread", [
+    ("llava_bilinear", 4, (8, 8), 48), ("llava_bilinear", 16, (8, 8), 0), ("llava_average", 4, (5, 5), 9),
+    ("llava_average", 4, (8, 8), 0)])
+def test_llava_exact_pooling_reads_what_it_reads(mode, budget, grid, unread):
+    """LLaVA-OneVision's own calls, kept as named modes, do not read every patch: bilinear
+    without anti-aliasing at stride 4 samples 16 of 64; avg_pool2d drops a ragged row/column."""
+    per_patch = _patch_gradients({"name": "pool", "budget": budget, "mode": mode}, grid)
+    assert int((per_patch == 0).sum()) == unread
 
 
 def test_space_to_depth_concatenates_2x2_neighbours_in_raster_order():

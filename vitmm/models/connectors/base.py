@@ -133,14 +133,16 @@ class DepthwiseConv(nn.Module):
 
     features: int
     kernel_size: int = 3
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x):  # x: [B, h, w, C]
         k = self.kernel_size
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, k, 1, self.features), jnp.float32)
-        bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
         _, h, w, _ = x.shape
         lo = (k - 1) // 2  # SAME padding: the extra row/column of an even kernel goes after
         xp = jnp.pad(x, ((0, 0), (lo, k - 1 - lo), (lo, k - 1 - lo), (0, 0)))
         out = sum(xp[:, i:i + h, j:j + w, :] * kernel[i, j, 0] for i in range(k) for j in range(k))
-        return out + bias
+        if self.use_bias:
+            out = out + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+        return out

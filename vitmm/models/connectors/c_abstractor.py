@@ -3,8 +3,11 @@ residual conv blocks, then a Linear → SiLU → Linear readout.
 
 A learned absolute position table (trunc-normal 0.02) is added to the input features first,
 as in Honeybee (``pos_emb=True``); it is tied to the input grid the connector was built for.
-Blocks are RegNet-style bottlenecks (1×1 conv, depthwise 3×3 conv, squeeze-excite, 1×1 conv)
-with LayerNorm over channels and SiLU, each with a residual.
+Blocks are timm's RegNet ``Bottleneck`` as Honeybee builds its ``RegStage`` (bottleneck ratio 1,
+depthwise 3×3, squeeze-excite to ``round(in_channels / 4)`` channels, LayerNorm over channels
+with eps 1e-5, SiLU): bias-free convs, each followed by its norm, and a shortcut that is the identity or,
+when the width changes, timm's ``downsample_conv`` (a bias-free 1×1 conv and its norm).
+Parity with timm's ``RegStage`` is tested on stored outputs.
 """
 
 from __future__ import annotations
@@ -20,15 +23,17 @@ class ResBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # x: [B, h, w, C]
-        y = nn.silu(nn.LayerNorm(name="norm1")(nn.Conv(self.width, (1, 1), name="conv1")(x)))
-        y = DepthwiseConv(self.width, name="conv2")(y)
-        y = nn.silu(nn.LayerNorm(name="norm2")(y))
+        conv = lambda n, name: nn.Conv(n, (1, 1), use_bias=False, name=name)  # noqa: E731
+        # timm's ConvNormAct turns Honeybee's LayerNorm2d into LayerNormAct2d, whose eps is 1e-5.
+        norm = lambda name: nn.LayerNorm(epsilon=1e-5, name=name)  # noqa: E731
+        y = nn.silu(norm("norm1")(conv(self.width, "conv1")(x)))
+        y = nn.silu(norm("norm2")(DepthwiseConv(self.width, use_bias=False, name="conv2")(y)))
         se = y.mean(axis=(1, 2), keepdims=True)
-        se = nn.Conv(max(self.width // 4, 1), (1, 1), name="se_reduce")(se)
+        se = nn.Conv(max(round(x.shape[-1] / 4), 1), (1, 1), name="se_reduce")(se)
         se = nn.sigmoid(nn.Conv(self.width, (1, 1), name="se_expand")(nn.silu(se)))
-        y = nn.LayerNorm(name="norm3")(nn.Conv(self.width, (1, 1), name="conv3")(y * se))
+        y = norm("norm3")(conv(self.width, "conv3")(y * se))
         if x.shape[-1] != self.width:
-            x = nn.Conv(self.width, (1, 1), name="shortcut")(x)
+            x = norm("shortcut_norm")(conv(self.width, "shortcut")(x))
         return nn.silu(x + y)
 
 

@@ -3,7 +3,8 @@
 M learned queries (trunc-normal 0.02, M = side²) attend once to the patch tokens: keys and
 values are projected (no bias) and LayerNorm-ed, queries LayerNorm-ed; fixed 2D sin-cos
 positions (MAE frequencies, as Qwen-VL's ``get_2d_sincos_pos_embed``) are added to queries
-(their side×side grid) and keys (the query grid bicubically resized to the actual patch grid)
+(their side×side grid) and keys (the query grid resized to the actual patch grid as Qwen-VL's
+``get_abs_pos`` does it: torch bicubic without anti-aliasing)
 but not to values; one multi-head attention; then LayerNorm and a projection. No FFN, no
 residual, no self-attention among queries.
 """
@@ -35,7 +36,7 @@ class QwenResampler(nn.Module):
         heads = max(d // self.head_dim, 1)
         query = self.param("query", common.trunc_normal(0.02), (side * side, d))
         pos_q = posemb.sincos_2d(side, side, d, convention="mae")
-        pos_k = posemb.resample_grid(pos_q.reshape(side, side, d), grid).reshape(grid[0] * grid[1], d)
+        pos_k = posemb.resample_grid(pos_q.reshape(side, side, d), grid, "torch_bicubic").reshape(grid[0] * grid[1], d)
         kv = nn.LayerNorm(epsilon=1e-6, name="ln_kv")(
             layers.Dense(d, use_bias=False, kernel_init=common.trunc_normal(0.02), name="kv_proj")(x))
         q = nn.LayerNorm(epsilon=1e-6, name="ln_q")(query)
