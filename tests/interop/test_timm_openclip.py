@@ -48,7 +48,7 @@ def test_timm_vit_at_a_non_square_resolution_matches_dynamic_img_size(name):
     ref, build = load_io(name), json.loads((FIXTURES / name / "build.json").read_text())
     src = FIXTURES / name / "model.safetensors"
     kwargs, params = timm_vit.load(src, num_heads=build["num_heads"], image_size=resized_hw(ref))
-    assert kwargs["posemb_resample"] == "torch_bicubic_aa"
+    assert kwargs["posemb_resample"] == "bicubic_aa"
     _, out = ViT(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"))
     assert_close_relative(_timm_sequence(out, kwargs), ref["features_resized"], name)
     _, at_train_size = timm_vit.load(src, num_heads=build["num_heads"])
@@ -106,7 +106,7 @@ def test_open_clip_at_a_non_square_resolution_matches_resize_pos_embed():
     """open_clip's ``resize_pos_embed`` (bicubic, anti-aliased) into a 40x56 px model."""
     ref = load_io("open_clip")
     kwargs, params = openclip.load(FIXTURES / "open_clip" / "open_clip_model.safetensors", image_size=resized_hw(ref))
-    assert kwargs["image"]["posemb_resample"] == "torch_bicubic_aa"
+    assert kwargs["image"]["posemb_resample"] == "bicubic_aa"
     zimg, _, out = TwoTowers(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"), None)
     assert_close_relative(zimg * out["img/norm"][:, None], ref["image_proj_resized"], "image_proj")
 

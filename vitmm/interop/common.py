@@ -71,7 +71,7 @@ def resize(params: dict, kwargs: dict, image_size) -> dict:
         raise ValueError(f"image_size={size[0]}x{size[1]} is not a multiple of the patch size "
                          f"{patch[0]}x{patch[1]}; pick a size that the patches tile.")
     grid = (size[0] // patch[0], size[1] // patch[1])
-    return resize_posemb(params, grid, kwargs.get("posemb_resample", "jax"))
+    return resize_posemb(params, grid, kwargs.get("posemb_resample", "bicubic_aa"))
 
 
 def grid_table(flat: np.ndarray, what: str) -> np.ndarray:

@@ -350,7 +350,7 @@ BACKBONE_SKIP = re.compile(r"^(pooler\..*|embeddings\.mask_token|classifier\..*)
 VIT_TYPES = {"vit": 1e-12, "dinov2": 1e-6, "dinov2_with_registers": 1e-6}
 # Each model's interpolate_pos_encoding: F.interpolate bicubic, with antialias=True only for
 # DINOv2 with registers (transformers 5.24).
-RESAMPLE = {"vit": "torch_bicubic", "dinov2": "torch_bicubic", "dinov2_with_registers": "torch_bicubic_aa"}
+RESAMPLE = {"vit": "torch_bicubic", "dinov2": "torch_bicubic", "dinov2_with_registers": "bicubic_aa"}
 
 
 def load_vit(src: str | pathlib.Path, image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:

@@ -80,7 +80,7 @@ def load(src: str | pathlib.Path, quick_gelu: bool | None = None, head_width: in
     image = dict(width=width, depth=vdepth, mlp_dim=tensors["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
                  num_heads=max(width // head_width, 1), patch_size=patch, class_token=True, pre_norm=True,
                  posemb="learn", posemb_layout="with_cls", pool="tok", act=act, norm_eps=1e-5, embed_bias=False,
-                 posemb_resample="torch_bicubic_aa")
+                 posemb_resample="bicubic_aa")
     vocab, twidth = tensors["token_embedding.weight"].shape
     tdepth = _depth(tensors, "transformer")
     tpos = sd.take("positional_embedding")

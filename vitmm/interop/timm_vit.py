@@ -109,7 +109,7 @@ def load(src: str | pathlib.Path, num_heads: int | None = None, global_pool: str
                   posemb_layout="with_cls" if has_cls and prefix_rows else "patches", pool=POOLS[global_pool],
                   pre_norm="norm_pre.weight" in tensors, fc_norm=fc_norm, qk_norm=qk_norm,
                   layerscale=1.0 if layerscale else None, act=act, norm_eps=norm_eps,
-                  embed_bias="patch_embed.proj.bias" in tensors, posemb_resample="torch_bicubic_aa")
+                  embed_bias="patch_embed.proj.bias" in tensors, posemb_resample="bicubic_aa")
     params = {"embedding": {"kernel": conv_kernel(sd.take("patch_embed.proj.weight"))},
               "pos_embedding": grid_table(pos[prefix_rows:], "pos_embed"),
               "encoder": {f"block_{i:02d}": _block(sd, f"blocks.{i}", qk_norm, layerscale) for i in range(depth)}}

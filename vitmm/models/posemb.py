@@ -55,17 +55,17 @@ def sincos_2d(
 
 
 # How each source resamples a position table (``resample_grid``'s ``method``):
-#   * ``"jax"``: ``jax.image.resize`` bicubic (Keys a = -0.5), anti-aliased when shrinking;
-#     vitmm's own models.
-#   * ``"torch_bicubic"``: ``F.interpolate(mode="bicubic", align_corners=False)`` (a = -0.75,
-#     clamped edges, no anti-aliasing): transformers' ViT/CLIP/SigLIP/DINOv2
+#   * ``"bicubic_aa"`` (vitmm's default): bicubic (Keys a = -0.5) with anti-aliasing when
+#     shrinking (the kernel widened by the scale, weights renormalised at the edges), computed by
+#     ``jax.image.resize``; the same function as torch's ``F.interpolate(mode="bicubic",
+#     antialias=True)`` (tested): timm's ``resample_abs_pos_embed``, open_clip's
+#     ``resize_pos_embed``, transformers' DINOv2-with-registers.
+#   * ``"torch_bicubic"``: ``F.interpolate(mode="bicubic", align_corners=False)`` without
+#     anti-aliasing (a = -0.75, clamped edge taps): transformers' ViT/CLIP/SigLIP/DINOv2
 #     ``interpolate_pos_encoding``, Qwen-VL's ``get_abs_pos``.
-#   * ``"torch_bicubic_aa"``: the same call with ``antialias=True`` (a = -0.5, the kernel widened
-#     when shrinking, weights renormalised at the edges): timm's ``resample_abs_pos_embed``,
-#     open_clip's ``resize_pos_embed``, transformers' DINOv2-with-registers.
 #   * ``"big_vision"``: ``scipy.ndimage.zoom(order=1)`` per axis (linear, corners aligned):
 #     big_vision's ``resample_posemb``.
-RESAMPLE_METHODS = ("jax", "torch_bicubic", "torch_bicubic_aa", "big_vision")
+RESAMPLE_METHODS = ("bicubic_aa", "torch_bicubic", "big_vision")
 
 
 def _cubic(x: np.ndarray, a: float) -> np.ndarray:
@@ -80,9 +80,9 @@ def _cubic(x: np.ndarray, a: float) -> np.ndarray:
 def resample_weights(size: int, new_size: int, method: str) -> np.ndarray:
     """The ``[new_size, size]`` matrix that resamples one axis the way ``method`` does.
 
-    The torch modes follow PyTorch's CPU kernels step by step in float32 (the scale, the source
+    ``torch_bicubic`` follows PyTorch's CPU kernel step by step in float32 (the scale, the source
     coordinates and the kernel taps are rounded where torch rounds them), so the weights are
-    torch's own.
+    torch's own. (``bicubic_aa`` is ``jax.image.resize``'s and has no matrix here.)
     """
     w = np.zeros((new_size, size), np.float32)
     rows = np.arange(new_size)
@@ -96,19 +96,6 @@ def resample_weights(size: int, new_size: int, method: str) -> np.ndarray:
                 _cubic(f32(1) - t + f32(1), -0.75))
         for j, weight in enumerate(taps):
             np.add.at(w, (rows, np.clip(base.astype(int) - 1 + j, 0, size - 1)), weight)
-    elif method == "torch_bicubic_aa":  # _upsample_bicubic2d_aa (PIL's filter, a = -0.5)
-        scale = f32(size) / f32(new_size)
-        support = f32(2.0 * scale) if scale >= 1 else f32(2.0)
-        invscale = f32(1.0 / scale) if scale >= 1 else f32(1.0)
-        for i in rows:
-            center = f32(float(scale) * (i + 0.5))  # double arithmetic, stored as float
-            lo = max(int(float(center) - float(support) + 0.5), 0)
-            hi = min(int(float(center) + float(support) + 0.5), size)
-            taps = np.arange(lo, hi)
-            dist = ((taps.astype(f32) - center).astype(np.float64) + 0.5) * float(invscale)
-            k = _cubic(dist.astype(f32), -0.5)
-            total = k.sum(dtype=f32)
-            w[i, taps] = k / total if total != 0 else k
     elif method == "big_vision":  # scipy.ndimage.zoom(order=1): corners aligned
         src = rows * ((size - 1) / (new_size - 1)) if new_size > 1 else np.zeros(1)
         base = np.clip(np.floor(src).astype(int), 0, size - 1)
@@ -120,7 +107,7 @@ def resample_weights(size: int, new_size: int, method: str) -> np.ndarray:
     return w
 
 
-def resample_grid(table: jnp.ndarray, new_grid: tuple[int, int], method: str = "jax") -> jnp.ndarray:
+def resample_grid(table: jnp.ndarray, new_grid: tuple[int, int], method: str = "bicubic_aa") -> jnp.ndarray:
     """Resamples a grid of position vectors ``[..., h, w, D]`` to ``[..., new_h, new_w, D]``.
 
     ``method`` (``RESAMPLE_METHODS``) reproduces one source's resampling to float32 rounding, so
@@ -132,7 +119,9 @@ def resample_grid(table: jnp.ndarray, new_grid: tuple[int, int], method: str = "
     new_h, new_w = new_grid
     if (h, w) == (new_h, new_w):
         return table
-    if method == "jax":
+    if method not in RESAMPLE_METHODS:
+        raise ValueError(f"Unknown resampling method {method!r}; choose one of {RESAMPLE_METHODS}.")
+    if method == "bicubic_aa":
         out = jax.image.resize(table.astype(jnp.float32), (*lead, new_h, new_w, d), method="bicubic",
                                antialias=True)
         return out.astype(table.dtype)
@@ -149,7 +138,7 @@ def resample_flat_posemb(
     old_grid: tuple[int, int],
     new_grid: tuple[int, int],
     num_prefix_tokens: int = 0,
-    method: str = "jax",
+    method: str = "bicubic_aa",
 ) -> jnp.ndarray:
     """Resamples a flat ``[1, prefix + h*w, D]`` table (timm/CLIP/big_vision checkpoint layout).
 

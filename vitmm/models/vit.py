@@ -90,7 +90,7 @@ class ViT(nn.Module):
     ``dynamic_img_size`` resamples a learned table on the fly when the image gives a different
     grid than the table was made for (otherwise that is an error; see ``resize_posemb`` to
     resample parameters once when loading at a new resolution); ``posemb_resample`` is how
-    (``posemb.RESAMPLE_METHODS``: converters set their source's, vitmm's own default is ``"jax"``).
+    (``posemb.RESAMPLE_METHODS``: converters set their source's, vitmm's own default is ``"bicubic_aa"``).
 
     Tokens and pooling: ``class_token``; ``num_registers``; ``pool`` in ``tok | gap | map | none``
     (``gap`` and ``map`` use the patch tokens only); ``pre_norm`` is CLIP's LayerNorm on the
@@ -124,7 +124,7 @@ class ViT(nn.Module):
     sincos_convention: str = "big_vision"
     rope_theta: float = 100.0
     dynamic_img_size: bool = False
-    posemb_resample: str = "jax"
+    posemb_resample: str = "bicubic_aa"
     # Tokens and pooling.
     class_token: bool = True
     num_registers: int = 0
@@ -289,7 +289,7 @@ class ViT(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Parameter surgery and accounting.
 # ----------------------------------------------------------------------------------------------
-def resize_posemb(params: dict, new_grid: tuple[int, int], method: str = "jax") -> dict:
+def resize_posemb(params: dict, new_grid: tuple[int, int], method: str = "bicubic_aa") -> dict:
     """Returns ``params`` with the learned position table resampled to ``new_grid``.
 
     Use it once when loading a checkpoint at a new resolution, with the ``method`` its source
