@@ -58,3 +58,44 @@ def test_a_vlm_needs_a_pretrained_tower(tmp_path, data_dir):
     c = _config("vlm_scenes", "smoke", data_dir, **{"init.allow_random_tower": False})
     with pytest.raises(ValueError, match="init.vision=WORKDIR"):
         trainer.train(c, tmp_path)
+
+
+def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, monkeypatch):
+    """The ``qa`` evaluator's bookkeeping on answers whose correctness is known: a stand-in for
+    greedy decoding answers every counting question right and every other one wrong, so
+    ``acc_count`` is 1, every other kind 0, and ``accuracy`` the share of counting questions."""
+    from vitmm.data import scenes
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.models import vlm
+    from vitmm.train import evaluators as eval_lib
+
+    tok = tok_lib.ByteTokenizer()
+    count = scenes.QUESTION_KINDS.index("count")
+    seen = []
+    real_batches = eval_lib.pipeline.eval_batches
+
+    def recording(*args, **kwargs):
+        for batch in real_batches(*args, **kwargs):
+            seen.append(batch)
+            yield batch
+
+    def oracle(model, variables, images, prompts, prompt_len, max_new_tokens, eos_id, prefix_lm):
+        out = np.full((len(prompts), max_new_tokens), eos_id, np.int32)
+        for i, (answer, kind) in enumerate(zip(seen[-1]["answer"], seen[-1]["question_kind"], strict=True)):
+            ids = tok.encode(str(answer) if kind == count else str(answer) + "!")
+            out[i, : len(ids)] = ids
+        return out
+
+    monkeypatch.setattr(eval_lib.pipeline, "eval_batches", recording)
+    monkeypatch.setattr(vlm, "greedy_decode", oracle)
+    cfg = {"data": {"name": config_base.SMOKE_DATA, "split": "validation", "data_dir": clip_smoke_run.data_dir},
+           "num_examples": 48, "batch_size": 16, "max_new_tokens": 16}
+    result = eval_lib.QAAccuracy(None, cfg, 64, tok, 32, False).run({})
+    kinds = np.concatenate([b["question_kind"][b["_mask"] > 0] for b in seen])
+    assert result["examples"] == len(kinds) == 48
+    assert 0 < (kinds == count).sum() < 48
+    assert result["accuracy"] == pytest.approx(float(np.mean(kinds == count)))
+    assert result["acc_count"] == 1.0
+    for i, name in enumerate(scenes.QUESTION_KINDS):
+        if name != "count" and (kinds == i).any():
+            assert result[f"acc_{name}"] == 0.0
