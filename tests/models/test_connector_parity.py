@@ -1,5 +1,6 @@
 """Connectors against the reference implementations' own modules: stored outputs of transformers'
-LLaVA projector, Qwen2-VL ``PatchMerger`` and BLIP-2 Q-Former, and of Honeybee's C-Abstractor as
+LLaVA projector, Qwen2-VL ``PatchMerger``, BLIP-2 Q-Former and Idefics2's connector (SwiGLU
+projection + perceiver resampler), and of Honeybee's C-Abstractor as
 built from timm's ``RegStage`` (``tests/fixtures/interop/make_fixtures.py``), loaded into
 vitmm's connectors through the weight mappings below. Tolerance: max abs difference ≤ 1e-5 of
 the reference's largest value, float32.
@@ -80,11 +81,32 @@ def c_abstractor(w):
     return p
 
 
+def idefics2_perceiver(w):
+    kernel = lambda k: {"kernel": w[f"{k}.weight"].T}  # noqa: E731
+    glu = lambda k: {n: kernel(f"{k}.{n}_proj") for n in ("gate", "up", "down")}  # noqa: E731
+    r = "perceiver_resampler"
+    p = {"modality_projection": glu("modality_projection"), "latents": w[f"{r}.latents"],
+         "norm_out": {"scale": w[f"{r}.norm.weight"]}}
+    layers = sorted({int(k.split(".")[2]) for k in w if k.startswith(f"{r}.layers.")})
+    for i in layers:
+        layer = f"{r}.layers.{i}"
+        p[f"norm_latents_{i}"] = {"scale": w[f"{layer}.input_latents_norm.weight"]}
+        p[f"norm_context_{i}"] = {"scale": w[f"{layer}.input_context_norm.weight"]}
+        p[f"ff_norm_{i}"] = {"scale": w[f"{layer}.post_attention_layernorm.weight"]}
+        for role in ("q", "k", "v"):
+            p[f"attn_{i}_{role}"] = kernel(f"{layer}.self_attn.{role}_proj")
+        p[f"attn_{i}_out"] = kernel(f"{layer}.self_attn.o_proj")
+        p[f"ff_{i}"] = glu(f"{layer}.mlp")
+    return p
+
+
 CASES = {  # fixture: (connector config, grid, weight mapping)
     "llava_projector": ({"name": "mlp"}, (4, 6), llava_projector),
     "qwen2vl_patch_merger": ({"name": "patch_merger", "budget": 6}, (4, 6), qwen2vl_patch_merger),
     "blip2_qformer": ({"name": "qformer", "budget": 5, "depth": 3, "width": 32, "head_dim": 8}, (4, 6), blip2_qformer),
     "c_abstractor": ({"name": "c_abstractor", "budget": 4, "hidden": 16, "depth": 2}, (4, 6), c_abstractor),
+    "idefics2_perceiver": ({"name": "idefics2_perceiver", "budget": 5, "depth": 2, "head_dim": 8, "num_heads": 4,
+                            "num_kv_heads": 2, "proj_dim": 48, "eps": 1e-5}, (4, 6), idefics2_perceiver),
 }
 
 

@@ -15,6 +15,7 @@ CASES = [
     ("identity", None, (4, 6)), ("linear", None, (4, 6)), ("linear", 24, (4, 6)), ("mlp", "all", (4, 6)),
     ("qwen_resampler", 4, (4, 6)), ("qwen_resampler", 16, (8, 8)),
     ("perceiver", 5, (4, 6)), ("perceiver", 64, (8, 8)),
+    ("idefics2_perceiver", 5, (4, 6)), ("idefics2_perceiver", 64, (8, 8)),
     ("qformer", 3, (4, 6)), ("qformer", 16, (8, 8)),
     ("patch_merger", 6, (4, 6)), ("patch_merger", 16, (8, 8)), ("patch_merger", 4, (8, 8)),
     ("pixel_shuffle", 6, (4, 6)), ("pixel_shuffle", 16, (8, 8)),
@@ -47,6 +48,7 @@ def test_num_visual_tokens_equals_the_real_output_shape(name, budget, grid):
     ("c_abstractor", None, (8, 8), "explicit budget"),
     ("ldp", 12, (8, 8), "perfect square"),
     ("perceiver", 0, (8, 8), "positive integer"),
+    ("idefics2_perceiver", "all", (8, 8), "positive integer"),
 ])
 def test_budgets_a_family_cannot_produce_raise(name, budget, grid, message):
     with pytest.raises(C.BudgetError, match=message):
@@ -76,7 +78,7 @@ def test_pool_token_counts_ceil_except_llava_average():
 # Every family with every budget it reaches on an 8x8 grid (and a non-square one).
 COVERAGE = [(name, budget, (8, 8)) for name, budgets in {
     "identity": [None], "linear": [None], "mlp": [None], "qwen_resampler": [1, 4, 16, 64],
-    "perceiver": [1, 4, 16], "qformer": [1, 4, 16], "patch_merger": [64, 16, 4, 1],
+    "perceiver": [1, 4, 16], "idefics2_perceiver": [1, 4, 16], "qformer": [1, 4, 16], "patch_merger": [64, 16, 4, 1],
     "pixel_shuffle": [64, 16, 4, 1], "pool": [64, 16, 9, 4, 1], "c_abstractor": [1, 4, 9, 16, 64],
     "ldp": [1, 4, 9, 16, 64]}.items() for budget in budgets] + [
     ("pool", 6, (5, 7)), ("pool", 2, (5, 7)), ("ldp", 4, (5, 7)), ("c_abstractor", 9, (5, 7))]
@@ -141,7 +143,8 @@ def test_adaptive_average_pool_matches_the_pytorch_formula():
             np.testing.assert_allclose(got[i, j], img[r0:r1, c0:c1].mean((0, 1)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("name, position_aware", [("perceiver", False), ("qformer", False),
+@pytest.mark.parametrize("name, position_aware", [("perceiver", False), ("idefics2_perceiver", False),
+                                                  ("qformer", False),
                                                   ("qwen_resampler", True), ("c_abstractor", True)])
 def test_which_resamplers_see_where_patches_are(name, position_aware):
     """Perceiver and Q-Former attend to an unordered set (no spatial positions); Qwen-VL's

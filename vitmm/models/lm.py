@@ -35,14 +35,18 @@ def attention_mask(length: int, prefix_len: jnp.ndarray | int | None = None) -> 
 
 
 class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) · up(x))``, bias-free; output width ``out_dim`` (default: the input's)."""
+
     mlp_dim: int
     dtype_mm: str = "float32"
+    out_dim: int | None = None
 
     @nn.compact
     def __call__(self, x):
         dense = lambda n, name: layers.Dense(n, use_bias=False, dtype=self.dtype_mm,  # noqa: E731
                                              kernel_init=common.trunc_normal(0.02), name=name)
-        return dense(x.shape[-1], "down")(nn.silu(dense(self.mlp_dim, "gate")(x)) * dense(self.mlp_dim, "up")(x))
+        hidden = nn.silu(dense(self.mlp_dim, "gate")(x)) * dense(self.mlp_dim, "up")(x)
+        return dense(self.out_dim or x.shape[-1], "down")(hidden)
 
 
 class LMBlock(nn.Module):

@@ -18,7 +18,7 @@ from vitmm.models.connectors.base import BudgetError
 from vitmm.models.connectors.c_abstractor import CAbstractor
 from vitmm.models.connectors.ldp import LDP
 from vitmm.models.connectors.merge import PatchMerger, PixelShuffle
-from vitmm.models.connectors.perceiver import Perceiver
+from vitmm.models.connectors.perceiver import Idefics2Perceiver, Perceiver
 from vitmm.models.connectors.pool import Pool
 from vitmm.models.connectors.projectors import Identity, Linear, Mlp
 from vitmm.models.connectors.qformer import QFormer
@@ -26,7 +26,7 @@ from vitmm.models.connectors.qwen_resampler import QwenResampler
 
 REGISTRY = {
     "identity": Identity, "linear": Linear, "mlp": Mlp, "qwen_resampler": QwenResampler,
-    "perceiver": Perceiver, "qformer": QFormer, "patch_merger": PatchMerger,
+    "perceiver": Perceiver, "idefics2_perceiver": Idefics2Perceiver, "qformer": QFormer, "patch_merger": PatchMerger,
     "pixel_shuffle": PixelShuffle, "pool": Pool, "c_abstractor": CAbstractor, "ldp": LDP,
 }
 
