@@ -46,5 +46,5 @@ class PixelShuffle(nn.Module):
     def __call__(self, x, grid):
         check_tokens(x, grid)
         k = merge_factor(self.budget, grid, "pixel_shuffle")
-        x = nn.LayerNorm(name="norm")(space_to_depth(x, grid, k))
+        x = nn.LayerNorm(epsilon=1e-5, name="norm")(space_to_depth(x, grid, k))  # torch default, as InternVL
         return MLP(self.out_dim, 2, name="mlp")(x)
