@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from vitmm import xla_flags
 from vitmm.data import pipeline, preprocess
 from vitmm.models import vit
 
@@ -131,4 +132,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    xla_flags.use_vitmm_defaults()  # before JAX opens a backend
     main()

@@ -133,6 +133,9 @@ def _jax_task(task: str, variant: str, batch: int, res: int, pair: dict):
 
 def jax_worker(task: str, variant: str, batch: int, res: int, warmup: int, repeats: int, mode: str,
                pair: dict) -> dict:
+    from vitmm import xla_flags
+
+    xla_flags.use_vitmm_defaults()  # a fresh worker process: JAX has opened no backend yet
     import jax
     import jax.numpy as jnp
     import optax

@@ -48,7 +48,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from vitmm import losses
+from vitmm import losses, xla_flags
 from vitmm.data import pipeline, preprocess, scenes
 from vitmm.data.tokenizer import ByteTokenizer, WordTokenizer
 from vitmm.models import connectors, lm, vlm
@@ -606,4 +606,5 @@ def main(argv=None) -> pathlib.Path:
 
 
 if __name__ == "__main__":
+    xla_flags.use_vitmm_defaults()  # before JAX opens a backend
     main()

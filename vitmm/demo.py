@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vitmm import xla_flags
 from vitmm.models import common, posemb, vit
 
 
@@ -121,4 +122,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    xla_flags.use_vitmm_defaults()  # before JAX opens a backend
     main()

@@ -100,31 +100,3 @@ def test_gelu_is_the_exact_gelu_with_its_derivatives():
                                atol=1e-5, rtol=0)
     assert common.gelu(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
     assert common.activation("gelu") is common.gelu
-
-
-def _xla_flags_after_import(env_flags, opt_out=None):
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "VITMM_XLA_CPU_DEFAULTS")}
-    if env_flags is not None:
-        env["XLA_FLAGS"] = env_flags
-    if opt_out is not None:
-        env["VITMM_XLA_CPU_DEFAULTS"] = opt_out
-    code = ("import os, vitmm, jax, jax.numpy as jnp\n"
-            "a = jnp.ones((64, 64))\n"
-            "hlo = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(a, a).compile().as_text()\n"
-            "print(os.environ.get('XLA_FLAGS')); print('__ynn_fusion' in hlo)")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    flags, ynn = out.strip().splitlines()
-    return flags, ynn == "True"
-
-
-def test_importing_vitmm_turns_off_ynn_fusions_on_cpu_and_keeps_the_users_flags():
-    flag = "--xla_cpu_experimental_ynn_fusion_type"
-    assert _xla_flags_after_import(None) == (f"{flag}=", False)
-    flags, ynn = _xla_flags_after_import("--xla_force_host_platform_device_count=2")
-    assert flags == f"--xla_force_host_platform_device_count=2 {flag}=" and not ynn
-    assert _xla_flags_after_import(f"{flag}=dot") == (f"{flag}=dot", True)  # the user's own choice wins
-    assert _xla_flags_after_import(None, opt_out="0") == ("None", True)  # XLA's default left alone

@@ -6,6 +6,7 @@ This file only parses flags; the loop is ``vitmm.train.trainer.train``.
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from vitmm import xla_flags
 from vitmm.train import trainer
 
 config_flags.DEFINE_config_file("config", None, "Config file (with :args).", lock_config=True)
@@ -44,4 +45,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    xla_flags.use_vitmm_defaults()  # before JAX opens a backend
     app.run(main)
