@@ -48,13 +48,13 @@ import ml_collections
 import numpy as np
 import optax
 
+from vitmm import checkpoint as ckpt_lib
 from vitmm import losses, xla_flags
 from vitmm.data import pipeline, preprocess, scenes
 from vitmm.data.tokenizer import ByteTokenizer, WordTokenizer
 from vitmm.models import connectors, lm, vlm
 from vitmm.models.connectors.base import BudgetError
 from vitmm.models.vit import ViT
-from vitmm.train import checkpoint as ckpt_lib
 from vitmm.train import optim
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from vitmm import config_args, demo
+from vitmm import config_args, demo, tree
 from vitmm.models import vit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_every_config_builds_its_model(path, arg):
     import jax
     import jax.numpy as jnp
 
-    from vitmm.models import common, two_towers
+    from vitmm.models import two_towers
 
     config = load_config(path, arg)
     assert path.read_text().lstrip().startswith('"""') and "python -m" in path.read_text()
@@ -63,7 +63,7 @@ def test_every_config_builds_its_model(path, arg):
         size = config.input.image_size
         shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, size, size, 3)),
                                 jnp.zeros((1, config.model.text.max_len), jnp.int32))
-        assert common.count_params(shapes["params"]) > 0
+        assert tree.count(shapes["params"]) > 0
     else:
         model = vit.ViT(**config.model.to_dict())
         assert vit.count_params(model, (config.image_size, config.image_size)) > 0

@@ -99,9 +99,9 @@ def _from_big_vision(src, tower, image_size) -> tuple[dict, dict]:
 def convert(source: str, src: str, out: str, tower: str = "both", image_size: int | tuple[int, int] | None = None,
             num_heads: int | None = None, global_pool: str | None = None,
             quick_gelu: bool | None = None) -> pathlib.Path:
+    from vitmm.checkpoint import Checkpointer
     from vitmm.interop import openclip, timm_vit
     from vitmm.models.patch_embed import to_pair
-    from vitmm.train.checkpoint import Checkpointer
 
     if source not in SOURCES:
         raise ValueError(f"--from {source!r} is not supported yet; choose one of {SOURCES}.")

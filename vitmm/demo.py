@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vitmm import xla_flags
-from vitmm.models import common, posemb, vit
+from vitmm import tree, xla_flags
+from vitmm.models import posemb, vit
 
 
 def synthetic_image(size: int) -> np.ndarray:
@@ -68,12 +68,12 @@ def run(config, print_fn=print) -> dict:
     print_fn(f"  sincos2d row (0,1)    {np.array2string(sincos, precision=4, floatmode='fixed')} ...")
 
     parts = {
-        "patch embedding": common.count_params(params["embedding"]),
-        "cls + positions": sum(common.count_params(params[k])
+        "patch embedding": tree.count(params["embedding"]),
+        "cls + positions": sum(tree.count(params[k])
                                for k in ("cls", "pos_embedding", "cls_pos_embedding") if k in params),
-        "encoder": common.count_params(params["encoder"]),
+        "encoder": tree.count(params["encoder"]),
     }
-    total = common.count_params(params)
+    total = tree.count(params)
     print_fn("\nParameters of this model")
     for name, count in parts.items():
         print_fn(f"  {name:<16} {count:>14,}")

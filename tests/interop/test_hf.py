@@ -102,7 +102,7 @@ def test_mismatches_are_listed(tmp_path):
         hf.load_clip(tmp_path)
     message = str(err.value)
     assert "missing in checkpoint: vision_model.encoder.layers.1.mlp.fc2.bias" in message
-    assert "unexpected in checkpoint (no place in the model): vision_model.extra.weight" in message
+    assert "unused from checkpoint: vision_model.extra.weight" in message
     # Shapes are checked once nothing is missing.
     del tensors["vision_model.extra.weight"]
     tensors["vision_model.encoder.layers.1.mlp.fc2.bias"] = np.zeros(32, np.float32)
@@ -130,9 +130,9 @@ def test_missing_files_name_the_path(tmp_path):
 def test_convert_cli_writes_a_checkpoint_that_vitmm_initialises_from(tmp_path):
     import jax
 
+    from vitmm import checkpoint as ckpt_lib
     from vitmm import convert
     from vitmm.models import vlm
-    from vitmm.train import checkpoint as ckpt_lib
 
     out = tmp_path / "converted"
     convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(out)])
@@ -181,8 +181,8 @@ def test_load_vit_refuses_other_model_types():
 
 
 def test_convert_cli_takes_a_dinov2_backbone(tmp_path):
+    from vitmm import checkpoint as ckpt_lib
     from vitmm import convert
-    from vitmm.train import checkpoint as ckpt_lib
 
     convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_dinov2_registers"), "--out", str(tmp_path / "d")])
     config = ckpt_lib.load_config(tmp_path / "d")
@@ -205,8 +205,8 @@ def test_siglip_model_matches_transformers():
 
 
 def test_convert_cli_takes_siglip_and_the_model_rebuilds_from_its_config(tmp_path):
+    from vitmm import checkpoint as ckpt_lib
     from vitmm import convert
-    from vitmm.train import checkpoint as ckpt_lib
 
     convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_siglip"), "--out", str(tmp_path / "s")])
     config, params = ckpt_lib.load_config(tmp_path / "s"), ckpt_lib.load_params(tmp_path / "s")
@@ -263,8 +263,7 @@ def test_vit_backbones_at_a_non_square_resolution_match_transformers(name, metho
 
 
 def test_convert_cli_takes_a_non_square_size(tmp_path):
-    from vitmm import convert
-    from vitmm.train import checkpoint
+    from vitmm import checkpoint, convert
 
     out = convert.convert("hf", str(FIXTURES / "hf_clip"), str(tmp_path / "c"), "vision", (40, 56))
     config = checkpoint.load_config(out)

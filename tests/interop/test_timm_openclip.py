@@ -120,8 +120,8 @@ def test_open_clip_without_its_config_asks_for_quick_gelu(tmp_path):
 
 
 def test_convert_cli_takes_timm_and_open_clip(tmp_path, open_clip_out):
+    from vitmm import checkpoint as ckpt_lib
     from vitmm import convert
-    from vitmm.train import checkpoint as ckpt_lib
 
     ref, _, zimg, _, _ = open_clip_out
     convert.main(["--from", "open_clip", "--src", str(FIXTURES / "open_clip" / "open_clip_model.safetensors"),

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vitmm.models import common
+from vitmm import tree
 from vitmm.models import connectors as C
 from vitmm.models.connectors import base
 
@@ -35,7 +35,7 @@ def test_num_visual_tokens_equals_the_real_output_shape(name, budget, grid):
     assert np.all(np.isfinite(out))
     report = C.cost(cfg, x.shape[-1], D_OUT, grid)
     assert report["tokens"] == out.shape[1]
-    assert report["params"] == common.count_params(variables.get("params", {}))
+    assert report["params"] == tree.count(variables.get("params", {}))
     assert (report["flops"] > 0) == (name != "identity")
 
 

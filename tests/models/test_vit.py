@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vitmm.models import common, posemb, transformer, vit
+from vitmm import tree
+from vitmm.models import posemb, transformer, vit
 
 TINY = dict(width=32, depth=2, mlp_dim=64, num_heads=4, patch_size=8)
 
@@ -344,7 +345,7 @@ def test_bad_options_raise(kwargs, message):
 def test_count_params_helper_matches_tree():
     model = vit.ViT(**TINY)
     variables, _ = _init(model)
-    assert vit.count_params(model, (32, 32)) == common.count_params(variables["params"])
+    assert vit.count_params(model, (32, 32)) == tree.count(variables["params"])
     assert isinstance(model, nn.Module)
 
 

@@ -12,7 +12,8 @@ import pytest
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from vitmm.models import common, two_towers
+from vitmm import tree
+from vitmm.models import two_towers
 from vitmm.train import trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -69,7 +70,7 @@ def test_full_size_models_build(name, expected_millions):
     model = two_towers.TwoTowers(**c.model.to_dict())
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)),
                             jnp.zeros((1, c.model.text.max_len), jnp.int32))
-    millions = common.count_params(shapes["params"]) / 1e6
+    millions = tree.count(shapes["params"]) / 1e6
     lo, hi = expected_millions
     assert lo < millions < hi, millions  # byte vocabulary: no 49k/32k token embedding table
     assert c.model.image.dtype_mm == "bfloat16" and c.model.image.scan

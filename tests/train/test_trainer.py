@@ -10,8 +10,8 @@ import ml_collections
 import numpy as np
 import pytest
 
+from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
-from vitmm.train import checkpoint as ckpt_lib
 from vitmm.train import config_base, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

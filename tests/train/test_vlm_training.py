@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
-from vitmm.train import checkpoint as ckpt_lib
 from vitmm.train import config_base, trainer
 
 

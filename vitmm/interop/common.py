@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vitmm.models.common import shape_mismatches
+from vitmm import tree
 
 IGNORED = re.compile(r".*(position_ids|attn_mask)$")  # buffers some checkpoints carry
 
@@ -51,9 +51,9 @@ def finish(sd: StateDict, module, params: dict, example_args: tuple, what: str) 
     """Checks the converted tree against the model's own and the checkpoint's leftovers."""
     expected = jax.eval_shape(module.init, jax.random.key(0), *example_args)["params"]
     lines = [f"  missing in checkpoint: {k}" for k in sd.missing]
-    lines += [f"  unexpected in checkpoint (no place in the model): {k}" for k in sd.unused()]
+    lines += [f"  unused from checkpoint: {k} {tree.shape(sd.tensors[k])}" for k in sd.unused()]
     if not sd.missing:
-        lines += shape_mismatches(expected, params)
+        lines += tree.mismatches(expected, params)
     if lines:
         raise ValueError(f"Cannot load {sd.source} as {what}:\n" + "\n".join(lines))
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)

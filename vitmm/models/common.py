@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
 
 
 def trunc_normal(std: float = 0.02) -> Callable:
@@ -75,11 +74,6 @@ def activation(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
     return ACTIVATIONS[name]
 
 
-def count_params(tree) -> int:
-    """Number of scalars in a parameter pytree (works on ``jax.eval_shape`` output too)."""
-    return int(sum(x.size for x in jax.tree.leaves(tree)))
-
-
 def xla_flops(compiled) -> float:
     """FLOPs of a compiled program by XLA's cost analysis (``jax.jit(f).lower(...).compile()``)."""
     analysis = compiled.cost_analysis()
@@ -94,22 +88,3 @@ def traced_cost(init: Callable, apply: Callable, *args) -> tuple[dict, float]:
     shapes = jax.eval_shape(init, jax.random.key(0), *args)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return shapes, xla_flops(jax.jit(apply).lower(zeros, *args).compile())
-
-
-def flat_tree(tree) -> dict:
-    """``{"a/b/c": leaf}`` of a nested dict."""
-    return {"/".join(str(k) for k in path): v for path, v in traverse_util.flatten_dict(tree).items()}
-
-
-def tree_shape(x) -> tuple:
-    return tuple(getattr(x, "shape", ()))
-
-
-def shape_mismatches(expected, found) -> list[str]:
-    """Lines describing missing, unexpected and mis-shaped entries between two pytrees."""
-    want, have = flat_tree(expected), flat_tree(found)
-    lines = [f"  missing in checkpoint: {k} {tree_shape(v)}" for k, v in want.items() if k not in have]
-    lines += [f"  unexpected in checkpoint: {k} {tree_shape(v)}" for k, v in have.items() if k not in want]
-    lines += [f"  shape mismatch: {k}: model {tree_shape(v)} vs checkpoint {tree_shape(have[k])}"
-              for k, v in want.items() if k in have and tree_shape(v) != tree_shape(have[k])]
-    return lines

@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vitmm import tree
 from vitmm.models import common, layers
 from vitmm.models import posemb as pe
 from vitmm.models.patch_embed import ConvStem, PatchEmbed, check_images, grid_size, to_pair
@@ -306,7 +307,7 @@ def resize_posemb(params: dict, new_grid: tuple[int, int], method: str = "bicubi
 def count_params(model: ViT, image_hw: Sequence[int] = (224, 224), channels: int = 3) -> int:
     """Parameter count without allocating anything (``jax.eval_shape``)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *image_hw, channels)))
-    return common.count_params(shapes["params"])
+    return tree.count(shapes["params"])
 
 
 def forward_flops(arch: Arch, image_hw: Sequence[int], channels: int = 3, num_prefix_tokens: int = 1) -> int:

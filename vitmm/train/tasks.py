@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
 from vitmm.models import two_towers, vlm
-from vitmm.train import checkpoint as ckpt_lib
 from vitmm.train import evaluators as eval_lib
 from vitmm.train.parallel import Parallel
 

@@ -18,9 +18,9 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from vitmm import checkpoint as ckpt_lib
 from vitmm.data import pipeline, preprocess
 from vitmm.data import tokenizer as tok_lib
-from vitmm.train import checkpoint as ckpt_lib
 from vitmm.train import optim, tasks
 from vitmm.train.parallel import Parallel, to_host
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from vitmm import tree
 from vitmm.models import common
 from vitmm.models.connectors.base import BudgetError
 from vitmm.models.connectors.c_abstractor import CAbstractor
@@ -62,5 +63,5 @@ def cost(cfg: dict, in_dim: int, out_dim: int, grid: tuple[int, int]) -> dict:
     grid = tuple(grid)
     shapes, flops = common.traced_cost(lambda key, x: module.init(key, x, grid),
                                        lambda p, x: module.apply(p, x, grid), x)
-    return {"params": common.count_params(shapes.get("params", {})), "flops": flops,
+    return {"params": tree.count(shapes.get("params", {})), "flops": flops,
             "tokens": num_visual_tokens(cfg, grid)}

@@ -16,11 +16,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import traverse_util
 
-from vitmm.models.common import flat_tree as _flat
-from vitmm.models.common import shape_mismatches
-from vitmm.models.common import tree_shape as _shape
+from vitmm import tree
 
 
 class Checkpointer:
@@ -52,7 +49,7 @@ class Checkpointer:
         shardings of ``abstract_state``'s ``ShapeDtypeStruct`` leaves."""
         step = self.latest_step() if step is None else step
         stored = self._mngr.item_metadata(step)["state"]
-        problems = shape_mismatches(abstract_state["params"], stored["params"])
+        problems = tree.mismatches(abstract_state["params"], stored["params"])
         if problems:
             raise ValueError(
                 f"The checkpoint at step {step} in {self.directory} does not fit the model:\n"
@@ -126,18 +123,12 @@ def merge_params(init: dict, loaded: dict, dont_load: Sequence[str] = (), source
     """
     patterns = [re.compile(p) for p in dont_load]
     skip = lambda k: any(p.fullmatch(k) for p in patterns)  # noqa: E731
-    want, have = _flat(init), _flat(loaded)
-    lines = [f"  missing in checkpoint: {k} {_shape(v)}" for k, v in want.items()
-             if k not in have and not skip(k)]
-    lines += [f"  unused from checkpoint: {k} {_shape(v)}" for k, v in have.items()
-              if k not in want and not skip(k)]
-    lines += [f"  shape mismatch: {k}: model {_shape(v)} vs checkpoint {_shape(have[k])}"
-              for k, v in want.items() if k in have and not skip(k) and _shape(v) != _shape(have[k])]
+    lines = tree.mismatches(init, loaded, skip)
     if lines:
         raise ValueError(f"Cannot initialise from {source or 'the checkpoint'}:\n" + "\n".join(lines)
                          + "\nAdd regexes of what not to load to config.init.dont_load.")
-    merged = {k: (v if skip(k) else have[k]) for k, v in want.items()}
-    return traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in merged.items()})
+    have = tree.flatten(loaded)
+    return tree.unflatten({k: (v if skip(k) else have[k]) for k, v in tree.flatten(init).items()})
 
 
 def init_tower_from_clip(vlm_params: dict, clip_workdir: str | pathlib.Path, tower_key: str = "tower",
