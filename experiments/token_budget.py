@@ -11,7 +11,7 @@ connector and a small Llama-style LM (random init, word tokens) together on (ima
 triples — LLaVA's stage 2 with the tower frozen; a stage 1 would be meaningless with an untrained
 LM — and scores exact-match accuracy per question kind on validation questions. Exact match is
 computed teacher-forced in one forward pass, which equals greedy decoding's exact match
-(``vitmm.models.vlm.answer_scores``).
+(``vitmm.decode.answer_scores``).
 
 Budgets are visual tokens handed to the LM. A family whose knob cannot hit a budget exactly runs
 at its nearest reachable count (within a factor ``--max_ratio``) and the tables record the
@@ -49,7 +49,7 @@ import numpy as np
 import optax
 
 from vitmm import checkpoint as ckpt_lib
-from vitmm import losses, xla_flags
+from vitmm import decode, losses, xla_flags
 from vitmm.data import pipeline, preprocess, scenes
 from vitmm.data.tokenizer import ByteTokenizer, WordTokenizer
 from vitmm.models import connectors, lm, vlm
@@ -199,7 +199,7 @@ class Run:
         return patches, None, self.grid
 
     def _scores(self, params, patches, ids, mask):
-        return vlm.answer_scores(self.model, {"params": params}, ids, mask, features=self._features(patches))
+        return decode.answer_scores(self.model, {"params": params}, ids, mask, features=self._features(patches))
 
     def _loss(self, params, patches, ids, mask):
         nll, _, _ = self._scores(params, patches, ids, mask)

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from vitmm import losses
+from vitmm import decode, losses
 from vitmm.data import tokenizer as tok_lib
 from vitmm.models import lm as lm_lib
 from vitmm.models import vlm as vlm_lib
@@ -105,7 +105,7 @@ def test_greedy_decoding_equals_an_unpadded_step_by_step_forward():
     buffer = np.zeros((2, 3), np.int32)
     for i, p in enumerate(prompts):
         buffer[i, : len(p)] = p
-    out = vlm_lib.greedy_decode(model, variables, images, buffer, np.array([1, 3]), max_new_tokens=4, eos_id=258)
+    out = decode.greedy_decode(model, variables, images, buffer, np.array([1, 3]), max_new_tokens=4, eos_id=258)
     for i, p in enumerate(prompts):
         seq = list(p)
         for _ in range(4):
@@ -153,7 +153,7 @@ def test_vlm_learns_an_answer_and_greedy_decoding_returns_it():
         first = first if first is not None else float(loss)
     assert float(loss) < 0.05 * first
     prompts = jnp.asarray(np.tile(np.array(prompt + [0] * (length - len(prompt)), np.int32), (2, 1)))
-    out = vlm_lib.greedy_decode(model, {"params": params}, images, np.asarray(prompts),
+    out = decode.greedy_decode(model, {"params": params}, images, np.asarray(prompts),
                                 np.full(2, len(prompt)), max_new_tokens=6, eos_id=tok.eos_id)
     decoded = [tok.decode(row[: list(row).index(tok.eos_id)] if tok.eos_id in row else row) for row in out]
     assert decoded == answers
@@ -166,7 +166,7 @@ def test_vlm_learns_an_answer_and_greedy_decoding_returns_it():
         seq, mask = np.zeros((2, width), np.int32), np.zeros((2, width), np.float32)
         for i, r in enumerate(rows):
             seq[i, : len(r)], mask[i, len(prompt): len(r)] = r, 1
-        return np.asarray(vlm_lib.answer_scores(model, {"params": params}, jnp.asarray(seq), jnp.asarray(mask),
+        return np.asarray(decode.answer_scores(model, {"params": params}, jnp.asarray(seq), jnp.asarray(mask),
                                                 images=images)[2])
 
     assert scored(answers).tolist() == [True, True]

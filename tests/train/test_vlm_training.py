@@ -66,7 +66,6 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
     ``acc_count`` is 1, every other kind 0, and ``accuracy`` the share of counting questions."""
     from vitmm.data import scenes
     from vitmm.data import tokenizer as tok_lib
-    from vitmm.models import vlm
     from vitmm.train import evaluators as eval_lib
 
     tok = tok_lib.ByteTokenizer()
@@ -79,7 +78,7 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
             seen.append(batch)
             yield batch
 
-    def oracle(model, variables, images, prompts, prompt_len, max_new_tokens, eos_id, prefix_lm):
+    def oracle(variables, images, prompts, prompt_len, max_new_tokens, eos_id, prefix_lm):
         out = np.full((len(prompts), max_new_tokens), eos_id, np.int32)
         for i, (answer, kind) in enumerate(zip(seen[-1]["answer"], seen[-1]["question_kind"], strict=True)):
             ids = tok.encode(str(answer) if kind == count else str(answer) + "!")
@@ -87,10 +86,11 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
         return out
 
     monkeypatch.setattr(eval_lib.pipeline, "eval_batches", recording)
-    monkeypatch.setattr(vlm, "greedy_decode", oracle)
     cfg = {"data": {"name": config_base.SMOKE_DATA, "split": "validation", "data_dir": clip_smoke_run.data_dir},
            "num_examples": 48, "batch_size": 16, "max_new_tokens": 16}
-    result = eval_lib.QAAccuracy(None, cfg, 64, tok, 32, False).run({})
+    evaluator = eval_lib.QAAccuracy(None, cfg, 64, tok, 32, False)
+    evaluator.decode = oracle
+    result = evaluator.run({})
     kinds = np.concatenate([b["question_kind"][b["_mask"] > 0] for b in seen])
     assert result["examples"] == len(kinds) == 48
     assert 0 < (kinds == count).sum() < 48

@@ -20,14 +20,9 @@ both ways (pass ``prompt_len``); otherwise attention is causal throughout.
 
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-from vitmm import losses
 from vitmm.models import common, connectors, layers
 from vitmm.models.lm import LM
 from vitmm.models.vit import ViT
@@ -98,70 +93,3 @@ def text_logits(logits: jnp.ndarray, num_visual: int) -> jnp.ndarray:
     ``ids[:, i + 1]``. The predictor of ``ids[:, 1]`` is the last visual position (BOS sees no
     image under the causal mask); BOS's own logits and the other visual positions are dropped."""
     return logits[:, num_visual:]
-
-
-def answer_scores(model: VLM, variables, ids, answer_mask, *, images=None, features=None, prompt_len=None,
-                  prefix_lm: bool = False) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """Teacher-forced answer scoring: ``(nll, correct, exact)`` with ``[B, L-1]`` per-position
-    negative log-likelihoods and argmax hits, and ``[B]`` exact-match flags.
-
-    ``ids`` is ``[BOS] prompt answer [EOS] PAD…`` and ``answer_mask`` marks answer + EOS (as
-    ``qa_tokens`` makes them). ``exact`` is True iff the argmax is right at every answer
-    position; that is precisely when greedy decoding reproduces the answer and its EOS (each
-    greedy step sees the correct prefix until the first miss), so one forward pass gives
-    greedy exact-match accuracy (tests check this against ``greedy_decode``).
-    """
-    logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm, features=features)
-    num_visual = logits.shape[1] - ids.shape[1]
-    logits = text_logits(logits, num_visual)[:, :-1]
-    targets, mask = ids[:, 1:], answer_mask[:, 1:] > 0
-    nll = losses.token_nll(logits, targets)
-    correct = logits.argmax(-1) == targets
-    return nll, correct, jnp.all(correct | ~mask, axis=1)
-
-
-def _next_token(model, variables, images, ids, pos, prompt_len, num_visual, prefix_lm):
-    logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm)
-    logits = text_logits(logits, num_visual)
-    return jnp.take_along_axis(logits, (pos - 1)[:, None, None], axis=1)[:, 0].argmax(-1)
-
-
-_STEP_CACHE: dict = {}  # id(model) -> (model, compiled step); modules with dict fields don't hash
-
-
-def _decode_step(model):
-    entry = _STEP_CACHE.get(id(model))
-    if entry is None or entry[0] is not model:
-        entry = (model, jax.jit(functools.partial(_next_token, model), static_argnames=("num_visual", "prefix_lm")))
-        _STEP_CACHE[id(model)] = entry
-    return entry[1]
-
-
-def greedy_decode(model: VLM, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray,
-                  max_new_tokens: int, eos_id: int, prefix_lm: bool = False) -> np.ndarray:
-    """Greedy answers ``[B, max_new_tokens]`` (EOS, then padding with EOS) after each prompt.
-
-    ``prompt_ids: [B, L]`` holds BOS + prompt left-aligned, ``prompt_len`` their lengths; the
-    buffer has room for ``max_new_tokens`` more. One compiled step (cached across calls) per
-    generated token over a fixed-size buffer; the whole sequence is recomputed each step (no KV
-    cache: answers here are a few tokens).
-    """
-    b, length = prompt_ids.shape
-    buffer = np.zeros((b, length + max_new_tokens), np.int32)
-    buffer[:, :length] = prompt_ids
-    num_visual = model.apply(variables, images.shape[1:3], method=VLM.num_visual_tokens)
-    pos = np.asarray(prompt_len).astype(np.int32).copy()
-    prompt_len = jnp.asarray(pos)
-    done = np.zeros(b, bool)
-    out = np.full((b, max_new_tokens), eos_id, np.int32)
-    for step in range(max_new_tokens):
-        token = np.asarray(_decode_step(model)(variables, images, jnp.asarray(buffer), jnp.asarray(pos),
-                                               prompt_len, num_visual=num_visual, prefix_lm=prefix_lm))
-        token = np.where(done, eos_id, token)
-        out[:, step] = token
-        buffer[np.arange(b), pos] = token
-        pos = np.minimum(pos + 1, buffer.shape[1] - 1)
-        done |= token == eos_id
-        if done.all():
-            break
-    return out

@@ -243,7 +243,10 @@ class QAAccuracy:
         cfg.pop("type", None)
         cfg.pop("every", None)
         data = dict(cfg["data"])
-        self.model, self.tokenizer, self.prefix_lm = model, tokenizer, prefix_lm
+        from vitmm import decode
+
+        self.tokenizer, self.prefix_lm = tokenizer, prefix_lm
+        self.decode = decode.GreedyDecoder(model)
         self.batch_size = cfg.get("batch_size", 64)
         self.max_new_tokens = cfg.get("max_new_tokens", 8)
         source = pipeline.get_source(data["name"], data["split"], data.get("data_dir"),
@@ -255,16 +258,14 @@ class QAAccuracy:
             "keep('image', 'ids', 'prompt_len', 'answer', 'question_kind')", tokenizer)
 
     def run(self, params, **_) -> dict:
-        from vitmm.models import vlm
-
         variables = {"params": params}
         correct, kinds = [], []
         for batch in pipeline.eval_batches(self.source, self._pp, self.batch_size, process_index=0,
                                            process_count=1, num_threads=1):
             prompts = batch["ids"].copy()
             prompts[np.arange(prompts.shape[1])[None, :] >= batch["prompt_len"][:, None]] = self.tokenizer.pad_id
-            out = vlm.greedy_decode(self.model, variables, batch["image"], prompts, batch["prompt_len"],
-                                    self.max_new_tokens, self.tokenizer.eos_id, self.prefix_lm)
+            out = self.decode(variables, batch["image"], prompts, batch["prompt_len"], self.max_new_tokens,
+                              self.tokenizer.eos_id, self.prefix_lm)
             for row, answer, kind, keep in zip(out, batch["answer"], batch["question_kind"], batch["_mask"],
                                               strict=True):
                 if not keep:
