@@ -53,7 +53,6 @@ from vitmm import decode, losses, xla_flags
 from vitmm.data import pipeline, preprocess, scenes
 from vitmm.data.tokenizer import ByteTokenizer, WordTokenizer
 from vitmm.models import connectors, lm, vlm
-from vitmm.models.connectors.base import BudgetError
 from vitmm.models.vit import ViT
 from vitmm.train import optim
 
@@ -73,33 +72,6 @@ PRESETS = {
                   train_images=128, val_images=32, seeds="0,1", families="linear,pool,patch_merger",
                   budgets="4,9,all"),
 }
-
-
-# ------------------------------------------------------------------------------------ budgets
-def reachable(family: str, grid: tuple[int, int]) -> dict[int, int | str]:
-    """``{tokens: budget setting}`` for every token count the family can produce on ``grid``."""
-    n = grid[0] * grid[1]
-    out: dict[int, int | str] = {}
-    for budget in (*range(1, n + 1), "all"):
-        try:
-            tokens = connectors.num_visual_tokens({"name": family, "budget": budget}, grid)
-        except BudgetError:
-            continue
-        if tokens not in out or budget == tokens:
-            out[tokens] = budget
-    return out
-
-
-def resolve(family: str, requested: int | str, grid: tuple[int, int], max_ratio: float):
-    """``(budget setting, tokens, note)`` for the requested budget; setting ``None`` when the
-    nearest reachable count is further than ``max_ratio`` away."""
-    target = grid[0] * grid[1] if requested == "all" else int(requested)
-    options = reachable(family, grid)
-    tokens = min(options, key=lambda t: (abs(math.log(t / target)), t))
-    if max(tokens / target, target / tokens) > max_ratio:
-        return None, None, f"unreachable (reaches {sorted(options)})"
-    note = "" if tokens == target else f"nearest to {target}"
-    return options[tokens], tokens, note
 
 
 # ------------------------------------------------------------------------------------ data
@@ -558,7 +530,7 @@ def main(argv=None) -> pathlib.Path:
         plan.append((BLIND, 0, 1, 1, "no image"))
     for family in families:
         for b in budgets:
-            setting, tokens, note = resolve(family, b, grid, args.max_ratio)
+            setting, tokens, note = connectors.resolve(family, b, grid, args.max_ratio)
             plan.append((family, b, setting, tokens, note))
     runnable = {(f, t) for f, _, s, t, _ in plan if s is not None}
     print(f"{len(runnable)} distinct (connector, tokens) settings × {len(seeds)} seeds × {steps} steps; "

@@ -23,29 +23,6 @@ def tb():
     return module
 
 
-@pytest.mark.parametrize("family,requested,tokens,note", [
-    ("pool", 16, 16, ""),
-    ("pool", "all", 64, ""),
-    ("qwen_resampler", "all", 64, ""),
-    ("perceiver", 5, 5, ""),
-    ("patch_merger", 9, 16, "nearest to 9"),    # 2x2 merges reach 64, 16, 4, 1 on 8x8
-    ("pixel_shuffle", 3, 4, "nearest to 3"),
-    ("c_abstractor", 8, 9, "nearest to 8"),     # perfect squares only
-    ("linear", 16, None, "unreachable (reaches [64])"),
-    ("patch_merger", 200, None, "unreachable (reaches [1, 4, 16, 64])"),
-])
-def test_budgets_resolve_to_reachable_counts_or_are_marked(tb, family, requested, tokens, note):
-    setting, got, got_note = tb.resolve(family, requested, (8, 8), max_ratio=2.0)
-    assert (got, got_note) == (tokens, note)
-    if tokens is not None:  # the setting really produces that many tokens
-        assert connectors.num_visual_tokens({"name": family, "budget": setting}, (8, 8)) == tokens
-
-
-def test_reachable_counts_on_a_non_square_grid(tb):
-    assert sorted(tb.reachable("patch_merger", (6, 4))) == [6, 24]  # k = 1, 2 divide both sides
-    assert sorted(tb.reachable("linear", (6, 4))) == [24]
-
-
 def test_tower_is_trained_only_when_its_workdir_has_no_checkpoint(tb, tmp_path, monkeypatch):
     from vitmm.train import trainer
 

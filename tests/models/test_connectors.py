@@ -186,3 +186,27 @@ def test_depthwise_conv_equals_flax_grouped_conv(k, grid):
     grad = lambda f: jax.grad(lambda p: (f.apply(p, x) ** 2).sum())(params)  # noqa: E731
     for a, b in zip(jax.tree.leaves(grad(ours)), jax.tree.leaves(grad(flax_conv)), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family,requested,tokens,note", [
+    ("pool", 16, 16, ""),
+    ("pool", "all", 64, ""),
+    ("qwen_resampler", "all", 64, ""),
+    ("perceiver", 5, 5, ""),
+    ("patch_merger", 9, 16, "nearest to 9"),    # 2x2 merges reach 64, 16, 4, 1 on 8x8
+    ("pixel_shuffle", 3, 4, "nearest to 3"),
+    ("c_abstractor", 8, 9, "nearest to 8"),     # perfect squares only
+    ("linear", 16, None, "unreachable (reaches [64])"),
+    ("patch_merger", 200, None, "unreachable (reaches [1, 4, 16, 64])"),
+])
+def test_budgets_resolve_to_reachable_counts_or_are_marked(family, requested, tokens, note):
+    setting, got, got_note = C.resolve(family, requested, (8, 8), max_ratio=2.0)
+    assert (got, got_note) == (tokens, note)
+    if tokens is not None:  # the setting really produces that many tokens
+        assert C.num_visual_tokens({"name": family, "budget": setting}, (8, 8)) == tokens
+
+
+def test_reachable_counts_on_a_non_square_grid():
+    assert sorted(C.reachable("patch_merger", (6, 4))) == [6, 24]  # k = 1, 2 divide both sides
+    assert sorted(C.reachable("linear", (6, 4))) == [24]
+    assert sorted(C.reachable({"name": "pool", "mode": "llava_average"}, (5, 5))) == [1, 4, 25]  # settings count

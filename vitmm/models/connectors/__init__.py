@@ -5,7 +5,8 @@
     tokens = connector.apply(variables, patch_tokens, grid)      # [B, M, D]
     connectors.num_visual_tokens(cfg, grid) == tokens.shape[1]   # tested for every family
 
-One small module per family; ``REGISTRY`` maps names to classes. ``cost(cfg, ...)`` reports
+One small module per family; ``REGISTRY`` maps names to classes; ``budget.py`` holds every
+rule for how many tokens a family gives (and ``reachable``/``resolve`` for sweeps). ``cost(cfg, ...)`` reports
 parameters (``jax.eval_shape``) and FLOPs (XLA's cost analysis of the compiled forward).
 """
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 
 from vitmm import tree
 from vitmm.models import common
-from vitmm.models.connectors.base import BudgetError
+from vitmm.models.connectors.budget import BudgetError, lookup, num_visual_tokens, reachable, resolve
 from vitmm.models.connectors.c_abstractor import CAbstractor
 from vitmm.models.connectors.ldp import LDP
 from vitmm.models.connectors.merge import PatchMerger, PixelShuffle
@@ -31,29 +32,13 @@ REGISTRY = {
     "pixel_shuffle": PixelShuffle, "pool": Pool, "c_abstractor": CAbstractor, "ldp": LDP,
 }
 
-__all__ = ["REGISTRY", "BudgetError", "build", "num_visual_tokens", "cost"]
-
-
-def _split(cfg: dict):
-    cfg = dict(cfg)
-    name = cfg.pop("name", None)
-    if name not in REGISTRY:
-        raise ValueError(f"Unknown connector {name!r}; choose one of {tuple(REGISTRY)}.")
-    return name, cfg
+__all__ = ["REGISTRY", "BudgetError", "build", "num_visual_tokens", "reachable", "resolve", "cost"]
 
 
 def build(cfg: dict, out_dim: int):
     """The connector module for ``cfg`` (``name``, ``budget`` and family options)."""
-    name, kwargs = _split(cfg)
-    return REGISTRY[name](out_dim=out_dim, **kwargs)
-
-
-def num_visual_tokens(cfg: dict, grid: tuple[int, int]) -> int:
-    """How many tokens the connector hands the LM for a patch grid (raises ``BudgetError`` for a
-    budget the family cannot produce)."""
-    name, kwargs = _split(cfg)
-    extra = {"mode": kwargs["mode"]} if name == "pool" and "mode" in kwargs else {}
-    return REGISTRY[name].tokens(kwargs.get("budget"), tuple(grid), **extra)
+    family, settings = lookup(cfg)
+    return family(out_dim=out_dim, **settings)
 
 
 def cost(cfg: dict, in_dim: int, out_dim: int, grid: tuple[int, int]) -> dict:

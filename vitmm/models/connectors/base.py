@@ -2,13 +2,10 @@
 
 Contract: ``connector(x, grid)`` with patch tokens ``x: [B, N, C]`` in raster order over
 ``grid = (h, w)`` (``N = h·w``, no CLS) returns ``[B, M, D]`` visual tokens for the language
-model, where ``M = num_visual_tokens(config, grid)``. Each family turns the requested budget
-into its own knob and raises ``BudgetError`` for a budget it cannot produce exactly.
+model, where ``M = num_visual_tokens(config, grid)`` (``budget.py``).
 """
 
 from __future__ import annotations
-
-import math
 
 import flax.linen as nn
 import jax
@@ -17,48 +14,10 @@ import jax.numpy as jnp
 from vitmm.models import common, layers
 
 
-class BudgetError(ValueError):
-    """A connector cannot produce the requested number of visual tokens."""
-
-
 def check_tokens(x: jnp.ndarray, grid: tuple[int, int]) -> None:
     if x.ndim != 3 or x.shape[1] != grid[0] * grid[1]:
         raise ValueError(f"Connectors take patch tokens [B, h*w, C] for grid {grid}, got shape "
                          f"{tuple(x.shape)}; drop CLS/registers first (out['patch_tokens']).")
-
-
-def all_tokens(budget, grid, family: str) -> int:
-    """Families that keep every patch token: the budget must be None/'all' or exactly h·w."""
-    n = grid[0] * grid[1]
-    if budget in (None, "all", n):
-        return n
-    raise BudgetError(f"{family} keeps every patch token ({grid[0]}x{grid[1]} = {n}); it cannot give "
-                      f"{budget}. Use a reducing connector (pool, pixel_shuffle, patch_merger, "
-                      "qwen_resampler, perceiver, qformer, c_abstractor, ldp) for a smaller budget.")
-
-
-def merge_factor(budget, grid, family: str) -> int:
-    """k such that merging k×k neighbours of the grid gives exactly ``budget`` tokens."""
-    h, w = grid
-    if budget in (None, "all"):
-        return 1
-    for k in range(1, min(h, w) + 1):
-        if h % k == 0 and w % k == 0 and (h // k) * (w // k) == budget:
-            return k
-    reachable = [(h // k) * (w // k) for k in range(1, min(h, w) + 1) if h % k == 0 and w % k == 0]
-    raise BudgetError(f"{family} merges k×k neighbours of the {h}x{w} grid, which gives {reachable} "
-                      f"tokens; {budget} is not among them.")
-
-
-def square_side(budget, family: str) -> int:
-    """Families that pool or query on a square side×side grid need a perfect-square budget."""
-    if budget in (None, "all"):
-        raise BudgetError(f"{family} needs an explicit budget (a perfect square, e.g. 16 or 64).")
-    side = math.isqrt(int(budget))
-    if side * side != budget or side == 0:
-        raise BudgetError(f"{family} produces a side×side grid of tokens; {budget} is not a perfect "
-                          f"square (nearest: {side * side} or {(side + 1) ** 2}).")
-    return side
 
 
 def space_to_depth(x: jnp.ndarray, grid: tuple[int, int], k: int) -> jnp.ndarray:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import flax.linen as nn
 
 from vitmm.models import common
-from vitmm.models.connectors.base import MLP, DepthwiseConv, adaptive_avg_pool, check_tokens, square_side
+from vitmm.models.connectors.base import MLP, DepthwiseConv, adaptive_avg_pool, check_tokens
+from vitmm.models.connectors.budget import square_side
 
 
 class ResBlock(nn.Module):
@@ -44,7 +45,7 @@ class CAbstractor(nn.Module):
     depth: int = 3
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         return square_side(budget, "c_abstractor") ** 2
 
     @nn.compact

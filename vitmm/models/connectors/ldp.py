@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from vitmm.models.connectors.base import MLP, DepthwiseConv, adaptive_avg_pool, check_tokens, square_side
+from vitmm.models.connectors.base import MLP, DepthwiseConv, adaptive_avg_pool, check_tokens
+from vitmm.models.connectors.budget import square_side
 
 
 class LDP(nn.Module):
@@ -13,7 +14,7 @@ class LDP(nn.Module):
     budget: int = 64
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         return square_side(budget, "ldp") ** 2
 
     @nn.compact

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from vitmm.models.connectors.base import MLP, check_tokens, merge_factor, space_to_depth
+from vitmm.models.connectors.base import MLP, check_tokens, space_to_depth
+from vitmm.models.connectors.budget import merge_factor
 
 
 class PatchMerger(nn.Module):
@@ -20,7 +21,7 @@ class PatchMerger(nn.Module):
     budget: int | None = None
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         k = merge_factor(budget, grid, "patch_merger")
         return (grid[0] // k) * (grid[1] // k)
 
@@ -38,7 +39,7 @@ class PixelShuffle(nn.Module):
     budget: int | None = None
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         k = merge_factor(budget, grid, "pixel_shuffle")
         return (grid[0] // k) * (grid[1] // k)
 

@@ -21,14 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from vitmm.models import common, layers
-from vitmm.models.connectors.base import BudgetError, check_tokens, mha
+from vitmm.models.connectors.base import check_tokens, mha
+from vitmm.models.connectors.budget import latent_count
 from vitmm.models.lm import SwiGLU
-
-
-def latent_count(budget, family: str) -> int:
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-        raise BudgetError(f"{family} needs a positive integer number of latents, got {budget!r}.")
-    return budget
 
 
 class Perceiver(nn.Module):
@@ -39,7 +34,7 @@ class Perceiver(nn.Module):
     ff_mult: int = 4
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         return latent_count(budget, "perceiver")
 
     @nn.compact
@@ -77,7 +72,7 @@ class Idefics2Perceiver(nn.Module):
     eps: float = 1e-6
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         return latent_count(budget, "idefics2_perceiver")
 
     @nn.compact

@@ -24,7 +24,8 @@ import math
 import flax.linen as nn
 import jax
 
-from vitmm.models.connectors.base import MLP, BudgetError, adaptive_avg_pool, check_tokens
+from vitmm.models.connectors.base import MLP, adaptive_avg_pool, check_tokens
+from vitmm.models.connectors.budget import BudgetError
 
 MODES = ("area", "bilinear", "llava_bilinear", "llava_average")
 
@@ -58,7 +59,7 @@ class Pool(nn.Module):
     mode: str = "area"
 
     @staticmethod
-    def tokens(budget, grid, mode="area"):
+    def tokens(budget, grid, mode="area", **settings):
         gh, gw = pooled_grid(grid, pool_stride(budget, grid, mode), mode)
         return gh * gw
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import flax.linen as nn
 
 from vitmm.models import common, layers
-from vitmm.models.connectors.base import MLP, all_tokens, check_tokens
+from vitmm.models.connectors.base import MLP, check_tokens
+from vitmm.models.connectors.budget import all_tokens
 
 
 class Identity(nn.Module):
@@ -17,7 +18,7 @@ class Identity(nn.Module):
     budget: int | str | None = None
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         return all_tokens(budget, grid, "identity")
 
     @nn.compact
@@ -35,7 +36,7 @@ class Linear(nn.Module):
     budget: int | str | None = None
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         return all_tokens(budget, grid, "linear")
 
     @nn.compact
@@ -52,7 +53,7 @@ class Mlp(nn.Module):
     act: str = "gelu"
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         return all_tokens(budget, grid, "mlp")
 
     @nn.compact

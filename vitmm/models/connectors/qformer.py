@@ -16,7 +16,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from vitmm.models import common, layers
-from vitmm.models.connectors.base import BudgetError, check_tokens, mha
+from vitmm.models.connectors.base import check_tokens, mha
+from vitmm.models.connectors.budget import latent_count
 
 BERT_EPS = 1e-12
 
@@ -31,10 +32,8 @@ class QFormer(nn.Module):
     vision_eps: float = 1e-6  # transformers' Blip2VisionConfig; LAVIS's ln_vision used 1e-5
 
     @staticmethod
-    def tokens(budget, grid):
-        if not isinstance(budget, int) or budget < 1:
-            raise BudgetError(f"qformer needs a positive integer number of queries, got {budget!r}.")
-        return budget
+    def tokens(budget, grid, **settings):
+        return latent_count(budget, "qformer", "queries")
 
     @nn.compact
     def __call__(self, x, grid):

@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from vitmm.models import common, layers, posemb
-from vitmm.models.connectors.base import check_tokens, mha, square_side
+from vitmm.models.connectors.base import check_tokens, mha
+from vitmm.models.connectors.budget import square_side
 
 
 class QwenResampler(nn.Module):
@@ -25,7 +26,7 @@ class QwenResampler(nn.Module):
     width: int | None = None  # attention width; default out_dim
 
     @staticmethod
-    def tokens(budget, grid):
+    def tokens(budget, grid, **settings):
         return square_side(budget, "qwen_resampler") ** 2
 
     @nn.compact
