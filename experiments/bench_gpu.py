@@ -37,8 +37,10 @@ import jax.numpy as jnp
 import optax
 
 from vitmm import losses
+from vitmm.models import text as text_lib
 from vitmm.models import two_towers, vit
 from vitmm.train import profiling
+from vitmm.train import step as step_lib
 
 PEAK = {"bf16": 989e12}  # H100/H200 dense bf16 peak used for MFU
 TINY = dict(res=32, batch=2, depth=1)  # --tiny: every case at this size, on any backend
@@ -63,10 +65,6 @@ SWEEP = [
      ["--dtype_residual", "bfloat16", "--act", "gelu_tanh"]),
     ("baseline again", "", []),
 ]
-
-
-def text_forward_flops(width: int, depth: int, mlp: int, length: int) -> int:
-    return depth * (8 * length * width * width + 4 * length * width * mlp + 4 * length * length * width)
 
 
 def time_step(step, state, batch, steps: int, repeats: int):
@@ -97,11 +95,11 @@ def profile_step(step, state, batch, steps: int) -> profiling.OpProfile:
 
 
 def train_step(loss_fn, tx):
+    update = step_lib.update_step(loss_fn, tx)
+
     def step(state, batch):
-        params, opt = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt = tx.update(grads, opt, params)
-        return (optax.apply_updates(params, updates), opt), loss
+        params, opt, loss = update(*state, batch)
+        return (params, opt), loss
 
     return jax.jit(step, donate_argnums=0)
 
@@ -143,7 +141,7 @@ def build_case(tower: str, variant: str, batch: int, attn_impl, gap: bool, args)
             return losses.sigmoid_loss(zi.astype(jnp.float32), zt.astype(jnp.float32), out["t"], out["b"])
 
         image_arch = vit.ViT(**image_kw).arch()
-        per_pair = vit.forward_flops(image_arch, (res, res), num_prefix_tokens=0) + text_forward_flops(
+        per_pair = vit.forward_flops(image_arch, (res, res), num_prefix_tokens=0) + text_lib.forward_flops(
             text["width"], text["depth"], 4 * text["width"], text["max_len"])
         flops = 3 * per_pair * batch
     state = jax.jit(lambda p: (p, tx.init(p)))(params)

@@ -32,6 +32,7 @@ import optax
 from vitmm import xla_flags
 from vitmm.data import pipeline, preprocess
 from vitmm.models import vit
+from vitmm.train import step as step_lib
 
 DEFAULT_PP = ("decode|flip_lr|value_range(-1, 1)|tokenize('caption', 64)|"
               "keep('image', 'caption_tokens')")
@@ -62,15 +63,11 @@ def bench_step(args, image_size: int) -> list[float]:
     tx = optax.adamw(1e-3)
     opt_state = tx.init(params)
 
-    @jax.jit
-    def step(params, opt_state, images):
-        def loss_fn(p):
-            pooled, _ = model.apply({"params": p}, images, train=True)
-            return jnp.mean((pooled - target) ** 2)
+    def loss_fn(p, images):
+        pooled, _ = model.apply({"params": p}, images, train=True)
+        return jnp.mean((pooled - target) ** 2)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step = jax.jit(step_lib.update_step(loss_fn, tx))
 
     params, opt_state, loss = step(params, opt_state, images)
     loss.block_until_ready()

@@ -141,6 +141,7 @@ def jax_worker(task: str, variant: str, batch: int, res: int, warmup: int, repea
     import optax
 
     from vitmm.models import common
+    from vitmm.train import step as step_lib
 
     jax.config.update("jax_enable_compilation_cache", False)  # compile_s is a real compile, cache or not
     init, inputs, loss_fn, forward = _jax_task(task, variant, batch, res, pair)
@@ -149,14 +150,9 @@ def jax_worker(task: str, variant: str, batch: int, res: int, warmup: int, repea
     if mode == "train":
         tx = optax.adamw(1e-4)
         opt_state = tx.init(params)
-
-        def step(p, o, x):
-            loss, grads = jax.value_and_grad(loss_fn)(p, x)
-            updates, o = tx.update(grads, o, p)
-            return optax.apply_updates(p, updates), o, loss
-
         start = time.perf_counter()
-        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, inputs).compile()
+        step = jax.jit(step_lib.update_step(loss_fn, tx), donate_argnums=(0, 1))
+        compiled = step.lower(params, opt_state, inputs).compile()
         out["compile_s"] = time.perf_counter() - start
         state = [params, opt_state]
 
@@ -291,12 +287,11 @@ def _run_worker(python: str, kind: str, spec: dict, threads: int, tunables: str 
 
 def analytic_gflop(variant: str, res: int, pair: dict | None = None) -> float:
     """Forward GFLOP per image (per image+text pair with ``pair``: the text tower by the same count)."""
-    from vitmm.models import vit
+    from vitmm.models import text, vit
 
     flops = vit.forward_flops(vit.decode_variant(variant), (res, res))
     if pair:
-        n, d = pair["text_len"], pair["text_width"]
-        flops += pair["text_depth"] * (24 * n * d * d + 4 * n * n * d)
+        flops += text.forward_flops(pair["text_width"], pair["text_depth"], 4 * pair["text_width"], pair["text_len"])
     return flops / 1e9
 
 

@@ -46,7 +46,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import decode, losses, xla_flags
@@ -55,6 +54,7 @@ from vitmm.data.tokenizer import ByteTokenizer, WordTokenizer
 from vitmm.models import connectors, lm, vlm
 from vitmm.models.vit import ViT
 from vitmm.train import optim
+from vitmm.train import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAMILIES = ("linear", "mlp", "pool", "pixel_shuffle", "patch_merger", "c_abstractor", "ldp",
@@ -154,7 +154,7 @@ class Run:
             b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0))
         self.tx, _ = optim.make_optimizer(opt_cfg, jax.eval_shape(self._init, jax.random.key(0)))
         self._init_jit = jax.jit(self._init)
-        self.step = jax.jit(self._step, donate_argnums=(0, 1))
+        self.step = jax.jit(step_lib.update_step(self._loss, self.tx), donate_argnums=(0, 1))
         self.score = jax.jit(lambda params, patches, ids, mask: self._scores(params, patches, ids, mask)[2])
 
     def _init(self, key):
@@ -176,11 +176,6 @@ class Run:
     def _loss(self, params, patches, ids, mask):
         nll, _, _ = self._scores(params, patches, ids, mask)
         return losses.masked_mean(nll, mask[:, 1:])
-
-    def _step(self, params, opt_state, patches, ids, mask):
-        loss, grads = jax.value_and_grad(self._loss)(params, patches, ids, mask)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
 
 
 def _batch(split: dict, index: np.ndarray):

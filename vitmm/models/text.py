@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from vitmm.models import common
-from vitmm.models.transformer import REMAT_NONE, Encoder
+from vitmm.models.transformer import REMAT_NONE, Encoder, layer_flops
 
 TEXT_POOLS = ("eot", "last", "first", "mean")
 
@@ -80,3 +80,9 @@ class TextTransformer(nn.Module):
             pooled = (x * mask).sum(1) / jnp.maximum(mask.sum(1), 1.0)
         out["pooled"] = pooled
         return pooled, out
+
+
+def forward_flops(width: int, depth: int, mlp_dim: int, length: int) -> int:
+    """Analytic forward FLOPs of one text sequence of ``length`` tokens through the encoder
+    (the embedding lookup, final norm and projection are ignored)."""
+    return depth * layer_flops(length, width, mlp_dim)

@@ -176,6 +176,13 @@ class Encoder(nn.Module):
 _BLOCK_RE = re.compile(r"^block_(\d+)$")
 
 
+def layer_flops(tokens: int, width: int, mlp_dim: int) -> int:
+    """Analytic forward FLOPs of one pre-LN block on ``tokens`` tokens (2 per multiply-add):
+    ``8·N·D²`` (q, k, v, out projections) ``+ 4·N·D·mlp`` (MLP) ``+ 4·N²·D`` (QKᵀ and AV);
+    norms and softmax are ignored (well under 1%)."""
+    return 8 * tokens * width * width + 4 * tokens * width * mlp_dim + 4 * tokens * tokens * width
+
+
 def stack_blocks(encoder_params: dict) -> dict:
     """Loop layout (``block_00``…) → scan layout (``blocks`` with a leading layer axis)."""
     names = sorted(k for k in encoder_params if _BLOCK_RE.match(k))

@@ -32,7 +32,7 @@ from vitmm import tree
 from vitmm.models import common, layers
 from vitmm.models import posemb as pe
 from vitmm.models.patch_embed import ConvStem, PatchEmbed, check_images, grid_size, to_pair
-from vitmm.models.transformer import REMAT_NONE, Encoder, MAPHead
+from vitmm.models.transformer import REMAT_NONE, Encoder, MAPHead, layer_flops
 
 POSEMBS = ("learn", "sincos2d", "rope2d", "none")
 POSEMB_LAYOUTS = ("patches", "with_cls")
@@ -313,17 +313,16 @@ def count_params(model: ViT, image_hw: Sequence[int] = (224, 224), channels: int
 def forward_flops(arch: Arch, image_hw: Sequence[int], channels: int = 3, num_prefix_tokens: int = 1) -> int:
     """Analytic forward FLOPs per image (2 per multiply-add), the standard ViT count:
 
-    ``2·N_p·(C·ph·pw)·D + L·(8·N·D² + 4·N·D·mlp + 4·N²·D)`` with ``N_p`` patches and
+    ``2·N_p·(C·ph·pw)·D + L·layer_flops(N, D, mlp)`` with ``N_p`` patches and
     ``N = N_p + prefix`` tokens; with ``mlp = 4D`` the layer term is ``24·N·D² + 4·N²·D``.
-    Norms, softmax and the head are ignored (well under 1%).
+    The head is ignored.
     """
     gh, gw = grid_size(image_hw, arch.patch_size)
     n_patch = gh * gw
     n = n_patch + num_prefix_tokens
     d = arch.width
     embed = 2 * n_patch * channels * arch.patch_size[0] * arch.patch_size[1] * d
-    layer = 8 * n * d * d + 4 * n * d * arch.mlp_dim + 4 * n * n * d
-    return embed + arch.depth * layer
+    return embed + arch.depth * layer_flops(n, d, arch.mlp_dim)
 
 
 def token_costs(name: str, resolutions: Sequence[int], patches: Sequence[int],

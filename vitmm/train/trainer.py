@@ -22,6 +22,7 @@ from vitmm import checkpoint as ckpt_lib
 from vitmm.data import pipeline, preprocess
 from vitmm.data import tokenizer as tok_lib
 from vitmm.train import optim, tasks
+from vitmm.train import step as step_lib
 from vitmm.train.parallel import Parallel, to_host
 
 BASE_METRICS = ("loss", "grad_norm", "param_norm", "update_norm")
@@ -42,25 +43,10 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
 
     def step(state, batch):
         rng = par.device_rng(jax.random.fold_in(state["rng"], state["step"]))
-        params = state["params"]
-        grad_fn = jax.value_and_grad(task.loss_fn, has_aux=True)
-        if accum > 1:
-            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
-
-            def body(carry, inputs):
-                mb, i = inputs
-                (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
-                return jax.tree.map(jnp.add, carry, (loss, grads)), aux
-
-            zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), aux = jax.lax.scan(body, zero, (micro, jnp.arange(accum)))
-            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
-            aux = jax.tree.map(lambda a: a[-1], aux)
-        else:
-            (loss, aux), grads = grad_fn(params, batch, rng)
+        loss, aux, grads = step_lib.loss_and_grads(task.loss_fn, state["params"], batch, rng, accum)
         loss, grads, aux = par.reduce((loss, grads, aux))
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        params = task.post_update(optax.apply_updates(params, updates))
+        params, opt_state, updates = step_lib.apply(tx, grads, state["opt_state"], state["params"])
+        params = task.post_update(params)
         metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params),
                        update_norm=optax.tree.norm(updates), lr=lr_schedule(state["step"]), **aux)
         finite = jnp.stack([jnp.isfinite(metrics[k]) for k in names])
