@@ -8,16 +8,60 @@ Args: ``steps`` (updates), ``data`` (a scenes config, e.g. ``easy_64``, ``medium
 ``parallel`` (``jit`` or ``pmap``), ``smoke`` (a seconds-long run on a small build).
 """
 
+import ml_collections
+from ml_collections import config_dict
+
+from configs import common
 from vitmm.config_args import parse_arg
-from vitmm.train import config_base
 
 
 def get_config(arg=None):
     arg = parse_arg(arg, steps=400, data="easy_64", parallel="jit", smoke=False)
-    return config_base.scenes_contrastive(
-        arg,
-        image=dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8,
-                   pool="gap", class_token=False, posemb="sincos2d"),
-        text=dict(width=128, depth=2, mlp_dim=512, num_heads=4, causal=True, pool="eot"),
-        loss="softmax",
-    )
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.total_steps = arg.steps
+    c.batch_size = 128  # image-caption pairs per step: each pair's negatives are the other 127
+    c.parallel = arg.parallel  # jit (a mesh) or pmap; the same numbers either way
+    c.fsdp = False
+    c.loss = "softmax"
+    c.max_temperature = 100.0  # CLIP clamps the learned temperature at 100
+    c.tokenizer = config_dict.placeholder(str)  # a local tokenizer.json; default: bytes
+    c.log_every = 10
+    c.eval_every = c.checkpoint_every = max(arg.steps // 2, 1)
+    c.keep_checkpoints = 2
+    c.sync_every = 8  # CPU with several devices only: block on the step every N steps
+
+    c.input = ml_collections.ConfigDict()
+    c.input.data = common.data(f"scenes/{arg.data}", "train")
+    c.input.data_dir = config_dict.placeholder(str)  # where TFDS builds and reads scenes
+    c.input.image_size = 64
+    c.input.keys = ("image", "caption")
+    c.input.pp = ("decode|resize({image_size})|flip_lr|value_range(-1, 1)|"
+                  "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
+    c.input.num_threads = 1
+    c.input.prefetch = 8
+    c.input.device_prefetch = 2
+
+    c.model = ml_collections.ConfigDict()
+    c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
+                         class_token=False, posemb="sincos2d")
+    c.model.text = dict(vocab_size=259, max_len=64, width=128, depth=2, mlp_dim=512, num_heads=4, causal=True,
+                        pool="eot")
+    c.model.embed_dim = 128
+    c.model.temperature_init = 1 / 0.07
+    c.model.bias_init = config_dict.placeholder(float)  # softmax: no bias
+
+    c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps // 20, 1), weight_decay=0.1)
+    c.init = common.init()
+
+    val = common.data(f"scenes/{arg.data}", "validation")
+    c.evals = ml_collections.ConfigDict()
+    c.evals.zeroshot = dict(type="zeroshot", data=val, num_examples=1000)
+    c.evals.retrieval = dict(type="retrieval", data=val, num_examples=1000)
+    c.evals.val = dict(type="val_loss", data=val, num_examples=1000, batch_size=256)
+
+    c.multihost = common.multihost()
+    if arg.smoke:
+        common.smoke(c)
+    c.lock()
+    return c

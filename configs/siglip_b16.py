@@ -12,23 +12,61 @@ prepared image-text dataset whose pp yields a ``caption``). ``smoke``: one block
 tiny images, for one step.
 """
 
+import ml_collections
+from ml_collections import config_dict
+
+from configs import common
 from vitmm.config_args import parse_arg
-from vitmm.train import config_base
+
+CHOOSE_CAPTION = "decode|choose(keys=('captions/text',), out_keys=('caption',))"  # one of an image's captions
 
 
 def get_config(arg=None):
     arg = parse_arg(arg, data="coco_captions", steps=10_000, batch=4096, smoke=False)
-    fast = dict(dtype_mm="bfloat16", scan=True, remat_policy="nothing_saveable")
-    c = config_base.contrastive(
-        image=dict(variant="B/16", pool="map", class_token=False, act="gelu_tanh", **fast),
-        text=dict(width=768, depth=12, num_heads=12, causal=False, pool="last", act="gelu_tanh", **fast),
-        data=arg.data, image_size=224, loss="sigmoid_chunked", embed_dim=768, batch_size=arg.batch,
-        total_steps=arg.steps, max_len=64,
-    )
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.total_steps = arg.steps
+    c.batch_size = arg.batch
+    c.parallel = "jit"
     c.fsdp = True
-    config_base.image_caption_data(c, arg.data, max_len=64, padding="eos")
-    c.optim.update(dict(lr=1e-3, weight_decay=1e-4, warmup_steps=min(2000, arg.steps // 10)))
+    c.loss = "sigmoid_chunked"
+    c.max_temperature = config_dict.placeholder(float)  # SigLIP does not clamp
+    c.tokenizer = config_dict.placeholder(str)
+    c.log_every = 50
+    c.eval_every = c.checkpoint_every = 1000
+    c.keep_checkpoints = 2
+    c.sync_every = 8
+
+    c.input = ml_collections.ConfigDict()
+    c.input.data = common.data(arg.data, "train")
+    c.input.data_dir = config_dict.placeholder(str)
+    c.input.image_size = 224
+    c.input.keys = ("image", "captions")
+    c.input.pp = (f"{CHOOSE_CAPTION}|random_resized_crop({{image_size}}, scale=(0.9, 1.0))|value_range(-1, 1)|"
+                  "tokenize('caption', {max_len}, padding='eos')|keep('image', 'caption_tokens')")
+    c.input.num_threads = 16
+    c.input.prefetch = 8
+    c.input.device_prefetch = 2
+
+    fast = dict(dtype_mm="bfloat16", scan=True, remat_policy="nothing_saveable")
+    c.model = ml_collections.ConfigDict()
+    c.model.image = dict(variant="B/16", pool="map", class_token=False, act="gelu_tanh", **fast)
+    c.model.text = dict(vocab_size=259, max_len=64, width=768, depth=12, num_heads=12, causal=False, pool="last",
+                        act="gelu_tanh", **fast)
+    c.model.embed_dim = 768
+    c.model.temperature_init = 10.0
+    c.model.bias_init = -10.0
+
+    c.optim = common.optim(lr=1e-3, warmup_steps=min(2000, arg.steps // 10), weight_decay=1e-4)
+    c.init = common.init()
+
+    val = common.data(arg.data, "val", keys=("image", "captions"), pp=CHOOSE_CAPTION)
+    c.evals = ml_collections.ConfigDict()
+    c.evals.retrieval = dict(type="retrieval", data=val, num_examples=5000)
+    c.evals.val = dict(type="val_loss", data=val, num_examples=5000, batch_size=1024)
+
+    c.multihost = common.multihost()
     if arg.smoke:
-        config_base.smoke_full_scale(c)
+        common.smoke_full_scale(c)
     c.lock()
     return c

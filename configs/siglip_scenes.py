@@ -10,16 +10,60 @@ bidirectional text tower pooled at the last position (sticky EOS padding), a MAP
 tower, temperature 10 and bias -10 at init, no temperature clamp.
 """
 
+import ml_collections
+from ml_collections import config_dict
+
+from configs import common
 from vitmm.config_args import parse_arg
-from vitmm.train import config_base
 
 
 def get_config(arg=None):
     arg = parse_arg(arg, steps=400, data="easy_64", parallel="jit", loss="sigmoid", smoke=False)
-    return config_base.scenes_contrastive(
-        arg,
-        image=dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8,
-                   pool="map", class_token=False, posemb="sincos2d"),
-        text=dict(width=128, depth=2, mlp_dim=512, num_heads=4, causal=False, pool="last"),
-        loss=arg.loss,
-    )
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.total_steps = arg.steps
+    c.batch_size = 128
+    c.parallel = arg.parallel
+    c.fsdp = False
+    c.loss = arg.loss  # sigmoid: all-gathered; sigmoid_chunked: text chunks passed around the devices
+    c.max_temperature = config_dict.placeholder(float)  # SigLIP does not clamp
+    c.tokenizer = config_dict.placeholder(str)
+    c.log_every = 10
+    c.eval_every = c.checkpoint_every = max(arg.steps // 2, 1)
+    c.keep_checkpoints = 2
+    c.sync_every = 8
+
+    c.input = ml_collections.ConfigDict()
+    c.input.data = common.data(f"scenes/{arg.data}", "train")
+    c.input.data_dir = config_dict.placeholder(str)
+    c.input.image_size = 64
+    c.input.keys = ("image", "caption")
+    c.input.pp = ("decode|resize({image_size})|flip_lr|value_range(-1, 1)|"
+                  "tokenize('caption', {max_len}, padding='eos')|keep('image', 'caption_tokens')")
+    c.input.num_threads = 1
+    c.input.prefetch = 8
+    c.input.device_prefetch = 2
+
+    c.model = ml_collections.ConfigDict()
+    c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="map",
+                         class_token=False, posemb="sincos2d")
+    c.model.text = dict(vocab_size=259, max_len=64, width=128, depth=2, mlp_dim=512, num_heads=4, causal=False,
+                        pool="last")
+    c.model.embed_dim = 128
+    c.model.temperature_init = 10.0
+    c.model.bias_init = -10.0
+
+    c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps // 20, 1), weight_decay=0.1)
+    c.init = common.init()
+
+    val = common.data(f"scenes/{arg.data}", "validation")
+    c.evals = ml_collections.ConfigDict()
+    c.evals.zeroshot = dict(type="zeroshot", data=val, num_examples=1000)
+    c.evals.retrieval = dict(type="retrieval", data=val, num_examples=1000)
+    c.evals.val = dict(type="val_loss", data=val, num_examples=1000, batch_size=256)
+
+    c.multihost = common.multihost()
+    if arg.smoke:
+        common.smoke(c)
+    c.lock()
+    return c

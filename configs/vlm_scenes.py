@@ -2,20 +2,23 @@
 a token budget, and a 4-layer Llama-style LM on bytes.
 
     python -m vitmm.train --config configs/clip_scenes.py --workdir workdirs/clip_scenes   # the tower
-    python -m vitmm.train --config configs/vlm_scenes.py:connector=pool,budget=16,stage=1 \
+    python -m vitmm.train --config configs/vlm_scenes.py:connector=pool,budget=16,stage=1 \\
         --workdir workdirs/vlm_pool16_s1 --config.init.vision=workdirs/clip_scenes
-    python -m vitmm.train --config configs/vlm_scenes.py:connector=pool,budget=16,stage=2 \
-        --workdir workdirs/vlm_pool16_s2 --config.init.vision=workdirs/clip_scenes \
+    python -m vitmm.train --config configs/vlm_scenes.py:connector=pool,budget=16,stage=2 \\
+        --workdir workdirs/vlm_pool16_s2 --config.init.vision=workdirs/clip_scenes \\
         --config.init.checkpoint=workdirs/vlm_pool16_s1
     python -m vitmm.train --config configs/vlm_scenes.py:smoke --workdir /tmp/vlm_smoke
 
 Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``), ``budget`` (visual tokens,
-or ``all``), ``stage`` (1: connector only; 2: connector and LM; the tower stays frozen), ``steps``,
-``data`` (a scenes config), ``smoke``.
+or ``all``), ``stage`` (1: connector only; 2: connector and LM, as LLaVA; the tower stays
+frozen), ``steps``, ``data`` (a scenes config), ``smoke``.
 """
 
+import ml_collections
+from ml_collections import config_dict
+
+from configs import common
 from vitmm.config_args import parse_arg
-from vitmm.train import config_base
 
 TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap", class_token=False,
              posemb="sincos2d")  # must match configs/clip_scenes.py's image tower
@@ -23,18 +26,54 @@ TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="g
 
 def get_config(arg=None):
     arg = parse_arg(arg, connector="mlp", budget="all", stage=1, steps=500, data="easy_64", smoke=False)
-    budget = arg.budget if arg.budget == "all" else int(arg.budget)
-    c = config_base.vlm(
-        vision=TOWER, lm=dict(width=128, depth=4, num_heads=4), connector=dict(name=arg.connector, budget=budget),
-        data=f"scenes/{arg.data}", image_size=int(arg.data.split("_")[1]), stage=arg.stage,
-        total_steps=arg.steps,
-    )
+    if arg.stage not in (1, 2):
+        raise ValueError(f"stage must be 1 (connector only) or 2 (connector and LM), got {arg.stage}.")
+    c = ml_collections.ConfigDict()
+    c.task = "vlm"
+    c.seed = 0
+    c.total_steps = arg.steps
+    c.batch_size = 64  # (image, question, answer) examples per step
+    c.parallel = "jit"
+    c.fsdp = False
+    c.tokenizer = config_dict.placeholder(str)  # default: bytes
+    c.log_every = 10
+    c.eval_every = c.checkpoint_every = arg.steps
+    c.keep_checkpoints = 2
+    c.sync_every = 8
+
+    c.input = ml_collections.ConfigDict()
+    c.input.data = common.data(f"scenes/{arg.data}", "train")
+    c.input.data_dir = config_dict.placeholder(str)
+    c.input.image_size = 64
+    c.input.keys = ("image", "questions", "answers", "question_kinds")
+    c.input.pp = ("decode|resize({image_size})|value_range(-1, 1)|choose|qa_tokens({max_len})|"
+                  "keep('image', 'ids', 'answer_mask', 'prompt_len')")  # choose: one question per image
+    c.input.num_threads = 1
+    c.input.prefetch = 8
+    c.input.device_prefetch = 2
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vision = TOWER
+    c.model.connector = dict(name=arg.connector, budget=arg.budget if arg.budget == "all" else int(arg.budget))
+    c.model.lm = dict(vocab_size=259, width=128, depth=4, num_heads=4)
+    c.model.vision_layer = -1  # -1: the tower's output; -n: HF's hidden_states[-n]
+    c.model.use_cls = False
+    c.model.prefix_lm = False  # True: image and prompt attend both ways
+    c.model.max_len = 64  # BOS + question + answer + EOS, in tokens
+
+    freeze = (r"tower/.*", r"language/.*") if arg.stage == 1 else (r"tower/.*",)
+    c.optim = common.optim(lr=1e-3 if arg.stage == 1 else 3e-4, warmup_steps=max(arg.steps // 20, 1),
+                           weight_decay=0.0, freeze=freeze)
+    c.init = common.init(vision=config_dict.placeholder(str),  # a CLIP run's workdir (python -m vitmm.train)
+                         allow_random_tower=False)  # stage 2: also init.checkpoint = the stage-1 workdir
+
+    c.evals = ml_collections.ConfigDict()
+    c.evals.qa = dict(type="qa", data=common.data(f"scenes/{arg.data}", "validation"), num_examples=512,
+                      batch_size=128, max_new_tokens=8)
+
+    c.multihost = common.multihost()
     if arg.smoke:
-        c.input.data.name = config_base.SMOKE_DATA
-        c.evals.qa.data.name = config_base.SMOKE_DATA
-        c.input.pp = c.input.pp.replace(f"resize({c.input.image_size})", "resize(32)")
-        c.input.image_size = 32
-        c.total_steps, c.batch_size, c.log_every, c.eval_every, c.checkpoint_every = 4, 8, 2, 4, 4
+        common.smoke(c, steps=4, batch_size=8)
         c.model.lm.update(dict(width=32, depth=1))
         c.evals.qa.num_examples, c.evals.qa.batch_size = 16, 8
         c.init.allow_random_tower = True

@@ -80,12 +80,12 @@ def ensure_tower(workdir: pathlib.Path, smoke: bool, data_dir=None) -> None:
     if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
         return
     from vitmm.config_args import load
-    from vitmm.train import config_base, trainer
+    from vitmm.train import trainer
 
     arg = "smoke" if smoke else None
     print(f"No CLIP checkpoint in {workdir}: training configs/clip_scenes.py{':' + arg if arg else ''} first.")
-    config = load(ROOT / "configs/clip_scenes.py", arg)
-    trainer.train(config_base.with_data_dir(config, data_dir) if data_dir else config, workdir)
+    trainer.train(load(ROOT / "configs/clip_scenes.py", arg, **({"input.data_dir": data_dir} if data_dir else {})),
+                  workdir)
 
 
 def encode_split(tower: ViT, params, data: str, split: str, limit: int, image_size: int, tokenizer,

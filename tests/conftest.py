@@ -43,6 +43,9 @@ TEST_XLA_FLAGS = ("" if os.environ.get("VITMM_TEST_XLA_OPT") == "1"
 os.environ["VITMM_TEST_XLA_FLAGS"] = TEST_XLA_FLAGS  # for the subprocesses that set their own XLA_FLAGS
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS, "--xla_force_host_platform_device_count=4"]).strip()
+from vitmm import xla_flags  # noqa: E402 - the suite runs with the settings vitmm's entry points use
+
+xla_flags.use_vitmm_defaults()
 
 _cache = os.environ.get("VITMM_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), f"vitmm-test-xla-{os.getuid()}"))
 if _cache:
@@ -66,7 +69,7 @@ def _shared_run(tmp_path_factory, name: str, arg: str) -> SharedRun:
     """``configs/{name}.py:{arg}`` trained once for the whole session. xdist workers share one
     run: the first to get the lock trains, the others read its summary."""
     from vitmm import config_args
-    from vitmm.train import config_base, trainer
+    from vitmm.train import trainer
 
     base = tmp_path_factory.getbasetemp()
     key = f"{name}-{arg}".replace(",", "-").replace("=", "-")
@@ -76,8 +79,9 @@ def _shared_run(tmp_path_factory, name: str, arg: str) -> SharedRun:
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            config = config_args.load(pathlib.Path(__file__).parents[1] / "configs" / f"{name}.py", arg)
-            summary = trainer.train(config_base.with_data_dir(config, str(data_dir)), workdir)
+            config = config_args.load(pathlib.Path(__file__).parents[1] / "configs" / f"{name}.py", arg,
+                                      **{"input.data_dir": str(data_dir)})
+            summary = trainer.train(config, workdir)
             (root / "summary.tmp").write_text(json.dumps(summary, default=float))
             (root / "summary.tmp").rename(done)
     return SharedRun(workdir, str(data_dir), json.loads(done.read_text()))

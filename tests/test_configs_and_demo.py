@@ -13,14 +13,11 @@ from vitmm import config_args, demo, tree
 from vitmm.models import vit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").glob("*.py"))
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py") if p.stem not in ("__init__", "common"))
 
 
-def load_config(path: pathlib.Path, arg=None):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+def load_config(path: pathlib.Path, arg=None, **overrides):
+    return config_args.load(path, arg, **overrides)
 
 
 def test_parse_arg_types_bare_flags_and_errors():
@@ -263,3 +260,32 @@ def test_bench_gpu_sweep_runs_each_setting_in_its_own_process(tmp_path, monkeypa
     markdown = out.with_suffix(".md").read_text()
     assert "| tanh GELU | `` | `--act gelu_tanh --dtype_residual bfloat16` |" in markdown
     assert "| bogus flag |" in markdown
+
+
+def test_one_image_size_override_reaches_training_and_evaluation(tmp_path, monkeypatch):
+    """Preprocessing strings are templates filled from the config when the run starts, so an
+    override of ``input.image_size`` changes the training pp and every evaluator together, and
+    one ``input.data_dir`` reaches every evaluator."""
+    from vitmm.data import preprocess
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.train import evaluators, tasks, trainer
+    from vitmm.train.parallel import Parallel
+
+    data_dir = str(tmp_path / "tfds")
+    c = load_config(ROOT / "configs/clip_scenes.py", "smoke", **{"input.image_size": 48, "input.data_dir": data_dir})
+    assert trainer.pp_string(c).startswith("decode|resize(48)|") and "tokenize('caption', 64," in trainer.pp_string(c)
+    seen = []
+    real_parse = preprocess.parse
+    monkeypatch.setattr(evaluators.preprocess, "parse", lambda pp, *a: seen.append(pp) or real_parse(pp, *a))
+    sources = []
+    real_source = evaluators.pipeline.get_source
+    def get_source(name, split, data_dir, **kw):
+        sources.append(data_dir)
+        return real_source(name, split, data_dir, **kw)
+
+    monkeypatch.setattr(evaluators.pipeline, "get_source", get_source)
+    tasks.from_config(c, Parallel("jit"), tok_lib.get_tokenizer(None)).evaluators()
+    assert seen and all("resize(48)" in pp for pp in seen)
+    assert sources and set(sources) == {data_dir}
+    with pytest.raises(ValueError, match=r"names the field 'size'.*\{image_size\} and \{max_len\}"):
+        trainer.pp_string(load_config(ROOT / "configs/clip_scenes.py", "smoke", **{"input.pp": "resize({size})"}))

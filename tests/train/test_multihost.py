@@ -43,10 +43,10 @@ def _free_port() -> int:
 
 def test_two_processes_train_as_one(tmp_path):
     data_dir = tmp_path / "tfds"
+    from configs import common
     from vitmm.data import pipeline
-    from vitmm.train import config_base
 
-    pipeline.get_source(config_base.SMOKE_DATA, "train", str(data_dir))  # build once, up front
+    pipeline.get_source(common.SMOKE_DATA, "train", str(data_dir))  # build once, up front
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     coordinator = f"127.0.0.1:{_free_port()}"

@@ -12,14 +12,14 @@ import pytest
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
-from vitmm.train import config_base, trainer
+from vitmm.train import trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def smoke_config(data_dir, name="clip_scenes", arg="smoke", evals=True, **overrides):
     """``configs/{name}.py:{arg}`` reading and evaluating on ``data_dir``."""
-    c = config_base.with_data_dir(config_args.load(ROOT / "configs" / f"{name}.py", arg, **overrides), data_dir)
+    c = config_args.load(ROOT / "configs" / f"{name}.py", arg, **{"input.data_dir": data_dir, **overrides})
     if not evals:
         with c.unlocked():
             c.evals = ml_collections.ConfigDict()

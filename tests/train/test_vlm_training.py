@@ -7,14 +7,15 @@ import jax
 import numpy as np
 import pytest
 
+from configs import common
 from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
-from vitmm.train import config_base, trainer
+from vitmm.train import trainer
 
 
 def _config(name, arg, data_dir, **overrides):
     path = pathlib.Path(__file__).resolve().parents[2] / "configs" / f"{name}.py"
-    return config_base.with_data_dir(config_args.load(path, arg, **overrides), data_dir)
+    return config_args.load(path, arg, **{"input.data_dir": data_dir, **overrides})
 
 
 def test_stages_train_what_they_should_from_a_clip_tower(tmp_path, data_dir, clip_smoke_run):
@@ -86,7 +87,7 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
         return out
 
     monkeypatch.setattr(eval_lib.pipeline, "eval_batches", recording)
-    cfg = {"data": {"name": config_base.SMOKE_DATA, "split": "validation", "data_dir": clip_smoke_run.data_dir},
+    cfg = {"data": {"name": common.SMOKE_DATA, "split": "validation", "data_dir": clip_smoke_run.data_dir},
            "num_examples": 48, "batch_size": 16, "max_new_tokens": 16}
     evaluator = eval_lib.QAAccuracy(None, cfg, 64, tok, 32, False)
     evaluator.decode = oracle

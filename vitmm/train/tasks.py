@@ -71,7 +71,7 @@ class ContrastiveTask:
 
     def evaluators(self):
         c = self.config
-        return eval_lib.from_config(c.get("evals") or {}, self.model, c.model.text.max_len, self.tokenizer,
+        return eval_lib.from_config(_evals_config(c), self.model, c.model.text.max_len, self.tokenizer,
                                     c.loss, c.input.image_size)
 
 
@@ -125,9 +125,22 @@ class VLMTask:
 
     def evaluators(self):
         c = self.config
-        return {name: eval_lib.QAAccuracy(self.model, dict(cfg), c.model.max_len, self.tokenizer,
+        return {name: eval_lib.QAAccuracy(self.model, cfg, c.model.max_len, self.tokenizer,
                                           c.input.image_size, c.model.prefix_lm)
-                for name, cfg in (c.get("evals") or {}).items()}
+                for name, cfg in _evals_config(c).items()}
+
+
+def _evals_config(config) -> dict:
+    """``config.evals`` as plain dicts, each evaluator's ``data_dir`` defaulting to the training
+    input's (one setting points a run and all its evaluators at a TFDS folder)."""
+    out = {}
+    for name, cfg in (config.get("evals") or {}).items():
+        cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+        cfg["data"] = dict(cfg.get("data") or {})
+        if not cfg["data"].get("data_dir"):
+            cfg["data"]["data_dir"] = config.input.get("data_dir")
+        out[name] = cfg
+    return out
 
 
 TASKS = {"contrastive": ContrastiveTask, "vlm": VLMTask}

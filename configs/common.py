@@ -1,0 +1,74 @@
+"""Small builders the config files share (big_vision's ``configs/common.py`` pattern).
+
+They hold only what no experiment varies: the optimizer's constants, initialisation and
+multi-host placeholders, and the smoke shrink. Everything an experiment decides (model, data,
+preprocessing, learning rate and schedule, batch size, steps, evaluators) is written out in
+its own file.
+
+Preprocessing strings are templates: ``{image_size}`` and ``{max_len}`` are filled from
+``input.image_size`` and the model's ``max_len`` when the run starts, so one override
+(``--config.input.image_size=96``) changes training and evaluation together.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+SMOKE_DATA = "scenes/easy_32_256_64_64_s0"  # a scenes build made in about a second
+
+
+def optim(*, lr: float, warmup_steps: int, weight_decay: float, freeze=(), **more) -> ml_collections.ConfigDict:
+    """AdamW with linear warmup and linear decay to ``end_factor``·lr (``vitmm.train.optim``);
+    b1/b2/eps as CLIP (0.9, 0.98, 1e-6), gradients clipped at global norm 1."""
+    return ml_collections.ConfigDict(dict(lr=lr, warmup_steps=warmup_steps, end_factor=0.0, weight_decay=weight_decay,
+                                          b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0, freeze=tuple(freeze),
+                                          accum_steps=1, **more))
+
+
+def init(**more) -> ml_collections.ConfigDict:
+    """``checkpoint``: another run's workdir to start from; ``dont_load``: regexes of the
+    parameters that keep their fresh initialisation."""
+    return ml_collections.ConfigDict(dict(checkpoint=config_dict.placeholder(str), dont_load=(), **more))
+
+
+def multihost() -> ml_collections.ConfigDict:
+    """Set ``coordinator`` (e.g. 127.0.0.1:12345), ``num_processes`` and ``process_id`` to
+    run one process per host."""
+    return ml_collections.ConfigDict(dict(coordinator=config_dict.placeholder(str),
+                                          bind_address=config_dict.placeholder(str), num_processes=1, process_id=0))
+
+
+def data(name: str, split: str, **more) -> ml_collections.ConfigDict:
+    """A TFDS dataset and split; its ``data_dir`` defaults to ``input.data_dir``."""
+    return ml_collections.ConfigDict(dict(name=name, split=split, **more))
+
+
+def smoke(c: ml_collections.ConfigDict, steps: int = 4, batch_size: int = 16) -> ml_collections.ConfigDict:
+    """The same run shrunk to seconds on a small scenes build at 32 px (tests execute it)."""
+    c.input.data.name = SMOKE_DATA
+    c.input.image_size = 32
+    c.total_steps, c.batch_size = steps, batch_size
+    c.log_every, c.eval_every, c.checkpoint_every = 2, steps, steps
+    c.optim.warmup_steps = 1
+    for ev in c.evals.values():
+        ev.data.name = SMOKE_DATA
+        ev.num_examples = 64
+        if "batch_size" in ev:
+            ev.batch_size = 32
+    return c
+
+
+def smoke_full_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A full-scale config's architecture with one block per tower on 32 px images, one step."""
+    c.total_steps, c.batch_size, c.log_every, c.eval_every, c.checkpoint_every = 1, 8, 1, 1, 1
+    c.model.image.depth = 1
+    c.model.text.depth = 1
+    c.input.image_size = 32
+    c.input.num_threads = 1
+    c.optim.warmup_steps = 1
+    for ev in c.evals.values():
+        ev.num_examples = 16
+        if ev.type == "val_loss":
+            ev.batch_size = 8
+    return c
