@@ -60,11 +60,11 @@ def rows(method: str | None):
         yield f"transformers {name[3:]}", m, rel(sequence(out, kwargs), ref["last_hidden_state_resized"])
     for name in TIMM:
         ref, build = load_io(name), json.loads((FIXTURES / name / "build.json").read_text())
-        kwargs, params = timm_vit.load(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"])
+        kwargs, params = timm_vit.load_vit(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"])
         m, out = tower(kwargs, params, ref, method)
         yield name, m, rel(sequence(out, kwargs), ref["features_resized"])
     ref = load_io("open_clip")
-    kwargs, params = openclip.load(FIXTURES / "open_clip" / "open_clip_model.safetensors")
+    kwargs, params = openclip.load_two_towers(FIXTURES / "open_clip" / "open_clip_model.safetensors")
     image = {**kwargs["image"], "dynamic_img_size": True, **({"posemb_resample": method} if method else {})}
     zimg, _, out = TwoTowers(**{**kwargs, "image": image}).apply({"params": params},
                                                                  images(ref, "pixel_values_resized"), None)

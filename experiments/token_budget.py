@@ -503,7 +503,7 @@ def main(argv=None) -> pathlib.Path:
     tower_cfg = clip_config["model"]["image"]
     image_size = clip_config["input"]["image_size"]
     data = args.data or clip_config["input"].get("data", {}).get("name")
-    if data is None:  # e.g. a tower converted with python -m vitmm.convert
+    if data is None:  # e.g. a tower converted with python -m vitmm.interop
         raise SystemExit(f"{tower_dir} does not say what data it was trained on; pass --data (e.g. scenes/easy_224).")
     tower = ViT(**tower_cfg)
     tower_params = ckpt_lib.load_params(tower_dir)["img"]

@@ -89,14 +89,14 @@ def test_a_representation_layer_is_refused(tmp_path):
 
 def test_a_file_without_a_position_table_uses_fixed_sincos_positions(tmp_path):
     from vitmm import checkpoint as ckpt_lib
-    from vitmm import convert
+    from vitmm.interop import __main__ as cli
 
     path = _rewrite(tmp_path, "bv_vit", lambda t: t.pop("params/pos_embedding"))
     kwargs, params = big_vision.load_vit(path)
     assert kwargs["posemb"] == "sincos2d" and "pos_embedding" not in params
     logits, _ = ViT(**kwargs).apply({"params": params}, jnp.zeros((1, 48, 48, 3)))  # any size
     assert logits.shape == (1, 10)
-    convert.main(["--from", "big_vision", "--src", str(path), "--out", str(tmp_path / "c"), "--image_size", "48"])
+    cli.main(["--from", "big_vision", "--src", str(path), "--out", str(tmp_path / "c"), "--image_size", "48"])
     assert ckpt_lib.load_config(tmp_path / "c")["input"]["image_size"] == 48
 
 
@@ -116,20 +116,20 @@ def test_loading_at_a_new_resolution_resamples_positions():
 
 def test_convert_cli_takes_big_vision_files(tmp_path):
     from vitmm import checkpoint as ckpt_lib
-    from vitmm import convert
+    from vitmm.interop import __main__ as cli
 
     ref = load_io("bv_siglip")
-    convert.main(["--from", "big_vision", "--src", str(FIXTURES / "bv_siglip" / "model.npz"), "--out",
+    cli.main(["--from", "big_vision", "--src", str(FIXTURES / "bv_siglip" / "model.npz"), "--out",
                   str(tmp_path / "s")])
     config, params = ckpt_lib.load_config(tmp_path / "s"), ckpt_lib.load_params(tmp_path / "s")
     zimg, ztxt, out = TwoTowers(**config["model"]).apply({"params": params}, images(ref),
                                                          jnp.asarray(ref["input_ids"], jnp.int32))
     np.testing.assert_allclose(np.asarray(out["t"] * zimg @ ztxt.T + out["b"]), ref["logits_per_image"],
                                atol=ATOL, rtol=0)
-    convert.main(["--from", "big_vision", "--src", str(FIXTURES / "bv_vit_gap_scan" / "model.npz"), "--out",
+    cli.main(["--from", "big_vision", "--src", str(FIXTURES / "bv_vit_gap_scan" / "model.npz"), "--out",
                   str(tmp_path / "v")])
     config = ckpt_lib.load_config(tmp_path / "v")
     assert config["model"]["text"] is None and config["input"]["image_size"] == 32
     with pytest.raises(SystemExit, match="no text tower"):
-        convert.main(["--from", "big_vision", "--src", str(FIXTURES / "bv_vit" / "model.npz"), "--out",
+        cli.main(["--from", "big_vision", "--src", str(FIXTURES / "bv_vit" / "model.npz"), "--out",
                       str(tmp_path / "t"), "--tower", "text"])

@@ -131,11 +131,11 @@ def test_convert_cli_writes_a_checkpoint_that_vitmm_initialises_from(tmp_path):
     import jax
 
     from vitmm import checkpoint as ckpt_lib
-    from vitmm import convert
+    from vitmm.interop import __main__ as cli
     from vitmm.models import vlm
 
     out = tmp_path / "converted"
-    convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(out)])
+    cli.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(out)])
     kwargs, params = hf.load_clip(FIXTURES / "hf_clip")
     loaded = ckpt_lib.load_params(out)
     for a, b in zip(_leaves(params), _leaves(loaded), strict=True):
@@ -151,9 +151,9 @@ def test_convert_cli_writes_a_checkpoint_that_vitmm_initialises_from(tmp_path):
     merged = ckpt_lib.init_tower_from_clip(init, out)
     np.testing.assert_array_equal(merged["tower"]["pos_embedding"], params["img"]["pos_embedding"])
     with pytest.raises(SystemExit, match="already holds a checkpoint"):
-        convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(out)])
+        cli.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(out)])
     vision_out = tmp_path / "vision336"
-    convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip_vision"), "--out", str(vision_out),
+    cli.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip_vision"), "--out", str(vision_out),
                   "--tower", "vision", "--image_size", "48"])
     assert ckpt_lib.load_params(vision_out)["img"]["pos_embedding"].shape == (1, 6, 6, 32)
     assert ckpt_lib.load_config(vision_out)["input"]["image_size"] == 48
@@ -182,9 +182,9 @@ def test_load_vit_refuses_other_model_types():
 
 def test_convert_cli_takes_a_dinov2_backbone(tmp_path):
     from vitmm import checkpoint as ckpt_lib
-    from vitmm import convert
+    from vitmm.interop import __main__ as cli
 
-    convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_dinov2_registers"), "--out", str(tmp_path / "d")])
+    cli.main(["--from", "hf", "--src", str(FIXTURES / "hf_dinov2_registers"), "--out", str(tmp_path / "d")])
     config = ckpt_lib.load_config(tmp_path / "d")
     assert config["model"]["image"]["num_registers"] == 4 and config["input"]["image_size"] == 28
     assert ckpt_lib.load_params(tmp_path / "d")["img"]["registers"].shape == (1, 4, 32)
@@ -206,9 +206,9 @@ def test_siglip_model_matches_transformers():
 
 def test_convert_cli_takes_siglip_and_the_model_rebuilds_from_its_config(tmp_path):
     from vitmm import checkpoint as ckpt_lib
-    from vitmm import convert
+    from vitmm.interop import __main__ as cli
 
-    convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_siglip"), "--out", str(tmp_path / "s")])
+    cli.main(["--from", "hf", "--src", str(FIXTURES / "hf_siglip"), "--out", str(tmp_path / "s")])
     config, params = ckpt_lib.load_config(tmp_path / "s"), ckpt_lib.load_params(tmp_path / "s")
     ref = load_io("hf_siglip")
     zimg, ztxt, out = TwoTowers(**config["model"]).apply({"params": params}, images(ref),
@@ -263,15 +263,17 @@ def test_vit_backbones_at_a_non_square_resolution_match_transformers(name, metho
 
 
 def test_convert_cli_takes_a_non_square_size(tmp_path):
-    from vitmm import checkpoint, convert
+    from vitmm import checkpoint
+    from vitmm.interop import __main__ as cli
+    from vitmm.interop import convert
 
-    out = convert.convert("hf", str(FIXTURES / "hf_clip"), str(tmp_path / "c"), "vision", (40, 56))
+    out = convert.convert("hf", str(FIXTURES / "hf_clip"), str(tmp_path / "c"), tower="vision", image_size=(40, 56))
     config = checkpoint.load_config(out)
     assert config["input"]["image_size"] == [40, 56]
     assert config["model"]["image"]["posemb_resample"] == "torch_bicubic"
-    assert convert.image_size_arg("40x56") == (40, 56) and convert.image_size_arg("336") == 336
+    assert cli.image_size_arg("40x56") == (40, 56) and cli.image_size_arg("336") == 336
     with pytest.raises(SystemExit):
-        convert.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(tmp_path / "d"),
+        cli.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(tmp_path / "d"),
                       "--image_size", "40x"])
 
 

@@ -31,7 +31,7 @@ def _timm_sequence(out, kwargs):
 @pytest.mark.parametrize("name", TIMM_CASES)
 def test_timm_vit_matches_timm(name):
     ref, build = load_io(name), json.loads((FIXTURES / name / "build.json").read_text())
-    kwargs, params = timm_vit.load(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"])
+    kwargs, params = timm_vit.load_vit(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"])
     assert kwargs["class_token"] == build.get("class_token", True)
     assert kwargs["num_registers"] == build.get("reg_tokens", 0)
     logits, out = ViT(**kwargs).apply({"params": params}, images(ref))
@@ -47,18 +47,18 @@ def test_timm_vit_at_a_non_square_resolution_matches_dynamic_img_size(name):
     reproduced by resampling once at load and by vitmm's own ``dynamic_img_size``."""
     ref, build = load_io(name), json.loads((FIXTURES / name / "build.json").read_text())
     src = FIXTURES / name / "model.safetensors"
-    kwargs, params = timm_vit.load(src, num_heads=build["num_heads"], image_size=resized_hw(ref))
+    kwargs, params = timm_vit.load_vit(src, num_heads=build["num_heads"], image_size=resized_hw(ref))
     assert kwargs["posemb_resample"] == "bicubic_aa"
     _, out = ViT(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"))
     assert_close_relative(_timm_sequence(out, kwargs), ref["features_resized"], name)
-    _, at_train_size = timm_vit.load(src, num_heads=build["num_heads"])
+    _, at_train_size = timm_vit.load_vit(src, num_heads=build["num_heads"])
     _, out = ViT(**{**kwargs, "dynamic_img_size": True}).apply({"params": at_train_size},
                                                                images(ref, "pixel_values_resized"))
     assert_close_relative(_timm_sequence(out, kwargs), ref["features_resized"], name + " (dynamic)")
 
 
 def test_timm_pooling_is_read_from_the_tensors():
-    pools = {name: timm_vit.load(FIXTURES / name / "model.safetensors", num_heads=4)[0]
+    pools = {name: timm_vit.load_vit(FIXTURES / name / "model.safetensors", num_heads=4)[0]
              for name in ("timm_vit", "timm_vit_gap", "timm_vit_fc_norm", "timm_vit_map")}
     assert [(k["pool"], k["fc_norm"]) for k in pools.values()] == [("tok", False), ("gap", False), ("gap", True),
                                                                    ("map", False)]
@@ -68,17 +68,17 @@ def test_timm_pooling_is_read_from_the_tensors():
 def test_timm_refusals_name_the_reason():
     path = FIXTURES / "timm_vit" / "model.safetensors"
     with pytest.raises(ValueError, match="avgmax"):
-        timm_vit.load(path, num_heads=4, global_pool="avgmax")
+        timm_vit.load_vit(path, num_heads=4, global_pool="avgmax")
     with pytest.raises(ValueError, match="reads CLS/register tokens"):
-        timm_vit.load(path, num_heads=4, global_pool="map")
+        timm_vit.load_vit(path, num_heads=4, global_pool="map")
     with pytest.raises(ValueError, match="not a timm VisionTransformer"):
-        timm_vit.load(FIXTURES / "open_clip" / "open_clip_model.safetensors")
+        timm_vit.load_vit(FIXTURES / "open_clip" / "open_clip_model.safetensors")
 
 
 def test_timm_wrong_head_count_changes_the_output():
     """The head count is not in the weights: a wrong one loads but computes something else."""
     ref = load_io("timm_vit")
-    kwargs, params = timm_vit.load(FIXTURES / "timm_vit" / "model.safetensors", num_heads=2)
+    kwargs, params = timm_vit.load_vit(FIXTURES / "timm_vit" / "model.safetensors", num_heads=2)
     logits, _ = ViT(**kwargs).apply({"params": params}, images(ref))
     assert np.abs(np.asarray(logits) - ref["logits"]).max() > 1e-3
 
@@ -86,7 +86,7 @@ def test_timm_wrong_head_count_changes_the_output():
 @pytest.fixture(scope="module")
 def open_clip_out():
     ref = load_io("open_clip")
-    kwargs, params = openclip.load(FIXTURES / "open_clip" / "open_clip_model.safetensors")
+    kwargs, params = openclip.load_two_towers(FIXTURES / "open_clip" / "open_clip_model.safetensors")
     zimg, ztxt, out = TwoTowers(**kwargs).apply({"params": params}, images(ref),
                                                 jnp.asarray(ref["input_ids"], jnp.int32))
     return ref, kwargs, zimg, ztxt, out
@@ -105,7 +105,8 @@ def test_open_clip_matches_open_clip(open_clip_out):
 def test_open_clip_at_a_non_square_resolution_matches_resize_pos_embed():
     """open_clip's ``resize_pos_embed`` (bicubic, anti-aliased) into a 40x56 px model."""
     ref = load_io("open_clip")
-    kwargs, params = openclip.load(FIXTURES / "open_clip" / "open_clip_model.safetensors", image_size=resized_hw(ref))
+    kwargs, params = openclip.load_two_towers(FIXTURES / "open_clip" / "open_clip_model.safetensors",
+                                              image_size=resized_hw(ref))
     assert kwargs["image"]["posemb_resample"] == "bicubic_aa"
     zimg, _, out = TwoTowers(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"), None)
     assert_close_relative(zimg * out["img/norm"][:, None], ref["image_proj_resized"], "image_proj")
@@ -114,27 +115,27 @@ def test_open_clip_at_a_non_square_resolution_matches_resize_pos_embed():
 def test_open_clip_without_its_config_asks_for_quick_gelu(tmp_path):
     shutil.copy(FIXTURES / "open_clip" / "open_clip_model.safetensors", tmp_path)
     with pytest.raises(ValueError, match="quick_gelu"):
-        openclip.load(tmp_path / "open_clip_model.safetensors")
-    kwargs, _ = openclip.load(tmp_path / "open_clip_model.safetensors", quick_gelu=False)
+        openclip.load_two_towers(tmp_path / "open_clip_model.safetensors")
+    kwargs, _ = openclip.load_two_towers(tmp_path / "open_clip_model.safetensors", quick_gelu=False)
     assert kwargs["text"]["act"] == "gelu"
 
 
 def test_convert_cli_takes_timm_and_open_clip(tmp_path, open_clip_out):
     from vitmm import checkpoint as ckpt_lib
-    from vitmm import convert
+    from vitmm.interop import __main__ as cli
 
     ref, _, zimg, _, _ = open_clip_out
-    convert.main(["--from", "open_clip", "--src", str(FIXTURES / "open_clip" / "open_clip_model.safetensors"),
+    cli.main(["--from", "open_clip", "--src", str(FIXTURES / "open_clip" / "open_clip_model.safetensors"),
                   "--out", str(tmp_path / "oc")])
     config, params = ckpt_lib.load_config(tmp_path / "oc"), ckpt_lib.load_params(tmp_path / "oc")
     got, _, _ = TwoTowers(**config["model"]).apply({"params": params}, images(ref), None)
     np.testing.assert_allclose(np.asarray(got), np.asarray(zimg), atol=1e-6, rtol=0)
 
-    convert.main(["--from", "timm", "--src", str(FIXTURES / "timm_vit_reg" / "model.safetensors"),
+    cli.main(["--from", "timm", "--src", str(FIXTURES / "timm_vit_reg" / "model.safetensors"),
                   "--out", str(tmp_path / "tv"), "--num_heads", "4", "--image_size", "48"])
     config = ckpt_lib.load_config(tmp_path / "tv")
     assert config["input"]["image_size"] == 48 and config["model"]["image"]["num_registers"] == 4
     assert ckpt_lib.load_params(tmp_path / "tv")["img"]["pos_embedding"].shape == (1, 6, 6, 32)
     with pytest.raises(SystemExit, match="no text tower"):
-        convert.main(["--from", "timm", "--src", str(FIXTURES / "timm_vit" / "model.safetensors"),
+        cli.main(["--from", "timm", "--src", str(FIXTURES / "timm_vit" / "model.safetensors"),
                       "--out", str(tmp_path / "tt"), "--tower", "text"])

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm.interop import io
-from vitmm.interop.common import StateDict, finish, grid_table, resize
+from vitmm.interop.common import StateDict, finish, grid_table, pick_tower, resize, vision_only
 from vitmm.models.patch_embed import to_pair
 
 TOP = ("params/", "opt/target/")
@@ -291,3 +291,12 @@ def load_two_towers(src: str | pathlib.Path, act: str = "gelu_tanh", norm_eps: f
     if image_size is not None and side is not None:
         params = {**params, "img": resize(params["img"], image, image_size)}
     return kwargs, params
+
+
+def load(src: str | pathlib.Path, *, tower: str = "both",
+         image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
+    """``(TwoTowers kwargs, params)`` of a big_vision ``.npz``: a ViT (its only tower) or two
+    towers (both, or one by ``tower``)."""
+    if not is_two_towers(src):
+        return pick_tower(*vision_only(*load_vit(src, image_size=image_size)), tower, src)
+    return pick_tower(*load_two_towers(src, image_size=image_size), tower, src)

@@ -86,3 +86,28 @@ def grid_table(flat: np.ndarray, what: str) -> np.ndarray:
 def conv_kernel(weight: np.ndarray) -> np.ndarray:
     """PyTorch conv ``[D, C, ph, pw]`` → vitmm patch kernel ``[ph, pw, C, D]``."""
     return weight.transpose(2, 3, 1, 0)
+
+
+TOWERS = ("both", "vision", "text")
+
+
+def vision_only(kwargs: dict, img: dict) -> tuple[dict, dict]:
+    """``(TwoTowers kwargs, params)`` of an image tower alone (no text tower, no projections)."""
+    return {"image": kwargs, "text": None, "embed_dim": None}, {"img": img}
+
+
+def text_only(kwargs: dict, txt: dict) -> tuple[dict, dict]:
+    return {"image": None, "text": kwargs, "embed_dim": None}, {"txt": txt}
+
+
+def pick_tower(model: dict, params: dict, tower: str, src) -> tuple[dict, dict]:
+    """The ``vision`` or ``text`` half of a two-tower ``(model, params)``; ``both`` as is."""
+    if tower not in TOWERS:
+        raise ValueError(f"tower must be one of {TOWERS}, got {tower!r}.")
+    if tower != "both" and model["image" if tower == "vision" else "text"] is None:
+        raise ValueError(f"{src} has no {tower} tower.")
+    if tower == "vision":
+        return vision_only(model["image"], params["img"])
+    if tower == "text":
+        return text_only(model["text"], params["txt"])
+    return model, params

@@ -36,7 +36,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm.interop import io
-from vitmm.interop.common import StateDict, conv_kernel, finish, grid_table, linear, norm, resize
+from vitmm.interop.common import (
+    StateDict,
+    conv_kernel,
+    finish,
+    grid_table,
+    linear,
+    norm,
+    pick_tower,
+    resize,
+    text_only,
+    vision_only,
+)
 
 ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "silu"}
@@ -448,3 +459,24 @@ def export_clip_vision(kwargs: dict, params: dict, prefix: str = "vision_model."
               "image_size": grid[0] * kwargs["patch_size"], "patch_size": kwargs["patch_size"],
               "hidden_act": act, "layer_norm_eps": kwargs.get("norm_eps", 1e-5)}
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, config
+
+
+def load(src: str | pathlib.Path, *, tower: str = "both",
+         image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
+    """``(TwoTowers kwargs, params)`` of any transformers folder vitmm reads, by its
+    ``model_type``: CLIP (``tower`` both, vision or text), SigLIP (both or vision), ViT/DINOv2
+    backbones (vision)."""
+    kind = io.read_json(src).get("model_type")
+    if kind in VIT_TYPES:  # an image backbone: one tower
+        return pick_tower(*vision_only(*load_vit(src, image_size=image_size)), tower, src)
+    if kind in ("siglip", "siglip_vision_model"):
+        if tower == "text":
+            raise ValueError("A SigLIP text tower alone is not supported; convert both towers (tower='both').")
+        if tower == "both" and kind == "siglip":
+            return load_siglip(src, image_size=image_size)
+        return vision_only(*load_siglip_vision(src, image_size=image_size))
+    if tower == "both":
+        return load_clip(src, image_size=image_size)
+    if tower == "vision":
+        return vision_only(*load_clip_vision(src, image_size=image_size))
+    return pick_tower(*text_only(*load_clip_text(src)), tower, src)

@@ -25,7 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm.interop import io
-from vitmm.interop.common import StateDict, conv_kernel, finish, grid_table, linear, norm, resize
+from vitmm.interop.common import (
+    StateDict,
+    conv_kernel,
+    finish,
+    grid_table,
+    linear,
+    norm,
+    pick_tower,
+    resize,
+)
 
 
 def _resblocks(sd: StateDict, prefix: str, depth: int, final: str) -> dict:
@@ -55,8 +64,9 @@ def _model_cfg(src) -> dict | None:
     return json.loads(path.read_text()).get("model_cfg", {}) if path.is_file() else None
 
 
-def load(src: str | pathlib.Path, quick_gelu: bool | None = None, head_width: int | None = None,
-         text_heads: int | None = None, image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
+def load_two_towers(src: str | pathlib.Path, quick_gelu: bool | None = None, head_width: int | None = None,
+                    text_heads: int | None = None,
+                    image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(TwoTowers kwargs, params)`` of an open_clip ``CLIP`` (ViT image tower, text transformer)."""
     from vitmm.models.two_towers import TwoTowers
 
@@ -113,3 +123,9 @@ def load(src: str | pathlib.Path, quick_gelu: bool | None = None, head_width: in
     if image_size is not None:
         params = {**params, "img": resize(params["img"], image, image_size)}
     return kwargs, params
+
+
+def load(src: str | pathlib.Path, *, tower: str = "both", image_size: int | tuple[int, int] | None = None,
+         quick_gelu: bool | None = None) -> tuple[dict, dict]:
+    """``(TwoTowers kwargs, params)``: both towers, or one (``tower`` vision or text)."""
+    return pick_tower(*load_two_towers(src, quick_gelu=quick_gelu, image_size=image_size), tower, src)

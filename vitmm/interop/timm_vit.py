@@ -32,7 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm.interop import io
-from vitmm.interop.common import StateDict, conv_kernel, finish, grid_table, linear, norm, resize
+from vitmm.interop.common import (
+    StateDict,
+    conv_kernel,
+    finish,
+    grid_table,
+    linear,
+    norm,
+    pick_tower,
+    resize,
+    vision_only,
+)
 
 POOLS = {"token": "tok", "avg": "gap", "map": "map", "": "none"}
 
@@ -76,9 +86,9 @@ def _infer_pool(tensors: dict) -> str:
     return "token"
 
 
-def load(src: str | pathlib.Path, num_heads: int | None = None, global_pool: str | None = None,
-         act: str = "gelu", norm_eps: float = 1e-6,
-         image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
+def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool: str | None = None,
+             act: str = "gelu", norm_eps: float = 1e-6,
+             image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
     """``(ViT kwargs, params)`` of a timm ``VisionTransformer`` state dict (safetensors/npz/.bin)."""
     from vitmm.models.vit import ViT
 
@@ -145,3 +155,10 @@ def load(src: str | pathlib.Path, num_heads: int | None = None, global_pool: str
     if image_size is not None:
         params = resize(params, kwargs, image_size)
     return kwargs, params
+
+
+def load(src: str | pathlib.Path, *, tower: str = "both", image_size: int | tuple[int, int] | None = None,
+         num_heads: int | None = None, global_pool: str | None = None) -> tuple[dict, dict]:
+    """``(TwoTowers kwargs, params)`` with the ViT as the only tower (``tower`` both or vision)."""
+    kwargs, img = load_vit(src, num_heads=num_heads, global_pool=global_pool, image_size=image_size)
+    return pick_tower(*vision_only(kwargs, img), tower, src)

@@ -1,0 +1,59 @@
+"""``python -m vitmm.interop``: convert another codebase's checkpoint into a vitmm checkpoint folder.
+
+    python -m vitmm.interop --from hf --src ~/models/clip-vit-base-patch16 --out workdirs/hf_clip_b16
+    python -m vitmm.interop --from hf --src PATH --out DIR --tower vision --image_size 336x448   # H x W
+    python -m vitmm.interop --from hf --src ~/models/dinov2-small --out workdirs/dinov2_s --image_size 224
+    python -m vitmm.interop --from timm --src vit_small_patch16_224/model.safetensors --out DIR --num_heads 6
+    python -m vitmm.interop --from open_clip --src ViT-B-16-quickgelu/open_clip_model.safetensors --out DIR
+    python -m vitmm.interop --from big_vision --src webli_en_b16_224_63724782.npz --out DIR   # SigLIP
+
+``--from hf`` reads CLIP (``--tower`` both, vision or text), SigLIP and ViT/DINOv2 folders
+(``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``) by their ``model_type``;
+``--from timm`` a ``VisionTransformer`` state dict (``--num_heads``, default width/64;
+``--global_pool`` when a CLS model was trained with ``avg``); ``--from open_clip`` a ViT ``CLIP``
+state dict (QuickGELU from ``open_clip_config.json`` beside it, or ``--quick_gelu``); ``--from
+big_vision`` an ``.npz`` ViT or two towers. ``--image_size`` resamples the learned position
+table the way the source does. What is written: ``vitmm.interop.convert``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vitmm.interop.common import TOWERS
+from vitmm.interop.convert import LOADERS, convert
+
+
+def image_size_arg(text: str) -> int | tuple[int, int]:
+    """``"336"`` → 336, ``"336x448"`` → ``(336, 448)`` (height × width)."""
+    parts = text.lower().split("x")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--image_size {text!r}: give a positive size (336) or HxW (336x448).")
+    return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vitmm.interop", description=__doc__.splitlines()[0])
+    parser.add_argument("--from", dest="source", required=True, choices=tuple(LOADERS))
+    parser.add_argument("--src", required=True, help="checkpoint folder (config.json + weights) or weights file")
+    parser.add_argument("--out", required=True, help="new vitmm checkpoint folder")
+    parser.add_argument("--tower", default="both", choices=TOWERS)
+    parser.add_argument("--image_size", type=image_size_arg, default=None,
+                        help="resample positions to this resolution: 336, or HxW such as 336x448")
+    parser.add_argument("--num_heads", type=int, default=None, help="timm: attention heads (default width // 64)")
+    parser.add_argument("--global_pool", default=None, help="timm: token | avg | map | '' (default: from the tensors)")
+    parser.add_argument("--quick_gelu", default=None, choices=("true", "false"),
+                        help="open_clip: QuickGELU MLPs (default: open_clip_config.json beside the weights)")
+    args = parser.parse_args(argv)
+    options = dict(num_heads=args.num_heads, global_pool=args.global_pool,
+                   quick_gelu=None if args.quick_gelu is None else args.quick_gelu == "true")
+    try:
+        out = convert(args.source, args.src, args.out, tower=args.tower, image_size=args.image_size, **options)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        sys.exit(f"python -m vitmm.interop: {e}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
