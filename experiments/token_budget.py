@@ -31,15 +31,10 @@ FLOPs per example, training and inference examples/s), ``accuracy_vs_budget.png`
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import csv
 import json
 import math
-import multiprocessing
-import os
 import pathlib
 import sys
-import tempfile
 import time
 
 import jax
@@ -49,19 +44,21 @@ import numpy as np
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import decode, losses, xla_flags
-from vitmm.data import pipeline, preprocess, scenes
-from vitmm.data.tokenizer import ByteTokenizer, WordTokenizer
 from vitmm.models import connectors, lm, vlm
 from vitmm.models.vit import ViT
 from vitmm.train import optim
 from vitmm.train import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))  # the sibling modules below, also when loaded by path
+import qa_features  # noqa: E402
+import token_budget_report as report  # noqa: E402
+import workers  # noqa: E402
+
 FAMILIES = ("linear", "mlp", "pool", "pixel_shuffle", "patch_merger", "c_abstractor", "ldp",
             "qwen_resampler", "perceiver", "qformer")
 BUDGETS = ("4", "16", "all")
-BLIND = "blind"
-KINDS = scenes.QUESTION_KINDS
+BLIND, KINDS = report.BLIND, report.KINDS
 
 # The LM, training steps and batch (questions), images encoded per split, and seeds of a preset.
 PRESETS = {
@@ -86,57 +83,6 @@ def ensure_tower(workdir: pathlib.Path, smoke: bool, data_dir=None) -> None:
     print(f"No CLIP checkpoint in {workdir}: training configs/clip_scenes.py{':' + arg if arg else ''} first.")
     trainer.train(load(ROOT / "configs/clip_scenes.py", arg, **({"input.data_dir": data_dir} if data_dir else {})),
                   workdir)
-
-
-def encode_split(tower: ViT, params, data: str, split: str, limit: int, image_size: int, tokenizer,
-                 max_len: int, data_dir=None, batch_size: int = 250) -> dict:
-    """Tower features of the first ``limit`` images of ``split`` and all their questions.
-
-    Returns ``patches [I, N, C]`` (float32), ``grid``, and per question ``image`` (index into
-    ``patches``), ``ids``, ``answer_mask``, ``prompt_len``, ``kind``.
-    """
-    source = pipeline.get_source(data, split, data_dir, keys=("image", "questions", "answers", "question_kinds"))
-    decode = preprocess.parse(f"decode|resize({image_size})|value_range(-1, 1)")
-    tokens = preprocess.parse(f"qa_tokens({max_len})", tokenizer)
-    encode = jax.jit(lambda p, x: tower.apply({"params": p}, x)[1]["patch_tokens"])
-    n = min(limit, len(source))
-    rng = np.random.default_rng(0)  # the ops used here draw nothing; parse's signature wants one
-    patches, qa = [], {k: [] for k in ("image", "ids", "answer_mask", "prompt_len", "kind")}
-    for start in range(0, n, batch_size):
-        examples = [decode(source[i], rng) for i in range(start, min(n, start + batch_size))]
-        images = np.stack([ex["image"] for ex in examples])
-        patches.append(np.asarray(encode(params, jnp.asarray(images))))
-        for offset, ex in enumerate(examples):
-            for q, a, kind in zip(ex["questions"], ex["answers"], ex["question_kinds"], strict=True):
-                t = tokens({"question": _text(q), "answer": _text(a)}, rng)
-                qa["image"].append(start + offset)
-                qa["ids"].append(t["ids"])
-                qa["answer_mask"].append(t["answer_mask"])
-                qa["prompt_len"].append(t["prompt_len"])
-                qa["kind"].append(int(kind))
-    grid = tower.grid((image_size, image_size))
-    return {"patches": np.concatenate(patches), "grid": tuple(grid),
-            **{k: np.asarray(v) for k, v in qa.items()}}
-
-
-def _text(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def make_tokenizer(kind: str, data: str, data_dir=None, sample: int = 2000):
-    """The tokenizer and a ``max_len`` that fits BOS + the longest question + answer + EOS in the
-    first ``sample`` training images (``words``: the vocabulary of those questions and answers)."""
-    source = pipeline.get_source(data, "train", data_dir, keys=("questions", "answers"))
-    pairs = [(_text(q), _text(a)) for i in range(min(sample, len(source)))
-             for q, a in zip(source[i]["questions"], source[i]["answers"], strict=True)]
-    if kind == "words":
-        tokenizer = WordTokenizer.from_texts(t for pair in pairs for t in pair)
-    elif kind == "bytes":
-        tokenizer = ByteTokenizer()
-    else:
-        raise SystemExit(f"--tokenizer must be 'words' or 'bytes', got {kind!r}.")
-    longest = max(len(tokenizer.encode(q + " ")) + len(tokenizer.encode(a)) for q, a in pairs)
-    return tokenizer, longest + 2
 
 
 # ------------------------------------------------------------------------------------ one run
@@ -221,88 +167,13 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, steps: int, batc
     return result
 
 
-_WORKER: dict = {}  # a worker process's context and data (set by _init_worker)
-
-
-def _init_worker(context: dict, arrays: str, queue, cores: list[int]) -> None:
-    # One core per worker: two single-core runs side by side beat one run on two cores for models
-    # this small (measured ~1.5x). XLA sizes its CPU thread pool from the process's affinity when
-    # the backend starts (first computation), so pinning here is what makes a worker single-core;
-    # XLA flags do not (--xla_cpu_multi_thread_eigen=false still ran two busy pool threads per
-    # worker, four on two cores, at half the throughput).
-    index = multiprocessing.current_process()._identity[0]  # consecutive numbers for the pool's workers
-    os.sched_setaffinity(0, {cores[index % len(cores)]})
-    data = np.load(arrays, mmap_mode="r", allow_pickle=False)
-    split = lambda name: {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(name + "/")}  # noqa: E731
-    _WORKER.update(context=context, train=split("train"), val=split("val"), queue=queue)
-
-
-class _QueueProgress:
-    def __init__(self, queue, every: int = 25):
-        self.queue, self.every, self.pending = queue, every, 0
-
-    def update(self, n: int) -> None:
-        self.pending += n
-        if self.pending >= self.every:
-            self.queue.put(self.pending)
-            self.pending = 0
-
-    def flush(self) -> None:
-        if self.pending:
-            self.queue.put(self.pending)
-            self.pending = 0
-
-
-def run_job(family: str, connector_cfg: dict, context: dict, train: dict, val: dict, progress) -> dict:
+def _job(key, arrays: dict, context: dict, progress) -> dict:
     """``{seed: result}`` for one (connector, tokens) setting: compiled once, trained per seed."""
-    c = context
-    run = Run(c["tower_cfg"], connector_cfg, c["lm_cfg"], c["grid"], c["in_dim"], c["max_len"], c["steps"], c["lr"],
-              blind=family == BLIND)
-    return {seed: train_and_eval(run, seed, train, val, c["steps"], c["batch_size"], progress=progress)
-            for seed in c["seeds"]}
-
-
-def _worker_job(family: str, connector_cfg: dict) -> dict:
-    progress = _QueueProgress(_WORKER["queue"])
-    out = run_job(family, connector_cfg, _WORKER["context"], _WORKER["train"], _WORKER["val"], progress)
-    progress.flush()
-    return out
-
-
-def run_jobs(jobs: dict, context: dict, train: dict, val: dict, workers: int) -> dict:
-    """Runs every job, in this process (``workers=1``) or in a pool of single-threaded worker
-    processes that read the features from one memory-mapped file; a progress bar counts steps."""
-    from tqdm import tqdm
-
-    total = len(jobs) * len(context["seeds"]) * context["steps"]
-    results = {}
-    with tqdm(total=total, desc="token budget", unit="step", file=sys.stdout, mininterval=5) as bar:
-        if workers <= 1:
-            for (family, tokens), cfg in jobs.items():
-                results[(family, tokens)] = run_job(family, cfg, context, train, val, bar)
-                bar.set_postfix(done=f"{family}@{tokens}")
-            return results
-        ctx = multiprocessing.get_context("spawn")
-        with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
-            arrays = os.path.join(tmp, "features.npz")
-            np.savez(arrays, **{f"train/{k}": v for k, v in train.items() if k != "grid"},
-                     **{f"val/{k}": v for k, v in val.items() if k != "grid"})
-            queue = manager.Queue()
-            cores = sorted(os.sched_getaffinity(0))
-            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                                        initargs=(context, arrays, queue, cores)) as pool:
-                # The most expensive settings (most tokens) first, so the pool ends evenly.
-                order = sorted(jobs, key=lambda key: -key[1])
-                futures = {pool.submit(_worker_job, key[0], jobs[key]): key for key in order}
-                pending = set(futures)
-                while pending:
-                    finished, pending = concurrent.futures.wait(pending, timeout=2)
-                    while not queue.empty():
-                        bar.update(queue.get())
-                    for f in finished:
-                        results[futures[f]] = f.result()
-                        bar.set_postfix(done=f"{futures[f][0]}@{futures[f][1]}")
-    return results
+    (family, _), c = key, context
+    run = Run(c["tower_cfg"], c["jobs"][key], c["lm_cfg"], c["grid"], c["in_dim"], c["max_len"], c["steps"],
+              c["lr"], blind=family == BLIND)
+    return {seed: train_and_eval(run, seed, arrays["train"], arrays["val"], c["steps"], c["batch_size"],
+                                 progress=progress) for seed in c["seeds"]}
 
 
 def costs(connector_cfg: dict | None, lm_cfg: dict, in_dim: int, grid, tokens: int, seq_text: int) -> dict:
@@ -313,145 +184,6 @@ def costs(connector_cfg: dict | None, lm_cfg: dict, in_dim: int, grid, tokens: i
         out = {"connector_params": c["params"], "connector_mflops": c["flops"] / 1e6}
     out["lm_mflops"] = lm.forward_flops(lm_cfg, 1 + tokens + seq_text) / 1e6
     return out
-
-
-# ------------------------------------------------------------------------------------ outputs
-def summarise(rows: list[dict]) -> list[dict]:
-    """Mean ± std over seeds per (family, requested budget)."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["family"], r["budget"]), []).append(r)
-    out = []
-    for rs in groups.values():
-        first = rs[0]
-        s = {k: first.get(k) for k in ("family", "budget", "tokens", "note", "connector_params",
-                                       "connector_mflops", "lm_mflops")}
-        s["seeds"] = sum(r["status"] == "ok" for r in rs)
-        ok = [r for r in rs if r["status"] == "ok"]
-        for key in ("accuracy", *(f"acc_{k}" for k in KINDS), "train_ex_s", "infer_ex_s"):
-            values = np.array([r[key] for r in ok], float)
-            s[key] = float(values.mean()) if len(values) else float("nan")
-            s[key + "_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-        s["status"] = first["status"]
-        out.append(s)
-    return out
-
-
-def _pm(s: dict, key: str) -> str:
-    return f"{100 * s[key]:.1f} ± {100 * s[key + '_std']:.1f}"
-
-
-def _threads(workers: int) -> str:
-    return ("one process on all cores" if workers <= 1
-            else f"one thread per run, {workers} runs side by side (compare rows with each other, not across "
-                 "machines)")
-
-
-def to_markdown(summary: list[dict], setup: dict) -> str:
-    kinds = " | ".join(KINDS)
-    lines = [f"Exact-match accuracy on {setup['val_questions']:,} validation questions of `{setup['data']}` "
-             f"(mean ± std over {len(setup['seeds'])} seeds; {setup['steps']} steps × {setup['batch_size']} "
-             f"questions per run; tower `{setup['tower']}` grid {setup['grid'][0]}×{setup['grid'][1]}, LM "
-             f"{setup['lm']}). FLOPs per example (XLA count, forward); LM FLOPs at BOS + visual tokens + "
-             f"{setup['max_len'] - 1} text positions ({setup['tokenizer']} tokens). Examples/s: connector + LM on "
-             f"precomputed features, median step, {_threads(setup['workers'])}.",
-             "",
-             f"| connector | budget | tokens | all | {kinds} | params | conn. MFLOP | LM MFLOP | train ex/s | "
-             "infer ex/s |",
-             "|---|---|---:|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|---:|---:|"]
-    for s in summary:
-        if s["status"] != "ok":
-            lines.append(f"| {s['family']} | {s['budget']} | {s['note']} |" + " |" * (len(KINDS) + 6))
-            continue
-        tokens = f"{s['tokens']}" + (f" ({s['note']})" if s["note"] else "")
-        lines.append(
-            f"| {s['family']} | {s['budget']} | {tokens} | {_pm(s, 'accuracy')} | "
-            + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
-            + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
-            f"{s['train_ex_s']:,.0f} | {s['infer_ex_s']:,.0f} |")
-    return "\n".join(lines + [""] + spread_lines(summary)) + "\n"
-
-
-def spread_lines(summary: list[dict]) -> list[str]:
-    """Connector vs token count at a glance: at each token count, how far apart the families are
-    (MM1 / TokenPacker's question), and per family, what going from its fewest to its most tokens
-    gains. Rows at the same actual count are compared whatever budget was requested."""
-    ok = [s for s in summary if s["status"] == "ok" and s["family"] != "blind"]
-    at: dict[int, dict[str, float]] = {}
-    for s in ok:
-        at.setdefault(int(s["tokens"]), {})[s["family"]] = 100 * s["accuracy"]
-    lines = ["Spread across connectors at equal token counts (points of exact-match accuracy):", "",
-             "| tokens | families | best | worst | spread | mean |", "|---:|---:|---|---|---:|---:|"]
-    for tokens in sorted(at):
-        acc = at[tokens]
-        if len(acc) < 2:
-            continue
-        best, worst = max(acc, key=acc.get), min(acc, key=acc.get)
-        lines.append(f"| {tokens} | {len(acc)} | {best} {acc[best]:.1f} | {worst} {acc[worst]:.1f} | "
-                     f"{acc[best] - acc[worst]:.1f} | {np.mean(list(acc.values())):.1f} |")
-    lines += ["", "Gain from the family's fewest to its most tokens (points):", "",
-              "| connector | fewest | most | gain |", "|---|---|---|---:|"]
-    for family in dict.fromkeys(s["family"] for s in ok):
-        counts = {t: acc[family] for t, acc in at.items() if family in acc}
-        if len(counts) > 1:
-            lo, hi = min(counts), max(counts)
-            gain = counts[hi] - counts[lo]
-            lines.append(f"| {family} | {lo}: {counts[lo]:.1f} | {hi}: {counts[hi]:.1f} | {gain:+.1f} |")
-    blind = [s for s in summary if s["family"] == "blind" and s["status"] == "ok"]
-    if blind:
-        lines += ["", f"No image (`blind`, the questions' prior): {100 * blind[0]['accuracy']:.1f}."]
-    return lines
-
-
-def plot(summary: list[dict], out: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [s for s in summary if s["status"] == "ok"]
-    blind = next((s for s in ok if s["family"] == BLIND), None)
-    families = [f for f in dict.fromkeys(s["family"] for s in ok) if f != BLIND]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family in families:
-        pts = sorted({s["tokens"]: s for s in ok if s["family"] == family}.values(), key=lambda s: s["tokens"])
-        ax.errorbar([s["tokens"] for s in pts], [100 * s["accuracy"] for s in pts],
-                    yerr=[100 * s["accuracy_std"] for s in pts], marker="o", capsize=3, label=family)
-    ax.set_xscale("log", base=2)
-    _finish(plt, fig, ax, blind, "visual tokens handed to the LM", "Accuracy vs. token budget (mean ± std over seeds)",
-            out / "accuracy_vs_budget.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family in families:
-        pts = [s for s in ok if s["family"] == family]
-        ax.scatter([s["connector_mflops"] + s["lm_mflops"] for s in pts], [100 * s["accuracy"] for s in pts],
-                   label=family)
-        for s in pts:
-            ax.annotate(str(s["tokens"]), (s["connector_mflops"] + s["lm_mflops"], 100 * s["accuracy"]),
-                        fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    _finish(plt, fig, ax, blind, "connector + LM forward MFLOP per example (labels: visual tokens)",
-            "Accuracy vs. cost", out / "accuracy_vs_cost.png")
-
-
-def _finish(plt, fig, ax, blind, xlabel: str, title: str, path: pathlib.Path) -> None:
-    if blind:
-        ax.axhline(100 * blind["accuracy"], color="grey", linestyle="--", label="blind (no image)")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("exact-match accuracy (%)")
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_csv(rows: list[dict], path: pathlib.Path) -> None:
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 # ------------------------------------------------------------------------------------ sweep
@@ -509,10 +241,10 @@ def main(argv=None) -> pathlib.Path:
     tower_params = ckpt_lib.load_params(tower_dir)["img"]
 
     t0 = time.perf_counter()
-    tokenizer, max_len = make_tokenizer(args.tokenizer, data, args.data_dir)
-    train = encode_split(tower, tower_params, data, "train", args.train_images or preset["train_images"],
+    tokenizer, max_len = qa_features.make_tokenizer(args.tokenizer, data, args.data_dir)
+    train = qa_features.encode_split(tower, tower_params, data, "train", args.train_images or preset["train_images"],
                          image_size, tokenizer, max_len, args.data_dir)
-    val = encode_split(tower, tower_params, data, "validation", args.val_images or preset["val_images"],
+    val = qa_features.encode_split(tower, tower_params, data, "validation", args.val_images or preset["val_images"],
                        image_size, tokenizer, max_len, args.data_dir)
     grid, in_dim = train["grid"], train["patches"].shape[-1]
     print(f"tower features: {len(train['patches'])} train / {len(val['patches'])} validation images, grid "
@@ -539,7 +271,11 @@ def main(argv=None) -> pathlib.Path:
                                                **widths.get(family, {})})
     context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, grid=grid, in_dim=in_dim, max_len=max_len, steps=steps,
                    lr=lr, batch_size=batch_size, seeds=seeds)
-    results = run_jobs(jobs, context, train, val, args.workers or preset["workers"])
+    context["jobs"] = jobs
+    arrays = {name: {k: v for k, v in split.items() if k != "grid"} for name, split in (("train", train), ("val", val))}
+    order = sorted(jobs, key=lambda key: -key[1])  # the most tokens (the slowest) first
+    results = workers.run(_job, order, arrays, context, args.workers or preset["workers"],
+                          total=len(jobs) * len(seeds) * steps, desc="token budget")
 
     rows = []
     for family, requested, setting, tokens, note in plan:
@@ -562,11 +298,11 @@ def main(argv=None) -> pathlib.Path:
              "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
              "workers": args.workers or preset["workers"], "backend": jax.default_backend(),
              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
-    summary = summarise(rows)
-    write_csv(rows, out / "runs.csv")
-    (out / "token_budget.md").write_text(to_markdown(summary, setup))
+    summary = report.summarise(rows)
+    report.write_csv(rows, out / "runs.csv")
+    (out / "token_budget.md").write_text(report.to_markdown(summary, setup))
     (out / "setup.json").write_text(json.dumps(setup, indent=1, default=str) + "\n")
-    plot(summary, out)
+    report.plot(summary, out)
     print((out / "token_budget.md").read_text())
     print(f"wrote {out}/runs.csv, token_budget.md, accuracy_vs_budget.png, accuracy_vs_cost.png, setup.json")
     return out

@@ -1,0 +1,91 @@
+"""A pool of single-core worker processes for experiment sweeps, with one progress bar.
+
+``run(fn, keys, arrays, context, workers, total)`` returns ``{key: fn(key, arrays, context,
+progress)}``. With ``workers > 1`` each job runs in a spawned process pinned to one core: XLA
+sizes its CPU thread pool from the process's affinity when its backend starts, so pinning before
+the first computation is what makes a worker single-threaded (XLA flags alone left two busy
+pool threads per worker). For models this small, two single-core runs side by side beat one run
+on two cores. The arrays every job reads (``{group: {name: array}}``) are written once to a
+memory-mapped ``.npz``; jobs report finished steps to ``progress.update(n)``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+_WORKER: dict = {}  # a worker process's arrays, context and progress queue (set by _init)
+
+
+def _init(arrays_path: str, context: dict, queue, cores: list[int]) -> None:
+    index = multiprocessing.current_process()._identity[0]  # consecutive numbers for the pool's workers
+    os.sched_setaffinity(0, {cores[index % len(cores)]})
+    data = np.load(arrays_path, mmap_mode="r", allow_pickle=False)
+    arrays: dict = {}
+    for name in data.files:
+        group, key = name.split("/", 1)
+        arrays.setdefault(group, {})[key] = data[name]
+    _WORKER.update(arrays=arrays, context=context, queue=queue)
+
+
+class _QueueProgress:
+    """Sends finished steps to the parent's progress bar every ``every`` steps."""
+
+    def __init__(self, queue, every: int = 25):
+        self.queue, self.every, self.pending = queue, every, 0
+
+    def update(self, n: int) -> None:
+        self.pending += n
+        if self.pending >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.queue.put(self.pending)
+            self.pending = 0
+
+
+def _call(fn, key):
+    progress = _QueueProgress(_WORKER["queue"])
+    out = fn(key, _WORKER["arrays"], _WORKER["context"], progress)
+    progress.flush()
+    return out
+
+
+def run(fn, keys: list, arrays: dict[str, dict[str, np.ndarray]], context: dict, workers: int, total: int,
+        desc: str = "runs") -> dict:
+    """Every job, in ``keys`` order (put the most expensive first so the pool ends evenly), in
+    this process (``workers <= 1``) or in ``workers`` pinned processes. ``fn`` must be a
+    module-level function (it is pickled by reference); ``total`` is the steps the bar counts."""
+    from tqdm import tqdm
+
+    results = {}
+    with tqdm(total=total, desc=desc, unit="step", file=sys.stdout, mininterval=5) as bar:
+        if workers <= 1:
+            for key in keys:
+                results[key] = fn(key, arrays, context, bar)
+                bar.set_postfix(done=str(key))
+            return results
+        ctx = multiprocessing.get_context("spawn")
+        with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
+            path = os.path.join(tmp, "arrays.npz")
+            np.savez(path, **{f"{group}/{name}": a for group, named in arrays.items() for name, a in named.items()})
+            queue = manager.Queue()
+            cores = sorted(os.sched_getaffinity(0))
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
+                                                        initargs=(path, context, queue, cores)) as pool:
+                futures = {pool.submit(_call, fn, key): key for key in keys}
+                pending = set(futures)
+                while pending:
+                    finished, pending = concurrent.futures.wait(pending, timeout=2)
+                    while not queue.empty():
+                        bar.update(queue.get())
+                    for f in finished:
+                        results[futures[f]] = f.result()
+                        bar.set_postfix(done=str(futures[f]))
+    return results
