@@ -90,8 +90,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    # Reading and decoding scenes is Python-bound (GIL): on the 2-core CPU one worker thread is
-    # fastest (2,867 examples/s vs 2,103 with 2 threads and 1,832 with 4, measured 2026-11-29).
+    # Reading and decoding scenes is Python-bound (GIL): one worker thread is fastest
+    # (results/bench_input/README.md).
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="results/bench_input")
     args = parser.parse_args(argv)

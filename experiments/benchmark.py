@@ -66,7 +66,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # XLA:CPU allocates a step's temporaries as one block (~1.4 GB for ViT-Ti/16 training at batch 32),
 # which glibc maps afresh each step: ~360,000 page faults of 4 KiB. With this tunable (glibc >= 2.35)
 # malloc asks for transparent huge pages where the kernel's THP mode is "madvise", and the faults
-# drop to ~2,000 (README "Performance"). Older glibc ignores it.
+# drop to ~2,000 (results/benchmark/README.md). Older glibc ignores it.
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 

@@ -1,6 +1,6 @@
 """The token-budget experiment: connectors × visual-token budgets × seeds on scenes questions.
 
-    python experiments/token_budget.py                        # the default sweep (see README)
+    python experiments/token_budget.py                        # the default sweep (results/token_budget/)
     python experiments/token_budget.py --smoke --out /tmp/tb  # about a minute; the tests run it
     python experiments/token_budget.py --families pool,perceiver --budgets 4,16 --seeds 0,1,2
 

@@ -62,8 +62,8 @@ def get_source(name: str, split: str, data_dir: str | None = None,
 
     ``scenes[/CONFIG]`` is built on first use (offline, seconds). Any other dataset must already
     be prepared in ``data_dir`` as array_record; nothing is downloaded. With ``keys``, records hold
-    only those top-level features; for scenes only those are even parsed and decoded (reads 2-3x
-    faster: records also carry facts and questions that a contrastive run never looks at).
+    only those top-level features; for scenes only those are even parsed and decoded (records
+    also carry facts and questions that a contrastive run never looks at).
     """
     data_dir = _data_dir(data_dir)
     raw = tfds.decode.DeserializeMethod.RAW_BYTES if keys else None

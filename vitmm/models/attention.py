@@ -8,10 +8,8 @@ matmul is cheaper than three small ones. Cross-attention (``kv`` given) projects
 The attention itself: ``implementation="matmul"`` is softmax attention written heads-first with
 two batched matmuls, normalised after the second one, and a hand-written (FlashAttention-style)
 backward (``heads_first_attention``); ``"xla"``/``"cudnn"`` go to ``jax.nn.dot_product_attention``.
-The default (None) is ``"matmul"`` on CPU, where it measured faster than
-``jax.nn.dot_product_attention``'s XLA path (ViT-Ti/16, batch 8, 2 threads, train step
-1.30–1.38 s → 1.20 s; the custom backward and the single transposes took ViT-S/16, batch 8, a
-further 2.87–3.07 s → 2.73–2.79 s), and JAX's own choice elsewhere.
+The default (None) is ``"matmul"`` on CPU, where it is faster than ``jax.nn.dot_product_attention``'s
+XLA path, and JAX's own choice elsewhere.
 """
 
 from __future__ import annotations
@@ -50,8 +48,8 @@ def _scores(q, k, mask):
     ``s = q·kᵀ`` (``q`` already scaled).
 
     ``kᵀ`` is materialised behind an optimisation barrier: XLA would otherwise fold the transpose
-    into the dot, and XLA:CPU's batched product with the contraction on both operands' last axis
-    ran ~20% slower than the plain ``[T, H]·[H, S]`` form (ViT-Ti/16 and S/16 shapes, batch 32)."""
+    into the dot, and XLA:CPU's batched product contracting both operands' last axis is slower
+    than the plain ``[T, H]·[H, S]`` form."""
     kt = jax.lax.optimization_barrier(jnp.swapaxes(k, -1, -2))
     logits = jnp.matmul(q, kt, preferred_element_type=jnp.float32)
     if mask is not None:

@@ -5,10 +5,8 @@ Same fields, parameters (``kernel``, ``bias``), shapes and forward arithmetic as
 dense layer in ``vitmm.models`` is this one. What changes is the program reverse mode hands XLA
 on CPU:
 
-- The bias gradient ``Σ_tokens g`` is a matrix-vector product with a vector of ones. XLA:CPU
-  lowers a column sum to a tree of ``reduce-window``s: a [6304, 1536] sum (ViT-S/16's MLP at
-  batch 32) takes 15 ms that way and 1.2 ms as a dot (2 threads), and the ViT-S/16 training step
-  spent ~0.5 s in them.
+- The bias gradient ``Σ_tokens g`` is a matrix-vector product with a vector of ones: XLA:CPU
+  lowers a column sum to a tree of ``reduce-window``s, an order of magnitude slower than the dot.
 - The kernel gradient is ``x2dᵀ·g2d`` on the tokens flattened to 2-D, both operands contracting
   their leading axis; autodiff of the 3-D ``dot_general`` let XLA store the output gradient
   transposed for it, a copy per layer that also pulled the GELU's derivative into a transposing
@@ -16,12 +14,9 @@ on CPU:
 
 The rule is a JVP (``jax.custom_jvp``) whose tangent is linear in ``(dx, dkernel, dbias)`` and
 written so that JAX's transpose of it gives exactly those products: forward mode, ``jax.grad`` of
-``jax.grad`` and everything else keep working. On other backends (fast reductions; not measured
-there) and with a custom ``dot_general`` or ``precision`` it is flax's ``Dense`` unchanged.
-
-Tried and not kept: the same treatment for LayerNorm's scale and bias gradients. XLA then fused
-the whole LayerNorm backward into a transposing copy for the ones-product and the ViT-S/16 step
-went from 7.5 to 13.6 s.
+``jax.grad`` and everything else keep working. On other backends and with a custom
+``dot_general`` or ``precision`` it is flax's ``Dense`` unchanged. Measurements:
+``results/benchmark/README.md`` ("Design choices").
 """
 
 from __future__ import annotations
@@ -61,12 +56,7 @@ def _dense_jvp(primals, tangents):
 
 
 class Dense(nn.Dense):
-    """``flax.linen.Dense`` whose reverse mode gives XLA:CPU plain GEMMs (module docstring).
-
-    Against flax's Dense, both AdamW steps compiled in one process and timed in turn (batch 32,
-    2 threads, Zen 4 CPU, seven steps each): ViT-Ti/16 step 1.077× faster (1.064–1.093), ViT-S/16
-    1.056× (0.991–1.162).
-    """
+    """``flax.linen.Dense`` whose reverse mode gives XLA:CPU plain GEMMs (module docstring)."""
 
     @nn.compact
     def __call__(self, inputs: jnp.ndarray) -> jnp.ndarray:
