@@ -39,16 +39,9 @@ def get_config(arg=None):
     c.keep_checkpoints = 2
     c.sync_every = 8
 
-    c.input = ml_collections.ConfigDict()
-    c.input.data = common.data(arg.data, "train")
-    c.input.data_dir = config_dict.placeholder(str)  # where coco_captions is prepared (array_record)
-    c.input.image_size = 224
-    c.input.keys = ("image", "captions")
-    c.input.pp = (f"{CHOOSE_CAPTION}|random_resized_crop({{image_size}}, scale=(0.9, 1.0))|value_range(-1, 1)|"
-                  "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
-    c.input.num_threads = 16
-    c.input.prefetch = 8
-    c.input.device_prefetch = 2
+    pp = (f"{CHOOSE_CAPTION}|random_resized_crop({{image_size}}, scale=(0.9, 1.0))|value_range(-1, 1)|"
+          "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
+    c.input = common.train_input(arg.data, image_size=224, keys=("image", "captions"), pp=pp, num_threads=16)
 
     fast = dict(dtype_mm="bfloat16", scan=True, remat_policy="nothing_saveable", norm_eps=1e-5)
     c.model = ml_collections.ConfigDict()
@@ -63,7 +56,7 @@ def get_config(arg=None):
     c.optim = common.optim(lr=5e-4, warmup_steps=min(2000, arg.steps // 10), weight_decay=0.2)
     c.init = common.init()
 
-    val = common.data(arg.data, "val", keys=("image", "captions"), pp=CHOOSE_CAPTION)  # no labels: no zero-shot
+    val = common.data_spec(arg.data, "val", keys=("image", "captions"), pp=CHOOSE_CAPTION)  # no labels: no zero-shot
     c.evals = ml_collections.ConfigDict()
     c.evals.retrieval = dict(type="retrieval", data=val, num_examples=5000)
     c.evals.val = dict(type="val_loss", data=val, num_examples=5000, batch_size=1024)

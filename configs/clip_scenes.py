@@ -31,16 +31,9 @@ def get_config(arg=None):
     c.keep_checkpoints = 2
     c.sync_every = 8  # CPU with several devices only: block on the step every N steps
 
-    c.input = ml_collections.ConfigDict()
-    c.input.data = common.data(f"scenes/{arg.data}", "train")
-    c.input.data_dir = config_dict.placeholder(str)  # where TFDS builds and reads scenes
-    c.input.image_size = 64
-    c.input.keys = ("image", "caption")
-    c.input.pp = ("decode|resize({image_size})|flip_lr|value_range(-1, 1)|"
-                  "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
-    c.input.num_threads = 1
-    c.input.prefetch = 8
-    c.input.device_prefetch = 2
+    pp = ("decode|resize({image_size})|flip_lr|value_range(-1, 1)|"
+          "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
+    c.input = common.train_input(f"scenes/{arg.data}", image_size=64, keys=("image", "caption"), pp=pp)
 
     c.model = ml_collections.ConfigDict()
     c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
@@ -54,7 +47,7 @@ def get_config(arg=None):
     c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps // 20, 1), weight_decay=0.1)
     c.init = common.init()
 
-    val = common.data(f"scenes/{arg.data}", "validation")
+    val = common.data_spec(f"scenes/{arg.data}", "validation")
     c.evals = ml_collections.ConfigDict()
     c.evals.zeroshot = dict(type="zeroshot", data=val, num_examples=1000)
     c.evals.retrieval = dict(type="retrieval", data=val, num_examples=1000)

@@ -39,9 +39,19 @@ def multihost() -> ml_collections.ConfigDict:
                                           bind_address=config_dict.placeholder(str), num_processes=1, process_id=0))
 
 
-def data(name: str, split: str, **more) -> ml_collections.ConfigDict:
+def data_spec(name: str, split: str, **more) -> ml_collections.ConfigDict:
     """A TFDS dataset and split; its ``data_dir`` defaults to ``input.data_dir``."""
     return ml_collections.ConfigDict(dict(name=name, split=split, **more))
+
+
+def train_input(data: str, *, image_size: int, keys: tuple, pp: str, num_threads: int = 1,
+          split: str = "train") -> ml_collections.ConfigDict:
+    """The training input: dataset and split, ``data_dir`` (default ``~/tensorflow_datasets``; the
+    evaluators' default too), the image size that fills ``{image_size}`` in the ``pp`` template,
+    the features read, reader threads, and batches prefetched on the host (8) and devices (2)."""
+    return ml_collections.ConfigDict(dict(data=data_spec(data, split), data_dir=config_dict.placeholder(str),
+                                          image_size=image_size, keys=tuple(keys), pp=pp, num_threads=num_threads,
+                                          prefetch=8, device_prefetch=2))
 
 
 def smoke(c: ml_collections.ConfigDict, steps: int = 4, batch_size: int = 16) -> ml_collections.ConfigDict:

@@ -41,16 +41,10 @@ def get_config(arg=None):
     c.keep_checkpoints = 2
     c.sync_every = 8
 
-    c.input = ml_collections.ConfigDict()
-    c.input.data = common.data(f"scenes/{arg.data}", "train")
-    c.input.data_dir = config_dict.placeholder(str)
-    c.input.image_size = 64
-    c.input.keys = ("image", "questions", "answers", "question_kinds")
-    c.input.pp = ("decode|resize({image_size})|value_range(-1, 1)|choose|qa_tokens({max_len})|"
-                  "keep('image', 'ids', 'answer_mask', 'prompt_len')")  # choose: one question per image
-    c.input.num_threads = 1
-    c.input.prefetch = 8
-    c.input.device_prefetch = 2
+    pp = ("decode|resize({image_size})|value_range(-1, 1)|choose|qa_tokens({max_len})|"
+          "keep('image', 'ids', 'answer_mask', 'prompt_len')")  # choose: one question per image
+    c.input = common.train_input(f"scenes/{arg.data}", image_size=64,
+                                 keys=("image", "questions", "answers", "question_kinds"), pp=pp)
 
     c.model = ml_collections.ConfigDict()
     c.model.vision = TOWER
@@ -68,7 +62,7 @@ def get_config(arg=None):
                          allow_random_tower=False)  # stage 2: also init.checkpoint = the stage-1 workdir
 
     c.evals = ml_collections.ConfigDict()
-    c.evals.qa = dict(type="qa", data=common.data(f"scenes/{arg.data}", "validation"), num_examples=512,
+    c.evals.qa = dict(type="qa", data=common.data_spec(f"scenes/{arg.data}", "validation"), num_examples=512,
                       batch_size=128, max_new_tokens=8)
 
     c.multihost = common.multihost()
