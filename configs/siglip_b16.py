@@ -35,6 +35,7 @@ def get_config(arg=None):
     c.log_every = 50
     c.eval_every = c.checkpoint_every = 1000
     c.keep_checkpoints = 2
+    c.allow_config_change = False  # resume even where the config changes what the run computes
     c.sync_every = 8
 
     pp = (f"{CHOOSE_CAPTION}|random_resized_crop({{image_size}}, scale=(0.9, 1.0))|value_range(-1, 1)|"

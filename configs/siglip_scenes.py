@@ -31,6 +31,7 @@ def get_config(arg=None):
     c.log_every = 10
     c.eval_every = c.checkpoint_every = max(arg.steps // 2, 1)
     c.keep_checkpoints = 2
+    c.allow_config_change = False  # resume even where the config changes what the run computes
     c.sync_every = 8
 
     pp = ("decode|resize({image_size})|flip_lr|value_range(-1, 1)|"

@@ -39,6 +39,7 @@ def get_config(arg=None):
     c.log_every = 10
     c.eval_every = c.checkpoint_every = arg.steps
     c.keep_checkpoints = 2
+    c.allow_config_change = False  # resume even where the config changes what the run computes
     c.sync_every = 8
 
     pp = ("decode|resize({image_size})|value_range(-1, 1)|choose|qa_tokens({max_len})|"

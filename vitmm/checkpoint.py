@@ -20,6 +20,18 @@ import orbax.checkpoint as ocp
 from vitmm import tree
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint that reads but does not fit the model."""
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written."""
+
+
+class NoReadableCheckpoint(RuntimeError):
+    """Every checkpoint in a workdir failed to read."""
+
+
 class Checkpointer:
     def __init__(self, workdir: str | pathlib.Path, keep: int = 2, async_save: bool = True):
         self.directory = pathlib.Path(workdir).expanduser().absolute() / "checkpoints"
@@ -32,6 +44,12 @@ class Checkpointer:
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         )
+
+    def step_folders(self) -> list[int]:
+        """Every step-numbered folder in the checkpoints folder, readable or not."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit())
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
@@ -51,7 +69,7 @@ class Checkpointer:
         stored = self._mngr.item_metadata(step)["state"]
         problems = tree.mismatches(abstract_state["params"], stored["params"])
         if problems:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"The checkpoint at step {step} in {self.directory} does not fit the model:\n"
                 + "\n".join(problems)
                 + "\nUse a fresh --workdir for a different model, or initialise from that run with "
@@ -62,8 +80,62 @@ class Checkpointer:
             meta=ocp.args.JsonRestore()))
         return restored.state, restored.data, restored.meta
 
+    def restore_newest_readable(self, abstract_state):
+        """``(state, data_state, meta, step)`` of the newest checkpoint that reads. Each newer one
+        that fails to read (a truncated or missing file, an empty step folder) is skipped with one
+        warning naming the step and the reason; a checkpoint that reads but does not fit the model
+        is an error, and so is a workdir whose checkpoints all fail (never a silent fresh start)."""
+        skipped = []
+        listed = set(self.all_steps())
+        for step in sorted(set(self.step_folders()) - listed, reverse=True):  # orbax does not even list it
+            skipped.append(self._set_aside(step, "an incomplete or emptied step folder"))
+        for step in sorted(listed, reverse=True):
+            try:
+                found = (*self.restore(abstract_state, step), step)
+            except CheckpointMismatch:
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure to read makes the checkpoint unusable
+                first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+                skipped.append(self._set_aside(step, f"{type(err).__name__}: {first}"))
+                continue
+            if skipped:
+                self._mngr.reload()
+            return found
+        raise NoReadableCheckpoint(f"No readable checkpoint in {self.directory} ({'; '.join(skipped)}). Nothing was "
+                           "restored; move the folder aside to start the run afresh.")
+
+    def _set_aside(self, step: int, reason: str) -> str:
+        """Warns, and renames the unreadable step folder to ``<step>.unreadable`` (kept for a look,
+        out of the way of the step's next save); returns the reason for the summary."""
+        print(f"Warning: skipping the unreadable checkpoint at step {step} in {self.directory} ({reason})", flush=True)
+        if jax.process_index() == 0:
+            target = self.directory / f"{step}.unreadable"
+            n = 1
+            while target.exists():
+                target, n = self.directory / f"{step}.unreadable.{n}", n + 1
+            (self.directory / str(step)).rename(target)
+        return f"step {step}: {reason}"
+
+    def check_saves(self, step: int) -> None:
+        """Raises ``SaveFailed`` (path and cause) if a background save has failed."""
+        try:
+            self._mngr.check_for_errors()
+        except Exception as err:  # noqa: BLE001 - re-raised with what the user needs
+            raise self.save_failed(err) from err
+
+    def save_failed(self, err: Exception) -> SaveFailed:
+        """The one-line error for a failed save: the folder, the cause, the newest intact step."""
+        good = self.all_steps()
+        return SaveFailed(f"Saving a checkpoint to {self.directory} failed: {type(err).__name__}: {err}. "
+                          + (f"The checkpoint at step {max(good)} is intact; free space or fix the path, then "
+                             "resume." if good else "No earlier checkpoint exists."))
+
     def wait(self) -> None:
-        self._mngr.wait_until_finished()
+        """Blocks until background saves are done; a failed one is a ``SaveFailed``."""
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - re-raised with what the user needs
+            raise self.save_failed(err) from err
 
     def close(self) -> None:
         self._mngr.wait_until_finished()
@@ -115,14 +187,16 @@ def load_config(path: str | pathlib.Path, step: int | None = None) -> dict:
     return json.loads(config) if isinstance(config, str) else config
 
 
-def merge_params(init: dict, loaded: dict, dont_load: Sequence[str] = (), source: str = "") -> dict:
-    """``init`` with every entry replaced by ``loaded``'s, except paths matching ``dont_load``.
+def merge_params(init: dict, loaded: dict, dont_load: Sequence[str] = (), source: str = "",
+                 prefix: str = "") -> dict:
+    """``init`` with every entry replaced by ``loaded``'s, except paths matching ``dont_load``
+    (regexes matched against ``prefix`` + the path, e.g. ``tower/`` for a VLM's tower).
 
     Fails loudly: anything in the model not found in ``loaded`` (and not in ``dont_load``),
     anything in ``loaded`` the model has no place for, and any shape mismatch is listed.
     """
     patterns = [re.compile(p) for p in dont_load]
-    skip = lambda k: any(p.fullmatch(k) for p in patterns)  # noqa: E731
+    skip = lambda k: any(p.fullmatch(prefix + k) for p in patterns)  # noqa: E731
     lines = tree.mismatches(init, loaded, skip)
     if lines:
         raise ValueError(f"Cannot initialise from {source or 'the checkpoint'}:\n" + "\n".join(lines)
@@ -132,7 +206,7 @@ def merge_params(init: dict, loaded: dict, dont_load: Sequence[str] = (), source
 
 
 def init_tower_from_clip(vlm_params: dict, clip_workdir: str | pathlib.Path, tower_key: str = "tower",
-                         image_key: str = "img") -> dict:
+                         image_key: str = "img", dont_load: Sequence[str] = ()) -> dict:
     """``vlm_params`` with its vision tower replaced by a CLIP run's image tower.
 
     ``clip_workdir`` is a ``vitmm.train`` workdir; its ``params[image_key]`` must match the VLM's
@@ -141,5 +215,6 @@ def init_tower_from_clip(vlm_params: dict, clip_workdir: str | pathlib.Path, tow
     loaded = load_params(clip_workdir)
     if image_key not in loaded:
         raise ValueError(f"The checkpoint in {clip_workdir} has no {image_key!r} tower; it has {sorted(loaded)}.")
-    tower = merge_params(vlm_params[tower_key], loaded[image_key], source=f"{clip_workdir} ({image_key})")
+    tower = merge_params(vlm_params[tower_key], loaded[image_key], dont_load, source=f"{clip_workdir} ({image_key})",
+                         prefix=f"{tower_key}/")
     return {**vlm_params, tower_key: tower}

@@ -29,6 +29,34 @@ def _cast(key: str, text: str, default):
         raise ValueError(f"Config arg {key}={text!r} is not a {type(default).__name__}.") from err
 
 
+def _castable(text: str, default) -> bool:
+    try:
+        _cast("", text, default)
+    except ValueError:
+        return False
+    return True
+
+
+def _did_you_mean(name: str, names) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(names), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def suggest_keys(key: str, config) -> list[str]:
+    """Existing dotted keys of ``config`` close to ``key``: the same last name anywhere
+    (``lr`` → ``optim.lr``), or a close spelling (``optim.lrr`` → ``optim.lr``)."""
+    import difflib
+
+    from vitmm import tree
+
+    keys = [k.replace("/", ".") for k in tree.flatten(config.to_dict() if hasattr(config, "to_dict") else config)]
+    last = key.rsplit(".", 1)[-1]
+    same_name = [k for k in keys if k.rsplit(".", 1)[-1] == last]
+    return list(dict.fromkeys(same_name + difflib.get_close_matches(key, keys, n=3, cutoff=0.75)))[:4]
+
+
 def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
     """Parses ``"k1=v1,k2,k3=v3"`` against ``spec`` (name → default, whose type is kept).
 
@@ -41,13 +69,15 @@ def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
             key, text = item.split("=", 1)
         elif item in spec and isinstance(spec[item], bool):
             key, text = item, "true"
-        elif i == 0 and spec:
-            key, text = next(iter(spec)), item
+        elif i == 0 and spec and _castable(item, next(iter(spec.values()))):
+            key, text = next(iter(spec)), item  # a bare value for the first arg (configs/x.py:B/16)
         else:
-            raise ValueError(f"Cannot parse config arg {item!r} in {arg!r}; known args: {sorted(spec)}.")
+            raise ValueError(f"Cannot parse config arg {item!r} in {arg!r}{_did_you_mean(item, spec)}; "
+                             f"known args: {sorted(spec)} (name=value, or a boolean's bare name).")
         key = key.strip()
         if key not in spec:
-            raise ValueError(f"Unknown config arg {key!r} in {arg!r}; known args: {sorted(spec)}.")
+            raise ValueError(f"Unknown config arg {key!r} in {arg!r}{_did_you_mean(key, spec)}; "
+                             f"known args: {sorted(spec)}.")
         values[key] = _cast(key, text.strip(), spec[key])
     config = ml_collections.ConfigDict(values)
     config.lock()
@@ -70,9 +100,11 @@ def load(path, arg: str | None = None, **overrides) -> ml_collections.ConfigDict
         *parents, last = key.split(".")
         target = config
         for part in parents:
-            target = target[part]
-        if last not in target:
-            raise KeyError(f"Unknown config key {key!r} in {path.name}.")
+            target = target[part] if part in target else {}
+        if not hasattr(target, "unlocked") or last not in target:
+            close = suggest_keys(key, config)
+            raise KeyError(f"Unknown config key {key!r} in {path.name}"
+                           + (f"; did you mean {' or '.join(close)}?" if close else "."))
         with target.unlocked():
             target[last] = value
     return config

@@ -31,23 +31,29 @@ def weights_path(src: str | pathlib.Path) -> pathlib.Path:
 def read_tensors(src: str | pathlib.Path) -> dict[str, np.ndarray]:
     """``{name: float32/int array}`` from a safetensors, npz or PyTorch file (or a folder)."""
     path = weights_path(src)
-    if path.suffix == ".safetensors":
-        from safetensors.numpy import load_file
-
-        return {k: np.asarray(v) for k, v in load_file(str(path)).items()}
-    if path.suffix == ".npz":
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
+    if path.suffix not in (".safetensors", ".npz", ".bin", ".pt", ".pth"):
+        raise ValueError(f"Unknown weights format {path.suffix!r} for {path}; expected .safetensors, .npz or .bin.")
     if path.suffix in (".bin", ".pt", ".pth"):
         try:
             import torch
-        except ImportError as e:
-            raise ImportError(f"{path} is a PyTorch file; reading it needs PyTorch installed, or convert it to "
-                              "safetensors first.") from e
+        except ImportError:
+            raise ValueError(f"{path} is a PyTorch file; reading it needs PyTorch installed (it is read with "
+                             "weights_only=True, never unpickling code), or convert it to safetensors "
+                             "first.") from None
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.numpy import load_file
+
+            return {k: np.asarray(v) for k, v in load_file(str(path)).items()}
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
         state = torch.load(path, map_location="cpu", weights_only=True)
-        state = state.get("state_dict", state)
-        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
-    raise ValueError(f"Unknown weights format {path.suffix!r} for {path}; expected .safetensors, .npz or .bin.")
+    except Exception as err:  # noqa: BLE001 - any reader's failure: name the file and the likely cause
+        raise ValueError(f"{path} could not be read ({type(err).__name__}: {str(err).strip()[:200]}); the file may "
+                         "be truncated or not what its name says: copy it again.") from err
+    state = state.get("state_dict", state)
+    return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
 
 
 def read_json(src: str | pathlib.Path, name: str = "config.json") -> dict:

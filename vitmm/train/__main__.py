@@ -1,17 +1,77 @@
 """``python -m vitmm.train --config configs/X.py[:args] --workdir DIR [--config.key=value]``.
 
-This file only parses flags; the loop is ``vitmm.train.trainer.train``.
+This file parses flags and turns errors into exit codes; the loop is ``vitmm.train.trainer.train``.
+Exit codes: 0 done; 2 a bad flag, config value, checkpoint or input (one message, no traceback);
+1 the run stopped on a failure it names (non-finite loss, a failed save, no readable
+checkpoint); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun to resume).
+``--debug`` (or ``VITMM_DEBUG=1``) shows the traceback instead.
 """
+
+import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vitmm import xla_flags
+from vitmm import checkpoint as ckpt_lib
+from vitmm import config_args, tree, xla_flags
 from vitmm.train import trainer
+from vitmm.train import workdir as workdir_lib
+
+PREEMPTED = 75  # EX_TEMPFAIL: try again (resume)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, workdir_lib.WorkdirLocked)
+RUN_FAILURES = (FloatingPointError, ckpt_lib.SaveFailed, ckpt_lib.NoReadableCheckpoint)
 
 config_flags.DEFINE_config_file("config", None, "Config file (with :args).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and TensorBoard files go.")
+flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line errors.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _debug(argv=()) -> bool:
+    return os.environ.get("VITMM_DEBUG", "") not in ("", "0") or "--debug" in argv
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"python -m vitmm.train: {message}", file=sys.stderr)
+    if code == 2:
+        print("(--debug shows the traceback)", file=sys.stderr)
+    sys.exit(code)
+
+
+def _config_key_error(argv) -> str | None:
+    """A message for the first ``--config.KEY`` that the config file does not have, with the
+    existing keys it most resembles."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None and "--config" in argv:
+        spec = argv[argv.index("--config") + 1]
+    if spec is None:
+        return None
+    path, _, arg = spec.partition(":")
+    try:
+        config = config_args.load(path, arg or None)
+    except Exception:  # noqa: BLE001 - the file itself is the problem; the parser's message says so
+        return None
+    known = {k.replace("/", ".") for k in tree.flatten(config.to_dict())}
+    for a in argv:
+        if a.startswith("--config.") and "=" in a:
+            key = a[len("--config."):].split("=", 1)[0]
+            if key not in known and not any(k.startswith(key + ".") for k in known):
+                close = config_args.suggest_keys(key, config)
+                return f"unknown config key {key!r}" + (f"; did you mean {' or '.join(close)}?" if close else
+                                                         "; the keys are listed in README.md (Config keys).")
+    return None
+
+
+def parse_flags(argv):
+    """absl's parsing, with a bad flag or config override reported in one line (exit 2)."""
+    try:
+        return flags.FLAGS(argv)
+    except Exception as err:  # noqa: BLE001 - config_flags raises whatever the config file raised
+        if _debug(argv):
+            raise
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        _fail(_config_key_error(argv) or (lines[-1] if lines else repr(err)), 2)
 
 
 def summary_table(summary: dict) -> str:
@@ -39,11 +99,23 @@ def summary_table(summary: dict) -> str:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    summary = trainer.train(flags.FLAGS.config, flags.FLAGS.workdir)
+    debug = flags.FLAGS.debug or _debug()
+    try:
+        summary = trainer.train(flags.FLAGS.config, flags.FLAGS.workdir)
+    except trainer.Preempted as stop:
+        _fail(str(stop), PREEMPTED)
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        _fail(str(err), 2)
+    except RUN_FAILURES as err:
+        if debug:
+            raise
+        _fail(str(err), 1)
     if summary["evals"]:
         print(summary_table(summary))
 
 
 if __name__ == "__main__":
     xla_flags.use_vitmm_defaults()  # before JAX opens a backend
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -91,6 +91,7 @@ class VLMTask:
                              f"{tokenizer.vocab_size}; set --config.model.lm.vocab_size={tokenizer.vocab_size}.")
         self.config, self.tokenizer = config, tokenizer
         m = config.model
+        _check_budget(m.connector.to_dict(), m.vision.to_dict(), config.input.image_size)
         self.model = vlm.VLM(m.vision.to_dict(), m.connector.to_dict(), m.lm.to_dict(), m.vision_layer, m.use_cls)
         self.num_visual = None  # known once the parameters exist (init_params)
 
@@ -103,7 +104,7 @@ class VLMTask:
         self.num_visual = self.model.apply(variables, (res, res), method=vlm.VLM.num_visual_tokens)
         params = variables["params"]
         if c.init.get("vision"):
-            params = ckpt_lib.init_tower_from_clip(params, c.init.vision)
+            params = ckpt_lib.init_tower_from_clip(params, c.init.vision, dont_load=c.init.get("dont_load") or ())
         elif not c.init.get("allow_random_tower"):
             raise ValueError("A VLM starts from a pretrained tower: set --config.init.vision=WORKDIR of a "
                              "`python -m vitmm.train` CLIP run (or init.allow_random_tower=True for tests).")
@@ -128,6 +129,22 @@ class VLMTask:
         return {name: eval_lib.QAAccuracy(self.model, cfg, c.model.max_len, self.tokenizer,
                                           c.input.image_size, c.model.prefix_lm)
                 for name, cfg in _evals_config(c).items()}
+
+
+def _check_budget(connector: dict, vision: dict, image_size) -> None:
+    """The connector's token count on the tower's grid, checked before anything is allocated:
+    a budget the family cannot produce, or more visual tokens than the patches they summarise."""
+    from vitmm.models import connectors
+    from vitmm.models.patch_embed import to_pair
+    from vitmm.models.vit import ViT
+
+    grid = tuple(ViT(**vision).grid(to_pair(image_size, "image_size")))
+    tokens = connectors.num_visual_tokens(connector, grid)
+    if tokens > grid[0] * grid[1]:
+        raise connectors.BudgetError(
+            f"connector {connector.get('name')!r} with budget {connector.get('budget')!r} gives {tokens} visual "
+            f"tokens, more than the {grid[0]}x{grid[1]} = {grid[0] * grid[1]} patches it summarises; choose a "
+            f"budget of at most {grid[0] * grid[1]}.")
 
 
 def _evals_config(config) -> dict:

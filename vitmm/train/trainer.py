@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+import signal
 import sys
+import threading
 import time
 
 import jax
@@ -23,6 +25,7 @@ from vitmm.data import pipeline, preprocess
 from vitmm.data import tokenizer as tok_lib
 from vitmm.train import optim, tasks
 from vitmm.train import step as step_lib
+from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
 
 BASE_METRICS = ("loss", "grad_norm", "param_norm", "update_norm")
@@ -66,13 +69,17 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
 class MetricWriter:
     """``metrics.jsonl`` (one JSON object per log step) and TensorBoard event files."""
 
-    def __init__(self, workdir: pathlib.Path, enabled: bool = True):
+    def __init__(self, workdir: pathlib.Path, enabled: bool = True, resumed_at: int | None = None):
         self.enabled = enabled
         if enabled:
             from tensorboardX import SummaryWriter
 
+            if resumed_at is not None:  # what a killed run logged after its last checkpoint is redone
+                workdir_lib.truncate_metrics(workdir, resumed_at)
             self._jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
-            self._tb = SummaryWriter(str(workdir / "tensorboard"))
+            # purge_step: TensorBoard drops the earlier events at or after it.
+            purge = None if resumed_at is None else resumed_at + 1
+            self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=purge)
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -127,19 +134,94 @@ def _input(config, tokenizer, par: Parallel):
 # ================================================================================================
 #                                          The loop
 # ================================================================================================
-def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> dict:
-    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint if there is one).
+class Preempted(Exception):
+    """The run stopped on SIGTERM/SIGINT after saving a checkpoint at ``step``."""
 
-    ``stop_at`` ends the run after that step with a checkpoint, as a preemption would (the
-    schedule still runs to ``config.total_steps``; calling ``train`` again resumes).
+    def __init__(self, step: int, workdir: pathlib.Path, signal_name: str):
+        super().__init__(f"{signal_name} at step {step}: checkpoint saved in {workdir}; rerun the same command "
+                         "to resume.")
+        self.step, self.workdir = step, workdir
+
+
+class _StopRequests:
+    """SIGTERM and SIGINT ask the loop to stop after the current step (a second SIGINT stops at
+    once). All processes of a multi-host run stop at the same step: each step, the flag is
+    gathered from every process."""
+
+    def __init__(self):
+        self.signal, self._old = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum, frame):
+        if self.signal == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def requested(self) -> bool:
+        stop = self.signal is not None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            stop = bool(np.max(multihost_utils.process_allgather(np.int32(stop))))
+        return stop
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal else "a signal on another process"
+
+
+POSITIVE = ("total_steps", "batch_size", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+            "sync_every")
+
+
+def validate(config) -> None:
+    """Counts and intervals are positive integers; checked before anything is built or compiled."""
+    for key in POSITIVE:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"config.{key}={value!r}: must be a positive integer.")
+    accum = config.optim.get("accum_steps", 1)
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % accum:
+        raise ValueError(f"config.optim.accum_steps={accum!r}: must be a positive integer dividing "
+                         f"batch_size={config.batch_size}.")
+    if config.batch_size % jax.device_count():
+        raise ValueError(f"batch_size={config.batch_size} does not split over {jax.device_count()} devices; "
+                         f"use a multiple of {jax.device_count()}.")
+
+
+def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> dict:
+    """Trains ``config`` in ``workdir`` (resuming from its newest readable checkpoint).
+
+    ``stop_at`` ends the run after that step with a checkpoint (the schedule still runs to
+    ``config.total_steps``; calling ``train`` again resumes). SIGTERM or SIGINT does the same at
+    the current step and raises ``Preempted``.
     """
     maybe_initialize_distributed(config)
+    validate(config)
     workdir = pathlib.Path(workdir).expanduser()
     workdir.mkdir(parents=True, exist_ok=True)
     is_main = jax.process_index() == 0
+    lock = workdir_lib.Lock(workdir)
+    if is_main:
+        lock.acquire()
+    try:
+        with _StopRequests() as stop:
+            return _train(config, workdir, stop_at, is_main, stop)
+    finally:
+        lock.release()
+
+
+def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopRequests) -> dict:
     par = Parallel(config.parallel, fsdp=config.get("fsdp", False))
-    if config.batch_size % jax.device_count():
-        raise ValueError(f"batch_size={config.batch_size} does not split over {jax.device_count()} devices.")
     tokenizer = tok_lib.get_tokenizer(config.get("tokenizer"))
     task = tasks.from_config(config, par, tokenizer)
     params = task.init_params()
@@ -158,14 +240,21 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
 
     data = _input(config, tokenizer, par)
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
-    start = 0
-    if checkpointer.latest_step() is not None:
+    start, resumed = 0, False
+    if checkpointer.all_steps() or checkpointer.step_folders():  # an unreadable one must not mean a fresh start
         abstract = par.abstract_for_restore(jax.eval_shape(lambda: state))
-        state, data_state, _ = checkpointer.restore(abstract)
+        restored, data_state, meta, start = checkpointer.restore_newest_readable(abstract)
+        saved = meta.get("config")
+        changes = workdir_lib.check_config_change(json.loads(saved) if isinstance(saved, str) else saved, config,
+                                                  checkpointer.directory)
+        state, resumed = restored, True
         data.set_state(data_state)
-        start = int(state["step"])
         if is_main:
             print(f"Resumed from step {start} in {checkpointer.directory}", flush=True)
+            if changes:
+                print("Config changes since that checkpoint:\n" + "\n".join(changes), flush=True)
+    if is_main:
+        workdir_lib.write_config(workdir, config)
     state = par.put_state(state)
 
     def step_with_key(state, batch):  # the RNG is stored as raw key data (plain pytree leaf)
@@ -177,7 +266,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
     step_fn = par.compile(step_with_key, jax.tree.map(lambda x: x, par.host_state(state)))
     evaluators = task.evaluators()
     metric_names = BASE_METRICS + task.aux_names
-    writer = MetricWriter(workdir, enabled=is_main)
+    writer = MetricWriter(workdir, enabled=is_main, resumed_at=start if resumed else None)
 
     total = config.total_steps
     sync_every = config.get("sync_every", 8) if par.needs_host_sync else None
@@ -189,9 +278,10 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
         for step in range(start + 1, total + 1):
             batch = next(data)
             state, metrics = step_fn(state, batch)
+            stopping = stop.requested()
             at_log = step % config.log_every == 0 or step == total
-            at_ckpt = step % config.checkpoint_every == 0 or step in (total, stop_at)
-            at_eval = bool(evaluators) and (step % config.eval_every == 0 or step == total)
+            at_ckpt = step % config.checkpoint_every == 0 or step in (total, stop_at) or stopping
+            at_eval = bool(evaluators) and (step % config.eval_every == 0 or step == total) and not stopping
             if at_log or at_ckpt or at_eval or (sync_every and step % sync_every == 0):
                 _check_finite(par.host_state(state["bad"]), checkpointer, metric_names)
             if at_log:
@@ -203,6 +293,9 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
                 writer.write(step, host)
                 shown = {k: f"{host[k]:.3g}" for k in ("loss",) + task.aux_names[:1]}
                 progress.set_postfix(**shown, img_s=f"{host['img_per_s']:.0f}", refresh=False)
+            if at_ckpt:  # before evaluating: a failing evaluator never costs the checkpoint
+                _save(checkpointer, step, par.host_state(state), data.get_state(), config)
+            checkpointer.check_saves(step)
             if at_eval:
                 host_metrics = par.first(metrics)
                 evals = _evaluate(evaluators, _host_params(par.host_state(state)["params"]),
@@ -212,15 +305,18 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
                     tqdm.write(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in evals.items()
                                                             if not k.endswith("examples")))
                 last_log = (time.perf_counter(), step)  # keep evaluation out of img/s
-            if at_ckpt:
-                checkpointer.save(step, par.host_state(state), data.get_state(),
-                                  {"step": step, "config": config.to_json_best_effort()})
             progress.update(1)
+            if stopping:
+                checkpointer.wait()
+                checkpointer.check_saves(step + 1)
+                raise Preempted(step, workdir, stop.name)
             if step == stop_at:
                 break
         if start >= total and evaluators:  # a finished run: report its final evaluation again
             params = _host_params(par.host_state(state)["params"])
             evals = _evaluate(evaluators, params, task.final_aux(params))
+        checkpointer.wait()
+        checkpointer.check_saves(total + 1)
     finally:
         progress.close()
         checkpointer.close()
@@ -229,6 +325,16 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
     checksum = float(sum(np.asarray(x, np.float64).sum() for x in jax.tree.leaves(params)))
     return dict(history=history, evals=evals, final_step=int(to_host(par.host_state(state)["step"])),
                 workdir=str(workdir), checkpoints=checkpointer.all_steps(), param_checksum=checksum)
+
+
+def _save(checkpointer, step: int, state, data_state, config) -> None:
+    """Starts the (background) save of ``step``; a failure to start it is a ``SaveFailed``."""
+    try:
+        checkpointer.save(step, state, data_state, {"step": step, "config": config.to_json_best_effort()})
+    except ckpt_lib.SaveFailed:
+        raise
+    except Exception as err:  # noqa: BLE001 - e.g. no space left (this save, or the previous one in the background)
+        raise checkpointer.save_failed(err) from err
 
 
 def _host_params(params):

@@ -1,0 +1,288 @@
+"""What a run survives: preemption, a second writer, corrupt checkpoints, failed saves, an
+evaluator that fails, resumed logs, config changes, and bad input that fails in one line."""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from test_trainer import ROOT, smoke_config
+
+from vitmm import checkpoint as ckpt_lib
+from vitmm.train import trainer
+from vitmm.train import workdir as workdir_lib
+
+
+def _losses(workdir: pathlib.Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, clip_smoke_run):
+    """The smoke config logged every step and checkpointed every step, uninterrupted."""
+    workdir = tmp_path_factory.mktemp("straight")
+    config = smoke_config(clip_smoke_run.data_dir, evals=False, log_every=1, checkpoint_every=1)
+    summary = trainer.train(config, workdir)
+    return workdir, summary, config
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize("damage", ["missing_file", "truncated_file", "empty_folder"])
+def test_an_unreadable_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, straight, capsys, damage):
+    workdir, summary, config = straight
+    shutil.copytree(workdir / "checkpoints", tmp_path / "checkpoints")
+    ckpt_lib.Checkpointer(tmp_path).close()
+    latest = tmp_path / "checkpoints" / "4"
+    files = sorted(p for p in (latest / "state").rglob("*") if p.is_file() and p.stat().st_size > 0)
+    if damage == "missing_file":
+        (latest / "state" / "_METADATA").unlink()
+    elif damage == "truncated_file":
+        for p in files:
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    else:
+        shutil.rmtree(latest)
+        latest.mkdir()
+    resumed = trainer.train(config, tmp_path)
+    out = capsys.readouterr().out
+    assert "skipping the unreadable checkpoint at step 4" in out and "Resumed from step 3" in out
+    assert resumed["final_step"] == 4
+    assert resumed["param_checksum"] == pytest.approx(summary["param_checksum"], rel=1e-6)
+
+
+def test_no_readable_checkpoint_stops_instead_of_starting_afresh(tmp_path, straight):
+    workdir, _, config = straight
+    shutil.copytree(workdir / "checkpoints", tmp_path / "checkpoints")
+    for step in (3, 4):
+        shutil.rmtree(tmp_path / "checkpoints" / str(step))
+        (tmp_path / "checkpoints" / str(step)).mkdir()
+    with pytest.raises(ckpt_lib.NoReadableCheckpoint, match=r"No readable checkpoint in .*step 4.*step 3"):
+        trainer.train(config, tmp_path)
+
+
+def test_a_failed_background_save_stops_the_run_naming_the_cause(tmp_path, straight, monkeypatch):
+    """The save of step 3 fails in the background (as on a full disk): the run stops at once with
+    the path and the cause, step 3 never becomes a checkpoint, step 2 stays intact."""
+    import orbax.checkpoint as ocp
+
+    _, _, config = straight
+    real = ocp.StandardCheckpointHandler.async_save
+    calls = []
+
+    class NoSpace:
+        def result(self, timeout=None):
+            raise OSError(28, "No space left on device")
+
+    async def async_save(self, directory, *args, **kwargs):
+        calls.append(directory)
+        futures = await real(self, directory, *args, **kwargs)
+        return list(futures or []) + [NoSpace()] if len(calls) == 3 else futures
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", async_save)
+    with pytest.raises(ckpt_lib.SaveFailed, match=r"checkpoints failed: OSError: .*No space left on device.*"
+                                                  r"step 2 is intact"):
+        trainer.train(config, tmp_path)
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", real)
+    assert ckpt_lib.Checkpointer(tmp_path).all_steps() == [1, 2]
+
+
+def test_the_checkpoint_is_saved_before_a_failing_evaluation(tmp_path, clip_smoke_run, monkeypatch):
+    from vitmm.train import tasks
+
+    def broken(self):
+        class Broken:
+            def run(self, params, **aux):
+                raise RuntimeError("evaluator failed")
+
+            def clear(self):
+                pass
+
+        return {"broken": Broken()}
+
+    monkeypatch.setattr(tasks.ContrastiveTask, "evaluators", broken)
+    with pytest.raises(RuntimeError, match="evaluator failed"):
+        trainer.train(smoke_config(clip_smoke_run.data_dir), tmp_path)
+    assert ckpt_lib.Checkpointer(tmp_path).all_steps() == [4]
+
+
+# ------------------------------------------------------------------------------------ logs, config, lock
+def test_a_resume_drops_the_logged_steps_it_redoes_and_writes_the_config(tmp_path, straight):
+    workdir, summary, config = straight
+    first = trainer.train(config, tmp_path, stop_at=2)
+    assert first["final_step"] == 2
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # what a run killed after step 3 had logged
+        f.write(json.dumps({"step": 3, "loss": 123.0}) + "\n" + '{"step": 4, "lo')
+    trainer.train(config, tmp_path)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert _losses(tmp_path) == _losses(workdir)  # bit for bit on CPU
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["optim"]["lr"] == config.optim.lr and saved["total_steps"] == 4
+
+
+def test_a_resume_with_a_changed_config_says_what_changed_and_refuses_what_matters(tmp_path, straight, capsys):
+    _, _, config = straight
+    trainer.train(config, tmp_path, stop_at=2)
+    changed = smoke_config(straight[2].input.data_dir, evals=False, log_every=1, checkpoint_every=1,
+                           **{"optim.lr": 0.5})
+    with pytest.raises(workdir_lib.ConfigChanged, match=r"would change optim/lr:\n  optim/lr: 0.001 -> 0.5"):
+        trainer.train(changed, tmp_path)
+    assert ckpt_lib.Checkpointer(tmp_path).all_steps() == [1, 2]  # nothing written
+    harmless = smoke_config(straight[2].input.data_dir, evals=False, log_every=2, checkpoint_every=1)
+    assert trainer.train(harmless, tmp_path, stop_at=3)["final_step"] == 3
+    assert "log_every: 1 -> 2" in capsys.readouterr().out
+    with changed.unlocked():
+        changed.allow_config_change = True
+    assert trainer.train(changed, tmp_path)["final_step"] == 4
+
+
+def test_one_writer_per_workdir_and_a_stale_lock_is_taken_over(tmp_path, straight, capsys):
+    lock = workdir_lib.Lock(tmp_path)
+    lock.acquire()
+    with pytest.raises(workdir_lib.WorkdirLocked, match=rf"in use by pid {os.getpid()} on "):
+        trainer.train(straight[2], tmp_path)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+    lock.release()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": "x"}))
+    second = workdir_lib.Lock(tmp_path)
+    second.acquire()
+    assert f"stale lock of pid {dead.pid}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "lock").read_text())["pid"] == os.getpid()
+    second.release()
+    assert not (tmp_path / "lock").exists()
+
+
+# ------------------------------------------------------------------------------------ preemption
+def _train_command(workdir, data_dir, *overrides):
+    return [sys.executable, "-m", "vitmm.train", "--config", "configs/clip_scenes.py:smoke", "--workdir", str(workdir),
+            f"--config.input.data_dir={data_dir}", *overrides]
+
+
+# ``python -m vitmm.train`` with the training input wrapped so that the process sends itself the
+# signal while it fetches batch 3: a real signal, delivered at a known step.
+SIGNALLING = """
+import os, signal, sys
+from absl import app
+from vitmm import xla_flags
+xla_flags.use_vitmm_defaults()
+from vitmm.train import __main__ as cli, trainer
+make = trainer._input
+def wrapped(config, tokenizer, par):
+    it = make(config, tokenizer, par)
+    class Signalling:
+        count = 0
+        def __next__(self):
+            Signalling.count += 1
+            if Signalling.count == 3:
+                os.kill(os.getpid(), signal.{sig})
+            return next(it)
+        def get_state(self):
+            return it.get_state()
+        def set_state(self, state):
+            it.set_state(state)
+    return Signalling()
+trainer._input = wrapped
+sys.argv = ["vitmm.train"] + sys.argv[1:]
+app.run(cli.main, flags_parser=cli.parse_flags)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_saves_the_current_step_and_the_resumed_run_matches(tmp_path, straight, sig):
+    workdir, summary, config = straight
+    script = tmp_path / "signalling.py"
+    script.write_text(SIGNALLING.replace("{sig}", sig))
+    args = [f"--config.input.data_dir={config.input.data_dir}", "--config.log_every=1", "--config.checkpoint_every=100"]
+    run = tmp_path / "run"
+    first = subprocess.run([sys.executable, str(script), "--config", "configs/clip_scenes.py:smoke", "--workdir",
+                            str(run), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 75, first.stderr[-3000:]
+    message = [line for line in first.stderr.splitlines() if line.startswith("python -m vitmm.train:")]
+    assert message == [f"python -m vitmm.train: {sig} at step 3: checkpoint saved in {run}; rerun the same "
+                       "command to resume."]
+    assert ckpt_lib.Checkpointer(run).all_steps() == [3] and not (run / "lock").exists()
+    again = subprocess.run(_train_command(run, config.input.data_dir, *args[1:]), cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _losses(run) == _losses(workdir)  # the resumed loss curve equals the uninterrupted one, bit for bit
+    import jax
+
+    final, expected = ckpt_lib.load_params(run), ckpt_lib.load_params(workdir)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(expected), strict=True))
+
+
+# ------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("args, message", [
+    (["--config.lr=1e6"], "unknown config key 'lr'; did you mean optim.lr?"),
+    (["--config.optim.lrr=1"], "unknown config key 'optim.lrr'; did you mean optim.lr?"),
+    (["--config.log_every=0"], "config.log_every=0: must be a positive integer."),
+    (["--config.total_steps=-5"], "config.total_steps=-5: must be a positive integer."),
+])
+def test_bad_input_fails_in_one_line_with_exit_code_2(tmp_path, data_dir, args, message):
+    result = subprocess.run(_train_command(tmp_path / "w", data_dir, *args), cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"python -m vitmm.train: {message}", "(--debug shows the traceback)"], result.stderr[-2000:]
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_a_bare_word_in_the_config_arg_is_named():
+    from vitmm import config_args
+
+    with pytest.raises(ValueError, match=r"Cannot parse config arg 'smokey'.*did you mean 'smoke'"):
+        config_args.load(ROOT / "configs/clip_scenes.py", "smokey")
+    assert config_args.load(ROOT / "configs/frontend_demo.py", "L/14").model.variant == "L/14"  # a bare first arg
+
+
+def test_a_budget_is_checked_against_the_grid_before_anything_is_allocated(tmp_path, data_dir):
+    from vitmm.models.connectors import BudgetError
+
+    c = smoke_config(data_dir, "vlm_scenes", "smoke,connector=perceiver,budget=100000", evals=False)
+    start = time.perf_counter()
+    with pytest.raises(BudgetError, match=r"gives 100000 visual tokens, more than the 4x4 = 16 patches"):
+        trainer.train(c, tmp_path)
+    assert time.perf_counter() - start < 30
+
+
+def test_weights_files_that_cannot_be_read_are_named(tmp_path):
+    from vitmm.interop import io
+
+    src = ROOT / "tests/fixtures/interop/timm_vit/model.safetensors"
+    cut = tmp_path / "model.safetensors"
+    cut.write_bytes(src.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=rf"{cut} could not be read .*truncated"):
+        io.read_tensors(cut)
+    pickle = tmp_path / "pytorch_model.bin"
+    pickle.write_bytes(b"not really")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"PyTorch file; reading it needs PyTorch installed"):
+            io.read_tensors(pickle)
+    else:
+        with pytest.raises(ValueError, match="could not be read"):
+            io.read_tensors(pickle)
+
+
+def test_init_vision_honours_dont_load(clip_smoke_run):
+    import jax
+    import jax.numpy as jnp
+
+    from vitmm.models import vlm as vlm_lib
+
+    vision = smoke_config(clip_smoke_run.data_dir).model.image.to_dict()
+    model = vlm_lib.VLM(vision, {"name": "pool", "budget": 4}, dict(vocab_size=259, width=32, depth=1, num_heads=4))
+    params = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), jnp.zeros((1, 4), jnp.int32))["params"]
+    loaded = ckpt_lib.init_tower_from_clip(params, clip_smoke_run.workdir, dont_load=(r"tower/embedding/.*",))
+    clip = ckpt_lib.load_params(clip_smoke_run.workdir)["img"]
+    np.testing.assert_array_equal(loaded["tower"]["embedding"]["kernel"], params["tower"]["embedding"]["kernel"])
+    jax.tree.map(np.testing.assert_array_equal, loaded["tower"]["encoder"], clip["encoder"])
