@@ -28,7 +28,29 @@ with c.unlocked():
     c.multihost.process_id = int(sys.argv[5])
 from vitmm.train import trainer
 import jax
-summary = trainer.train(c, sys.argv[2])
+if len(sys.argv) > 6 and int(sys.argv[5]) == int(sys.argv[6]):  # this process is sent SIGTERM at batch 3
+    import os, signal
+    make = trainer._input
+    def wrapped(config, tokenizer, par):
+        it = make(config, tokenizer, par)
+        class Signalling:
+            count = 0
+            def __next__(self):
+                Signalling.count += 1
+                if Signalling.count == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return next(it)
+            def get_state(self):
+                return it.get_state()
+            def set_state(self, state):
+                it.set_state(state)
+        return Signalling()
+    trainer._input = wrapped
+try:
+    summary = trainer.train(c, sys.argv[2])
+except trainer.Preempted as stop:
+    print("PREEMPTED " + json.dumps(dict(process=jax.process_index(), step=stop.step)), flush=True)
+    sys.exit(75)
 print("RESULT " + json.dumps(dict(process=jax.process_index(), count=jax.process_count(),
       devices=jax.device_count(), losses=[h["loss"] for h in summary["history"]],
       checksum=summary["param_checksum"], evals=summary["evals"])), flush=True)
@@ -41,28 +63,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_as_one(tmp_path):
-    data_dir = tmp_path / "tfds"
-    from configs import common
-    from vitmm.data import pipeline
-
-    pipeline.get_source(common.SMOKE_DATA, "train", str(data_dir))  # build once, up front
+def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0) -> list[str]:
+    """Both processes' stdout, after each exits with ``expect``."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     coordinator = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = f"{os.environ.get('VITMM_TEST_XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"
     env["PYTHONPATH"] = str(ROOT)
+    extra = [] if signalled is None else [str(signalled)]
     procs = [subprocess.Popen(
         ["timeout", "-s", "KILL", "240", sys.executable, str(script), str(ROOT / "configs/clip_scenes.py"),
-         str(tmp_path / "workdir"), str(data_dir), coordinator, str(i)],
+         str(workdir), str(data_dir), coordinator, str(i), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]
-    results = []
+    outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-        line = next(line for line in out.splitlines() if line.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT "):]))
+        assert proc.returncode == expect, err[-3000:]
+        outs.append(out)
+    return outs
+
+
+def _results(outs, tag="RESULT "):
+    return [json.loads(next(line for line in out.splitlines() if line.startswith(tag))[len(tag):]) for out in outs]
+
+
+def test_two_processes_train_as_one_and_stop_together_on_sigterm(tmp_path):
+    data_dir = tmp_path / "tfds"
+    from configs import common
+    from vitmm.data import pipeline
+
+    pipeline.get_source(common.SMOKE_DATA, "train", str(data_dir))  # build once, up front
+    results = _results(_run_two(tmp_path, tmp_path / "workdir", data_dir))
     a, b = sorted(results, key=lambda r: r["process"])
     assert (a["count"], a["devices"], b["process"]) == (2, 2, 1)
     # One global batch, one loss, one set of parameters: every step and the end agree exactly.
@@ -72,3 +104,12 @@ def test_two_processes_train_as_one(tmp_path):
     assert (tmp_path / "workdir" / "checkpoints" / "6").is_dir()
     lines = [json.loads(x) for x in (tmp_path / "workdir" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3, 4, 5, 6]  # process 0 writes once
+
+    # SIGTERM reaches process 1 only: both processes save step 3 and stop; resumed, the pair
+    # continues exactly as the uninterrupted pair did.
+    stopped = _results(_run_two(tmp_path, tmp_path / "preempted", data_dir, signalled=1, expect=75), "PREEMPTED ")
+    assert sorted((r["process"], r["step"]) for r in stopped) == [(0, 3), (1, 3)]
+    assert sorted(p.name for p in (tmp_path / "preempted" / "checkpoints").iterdir()) == ["3"]
+    resumed = sorted(_results(_run_two(tmp_path, tmp_path / "preempted", data_dir)), key=lambda r: r["process"])
+    assert resumed[0]["losses"] == resumed[1]["losses"] == a["losses"][3:]
+    assert resumed[0]["checksum"] == pytest.approx(a["checksum"], rel=1e-7)

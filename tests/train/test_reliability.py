@@ -286,3 +286,54 @@ def test_init_vision_honours_dont_load(clip_smoke_run):
     clip = ckpt_lib.load_params(clip_smoke_run.workdir)["img"]
     np.testing.assert_array_equal(loaded["tower"]["embedding"]["kernel"], params["tower"]["embedding"]["kernel"])
     jax.tree.map(np.testing.assert_array_equal, loaded["tower"]["encoder"], clip["encoder"])
+
+
+# ------------------------------------------------------------------------------------ elastic resume
+RESUME_ON_TWO_DEVICES = """
+import json, sys
+import ml_collections
+from vitmm import config_args
+from vitmm.train import trainer
+import jax
+c = config_args.load(sys.argv[1], "smoke", **{"input.data_dir": sys.argv[2], "log_every": 1, "checkpoint_every": 1})
+with c.unlocked():
+    c.evals = ml_collections.ConfigDict()
+summary = trainer.train(c, sys.argv[3])
+print("RESULT " + json.dumps(dict(devices=jax.device_count(), checksum=summary["param_checksum"],
+                                  steps=[h["step"] for h in summary["history"]])))
+"""
+
+
+def test_resuming_on_fewer_devices_continues_the_same_global_data_order(tmp_path, straight):
+    """A run checkpointed on 4 devices resumes on 2: the same global batches (the input pipeline
+    is per process, not per device), so it ends where the 4-device run ended, to float32
+    reduction-order rounding."""
+    workdir, summary, config = straight
+    trainer.train(config, tmp_path / "run", stop_at=2)
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_ON_TWO_DEVICES)
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('VITMM_TEST_XLA_FLAGS', '')} "
+                                     "--xla_force_host_platform_device_count=2")
+    result = subprocess.run([sys.executable, str(script), str(ROOT / "configs/clip_scenes.py"), config.input.data_dir,
+                             str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert out["devices"] == 2 and out["steps"] == [3, 4]
+    assert out["checksum"] == pytest.approx(summary["param_checksum"], rel=1e-6)
+    np.testing.assert_allclose([_losses(tmp_path / "run")[s] for s in (3, 4)], [_losses(workdir)[s] for s in (3, 4)],
+                               rtol=1e-5)
+
+
+def test_a_loop_of_sigkill_and_sigterm_ends_where_an_uninterrupted_run_ends(tmp_path, data_dir):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("preemption_loop", ROOT / "experiments/preemption_loop.py")
+    loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop)
+    result = loop.main(["--steps", "12", "--checkpoint_every", "4", "--kills", "2", "--data_dir", data_dir,
+                        "--out", str(tmp_path)])
+    assert [r["signal"] for r in result["interruptions"]] == ["SIGKILL", "SIGTERM"]
+    assert result["parameters_equal"] and result["each_step_logged_once"] and result["losses_equal"]
+    sigterm = result["interruptions"][1]
+    assert sigterm["returncode"] in (75, 0) and sigterm["lost"] == 0  # 0: it reached the last step first
+    assert (tmp_path / "preemption_loop.md").is_file()

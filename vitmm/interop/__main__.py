@@ -19,6 +19,7 @@ table the way the source does. What is written: ``vitmm.interop.convert``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from vitmm.interop.common import TOWERS
@@ -50,8 +51,11 @@ def main(argv=None) -> None:
                    quick_gelu=None if args.quick_gelu is None else args.quick_gelu == "true")
     try:
         out = convert(args.source, args.src, args.out, tower=args.tower, image_size=args.image_size, **options)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        sys.exit(f"python -m vitmm.interop: {e}")
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one message, exit 2
+        if os.environ.get("VITMM_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"python -m vitmm.interop: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {out}")
 
 

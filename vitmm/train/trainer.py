@@ -69,17 +69,16 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
 class MetricWriter:
     """``metrics.jsonl`` (one JSON object per log step) and TensorBoard event files."""
 
-    def __init__(self, workdir: pathlib.Path, enabled: bool = True, resumed_at: int | None = None):
+    def __init__(self, workdir: pathlib.Path, enabled: bool = True, resumed_at: int = 0):
         self.enabled = enabled
         if enabled:
             from tensorboardX import SummaryWriter
 
-            if resumed_at is not None:  # what a killed run logged after its last checkpoint is redone
-                workdir_lib.truncate_metrics(workdir, resumed_at)
+            # What a killed run logged after its last checkpoint (or, with none, at all) is redone.
+            workdir_lib.truncate_metrics(workdir, resumed_at)
             self._jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
             # purge_step: TensorBoard drops the earlier events at or after it.
-            purge = None if resumed_at is None else resumed_at + 1
-            self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=purge)
+            self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resumed_at + 1)
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -240,14 +239,14 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
 
     data = _input(config, tokenizer, par)
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
-    start, resumed = 0, False
+    start = 0
     if checkpointer.all_steps() or checkpointer.step_folders():  # an unreadable one must not mean a fresh start
         abstract = par.abstract_for_restore(jax.eval_shape(lambda: state))
         restored, data_state, meta, start = checkpointer.restore_newest_readable(abstract)
         saved = meta.get("config")
         changes = workdir_lib.check_config_change(json.loads(saved) if isinstance(saved, str) else saved, config,
                                                   checkpointer.directory)
-        state, resumed = restored, True
+        state = restored
         data.set_state(data_state)
         if is_main:
             print(f"Resumed from step {start} in {checkpointer.directory}", flush=True)
@@ -266,7 +265,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
     step_fn = par.compile(step_with_key, jax.tree.map(lambda x: x, par.host_state(state)))
     evaluators = task.evaluators()
     metric_names = BASE_METRICS + task.aux_names
-    writer = MetricWriter(workdir, enabled=is_main, resumed_at=start if resumed else None)
+    writer = MetricWriter(workdir, enabled=is_main, resumed_at=start)  # a fresh start drops a lost run's rows
 
     total = config.total_steps
     sync_every = config.get("sync_every", 8) if par.needs_host_sync else None
@@ -278,7 +277,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
         for step in range(start + 1, total + 1):
             batch = next(data)
             state, metrics = step_fn(state, batch)
-            stopping = stop.requested()
+            stopping = stop.requested() and step < total  # at the last step the run simply ends
             at_log = step % config.log_every == 0 or step == total
             at_ckpt = step % config.checkpoint_every == 0 or step in (total, stop_at) or stopping
             at_eval = bool(evaluators) and (step % config.eval_every == 0 or step == total) and not stopping
