@@ -224,7 +224,7 @@ def main(argv=None) -> pathlib.Path:
     families = [f for f in (args.families or preset["families"]).split(",") if f]
     unknown = [f for f in families if f not in connectors.REGISTRY]
     if unknown:
-        raise SystemExit(f"Unknown connector(s) {unknown}; choose from {sorted(connectors.REGISTRY)}.")
+        parser.error(f"unknown connector(s) {unknown}; choose from {sorted(connectors.REGISTRY)}.")
     budgets = [b if b == "all" else int(b) for b in (args.budgets or preset["budgets"]).split(",") if b]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,7 +236,7 @@ def main(argv=None) -> pathlib.Path:
     image_size = clip_config["input"]["image_size"]
     data = args.data or clip_config["input"].get("data", {}).get("name")
     if data is None:  # e.g. a tower converted with python -m vitmm.interop
-        raise SystemExit(f"{tower_dir} does not say what data it was trained on; pass --data (e.g. scenes/easy_224).")
+        parser.error(f"{tower_dir} does not say what data it was trained on; pass --data (e.g. scenes/easy_224).")
     tower = ViT(**tower_cfg)
     tower_params = ckpt_lib.load_params(tower_dir)["img"]
 
