@@ -36,7 +36,7 @@ def test_lm_has_no_biases_and_uses_rmsnorm_and_swiglu():
     block = params["block_00"]
     assert set(block["mlp"]) == {"gate", "up", "down"} and "bias" not in block["mlp"]["gate"]
     assert set(block["attn_norm"]) == {"scale"}  # RMSNorm: no bias
-    assert "bias" not in block["attn"]["qkv"]
+    assert set(block["attn"]) == {"q", "k", "v", "o"} and all("bias" not in p for p in block["attn"].values())
 
 
 def test_lm_loss_counts_only_masked_positions():

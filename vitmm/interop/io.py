@@ -22,8 +22,7 @@ def weights_path(src: str | pathlib.Path) -> pathlib.Path:
             if (src / name).is_file():
                 return src / name
         if (src / "model.safetensors.index.json").is_file():
-            raise ValueError(f"{src} holds a sharded checkpoint; merge the shards into one model.safetensors "
-                             "first (vitmm reads single files).")
+            return src / "model.safetensors.index.json"  # shards, listed by the index
         raise FileNotFoundError(f"No weights in {src}: expected one of {WEIGHT_FILES}.")
     raise FileNotFoundError(f"{src} does not exist (vitmm only reads local files; nothing is downloaded).")
 
@@ -31,6 +30,8 @@ def weights_path(src: str | pathlib.Path) -> pathlib.Path:
 def read_tensors(src: str | pathlib.Path) -> dict[str, np.ndarray]:
     """``{name: float32/int array}`` from a safetensors, npz or PyTorch file (or a folder)."""
     path = weights_path(src)
+    if path.name.endswith(".safetensors.index.json"):
+        return _read_shards(path)
     if path.suffix not in (".safetensors", ".npz", ".bin", ".pt", ".pth"):
         raise ValueError(f"Unknown weights format {path.suffix!r} for {path}; expected .safetensors, .npz or .bin.")
     if path.suffix in (".bin", ".pt", ".pth"):
@@ -54,6 +55,21 @@ def read_tensors(src: str | pathlib.Path) -> dict[str, np.ndarray]:
                          "be truncated or not what its name says: copy it again.") from err
     state = state.get("state_dict", state)
     return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+
+
+def _read_shards(index: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of a sharded safetensors checkpoint (``model.safetensors.index.json``)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"{index} is not a safetensors index (no weight_map): {err}") from None
+    missing = sorted({f for f in weight_map.values() if not (index.parent / f).is_file()})
+    if missing:
+        raise FileNotFoundError(f"{index} names shards that are not in {index.parent}: {missing}; copy them there.")
+    tensors: dict[str, np.ndarray] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        tensors.update(read_tensors(index.parent / shard))
+    return tensors
 
 
 def read_json(src: str | pathlib.Path, name: str = "config.json") -> dict:

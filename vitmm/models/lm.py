@@ -1,25 +1,67 @@
-"""A small decoder-only language model in the Llama family.
+"""A decoder-only language model in the Llama family: vitmm's small from-scratch LM, and the shape
+of the pretrained Llama / SmolLM2 / Qwen2 / Gemma checkpoints ``vitmm.interop.hf_lm`` loads.
 
-RMSNorm before each sub-layer, rotary positions (1D RoPE, half-split pairing as Hugging Face
-Llama), SwiGLU MLP, no biases, causal attention (or a prefix-LM mask), a final RMSNorm and an
-untied output head. Takes token ids or ready-made input embeddings (the VLM passes visual
-tokens that way).
+RMSNorm before each sub-layer, rotary positions (half-split pairing, as Hugging Face), a gated
+MLP, a final RMSNorm and an output head. What the families differ in are fields:
+``num_kv_heads`` (grouped-query attention), ``head_dim`` (Gemma's is not width/heads),
+``qkv_bias`` (Qwen2), ``rope_theta`` and ``rope_scaling`` (Llama 3's frequency rescaling),
+``norm_eps``, ``norm_offset`` (Gemma's RMSNorm scales by 1 + w), ``embed_scale`` (Gemma
+multiplies embeddings by √width), ``act`` (``silu``; Gemma ``gelu_tanh``) and
+``tie_embeddings`` (the head is the embedding matrix). Takes token ids or ready-made input
+embeddings (the VLM passes visual tokens that way), an optional padding mask and positions (a
+ragged batch), and a causal or prefix-LM mask.
 """
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from vitmm.models import common, layers
-from vitmm.models.attention import Attention
+
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float = 10_000.0) -> jnp.ndarray:
-    """``[T, head_dim/2]`` rotation angles for integer positions (pairs k, k + head_dim/2)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    return positions[:, None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)[None]
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
+    """``[head_dim/2]`` RoPE frequencies ``θ^(-2k/d)`` (float32, as Hugging Face computes them),
+    with Llama 3's rescaling when ``scaling["rope_type"] == "llama3"``: wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` slow down by ``factor``, shorter than
+    ``… / high_freq_factor`` stay, and the band between is interpolated."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; vitmm has 'default' and 'llama3'.")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > context / low, inv / factor, inv)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float = 10_000.0, scaling: dict | None = None):
+    """Rotation angles ``[..., head_dim/2]`` for integer positions ``[...]``."""
+    inv = jnp.asarray(inverse_frequencies(head_dim, theta, scaling))
+    return positions[..., None].astype(jnp.float32) * inv
+
+
+def rotate(x: jnp.ndarray, angles: jnp.ndarray) -> jnp.ndarray:
+    """``x: [B, T, heads, hd]`` rotated by ``angles: [B or 1, T, hd/2]`` (channel k pairs with
+    k + hd/2, Hugging Face's ``rotate_half``)."""
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    cos, sin = jnp.concatenate([cos, cos], -1).astype(x.dtype), jnp.concatenate([sin, sin], -1).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
 def attention_mask(length: int, prefix_len: jnp.ndarray | int | None = None) -> jnp.ndarray:
@@ -34,75 +76,152 @@ def attention_mask(length: int, prefix_len: jnp.ndarray | int | None = None) -> 
     return causal[None, None] | both_in_prefix
 
 
+class RMSNorm(nn.Module):
+    """``x / rms(x) · w`` in float32 (``offset=True``: ``· (1 + w)`` with ``w`` starting at 0, Gemma)."""
+
+    eps: float = 1e-6
+    offset: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), jnp.float32)
+        y = x.astype(jnp.float32)
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
+        return (y * (scale + 1.0 if self.offset else scale)).astype(x.dtype)
+
+
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) · up(x))``, bias-free; output width ``out_dim`` (default: the input's)."""
+    """``down(act(gate(x)) · up(x))``, bias-free; output width ``out_dim`` (default: the input's)."""
 
     mlp_dim: int
     dtype_mm: str = "float32"
     out_dim: int | None = None
+    act: str = "silu"
 
     @nn.compact
     def __call__(self, x):
         dense = lambda n, name: layers.Dense(n, use_bias=False, dtype=self.dtype_mm,  # noqa: E731
                                              kernel_init=common.trunc_normal(0.02), name=name)
-        hidden = nn.silu(dense(self.mlp_dim, "gate")(x)) * dense(self.mlp_dim, "up")(x)
+        act = nn.silu if self.act == "silu" else (lambda y: jax.nn.gelu(y, approximate=True))
+        hidden = act(dense(self.mlp_dim, "gate")(x)) * dense(self.mlp_dim, "up")(x)
         return dense(self.out_dim or x.shape[-1], "down")(hidden)
+
+
+class LMAttention(nn.Module):
+    """Causal self-attention with separate q/k/v/o projections, grouped-query heads and RoPE."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    dtype_mm: str = "float32"
+
+    @nn.compact
+    def __call__(self, x, angles, mask):
+        b, t, width = x.shape
+        dense = lambda n, bias, name: layers.Dense(n, use_bias=bias, dtype=self.dtype_mm, name=name,  # noqa: E731
+                                                   kernel_init=common.trunc_normal(0.02))
+        q = dense(self.num_heads * self.head_dim, self.qkv_bias, "q")(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = dense(self.num_kv_heads * self.head_dim, self.qkv_bias, "k")(x).reshape(b, t, self.num_kv_heads,
+                                                                                   self.head_dim)
+        v = dense(self.num_kv_heads * self.head_dim, self.qkv_bias, "v")(x).reshape(b, t, self.num_kv_heads,
+                                                                                   self.head_dim)
+        q, k = rotate(q, angles), rotate(k, angles)
+        dtype = jnp.dtype(self.dtype_mm)
+        out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask=mask)
+        return dense(width, False, "o")(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class LMBlock(nn.Module):
     num_heads: int
+    num_kv_heads: int
+    head_dim: int
     mlp_dim: int
     norm_eps: float = 1e-6
+    norm_offset: bool = False
+    qkv_bias: bool = False
+    act: str = "silu"
     dtype_mm: str = "float32"
 
     @nn.compact
-    def __call__(self, x, rope, mask):
-        y = nn.RMSNorm(epsilon=self.norm_eps, name="attn_norm")(x)
-        x = x + Attention(self.num_heads, use_bias=False, dtype_mm=self.dtype_mm, name="attn")(
-            y, rope=rope, mask=mask)
-        y = nn.RMSNorm(epsilon=self.norm_eps, name="mlp_norm")(x)
-        return x + SwiGLU(self.mlp_dim, self.dtype_mm, name="mlp")(y)
+    def __call__(self, x, angles, mask):
+        y = RMSNorm(self.norm_eps, self.norm_offset, name="attn_norm")(x)
+        x = x + LMAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.dtype_mm,
+                            name="attn")(y, angles, mask)
+        y = RMSNorm(self.norm_eps, self.norm_offset, name="mlp_norm")(x)
+        return x + SwiGLU(self.mlp_dim, self.dtype_mm, act=self.act, name="mlp")(y)
 
 
 class LM(nn.Module):
-    """``__call__(ids=None, embeds=None, prefix_len=None) -> logits [B, T, vocab]``.
+    """``__call__(ids=None, embeds=None, prefix_len=None, pad_mask=None, positions=None) ->
+    logits [B, T, vocab]`` (float32).
 
-    ``embed(ids)`` gives the input embeddings, so a caller can splice other tokens in.
+    ``pad_mask [B, T]`` (True: a real token) keeps padding out of every attention;
+    ``positions [B, T]`` are the RoPE positions (default ``0 … T-1``; for left padding pass the
+    count of real tokens before each one). ``embed(ids)`` gives the input embeddings, so a
+    caller can splice other tokens in.
     """
 
     vocab_size: int = 259
     width: int = 256
     depth: int = 4
     num_heads: int = 4
-    mlp_dim: int | None = None
+    num_kv_heads: int | None = None  # default: num_heads
+    head_dim: int | None = None  # default: width // num_heads
+    mlp_dim: int | None = None  # default: 8/3 width, rounded down to a multiple of 8
+    qkv_bias: bool = False
     rope_theta: float = 10_000.0
+    rope_scaling: dict | None = None
     norm_eps: float = 1e-6
+    norm_offset: bool = False
+    embed_scale: bool = False
+    act: str = "silu"
+    tie_embeddings: bool = False
     dtype_mm: str = "float32"
 
     def setup(self):
-        self.token_embedding = nn.Embed(self.vocab_size, self.width,
-                                        embedding_init=common.trunc_normal(0.02))
-        self.blocks = [LMBlock(self.num_heads, self.mlp_dim or int(8 * self.width / 3) // 8 * 8,
-                               self.norm_eps, self.dtype_mm, name=f"block_{i:02d}")
-                       for i in range(self.depth)]
-        self.final_norm = nn.RMSNorm(epsilon=self.norm_eps)
-        self.head = layers.Dense(self.vocab_size, use_bias=False, kernel_init=common.trunc_normal(0.02))
+        common.check_choice("act", self.act, ACTIVATIONS)
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={kv}.")
+        if self.head_dim is None and self.width % self.num_heads:
+            raise ValueError(f"width={self.width} is not divisible by num_heads={self.num_heads}; set head_dim.")
+        self.token_embedding = nn.Embed(self.vocab_size, self.width, embedding_init=common.trunc_normal(0.02))
+        self.blocks = [LMBlock(self.num_heads, kv, self.attn_head_dim, self.mlp_dim or int(8 * self.width / 3) // 8 * 8,
+                               self.norm_eps, self.norm_offset, self.qkv_bias, self.act, self.dtype_mm,
+                               name=f"block_{i:02d}") for i in range(self.depth)]
+        self.final_norm = RMSNorm(self.norm_eps, self.norm_offset)
+        if not self.tie_embeddings:
+            self.head = layers.Dense(self.vocab_size, use_bias=False, kernel_init=common.trunc_normal(0.02))
+
+    @property
+    def attn_head_dim(self) -> int:
+        return self.head_dim or self.width // self.num_heads
 
     def embed(self, ids: jnp.ndarray) -> jnp.ndarray:
-        return self.token_embedding(ids)
+        x = self.token_embedding(ids)
+        if self.embed_scale:  # Gemma: √width, rounded to the activations' dtype as Hugging Face does
+            x = x * jnp.asarray(math.sqrt(self.width), x.dtype)
+        return x
 
-    def __call__(self, ids: jnp.ndarray | None = None, embeds: jnp.ndarray | None = None,
-                 prefix_len=None) -> jnp.ndarray:
+    def __call__(self, ids: jnp.ndarray | None = None, embeds: jnp.ndarray | None = None, prefix_len=None,
+                 pad_mask: jnp.ndarray | None = None, positions: jnp.ndarray | None = None) -> jnp.ndarray:
         if (ids is None) == (embeds is None):
             raise ValueError("Pass exactly one of ids [B, T] or embeds [B, T, D].")
         x = self.embed(ids) if embeds is None else embeds
         t = x.shape[1]
-        rope = rope_angles(jnp.arange(t), self.width // self.num_heads, self.rope_theta)
+        positions = jnp.arange(t)[None] if positions is None else positions
+        angles = rope_angles(positions, self.attn_head_dim, self.rope_theta, self.rope_scaling)
         mask = attention_mask(t, prefix_len)
+        if pad_mask is not None:
+            mask = mask & pad_mask[:, None, None, :].astype(bool)
         for block in self.blocks:
-            x = block(x, rope, mask)
-        return self.head(self.final_norm(x)).astype(jnp.float32)
-
+            x = block(x, angles, mask)
+        x = self.final_norm(x)
+        if self.tie_embeddings:
+            return self.token_embedding.attend(x).astype(jnp.float32)
+        return self.head(x).astype(jnp.float32)
 
 
 def forward_flops(lm_config: dict, seq_len: int) -> float:

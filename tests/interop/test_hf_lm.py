@@ -1,0 +1,68 @@
+"""Hugging Face causal LMs (Llama with Llama 3 RoPE scaling, sharded; Qwen2 with q/k/v biases;
+Gemma) load into vitmm's LM and reproduce transformers' logits on a ragged, left-padded batch
+(stored by ``tests/fixtures/interop/make_fixtures.py``): ≤ 1e-5 of the largest logit."""
+
+import json
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.interop import hf_lm
+from vitmm.models.lm import LM
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_gemma"])
+def test_logits_match_transformers_on_a_left_padded_batch(name):
+    kwargs, params = hf_lm.load_lm(FIXTURES / name)
+    ref = np.load(FIXTURES / name / "io.npz")
+    logits = np.asarray(LM(**kwargs).apply({"params": params}, jnp.asarray(ref["input_ids"]),
+                                           pad_mask=jnp.asarray(ref["attention_mask"]) > 0,
+                                           positions=jnp.asarray(ref["position_ids"])))
+    real = ref["attention_mask"] > 0
+    want = ref["logits"][real]
+    err = np.abs(logits[real] - want).max() / np.abs(want).max()
+    assert err <= 1e-5, f"{name}: {err:.2e}"
+
+
+def test_each_family_sets_its_fields():
+    llama, _ = hf_lm.load_lm(FIXTURES / "hf_llama")
+    qwen, _ = hf_lm.load_lm(FIXTURES / "hf_qwen2")
+    gemma, gemma_params = hf_lm.load_lm(FIXTURES / "hf_gemma")
+    assert llama["num_kv_heads"] == 2 and llama["rope_scaling"]["rope_type"] == "llama3" and not llama["tie_embeddings"]
+    assert qwen["qkv_bias"] and qwen["tie_embeddings"] and qwen["rope_theta"] == 1e6
+    assert gemma["head_dim"] == 16 and gemma["norm_offset"] and gemma["embed_scale"] and gemma["act"] == "gelu_tanh"
+    assert "head" not in gemma_params  # tied: the head is the embedding matrix
+
+
+def test_the_padded_row_equals_its_unpadded_forward():
+    kwargs, params = hf_lm.load_lm(FIXTURES / "hf_llama")
+    ref = np.load(FIXTURES / "hf_llama" / "io.npz")
+    model = LM(**kwargs)
+    padded = model.apply({"params": params}, jnp.asarray(ref["input_ids"]),
+                         pad_mask=jnp.asarray(ref["attention_mask"]) > 0, positions=jnp.asarray(ref["position_ids"]))
+    alone = model.apply({"params": params}, jnp.asarray(ref["input_ids"][1:, 2:]))
+    np.testing.assert_allclose(np.asarray(padded)[1, 2:], np.asarray(alone)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_checkpoints_are_named(tmp_path):
+    shard_dir = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "hf_llama", shard_dir)
+    (shard_dir / "model-00003-of-00005.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"names shards that are not in .*model-00003-of-00005"):
+        hf_lm.load_lm(shard_dir)
+    bert = tmp_path / "bert"
+    shutil.copytree(FIXTURES / "hf_qwen2", bert)
+    config = json.loads((bert / "config.json").read_text())
+    (bert / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    with pytest.raises(ValueError, match=r"model_type 'bert' is not a language model vitmm reads; supported"):
+        hf_lm.load_lm(bert)
+    rope = tmp_path / "yarn"
+    shutil.copytree(FIXTURES / "hf_qwen2", rope)
+    (rope / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ValueError, match=r"RoPE scaling 'yarn' is not supported"):
+        hf_lm.load_lm(rope)

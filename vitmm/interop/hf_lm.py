@@ -1,0 +1,99 @@
+"""Hugging Face causal language models → vitmm ``LM``: Llama (SmolLM, SmolLM2, TinyLlama, Llama 3
+with its RoPE rescaling), Qwen2/Qwen2.5 (q/k/v biases) and Gemma (√width embedding scale,
+RMSNorm with 1 + w, GELU-tanh gate, its own head_dim).
+
+    kwargs, params = hf_lm.load_lm("~/models/SmolLM2-135M-Instruct")   # LM(**kwargs)
+    logits = LM(**kwargs).apply({"params": params}, ids)
+
+Reads a local ``config.json`` and ``model.safetensors`` (or the shards a
+``model.safetensors.index.json`` lists). Correspondence: ``model.embed_tokens`` →
+``token_embedding``; each ``model.layers.i``'s ``input_layernorm`` / ``post_attention_layernorm``
+→ ``attn_norm`` / ``mlp_norm``, ``self_attn.{q,k,v,o}_proj`` → ``attn.{q,k,v,o}``,
+``mlp.{gate,up,down}_proj`` → ``mlp.{gate,up,down}`` (PyTorch ``[out, in]`` → ``[in, out]``);
+``model.norm`` → ``final_norm``; ``lm_head`` → ``head`` unless the embeddings are tied. No
+permutation is needed: vitmm's RoPE pairs channels as Hugging Face's ``rotate_half`` does.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax.numpy as jnp
+
+from vitmm.interop import io
+from vitmm.interop.common import StateDict, finish
+
+FAMILIES = ("llama", "qwen2", "gemma")
+
+
+def _rope(config: dict) -> tuple[float, dict | None]:
+    """``(theta, scaling)`` from either transformers 5's ``rope_parameters`` or the older
+    ``rope_theta`` + ``rope_scaling``."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = dict(config.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10_000.0)))
+    scaling = {**legacy, **{k: v for k, v in params.items() if k != "rope_theta"}}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"RoPE scaling {kind!r} is not supported; vitmm reads 'default' and 'llama3'.")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+
+
+def lm_kwargs(config: dict, src) -> dict:
+    """vitmm ``LM`` fields from a transformers ``config.json``."""
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"{src}: model_type {family!r} is not a language model vitmm reads; supported: {FAMILIES}.")
+    if config.get("mlp_bias"):
+        raise ValueError(f"{src}: MLP biases (mlp_bias=true) are not supported.")
+    width, heads = config["hidden_size"], config["num_attention_heads"]
+    theta, scaling = _rope(config)
+    head_dim = config.get("head_dim") or width // heads
+    act = config.get("hidden_activation") or config.get("hidden_act", "silu")
+    acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+    if act not in acts:
+        raise ValueError(f"{src}: activation {act!r} is not supported; vitmm has {sorted(acts)}.")
+    gemma = family == "gemma"
+    return dict(vocab_size=config["vocab_size"], width=width, depth=config["num_hidden_layers"], num_heads=heads,
+                num_kv_heads=config.get("num_key_value_heads") or heads,
+                head_dim=None if head_dim * heads == width else head_dim, mlp_dim=config["intermediate_size"],
+                qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)), rope_theta=theta,
+                rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)), norm_offset=gemma,
+                embed_scale=gemma, act=acts[act], tie_embeddings=bool(config.get("tie_word_embeddings", gemma)))
+
+
+def _linear(sd: StateDict, name: str, bias: bool) -> dict:
+    out = {"kernel": sd.take(f"{name}.weight").T}
+    if bias:
+        out["bias"] = sd.take(f"{name}.bias")
+    return out
+
+
+def load_lm(src: str | pathlib.Path) -> tuple[dict, dict]:
+    """``(LM kwargs, params)`` of a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+    ``GemmaForCausalLM`` folder; anything missing, left over or mis-shaped is listed in one error."""
+    from vitmm.models.lm import LM
+
+    config = io.read_json(src)
+    kwargs = lm_kwargs(config, src)
+    tensors = io.read_tensors(src)
+    if kwargs["tie_embeddings"]:
+        tensors.pop("lm_head.weight", None)  # a tied head, when saved at all, is the embedding matrix
+    sd = StateDict(tensors, str(src))
+    params = {"token_embedding": {"embedding": sd.take("model.embed_tokens.weight")},
+              "final_norm": {"scale": sd.take("model.norm.weight")}}
+    for i in range(kwargs["depth"]):
+        p = f"model.layers.{i}"
+        attn = {r: _linear(sd, f"{p}.self_attn.{r}_proj", kwargs["qkv_bias"]) for r in ("q", "k", "v")}
+        attn["o"] = _linear(sd, f"{p}.self_attn.o_proj", False)
+        params[f"block_{i:02d}"] = {
+            "attn_norm": {"scale": sd.take(f"{p}.input_layernorm.weight")},
+            "mlp_norm": {"scale": sd.take(f"{p}.post_attention_layernorm.weight")},
+            "attn": attn, "mlp": {r: _linear(sd, f"{p}.mlp.{r}_proj", False) for r in ("gate", "up", "down")}}
+    if not kwargs["tie_embeddings"]:
+        params["head"] = _linear(sd, "lm_head", False)
+    params = finish(sd, LM(**kwargs), params, (jnp.zeros((1, 4), jnp.int32),), f"a vitmm LM ({config['model_type']})")
+    return kwargs, params
