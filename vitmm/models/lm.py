@@ -118,7 +118,10 @@ class LMAttention(nn.Module):
     dtype_mm: str = "float32"
 
     @nn.compact
-    def __call__(self, x, angles, mask):
+    def __call__(self, x, angles, mask, cache=None):
+        """With ``cache = (k, v, slot)`` (``[B, S, kv_heads, hd]`` each, and the slot the first
+        of these ``T`` tokens goes to), the new keys and values are written there and the
+        queries attend over the whole cache; returns ``(out, (k, v))``."""
         b, t, width = x.shape
         dense = lambda n, bias, name: layers.Dense(n, use_bias=bias, dtype=self.dtype_mm, name=name,  # noqa: E731
                                                    kernel_init=common.trunc_normal(0.02))
@@ -128,9 +131,14 @@ class LMAttention(nn.Module):
         v = dense(self.num_kv_heads * self.head_dim, self.qkv_bias, "v")(x).reshape(b, t, self.num_kv_heads,
                                                                                    self.head_dim)
         q, k = rotate(q, angles), rotate(k, angles)
+        if cache is not None:
+            k_cache, v_cache, slot = cache
+            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, slot, 0, 0))
+            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, slot, 0, 0))
         dtype = jnp.dtype(self.dtype_mm)
         out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask=mask)
-        return dense(width, False, "o")(out.reshape(b, t, self.num_heads * self.head_dim))
+        out = dense(width, False, "o")(out.reshape(b, t, self.num_heads * self.head_dim))
+        return out if cache is None else (out, (k, v))
 
 
 class LMBlock(nn.Module):
@@ -145,12 +153,15 @@ class LMBlock(nn.Module):
     dtype_mm: str = "float32"
 
     @nn.compact
-    def __call__(self, x, angles, mask):
+    def __call__(self, x, angles, mask, cache=None):
         y = RMSNorm(self.norm_eps, self.norm_offset, name="attn_norm")(x)
-        x = x + LMAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.dtype_mm,
-                            name="attn")(y, angles, mask)
+        attn = LMAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.dtype_mm,
+                           name="attn")(y, angles, mask, cache)
+        attn, kv = (attn, None) if cache is None else attn
+        x = x + attn
         y = RMSNorm(self.norm_eps, self.norm_offset, name="mlp_norm")(x)
-        return x + SwiGLU(self.mlp_dim, self.dtype_mm, act=self.act, name="mlp")(y)
+        x = x + SwiGLU(self.mlp_dim, self.dtype_mm, act=self.act, name="mlp")(y)
+        return x if cache is None else (x, kv)
 
 
 class LM(nn.Module):
@@ -206,22 +217,48 @@ class LM(nn.Module):
         return x
 
     def __call__(self, ids: jnp.ndarray | None = None, embeds: jnp.ndarray | None = None, prefix_len=None,
-                 pad_mask: jnp.ndarray | None = None, positions: jnp.ndarray | None = None) -> jnp.ndarray:
+                 pad_mask: jnp.ndarray | None = None, positions: jnp.ndarray | None = None, cache: dict | None = None):
+        """Logits ``[B, T, vocab]``; with ``cache`` (``init_cache``), ``(logits, cache)``: the ``T``
+        new tokens are written at ``cache["slot"]`` onward and attend to every valid earlier slot."""
         if (ids is None) == (embeds is None):
             raise ValueError("Pass exactly one of ids [B, T] or embeds [B, T, D].")
         x = self.embed(ids) if embeds is None else embeds
-        t = x.shape[1]
+        b, t = x.shape[:2]
         positions = jnp.arange(t)[None] if positions is None else positions
         angles = rope_angles(positions, self.attn_head_dim, self.rope_theta, self.rope_scaling)
-        mask = attention_mask(t, prefix_len)
-        if pad_mask is not None:
-            mask = mask & pad_mask[:, None, None, :].astype(bool)
-        for block in self.blocks:
-            x = block(x, angles, mask)
+        new_valid = jnp.ones((b, t), bool) if pad_mask is None else pad_mask.astype(bool)
+        if cache is None:
+            mask = attention_mask(t, prefix_len) & new_valid[:, None, None, :]
+        else:  # a key slot is visible if it holds a real token at or before the query's slot
+            if prefix_len is not None:
+                raise ValueError("A KV cache decodes causally; prefix_lm is not supported with it.")
+            slot = cache["slot"]
+            valid = jax.lax.dynamic_update_slice(cache["valid"], new_valid, (0, slot))
+            slots = jnp.arange(valid.shape[1])
+            mask = (slots[None, None, None, :] <= (slot + jnp.arange(t))[None, None, :, None]) & valid[:, None, None, :]
+        layers_kv = []
+        for i, block in enumerate(self.blocks):
+            if cache is None:
+                x = block(x, angles, mask)
+            else:
+                x, kv = block(x, angles, mask, (cache["k"][i], cache["v"][i], cache["slot"]))
+                layers_kv.append(kv)
         x = self.final_norm(x)
-        if self.tie_embeddings:
-            return self.token_embedding.attend(x).astype(jnp.float32)
-        return self.head(x).astype(jnp.float32)
+        logits = (self.token_embedding.attend(x) if self.tie_embeddings else self.head(x)).astype(jnp.float32)
+        if cache is None:
+            return logits
+        return logits, {"k": [kv[0] for kv in layers_kv], "v": [kv[1] for kv in layers_kv], "valid": valid,
+                        "slot": cache["slot"] + t}
+
+
+def init_cache(lm_config: dict, batch: int, length: int, dtype=jnp.float32) -> dict:
+    """An empty KV cache of ``length`` slots for ``LM(**lm_config)``: per layer ``k`` and ``v``
+    ``[B, length, kv_heads, head_dim]``, which slots hold real tokens, and the next free slot."""
+    model = LM(**lm_config)
+    kv = model.num_kv_heads or model.num_heads
+    zeros = lambda: jnp.zeros((batch, length, kv, model.attn_head_dim), dtype)  # noqa: E731
+    return {"k": [zeros() for _ in range(model.depth)], "v": [zeros() for _ in range(model.depth)],
+            "valid": jnp.zeros((batch, length), bool), "slot": jnp.zeros((), jnp.int32)}
 
 
 def forward_flops(lm_config: dict, seq_len: int) -> float:
