@@ -28,3 +28,32 @@ def test_each_source_gives_the_two_tower_form_and_refuses_what_it_lacks():
         convert.load("timm", FIXTURES / "timm_vit" / "model.safetensors", quick_gelu=True)
     with pytest.raises(ValueError, match="choose one of"):
         convert.load("keras", FIXTURES / "hf_vit")
+
+
+def test_language_models_convert_with_their_tokenizer_and_chat_template(tmp_path, capsys):
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from vitmm import checkpoint
+    from vitmm.interop import __main__ as cli
+    from vitmm.models.lm import LM
+
+    cli.main(["--from", "gguf", "--src", str(FIXTURES / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "g")])
+    config, params = checkpoint.load_config(tmp_path / "g"), checkpoint.load_params(tmp_path / "g")
+    ref = np.load(FIXTURES / "gguf_llama" / "io.npz")
+    logits = LM(**config["model"]["lm"]).apply({"params": params["lm"]}, jnp.asarray(ref["input_ids"]))
+    np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=1e-5 * np.abs(ref["logits"]).max())
+    assert config["chat_template"].startswith("{% for message")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str((tmp_path / "g" / "tokenizer.json").read_text())
+    assert tok.encode(str(ref["strings"][0])).ids == ref["encoded_0"].tolist()
+    cli.main(["--from", "hf", "--src", str(FIXTURES / "hf_qwen2"), "--out", str(tmp_path / "q")])
+    assert checkpoint.load_config(tmp_path / "q")["model"]["lm"]["qkv_bias"]
+    with pytest.raises(SystemExit, match="2"):
+        cli.main(["--from", "gguf", "--src", str(FIXTURES / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "x"),
+                  "--image_size", "224"])
+    assert "is a language model" in capsys.readouterr().err
+    assert json.loads((tmp_path / "g" / "tokenizer.json").read_text())["model"]["type"] == "BPE"

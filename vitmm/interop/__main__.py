@@ -6,9 +6,13 @@
     python -m vitmm.interop --from timm --src vit_small_patch16_224/model.safetensors --out DIR --num_heads 6
     python -m vitmm.interop --from open_clip --src ViT-B-16-quickgelu/open_clip_model.safetensors --out DIR
     python -m vitmm.interop --from big_vision --src webli_en_b16_224_63724782.npz --out DIR   # SigLIP
+    python -m vitmm.interop --from hf --src ~/models/SmolLM2-135M-Instruct --out workdirs/smollm2
+    python -m vitmm.interop --from gguf --src SmolLM2-135M-Instruct.Q4_1.gguf --out workdirs/smollm2_q4
 
 ``--from hf`` reads CLIP (``--tower`` both, vision or text), SigLIP and ViT/DINOv2 folders
-(``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``) by their ``model_type``;
+(``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``) by their ``model_type``, and
+Llama / Qwen2 / Gemma language models (with the folder's ``tokenizer.json``); ``--from gguf`` a
+Llama-architecture GGUF language model (its tokenizer rebuilt from the metadata);
 ``--from timm`` a ``VisionTransformer`` state dict (``--num_heads``, default width/64;
 ``--global_pool`` when a CLS model was trained with ``avg``); ``--from open_clip`` a ViT ``CLIP``
 state dict (QuickGELU from ``open_clip_config.json`` beside it, or ``--quick_gelu``); ``--from
@@ -36,7 +40,7 @@ def image_size_arg(text: str) -> int | tuple[int, int]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vitmm.interop", description=__doc__.splitlines()[0])
-    parser.add_argument("--from", dest="source", required=True, choices=tuple(LOADERS))
+    parser.add_argument("--from", dest="source", required=True, choices=(*LOADERS, "gguf"))
     parser.add_argument("--src", required=True, help="checkpoint folder (config.json + weights) or weights file")
     parser.add_argument("--out", required=True, help="new vitmm checkpoint folder")
     parser.add_argument("--tower", default="both", choices=TOWERS)

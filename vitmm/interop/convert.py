@@ -39,13 +39,77 @@ def load(source: str, src, *, tower: str = "both", image_size=None, **options) -
     return loader(src, tower=tower, image_size=image_size, **given)
 
 
-def convert(source: str, src, out, *, tower: str = "both", image_size=None, **options) -> pathlib.Path:
-    """Writes ``load(source, src, ...)`` to the new checkpoint folder ``out`` and returns it."""
-    from vitmm.models.patch_embed import to_pair
+LM_SOURCES = ("hf", "gguf")
 
+
+def is_language_model(source: str, src) -> bool:
+    """A GGUF file, or a transformers folder whose ``model_type`` is a causal LM vitmm reads."""
+    from vitmm.interop import hf_lm, io
+
+    if source == "gguf":
+        return True
+    if source != "hf":
+        return False
+    try:
+        return io.read_json(src).get("model_type") in hf_lm.FAMILIES
+    except FileNotFoundError:
+        return False
+
+
+def load_language_model(source: str, src) -> tuple[dict, dict, str | None, str | None]:
+    """``(LM kwargs, params, tokenizer.json text or None, chat template or None)``."""
+    from vitmm.interop import gguf_lm, hf_lm
+
+    if source == "gguf":
+        kwargs, params, tokenizer, template = gguf_lm.load(src)
+        return kwargs, params, tokenizer.to_str(), template
+    kwargs, params = hf_lm.load_lm(src)
+    folder = pathlib.Path(src).expanduser()
+    folder = folder if folder.is_dir() else folder.parent
+    tokenizer = (folder / "tokenizer.json").read_text() if (folder / "tokenizer.json").is_file() else None
+    config = folder / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return kwargs, params, tokenizer, template
+
+
+def _new_folder(out) -> pathlib.Path:
     out = pathlib.Path(out).expanduser().absolute()
     if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise FileExistsError(f"{out} already holds a checkpoint; choose a new --out.")
+    return out
+
+
+def _write(out: pathlib.Path, params: dict, config: dict) -> pathlib.Path:
+    checkpointer = Checkpointer(out, keep=1, async_save=False)
+    checkpointer.save(0, {"params": params}, {}, {"step": 0, "config": json.dumps(config)})
+    checkpointer.close()
+    return out
+
+
+def convert_language_model(source: str, src, out) -> pathlib.Path:
+    """An LM checkpoint folder: parameters under ``lm``, the model's settings at
+    ``config["model"]["lm"]``, the chat template at ``config["chat_template"]``, and the tokenizer
+    as ``out/tokenizer.json`` (when the source has one)."""
+    out = _new_folder(out)
+    kwargs, params, tokenizer, template = load_language_model(source, src)
+    config = {"model": {"lm": kwargs}, "source": {"from": source, "src": str(src)}, "chat_template": template}
+    _write(out, {"lm": params}, config)
+    if tokenizer is not None:
+        (out / "tokenizer.json").write_text(tokenizer)
+    return out
+
+
+def convert(source: str, src, out, *, tower: str = "both", image_size=None, **options) -> pathlib.Path:
+    """Writes ``load(source, src, ...)`` to the new checkpoint folder ``out`` and returns it
+    (a language model goes through ``convert_language_model``)."""
+    from vitmm.models.patch_embed import to_pair
+
+    if is_language_model(source, src):
+        given = {k: v for k, v in options.items() if v is not None}
+        if given or image_size is not None or tower != "both":
+            raise ValueError(f"{src} is a language model; --tower, --image_size and {sorted(given)} do not apply.")
+        return convert_language_model(source, src, out)
+    out = _new_folder(out)
     model, params = load(source, src, tower=tower, image_size=image_size, **options)
     config = {"model": model, "source": {"from": source, "src": str(src), "tower": tower}}
     size = None
@@ -56,7 +120,4 @@ def convert(source: str, src, out, *, tower: str = "both", image_size=None, **op
         size = to_pair(image_size)
     if size is not None:  # an int for a square image, else [height, width]
         config["input"] = {"image_size": size[0] if size[0] == size[1] else list(size)}
-    checkpointer = Checkpointer(out, keep=1, async_save=False)
-    checkpointer.save(0, {"params": params}, {}, {"step": 0, "config": json.dumps(config)})
-    checkpointer.close()
-    return out
+    return _write(out, params, config)
