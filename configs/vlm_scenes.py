@@ -59,7 +59,10 @@ def get_config(arg=None):
     freeze = (r"tower/.*", r"language/.*") if arg.stage == 1 else (r"tower/.*",)
     c.optim = common.optim(lr=1e-3 if arg.stage == 1 else 3e-4, warmup_steps=max(arg.steps // 20, 1),
                            weight_decay=0.0, freeze=freeze)
-    c.init = common.init(vision=config_dict.placeholder(str),  # a CLIP run's workdir (python -m vitmm.train)
+    # The tower and (with init.lm) the LM are built from the settings saved with their checkpoints;
+    # model.vision / model.lm only say what a run without them uses.
+    c.init = common.init(vision=config_dict.placeholder(str),  # a vitmm.train CLIP workdir or vitmm.interop folder
+                         lm=config_dict.placeholder(str),  # a `python -m vitmm.interop --from hf|gguf` LM folder
                          allow_random_tower=False)  # stage 2: also init.checkpoint = the stage-1 workdir
 
     c.evals = ml_collections.ConfigDict()

@@ -100,3 +100,30 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
     for i, name in enumerate(scenes.QUESTION_KINDS):
         if name != "count" and (kinds == i).any():
             assert result[f"acc_{name}"] == 0.0
+
+
+def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_dir, capsys):
+    """Nothing restated: the tower comes from a `python -m vitmm.interop` folder of transformers'
+    CLIP vision tower (quick_gelu, eps 1e-5, pre-norm; its 4x4 position table resampled to the
+    run's 6x6 grid the way transformers does), the LM and its tokenizer from a converted GGUF.
+    Stage 1 trains the connector only."""
+    from vitmm.interop import __main__ as cli
+    from vitmm.models.vit import resize_posemb
+
+    fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
+    cli.main(["--from", "hf", "--src", str(fixtures / "hf_clip_vision"), "--out", str(tmp_path / "tower"),
+              "--tower", "vision"])
+    cli.main(["--from", "gguf", "--src", str(fixtures / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "lm")])
+    c = _config("vlm_scenes", "smoke,connector=pool,budget=4", data_dir,
+                **{"init.vision": str(tmp_path / "tower"), "init.lm": str(tmp_path / "lm"),
+                   "init.allow_random_tower": False, "input.image_size": 48})
+    summary = trainer.train(c, tmp_path / "vlm")
+    assert "model.vision is replaced by the tower saved in" in capsys.readouterr().out
+    assert np.isfinite(summary["history"][-1]["loss"]) and "qa/accuracy" in summary["evals"]
+    params = ckpt_lib.load_params(tmp_path / "vlm")
+    tower, lm = ckpt_lib.load_params(tmp_path / "tower")["img"], ckpt_lib.load_params(tmp_path / "lm")["lm"]
+    kwargs = ckpt_lib.load_config(tmp_path / "tower")["model"]["image"]
+    resized = resize_posemb(tower, (6, 6), kwargs["posemb_resample"])
+    jax.tree.map(np.testing.assert_array_equal, params["tower"], jax.tree.map(np.asarray, resized))
+    jax.tree.map(np.testing.assert_array_equal, params["language"], lm)  # frozen in stage 1
+    assert params["tower"]["pos_embedding"].shape == (1, 6, 6, 32)

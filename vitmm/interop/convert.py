@@ -56,20 +56,28 @@ def is_language_model(source: str, src) -> bool:
         return False
 
 
-def load_language_model(source: str, src) -> tuple[dict, dict, str | None, str | None]:
-    """``(LM kwargs, params, tokenizer.json text or None, chat template or None)``."""
-    from vitmm.interop import gguf_lm, hf_lm
+def load_language_model(source: str, src) -> tuple[dict, dict, str | None, str | None, dict]:
+    """``(LM kwargs, params, tokenizer.json text or None, chat template or None, special token
+    ids {bos_id, eos_id, pad_id})``."""
+    from vitmm.interop import gguf_lm, hf_lm, io
 
     if source == "gguf":
         kwargs, params, tokenizer, template = gguf_lm.load(src)
-        return kwargs, params, tokenizer.to_str(), template
+        metadata, _ = gguf_lm.read_metadata(src)
+        ids = {k: metadata.get(f"tokenizer.ggml.{g}") for k, g in
+               (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "padding_token_id"))}
+        return kwargs, params, tokenizer.to_str(), template, ids
     kwargs, params = hf_lm.load_lm(src)
     folder = pathlib.Path(src).expanduser()
     folder = folder if folder.is_dir() else folder.parent
     tokenizer = (folder / "tokenizer.json").read_text() if (folder / "tokenizer.json").is_file() else None
     config = folder / "tokenizer_config.json"
     template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-    return kwargs, params, tokenizer, template
+    model_config = io.read_json(folder)
+    first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731 - some configs list several EOS ids
+    ids = {k: first(model_config.get(g)) for k, g in
+           (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "pad_token_id"))}
+    return kwargs, params, tokenizer, template, ids
 
 
 def _new_folder(out) -> pathlib.Path:
@@ -91,8 +99,9 @@ def convert_language_model(source: str, src, out) -> pathlib.Path:
     ``config["model"]["lm"]``, the chat template at ``config["chat_template"]``, and the tokenizer
     as ``out/tokenizer.json`` (when the source has one)."""
     out = _new_folder(out)
-    kwargs, params, tokenizer, template = load_language_model(source, src)
-    config = {"model": {"lm": kwargs}, "source": {"from": source, "src": str(src)}, "chat_template": template}
+    kwargs, params, tokenizer, template, ids = load_language_model(source, src)
+    config = {"model": {"lm": kwargs}, "source": {"from": source, "src": str(src)}, "chat_template": template,
+              "tokens": ids}
     _write(out, {"lm": params}, config)
     if tokenizer is not None:
         (out / "tokenizer.json").write_text(tokenizer)

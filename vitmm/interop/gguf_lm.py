@@ -24,6 +24,14 @@ ARCHITECTURES = ("llama",)
 TOKENIZERS = ("gpt2",)
 
 
+def read_metadata(path: str | pathlib.Path) -> tuple[dict, list[str]]:
+    """``(metadata, tensor names)`` without dequantizing anything."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(pathlib.Path(path).expanduser()))
+    return {name: field.contents() for name, field in reader.fields.items()}, [t.name for t in reader.tensors]
+
+
 def read(path: str | pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
     """``(metadata, {name: float32 array})`` of a GGUF file, every tensor dequantized, in PyTorch's
     ``[out, in]`` order."""

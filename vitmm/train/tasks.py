@@ -86,13 +86,15 @@ class VLMTask:
     aux_names = ("token_acc",)
 
     def __init__(self, config, par: Parallel, tokenizer):
-        if config.model.lm.vocab_size != tokenizer.vocab_size:
-            raise ValueError(f"The LM has vocab_size={config.model.lm.vocab_size} but the tokenizer has "
-                             f"{tokenizer.vocab_size}; set --config.model.lm.vocab_size={tokenizer.vocab_size}.")
-        self.config, self.tokenizer = config, tokenizer
         m = config.model
-        _check_budget(m.connector.to_dict(), m.vision.to_dict(), config.input.image_size)
-        self.model = vlm.VLM(m.vision.to_dict(), m.connector.to_dict(), m.lm.to_dict(), m.vision_layer, m.use_cls)
+        self.vision, self.lm = vlm_parts(config)
+        if self.lm["vocab_size"] != tokenizer.vocab_size:
+            raise ValueError(f"The LM has vocab_size={self.lm['vocab_size']} but the tokenizer has "
+                             f"{tokenizer.vocab_size}; set --config.model.lm.vocab_size={tokenizer.vocab_size}, "
+                             "or use the tokenizer saved with init.lm.")
+        self.config, self.tokenizer = config, tokenizer
+        _check_budget(m.connector.to_dict(), self.vision, config.input.image_size)
+        self.model = vlm.VLM(self.vision, m.connector.to_dict(), self.lm, m.vision_layer, m.use_cls)
         self.num_visual = None  # known once the parameters exist (init_params)
 
     def init_params(self):
@@ -102,12 +104,27 @@ class VLMTask:
         ids = jnp.zeros((1, c.model.max_len), jnp.int32)
         variables = jax.jit(self.model.init)(jax.random.key(c.seed), images, ids)
         self.num_visual = self.model.apply(variables, (res, res), method=vlm.VLM.num_visual_tokens)
-        params = variables["params"]
+        params = dict(variables["params"])
+        dont_load = c.init.get("dont_load") or ()
         if c.init.get("vision"):
-            params = ckpt_lib.init_tower_from_clip(params, c.init.vision, dont_load=c.init.get("dont_load") or ())
+            tower = ckpt_lib.load_params(c.init.vision)
+            if "img" not in tower:
+                raise ValueError(f"The checkpoint in {c.init.vision} has no image tower ('img'); it has "
+                                 f"{sorted(tower)}.")
+            tower = _fit_positions(tower["img"], params["tower"], self.vision)
+            params["tower"] = ckpt_lib.merge_params(params["tower"], tower, dont_load,
+                                                    source=f"{c.init.vision} (img)", prefix="tower/")
         elif not c.init.get("allow_random_tower"):
             raise ValueError("A VLM starts from a pretrained tower: set --config.init.vision=WORKDIR of a "
-                             "`python -m vitmm.train` CLIP run (or init.allow_random_tower=True for tests).")
+                             "`python -m vitmm.train` CLIP run or a `python -m vitmm.interop` folder (or "
+                             "init.allow_random_tower=True for tests).")
+        if c.init.get("lm"):
+            saved = ckpt_lib.load_params(c.init.lm)
+            if "lm" not in saved:
+                raise ValueError(f"The checkpoint in {c.init.lm} holds no language model ('lm'); convert one with "
+                                 "`python -m vitmm.interop --from hf|gguf`.")
+            params["language"] = ckpt_lib.merge_params(params["language"], saved["lm"], dont_load,
+                                                       source=f"{c.init.lm} (lm)", prefix="language/")
         return params
 
     def loss_fn(self, params, batch, rng):
@@ -129,6 +146,60 @@ class VLMTask:
         return {name: eval_lib.QAAccuracy(self.model, cfg, c.model.max_len, self.tokenizer,
                                           c.input.image_size, c.model.prefix_lm)
                 for name, cfg in _evals_config(c).items()}
+
+
+def vlm_parts(config) -> tuple[dict, dict]:
+    """``(tower settings, LM settings)`` of a VLM run: read from the checkpoints ``init.vision``
+    and ``init.lm`` point at (what built them), otherwise ``model.vision`` / ``model.lm``. A
+    config value that a checkpoint overrides is reported, never silently mixed in."""
+    vision = config.model.vision.to_dict() if config.model.get("vision") else None
+    lm = config.model.lm.to_dict()
+    if config.init.get("vision"):
+        saved = (ckpt_lib.load_config(config.init.vision).get("model") or {}).get("image")
+        if saved is None:
+            raise ValueError(f"{config.init.vision} does not say how its image tower was built (no model.image in "
+                             "its config); use a `python -m vitmm.train` workdir or a `python -m vitmm.interop` "
+                             "folder.")
+        if vision is not None and vision != saved and jax.process_index() == 0:
+            print(f"model.vision is replaced by the tower saved in {config.init.vision}: {saved}", flush=True)
+        vision = saved
+    if vision is None:
+        raise ValueError("The VLM has no tower: set --config.init.vision=DIR (or model.vision for a random tower).")
+    if config.init.get("lm"):
+        saved = (ckpt_lib.load_config(config.init.lm).get("model") or {}).get("lm")
+        if saved is None:
+            raise ValueError(f"{config.init.lm} holds no language model settings (model.lm); convert one with "
+                             "`python -m vitmm.interop --from hf|gguf`.")
+        lm = saved
+    return vision, lm
+
+
+def tokenizer_for(config):
+    """The run's tokenizer: the one saved with ``init.lm`` (a VLM on a pretrained LM), else
+    ``config.tokenizer`` (a tokenizer.json) or bytes."""
+    import pathlib
+
+    from vitmm.data import tokenizer as tok_lib
+
+    lm_dir = config.get("init", {}).get("lm") if config.get("task") == "vlm" else None
+    if lm_dir:
+        path = pathlib.Path(lm_dir).expanduser() / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{lm_dir} has no tokenizer.json; convert the LM with `python -m vitmm.interop`.")
+        ids = ckpt_lib.load_config(lm_dir).get("tokens") or {}
+        return tok_lib.get_tokenizer(str(path), **{k: v for k, v in ids.items() if v is not None})
+    return tok_lib.get_tokenizer(config.get("tokenizer"))
+
+
+def _fit_positions(tower: dict, model_tower: dict, vision: dict) -> dict:
+    """A pretrained tower's learned position table resampled to the run's grid (the source's
+    method, ``posemb_resample``) when the run's image size differs from the tower's."""
+    from vitmm.models.vit import resize_posemb
+
+    have, want = tower.get("pos_embedding"), model_tower.get("pos_embedding")
+    if have is None or want is None or have.shape == want.shape:
+        return tower
+    return resize_posemb(tower, tuple(want.shape[1:3]), vision.get("posemb_resample", "bicubic_aa"))
 
 
 def _check_budget(connector: dict, vision: dict, image_size) -> None:

@@ -22,7 +22,6 @@ from tqdm import tqdm
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm.data import pipeline, preprocess
-from vitmm.data import tokenizer as tok_lib
 from vitmm.train import optim, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
@@ -221,7 +220,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
 
 def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopRequests) -> dict:
     par = Parallel(config.parallel, fsdp=config.get("fsdp", False))
-    tokenizer = tok_lib.get_tokenizer(config.get("tokenizer"))
+    tokenizer = tasks.tokenizer_for(config)
     task = tasks.from_config(config, par, tokenizer)
     params = task.init_params()
     optim_cfg = config.optim.copy_and_resolve_references()
