@@ -66,3 +66,41 @@ def test_bad_checkpoints_are_named(tmp_path):
     (rope / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
     with pytest.raises(ValueError, match=r"RoPE scaling 'yarn' is not supported"):
         hf_lm.load_lm(rope)
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_gemma"])
+def test_export_round_trips_and_transformers_layout_loads_back(tmp_path, name):
+    from vitmm.interop import io
+
+    kwargs, params = hf_lm.load_lm(FIXTURES / name)
+    tensors, config = hf_lm.export_lm(kwargs, params)
+    io.write_safetensors(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    again_kwargs, again = hf_lm.load_lm(tmp_path)
+    assert again_kwargs == kwargs
+    import jax
+
+    jax.tree.map(np.testing.assert_array_equal, again, params)
+    original = io.read_tensors(FIXTURES / name)
+    assert set(tensors) == set(original) - ({"lm_head.weight"} if kwargs["tie_embeddings"] else set())
+    for key, value in tensors.items():
+        np.testing.assert_array_equal(value, original[key])  # the very tensors transformers saved
+
+
+def test_an_lm_with_merged_lora_exports_what_the_adapted_model_computes(tmp_path):
+    import jax
+
+    from vitmm.interop import io
+    from vitmm.models import lora
+
+    kwargs, params = hf_lm.load_lm(FIXTURES / "hf_qwen2")
+    adapters = lora.init(params, (r"block_\d+/attn/(q|v)",), rank=2, key=jax.random.key(0))
+    adapters = jax.tree.map(lambda x: x + 0.05, adapters)
+    ids = jnp.asarray(np.load(FIXTURES / "hf_qwen2" / "io.npz")["input_ids"][:1])
+    adapted = lora.apply(LM(**kwargs), params, adapters, 4.0, ids)
+    tensors, config = hf_lm.export_lm(kwargs, lora.merge(params, adapters, 4.0))
+    io.write_safetensors(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    again_kwargs, again = hf_lm.load_lm(tmp_path)
+    np.testing.assert_allclose(np.asarray(LM(**again_kwargs).apply({"params": again}, ids)), np.asarray(adapted),
+                               rtol=1e-5, atol=1e-5)

@@ -97,3 +97,47 @@ def load_lm(src: str | pathlib.Path) -> tuple[dict, dict]:
         params["head"] = _linear(sd, "lm_head", False)
     params = finish(sd, LM(**kwargs), params, (jnp.zeros((1, 4), jnp.int32),), f"a vitmm LM ({config['model_type']})")
     return kwargs, params
+
+
+def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[dict, dict]:
+    """``(tensors, config.json dict)`` of a vitmm ``LM`` in transformers' layout (the inverse of
+    ``load_lm``): Gemma if the settings say so (norm offset, embedding scale), else Qwen2 with
+    q/k/v biases, else Llama; merge LoRA adapters first (``lora.merge``)."""
+    import numpy as np
+
+    family = family or ("gemma" if kwargs.get("norm_offset") else "qwen2" if kwargs.get("qkv_bias") else "llama")
+    if family == "gemma" and not (kwargs.get("norm_offset") and kwargs.get("embed_scale")):
+        raise ValueError("Gemma's layout needs norm_offset and embed_scale; this LM has neither.")
+    t = lambda x: np.ascontiguousarray(np.asarray(x, np.float32).T)  # noqa: E731 - [in, out] -> [out, in]
+    tensors = {"model.embed_tokens.weight": np.asarray(params["token_embedding"]["embedding"], np.float32),
+               "model.norm.weight": np.asarray(params["final_norm"]["scale"], np.float32)}
+    for i in range(kwargs["depth"]):
+        b, p = params[f"block_{i:02d}"], f"model.layers.{i}"
+        tensors[f"{p}.input_layernorm.weight"] = np.asarray(b["attn_norm"]["scale"], np.float32)
+        tensors[f"{p}.post_attention_layernorm.weight"] = np.asarray(b["mlp_norm"]["scale"], np.float32)
+        for role in ("q", "k", "v", "o"):
+            tensors[f"{p}.self_attn.{role}_proj.weight"] = t(b["attn"][role]["kernel"])
+            if "bias" in b["attn"][role]:
+                tensors[f"{p}.self_attn.{role}_proj.bias"] = np.asarray(b["attn"][role]["bias"], np.float32)
+        for role in ("gate", "up", "down"):
+            tensors[f"{p}.mlp.{role}_proj.weight"] = t(b["mlp"][role]["kernel"])
+    if not kwargs.get("tie_embeddings"):
+        tensors["lm_head.weight"] = t(params["head"]["kernel"])
+    heads = kwargs["num_heads"]
+    config = {"model_type": family, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                                       "gemma": "GemmaForCausalLM"}[family]],
+              "vocab_size": kwargs["vocab_size"], "hidden_size": kwargs["width"], "num_hidden_layers": kwargs["depth"],
+              "num_attention_heads": heads, "num_key_value_heads": kwargs.get("num_kv_heads") or heads,
+              "head_dim": kwargs.get("head_dim") or kwargs["width"] // heads,
+              "intermediate_size": kwargs.get("mlp_dim") or int(8 * kwargs["width"] / 3) // 8 * 8,
+              "rms_norm_eps": kwargs.get("norm_eps", 1e-6), "tie_word_embeddings": bool(kwargs.get("tie_embeddings")),
+              "rope_parameters": {"rope_theta": kwargs.get("rope_theta", 10_000.0),
+                                  **(kwargs.get("rope_scaling") or {"rope_type": "default"})},
+              "torch_dtype": "float32"}
+    if family == "llama":
+        config["attention_bias"] = bool(kwargs.get("qkv_bias"))
+    if family == "gemma":
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+    else:
+        config["hidden_act"] = "silu"
+    return tensors, config

@@ -1,0 +1,66 @@
+"""LoRA adapters: the adapted model starts as the base one, merging gives the same outputs, only
+the adapters receive gradients and training them lowers the loss, dropout is seeded."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from vitmm.models import lora
+from vitmm.models.lm import LM
+
+KW = dict(vocab_size=64, width=32, depth=2, num_heads=4, num_kv_heads=2)
+TARGETS = (r"block_\d+/attn/(q|v)", r"block_\d+/mlp/down")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = LM(**KW)
+    ids = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
+    params = model.init(jax.random.key(1), ids)["params"]
+    return model, params, ids
+
+
+def test_adapters_start_as_the_base_model_and_merge_to_the_same_outputs(setup):
+    model, params, ids = setup
+    adapters = lora.init(params, TARGETS, rank=4, key=jax.random.key(2))
+    assert sorted(adapters) == [f"block_0{i}/{n}" for i in (0, 1) for n in ("attn/q", "attn/v", "mlp/down")]
+    base = model.apply({"params": params}, ids)
+    np.testing.assert_array_equal(lora.apply(model, params, adapters, 8.0, ids), base)  # B = 0
+    adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(3), x.shape), adapters)
+    adapted = lora.apply(model, params, adapters, 8.0, ids)
+    merged = model.apply({"params": lora.merge(params, adapters, 8.0)}, ids)
+    assert np.abs(np.asarray(adapted) - np.asarray(base)).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(adapted), np.asarray(merged), rtol=1e-5, atol=1e-5)
+
+
+def test_only_adapters_train_and_the_loss_goes_down(setup):
+    model, params, ids = setup
+    adapters = lora.init(params, TARGETS, rank=4, key=jax.random.key(2))
+
+    def loss(ad):
+        logits = lora.apply(model, params, ad, 8.0, ids[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    grads = jax.grad(loss)(adapters)
+    assert all(float(jnp.abs(g["b"]).max()) > 0 for g in grads.values())  # every adapter is reached
+    tx = optax.adam(1e-2)
+    state = tx.init(adapters)
+    first = float(loss(adapters))
+    for _ in range(20):
+        updates, state = tx.update(jax.grad(loss)(adapters), state)
+        adapters = optax.apply_updates(adapters, updates)
+    assert float(loss(adapters)) < first - 0.1
+
+
+def test_dropout_is_seeded_and_targets_must_match(setup):
+    model, params, ids = setup
+    adapters = jax.tree.map(lambda x: x + 0.1, lora.init(params, TARGETS, rank=2, key=jax.random.key(2)))
+    a = lora.apply(model, params, adapters, 4.0, ids, dropout=0.5, rng=jax.random.key(5))
+    b = lora.apply(model, params, adapters, 4.0, ids, dropout=0.5, rng=jax.random.key(5))
+    c = lora.apply(model, params, adapters, 4.0, ids)
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-4
+    with pytest.raises(ValueError, match="No dense layer matches"):
+        lora.init(params, (r"vision/.*",), rank=2, key=jax.random.key(0))
