@@ -11,7 +11,8 @@ a token budget, and a 4-layer Llama-style LM on bytes.
 
 Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``), ``budget`` (visual tokens,
 or ``all``), ``stage`` (1: connector only; 2: connector and LM, as LLaVA; the tower stays
-frozen), ``steps``, ``data`` (a scenes config), ``smoke``.
+frozen), ``lora`` (a rank > 0: LoRA adapters on the LM's attention instead of training it),
+``steps``, ``data`` (a scenes config), ``smoke``.
 """
 
 import ml_collections
@@ -25,7 +26,7 @@ TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="g
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, connector="mlp", budget="all", stage=1, steps=500, data="easy_64", smoke=False)
+    arg = parse_arg(arg, connector="mlp", budget="all", stage=1, steps=500, data="easy_64", lora=0, smoke=False)
     if arg.stage not in (1, 2):
         raise ValueError(f"stage must be 1 (connector only) or 2 (connector and LM), got {arg.stage}.")
     c = ml_collections.ConfigDict()
@@ -56,7 +57,11 @@ def get_config(arg=None):
     c.model.prefix_lm = False  # True: image and prompt attend both ways
     c.model.max_len = 64  # BOS + question + answer + EOS, in tokens
 
-    freeze = (r"tower/.*", r"language/.*") if arg.stage == 1 else (r"tower/.*",)
+    # Stage 1 trains the connector; stage 2 the connector and the LM, or with lora=R > 0 the
+    # connector and rank-R adapters on the LM's attention projections (the LM itself frozen).
+    freeze = (r"tower/.*", r"language/.*") if arg.stage == 1 or arg.lora else (r"tower/.*",)
+    c.lora = ml_collections.ConfigDict(dict(rank=arg.lora, alpha=2.0 * arg.lora, dropout=0.05,
+                                            targets=(r"language/block_\d+/attn/(q|k|v|o)",)))
     c.optim = common.optim(lr=1e-3 if arg.stage == 1 else 3e-4, warmup_steps=max(arg.steps // 20, 1),
                            weight_decay=0.0, freeze=freeze)
     # The tower and (with init.lm) the LM are built from the settings saved with their checkpoints;

@@ -25,7 +25,7 @@ def setup():
 def test_adapters_start_as_the_base_model_and_merge_to_the_same_outputs(setup):
     model, params, ids = setup
     adapters = lora.init(params, TARGETS, rank=4, key=jax.random.key(2))
-    assert sorted(adapters) == [f"block_0{i}/{n}" for i in (0, 1) for n in ("attn/q", "attn/v", "mlp/down")]
+    assert sorted(adapters) == [f"block_0{i}.{n}" for i in (0, 1) for n in ("attn.q", "attn.v", "mlp.down")]
     base = model.apply({"params": params}, ids)
     np.testing.assert_array_equal(lora.apply(model, params, adapters, 8.0, ids), base)  # B = 0
     adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(3), x.shape), adapters)

@@ -127,3 +127,24 @@ def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_
     jax.tree.map(np.testing.assert_array_equal, params["tower"], jax.tree.map(np.asarray, resized))
     jax.tree.map(np.testing.assert_array_equal, params["language"], lm)  # frozen in stage 1
     assert params["tower"]["pos_embedding"].shape == (1, 6, 6, 32)
+
+
+def test_lora_trains_the_adapters_and_the_connector_only(tmp_path, data_dir):
+    from vitmm.models import lora as lora_lib
+    from vitmm.train import tasks
+    from vitmm.train.parallel import Parallel
+
+    c = _config("vlm_scenes", "smoke,connector=mlp,lora=2", data_dir)
+    assert c.lora.rank == 2 and c.optim.freeze == (r"tower/.*", r"language/.*")
+    trainer.train(c, tmp_path / "l")
+    after = ckpt_lib.load_params(tmp_path / "l")
+    task = tasks.from_config(c, Parallel("jit"), tasks.tokenizer_for(c))
+    before = jax.tree.map(np.asarray, task.init_params())
+    assert sorted(after["lora"]) == sorted(f"language.block_00.attn.{r}" for r in "qkvo")
+    changed = lambda a, b: any(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.any(x != y)), a, b)))  # noqa: E731
+    assert changed(after["lora"], before["lora"]) and changed(after["project"], before["project"])
+    assert not changed(after["language"], before["language"]) and not changed(after["tower"], before["tower"])
+    merged = task.eval_params(after)
+    assert "lora" not in merged and changed(merged["language"], after["language"])
+    expected = lora_lib.merge(after, after["lora"], c.lora.alpha)["language"]["block_00"]["attn"]["q"]["kernel"]
+    np.testing.assert_array_equal(merged["language"]["block_00"]["attn"]["q"]["kernel"], expected)

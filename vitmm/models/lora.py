@@ -7,7 +7,8 @@
 ``targets`` are regexes matched against a dense layer's path (``language/block_00/attn/q``);
 each matching 2-D ``kernel [in, out]`` gets ``a [in, r]`` (normal, std 1/r, as the reference
 initialises A) and ``b [r, out]`` (zeros, so the adapted model starts as the base one). The
-adapters live in their own tree (``{path: {"a", "b"}}``), so an optimizer can train them alone
+adapters live in their own tree (``{"language.block_00.attn.q": {"a", "b"}}``: dotted, so the
+tree can sit in a checkpoint beside the parameters), so an optimizer can train them alone
 and a checkpoint can hold them apart; ``apply`` adds the low-rank branch through flax's method
 interception, which is where LoRA's input dropout goes; ``merge`` folds them into the kernels
 for export or inference (equal outputs, tested).
@@ -36,7 +37,7 @@ def init(params: dict, targets, rank: int, key) -> dict:
             continue
         fan_in, fan_out = leaf.shape
         a = jax.random.normal(jax.random.fold_in(key, i), (fan_in, rank), jnp.float32) / rank
-        adapters[layer] = {"a": a, "b": jnp.zeros((rank, fan_out), jnp.float32)}
+        adapters[layer.replace("/", ".")] = {"a": a, "b": jnp.zeros((rank, fan_out), jnp.float32)}
     if not adapters:
         raise ValueError(f"No dense layer matches the LoRA targets {list(targets)}; layer paths look like "
                          f"{sorted({n.rpartition('/')[0] for n in tree.flatten(params)})[:4]}.")
@@ -53,8 +54,8 @@ def merge(params: dict, adapters: dict, alpha: float) -> dict:
     scale = _scale(adapters, alpha)
     flat = dict(tree.flatten(params))
     for layer, ab in adapters.items():
-        kernel = flat[f"{layer}/kernel"]
-        flat[f"{layer}/kernel"] = (kernel + scale * ab["a"] @ ab["b"]).astype(kernel.dtype)
+        name = f"{layer.replace('.', '/')}/kernel"
+        flat[name] = (flat[name] + scale * ab["a"] @ ab["b"]).astype(flat[name].dtype)
     return tree.unflatten(flat)
 
 
@@ -71,7 +72,7 @@ def apply(model: nn.Module, params: dict, adapters: dict, alpha: float, *args, d
         out = next_fun(*call_args, **call_kwargs)
         if context.method_name != "__call__" or not isinstance(context.module, nn.Dense):
             return out
-        ab = adapters.get("/".join(context.module.path))
+        ab = adapters.get(".".join(context.module.path))
         if ab is None:
             return out
         x = call_args[0]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
+from vitmm.models import lora as lora_lib
 from vitmm.models import two_towers, vlm
 from vitmm.train import evaluators as eval_lib
 from vitmm.train.parallel import Parallel
@@ -69,6 +70,9 @@ class ContrastiveTask:
     def final_aux(self, params) -> dict:
         return {"t": float(jnp.exp(params["t"][0])), "b": float(params["b"][0]) if "b" in params else 0.0}
 
+    def eval_params(self, params):
+        return params
+
     def evaluators(self):
         c = self.config
         return eval_lib.from_config(_evals_config(c), self.model, c.model.text.max_len, self.tokenizer,
@@ -118,6 +122,8 @@ class VLMTask:
             raise ValueError("A VLM starts from a pretrained tower: set --config.init.vision=WORKDIR of a "
                              "`python -m vitmm.train` CLIP run or a `python -m vitmm.interop` folder (or "
                              "init.allow_random_tower=True for tests).")
+        if c.get("lora") and c.lora.rank > 0:  # adapters beside the parameters; the optimizer freezes the rest
+            params["lora"] = lora_lib.init(params, tuple(c.lora.targets), c.lora.rank, jax.random.key(c.seed + 1))
         if c.init.get("lm"):
             saved = ckpt_lib.load_params(c.init.lm)
             if "lm" not in saved:
@@ -127,10 +133,24 @@ class VLMTask:
                                                        source=f"{c.init.lm} (lm)", prefix="language/")
         return params
 
+    def _apply(self, params, *args, rng=None, **kwargs):
+        """The VLM's forward; with LoRA adapters in ``params["lora"]``, the adapted model."""
+        if "lora" not in params:
+            return self.model.apply({"params": params}, *args, **kwargs)
+        base = {k: v for k, v in params.items() if k != "lora"}
+        c = self.config.lora
+        return lora_lib.apply(self.model, base, params["lora"], c.alpha, *args, dropout=c.dropout if rng is not None
+                              else 0.0, rng=rng, **kwargs)
+
+    def eval_params(self, params):
+        """What evaluators see: adapters merged into the kernels."""
+        if "lora" not in params:
+            return params
+        return lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], self.config.lora.alpha)
+
     def loss_fn(self, params, batch, rng):
-        del rng
-        logits = self.model.apply({"params": params}, batch["image"], batch["ids"],
-                                  prompt_len=batch["prompt_len"], prefix_lm=self.config.model.prefix_lm)
+        logits = self._apply(params, batch["image"], batch["ids"], prompt_len=batch["prompt_len"],
+                             prefix_lm=self.config.model.prefix_lm, rng=rng)
         logits = vlm.text_logits(logits, self.num_visual)
         loss, acc = losses.lm_loss(logits[:, :-1], batch["ids"][:, 1:], batch["answer_mask"][:, 1:])
         return loss, {"token_acc": acc}

@@ -296,7 +296,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
             checkpointer.check_saves(step)
             if at_eval:
                 host_metrics = par.first(metrics)
-                evals = _evaluate(evaluators, _host_params(par.host_state(state)["params"]),
+                evals = _evaluate(evaluators, task.eval_params(_host_params(par.host_state(state)["params"])),
                                   {k: host_metrics[k] for k in task.aux_names})
                 writer.write(step, evals)
                 if is_main:
@@ -312,7 +312,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
                 break
         if start >= total and evaluators:  # a finished run: report its final evaluation again
             params = _host_params(par.host_state(state)["params"])
-            evals = _evaluate(evaluators, params, task.final_aux(params))
+            evals = _evaluate(evaluators, task.eval_params(params), task.final_aux(params))
         checkpointer.wait()
         checkpointer.check_saves(total + 1)
     finally:
