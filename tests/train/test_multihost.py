@@ -29,23 +29,9 @@ with c.unlocked():
 from vitmm.train import trainer
 import jax
 if len(sys.argv) > 6 and int(sys.argv[5]) == int(sys.argv[6]):  # this process is sent SIGTERM at batch 3
-    import os, signal
-    make = trainer._input
-    def wrapped(config, tokenizer, par):
-        it = make(config, tokenizer, par)
-        class Signalling:
-            count = 0
-            def __next__(self):
-                Signalling.count += 1
-                if Signalling.count == 3:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                return next(it)
-            def get_state(self):
-                return it.get_state()
-            def set_state(self, state):
-                it.set_state(state)
-        return Signalling()
-    trainer._input = wrapped
+    sys.path.insert(0, sys.argv[7])
+    import signalling
+    signalling.send_at_batch(trainer, 3, "SIGTERM")
 try:
     summary = trainer.train(c, sys.argv[2])
 except trainer.Preempted as stop:
@@ -71,7 +57,7 @@ def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0) -> list[str]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = f"{os.environ.get('VITMM_TEST_XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"
     env["PYTHONPATH"] = str(ROOT)
-    extra = [] if signalled is None else [str(signalled)]
+    extra = [] if signalled is None else [str(signalled), str(pathlib.Path(__file__).resolve().parent)]
     procs = [subprocess.Popen(
         ["timeout", "-s", "KILL", "240", sys.executable, str(script), str(ROOT / "configs/clip_scenes.py"),
          str(workdir), str(data_dir), coordinator, str(i), *extra],

@@ -168,28 +168,15 @@ def _train_command(workdir, data_dir, *overrides):
 
 # ``python -m vitmm.train`` with the training input wrapped so that the process sends itself the
 # signal while it fetches batch 3: a real signal, delivered at a known step.
-SIGNALLING = """
-import os, signal, sys
+SIGNALLING = f"""
+import sys
+sys.path.insert(0, {str(pathlib.Path(__file__).resolve().parent)!r})
 from absl import app
 from vitmm import xla_flags
 xla_flags.use_vitmm_defaults()
+import signalling
 from vitmm.train import __main__ as cli, trainer
-make = trainer._input
-def wrapped(config, tokenizer, par):
-    it = make(config, tokenizer, par)
-    class Signalling:
-        count = 0
-        def __next__(self):
-            Signalling.count += 1
-            if Signalling.count == 3:
-                os.kill(os.getpid(), signal.{sig})
-            return next(it)
-        def get_state(self):
-            return it.get_state()
-        def set_state(self, state):
-            it.set_state(state)
-    return Signalling()
-trainer._input = wrapped
+signalling.send_at_batch(trainer, 3, "{{sig}}")
 sys.argv = ["vitmm.train"] + sys.argv[1:]
 app.run(cli.main, flags_parser=cli.parse_flags)
 """

@@ -24,27 +24,30 @@ ARCHITECTURES = ("llama",)
 TOKENIZERS = ("gpt2",)
 
 
-def read_metadata(path: str | pathlib.Path) -> tuple[dict, list[str]]:
-    """``(metadata, tensor names)`` without dequantizing anything."""
+def _reader(path):
     import gguf
 
-    reader = gguf.GGUFReader(str(pathlib.Path(path).expanduser()))
+    path = pathlib.Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (vitmm only reads local files; nothing is downloaded).")
+    try:
+        return path, gguf.GGUFReader(str(path))
+    except Exception as err:  # noqa: BLE001 - a file that is not GGUF, or cut short
+        raise ValueError(f"{path} could not be read as GGUF ({type(err).__name__}: {err}).") from err
+
+
+def read_metadata(path: str | pathlib.Path) -> tuple[dict, list[str]]:
+    """``(metadata, tensor names)`` without dequantizing anything."""
+    _, reader = _reader(path)
     return {name: field.contents() for name, field in reader.fields.items()}, [t.name for t in reader.tensors]
 
 
 def read(path: str | pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
     """``(metadata, {name: float32 array})`` of a GGUF file, every tensor dequantized, in PyTorch's
     ``[out, in]`` order."""
-    import gguf
     from gguf.quants import dequantize
 
-    path = pathlib.Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist (vitmm only reads local files; nothing is downloaded).")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as err:  # noqa: BLE001 - a file that is not GGUF, or cut short
-        raise ValueError(f"{path} could not be read as GGUF ({type(err).__name__}: {err}).") from err
+    path, reader = _reader(path)
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     tensors = {}
     for t in reader.tensors:
@@ -61,7 +64,7 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def lm_kwargs(metadata: dict, src) -> dict:
+def lm_kwargs(metadata: dict, src, tensor_names=()) -> dict:
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{src}: architecture {arch!r} is not supported; vitmm reads {ARCHITECTURES}.")
@@ -82,7 +85,7 @@ def lm_kwargs(metadata: dict, src) -> dict:
                 num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
                 mlp_dim=int(get("feed_forward_length")), rope_theta=float(get("rope.freq_base", 10_000.0)),
                 norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), act="silu",
-                tie_embeddings="output.weight" not in metadata.get("_tensor_names", ()))
+                tie_embeddings="output.weight" not in tensor_names)
 
 
 def tokenizer(metadata: dict, src=None):
@@ -115,8 +118,7 @@ def load(src: str | pathlib.Path):
     from vitmm.models.lm import LM
 
     metadata, tensors = read(src)
-    metadata["_tensor_names"] = tuple(tensors)
-    kwargs = lm_kwargs(metadata, src)
+    kwargs = lm_kwargs(metadata, src, tuple(tensors))
     sd = StateDict(tensors, str(src))
     heads, kv = kwargs["num_heads"], kwargs["num_kv_heads"]
     linear = lambda name: {"kernel": sd.take(name).T}  # noqa: E731

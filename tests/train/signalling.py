@@ -1,0 +1,32 @@
+"""A training input wrapped so that something happens while batch N is fetched: the process
+sends itself a signal (a real one, at a known step). Imported by the tests' subprocess scripts."""
+
+import os
+import signal
+
+
+def send_at_batch(trainer, batch: int, sig: str = "SIGTERM") -> None:
+    """From now on, ``trainer.train`` sends ``sig`` to this process while fetching batch ``batch``."""
+    make = trainer._input
+
+    def wrapped(config, tokenizer, par):
+        it = make(config, tokenizer, par)
+
+        class Signalling:
+            count = 0
+
+            def __next__(self):
+                Signalling.count += 1
+                if Signalling.count == batch:
+                    os.kill(os.getpid(), getattr(signal, sig))
+                return next(it)
+
+            def get_state(self):
+                return it.get_state()
+
+            def set_state(self, state):
+                it.set_state(state)
+
+        return Signalling()
+
+    trainer._input = wrapped
