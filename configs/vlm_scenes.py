@@ -12,7 +12,8 @@ a token budget, and a 4-layer Llama-style LM on bytes.
 Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``), ``budget`` (visual tokens,
 or ``all``), ``stage`` (1: connector only; 2: connector and LM, as LLaVA; the tower stays
 frozen), ``lora`` (a rank > 0: LoRA adapters on the LM's attention instead of training it),
-``steps``, ``data`` (a scenes config), ``smoke``.
+``chat`` (prompts in the chat template of the LM of ``init.lm``), ``steps``, ``data`` (a scenes
+config), ``smoke``.
 """
 
 import ml_collections
@@ -26,7 +27,8 @@ TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="g
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, connector="mlp", budget="all", stage=1, steps=500, data="easy_64", lora=0, smoke=False)
+    arg = parse_arg(arg, connector="mlp", budget="all", stage=1, steps=500, data="easy_64", lora=0, chat=False,
+                    smoke=False)
     if arg.stage not in (1, 2):
         raise ValueError(f"stage must be 1 (connector only) or 2 (connector and LM), got {arg.stage}.")
     c = ml_collections.ConfigDict()
@@ -43,10 +45,16 @@ def get_config(arg=None):
     c.allow_config_change = False  # resume even where the config changes what the run computes
     c.sync_every = 8
 
-    pp = ("decode|resize({image_size})|value_range(-1, 1)|choose|qa_tokens({max_len})|"
-          "keep('image', 'ids', 'answer_mask', 'prompt_len')")  # choose: one question per image
+    # One question per image (choose); the images normalised as the tower was trained
+    # ({image_mean}/{image_std}: input.image_mean/std, else what init.vision records).
+    # chat: the question in the LM's chat template (init.lm's), the image where <image> stands.
+    qa = ("decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|"
+          f"qa_tokens({{max_len}}, chat={arg.chat})")
     c.input = common.train_input(f"scenes/{arg.data}", image_size=64,
-                                 keys=("image", "questions", "answers", "question_kinds"), pp=pp)
+                                 keys=("image", "questions", "answers", "question_kinds"),
+                                 pp=f"{qa}|keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos')")
+    c.input.image_mean = config_dict.placeholder(tuple)
+    c.input.image_std = config_dict.placeholder(tuple)
 
     c.model = ml_collections.ConfigDict()
     c.model.vision = TOWER
@@ -71,8 +79,8 @@ def get_config(arg=None):
                          allow_random_tower=False)  # stage 2: also init.checkpoint = the stage-1 workdir
 
     c.evals = ml_collections.ConfigDict()
-    c.evals.qa = dict(type="qa", data=common.data_spec(f"scenes/{arg.data}", "validation"), num_examples=512,
-                      batch_size=128, max_new_tokens=8)
+    c.evals.qa = dict(type="qa", data=common.data_spec(f"scenes/{arg.data}", "validation"), pp=qa,
+                      num_examples=512, batch_size=128, max_new_tokens=8)
 
     c.multihost = common.multihost()
     if arg.smoke:

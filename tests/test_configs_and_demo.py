@@ -268,12 +268,12 @@ def test_one_image_size_override_reaches_training_and_evaluation(tmp_path, monke
     one ``input.data_dir`` reaches every evaluator."""
     from vitmm.data import preprocess
     from vitmm.data import tokenizer as tok_lib
-    from vitmm.train import evaluators, tasks, trainer
+    from vitmm.train import evaluators, tasks
     from vitmm.train.parallel import Parallel
 
     data_dir = str(tmp_path / "tfds")
     c = load_config(ROOT / "configs/clip_scenes.py", "smoke", **{"input.image_size": 48, "input.data_dir": data_dir})
-    assert trainer.pp_string(c).startswith("decode|resize(48)|") and "tokenize('caption', 64," in trainer.pp_string(c)
+    assert tasks.pp_string(c).startswith("decode|resize(48)|") and "tokenize('caption', 64," in tasks.pp_string(c)
     seen = []
     real_parse = preprocess.parse
     monkeypatch.setattr(evaluators.preprocess, "parse", lambda pp, *a: seen.append(pp) or real_parse(pp, *a))
@@ -287,5 +287,5 @@ def test_one_image_size_override_reaches_training_and_evaluation(tmp_path, monke
     tasks.from_config(c, Parallel("jit"), tok_lib.get_tokenizer(None)).evaluators()
     assert seen and all("resize(48)" in pp for pp in seen)
     assert sources and set(sources) == {data_dir}
-    with pytest.raises(ValueError, match=r"names the field 'size'.*\{image_size\} and \{max_len\}"):
-        trainer.pp_string(load_config(ROOT / "configs/clip_scenes.py", "smoke", **{"input.pp": "resize({size})"}))
+    with pytest.raises(ValueError, match=r"names the field 'size'.*\{image_size\}, \{max_len\}"):
+        tasks.pp_string(load_config(ROOT / "configs/clip_scenes.py", "smoke", **{"input.pp": "resize({size})"}))

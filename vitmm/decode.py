@@ -1,15 +1,14 @@
 """Decoding and scoring: teacher-forced answer scoring and greedy generation with a VLM, and
 KV-cache generation (greedy or sampled) with a language model.
 
-The VLM paths read the model's output through ``vlm.text_logits`` (the last visual position
-predicts ``ids[1]``), so they agree with the training loss on which position predicts which
-token. ``Generator`` prefills a batch of left-padded prompts into a fixed-size KV cache and then
-runs one compiled step per token; its logits equal the no-cache forward's (tested).
+Teacher-forced scoring reads the VLM's output through ``vlm.text_logits`` (the last visual
+position predicts the token after the image), as the training loss does; ``GreedyDecoder``
+prefills image and prompt into a KV cache and decodes one compiled step per token.
+``Generator`` prefills a batch of left-padded prompts into a fixed-size KV cache and then runs
+one compiled step per token. Both caches give the no-cache forward's logits (tested).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from vitmm.models.vlm import VLM, text_logits
 
 
 def answer_scores(model: VLM, variables, ids, answer_mask, *, images=None, features=None, prompt_len=None,
-                  prefix_lm: bool = False) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+                  prefix_lm: bool = False, image_pos=None) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Teacher-forced answer scoring: ``(nll, correct, exact)`` with ``[B, L-1]`` per-position
     negative log-likelihoods and argmax hits, and ``[B]`` exact-match flags.
 
@@ -31,62 +30,67 @@ def answer_scores(model: VLM, variables, ids, answer_mask, *, images=None, featu
     greedy step sees the correct prefix until the first miss), so one forward pass gives
     greedy exact-match accuracy (tests check this against ``greedy_decode``).
     """
-    logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm, features=features)
+    logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm, features=features,
+                         image_pos=image_pos)
     num_visual = logits.shape[1] - ids.shape[1]
-    logits = text_logits(logits, num_visual)[:, :-1]
+    logits = text_logits(logits, num_visual, image_pos)[:, :-1]
     targets, mask = ids[:, 1:], answer_mask[:, 1:] > 0
     nll = losses.token_nll(logits, targets)
     correct = logits.argmax(-1) == targets
     return nll, correct, jnp.all(correct | ~mask, axis=1)
 
 
-def _next_token(model, variables, images, ids, pos, prompt_len, num_visual, prefix_lm):
-    logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm)
-    logits = text_logits(logits, num_visual)
-    return jnp.take_along_axis(logits, (pos - 1)[:, None, None], axis=1)[:, 0].argmax(-1)
-
-
 class GreedyDecoder:
-    """Greedy answers of ``model``: one compiled step per generated token, built once per
-    decoder (the evaluator keeps one; flax modules with dict fields cannot be static jit args)."""
+    """Greedy answers of a VLM over a KV cache: the image and the prompts are prefilled once,
+    then one compiled step per generated token (each compiled once per shape; the evaluator
+    keeps one decoder)."""
 
     def __init__(self, model: VLM):
         self.model = model
-        self._step = jax.jit(functools.partial(_next_token, model), static_argnames=("num_visual", "prefix_lm"))
+
+        def prefill(variables, images, ids, prompt_len, cache, image_pos, prefix_lm):
+            return model.apply(variables, images, ids, prompt_len, cache, image_pos, prefix_lm, method=VLM.prefill)
+
+        def step(variables, token, position, cache):
+            logits, cache = model.apply(variables, token, position, cache, method=VLM.step)
+            return logits.argmax(-1).astype(jnp.int32), cache
+
+        self._prefill = jax.jit(prefill, static_argnames=("prefix_lm",))
+        self._step = jax.jit(step, donate_argnums=(3,))
 
     def __call__(self, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray, max_new_tokens: int,
-                 eos_id: int, prefix_lm: bool = False) -> np.ndarray:
+                 eos_id: int, prefix_lm: bool = False, image_pos=None) -> np.ndarray:
         """Answers ``[B, max_new_tokens]`` (EOS, then padding with EOS) after each prompt.
 
-        ``prompt_ids: [B, L]`` holds BOS + prompt left-aligned, ``prompt_len`` their lengths. The
-        step runs over a fixed-size buffer with room for ``max_new_tokens`` more and recomputes
-        the whole sequence each time (no KV cache: answers here are a few tokens).
+        ``prompt_ids: [B, L]`` holds each prompt (BOS included) left-aligned, ``prompt_len`` their
+        lengths; whatever follows a prompt in its row is ignored. ``image_pos`` as in ``VLM``.
         """
         b, length = prompt_ids.shape
-        buffer = np.zeros((b, length + max_new_tokens), np.int32)
-        buffer[:, :length] = prompt_ids
         num_visual = self.model.apply(variables, images.shape[1:3], method=VLM.num_visual_tokens)
-        pos = np.asarray(prompt_len).astype(np.int32).copy()
-        prompt_len = jnp.asarray(pos)
+        cache = lm_lib.init_cache(self.model.lm, b, length + num_visual + max_new_tokens)
+        prompt_len = jnp.asarray(np.asarray(prompt_len), jnp.int32)
+        logits, cache = self._prefill(variables, images, jnp.asarray(prompt_ids), prompt_len, cache,
+                                      None if image_pos is None else jnp.asarray(image_pos, jnp.int32),
+                                      prefix_lm=prefix_lm)
+        token, position = logits.argmax(-1).astype(jnp.int32), prompt_len + num_visual
         done = np.zeros(b, bool)
         out = np.full((b, max_new_tokens), eos_id, np.int32)
-        for step in range(max_new_tokens):
-            token = np.asarray(self._step(variables, images, jnp.asarray(buffer), jnp.asarray(pos), prompt_len,
-                                          num_visual=num_visual, prefix_lm=prefix_lm))
-            token = np.where(done, eos_id, token)
-            out[:, step] = token
-            buffer[np.arange(b), pos] = token
-            pos = np.minimum(pos + 1, buffer.shape[1] - 1)
-            done |= token == eos_id
-            if done.all():
+        for i in range(max_new_tokens):
+            now = np.where(done, eos_id, np.asarray(token))
+            out[:, i] = now
+            done |= now == eos_id
+            if done.all() or i == max_new_tokens - 1:
                 break
+            token, cache = self._step(variables, jnp.asarray(now), position, cache)
+            position = position + 1
         return out
 
 
 def greedy_decode(model: VLM, variables, images, prompt_ids, prompt_len, max_new_tokens: int, eos_id: int,
-                  prefix_lm: bool = False) -> np.ndarray:
-    """``GreedyDecoder(model)(...)`` for a single call (compiles its step each time)."""
-    return GreedyDecoder(model)(variables, images, prompt_ids, prompt_len, max_new_tokens, eos_id, prefix_lm)
+                  prefix_lm: bool = False, image_pos=None) -> np.ndarray:
+    """``GreedyDecoder(model)(...)`` for a single call (compiles its steps each time)."""
+    return GreedyDecoder(model)(variables, images, prompt_ids, prompt_len, max_new_tokens, eos_id, prefix_lm,
+                                image_pos)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

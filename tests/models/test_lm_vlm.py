@@ -172,3 +172,57 @@ def test_vlm_learns_an_answer_and_greedy_decoding_returns_it():
     assert scored(answers).tolist() == [True, True]
     assert scored(answers[::-1]).tolist() == [False, False]
     assert scored(["redd", "blue"]).tolist() == [False, True]
+
+
+def test_image_pos_puts_the_visual_tokens_where_the_placeholder_was():
+    """``image_pos = p``: the LM reads ``ids[:p] visual ids[p:]`` (spliced by hand here), the last
+    visual position predicts ``ids[p]``, and ``p = 1`` is the default layout exactly."""
+    model, variables, images = _vlm_and_variables()
+    m = model.apply(variables, (32, 32), method=vlm_lib.VLM.num_visual_tokens)
+    ids = jax.random.randint(jax.random.key(5), (2, 7), 1, 250).at[:, 0].set(257)
+    pos = np.array([3, 5])
+    logits = model.apply(variables, images, ids, image_pos=pos)
+    visual = model.apply(variables, images, method=vlm_lib.VLM.visual_tokens)
+    text = model.apply(variables, ids, method=lambda mod, i: mod.language.embed(i))
+    for i, p in enumerate(pos):
+        spliced = jnp.concatenate([text[i:i + 1, :p], visual[i:i + 1], text[i:i + 1, p:]], axis=1)
+        by_hand = model.apply(variables, method=lambda mod, e=spliced: mod.language(embeds=e))
+        np.testing.assert_allclose(logits[i:i + 1], by_hand, atol=1e-5, rtol=0)
+        aligned = vlm_lib.text_logits(logits, m, pos)[i]
+        np.testing.assert_array_equal(aligned[p - 1], logits[i, p - 1 + m])  # the last visual predicts ids[p]
+        np.testing.assert_array_equal(aligned[: p - 1], logits[i, : p - 1])
+        np.testing.assert_array_equal(aligned[p:], logits[i, p + m:])
+    np.testing.assert_array_equal(model.apply(variables, images, ids, image_pos=np.ones(2, np.int32)),
+                                  model.apply(variables, images, ids))
+    np.testing.assert_array_equal(vlm_lib.text_logits(logits, m, np.ones(2, np.int32)), logits[:, m:])
+
+
+@pytest.mark.parametrize("prefix_lm", [False, True])
+def test_cached_decoding_equals_the_full_forward_with_image_pos_and_prefix(prefix_lm):
+    """The KV-cache prefill's logits equal the full forward's at each prompt's last position
+    (≤ 1e-5), and greedy decoding over the cache equals re-running the whole sequence per token,
+    for ragged prompts with the image inside them and the prefix-LM mask."""
+    model, variables, images = _vlm_and_variables()
+    m = model.apply(variables, (32, 32), method=vlm_lib.VLM.num_visual_tokens)
+    prompts, pos = [[257, 40], [257, 70, 80, 90]], np.array([2, 3])
+    buffer = np.zeros((2, 4), np.int32)
+    for i, p in enumerate(prompts):
+        buffer[i, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts])
+    cache = lm_lib.init_cache(LM_KW, 2, 4 + m + 3)
+    first, _ = model.apply(variables, images, jnp.asarray(buffer), lengths, cache, pos, prefix_lm,
+                           method=vlm_lib.VLM.prefill)
+    out = decode.greedy_decode(model, variables, images, buffer, lengths, 3, eos_id=258, prefix_lm=prefix_lm,
+                               image_pos=pos)
+    for i, p in enumerate(prompts):
+        seq = list(p)
+        for step in range(3):
+            logits = model.apply(variables, images[i:i + 1], jnp.asarray([seq], jnp.int32), image_pos=pos[i:i + 1],
+                                 prompt_len=lengths[i:i + 1], prefix_lm=prefix_lm)[0, -1]
+            if step == 0:
+                np.testing.assert_allclose(first[i], logits, atol=1e-5, rtol=0)
+            seq.append(int(np.asarray(logits).argmax()))
+        want = seq[len(p):]
+        if 258 in want:
+            want = want[: want.index(258) + 1] + [258] * (2 - want.index(258))
+        assert out[i].tolist() == want, (i, out[i].tolist(), want)

@@ -10,6 +10,7 @@ import pytest
 from configs import common
 from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
+from vitmm.data import preprocess
 from vitmm.train import trainer
 
 
@@ -79,7 +80,7 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
             seen.append(batch)
             yield batch
 
-    def oracle(variables, images, prompts, prompt_len, max_new_tokens, eos_id, prefix_lm):
+    def oracle(variables, images, prompts, prompt_len, max_new_tokens, eos_id, prefix_lm, image_pos):
         out = np.full((len(prompts), max_new_tokens), eos_id, np.int32)
         for i, (answer, kind) in enumerate(zip(seen[-1]["answer"], seen[-1]["question_kind"], strict=True)):
             ids = tok.encode(str(answer) if kind == count else str(answer) + "!")
@@ -88,8 +89,9 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
 
     monkeypatch.setattr(eval_lib.pipeline, "eval_batches", recording)
     cfg = {"data": {"name": common.SMOKE_DATA, "split": "validation", "data_dir": clip_smoke_run.data_dir},
-           "num_examples": 48, "batch_size": 16, "max_new_tokens": 16}
-    evaluator = eval_lib.QAAccuracy(None, cfg, 64, tok, 32, False)
+           "num_examples": 48, "batch_size": 16, "max_new_tokens": 16,
+           "pp": "decode|resize(32)|normalize()|choose|qa_tokens(64)"}
+    evaluator = eval_lib.QAAccuracy(None, cfg, tok, False)
     evaluator.decode = oracle
     result = evaluator.run({})
     kinds = np.concatenate([b["question_kind"][b["_mask"] > 0] for b in seen])
@@ -102,21 +104,32 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
             assert result[f"acc_{name}"] == 0.0
 
 
-def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_dir, capsys):
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_dir, capsys, chat):
     """Nothing restated: the tower comes from a `python -m vitmm.interop` folder of transformers'
     CLIP vision tower (quick_gelu, eps 1e-5, pre-norm; its 4x4 position table resampled to the
-    run's 6x6 grid the way transformers does), the LM and its tokenizer from a converted GGUF.
-    Stage 1 trains the connector only."""
+    run's 6x6 grid the way transformers does; images normalised with CLIP's statistics), the LM,
+    its tokenizer and (``chat``) its chat template from a converted GGUF. Stage 1 trains the
+    connector only."""
     from vitmm.interop import __main__ as cli
+    from vitmm.interop import convert
     from vitmm.models.vit import resize_posemb
+    from vitmm.train import tasks
 
     fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
     cli.main(["--from", "hf", "--src", str(fixtures / "hf_clip_vision"), "--out", str(tmp_path / "tower"),
               "--tower", "vision"])
     cli.main(["--from", "gguf", "--src", str(fixtures / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "lm")])
-    c = _config("vlm_scenes", "smoke,connector=pool,budget=4", data_dir,
+    c = _config("vlm_scenes", f"smoke,connector=pool,budget=4,chat={chat}", data_dir,
                 **{"init.vision": str(tmp_path / "tower"), "init.lm": str(tmp_path / "lm"),
                    "init.allow_random_tower": False, "input.image_size": 48})
+    assert ckpt_lib.load_config(tmp_path / "tower")["input"]["image_mean"] == list(convert.OPENAI_CLIP[0])
+    assert f"normalize({convert.OPENAI_CLIP[0]}, {convert.OPENAI_CLIP[1]})" in tasks.pp_string(c)
+    if chat:  # the prompts are the LM's chat template with the image where <image> stood
+        example = preprocess.parse(tasks.pp_string(c), tasks.tokenizer_for(c))(
+            {"image": np.zeros((8, 8, 3), np.uint8), "questions": ["how many stars are there?"], "answers": ["2"],
+             "question_kinds": [0]}, np.random.default_rng(0))
+        assert int(example["image_pos"]) == len(tasks.tokenizer_for(c).encode("<|im_start|>user\n"))
     summary = trainer.train(c, tmp_path / "vlm")
     assert "model.vision is replaced by the tower saved in" in capsys.readouterr().out
     assert np.isfinite(summary["history"][-1]["loss"]) and "qa/accuracy" in summary["evals"]

@@ -14,10 +14,12 @@ Ops (all work on numpy, per example):
     makes "left" wrong in its text, so ``mode="swap"`` swaps the words left/right in the
     listed text fields (default: captions and questions stay true); ``mode="skip"`` leaves any
     example whose text mentions left or right unflipped.
-  * ``value_range(lo, hi)``: uint8 → float32 in ``[lo, hi]``.
+  * ``value_range(lo, hi)``: uint8 → float32 in ``[lo, hi]``; ``normalize(mean, std)``: uint8 →
+    ``(x / 255 - mean) / std`` (a pretrained tower's input statistics).
   * ``tokenize(key, max_len, out_key=None, ...)``: fixed-length int32 ids in ``out_key``
     (default ``{key}_tokens``) and ``{out_key}_truncated``.
-  * ``qa_tokens(max_len)``: a question and its answer as one sequence for the VLM, with the
+  * ``qa_tokens(max_len, chat=False)``: a question and its answer as one sequence for the VLM
+    (``chat=True``: in the LM's chat template, ``image_pos`` where ``<image>`` stood), with the
     answer mask and the prompt length.
   * ``choose(keys, out_keys)``: one random entry, at the same index, from parallel lists
     (e.g. a question with its answer; ``"captions/text"`` reaches into nested features).
@@ -237,6 +239,19 @@ def value_range(lo=-1.0, hi=1.0, key="image"):
     return fn
 
 
+@register("normalize")
+def normalize(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), key="image"):
+    """uint8 → float32 ``(x / 255 - mean) / std`` per channel (the mean and std a tower was
+    trained with; 0.5/0.5 is ``value_range(-1, 1)``)."""
+    mean, std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+
+    def fn(ex, rng):
+        ex[key] = (ex[key].astype(np.float32) / np.float32(255.0) - mean) / std
+        return ex
+
+    return fn
+
+
 @register("tokenize")
 def tokenize(key, max_len, out_key=None, tokenizer=None, add_bos=True, add_eos=True, padding="pad",
              truncation="right"):
@@ -256,13 +271,29 @@ def tokenize(key, max_len, out_key=None, tokenizer=None, add_bos=True, add_eos=T
     return fn
 
 
+IMAGE_PLACEHOLDER = "<image>"  # where a chat prompt's visual tokens go (LLaVA's convention)
+
+
 @register("qa_tokens")
-def qa_tokens(max_len, question_key="question", answer_key="answer", tokenizer=None, separator=" "):
-    """``[BOS] question separator answer [EOS] PAD…`` as ``ids`` (int32 ``[max_len]``), with
-    ``answer_mask`` (1 on the answer and EOS: the tokens the VLM is trained to produce),
-    ``prompt_len`` (BOS + question + separator) and ``qa_truncated``. A question too long for
-    ``max_len`` is cut from the right so that the whole answer always fits."""
+def qa_tokens(max_len, question_key="question", answer_key="answer", tokenizer=None, separator=" ", chat=False,
+              system=None):
+    """A question and its answer as one VLM sequence: ``ids`` (int32 ``[max_len]``, PAD after),
+    ``answer_mask`` (1 on the tokens the VLM is trained to produce), ``prompt_len`` (the tokens
+    before the answer) and ``qa_truncated``.
+
+    Plain (``chat=False``): ``[BOS] question separator answer [EOS]``; the image goes after BOS
+    (``image_pos`` 1).
+    A question too long for ``max_len`` is cut from the right so that the whole answer fits.
+
+    ``chat=True``: the tokenizer's chat template (a converted LM's) renders a user turn
+    ``"<image>\nquestion"`` (after a ``system`` turn when given) and the assistant's answer; the
+    answer mask covers the assistant's answer up to and including EOS (the template's end of
+    turn), ``image_pos`` is where ``<image>`` stood (the visual tokens go there), and the text
+    after EOS is dropped. A chat example that does not fit ``max_len`` is an error.
+    """
     tokenizer = tokenizer or tok_lib.ByteTokenizer()
+    if chat:
+        return _qa_chat(max_len, question_key, answer_key, tokenizer, system)
 
     def fn(ex, rng):
         question = tokenizer.encode(ex[question_key] + separator)
@@ -279,6 +310,44 @@ def qa_tokens(max_len, question_key="question", answer_key="answer", tokenizer=N
         mask[1 + len(question): len(seq)] = 1.0
         ex["ids"], ex["answer_mask"] = ids, mask
         ex["prompt_len"], ex["qa_truncated"] = np.int32(1 + len(question)), np.bool_(truncated)
+        ex["image_pos"] = np.int32(1)
+        return ex
+
+    return fn
+
+
+def _qa_chat(max_len, question_key, answer_key, tokenizer, system):
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("qa_tokens(chat=True) needs a tokenizer with a chat template: set init.lm to a converted "
+                         "LM (`python -m vitmm.interop --from hf|gguf`), whose tokenizer and template the run uses.")
+    head = [{"role": "system", "content": system}] if system else []
+
+    def fn(ex, rng):
+        user = head + [{"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{ex[question_key]}"}]
+        prompt = tokenizer.chat(user, add_generation_prompt=True)
+        full = tokenizer.chat(user + [{"role": "assistant", "content": ex[answer_key]}])
+        if not full.startswith(prompt) or prompt.count(IMAGE_PLACEHOLDER) != 1:
+            raise ValueError("qa_tokens(chat=True): the chat template must render the prompt as a prefix of the whole "
+                             f"exchange with one {IMAGE_PLACEHOLDER}; got {prompt!r} and {full!r}.")
+        before, after = prompt.split(IMAGE_PLACEHOLDER)
+        before, after = tokenizer.encode(before), tokenizer.encode(after)
+        answer = tokenizer.encode(full[len(prompt):])
+        if tokenizer.eos_id not in answer:
+            raise ValueError(f"qa_tokens(chat=True): the assistant's turn {full[len(prompt):]!r} has no EOS (id "
+                             f"{tokenizer.eos_id}) to stop at; convert the LM with its end-of-turn token as EOS.")
+        answer = answer[: answer.index(tokenizer.eos_id) + 1]
+        seq = before + after + answer
+        if not before:
+            raise ValueError("qa_tokens(chat=True): the chat template puts no token before <image>.")
+        if len(seq) > max_len:
+            raise ValueError(f"qa_tokens(chat=True): the exchange is {len(seq)} tokens, more than max_len={max_len}; "
+                             "raise model.max_len.")
+        ids = np.full(max_len, tokenizer.pad_id, np.int32)
+        ids[: len(seq)] = seq
+        mask = np.zeros(max_len, np.float32)
+        mask[len(before) + len(after): len(seq)] = 1.0
+        ex["ids"], ex["answer_mask"], ex["image_pos"] = ids, mask, np.int32(len(before))
+        ex["prompt_len"], ex["qa_truncated"] = np.int32(len(before) + len(after)), np.bool_(False)
         return ex
 
     return fn

@@ -86,7 +86,7 @@ class HFTokenizer:
     _PAD = ("<pad>", "[PAD]", "<|pad|>")
 
     def __init__(self, path: str | pathlib.Path, bos_id: int | None = None,
-                 eos_id: int | None = None, pad_id: int | None = None):
+                 eos_id: int | None = None, pad_id: int | None = None, chat_template: str | None = None):
         from tokenizers import Tokenizer
 
         path = pathlib.Path(path).expanduser()
@@ -99,6 +99,7 @@ class HFTokenizer:
         self.eos_id = eos_id if eos_id is not None else self._find(self._EOS, "eos")
         # Without a pad token, pad with EOS (sticky EOS, as open_clip does for CLIP's BPE).
         self.pad_id = pad_id if pad_id is not None else self._find(self._PAD, "pad", self.eos_id)
+        self.chat_template = chat_template
 
     def _find(self, names, what, default=None) -> int:
         for name in names:
@@ -115,6 +116,32 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         special = {self.bos_id, self.eos_id, self.pad_id}
         return self._tok.decode([int(i) for i in ids if int(i) not in special])
+
+    def token(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id))
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """``messages`` (``{"role", "content"}`` dicts) rendered by the LM's chat template."""
+        if not self.chat_template:
+            raise ValueError("This tokenizer has no chat template; convert an LM that has one "
+                             "(`python -m vitmm.interop --from hf|gguf`) and use its tokenizer.")
+        return render_chat(self.chat_template, messages, add_generation_prompt,
+                           bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_id))
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, **variables) -> str:
+    """A Jinja chat template rendered as transformers renders it (sandboxed, ``trim_blocks`` and
+    ``lstrip_blocks``, loop controls, ``raise_exception``; ``variables`` such as ``bos_token``)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            **variables)
 
 
 def get_tokenizer(path: str | None = None, **special_ids):

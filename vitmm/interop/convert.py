@@ -6,8 +6,9 @@ params)``; ``LOADERS`` maps the source names to them. The folder written is laid
 ``--config.init.vision=DIR`` (a VLM's tower), ``--config.init.checkpoint=DIR`` and
 ``checkpoint.load_params(DIR)`` read it. Parameters sit under ``img``/``txt``/``img_proj``/
 ``txt_proj``/``t``/``b`` as in ``TwoTowers``; the model's keyword arguments are in the config at
-``model`` (``TwoTowers(**config["model"])``; ``model.image`` alone for a ViT), and the image
-size its position table is for at ``input.image_size``.
+``model`` (``TwoTowers(**config["model"])``; ``model.image`` alone for a ViT), the image
+size its position table is for at ``input.image_size``, and the tower's input statistics at
+``input.image_mean``/``input.image_std`` (``image_normalization``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,40 @@ def load_language_model(source: str, src) -> tuple[dict, dict, str | None, str |
     return kwargs, params, tokenizer, template, ids
 
 
+# Input statistics (mean, std per channel of x / 255) each source's towers were trained with.
+OPENAI_CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # value_range(-1, 1): vitmm, big_vision, SigLIP, HF ViT
+HF_DEFAULTS = {"clip": OPENAI_CLIP, "clip_vision_model": OPENAI_CLIP, "siglip": HALF, "siglip_vision_model": HALF,
+               "vit": HALF, "dinov2": IMAGENET, "dinov2_with_registers": IMAGENET}
+
+
+def image_normalization(source: str, src) -> tuple[tuple, tuple]:
+    """``(mean, std)`` of the tower's input: the checkpoint's own preprocessing file where it
+    has one (HF ``preprocessor_config.json``, timm ``config.json`` ``pretrained_cfg``, open_clip
+    ``preprocess_cfg``), else the source's default for the model type."""
+    from vitmm.interop import io
+
+    folder = pathlib.Path(src).expanduser()
+    folder = folder if folder.is_dir() else folder.parent
+
+    def read(name):
+        return json.loads((folder / name).read_text()) if (folder / name).is_file() else {}
+
+    if source == "hf":
+        pre = read("preprocessor_config.json")
+        if "image_mean" in pre:
+            return tuple(pre["image_mean"]), tuple(pre["image_std"])
+        return HF_DEFAULTS.get(io.read_json(src).get("model_type"), OPENAI_CLIP)
+    if source == "timm":
+        cfg = read("config.json").get("pretrained_cfg") or {}
+        return (tuple(cfg["mean"]), tuple(cfg["std"])) if "mean" in cfg else IMAGENET
+    if source == "open_clip":
+        cfg = read("open_clip_config.json").get("preprocess_cfg") or {}
+        return (tuple(cfg["mean"]), tuple(cfg["std"])) if "mean" in cfg else OPENAI_CLIP
+    return HALF
+
+
 def _new_folder(out) -> pathlib.Path:
     out = pathlib.Path(out).expanduser().absolute()
     if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
@@ -127,6 +162,9 @@ def convert(source: str, src, out, *, tower: str = "both", image_size=None, **op
         size = (int(grid[0] * patch[0]), int(grid[1] * patch[1]))
     elif model["image"] is not None and image_size is not None:  # fixed sin-cos positions fit any size
         size = to_pair(image_size)
+    if model["image"] is not None:  # what the tower's input must look like
+        mean, std = image_normalization(source, src)
+        config["input"] = {"image_mean": list(mean), "image_std": list(std)}
     if size is not None:  # an int for a square image, else [height, width]
-        config["input"] = {"image_size": size[0] if size[0] == size[1] else list(size)}
+        config["input"]["image_size"] = size[0] if size[0] == size[1] else list(size)
     return _write(out, params, config)

@@ -229,13 +229,14 @@ class LM(nn.Module):
         new_valid = jnp.ones((b, t), bool) if pad_mask is None else pad_mask.astype(bool)
         if cache is None:
             mask = attention_mask(t, prefix_len) & new_valid[:, None, None, :]
-        else:  # a key slot is visible if it holds a real token at or before the query's slot
-            if prefix_len is not None:
-                raise ValueError("A KV cache decodes causally; prefix_lm is not supported with it.")
+        else:  # a key slot is visible if it holds a real token at or before the query's slot (or in the prefix)
             slot = cache["slot"]
             valid = jax.lax.dynamic_update_slice(cache["valid"], new_valid, (0, slot))
-            slots = jnp.arange(valid.shape[1])
-            mask = (slots[None, None, None, :] <= (slot + jnp.arange(t))[None, None, :, None]) & valid[:, None, None, :]
+            slots = jnp.arange(valid.shape[1])[None, None, None, :]
+            mask = slots <= (slot + jnp.arange(t))[None, None, :, None]
+            if prefix_len is not None:
+                mask = mask | (slots < jnp.reshape(jnp.asarray(prefix_len), (-1, 1, 1, 1)))
+            mask = mask & valid[:, None, None, :]
         layers_kv = []
         for i, block in enumerate(self.blocks):
             if cache is None:

@@ -4,9 +4,11 @@
               lm=dict(width=256, depth=4, num_heads=4))
     logits = vlm.apply(variables, images, ids)      # [B, 1 + M + (L - 1), vocab]
 
-Sequence: ``[BOS] [M visual tokens] [text tokens after BOS…]`` (LLaVA's layout with the
-image first). Under the causal mask BOS sees no image, so the last visual position predicts
-``ids[1]`` and text position ``i`` predicts ``ids[i + 1]`` (``text_logits``).
+Sequence: ``ids[:p] [M visual tokens] ids[p:]`` with ``p = image_pos`` per example: 1 by
+default (``[BOS] image text…``, LLaVA's layout with the image first), or where a chat template's
+``<image>`` placeholder stood (``qa_tokens(..., chat=True)``). Under the causal mask the text
+before the image cannot see it, so the last visual position predicts ``ids[p]`` and every other
+text position ``i`` predicts ``ids[i + 1]`` (``text_logits``).
 
 ``vision_layer`` picks the tower output. For ``n >= 2``, ``-n`` is exactly Hugging Face's
 ``hidden_states[-n]``: ``-2`` the second-to-last block's output (LLaVA's feature layer), ``-n``
@@ -75,21 +77,59 @@ class VLM(nn.Module):
             tokens = jnp.concatenate([self.cls_proj(cls)[:, None], tokens], axis=1)
         return tokens
 
-    def __call__(self, images, ids, prompt_len=None, prefix_lm: bool = False, features=None):
-        """Logits for ``[BOS] visual ids[:, 1:]``; ``ids[:, 0]`` must be BOS."""
+    def sequence(self, images, ids, image_pos=None, features=None) -> tuple[jnp.ndarray, int]:
+        """The LM's input embeddings ``[B, L + M, D]`` (visual tokens before ``ids[:, image_pos]``)
+        and ``M``."""
         visual = self.visual_tokens(images, features)
         text = self.language.embed(ids)
-        x = jnp.concatenate([text[:, :1], visual.astype(text.dtype), text[:, 1:]], axis=1)
-        prefix = None
-        if prefix_lm:
-            if prompt_len is None:
-                raise ValueError("prefix_lm=True needs prompt_len (BOS + prompt tokens).")
-            prefix = visual.shape[1] + jnp.asarray(prompt_len)
-        return self.language(embeds=x, prefix_len=prefix)
+        visual = visual.astype(text.dtype)
+        m = visual.shape[1]
+        if image_pos is None:
+            return jnp.concatenate([text[:, :1], visual, text[:, 1:]], axis=1), m
+        j = jnp.arange(ids.shape[1] + m)[None]
+        p = jnp.asarray(image_pos, jnp.int32).reshape(-1, 1)
+        from_text = jnp.take_along_axis(text, jnp.clip(jnp.where(j < p, j, j - m), 0, ids.shape[1] - 1)[..., None], 1)
+        from_image = jnp.take_along_axis(visual, jnp.clip(j - p, 0, m - 1)[..., None], 1)
+        return jnp.where(((j >= p) & (j < p + m))[..., None], from_image, from_text), m
+
+    def __call__(self, images, ids, prompt_len=None, prefix_lm: bool = False, features=None, image_pos=None):
+        """Logits for the sequence ``ids[:p] visual ids[p:]`` (``p = image_pos``, default 1:
+        ``ids[:, 0]`` is then BOS)."""
+        x, m = self.sequence(images, ids, image_pos, features)
+        return self.language(embeds=x, prefix_len=_prefix(prefix_lm, prompt_len, m))
+
+    def prefill(self, images, ids, prompt_len, cache, image_pos=None, prefix_lm: bool = False):
+        """Writes the prompts ``ids[:, :prompt_len]`` (right-padded) and the image into the KV
+        ``cache`` (``lm.init_cache``): ``(logits [B, vocab] after each prompt, cache)``."""
+        x, m = self.sequence(images, ids, image_pos)
+        end = jnp.asarray(prompt_len, jnp.int32) + m  # each row's sequence length
+        valid = jnp.arange(x.shape[1])[None] < end[:, None]
+        logits, cache = self.language(embeds=x, pad_mask=valid, prefix_len=_prefix(prefix_lm, prompt_len, m),
+                                      cache=cache)
+        return jnp.take_along_axis(logits, (end - 1)[:, None, None], 1)[:, 0], cache
+
+    def step(self, token, position, cache):
+        """One decoding step: ``token [B]`` at sequence ``position [B]`` → ``(logits [B, vocab], cache)``."""
+        logits, cache = self.language(token[:, None], positions=position[:, None], cache=cache)
+        return logits[:, -1], cache
 
 
-def text_logits(logits: jnp.ndarray, num_visual: int) -> jnp.ndarray:
+def _prefix(prefix_lm: bool, prompt_len, num_visual: int):
+    """The bidirectional prefix (image + prompt) of ``prefix_lm``, in sequence positions."""
+    if not prefix_lm:
+        return None
+    if prompt_len is None:
+        raise ValueError("prefix_lm=True needs prompt_len (the prompt's tokens, BOS included).")
+    return num_visual + jnp.asarray(prompt_len)
+
+
+def text_logits(logits: jnp.ndarray, num_visual: int, image_pos=None) -> jnp.ndarray:
     """``[B, L, vocab]`` aligned with the text ids ``[B, L]``: position ``i`` predicts
-    ``ids[:, i + 1]``. The predictor of ``ids[:, 1]`` is the last visual position (BOS sees no
-    image under the causal mask); BOS's own logits and the other visual positions are dropped."""
-    return logits[:, num_visual:]
+    ``ids[:, i + 1]``. The predictor of ``ids[:, p]`` (``p = image_pos``, default 1) is the last
+    visual position, since the text before the image cannot see it; the logits of the other
+    visual positions and of ``ids[:, p - 1]`` are dropped."""
+    if image_pos is None:
+        return logits[:, num_visual:]
+    i = jnp.arange(logits.shape[1] - num_visual)[None]
+    rows = jnp.where(i < jnp.asarray(image_pos, jnp.int32).reshape(-1, 1) - 1, i, i + num_visual)
+    return jnp.take_along_axis(logits, rows[..., None], 1)

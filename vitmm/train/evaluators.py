@@ -233,18 +233,19 @@ def _scenes_classes(data: dict) -> tuple[list[str], dict]:
 class QAAccuracy:
     """Greedy-decoded answers of a VLM against the reference, exact match, per question kind.
 
-    ``cfg``: ``data`` (name, split, data_dir; a scenes config), ``num_examples`` (images; one
-    seeded random question each), ``batch_size``, ``max_new_tokens``.
+    ``cfg``: ``data`` (name, split, data_dir; a scenes config), ``pp`` (the preprocessing up to
+    ``qa_tokens``, fields filled: the training run's image normalisation and prompt format;
+    default ``PP``), ``num_examples`` (images; one seeded random question each),
+    ``batch_size``, ``max_new_tokens``.
     """
 
-    def __init__(self, model, cfg: dict, max_len: int, tokenizer, image_size: int, prefix_lm: bool):
+    PP = "decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|qa_tokens({max_len})"
+
+    def __init__(self, model, cfg: dict, tokenizer, prefix_lm: bool):
+        from vitmm import decode
         from vitmm.data import scenes
 
-        cfg.pop("type", None)
-        cfg.pop("every", None)
         data = dict(cfg["data"])
-        from vitmm import decode
-
         self.tokenizer, self.prefix_lm = tokenizer, prefix_lm
         self.decode = decode.GreedyDecoder(model)
         self.batch_size = cfg.get("batch_size", 64)
@@ -253,9 +254,8 @@ class QAAccuracy:
                                      keys=("image", "questions", "answers", "question_kinds"))
         self.source = _Prefix(source, min(cfg.get("num_examples") or len(source), len(source)))
         self.kinds = scenes.QUESTION_KINDS
-        self._pp = preprocess.parse(
-            f"decode|resize({image_size})|value_range(-1, 1)|choose|qa_tokens({max_len})|"
-            "keep('image', 'ids', 'prompt_len', 'answer', 'question_kind')", tokenizer)
+        self._pp = preprocess.parse(f"{cfg['pp']}|keep('image', 'ids', 'prompt_len', 'image_pos', 'answer', "
+                                    "'question_kind')", tokenizer)
 
     def run(self, params, **_) -> dict:
         variables = {"params": params}
@@ -265,7 +265,7 @@ class QAAccuracy:
             prompts = batch["ids"].copy()
             prompts[np.arange(prompts.shape[1])[None, :] >= batch["prompt_len"][:, None]] = self.tokenizer.pad_id
             out = self.decode(variables, batch["image"], prompts, batch["prompt_len"], self.max_new_tokens,
-                              self.tokenizer.eos_id, self.prefix_lm)
+                              self.tokenizer.eos_id, self.prefix_lm, batch.get("image_pos"))
             for row, answer, kind, keep in zip(out, batch["answer"], batch["question_kind"], batch["_mask"],
                                               strict=True):
                 if not keep:

@@ -149,9 +149,10 @@ class VLMTask:
         return lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], self.config.lora.alpha)
 
     def loss_fn(self, params, batch, rng):
+        image_pos = batch.get("image_pos")  # chat prompts: where <image> stood; else after BOS
         logits = self._apply(params, batch["image"], batch["ids"], prompt_len=batch["prompt_len"],
-                             prefix_lm=self.config.model.prefix_lm, rng=rng)
-        logits = vlm.text_logits(logits, self.num_visual)
+                             prefix_lm=self.config.model.prefix_lm, image_pos=image_pos, rng=rng)
+        logits = vlm.text_logits(logits, self.num_visual, image_pos)
         loss, acc = losses.lm_loss(logits[:, :-1], batch["ids"][:, 1:], batch["answer_mask"][:, 1:])
         return loss, {"token_acc": acc}
 
@@ -163,9 +164,11 @@ class VLMTask:
 
     def evaluators(self):
         c = self.config
-        return {name: eval_lib.QAAccuracy(self.model, cfg, c.model.max_len, self.tokenizer,
-                                          c.input.image_size, c.model.prefix_lm)
-                for name, cfg in _evals_config(c).items()}
+        evals = {}
+        for name, cfg in _evals_config(c).items():
+            cfg["pp"] = pp_string(c, cfg.get("pp") or eval_lib.QAAccuracy.PP)
+            evals[name] = eval_lib.QAAccuracy(self.model, cfg, self.tokenizer, c.model.prefix_lm)
+        return evals
 
 
 def vlm_parts(config) -> tuple[dict, dict]:
@@ -206,8 +209,9 @@ def tokenizer_for(config):
         path = pathlib.Path(lm_dir).expanduser() / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{lm_dir} has no tokenizer.json; convert the LM with `python -m vitmm.interop`.")
-        ids = ckpt_lib.load_config(lm_dir).get("tokens") or {}
-        return tok_lib.get_tokenizer(str(path), **{k: v for k, v in ids.items() if v is not None})
+        saved = ckpt_lib.load_config(lm_dir)
+        ids = {k: v for k, v in (saved.get("tokens") or {}).items() if v is not None}
+        return tok_lib.get_tokenizer(str(path), chat_template=saved.get("chat_template"), **ids)
     return tok_lib.get_tokenizer(config.get("tokenizer"))
 
 
@@ -220,6 +224,36 @@ def _fit_positions(tower: dict, model_tower: dict, vision: dict) -> dict:
     if have is None or want is None or have.shape == want.shape:
         return tower
     return resize_posemb(tower, tuple(want.shape[1:3]), vision.get("posemb_resample", "bicubic_aa"))
+
+
+def image_normalization(config) -> tuple[tuple, tuple]:
+    """``(mean, std)`` the run's images are normalised with: ``input.image_mean``/``image_std``
+    when set, else (a VLM) what the tower checkpoint ``init.vision`` records, else 0.5/0.5
+    (``value_range(-1, 1)``, what vitmm's own configs train with)."""
+    mean, std = config.input.get("image_mean"), config.input.get("image_std")
+    if mean is None and config.get("task") == "vlm" and config.init.get("vision"):
+        saved = ckpt_lib.load_config(config.init.vision).get("input") or {}
+        mean, std = saved.get("image_mean"), saved.get("image_std")
+    half = (0.5, 0.5, 0.5)
+    return tuple(mean or half), tuple(std or half)
+
+
+def pp_string(config, template: str | None = None) -> str:
+    """A pp template (default ``config.input.pp``) with its fields filled from the config:
+    ``{image_size}`` (``input.image_size``), ``{max_len}`` (the LM's ``model.max_len`` or the
+    text tower's ``model.text.max_len``), ``{image_mean}`` and ``{image_std}``
+    (``image_normalization``)."""
+    template = config.input.pp if template is None else template
+    fields = dict(image_size=config.input.image_size,
+                  max_len=config.model.get("max_len") or config.model.get("text", {}).get("max_len"))
+    if "{image_mean}" in template or "{image_std}" in template:
+        mean, std = image_normalization(config)
+        fields.update(image_mean=mean, image_std=std)
+    try:
+        return template.format(**fields)
+    except (KeyError, IndexError) as err:
+        raise ValueError(f"The pp template {template!r} names the field {err}; a pp template may use "
+                         f"{{image_size}}, {{max_len}}, {{image_mean}} and {{image_std}} only.") from None
 
 
 def _check_budget(connector: dict, vision: dict, image_size) -> None:

@@ -107,23 +107,11 @@ def maybe_initialize_distributed(config) -> None:
         )
 
 
-def pp_string(config) -> str:
-    """``config.input.pp`` with its ``{image_size}`` and ``{max_len}`` filled from the config
-    (``input.image_size``; the LM's ``model.max_len`` or the text tower's ``model.text.max_len``)."""
-    fields = dict(image_size=config.input.image_size,
-                  max_len=config.model.get("max_len") or config.model.get("text", {}).get("max_len"))
-    try:
-        return config.input.pp.format(**fields)
-    except (KeyError, IndexError) as err:
-        raise ValueError(f"config.input.pp={config.input.pp!r} names the field {err}; a pp template may use "
-                         f"{{image_size}} and {{max_len}} only.") from None
-
-
 def _input(config, tokenizer, par: Parallel):
     inp = config.input
     keys = tuple(inp.get("keys") or ()) or None
     source = pipeline.get_source(inp.data.name, inp.data.split, inp.get("data_dir"), keys=keys)
-    pp = preprocess.parse(pp_string(config), tokenizer)
+    pp = preprocess.parse(tasks.pp_string(config), tokenizer)
     host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
                                    num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8))
     return pipeline.DeviceIterator(host, size=inp.get("device_prefetch", 2), put=par.put_batch)
