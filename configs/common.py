@@ -29,7 +29,8 @@ def optim(*, lr: float, warmup_steps: int, weight_decay: float, freeze=(), **mor
 def init(**more) -> ml_collections.ConfigDict:
     """``checkpoint``: another run's workdir to start from; ``dont_load``: regexes of the
     parameters that keep their fresh initialisation."""
-    return ml_collections.ConfigDict(dict(checkpoint=config_dict.placeholder(str), dont_load=(), **more))
+    more.setdefault("dont_load", ())
+    return ml_collections.ConfigDict(dict(checkpoint=config_dict.placeholder(str), **more))
 
 
 def multihost() -> ml_collections.ConfigDict:

@@ -12,7 +12,8 @@ a token budget, and a 4-layer Llama-style LM on bytes.
 Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``), ``budget`` (visual tokens,
 or ``all``), ``stage`` (1: connector only; 2: connector and LM, as LLaVA; the tower stays
 frozen), ``lora`` (a rank > 0: LoRA adapters on the LM's attention instead of training it),
-``chat`` (prompts in the chat template of the LM of ``init.lm``), ``steps``, ``data`` (a scenes
+``chat`` (prompts in the chat template of the LM of ``init.lm``), ``blind`` (images blanked:
+the no-image baseline), ``steps``, ``data`` (a scenes
 config), ``smoke``.
 """
 
@@ -28,7 +29,7 @@ TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="g
 
 def get_config(arg=None):
     arg = parse_arg(arg, connector="mlp", budget="all", stage=1, steps=500, data="easy_64", lora=0, chat=False,
-                    smoke=False)
+                    blind=False, smoke=False)
     if arg.stage not in (1, 2):
         raise ValueError(f"stage must be 1 (connector only) or 2 (connector and LM), got {arg.stage}.")
     c = ml_collections.ConfigDict()
@@ -47,9 +48,11 @@ def get_config(arg=None):
 
     # One question per image (choose); the images normalised as the tower was trained
     # ({image_mean}/{image_std}: input.image_mean/std, else what init.vision records).
-    # chat: the question in the LM's chat template (init.lm's), the image where <image> stands.
-    qa = ("decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|"
-          f"qa_tokens({{max_len}}, chat={arg.chat})")
+    # chat: the question in the LM's chat template (init.lm's) after a short system turn, the
+    # image where <image> stands. blind: every image blanked (the no-image baseline).
+    qa = ("decode|resize({image_size})|normalize({image_mean}, {image_std})|" + ("blank|" if arg.blind else "")
+          + "choose|" + ("qa_tokens({max_len}, chat=True, system='Answer with one word or number.')" if arg.chat
+                         else "qa_tokens({max_len})"))
     c.input = common.train_input(f"scenes/{arg.data}", image_size=64,
                                  keys=("image", "questions", "answers", "question_kinds"),
                                  pp=f"{qa}|keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos')")
@@ -74,7 +77,8 @@ def get_config(arg=None):
                            weight_decay=0.0, freeze=freeze)
     # The tower and (with init.lm) the LM are built from the settings saved with their checkpoints;
     # model.vision / model.lm only say what a run without them uses.
-    c.init = common.init(vision=config_dict.placeholder(str),  # a vitmm.train CLIP workdir or vitmm.interop folder
+    c.init = common.init(dont_load=(r"lora/.*",) if arg.lora else (),  # adapters start fresh after stage 1
+                         vision=config_dict.placeholder(str),  # a vitmm.train CLIP workdir or vitmm.interop folder
                          lm=config_dict.placeholder(str),  # a `python -m vitmm.interop --from hf|gguf` LM folder
                          allow_random_tower=False)  # stage 2: also init.checkpoint = the stage-1 workdir
 

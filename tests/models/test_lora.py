@@ -64,3 +64,28 @@ def test_dropout_is_seeded_and_targets_must_match(setup):
     assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-4
     with pytest.raises(ValueError, match="No dense layer matches"):
         lora.init(params, (r"vision/.*",), rank=2, key=jax.random.key(0))
+
+
+def test_adapters_on_the_tower_and_the_lm_of_a_vlm_merge_to_the_same_outputs():
+    """LoRA on the vision tower too (its fused qkv and output projections and its MLP) beside the
+    LM's attention: the adapted VLM starts as the base one, every targeted layer changes the
+    output, and merging gives the adapted outputs."""
+    from vitmm.models import vlm
+
+    model = vlm.VLM(dict(width=32, depth=2, mlp_dim=64, num_heads=4, patch_size=8), {"name": "pool", "budget": 4},
+                    dict(vocab_size=64, width=32, depth=1, num_heads=4))
+    images = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
+    ids = jax.random.randint(jax.random.key(1), (2, 5), 0, 64)
+    params = model.init(jax.random.key(2), images, ids)["params"]
+    targets = (r"tower/encoder/block_\d+/(attn/(qkv|out)|mlp/fc1)", r"language/block_\d+/attn/(q|v)")
+    adapters = lora.init(params, targets, rank=2, key=jax.random.key(3))
+    assert sum(k.startswith("tower.") for k in adapters) == 6 and sum(k.startswith("language.") for k in adapters) == 2
+    base = model.apply({"params": params}, images, ids)
+    np.testing.assert_array_equal(lora.apply(model, params, adapters, 4.0, images, ids), base)
+    bumped = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(4), x.shape), adapters)
+    adapted = lora.apply(model, params, bumped, 4.0, images, ids)
+    for layer in ("tower.encoder.block_00.attn.qkv", "tower.encoder.block_01.mlp.fc1"):  # each one is applied
+        one = {k: (bumped if k == layer else adapters)[k] for k in adapters}
+        assert np.abs(np.asarray(lora.apply(model, params, one, 4.0, images, ids) - base)).max() > 1e-4, layer
+    merged = model.apply({"params": lora.merge(params, bumped, 4.0)}, images, ids)
+    np.testing.assert_allclose(np.asarray(adapted), np.asarray(merged), rtol=1e-5, atol=1e-5)

@@ -122,14 +122,15 @@ def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_
     cli.main(["--from", "gguf", "--src", str(fixtures / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "lm")])
     c = _config("vlm_scenes", f"smoke,connector=pool,budget=4,chat={chat}", data_dir,
                 **{"init.vision": str(tmp_path / "tower"), "init.lm": str(tmp_path / "lm"),
-                   "init.allow_random_tower": False, "input.image_size": 48})
+                   "init.allow_random_tower": False, "input.image_size": 48, "model.max_len": 96 if chat else 64})
     assert ckpt_lib.load_config(tmp_path / "tower")["input"]["image_mean"] == list(convert.OPENAI_CLIP[0])
     assert f"normalize({convert.OPENAI_CLIP[0]}, {convert.OPENAI_CLIP[1]})" in tasks.pp_string(c)
     if chat:  # the prompts are the LM's chat template with the image where <image> stood
         example = preprocess.parse(tasks.pp_string(c), tasks.tokenizer_for(c))(
             {"image": np.zeros((8, 8, 3), np.uint8), "questions": ["how many stars are there?"], "answers": ["2"],
              "question_kinds": [0]}, np.random.default_rng(0))
-        assert int(example["image_pos"]) == len(tasks.tokenizer_for(c).encode("<|im_start|>user\n"))
+        head = "<|im_start|>system\nAnswer with one word or number.<|im_end|>\n<|im_start|>user\n"
+        assert int(example["image_pos"]) == len(tasks.tokenizer_for(c).encode(head))
     summary = trainer.train(c, tmp_path / "vlm")
     assert "model.vision is replaced by the tower saved in" in capsys.readouterr().out
     assert np.isfinite(summary["history"][-1]["loss"]) and "qa/accuracy" in summary["evals"]
@@ -140,6 +141,22 @@ def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_
     jax.tree.map(np.testing.assert_array_equal, params["tower"], jax.tree.map(np.asarray, resized))
     jax.tree.map(np.testing.assert_array_equal, params["language"], lm)  # frozen in stage 1
     assert params["tower"]["pos_embedding"].shape == (1, 6, 6, 32)
+
+    # The parts go back to transformers' layouts and load to the same parameters.
+    from vitmm import export
+    from vitmm.interop import hf, hf_lm
+
+    written = export.export_vlm(tmp_path / "vlm", tmp_path / "exported")
+    assert set(written) == {"lm", "vision", "connector"}
+    same = lambda a, b: jax.tree.map(np.testing.assert_array_equal, a, jax.tree.map(np.asarray, b))  # noqa: E731
+    same(hf_lm.load_lm(tmp_path / "exported/lm")[1], params["language"])
+    vision_kwargs, vision_params = hf.load_clip_vision(tmp_path / "exported/vision")
+    same(vision_params, params["tower"])
+    assert (vision_kwargs["act"], vision_kwargs["norm_eps"]) == ("quick_gelu", 1e-5)
+    settings, connector = export.load_connector(tmp_path / "exported")
+    same(connector, params["project"])
+    assert settings["connector"] == {"name": "pool", "budget": 4}
+    assert (tmp_path / "exported/lm/tokenizer.json").is_file()
 
 
 def test_lora_trains_the_adapters_and_the_connector_only(tmp_path, data_dir):
@@ -161,3 +178,73 @@ def test_lora_trains_the_adapters_and_the_connector_only(tmp_path, data_dir):
     assert "lora" not in merged and changed(merged["language"], after["language"])
     expected = lora_lib.merge(after, after["lora"], c.lora.alpha)["language"]["block_00"]["attn"]["q"]["kernel"]
     np.testing.assert_array_equal(merged["language"]["block_00"]["attn"]["q"]["kernel"], expected)
+
+
+def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, data_dir, clip_smoke_run, capsys):
+    """configs/vlm_smollm2_scenes.py as the README runs it, with a converted tiny GGUF in place of
+    SmolLM2: stage 1 (connector), then stage 2 from it (fresh LoRA adapters + the connector; the
+    LM's weights stay the converted ones), and the blind variant sees only blank images."""
+    from vitmm.interop import __main__ as cli
+    from vitmm.train import tasks
+
+    fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
+    cli.main(["--from", "gguf", "--src", str(fixtures / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "lm")])
+    parts = {"init.vision": str(clip_smoke_run.workdir), "init.lm": str(tmp_path / "lm"), "model.max_len": 96}
+    trainer.train(_config("vlm_smollm2_scenes", "stage=1,smoke", data_dir, **parts), tmp_path / "s1")
+    s1 = ckpt_lib.load_params(tmp_path / "s1")
+    c2 = _config("vlm_smollm2_scenes", "stage=2,smoke", data_dir, **parts, **{"init.checkpoint": str(tmp_path / "s1")})
+    assert c2.lora.rank == 8 and "chat=True" in c2.input.pp and "chat=True" in c2.evals.qa.pp
+    summary = trainer.train(c2, tmp_path / "s2")
+    assert "qa/accuracy" in summary["evals"]
+    s2 = ckpt_lib.load_params(tmp_path / "s2")
+    jax.tree.map(np.testing.assert_array_equal, s2["language"], ckpt_lib.load_params(tmp_path / "lm")["lm"])
+    assert sorted(s2["lora"]) == sorted(f"language.block_{i:02d}.attn.{r}" for i in range(2) for r in "qkvo")
+    assert any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), s2["project"], s1["project"])))
+    from vitmm import export  # LoRA merged into the exported LM; this tower has no transformers layout
+    from vitmm.interop import hf_lm
+    from vitmm.models import lora as lora_lib
+
+    written = export.export_vlm(tmp_path / "s2", tmp_path / "exported")
+    assert written["vision"].startswith("not written") and "class_token=False" in written["vision"]
+    merged = lora_lib.merge({k: v for k, v in s2.items() if k != "lora"}, s2["lora"], c2.lora.alpha)["language"]
+    jax.tree.map(np.testing.assert_array_equal, hf_lm.load_lm(tmp_path / "exported/lm")[1], merged)
+    with pytest.raises(FileExistsError, match="not empty"):
+        export.export_vlm(tmp_path / "s2", tmp_path / "exported")
+
+    from vitmm import chat  # the trained VLM answers a question in its chat format, deterministically
+
+    vlm = chat.load(tmp_path / "s2")
+    image = np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8)
+    answer = vlm.ask(image, "how many stars are there?", max_new_tokens=4)
+    assert isinstance(answer, str) and answer == vlm.ask(image, "how many stars are there?", max_new_tokens=4)
+    capsys.readouterr()
+    assert chat.main(["--workdir", str(tmp_path / "s2"), "--index", "2", "--question", "how many stars are there?",
+                      "--question", "is there a red circle?", "--max_new_tokens", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("[scenes/") and printed.count("user: ") == 2 and printed.count("assistant: ") == 2
+    assert export.main(["--workdir", str(clip_smoke_run.workdir), "--out", str(tmp_path / "x")]) == 2
+    assert "not a VLM" in capsys.readouterr().err
+    blind = _config("vlm_smollm2_scenes", "stage=2,smoke,blind=True", data_dir, **parts)
+    example = preprocess.parse(tasks.pp_string(blind), tasks.tokenizer_for(blind))(
+        {"image": np.full((8, 8, 3), 200, np.uint8), "questions": ["how many stars?"], "answers": ["2"],
+         "question_kinds": [0]}, np.random.default_rng(0))
+    assert not example["image"].any() and "|blank|" in blind.evals.qa.pp
+
+
+def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_rerun(tmp_path, data_dir, capsys):
+    import importlib.util
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("vlm_smollm2", root / "experiments/vlm_smollm2.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = ["--smoke", "--only", "scratch_lm_same_examples", "--out", str(tmp_path / "out"), "--workdirs",
+            str(tmp_path / "w"), "--data_dir", data_dir]
+    script.main(args)
+    rows = list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))
+    assert [r["run"] for r in rows] == ["scratch_lm_same_examples"]
+    assert rows[0]["connector"] == "pool@16" and int(rows[0]["qa_examples"]) == 16
+    assert 0 <= float(rows[0]["accuracy"]) <= 1 and float(rows[0]["peak_rss_gib"]) > 0
+    script.main(args)
+    assert "scratch_lm_same_examples: done, skipped" in capsys.readouterr().out
+    assert len(list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))) == 1

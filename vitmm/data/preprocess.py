@@ -15,7 +15,8 @@ Ops (all work on numpy, per example):
     listed text fields (default: captions and questions stay true); ``mode="skip"`` leaves any
     example whose text mentions left or right unflipped.
   * ``value_range(lo, hi)``: uint8 → float32 in ``[lo, hi]``; ``normalize(mean, std)``: uint8 →
-    ``(x / 255 - mean) / std`` (a pretrained tower's input statistics).
+    ``(x / 255 - mean) / std`` (a pretrained tower's input statistics); ``blank``: zeros instead
+    (a no-image baseline).
   * ``tokenize(key, max_len, out_key=None, ...)``: fixed-length int32 ids in ``out_key``
     (default ``{key}_tokens``) and ``{out_key}_truncated``.
   * ``qa_tokens(max_len, chat=False)``: a question and its answer as one sequence for the VLM
@@ -234,6 +235,17 @@ def flip_lr(prob=0.5, text_keys=_TEXT_DEFAULT, mode="swap", key="image"):
 def value_range(lo=-1.0, hi=1.0, key="image"):
     def fn(ex, rng):
         ex[key] = ex[key].astype(np.float32) * ((hi - lo) / 255.0) + lo
+        return ex
+
+    return fn
+
+
+@register("blank")
+def blank(key="image"):
+    """The image replaced by zeros of its shape (float32): the no-image ("blind") baseline's input,
+    with the same model and token counts as the run it is compared with."""
+    def fn(ex, rng):
+        ex[key] = np.zeros(ex[key].shape, np.float32)
         return ex
 
     return fn

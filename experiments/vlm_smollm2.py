@@ -1,0 +1,113 @@
+"""SmolLM2-135M-Instruct as a VLM's LM on the scenes questions, against a blind baseline and the
+from-scratch LM at the same connector and token budget (`configs/vlm_smollm2_scenes.py`).
+
+    python experiments/vlm_smollm2.py            # needs workdirs/clip_scenes (make demo) and workdirs/smollm2
+    python experiments/vlm_smollm2.py --smoke --vision DIR --lm DIR --data_dir DIR   # what the test runs
+
+Each run is a `python -m vitmm.train` process; its row (exact match per question kind, wall
+time, peak memory, training speed) is appended to ``runs.csv`` when it finishes, so a rerun
+skips finished runs (and the trainer resumes an interrupted one from its checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+KINDS = ("exists", "count", "color_at", "shape_at", "relative")
+FIELDS = ("run", "lm", "connector", "steps", "batch", "examples", "wall_s", "peak_rss_gib", "img_per_s", "final_loss",
+          "qa_examples", "accuracy", *(f"acc_{k}" for k in KINDS))
+
+
+def plan(steps: int, scratch_steps: int, smoke: bool) -> list[dict]:
+    """The runs in order; ``after`` names the run whose checkpoint a run starts from."""
+    smol = "configs/vlm_smollm2_scenes.py"
+    extra = ",smoke" if smoke else ""
+    return [
+        dict(run="smollm2_stage1", lm="SmolLM2-135M (frozen)", config=f"{smol}:stage=1,steps={steps}{extra}"),
+        dict(run="smollm2_stage2_lora", lm="SmolLM2-135M + LoRA r8", config=f"{smol}:stage=2,steps={steps}{extra}",
+             after="smollm2_stage1"),
+        dict(run="smollm2_stage2_lora_blind", lm="SmolLM2-135M + LoRA r8, blank images",
+             config=f"{smol}:stage=2,steps={steps},blind=True{extra}", after="smollm2_stage1"),
+        dict(run="scratch_lm_same_examples", lm="from-scratch 4-layer LM, bytes",
+             config=f"configs/vlm_scenes.py:connector=pool,budget=16,stage=2,steps={scratch_steps}{extra}"),
+        dict(run="scratch_lm_500_steps", lm="from-scratch 4-layer LM, bytes",
+             config=f"configs/vlm_scenes.py:connector=pool,budget=16,stage=2,steps={4 if smoke else 500}{extra}"),
+    ]
+
+
+def run_one(spec: dict, workdirs: pathlib.Path, overrides: list[str]) -> dict:
+    workdir = workdirs / spec["run"]
+    cmd = [sys.executable, "-m", "vitmm.train", "--config", spec["config"], "--workdir", str(workdir), *overrides]
+    if spec.get("after"):
+        cmd.append(f"--config.init.checkpoint={workdirs / spec['after']}")
+    if "vlm_scenes" in spec["config"]:  # the from-scratch LM has no init.lm
+        cmd = [a for a in cmd if not a.startswith("--config.init.lm=")]
+    print("$", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{spec['run']} failed (exit {os.waitstatus_to_exitcode(status)}); rerun to resume it.")
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [x for x in lines if "loss" in x]
+    evals = [x for x in lines if "qa/accuracy" in x][-1]
+    config = json.loads((workdir / "config.json").read_text())
+    speeds = [x["img_per_s"] for x in train[2:] if "img_per_s" in x] or [x.get("img_per_s", 0) for x in train]
+    return dict(run=spec["run"], lm=spec["lm"], connector=f"{config['model']['connector']['name']}@"
+                f"{config['model']['connector']['budget']}", steps=config["total_steps"], batch=config["batch_size"],
+                examples=config["total_steps"] * config["batch_size"], wall_s=round(wall),
+                peak_rss_gib=round(usage.ru_maxrss / 2**20, 2), img_per_s=round(float(np.median(speeds)), 2),
+                final_loss=round(train[-1]["loss"], 4), qa_examples=int(evals["qa/examples"]),
+                accuracy=round(evals["qa/accuracy"], 4),
+                **{f"acc_{k}": round(evals.get(f"qa/acc_{k}", float("nan")), 4) for k in KINDS})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="steps of each SmolLM2 stage (batch 16)")
+    parser.add_argument("--out", default=str(ROOT / "results/vlm_smollm2"))
+    parser.add_argument("--workdirs", default=str(ROOT / "workdirs/smol"))
+    parser.add_argument("--vision", default=None, help="the tower folder (default: the config's, make demo's)")
+    parser.add_argument("--lm", default=None, help="the converted LM folder (default: the config's)")
+    parser.add_argument("--data_dir", default=None)
+    parser.add_argument("--only", default=None, help="comma-separated run names (default: all)")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    out, workdirs = pathlib.Path(args.out), pathlib.Path(args.workdirs)
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = [f"--config.init.{k}={v}" for k, v in (("vision", args.vision), ("lm", args.lm)) if v]
+    if args.data_dir:
+        overrides.append(f"--config.input.data_dir={args.data_dir}")
+    table = out / "runs.csv"
+    done = {r["run"] for r in csv.DictReader(table.open())} if table.is_file() else set()
+    # The from-scratch LM sees as many examples as both SmolLM2 stages together (batch 64 there).
+    scratch_steps = 4 if args.smoke else max(2 * args.steps * 16 // 64, 1)
+    for spec in plan(args.steps, scratch_steps, args.smoke):
+        if args.only and spec["run"] not in args.only.split(","):
+            continue
+        if spec["run"] in done:
+            print(f"{spec['run']}: done, skipped", flush=True)
+            continue
+        row = run_one(spec, workdirs, overrides)
+        new = not table.is_file()
+        with table.open("a", newline="") as f:
+            writer = csv.DictWriter(f, FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

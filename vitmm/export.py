@@ -1,0 +1,117 @@
+"""A trained VLM's parts back in the layouts other codebases read.
+
+    python -m vitmm.export --workdir workdirs/smol/smollm2_stage2_lora --out exported/
+
+writes ``out/lm/`` (transformers' ``config.json`` + ``model.safetensors``, LoRA adapters merged,
+with the tokenizer and chat template of the run's ``init.lm``), ``out/vision/`` (transformers'
+``CLIPVisionModel`` layout, for towers of that form: a CLS token, learned positions with a CLS
+slot, pre-norm, LayerNorm, a square grid; a tower of another form is not written and the
+summary says why) and ``out/connector.safetensors`` with ``connector.json`` (the connector's
+settings, its parameters under their ``/``-joined paths). ``hf_lm.load_lm(out/lm)``,
+``hf.load_clip_vision(out/vision)`` and ``load_connector(out)`` give back the exact parameters
+(tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+
+import numpy as np
+
+from vitmm import tree
+from vitmm.interop import hf, hf_lm, io
+
+
+def _clip_vision_problem(kwargs: dict, params: dict) -> str | None:
+    """Why transformers' CLIP vision layout cannot hold this tower (None: it can)."""
+    wants = {"class_token": True, "posemb": "learn", "posemb_layout": "with_cls", "pre_norm": True}
+    wrong = [f"{k}={kwargs.get(k)!r} (needs {v!r})" for k, v in wants.items() if kwargs.get(k) != v]
+    if kwargs.get("act", "gelu") not in ("quick_gelu", "gelu", "gelu_tanh"):
+        wrong.append(f"act={kwargs.get('act')!r}")
+    if "pos_embedding" in params and params["pos_embedding"].shape[1] != params["pos_embedding"].shape[2]:
+        wrong.append(f"a {params['pos_embedding'].shape[1:3]} position grid (needs a square one)")
+    return "; ".join(wrong) or None
+
+
+def export_vlm(workdir, out) -> dict:
+    """Writes the parts of the VLM in ``workdir`` under ``out``; returns what was written."""
+    import ml_collections
+
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.models import lora as lora_lib
+    from vitmm.train import tasks
+
+    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
+    if config.get("task") != "vlm":
+        raise ValueError(f"{workdir} holds a {config.get('task', 'contrastive')!r} run, not a VLM.")
+    out = pathlib.Path(out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new --out.")
+    vision, lm = tasks.vlm_parts(config)
+    params = ckpt_lib.load_params(workdir)
+    if "lora" in params:
+        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
+    written = {}
+
+    tensors, hf_config = hf_lm.export_lm(lm, params["language"])
+    (out / "lm").mkdir(parents=True)
+    io.write_safetensors(tensors, out / "lm" / "model.safetensors")
+    (out / "lm" / "config.json").write_text(json.dumps(hf_config, indent=1))
+    if config.init.get("lm"):  # the tokenizer and chat template travel with the LM
+        source = pathlib.Path(config.init.lm).expanduser()
+        if (source / "tokenizer.json").is_file():
+            shutil.copy(source / "tokenizer.json", out / "lm" / "tokenizer.json")
+        saved = ckpt_lib.load_config(source)
+        if saved.get("chat_template"):
+            (out / "lm" / "tokenizer_config.json").write_text(json.dumps({"chat_template": saved["chat_template"]}))
+    written["lm"] = str(out / "lm")
+
+    problem = _clip_vision_problem(vision, params["tower"])
+    if problem is None:
+        tensors, hf_config = hf.export_clip_vision(vision, params["tower"])
+        (out / "vision").mkdir()
+        io.write_safetensors(tensors, out / "vision" / "model.safetensors")
+        (out / "vision" / "config.json").write_text(json.dumps(hf_config, indent=1))
+        written["vision"] = str(out / "vision")
+    else:
+        written["vision"] = f"not written: transformers' CLIP vision layout cannot hold this tower ({problem})"
+
+    flat = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tree.flatten(params["project"]).items()}
+    io.write_safetensors(flat, out / "connector.safetensors")
+    (out / "connector.json").write_text(json.dumps({"connector": config.model.connector.to_dict(),
+                                                    "vision_layer": config.model.vision_layer,
+                                                    "use_cls": config.model.use_cls}, indent=1))
+    written["connector"] = str(out / "connector.safetensors")
+    return written
+
+
+def load_connector(folder) -> tuple[dict, dict]:
+    """``(settings, params)`` of an exported connector (``export_vlm``'s ``out``)."""
+    from safetensors.numpy import load_file
+
+    folder = pathlib.Path(folder).expanduser()
+    settings = json.loads((folder / "connector.json").read_text())
+    return settings, tree.unflatten(load_file(str(folder / "connector.safetensors")))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vitmm.export", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True, help="a `python -m vitmm.train` VLM workdir")
+    parser.add_argument("--out", required=True, help="a new folder")
+    args = parser.parse_args(argv)
+    try:
+        written = export_vlm(args.workdir, args.out)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"python -m vitmm.export: {e}", file=sys.stderr)
+        return 2
+    for part, where in written.items():
+        print(f"{part}: {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
