@@ -73,6 +73,82 @@ def run_one(spec: dict, workdirs: pathlib.Path, overrides: list[str]) -> dict:
                 **{f"acc_{k}": round(evals.get(f"qa/acc_{k}", float("nan")), 4) for k in KINDS})
 
 
+def kind_counts(workdir: pathlib.Path) -> dict:
+    """How many of the QA evaluator's questions are of each kind (the same questions for every
+    run: the first ``num_examples`` validation images, one seeded question each)."""
+    import ml_collections
+
+    from vitmm.data import pipeline, preprocess
+    from vitmm.train import tasks
+
+    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    cfg = tasks._evals_config(config)["qa"]
+    data = cfg["data"]
+    source = pipeline.get_source(data["name"], data["split"], data.get("data_dir"),
+                                 keys=("questions", "question_kinds"))
+    n = min(cfg.get("num_examples") or len(source), len(source))
+    pick = preprocess.parse("choose(('questions', 'question_kinds'), ('question', 'question_kind'))|"
+                            "keep('question_kind')")
+    from vitmm.train.evaluators import _Prefix
+
+    kinds = np.concatenate([b["question_kind"][b["_mask"] > 0] for b in pipeline.eval_batches(
+        _Prefix(source, n), pick, cfg.get("batch_size", 64), process_index=0, process_count=1, num_threads=1)])
+    from vitmm.data import scenes
+
+    return {name: int((kinds == i).sum()) for i, name in enumerate(scenes.QUESTION_KINDS)} | {"all": int(len(kinds))}
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson interval of a proportion ``p`` measured on ``n`` questions."""
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def two_proportion_p(p1: float, p2: float, n: int) -> float:
+    """Two-sided p-value of a difference between two accuracies on ``n`` questions each (a pooled
+    z-test; conservative here, since both runs answer the same questions)."""
+    from scipy.stats import norm
+
+    pooled = (p1 + p2) / 2
+    se = np.sqrt(2 * pooled * (1 - pooled) / n)
+    return float(2 * norm.sf(abs(p1 - p2) / se)) if se > 0 else 1.0
+
+
+def report(table: pathlib.Path, counts: dict, out: pathlib.Path) -> None:
+    """``vlm_smollm2.md``: accuracy per question kind with 95% intervals, and the key differences."""
+    rows = {r["run"]: r for r in csv.DictReader(table.open())}
+    cols = ("accuracy", *(f"acc_{k}" for k in KINDS))
+    ns = (counts["all"], *(counts[k] for k in KINDS))
+    lines = ["Exact match (greedy decoding) on the QA evaluator's questions, in % with the 95% Wilson interval; "
+             f"questions per kind: {', '.join(f'{k} {counts[k]}' for k in KINDS)} ({counts['all']} in all). One seed "
+             "per run.", "",
+             "| run | LM | connector | examples | all | " + " | ".join(KINDS) + " | img/s | peak RSS GiB | wall min |",
+             "|---|---|---|---:|" + "---:|" * (len(cols) + 3)]
+    for r in rows.values():
+        cells = []
+        for col, n in zip(cols, ns, strict=True):
+            p = float(r[col])
+            lo, hi = wilson(p, n)
+            cells.append(f"{100 * p:.1f} [{100 * lo:.0f}, {100 * hi:.0f}]")
+        lines.append(f"| {r['run']} | {r['lm']} | {r['connector']} | {int(r['examples']):,} | " + " | ".join(cells)
+                     + f" | {r['img_per_s']} | {r['peak_rss_gib']} | {int(r['wall_s']) / 60:.1f} |")
+    pairs = [("smollm2_stage2_lora", "smollm2_stage2_lora_blind"), ("smollm2_stage1", "smollm2_stage2_lora_blind"),
+             ("smollm2_stage2_lora", "smollm2_stage1"), ("smollm2_stage2_lora", "scratch_lm_same_examples"),
+             ("smollm2_stage2_lora", "scratch_lm_500_steps")]
+    lines += ["", "Differences (percentage points; two-sided p of a two-proportion z-test per kind):", "",
+              "| comparison | " + " | ".join(c.removeprefix("acc_") for c in cols) + " |",
+              "|---|" + "---:|" * len(cols)]
+    for a, b in pairs:
+        if a in rows and b in rows:
+            cells = []
+            for c, n in zip(cols, ns, strict=True):
+                pa, pb = float(rows[a][c]), float(rows[b][c])
+                cells.append(f"{100 * (pa - pb):+.1f} (p={two_proportion_p(pa, pb, n):.2g})")
+            lines.append(f"| {a} − {b} | " + " | ".join(cells) + " |")
+    (out / "vlm_smollm2.md").write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="steps of each SmolLM2 stage (batch 16)")
@@ -107,6 +183,10 @@ def main(argv=None):
                 writer.writeheader()
             writer.writerow(row)
         print(row, flush=True)
+    if table.is_file():
+        first = next(csv.DictReader(table.open()))["run"]
+        report(table, kind_counts(workdirs / first), out)
+        print(f"wrote {out / 'vlm_smollm2.md'}")
 
 
 if __name__ == "__main__":

@@ -248,3 +248,4 @@ def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_
     script.main(args)
     assert "scratch_lm_same_examples: done, skipped" in capsys.readouterr().out
     assert len(list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))) == 1
+    assert "| scratch_lm_same_examples |" in (tmp_path / "out/vlm_smollm2.md").read_text()
