@@ -6,17 +6,19 @@
 
 One frozen CLIP image tower (a ``python -m vitmm.train`` workdir; default
 ``workdirs/clip_scenes``, which ``make demo`` writes and this script trains first when it is
-missing) encodes every image once; all runs of the sweep read those features. Each run trains a
-connector and a small Llama-style LM (random init, word tokens) together on (image, question, answer)
-triples — LLaVA's stage 2 with the tower frozen; a stage 1 would be meaningless with an untrained
-LM — and scores exact-match accuracy per question kind on validation questions. Exact match is
-computed teacher-forced in one forward pass, which equals greedy decoding's exact match
+missing) encodes every image once; all runs of the sweep read those features. Stage 0 trains
+the small Llama-style LM (word tokens) on the training questions' text alone, once per seed
+(``--stage0_steps``), so that connector training starts from an LM that answers in the right
+format. Each run then trains a connector and that LM together on (image, question, answer)
+triples — LLaVA's stage 2 with the tower frozen — and scores exact-match accuracy per question
+kind on validation questions. Exact match is computed teacher-forced in one forward pass, which
+equals greedy decoding's exact match
 (``vitmm.decode.answer_scores``).
 
 Budgets are visual tokens handed to the LM. A family whose knob cannot hit a budget exactly runs
 at its nearest reachable count (within a factor ``--max_ratio``) and the tables record the
 actual count; a budget it cannot approach is listed as unreachable, with what it can reach. A
-``blind`` baseline (the same LM, its visual token carrying no image) measures what the questions
+``blind`` baseline (the same stage-0 LM, fine-tuned with a visual token carrying no image) measures what the questions
 alone give away. The two families with a hidden width of their own (``qformer`` 256,
 ``c_abstractor`` 256 by default) run at the tower's width instead, so that no connector is wider
 than what it reads: at 256 their training step cost 6–11× the others' and would take the sweep past its hour
@@ -63,9 +65,11 @@ BLIND, KINDS = report.BLIND, report.KINDS
 # The LM, training steps and batch (questions), images encoded per split, and seeds of a preset.
 PRESETS = {
     "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=500, batch_size=32, lr=3e-3, workers=2,
+                    stage0_steps=1000,
                     train_images=10_000, val_images=1_000, seeds="0,1,2", families=",".join(FAMILIES),
                     budgets=",".join(BUDGETS)),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=12, batch_size=16, lr=3e-3, workers=1,
+                  stage0_steps=100,
                   train_images=128, val_images=32, seeds="0,1", families="linear,pool,patch_merger",
                   budgets="4,9,all"),
 }
@@ -91,14 +95,11 @@ class Run:
     scoring are built once per setting and shared by its seeds."""
 
     def __init__(self, tower_cfg: dict, connector_cfg: dict, lm_cfg: dict, grid, in_dim: int, max_len: int,
-                 steps: int, lr: float, blind: bool = False):
+                 steps: int, lr: float, blind: bool = False, stage0: dict | None = None):
         self.model = vlm.VLM(tower_cfg, connector_cfg, lm_cfg)
-        self.grid, self.blind = tuple(grid), blind
+        self.grid, self.blind, self.stage0 = tuple(grid), blind, stage0 or {}
         self._example = (jnp.zeros((1, grid[0] * grid[1], in_dim), jnp.float32), jnp.zeros((1, max_len), jnp.int32))
-        opt_cfg = ml_collections.ConfigDict(dict(
-            lr=lr, total_steps=steps, warmup_steps=max(steps // 20, 1), end_factor=0.0, weight_decay=0.0,
-            b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0))
-        self.tx, _ = optim.make_optimizer(opt_cfg, jax.eval_shape(self._init, jax.random.key(0)))
+        self.tx, _ = optim.make_optimizer(_adamw(lr, steps), jax.eval_shape(self._init, jax.random.key(0)))
         self._init_jit = jax.jit(self._init)
         self.step = jax.jit(step_lib.update_step(self._loss, self.tx), donate_argnums=(0, 1))
         self.score = jax.jit(lambda params, patches, ids, mask: self._scores(params, patches, ids, mask)[2])
@@ -109,6 +110,8 @@ class Run:
 
     def init(self, seed: int):
         params = self._init_jit(jax.random.key(seed))
+        if seed in self.stage0:  # the LM starts from its stage-0 pretraining on the questions' text
+            params = {**params, "language": jax.tree.map(jnp.asarray, self.stage0[seed])}
         return params, self.tx.init(params)
 
     def _features(self, patches):
@@ -122,6 +125,31 @@ class Run:
     def _loss(self, params, patches, ids, mask):
         nll, _, _ = self._scores(params, patches, ids, mask)
         return losses.masked_mean(nll, mask[:, 1:])
+
+
+def _adamw(lr: float, steps: int):
+    return ml_collections.ConfigDict(dict(lr=lr, total_steps=steps, warmup_steps=max(steps // 20, 1), end_factor=0.0,
+                                          weight_decay=0.0, b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0))
+
+
+def pretrain_lm(lm_cfg: dict, ids: np.ndarray, pad_id: int, steps: int, batch_size: int, lr: float,
+                seed: int) -> tuple[dict, float]:
+    """Stage 0: the LM alone on the training questions' text (``[BOS] question answer [EOS]``, no
+    image), next-token loss on every text token; ``(params as numpy, mean loss of the last 20 steps)``."""
+    model = lm.LM(**lm_cfg)
+    params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, ids.shape[1]), jnp.int32))["params"]
+    tx, _ = optim.make_optimizer(_adamw(lr, steps), params)
+
+    def loss_fn(p, batch):
+        logits = model.apply({"params": p}, batch[:, :-1])
+        return losses.masked_mean(losses.token_nll(logits, batch[:, 1:]), batch[:, 1:] != pad_id)
+
+    step = jax.jit(step_lib.update_step(loss_fn, tx), donate_argnums=(0, 1))
+    opt_state, rng, history = tx.init(params), np.random.default_rng(seed), []
+    for _ in range(steps):
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(ids[rng.integers(len(ids), size=batch_size)]))
+        history.append(float(loss))
+    return jax.tree.map(np.asarray, params), float(np.mean(history[-20:]))
 
 
 def _batch(split: dict, index: np.ndarray):
@@ -171,7 +199,7 @@ def _job(key, arrays: dict, context: dict, progress) -> dict:
     """``{seed: result}`` for one (connector, tokens) setting: compiled once, trained per seed."""
     (family, _), c = key, context
     run = Run(c["tower_cfg"], c["jobs"][key], c["lm_cfg"], c["grid"], c["in_dim"], c["max_len"], c["steps"],
-              c["lr"], blind=family == BLIND)
+              c["lr"], blind=family == BLIND, stage0=c.get("stage0"))
     return {seed: train_and_eval(run, seed, arrays["train"], arrays["val"], c["steps"], c["batch_size"],
                                  progress=progress) for seed in c["seeds"]}
 
@@ -209,6 +237,9 @@ def main(argv=None) -> pathlib.Path:
                         help="run at the nearest reachable count when within this factor of the budget")
     parser.add_argument("--workers", type=int, default=None,
                         help="single-threaded worker processes (default: the preset's; 1 = in this process)")
+    parser.add_argument("--stage0_steps", type=int, default=None,
+                        help="stage 0: LM steps on the questions' text alone before connector training, per seed "
+                             "(default: the preset's; 0: the LM starts random)")
     parser.add_argument("--no_blind", action="store_true", help="skip the no-image baseline")
     parser.add_argument("--native_widths", action="store_true",
                         help="qformer / c_abstractor at their own hidden widths (256), not the tower's")
@@ -252,6 +283,14 @@ def main(argv=None) -> pathlib.Path:
           f"({time.perf_counter() - t0:.0f} s)")
 
     lm_cfg = dict(vocab_size=tokenizer.vocab_size, **lm_preset)
+    stage0_steps = preset["stage0_steps"] if args.stage0_steps is None else args.stage0_steps
+    stage0, stage0_loss = {}, {}
+    for seed in seeds if stage0_steps > 0 else ():
+        t0 = time.perf_counter()
+        stage0[seed], stage0_loss[seed] = pretrain_lm(lm_cfg, train["ids"], tokenizer.pad_id, stage0_steps,
+                                                      batch_size, lr, seed)
+        print(f"stage 0, seed {seed}: {stage0_steps} LM steps on the questions' text, final loss "
+              f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
     plan = []  # (family, requested budget, setting, tokens, note)
     if not args.no_blind:
         plan.append((BLIND, 0, 1, 1, "no image"))
@@ -270,7 +309,7 @@ def main(argv=None) -> pathlib.Path:
             jobs.setdefault((family, tokens), {"name": "pool" if family == BLIND else family, "budget": setting,
                                                **widths.get(family, {})})
     context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, grid=grid, in_dim=in_dim, max_len=max_len, steps=steps,
-                   lr=lr, batch_size=batch_size, seeds=seeds)
+                   lr=lr, batch_size=batch_size, seeds=seeds, stage0=stage0)
     context["jobs"] = jobs
     arrays = {name: {k: v for k, v in split.items() if k != "grid"} for name, split in (("train", train), ("val", val))}
     order = sorted(jobs, key=lambda key: -key[1])  # the most tokens (the slowest) first
@@ -292,6 +331,7 @@ def main(argv=None) -> pathlib.Path:
     shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # no machine paths in results
     setup = {"tower": str(shown), "tower_config": tower_cfg, "data": data, "image_size": image_size,
              "grid": list(grid), "lm": lm_preset, "steps": steps, "batch_size": batch_size, "lr": lr,
+             "stage0_steps": stage0_steps, "stage0_final_loss": stage0_loss,
              "seeds": seeds, "connector_widths": widths, "tokenizer": args.tokenizer,
              "vocab_size": tokenizer.vocab_size, "max_len": max_len,
              "train_images": len(train["patches"]),
