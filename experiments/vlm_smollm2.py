@@ -50,8 +50,10 @@ def run_one(spec: dict, workdirs: pathlib.Path, overrides: list[str]) -> dict:
     cmd = [sys.executable, "-m", "vitmm.train", "--config", spec["config"], "--workdir", str(workdir), *overrides]
     if spec.get("after"):
         cmd.append(f"--config.init.checkpoint={workdirs / spec['after']}")
-    if "vlm_scenes" in spec["config"]:  # the from-scratch LM has no init.lm
+    if "vlm_scenes" in spec["config"]:  # the from-scratch LM has no init.lm; the tower is the SmolLM2 runs'
         cmd = [a for a in cmd if not a.startswith("--config.init.lm=")]
+        if not any(a.startswith("--config.init.vision=") for a in cmd) and ",smoke" not in spec["config"]:
+            cmd.append(f"--config.init.vision={ROOT / 'workdirs/clip_scenes'}")
     print("$", " ".join(cmd), flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
