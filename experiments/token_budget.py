@@ -24,7 +24,9 @@ alone give away. The two families with a hidden width of their own (``qformer`` 
 than what it reads: at 256 their training step cost 6–11× the others' and would take the sweep past its hour
 (``--native_widths`` keeps the defaults).
 
-Writes to ``--out``: ``runs.csv`` (one row per run and seed), ``token_budget.md`` (mean ± std
+Writes to ``--out``: ``cells.jsonl`` (each finished (connector, tokens) cell with all its seeds,
+as it finishes: a rerun with the same settings skips those cells, so a sweep can span several
+sittings), ``runs.csv`` (one row per run and seed), ``token_budget.md`` (mean ± std
 over seeds per family and budget: accuracy per question kind, parameters, connector and LM
 FLOPs per example, training and inference examples/s), ``accuracy_vs_budget.png``,
 ``accuracy_vs_cost.png`` and ``setup.json`` (tower, data, model and training settings).
@@ -33,8 +35,10 @@ FLOPs per example, training and inference examples/s), ``accuracy_vs_budget.png`
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -214,6 +218,27 @@ def costs(connector_cfg: dict | None, lm_cfg: dict, in_dim: int, grid, tokens: i
     return out
 
 
+# ------------------------------------------------------------------------------------ resume
+def load_cells(path: pathlib.Path, signature: str) -> dict:
+    """Finished cells ``{(family, tokens): {seed: result}}`` of a sweep with these settings."""
+    cells = {}
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        cell = json.loads(line)
+        if cell["signature"] == signature:
+            cells[(cell["family"], cell["tokens"])] = {int(k): v for k, v in cell["results"].items()}
+    return cells
+
+
+def save_cell(path: pathlib.Path, signature: str, key, results: dict) -> None:
+    """Appends one finished cell (all its seeds) as a line of ``cells.jsonl``."""
+    line = json.dumps({"signature": signature, "family": key[0], "tokens": key[1],
+                       "results": {str(k): v for k, v in results.items()}})
+    with path.open("a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 # ------------------------------------------------------------------------------------ sweep
 def main(argv=None) -> pathlib.Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -284,13 +309,6 @@ def main(argv=None) -> pathlib.Path:
 
     lm_cfg = dict(vocab_size=tokenizer.vocab_size, **lm_preset)
     stage0_steps = preset["stage0_steps"] if args.stage0_steps is None else args.stage0_steps
-    stage0, stage0_loss = {}, {}
-    for seed in seeds if stage0_steps > 0 else ():
-        t0 = time.perf_counter()
-        stage0[seed], stage0_loss[seed] = pretrain_lm(lm_cfg, train["ids"], tokenizer.pad_id, stage0_steps,
-                                                      batch_size, lr, seed)
-        print(f"stage 0, seed {seed}: {stage0_steps} LM steps on the questions' text, final loss "
-              f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
     plan = []  # (family, requested budget, setting, tokens, note)
     if not args.no_blind:
         plan.append((BLIND, 0, 1, 1, "no image"))
@@ -298,23 +316,39 @@ def main(argv=None) -> pathlib.Path:
         for b in budgets:
             setting, tokens, note = connectors.resolve(family, b, grid, args.max_ratio)
             plan.append((family, b, setting, tokens, note))
-    runnable = {(f, t) for f, _, s, t, _ in plan if s is not None}
-    print(f"{len(runnable)} distinct (connector, tokens) settings × {len(seeds)} seeds × {steps} steps; "
-          f"unreachable: {[(f, b) for f, b, s, _, _ in plan if s is None]}")
-
     jobs = {}  # (family, tokens) -> connector config; two budgets at one reachable count share a job
     widths = {} if args.native_widths else {"qformer": {"width": in_dim}, "c_abstractor": {"hidden": in_dim}}
     for family, _, setting, tokens, _ in plan:
         if setting is not None:
             jobs.setdefault((family, tokens), {"name": "pool" if family == BLIND else family, "budget": setting,
                                                **widths.get(family, {})})
+    print(f"{len(jobs)} distinct (connector, tokens) settings × {len(seeds)} seeds × {steps} steps; "
+          f"unreachable: {[(f, b) for f, b, s, _, _ in plan if s is None]}")
+    # A finished cell is reused only by a sweep with the same settings (everything but the cells).
+    settings = dict(tower=str(tower_dir.resolve()), data=data, lm=lm_cfg, steps=steps, batch_size=batch_size, lr=lr,
+                    seeds=seeds, stage0_steps=stage0_steps, train=len(train["ids"]), val=len(val["ids"]),
+                    max_len=max_len, tokenizer=args.tokenizer)
+    signature = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    cells_path = out / "cells.jsonl"
+    results = {k: v for k, v in load_cells(cells_path, signature).items() if k in jobs}
+    todo = [k for k in jobs if k not in results]
+    if results:
+        print(f"{len(results)} cells already done in {cells_path} (settings {signature}), skipped; {len(todo)} to run")
+    stage0, stage0_loss = {}, {}
+    for seed in seeds if stage0_steps > 0 and todo else ():
+        t0 = time.perf_counter()
+        stage0[seed], stage0_loss[seed] = pretrain_lm(lm_cfg, train["ids"], tokenizer.pad_id, stage0_steps,
+                                                      batch_size, lr, seed)
+        print(f"stage 0, seed {seed}: {stage0_steps} LM steps on the questions' text, final loss "
+              f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
     context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, grid=grid, in_dim=in_dim, max_len=max_len, steps=steps,
                    lr=lr, batch_size=batch_size, seeds=seeds, stage0=stage0)
     context["jobs"] = jobs
     arrays = {name: {k: v for k, v in split.items() if k != "grid"} for name, split in (("train", train), ("val", val))}
-    order = sorted(jobs, key=lambda key: -key[1])  # the most tokens (the slowest) first
-    results = workers.run(_job, order, arrays, context, args.workers or preset["workers"],
-                          total=len(jobs) * len(seeds) * steps, desc="token budget")
+    order = sorted(todo, key=lambda key: -key[1])  # the most tokens (the slowest) first
+    results.update(workers.run(_job, order, arrays, context, args.workers or preset["workers"],
+                               total=len(todo) * len(seeds) * steps, desc="token budget",
+                               on_result=lambda key, res: save_cell(cells_path, signature, key, res)))
 
     rows = []
     for family, requested, setting, tokens, note in plan:
@@ -329,6 +363,8 @@ def main(argv=None) -> pathlib.Path:
 
     shown = tower_dir.resolve()
     shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # no machine paths in results
+    if not stage0_loss and (out / "setup.json").is_file():  # every cell was reused: so is stage 0's record
+        stage0_loss = json.loads((out / "setup.json").read_text()).get("stage0_final_loss", {})
     setup = {"tower": str(shown), "tower_config": tower_cfg, "data": data, "image_size": image_size,
              "grid": list(grid), "lm": lm_preset, "steps": steps, "batch_size": batch_size, "lr": lr,
              "stage0_steps": stage0_steps, "stage0_final_loss": stage0_loss,

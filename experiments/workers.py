@@ -58,17 +58,20 @@ def _call(fn, key):
 
 
 def run(fn, keys: list, arrays: dict[str, dict[str, np.ndarray]], context: dict, workers: int, total: int,
-        desc: str = "runs") -> dict:
+        desc: str = "runs", on_result=None) -> dict:
     """Every job, in ``keys`` order (put the most expensive first so the pool ends evenly), in
     this process (``workers <= 1``) or in ``workers`` pinned processes. ``fn`` must be a
-    module-level function (it is pickled by reference); ``total`` is the steps the bar counts."""
+    module-level function (it is pickled by reference); ``total`` is the steps the bar counts;
+    ``on_result(key, result)`` runs here as each job finishes (e.g. to save it)."""
     from tqdm import tqdm
 
     results = {}
+    done = on_result or (lambda key, result: None)
     with tqdm(total=total, desc=desc, unit="step", file=sys.stdout, mininterval=5) as bar:
         if workers <= 1:
             for key in keys:
                 results[key] = fn(key, arrays, context, bar)
+                done(key, results[key])
                 bar.set_postfix(done=str(key))
             return results
         ctx = multiprocessing.get_context("spawn")
@@ -87,5 +90,6 @@ def run(fn, keys: list, arrays: dict[str, dict[str, np.ndarray]], context: dict,
                         bar.update(queue.get())
                     for f in finished:
                         results[futures[f]] = f.result()
+                        done(futures[f], results[futures[f]])
                         bar.set_postfix(done=str(futures[f]))
     return results

@@ -76,6 +76,21 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # Resume: each finished cell is on disk; a rerun after losing one (an interrupted sweep)
+    # trains only that cell, seeded the same, and the other rows come back unchanged.
+    cells = (out / "cells.jsonl").read_text().splitlines()
+    assert len(cells) == len({(r["family"], r["tokens"]) for r in rows if r["status"] == "ok"})
+    (out / "cells.jsonl").write_text("\n".join(cells[:-1]) + "\n")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/token_budget.py"), "--smoke", "--workers", "2", "--out", str(out),
+         "--tower", str(clip_smoke_run.workdir), "--data_dir", clip_smoke_run.data_dir],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{len(cells) - 1} cells already done" in proc.stdout and "1 to run" in proc.stdout
+    again = list(csv.DictReader(open(out / "runs.csv")))
+    accuracy = lambda rs: [(r["family"], r["tokens"], r["seed"], r.get("accuracy")) for r in rs]  # noqa: E731
+    assert accuracy(again) == accuracy(rows)
+
 
 def test_stage0_pretraining_learns_the_questions_text(tb):
     """Stage 0 trains the LM on text alone: on a tiny fixed corpus its loss falls far below the
