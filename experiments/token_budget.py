@@ -9,8 +9,10 @@ One frozen CLIP image tower (a ``python -m vitmm.train`` workdir; default
 missing) encodes every image once; all runs of the sweep read those features. Stage 0 trains
 the small Llama-style LM (word tokens) on the training questions' text alone, once per seed
 (``--stage0_steps``), so that connector training starts from an LM that answers in the right
-format. Each run then trains a connector and that LM together on (image, question, answer)
-triples — LLaVA's stage 2 with the tower frozen — and scores exact-match accuracy per question
+format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen: LLaVA's
+stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the connector and
+the LM together on (image, question, answer) triples — LLaVA's stage 2 with the tower frozen —
+and scores exact-match accuracy per question
 kind on validation questions. Exact match is computed teacher-forced in one forward pass, which
 equals greedy decoding's exact match
 (``vitmm.decode.answer_scores``).
@@ -69,11 +71,11 @@ BLIND, KINDS = report.BLIND, report.KINDS
 # The LM, training steps and batch (questions), images encoded per split, and seeds of a preset.
 PRESETS = {
     "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=500, batch_size=32, lr=3e-3, workers=2,
-                    stage0_steps=1000,
+                    stage0_steps=1000, stage1_steps=200,
                     train_images=10_000, val_images=1_000, seeds="0,1,2", families=",".join(FAMILIES),
                     budgets=",".join(BUDGETS)),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=12, batch_size=16, lr=3e-3, workers=1,
-                  stage0_steps=100,
+                  stage0_steps=100, stage1_steps=6,
                   train_images=128, val_images=32, seeds="0,1", families="linear,pool,patch_merger",
                   budgets="4,9,all"),
 }
@@ -99,13 +101,19 @@ class Run:
     scoring are built once per setting and shared by its seeds."""
 
     def __init__(self, tower_cfg: dict, connector_cfg: dict, lm_cfg: dict, grid, in_dim: int, max_len: int,
-                 steps: int, lr: float, blind: bool = False, stage0: dict | None = None):
+                 steps: int, lr: float, blind: bool = False, stage0: dict | None = None, stage1_steps: int = 0):
         self.model = vlm.VLM(tower_cfg, connector_cfg, lm_cfg)
         self.grid, self.blind, self.stage0 = tuple(grid), blind, stage0 or {}
         self._example = (jnp.zeros((1, grid[0] * grid[1], in_dim), jnp.float32), jnp.zeros((1, max_len), jnp.int32))
-        self.tx, _ = optim.make_optimizer(_adamw(lr, steps), jax.eval_shape(self._init, jax.random.key(0)))
+        shapes = jax.eval_shape(self._init, jax.random.key(0))
+        self.tx, _ = optim.make_optimizer(_adamw(lr, steps), shapes)
         self._init_jit = jax.jit(self._init)
         self.step = jax.jit(step_lib.update_step(self._loss, self.tx), donate_argnums=(0, 1))
+        # Stage 1 (LLaVA's): the connector alone for stage1_steps, the LM frozen, before joint training.
+        self.stage1_steps, self.stage1_tx, self.stage1_step = stage1_steps, None, None
+        if stage1_steps > 0:
+            self.stage1_tx, _ = optim.make_optimizer(_adamw(lr, stage1_steps, freeze=(r"language/.*",)), shapes)
+            self.stage1_step = jax.jit(step_lib.update_step(self._loss, self.stage1_tx), donate_argnums=(0, 1))
         self.score = jax.jit(lambda params, patches, ids, mask: self._scores(params, patches, ids, mask)[2])
 
     def _init(self, key):
@@ -131,9 +139,10 @@ class Run:
         return losses.masked_mean(nll, mask[:, 1:])
 
 
-def _adamw(lr: float, steps: int):
+def _adamw(lr: float, steps: int, freeze=()):
     return ml_collections.ConfigDict(dict(lr=lr, total_steps=steps, warmup_steps=max(steps // 20, 1), end_factor=0.0,
-                                          weight_decay=0.0, b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0))
+                                          weight_decay=0.0, b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0,
+                                          freeze=tuple(freeze)))
 
 
 def pretrain_lm(lm_cfg: dict, ids: np.ndarray, pad_id: int, steps: int, batch_size: int, lr: float,
@@ -167,6 +176,14 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, steps: int, batc
     step, score = run.step, run.score
     rng = np.random.default_rng(seed)
     times, losses = [], []
+    if run.stage1_steps:  # connector only; the joint phase then starts with fresh optimizer moments
+        stage1_state = run.stage1_tx.init(params)
+        for _ in range(run.stage1_steps):
+            params, stage1_state, _ = run.stage1_step(params, stage1_state, *_batch(train, rng.integers(
+                len(train["ids"]), size=batch_size)))
+            if progress is not None:
+                progress.update(1)
+        opt_state = run.tx.init(params)
     for i in range(steps):
         batch = _batch(train, rng.integers(len(train["ids"]), size=batch_size))
         start = time.perf_counter()
@@ -203,7 +220,7 @@ def _job(key, arrays: dict, context: dict, progress) -> dict:
     """``{seed: result}`` for one (connector, tokens) setting: compiled once, trained per seed."""
     (family, _), c = key, context
     run = Run(c["tower_cfg"], c["jobs"][key], c["lm_cfg"], c["grid"], c["in_dim"], c["max_len"], c["steps"],
-              c["lr"], blind=family == BLIND, stage0=c.get("stage0"))
+              c["lr"], blind=family == BLIND, stage0=c.get("stage0"), stage1_steps=c.get("stage1_steps", 0))
     return {seed: train_and_eval(run, seed, arrays["train"], arrays["val"], c["steps"], c["batch_size"],
                                  progress=progress) for seed in c["seeds"]}
 
@@ -265,6 +282,9 @@ def main(argv=None) -> pathlib.Path:
     parser.add_argument("--stage0_steps", type=int, default=None,
                         help="stage 0: LM steps on the questions' text alone before connector training, per seed "
                              "(default: the preset's; 0: the LM starts random)")
+    parser.add_argument("--stage1_steps", type=int, default=None,
+                        help="stage 1: connector-only steps (LM frozen) before the joint steps, per run "
+                             "(default: the preset's; 0: joint from the start)")
     parser.add_argument("--no_blind", action="store_true", help="skip the no-image baseline")
     parser.add_argument("--native_widths", action="store_true",
                         help="qformer / c_abstractor at their own hidden widths (256), not the tower's")
@@ -309,6 +329,7 @@ def main(argv=None) -> pathlib.Path:
 
     lm_cfg = dict(vocab_size=tokenizer.vocab_size, **lm_preset)
     stage0_steps = preset["stage0_steps"] if args.stage0_steps is None else args.stage0_steps
+    stage1_steps = preset["stage1_steps"] if args.stage1_steps is None else args.stage1_steps
     plan = []  # (family, requested budget, setting, tokens, note)
     if not args.no_blind:
         plan.append((BLIND, 0, 1, 1, "no image"))
@@ -326,7 +347,8 @@ def main(argv=None) -> pathlib.Path:
           f"unreachable: {[(f, b) for f, b, s, _, _ in plan if s is None]}")
     # A finished cell is reused only by a sweep with the same settings (everything but the cells).
     settings = dict(tower=str(tower_dir.resolve()), data=data, lm=lm_cfg, steps=steps, batch_size=batch_size, lr=lr,
-                    seeds=seeds, stage0_steps=stage0_steps, train=len(train["ids"]), val=len(val["ids"]),
+                    seeds=seeds, stage0_steps=stage0_steps, stage1_steps=stage1_steps, train=len(train["ids"]),
+                    val=len(val["ids"]),
                     max_len=max_len, tokenizer=args.tokenizer)
     signature = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     cells_path = out / "cells.jsonl"
@@ -342,12 +364,12 @@ def main(argv=None) -> pathlib.Path:
         print(f"stage 0, seed {seed}: {stage0_steps} LM steps on the questions' text, final loss "
               f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
     context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, grid=grid, in_dim=in_dim, max_len=max_len, steps=steps,
-                   lr=lr, batch_size=batch_size, seeds=seeds, stage0=stage0)
+                   lr=lr, batch_size=batch_size, seeds=seeds, stage0=stage0, stage1_steps=stage1_steps)
     context["jobs"] = jobs
     arrays = {name: {k: v for k, v in split.items() if k != "grid"} for name, split in (("train", train), ("val", val))}
     order = sorted(todo, key=lambda key: -key[1])  # the most tokens (the slowest) first
     results.update(workers.run(_job, order, arrays, context, args.workers or preset["workers"],
-                               total=len(todo) * len(seeds) * steps, desc="token budget",
+                               total=len(todo) * len(seeds) * (stage1_steps + steps), desc="token budget",
                                on_result=lambda key, res: save_cell(cells_path, signature, key, res)))
 
     rows = []
@@ -367,7 +389,7 @@ def main(argv=None) -> pathlib.Path:
         stage0_loss = json.loads((out / "setup.json").read_text()).get("stage0_final_loss", {})
     setup = {"tower": str(shown), "tower_config": tower_cfg, "data": data, "image_size": image_size,
              "grid": list(grid), "lm": lm_preset, "steps": steps, "batch_size": batch_size, "lr": lr,
-             "stage0_steps": stage0_steps, "stage0_final_loss": stage0_loss,
+             "stage0_steps": stage0_steps, "stage0_final_loss": stage0_loss, "stage1_steps": stage1_steps,
              "seeds": seeds, "connector_widths": widths, "tokenizer": args.tokenizer,
              "vocab_size": tokenizer.vocab_size, "max_len": max_len,
              "train_images": len(train["patches"]),

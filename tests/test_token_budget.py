@@ -105,3 +105,32 @@ def test_stage0_pretraining_learns_the_questions_text(tb):
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
     again, _ = tb.pretrain_lm(lm_cfg, ids, pad_id=0, steps=60, batch_size=8, lr=1e-2, seed=0)
     jax.tree.map(np.testing.assert_array_equal, params, again)
+
+
+def test_stage1_trains_the_connector_alone_from_the_stage0_lm(tb):
+    """Stage 1 updates the connector and leaves the (stage-0) LM exactly as it was; the joint
+    step then trains both."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    lm_cfg = dict(vocab_size=12, width=16, depth=1, num_heads=2)
+    ids = np.array([[1, 5, 6, 7, 2, 0], [1, 5, 8, 9, 2, 0]], np.int32)
+    stage0, _ = tb.pretrain_lm(lm_cfg, ids, pad_id=0, steps=3, batch_size=2, lr=1e-2, seed=0)
+    tower = dict(width=8, depth=1, mlp_dim=16, num_heads=2, patch_size=8)
+    run = tb.Run(tower, {"name": "linear"}, lm_cfg, (2, 2), 8, 6, steps=2, lr=1e-2, stage0={0: stage0},
+                 stage1_steps=3)
+    params, _ = run.init(0)
+    jax.tree.map(np.testing.assert_array_equal, params["language"], stage0)
+    patches = jax.random.normal(jax.random.key(0), (2, 4, 8))
+    mask = jnp.asarray((ids > 0) & (np.arange(6) >= 3), jnp.float32)
+    before = jax.tree.map(np.asarray, params)
+    after, state = params, run.stage1_tx.init(params)
+    for _ in range(2):  # the schedule's first step has learning rate 0
+        after, state, _ = run.stage1_step(after, state, patches, jnp.asarray(ids), mask)
+    jax.tree.map(np.testing.assert_array_equal, after["language"], before["language"])
+    assert not np.allclose(after["project"]["proj"]["kernel"], before["project"]["proj"]["kernel"])
+    joint, state = after, run.tx.init(after)
+    for _ in range(2):
+        joint, state, _ = run.step(joint, state, patches, jnp.asarray(ids), mask)
+    assert not np.allclose(joint["language"]["token_embedding"]["embedding"], stage0["token_embedding"]["embedding"])
