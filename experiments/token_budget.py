@@ -13,8 +13,10 @@ format. Each run then trains its connector alone for ``--stage1_steps`` (the LM 
 stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the connector and
 the LM together on (image, question, answer) triples — LLaVA's stage 2 with the tower frozen —
 and scores exact-match accuracy per question
-kind on validation questions. Exact match is computed teacher-forced in one forward pass, which
-equals greedy decoding's exact match
+kind on the test questions. Each family's learning rate is chosen first: the best of
+``--tune_lrs`` by validation accuracy at ``--tune_budget`` tokens and the first seed
+(``tuning.jsonl``; ``--lr`` skips tuning). Exact match is computed teacher-forced in one forward
+pass, which equals greedy decoding's exact match
 (``vitmm.decode.answer_scores``).
 
 Budgets are visual tokens handed to the LM. A family whose knob cannot hit a budget exactly runs
@@ -71,11 +73,11 @@ BLIND, KINDS = report.BLIND, report.KINDS
 # The LM, training steps and batch (questions), images encoded per split, and seeds of a preset.
 PRESETS = {
     "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=500, batch_size=32, lr=3e-3, workers=2,
-                    stage0_steps=1000, stage1_steps=200,
+                    stage0_steps=1000, stage1_steps=200, tune_lrs="1e-3,3e-3,1e-2", tune_budget=16,
                     train_images=10_000, val_images=1_000, seeds="0,1,2", families=",".join(FAMILIES),
                     budgets=",".join(BUDGETS)),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=12, batch_size=16, lr=3e-3, workers=1,
-                  stage0_steps=100, stage1_steps=6,
+                  stage0_steps=100, stage1_steps=6, tune_lrs="3e-3,1e-2", tune_budget=4,
                   train_images=128, val_images=32, seeds="0,1", families="linear,pool,patch_merger",
                   budgets="4,9,all"),
 }
@@ -216,13 +218,37 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, steps: int, batc
     return result
 
 
+def _run(c: dict, family: str, tokens: int, lr: float) -> Run:
+    return Run(c["tower_cfg"], c["jobs"][(family, tokens)], c["lm_cfg"], c["grid"], c["in_dim"], c["max_len"],
+               c["steps"], lr, blind=family == BLIND, stage0=c.get("stage0"), stage1_steps=c.get("stage1_steps", 0))
+
+
 def _job(key, arrays: dict, context: dict, progress) -> dict:
-    """``{seed: result}`` for one (connector, tokens) setting: compiled once, trained per seed."""
-    (family, _), c = key, context
-    run = Run(c["tower_cfg"], c["jobs"][key], c["lm_cfg"], c["grid"], c["in_dim"], c["max_len"], c["steps"],
-              c["lr"], blind=family == BLIND, stage0=c.get("stage0"), stage1_steps=c.get("stage1_steps", 0))
-    return {seed: train_and_eval(run, seed, arrays["train"], arrays["val"], c["steps"], c["batch_size"],
+    """``{seed: result}`` on the test questions for one (connector, tokens) setting at its family's
+    chosen learning rate: compiled once, trained per seed."""
+    (family, tokens), c = key, context
+    run = _run(c, family, tokens, c["lrs"][family])
+    return {seed: train_and_eval(run, seed, arrays["train"], arrays["test"], c["steps"], c["batch_size"],
                                  progress=progress) for seed in c["seeds"]}
+
+
+def _tune_job(key, arrays: dict, context: dict, progress) -> dict:
+    """``{seed: result}`` on the validation questions for one (family, tokens, lr) of the tuning
+    grid, at the tuning seed."""
+    (family, tokens, lr), c = key, context
+    seed = c["tune_seed"]
+    return {seed: train_and_eval(_run(c, family, tokens, lr), seed, arrays["train"], arrays["val"], c["steps"],
+                                 c["batch_size"], progress=progress)}
+
+
+def choose_lrs(tuned: dict) -> dict:
+    """``{family: lr}`` with the best validation accuracy in the tuning grid (ties: the smaller lr)."""
+    best = {}
+    for (family, _, lr), results in tuned.items():
+        acc = np.mean([r["accuracy"] for r in results.values()])
+        if family not in best or (acc, -lr) > (best[family][1], -best[family][0]):
+            best[family] = (lr, acc)
+    return {family: lr for family, (lr, _) in best.items()}
 
 
 def costs(connector_cfg: dict | None, lm_cfg: dict, in_dim: int, grid, tokens: int, seq_text: int) -> dict:
@@ -237,23 +263,27 @@ def costs(connector_cfg: dict | None, lm_cfg: dict, in_dim: int, grid, tokens: i
 
 # ------------------------------------------------------------------------------------ resume
 def load_cells(path: pathlib.Path, signature: str) -> dict:
-    """Finished cells ``{(family, tokens): {seed: result}}`` of a sweep with these settings."""
+    """Finished cells ``{key: {seed: result}}`` (key: a tuple, e.g. ``(family, tokens)``) of a
+    sweep with these settings."""
     cells = {}
     for line in path.read_text().splitlines() if path.is_file() else ():
         cell = json.loads(line)
         if cell["signature"] == signature:
-            cells[(cell["family"], cell["tokens"])] = {int(k): v for k, v in cell["results"].items()}
+            cells[tuple(cell["key"])] = {int(k): v for k, v in cell["results"].items()}
     return cells
 
 
 def save_cell(path: pathlib.Path, signature: str, key, results: dict) -> None:
-    """Appends one finished cell (all its seeds) as a line of ``cells.jsonl``."""
-    line = json.dumps({"signature": signature, "family": key[0], "tokens": key[1],
-                       "results": {str(k): v for k, v in results.items()}})
+    """Appends one finished cell (all its seeds) as a line of a ``.jsonl`` file."""
+    line = json.dumps({"signature": signature, "key": list(key), "results": {str(k): v for k, v in results.items()}})
     with path.open("a") as f:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def _signature(settings: dict) -> str:
+    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------ sweep
@@ -269,7 +299,13 @@ def main(argv=None) -> pathlib.Path:
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the preset's)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--batch_size", type=int, default=None)
-    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--lr", type=float, default=None,
+                        help="one learning rate for every family (no tuning); default: each family's best of "
+                             "--tune_lrs on the validation split")
+    parser.add_argument("--tune_lrs", default=None, help="the learning-rate grid (default: the preset's)")
+    parser.add_argument("--tune_budget", type=int, default=None,
+                        help="visual tokens at which each family is tuned (its nearest reachable count)")
+    parser.add_argument("--test_images", type=int, default=None, help="test-split images (default: as validation)")
     parser.add_argument("--lm_width", type=int, default=None)
     parser.add_argument("--lm_depth", type=int, default=None)
     parser.add_argument("--tokenizer", default="words", help="words (the questions' vocabulary) or bytes")
@@ -293,7 +329,7 @@ def main(argv=None) -> pathlib.Path:
     preset = PRESETS["smoke" if args.smoke else "default"]
     steps = args.steps or preset["steps"]
     batch_size = args.batch_size or preset["batch_size"]
-    lr = args.lr or preset["lr"]
+    lr = args.lr or preset["lr"]  # stage 0's, and every family's when --lr is given
     lm_preset = dict(preset["lm"], **({"width": args.lm_width} if args.lm_width else {}),
                      **({"depth": args.lm_depth} if args.lm_depth else {}))
     seeds = [int(s) for s in (args.seeds or preset["seeds"]).split(",")]
@@ -322,10 +358,13 @@ def main(argv=None) -> pathlib.Path:
                          image_size, tokenizer, max_len, args.data_dir)
     val = qa_features.encode_split(tower, tower_params, data, "validation", args.val_images or preset["val_images"],
                        image_size, tokenizer, max_len, args.data_dir)
+    test = qa_features.encode_split(tower, tower_params, data, "test",
+                                    args.test_images or args.val_images or preset["val_images"], image_size,
+                                    tokenizer, max_len, args.data_dir)
     grid, in_dim = train["grid"], train["patches"].shape[-1]
-    print(f"tower features: {len(train['patches'])} train / {len(val['patches'])} validation images, grid "
-          f"{grid}, {in_dim} channels; {len(train['ids'])} / {len(val['ids'])} questions "
-          f"({time.perf_counter() - t0:.0f} s)")
+    print(f"tower features: {len(train['patches'])} train / {len(val['patches'])} validation / {len(test['patches'])} "
+          f"test images, grid {grid}, {in_dim} channels; {len(train['ids'])} / {len(val['ids'])} / {len(test['ids'])} "
+          f"questions ({time.perf_counter() - t0:.0f} s)")
 
     lm_cfg = dict(vocab_size=tokenizer.vocab_size, **lm_preset)
     stage0_steps = preset["stage0_steps"] if args.stage0_steps is None else args.stage0_steps
@@ -346,29 +385,54 @@ def main(argv=None) -> pathlib.Path:
     print(f"{len(jobs)} distinct (connector, tokens) settings × {len(seeds)} seeds × {steps} steps; "
           f"unreachable: {[(f, b) for f, b, s, _, _ in plan if s is None]}")
     # A finished cell is reused only by a sweep with the same settings (everything but the cells).
-    settings = dict(tower=str(tower_dir.resolve()), data=data, lm=lm_cfg, steps=steps, batch_size=batch_size, lr=lr,
-                    seeds=seeds, stage0_steps=stage0_steps, stage1_steps=stage1_steps, train=len(train["ids"]),
-                    val=len(val["ids"]),
-                    max_len=max_len, tokenizer=args.tokenizer)
-    signature = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    cells_path = out / "cells.jsonl"
+    settings = dict(tower=str(tower_dir.resolve()), data=data, lm=lm_cfg, steps=steps, batch_size=batch_size,
+                    stage0_lr=lr, seeds=seeds, stage0_steps=stage0_steps, stage1_steps=stage1_steps,
+                    train=len(train["ids"]), val=len(val["ids"]), test=len(test["ids"]), max_len=max_len,
+                    tokenizer=args.tokenizer, widths=widths)
+    context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, grid=grid, in_dim=in_dim, max_len=max_len, steps=steps,
+                   batch_size=batch_size, seeds=seeds, stage0={}, stage1_steps=stage1_steps, jobs=jobs,
+                   tune_seed=seeds[0])
+    arrays = {name: {k: v for k, v in split.items() if k != "grid"}
+              for name, split in (("train", train), ("val", val), ("test", test))}
+    n_workers = args.workers or preset["workers"]
+    stage0_loss = {}
+
+    def ensure_stage0():  # trained the first time some run needs it
+        for seed in seeds if stage0_steps > 0 and not context["stage0"] else ():
+            t0 = time.perf_counter()
+            context["stage0"][seed], stage0_loss[seed] = pretrain_lm(lm_cfg, train["ids"], tokenizer.pad_id,
+                                                                     stage0_steps, batch_size, lr, seed)
+            print(f"stage 0, seed {seed}: {stage0_steps} LM steps on the questions' text, final loss "
+                  f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
+
+    # Tuning: each family's learning rate, chosen on the validation split at one budget and one seed.
+    tune_lrs = [lr] if args.lr else [float(x) for x in (args.tune_lrs or preset["tune_lrs"]).split(",")]
+    tune_budget = args.tune_budget or preset["tune_budget"]
+    tune_keys = []
+    for family in dict.fromkeys(f for f, _ in jobs):
+        tokens = min((t for f, t in jobs if f == family), key=lambda t: (abs(math.log(t / tune_budget)), t))
+        tune_keys += [(family, tokens, x) for x in tune_lrs] if len(tune_lrs) > 1 else []
+    tune_path, tune_sig = out / "tuning.jsonl", _signature({**settings, "tune_seed": seeds[0]})
+    tuned = {k: v for k, v in load_cells(tune_path, tune_sig).items() if k in set(tune_keys)}
+    tune_todo = [k for k in tune_keys if k not in tuned]
+    if tune_todo:
+        ensure_stage0()
+        tuned.update(workers.run(_tune_job, sorted(tune_todo, key=lambda k: -k[1]), arrays, context, n_workers,
+                                 total=len(tune_todo) * (stage1_steps + steps), desc="tuning",
+                                 on_result=lambda key, res: save_cell(tune_path, tune_sig, key, res)))
+    lrs = choose_lrs(tuned) if tune_keys else {f: lr for f, _ in jobs}
+    context["lrs"] = lrs
+    print(f"learning rates (validation, seed {seeds[0]}, {len(tune_keys)} tuning runs): {lrs}")
+
+    cells_path, signature = out / "cells.jsonl", _signature({**settings, "lrs": lrs})
     results = {k: v for k, v in load_cells(cells_path, signature).items() if k in jobs}
     todo = [k for k in jobs if k not in results]
     if results:
         print(f"{len(results)} cells already done in {cells_path} (settings {signature}), skipped; {len(todo)} to run")
-    stage0, stage0_loss = {}, {}
-    for seed in seeds if stage0_steps > 0 and todo else ():
-        t0 = time.perf_counter()
-        stage0[seed], stage0_loss[seed] = pretrain_lm(lm_cfg, train["ids"], tokenizer.pad_id, stage0_steps,
-                                                      batch_size, lr, seed)
-        print(f"stage 0, seed {seed}: {stage0_steps} LM steps on the questions' text, final loss "
-              f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
-    context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, grid=grid, in_dim=in_dim, max_len=max_len, steps=steps,
-                   lr=lr, batch_size=batch_size, seeds=seeds, stage0=stage0, stage1_steps=stage1_steps)
-    context["jobs"] = jobs
-    arrays = {name: {k: v for k, v in split.items() if k != "grid"} for name, split in (("train", train), ("val", val))}
+    if todo:
+        ensure_stage0()
     order = sorted(todo, key=lambda key: -key[1])  # the most tokens (the slowest) first
-    results.update(workers.run(_job, order, arrays, context, args.workers or preset["workers"],
+    results.update(workers.run(_job, order, arrays, context, n_workers,
                                total=len(todo) * len(seeds) * (stage1_steps + steps), desc="token budget",
                                on_result=lambda key, res: save_cell(cells_path, signature, key, res)))
 
@@ -381,19 +445,26 @@ def main(argv=None) -> pathlib.Path:
         connector_cfg = jobs[(family, tokens)]
         cost = costs(None if family == BLIND else connector_cfg, lm_cfg, in_dim, grid, tokens, max_len - 1)
         for seed in seeds:
-            rows.append({**base, "seed": seed, "status": "ok", **cost, **results[(family, tokens)][seed]})
+            rows.append({**base, "seed": seed, "status": "ok", "lr": lrs[family], **cost,
+                         **results[(family, tokens)][seed]})
 
     shown = tower_dir.resolve()
     shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # no machine paths in results
     if not stage0_loss and (out / "setup.json").is_file():  # every cell was reused: so is stage 0's record
         stage0_loss = json.loads((out / "setup.json").read_text()).get("stage0_final_loss", {})
+    tuning = {}  # {"family@tokens": {lr: validation accuracy}}
+    for (family, tokens, x), res in sorted(tuned.items()):
+        tuning.setdefault(f"{family}@{tokens}", {})[str(x)] = res[seeds[0]]["accuracy"]
     setup = {"tower": str(shown), "tower_config": tower_cfg, "data": data, "image_size": image_size,
-             "grid": list(grid), "lm": lm_preset, "steps": steps, "batch_size": batch_size, "lr": lr,
+             "grid": list(grid), "lm": lm_preset, "steps": steps, "batch_size": batch_size, "stage0_lr": lr,
+             "tune_lrs": tune_lrs, "tune_budget": tune_budget, "tune_seed": seeds[0], "chosen_lr": lrs,
+             "tuning": tuning,
              "stage0_steps": stage0_steps, "stage0_final_loss": stage0_loss, "stage1_steps": stage1_steps,
              "seeds": seeds, "connector_widths": widths, "tokenizer": args.tokenizer,
              "vocab_size": tokenizer.vocab_size, "max_len": max_len,
              "train_images": len(train["patches"]),
              "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
+             "test_questions": len(test["ids"]),
              "workers": args.workers or preset["workers"], "backend": jax.default_backend(),
              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     summary = report.summarise(rows)

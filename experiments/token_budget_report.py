@@ -22,7 +22,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     out = []
     for rs in groups.values():
         first = rs[0]
-        s = {k: first.get(k) for k in ("family", "budget", "tokens", "note", "connector_params",
+        s = {k: first.get(k) for k in ("family", "budget", "tokens", "note", "lr", "connector_params",
                                        "connector_mflops", "lm_mflops")}
         s["seeds"] = sum(r["status"] == "ok" for r in rs)
         ok = [r for r in rs if r["status"] == "ok"]
@@ -47,23 +47,30 @@ def _threads(workers: int) -> str:
 
 def to_markdown(summary: list[dict], setup: dict) -> str:
     kinds = " | ".join(KINDS)
-    lines = [f"Exact-match accuracy on {setup['val_questions']:,} validation questions of `{setup['data']}` "
-             f"(mean ± std over {len(setup['seeds'])} seeds; {setup['steps']} steps × {setup['batch_size']} "
-             f"questions per run; tower `{setup['tower']}` grid {setup['grid'][0]}×{setup['grid'][1]}, LM "
-             f"{setup['lm']}). FLOPs per example (XLA count, forward); LM FLOPs at BOS + visual tokens + "
+    test = setup.get("test_questions")
+    where = (f"{test:,} test questions" if test else f"{setup['val_questions']:,} validation questions")
+    tuned = (f"; each family's learning rate (column lr) the best of {setup['tune_lrs']} on "
+             f"{setup['val_questions']:,} validation questions at {setup['tune_budget']} tokens, seed "
+             f"{setup['tune_seed']}" if len(setup.get("tune_lrs") or ()) > 1 else "")
+    lines = [f"Exact-match accuracy on {where} of `{setup['data']}` "
+             f"(mean ± std over {len(setup['seeds'])} seeds; stage 0 {setup.get('stage0_steps', 0)} LM steps on the "
+             f"text, stage 1 {setup.get('stage1_steps', 0)} connector steps, then {setup['steps']} steps × "
+             f"{setup['batch_size']} questions per run{tuned}; tower `{setup['tower']}` grid "
+             f"{setup['grid'][0]}×{setup['grid'][1]}, LM {setup['lm']}). "
+             "FLOPs per example (XLA count, forward); LM FLOPs at BOS + visual tokens + "
              f"{setup['max_len'] - 1} text positions ({setup['tokenizer']} tokens). Examples/s: connector + LM on "
              f"precomputed features, median step, {_threads(setup['workers'])}.",
              "",
-             f"| connector | budget | tokens | all | {kinds} | params | conn. MFLOP | LM MFLOP | train ex/s | "
+             f"| connector | budget | tokens | lr | all | {kinds} | params | conn. MFLOP | LM MFLOP | train ex/s | "
              "infer ex/s |",
-             "|---|---|---:|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|---:|---:|"]
     for s in summary:
         if s["status"] != "ok":
-            lines.append(f"| {s['family']} | {s['budget']} | {s['note']} |" + " |" * (len(KINDS) + 6))
+            lines.append(f"| {s['family']} | {s['budget']} | {s['note']} |" + " |" * (len(KINDS) + 7))
             continue
         tokens = f"{s['tokens']}" + (f" ({s['note']})" if s["note"] else "")
         lines.append(
-            f"| {s['family']} | {s['budget']} | {tokens} | {_pm(s, 'accuracy')} | "
+            f"| {s['family']} | {s['budget']} | {tokens} | {s['lr']:g} | {_pm(s, 'accuracy')} | "
             + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{s['train_ex_s']:,.0f} | {s['infer_ex_s']:,.0f} |")

@@ -76,6 +76,18 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # Tuning: each family's learning rate is its best of the grid on validation, used for its rows.
+    tuning = (out / "tuning.jsonl").read_text().splitlines()
+    families = {r["family"] for r in rows if r["status"] == "ok"}
+    assert len(tuning) == len(families) * len(setup["tune_lrs"]) == 8
+    assert set(setup["chosen_lr"]) == families and setup["test_questions"] > 0
+    for r in rows:
+        if r["status"] == "ok":
+            assert float(r["lr"]) == setup["chosen_lr"][r["family"]] in setup["tune_lrs"]
+    for family, lr in setup["chosen_lr"].items():
+        grid_scores = next(v for k, v in setup["tuning"].items() if k.startswith(f"{family}@"))
+        assert grid_scores[str(lr)] == max(grid_scores.values())
+
     # Resume: each finished cell is on disk; a rerun after losing one (an interrupted sweep)
     # trains only that cell, seeded the same, and the other rows come back unchanged.
     cells = (out / "cells.jsonl").read_text().splitlines()
@@ -87,6 +99,7 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"{len(cells) - 1} cells already done" in proc.stdout and "1 to run" in proc.stdout
+    assert "tuning:" not in proc.stdout and len((out / "tuning.jsonl").read_text().splitlines()) == 8
     again = list(csv.DictReader(open(out / "runs.csv")))
     accuracy = lambda rs: [(r["family"], r["tokens"], r["seed"], r.get("accuracy")) for r in rs]  # noqa: E731
     assert accuracy(again) == accuracy(rows)
