@@ -30,7 +30,7 @@ than what it reads: at 256 their training step cost 6–11× the others' and wou
 
 Writes to ``--out``: ``cells.jsonl`` (each finished (connector, tokens) cell with all its seeds,
 as it finishes: a rerun with the same settings skips those cells, so a sweep can span several
-sittings), ``runs.csv`` (one row per run and seed), ``token_budget.md`` (mean ± std
+sittings), ``runs.csv`` (one row per run and seed), ``token_budget.md`` (mean ± 95% CI
 over seeds per family and budget: accuracy per question kind, parameters, connector and LM
 FLOPs per example, training and inference examples/s), ``accuracy_vs_budget.png``,
 ``accuracy_vs_cost.png`` and ``setup.json`` (tower, data, model and training settings).
@@ -74,7 +74,7 @@ BLIND, KINDS = report.BLIND, report.KINDS
 PRESETS = {
     "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=500, batch_size=32, lr=3e-3, workers=2,
                     stage0_steps=1000, stage1_steps=200, tune_lrs="1e-3,3e-3,1e-2", tune_budget=16,
-                    train_images=10_000, val_images=1_000, seeds="0,1,2", families=",".join(FAMILIES),
+                    train_images=10_000, val_images=1_000, seeds="0,1,2,3,4", families=",".join(FAMILIES),
                     budgets=",".join(BUDGETS)),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=12, batch_size=16, lr=3e-3, workers=1,
                   stage0_steps=100, stage1_steps=6, tune_lrs="3e-3,1e-2", tune_budget=4,

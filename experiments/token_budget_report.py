@@ -1,5 +1,6 @@
-"""The token-budget sweep's tables and plots: mean ± std over seeds per (connector, budget), the
-spread across connectors at equal token counts, each family's gain with more tokens."""
+"""The token-budget sweep's tables and plots: mean ± 95% CI over seeds per (connector, budget),
+paired tests against blind, the spread across connectors at equal token counts, each family's gain
+with more tokens."""
 
 from __future__ import annotations
 
@@ -30,13 +31,48 @@ def summarise(rows: list[dict]) -> list[dict]:
             values = np.array([r[key] for r in ok], float)
             s[key] = float(values.mean()) if len(values) else float("nan")
             s[key + "_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+            s[key + "_ci"] = ci95(values)
+        s["by_seed"] = {int(r["seed"]): float(r["accuracy"]) for r in ok}
         s["status"] = first["status"]
         out.append(s)
+    blind = next((s for s in out if s["family"] == BLIND and s["status"] == "ok"), None)
+    for s in out:
+        s["vs_blind"] = paired_vs(s, blind) if blind is not None and s is not blind and s["status"] == "ok" else None
     return out
 
 
+def ci95(values: np.ndarray) -> float:
+    """Half-width of the 95% confidence interval of the mean (Student's t over seeds)."""
+    from scipy import stats
+
+    if len(values) < 2:
+        return float("nan")
+    return float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values)))
+
+
+def paired_vs(s: dict, base: dict) -> tuple[float, float] | None:
+    """``(mean difference, two-sided p)`` of a paired t-test over the seeds both cells ran (the data
+    order is the same per seed, so the seeds pair); None with fewer than two shared seeds."""
+    from scipy import stats
+
+    seeds = sorted(set(s["by_seed"]) & set(base["by_seed"]))
+    if len(seeds) < 2:
+        return None
+    a, b = np.array([s["by_seed"][k] for k in seeds]), np.array([base["by_seed"][k] for k in seeds])
+    diff = a - b
+    p = 1.0 if np.allclose(diff, diff[0]) and diff[0] == 0 else float(stats.ttest_rel(a, b).pvalue)
+    return float(diff.mean()), p
+
+
 def _pm(s: dict, key: str) -> str:
-    return f"{100 * s[key]:.1f} ± {100 * s[key + '_std']:.1f}"
+    return f"{100 * s[key]:.1f} ± {100 * s[key + '_ci']:.1f}"
+
+
+def _vs(s: dict) -> str:
+    if not s.get("vs_blind"):
+        return ""
+    diff, p = s["vs_blind"]
+    return f"{100 * diff:+.1f} (p={p:.2g})"
 
 
 def _threads(workers: int) -> str:
@@ -53,7 +89,9 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
              f"{setup['val_questions']:,} validation questions at {setup['tune_budget']} tokens, seed "
              f"{setup['tune_seed']}" if len(setup.get("tune_lrs") or ()) > 1 else "")
     lines = [f"Exact-match accuracy on {where} of `{setup['data']}` "
-             f"(mean ± std over {len(setup['seeds'])} seeds; stage 0 {setup.get('stage0_steps', 0)} LM steps on the "
+             f"(mean ± 95% CI half-width, Student's t over {len(setup['seeds'])} seeds; vs blind: the mean "
+             "difference in overall accuracy and the p of a t-test paired by seed; "
+             f"stage 0 {setup.get('stage0_steps', 0)} LM steps on the "
              f"text, stage 1 {setup.get('stage1_steps', 0)} connector steps, then {setup['steps']} steps × "
              f"{setup['batch_size']} questions per run{tuned}; tower `{setup['tower']}` grid "
              f"{setup['grid'][0]}×{setup['grid'][1]}, LM {setup['lm']}). "
@@ -61,16 +99,16 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
              f"{setup['max_len'] - 1} text positions ({setup['tokenizer']} tokens). Examples/s: connector + LM on "
              f"precomputed features, median step, {_threads(setup['workers'])}.",
              "",
-             f"| connector | budget | tokens | lr | all | {kinds} | params | conn. MFLOP | LM MFLOP | train ex/s | "
-             "infer ex/s |",
-             "|---|---|---:|---:|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|---:|---:|"]
+             f"| connector | budget | tokens | lr | all | vs blind | {kinds} | params | conn. MFLOP | LM MFLOP | "
+             "train ex/s | infer ex/s |",
+             "|---|---|---:|---:|---:|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|---:|---:|"]
     for s in summary:
         if s["status"] != "ok":
-            lines.append(f"| {s['family']} | {s['budget']} | {s['note']} |" + " |" * (len(KINDS) + 7))
+            lines.append(f"| {s['family']} | {s['budget']} | {s['note']} |" + " |" * (len(KINDS) + 8))
             continue
         tokens = f"{s['tokens']}" + (f" ({s['note']})" if s["note"] else "")
         lines.append(
-            f"| {s['family']} | {s['budget']} | {tokens} | {s['lr']:g} | {_pm(s, 'accuracy')} | "
+            f"| {s['family']} | {s['budget']} | {tokens} | {s['lr']:g} | {_pm(s, 'accuracy')} | {_vs(s)} | "
             + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{s['train_ex_s']:,.0f} | {s['infer_ex_s']:,.0f} |")
@@ -121,10 +159,10 @@ def plot(summary: list[dict], out: pathlib.Path) -> None:
     for family in families:
         pts = sorted({s["tokens"]: s for s in ok if s["family"] == family}.values(), key=lambda s: s["tokens"])
         ax.errorbar([s["tokens"] for s in pts], [100 * s["accuracy"] for s in pts],
-                    yerr=[100 * s["accuracy_std"] for s in pts], marker="o", capsize=3, label=family)
+                    yerr=[100 * np.nan_to_num(s["accuracy_ci"]) for s in pts], marker="o", capsize=3, label=family)
     ax.set_xscale("log", base=2)
-    _finish(plt, fig, ax, blind, "visual tokens handed to the LM", "Accuracy vs. token budget (mean ± std over seeds)",
-            out / "accuracy_vs_budget.png")
+    _finish(plt, fig, ax, blind, "visual tokens handed to the LM",
+            "Accuracy vs. token budget (mean, 95% CI over seeds)", out / "accuracy_vs_budget.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for family in families:

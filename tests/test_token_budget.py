@@ -73,6 +73,7 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     table = (out / "token_budget.md").read_text()
     assert "| linear | 4 | unreachable" in table and "| patch_merger | 9 | 16 (nearest to 9) |" in table
     assert "Spread across connectors at equal token counts" in table and "| pool | 4: " in table
+    assert "| vs blind |" in table and "paired by seed" in table
     for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -147,3 +148,21 @@ def test_stage1_trains_the_connector_alone_from_the_stage0_lm(tb):
     for _ in range(2):
         joint, state, _ = run.step(joint, state, patches, jnp.asarray(ids), mask)
     assert not np.allclose(joint["language"]["token_embedding"]["embedding"], stage0["token_embedding"]["embedding"])
+
+
+def test_tables_show_95_percent_intervals_and_seed_paired_tests_against_blind(tb):
+    import numpy as np
+    from scipy import stats
+
+    kinds = {f"acc_{k}": 0.5 for k in tb.KINDS}
+    rows = [{"family": f, "budget": b, "tokens": t, "note": "", "lr": 1e-3, "seed": seed, "status": "ok",
+             "accuracy": acc, "train_ex_s": 1.0, "infer_ex_s": 1.0, **kinds}
+            for f, b, t, accs in (("blind", 0, 1, (0.40, 0.42, 0.41)), ("pool", 16, 16, (0.50, 0.55, 0.49)))
+            for seed, acc in enumerate(accs)]
+    summary = {s["family"]: s for s in tb.report.summarise(rows)}
+    pool = np.array([0.50, 0.55, 0.49])
+    assert summary["pool"]["accuracy_ci"] == pytest.approx(stats.t.ppf(0.975, 2) * pool.std(ddof=1) / np.sqrt(3))
+    diff, p = summary["pool"]["vs_blind"]
+    assert diff == pytest.approx(pool.mean() - 0.41)
+    assert p == pytest.approx(stats.ttest_rel(pool, [0.40, 0.42, 0.41]).pvalue)
+    assert summary["blind"]["vs_blind"] is None
