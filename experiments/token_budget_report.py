@@ -121,25 +121,32 @@ def spread_lines(summary: list[dict]) -> list[str]:
     gains. Rows at the same actual count are compared whatever budget was requested."""
     ok = [s for s in summary if s["status"] == "ok" and s["family"] != "blind"]
     at: dict[int, dict[str, float]] = {}
+    cell: dict[tuple[int, str], dict] = {}
     for s in ok:
         at.setdefault(int(s["tokens"]), {})[s["family"]] = 100 * s["accuracy"]
-    lines = ["Spread across connectors at equal token counts (points of exact-match accuracy):", "",
-             "| tokens | families | best | worst | spread | mean |", "|---:|---:|---|---|---:|---:|"]
+        cell[(int(s["tokens"]), s["family"])] = s
+    lines = ["Spread across connectors at equal token counts (points of exact-match accuracy; p: best against "
+             "worst, t-test paired by seed):", "",
+             "| tokens | families | best | worst | spread | p | mean |", "|---:|---:|---|---|---:|---:|---:|"]
     for tokens in sorted(at):
         acc = at[tokens]
         if len(acc) < 2:
             continue
         best, worst = max(acc, key=acc.get), min(acc, key=acc.get)
+        test = paired_vs(cell[(tokens, best)], cell[(tokens, worst)])
         lines.append(f"| {tokens} | {len(acc)} | {best} {acc[best]:.1f} | {worst} {acc[worst]:.1f} | "
-                     f"{acc[best] - acc[worst]:.1f} | {np.mean(list(acc.values())):.1f} |")
-    lines += ["", "Gain from the family's fewest to its most tokens (points):", "",
-              "| connector | fewest | most | gain |", "|---|---|---|---:|"]
+                     f"{acc[best] - acc[worst]:.1f} | {'' if test is None else f'{test[1]:.2g}'} | "
+                     f"{np.mean(list(acc.values())):.1f} |")
+    lines += ["", "Gain from the family's fewest to its most tokens (points; p: t-test paired by seed):", "",
+              "| connector | fewest | most | gain | p |", "|---|---|---|---:|---:|"]
     for family in dict.fromkeys(s["family"] for s in ok):
         counts = {t: acc[family] for t, acc in at.items() if family in acc}
         if len(counts) > 1:
             lo, hi = min(counts), max(counts)
             gain = counts[hi] - counts[lo]
-            lines.append(f"| {family} | {lo}: {counts[lo]:.1f} | {hi}: {counts[hi]:.1f} | {gain:+.1f} |")
+            test = paired_vs(cell[(hi, family)], cell[(lo, family)])
+            lines.append(f"| {family} | {lo}: {counts[lo]:.1f} | {hi}: {counts[hi]:.1f} | {gain:+.1f} | "
+                         f"{'' if test is None else f'{test[1]:.2g}'} |")
     blind = [s for s in summary if s["family"] == "blind" and s["status"] == "ok"]
     if blind:
         lines += ["", f"No image (`blind`, the questions' prior): {100 * blind[0]['accuracy']:.1f}."]

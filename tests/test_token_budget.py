@@ -157,7 +157,8 @@ def test_tables_show_95_percent_intervals_and_seed_paired_tests_against_blind(tb
     kinds = {f"acc_{k}": 0.5 for k in tb.KINDS}
     rows = [{"family": f, "budget": b, "tokens": t, "note": "", "lr": 1e-3, "seed": seed, "status": "ok",
              "accuracy": acc, "train_ex_s": 1.0, "infer_ex_s": 1.0, **kinds}
-            for f, b, t, accs in (("blind", 0, 1, (0.40, 0.42, 0.41)), ("pool", 16, 16, (0.50, 0.55, 0.49)))
+            for f, b, t, accs in (("blind", 0, 1, (0.40, 0.42, 0.41)), ("pool", 16, 16, (0.50, 0.55, 0.49)),
+                                  ("linear", 16, 16, (0.45, 0.47, 0.48)))
             for seed, acc in enumerate(accs)]
     summary = {s["family"]: s for s in tb.report.summarise(rows)}
     pool = np.array([0.50, 0.55, 0.49])
@@ -166,3 +167,6 @@ def test_tables_show_95_percent_intervals_and_seed_paired_tests_against_blind(tb
     assert diff == pytest.approx(pool.mean() - 0.41)
     assert p == pytest.approx(stats.ttest_rel(pool, [0.40, 0.42, 0.41]).pvalue)
     assert summary["blind"]["vs_blind"] is None
+    spread = next(line for line in tb.report.spread_lines(list(summary.values())) if line.startswith("| 16 |"))
+    assert spread.startswith("| 16 | 2 | pool 51.3 | linear 46.7 | 4.7 |")
+    assert f"| {stats.ttest_rel(pool, [0.45, 0.47, 0.48]).pvalue:.2g} |" in spread
