@@ -114,10 +114,10 @@ def test_stage0_pretraining_learns_the_questions_text(tb):
 
     ids = np.array([[1, 5, 6, 7, 2, 0], [1, 5, 8, 9, 2, 0], [1, 6, 6, 7, 9, 2]], np.int32)
     lm_cfg = dict(vocab_size=12, width=16, depth=1, num_heads=2)
-    params, loss = tb.pretrain_lm(lm_cfg, ids, pad_id=0, steps=60, batch_size=8, lr=1e-2, seed=0)
+    params, loss = tb.run_lib.pretrain_lm(lm_cfg, ids, pad_id=0, steps=60, batch_size=8, lr=1e-2, seed=0)
     assert loss < 0.5 * np.log(12)
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
-    again, _ = tb.pretrain_lm(lm_cfg, ids, pad_id=0, steps=60, batch_size=8, lr=1e-2, seed=0)
+    again, _ = tb.run_lib.pretrain_lm(lm_cfg, ids, pad_id=0, steps=60, batch_size=8, lr=1e-2, seed=0)
     jax.tree.map(np.testing.assert_array_equal, params, again)
 
 
@@ -130,9 +130,9 @@ def test_stage1_trains_the_connector_alone_from_the_stage0_lm(tb):
 
     lm_cfg = dict(vocab_size=12, width=16, depth=1, num_heads=2)
     ids = np.array([[1, 5, 6, 7, 2, 0], [1, 5, 8, 9, 2, 0]], np.int32)
-    stage0, _ = tb.pretrain_lm(lm_cfg, ids, pad_id=0, steps=3, batch_size=2, lr=1e-2, seed=0)
+    stage0, _ = tb.run_lib.pretrain_lm(lm_cfg, ids, pad_id=0, steps=3, batch_size=2, lr=1e-2, seed=0)
     tower = dict(width=8, depth=1, mlp_dim=16, num_heads=2, patch_size=8)
-    run = tb.Run(tower, {"name": "linear"}, lm_cfg, (2, 2), 8, 6, steps=2, lr=1e-2, stage0={0: stage0},
+    run = tb.run_lib.Run(tower, {"name": "linear"}, lm_cfg, (2, 2), 8, 6, steps=2, lr=1e-2, stage0={0: stage0},
                  stage1_steps=3)
     params, _ = run.init(0)
     jax.tree.map(np.testing.assert_array_equal, params["language"], stage0)

@@ -72,18 +72,29 @@ class GreedyDecoder:
         logits, cache = self._prefill(variables, images, jnp.asarray(prompt_ids), prompt_len, cache,
                                       None if image_pos is None else jnp.asarray(image_pos, jnp.int32),
                                       prefix_lm=prefix_lm)
-        token, position = logits.argmax(-1).astype(jnp.int32), prompt_len + num_visual
-        done = np.zeros(b, bool)
-        out = np.full((b, max_new_tokens), eos_id, np.int32)
-        for i in range(max_new_tokens):
-            now = np.where(done, eos_id, np.asarray(token))
-            out[:, i] = now
-            done |= now == eos_id
-            if done.all() or i == max_new_tokens - 1:
-                break
-            token, cache = self._step(variables, jnp.asarray(now), position, cache)
-            position = position + 1
-        return out
+        state = {"cache": cache, "position": prompt_len + num_visual}
+
+        def step(now, i):
+            token, state["cache"] = self._step(variables, jnp.asarray(now), state["position"] + i, state["cache"])
+            return token
+
+        return until_eos(logits.argmax(-1).astype(jnp.int32), max_new_tokens, eos_id, step)
+
+
+def until_eos(first, max_new_tokens: int, eos_id: int, step) -> np.ndarray:
+    """Tokens ``[B, max_new_tokens]``: ``first [B]``, then ``step(previous [B], i)`` for the one
+    after the ``i``-th; a row keeps EOS once it has produced one, and the loop stops when every row
+    has (or the budget is spent)."""
+    out = np.full((first.shape[0], max_new_tokens), eos_id, np.int32)
+    done, token = np.zeros(first.shape[0], bool), first
+    for i in range(max_new_tokens):
+        now = np.where(done, eos_id, np.asarray(token))
+        out[:, i] = now
+        done |= now == eos_id
+        if done.all() or i == max_new_tokens - 1:
+            break
+        token = step(now, i)
+    return out
 
 
 def greedy_decode(model: VLM, variables, images, prompt_ids, prompt_len, max_new_tokens: int, eos_id: int,
@@ -165,17 +176,11 @@ class Generator:
         cache = lm_lib.init_cache(self.lm_config, b, length + max_new_tokens)
         last, cache = self._prefill(params, jnp.asarray(ids), jnp.asarray(mask), cache)
         key = jax.random.key(seed)
-        token = sample(last, jax.random.fold_in(key, 0), temperature, top_p)
-        position = jnp.asarray(np.asarray(mask).sum(-1), jnp.int32)
-        out = np.full((b, max_new_tokens), eos_id, np.int32)
-        done = np.zeros(b, bool)
-        for step in range(max_new_tokens):
-            now = np.where(done, eos_id, np.asarray(token))
-            out[:, step] = now
-            done |= now == eos_id
-            if done.all() or step == max_new_tokens - 1:
-                break
-            token, _, cache = self._step(params, cache, jnp.asarray(now), position, jax.random.fold_in(key, step + 1),
-                                         float(temperature), float(top_p))
-            position = position + 1
-        return out
+        state = {"cache": cache, "position": jnp.asarray(np.asarray(mask).sum(-1), jnp.int32)}
+
+        def step(now, i):
+            token, _, state["cache"] = self._step(params, state["cache"], jnp.asarray(now), state["position"] + i,
+                                                  jax.random.fold_in(key, i + 1), float(temperature), float(top_p))
+            return token
+
+        return until_eos(sample(last, jax.random.fold_in(key, 0), temperature, top_p), max_new_tokens, eos_id, step)
