@@ -210,3 +210,35 @@ def test_reachable_counts_on_a_non_square_grid():
     assert sorted(C.reachable("patch_merger", (6, 4))) == [6, 24]  # k = 1, 2 divide both sides
     assert sorted(C.reachable("linear", (6, 4))) == [24]
     assert sorted(C.reachable({"name": "pool", "mode": "llava_average"}, (5, 5))) == [1, 4, 25]  # settings count
+
+
+@pytest.mark.parametrize("name,budget", [("mlp", "all"), ("pool", 16), ("ldp", 16), ("pixel_shuffle", 16),
+                                         ("patch_merger", 16)])
+def test_hidden_width_sets_the_mlp_and_defaults_to_the_published_one(name, budget):
+    in_dim, out_dim, grid = 12, 10, (8, 8)
+    base = C.num_params({"name": name, "budget": budget}, in_dim, out_dim, grid)
+    wider = C.num_params({"name": name, "budget": budget, "hidden": 40}, in_dim, out_dim, grid)
+    k2 = 1 if name in ("mlp", "pool", "ldp") else 4  # merged families read k² = 4 concatenated tokens
+    default_hidden = in_dim * k2 if name == "patch_merger" else out_dim
+    # Two Dense layers a -> h -> out: only the hidden width's terms change.
+    per_hidden = in_dim * k2 + 1 + out_dim
+    assert wider - base == (40 - default_hidden) * per_hidden
+
+
+def test_size_to_picks_the_nearest_count_and_keeps_the_tokens():
+    in_dim, out_dim, grid = 128, 64, (8, 8)
+    for name, budget in [("pool", 16), ("qformer", 16), ("perceiver", 16), ("c_abstractor", 4)]:
+        cfg, count = C.size_to({"name": name, "budget": budget}, 50_000, in_dim, out_dim, grid)
+        assert count == C.num_params(cfg, in_dim, out_dim, grid)
+        assert C.num_visual_tokens(cfg, grid) == C.num_visual_tokens({"name": name, "budget": budget}, grid)
+        knob = C.SIZE_KNOBS[name]
+        step = 1 if knob == "depth" else 8
+        for other in (cfg[knob] - step, cfg[knob] + step):  # no neighbour is nearer
+            if other > 0:
+                try:
+                    n = C.num_params({**cfg, knob: other}, in_dim, out_dim, grid)
+                except ValueError:
+                    continue
+                assert abs(np.log(n / 50_000)) >= abs(np.log(count / 50_000))
+    with pytest.raises(ValueError, match="'linear' has no size knob"):
+        C.size_to({"name": "linear", "budget": "all"}, 50_000, in_dim, out_dim, grid)

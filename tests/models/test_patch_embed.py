@@ -129,3 +129,26 @@ def test_trunc_normal_draws_the_same_numbers_as_flax_for_conv_kernels():
         got = common.trunc_normal(0.02)(jax.random.key(3), shape)
         assert got.shape == shape
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_pi_resized_kernel_gives_each_upsampled_patch_its_original_token():
+    # FlexiViT's identity: <resize(x), ŵ> = <x, w> for every patch x when the patch grows.
+    kernel = jax.random.normal(jax.random.key(0), (8, 8, 3, 16))
+    patches = jax.random.normal(jax.random.key(1), (5, 8, 8, 3))
+    for new in (16, (12, 24)):
+        nh, nw = pe_lib.to_pair(new)
+        big = jax.vmap(lambda p: jax.image.resize(p, (nh, nw, 3), "bilinear"))(patches)
+        new_kernel = pe_lib.resize_kernel(kernel, new)
+        assert new_kernel.shape == (nh, nw, 3, 16)
+        np.testing.assert_allclose(jnp.einsum("bhwc,hwcd->bd", big, new_kernel),
+                                   jnp.einsum("bhwc,hwcd->bd", patches, kernel), rtol=1e-4, atol=1e-4)
+
+
+def test_pi_resize_to_a_smaller_patch_is_the_least_squares_fit():
+    kernel = jax.random.normal(jax.random.key(0), (8, 8, 1, 4))
+    small = pe_lib.resize_kernel(kernel, 4)
+    basis = jnp.eye(64).reshape(64, 8, 8)
+    rt = np.asarray(jax.vmap(lambda e: jax.image.resize(e, (4, 4), "bilinear"))(basis)).reshape(64, 16)
+    residual = rt @ np.asarray(small).reshape(16, 4) - np.asarray(kernel).reshape(64, 4)
+    np.testing.assert_allclose(rt.T @ residual, 0.0, atol=1e-4)  # normal equations: residual ⟂ range(Rᵀ)
+    assert np.linalg.norm(residual) > 1e-2  # a real fit, not an identity

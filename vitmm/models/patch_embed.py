@@ -228,3 +228,23 @@ class ConvStem(nn.Module):
             x = nn.gelu(nn.LayerNorm(name=f"norm_{i}")(x))
         return nn.Conv(self.width, (1, 1), dtype=dtype, kernel_init=common.trunc_normal(0.02),
                        name="proj")(x)
+
+
+def resize_kernel(kernel: jnp.ndarray, new_patch: int | Sequence[int], antialias: bool = True) -> jnp.ndarray:
+    """FlexiViT's PI-resize (Beyer et al. 2023): a patch-embedding kernel ``[ph, pw, C, D]`` for
+    patches of ``new_patch`` pixels.
+
+    Resizing a patch (``jax.image.resize``, bilinear) is linear, ``resize(x) = R x``; the new kernel
+    ``ŵ = pinv(Rᵀ) w`` makes ``<resize(x), ŵ> = <x, w>``: a patch resized to the new size gives
+    the token the old kernel gave the original patch. Exact when the patch grows (``Rᵀ`` has full
+    row rank), the least-squares fit when it shrinks. The bias is unchanged.
+    """
+    import numpy as np
+
+    ph, pw, c, d = kernel.shape
+    nh, nw = to_pair(new_patch, "new_patch")
+    basis = jnp.eye(ph * pw, dtype=jnp.float32).reshape(ph * pw, ph, pw)
+    resized = jax.vmap(lambda e: jax.image.resize(e, (nh, nw), "bilinear", antialias=antialias))(basis)
+    rt = np.asarray(resized, np.float64).reshape(ph * pw, nh * nw)  # row i: resize(e_i), i.e. Rᵀ
+    w = np.asarray(kernel, np.float64).reshape(ph * pw, c * d)
+    return jnp.asarray((np.linalg.pinv(rt) @ w).reshape(nh, nw, c, d), jnp.float32)

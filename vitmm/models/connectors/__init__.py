@@ -7,11 +7,15 @@
 
 One small module per family; ``REGISTRY`` maps names to classes; ``budget.py`` holds every
 rule for how many tokens a family gives (and ``reachable``/``resolve`` for sweeps). ``cost(cfg, ...)`` reports
-parameters (``jax.eval_shape``) and FLOPs (XLA's cost analysis of the compiled forward).
+parameters (``jax.eval_shape``) and FLOPs (XLA's cost analysis of the compiled forward);
+``size_to(cfg, params, ...)`` sets a family's size knob (``SIZE_KNOBS``) for a parameter count.
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 
 from vitmm import tree
@@ -32,7 +36,15 @@ REGISTRY = {
     "pixel_shuffle": PixelShuffle, "pool": Pool, "c_abstractor": CAbstractor, "ldp": LDP,
 }
 
-__all__ = ["REGISTRY", "BudgetError", "build", "num_visual_tokens", "reachable", "resolve", "cost"]
+# The one setting that sizes each family at a fixed token count (``size_to``), and its candidates.
+SIZE_KNOBS = {
+    "mlp": "hidden", "pool": "hidden", "ldp": "hidden", "pixel_shuffle": "hidden", "patch_merger": "hidden",
+    "c_abstractor": "hidden", "qwen_resampler": "width", "qformer": "width", "perceiver": "depth",
+}
+_CANDIDATES = {"hidden": range(8, 4097, 8), "width": range(8, 2049, 8), "depth": range(1, 17)}
+
+__all__ = ["REGISTRY", "SIZE_KNOBS", "BudgetError", "build", "num_visual_tokens", "reachable", "resolve", "cost",
+           "num_params", "size_to"]
 
 
 def build(cfg: dict, out_dim: int):
@@ -50,3 +62,47 @@ def cost(cfg: dict, in_dim: int, out_dim: int, grid: tuple[int, int]) -> dict:
                                        lambda p, x: module.apply(p, x, grid), x)
     return {"params": tree.count(shapes.get("params", {})), "flops": flops,
             "tokens": num_visual_tokens(cfg, grid)}
+
+
+def num_params(cfg: dict, in_dim: int, out_dim: int, grid: tuple[int, int]) -> int:
+    """The connector's parameter count (shapes only: nothing is compiled or run)."""
+    module = build(cfg, out_dim)
+    x = jax.ShapeDtypeStruct((1, grid[0] * grid[1], in_dim), jnp.float32)
+    shapes = jax.eval_shape(lambda key, x: module.init(key, x, tuple(grid)), jax.random.key(0), x)
+    return tree.count(shapes.get("params", {}))
+
+
+def size_to(cfg: dict, params: int, in_dim: int, out_dim: int, grid: tuple[int, int]) -> tuple[dict, int]:
+    """``(cfg with its family's SIZE_KNOBS setting chosen, its parameter count)``: the candidate
+    value whose count is nearest ``params`` (by ratio; ties: the smaller value), found by bisection
+    (counts grow with the knob). The token count is unchanged. Raises for a family without a size
+    knob (``linear``: one matrix, in × out)."""
+    name = cfg.get("name")
+    if name not in SIZE_KNOBS:
+        raise ValueError(f"Connector {name!r} has no size knob (families with one: {sorted(SIZE_KNOBS)}); "
+                         "leave it out of an equal-parameter comparison or compare it at its only size.")
+    knob, values, counts = SIZE_KNOBS[name], _CANDIDATES[SIZE_KNOBS[name]], {}
+
+    def count(j):  # None for a value the family rejects (e.g. a width its heads do not divide)
+        if j not in counts:
+            try:
+                counts[j] = num_params({**cfg, knob: values[j]}, in_dim, out_dim, grid)
+            except ValueError:
+                counts[j] = None
+        return counts[j]
+
+    def next_valid(i):  # the first valid index from i on; the count there grows with i
+        return next((j for j in range(i, len(values)) if count(j) is not None), None)
+
+    lo, hi = 0, len(values)  # the first index whose next valid candidate reaches params
+    while lo < hi:
+        mid = (lo + hi) // 2
+        j = next_valid(mid)
+        if j is not None and counts[j] >= params:
+            hi = mid
+        else:
+            lo = mid + 1
+    above = next_valid(lo) if lo < len(values) else None
+    below = next((j for j in range(lo - 1, -1, -1) if count(j) is not None), None)
+    best = min((j for j in (below, above) if j is not None), key=lambda j: (abs(math.log(counts[j] / params)), j))
+    return {**cfg, knob: values[best]}, counts[best]

@@ -12,6 +12,7 @@ from vitmm.models.connectors.budget import square_side
 class LDP(nn.Module):
     out_dim: int
     budget: int = 64
+    hidden: int | None = None  # the MLP's hidden width; default the LM width
 
     @staticmethod
     def tokens(budget, grid, **settings):
@@ -22,7 +23,7 @@ class LDP(nn.Module):
         check_tokens(x, grid)
         side = square_side(self.budget, "ldp")
         b = x.shape[0]
-        x = MLP(self.out_dim, 2, name="mlp")(x)
+        x = MLP(self.out_dim, 2, hidden=self.hidden, name="mlp")(x)
         x = adaptive_avg_pool(x, grid, (side, side)).reshape(b, side, side, self.out_dim)
         x = x + DepthwiseConv(self.out_dim, name="peg")(x)
         return x.reshape(b, side * side, self.out_dim)

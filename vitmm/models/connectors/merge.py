@@ -19,6 +19,7 @@ from vitmm.models.connectors.budget import merge_factor
 class PatchMerger(nn.Module):
     out_dim: int
     budget: int | None = None
+    hidden: int | None = None  # the MLP's hidden width (defaults below)
 
     @staticmethod
     def tokens(budget, grid, **settings):
@@ -31,12 +32,13 @@ class PatchMerger(nn.Module):
         k = merge_factor(self.budget, grid, "patch_merger")
         x = nn.LayerNorm(epsilon=1e-6, name="ln_q")(x)
         x = space_to_depth(x, grid, k)
-        return MLP(self.out_dim, 2, hidden=x.shape[-1], name="mlp")(x)
+        return MLP(self.out_dim, 2, hidden=self.hidden or x.shape[-1], name="mlp")(x)
 
 
 class PixelShuffle(nn.Module):
     out_dim: int
     budget: int | None = None
+    hidden: int | None = None  # the MLP's hidden width (defaults below)
 
     @staticmethod
     def tokens(budget, grid, **settings):
@@ -48,4 +50,4 @@ class PixelShuffle(nn.Module):
         check_tokens(x, grid)
         k = merge_factor(self.budget, grid, "pixel_shuffle")
         x = nn.LayerNorm(epsilon=1e-5, name="norm")(space_to_depth(x, grid, k))  # torch default, as InternVL
-        return MLP(self.out_dim, 2, name="mlp")(x)
+        return MLP(self.out_dim, 2, hidden=self.hidden, name="mlp")(x)

@@ -57,6 +57,7 @@ class Pool(nn.Module):
     out_dim: int
     budget: int | None = None
     mode: str = "area"
+    hidden: int | None = None  # the MLP's hidden width; default the LM width
 
     @staticmethod
     def tokens(budget, grid, mode="area", **settings):
@@ -77,4 +78,4 @@ class Pool(nn.Module):
         else:  # half-pixel centres (align_corners=False); anti-aliased unless LLaVA's exact call
             pooled = jax.image.resize(x.reshape(b, *grid, c), (b, gh, gw, c), "bilinear",
                                       antialias=self.mode == "bilinear").reshape(b, gh * gw, c)
-        return MLP(self.out_dim, 2, name="mlp")(pooled)
+        return MLP(self.out_dim, 2, hidden=self.hidden, name="mlp")(pooled)

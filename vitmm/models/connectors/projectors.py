@@ -51,6 +51,7 @@ class Mlp(nn.Module):
     budget: int | str | None = None
     depth: int = 2
     act: str = "gelu"
+    hidden: int | None = None  # default: the LM width (LLaVA's)
 
     @staticmethod
     def tokens(budget, grid, **settings):
@@ -60,4 +61,4 @@ class Mlp(nn.Module):
     def __call__(self, x, grid):
         check_tokens(x, grid)
         self.tokens(self.budget, grid)
-        return MLP(self.out_dim, self.depth, act=self.act, name="mlp")(x)
+        return MLP(self.out_dim, self.depth, hidden=self.hidden, act=self.act, name="mlp")(x)
