@@ -14,34 +14,44 @@ from vitmm.models.vit import ViT
 
 
 def encode_split(tower: ViT, params, data: str, split: str, limit: int, image_size: int, tokenizer,
-                 max_len: int, data_dir=None, batch_size: int = 250) -> dict:
+                 max_len: int, data_dir=None, batch_size: int = 250, views: dict | None = None) -> dict:
     """Tower features of the first ``limit`` images of ``split`` and all their questions.
 
     Returns ``patches [I, N, C]`` (float32), ``grid``, and per question ``image`` (index into
-    ``patches``), ``ids``, ``answer_mask``, ``prompt_len``, ``kind``.
+    ``patches``), ``ids``, ``answer_mask``, ``prompt_len``, ``kind``. ``views``, ``{name: (tower,
+    params, image_size)}``, encodes the same images again with other towers or sizes (e.g. the
+    encoder-side token budget): ``patches@name`` and ``grid@name``.
     """
     source = pipeline.get_source(data, split, data_dir, keys=("image", "questions", "answers", "question_kinds"))
-    decode = preprocess.parse(f"decode|resize({image_size})|value_range(-1, 1)")
+    towers = {"": (tower, params, image_size), **{"@" + k: v for k, v in (views or {}).items()}}
+    decoders = {name: preprocess.parse(f"decode|resize({size})|value_range(-1, 1)")
+                for name, (_, _, size) in towers.items()}
+    encoders = {name: jax.jit(lambda p, x, t=t: t.apply({"params": p}, x)[1]["patch_tokens"])
+                for name, (t, _, _) in towers.items()}
     tokens = preprocess.parse(f"qa_tokens({max_len})", tokenizer)
-    encode = jax.jit(lambda p, x: tower.apply({"params": p}, x)[1]["patch_tokens"])
     n = min(limit, len(source))
     rng = np.random.default_rng(0)  # the ops used here draw nothing; parse's signature wants one
-    patches, qa = [], {k: [] for k in ("image", "ids", "answer_mask", "prompt_len", "kind")}
+    patches = {name: [] for name in towers}
+    qa = {k: [] for k in ("image", "ids", "answer_mask", "prompt_len", "kind")}
     for start in range(0, n, batch_size):
-        examples = [decode(source[i], rng) for i in range(start, min(n, start + batch_size))]
-        images = np.stack([ex["image"] for ex in examples])
-        patches.append(np.asarray(encode(params, jnp.asarray(images))))
-        for offset, ex in enumerate(examples):
+        indices = range(start, min(n, start + batch_size))
+        for name, (_, p, _) in towers.items():
+            images = np.stack([decoders[name](source[i], rng)["image"] for i in indices])
+            patches[name].append(np.asarray(encoders[name](p, jnp.asarray(images))))
+        for i in indices:
+            ex = source[i]
             for q, a, kind in zip(ex["questions"], ex["answers"], ex["question_kinds"], strict=True):
                 t = tokens({"question": _text(q), "answer": _text(a)}, rng)
-                qa["image"].append(start + offset)
+                qa["image"].append(i)
                 qa["ids"].append(t["ids"])
                 qa["answer_mask"].append(t["answer_mask"])
                 qa["prompt_len"].append(t["prompt_len"])
                 qa["kind"].append(int(kind))
-    grid = tower.grid((image_size, image_size))
-    return {"patches": np.concatenate(patches), "grid": tuple(grid),
-            **{k: np.asarray(v) for k, v in qa.items()}}
+    out = {k: np.asarray(v) for k, v in qa.items()}
+    for name, (t, _, size) in towers.items():
+        out["patches" + name] = np.concatenate(patches[name])
+        out["grid" + name] = tuple(t.grid((size, size)))
+    return out
 
 
 def _text(x) -> str:

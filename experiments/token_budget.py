@@ -12,12 +12,20 @@ the small Llama-style LM (word tokens) on the training questions' text alone, on
 format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen: LLaVA's
 stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the connector and
 the LM together on (image, question, answer) triples — LLaVA's stage 2 with the tower frozen —
-and scores exact-match accuracy per question
-kind on the test questions. Each family's learning rate is chosen first: the best of
-``--tune_lrs`` by validation accuracy at ``--tune_budget`` tokens and the first seed
-(``tuning.jsonl``; ``--lr`` skips tuning). Exact match is computed teacher-forced in one forward
-pass, which equals greedy decoding's exact match
-(``vitmm.decode.answer_scores``).
+with a linear warmup and then a constant rate, until the exact match on ``--curve_questions``
+validation questions, checked every ``--eval_every`` steps, has not risen by ``--min_delta`` for
+``--patience`` checks (or at ``--steps``); the best check's parameters are scored per question
+kind on the test questions. Each family's learning rate and warmup are chosen first on the
+validation split at ``--tune_budget`` tokens and the first seed: the best of ``--tune_lrs`` at
+the first of ``--tune_warmups``, then the other warmups at that rate (``tuning.jsonl``; ``--lr``
+skips tuning). Exact match is computed teacher-forced in one forward pass, which equals greedy
+decoding's exact match (``vitmm.decode.answer_scores``).
+
+Two more comparisons share the sweep: at equal parameters (``--param_budget`` connector
+parameters at ``--param_tokens`` tokens, each family's size knob set by ``connectors.size_to``),
+and the encoder-side budget (``--encoder_budgets``): ``mlp`` on every patch of a smaller image
+(sin-cos positions recomputed) or of larger patches (the patch kernel PI-resized, FlexiViT's
+rule), against connectors compressing the full grid to the same count.
 
 Budgets are visual tokens handed to the LM. A family whose knob cannot hit a budget exactly runs
 at its nearest reachable count (within a factor ``--max_ratio``) and the tables record the
@@ -28,12 +36,13 @@ alone give away. The two families with a hidden width of their own (``qformer`` 
 than what it reads: at 256 their training step cost 6–11× the others' and would take the sweep past its hour
 (``--native_widths`` keeps the defaults).
 
-Writes to ``--out``: ``cells.jsonl`` (each finished (connector, tokens) cell with all its seeds,
-as it finishes: a rerun with the same settings skips those cells, so a sweep can span several
-sittings), ``runs.csv`` (one row per run and seed), ``token_budget.md`` (mean ± 95% CI
-over seeds per family and budget: accuracy per question kind, parameters, connector and LM
-FLOPs per example, training and inference examples/s), ``accuracy_vs_budget.png``,
-``accuracy_vs_cost.png`` and ``setup.json`` (tower, data, model and training settings).
+Writes to ``--out``: ``cells.jsonl`` (each finished job, all its seeds, as it finishes: a rerun
+with the same settings skips it, so a sweep can span several sittings), ``tuning.jsonl``,
+``runs.csv`` (one row per run and seed: lr, warmup, steps, tokens, parameters, FLOPs, ms per
+example, per-kind accuracy), ``curves.json`` (validation accuracy per check of every run),
+``token_budget.md`` (the tables, with 95% CIs over seeds and paired tests, and the claims'
+tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``, ``learning_curves.png`` and
+``setup.json`` (tower, data, model, training and tuning settings).
 """
 
 from __future__ import annotations
@@ -67,16 +76,21 @@ FAMILIES = ("linear", "mlp", "pool", "pixel_shuffle", "patch_merger", "c_abstrac
 BUDGETS = ("4", "16", "all")
 BLIND, KINDS = report.BLIND, report.KINDS
 
-# The LM, training steps and batch (questions), images encoded per split, and seeds of a preset.
+# The LM, the training plan (joint steps at most, batch of questions, validation every
+# eval_every steps, stop after `patience` evaluations without a min_delta gain), images per split,
+# the tuning grid and seeds of a preset.
 PRESETS = {
-    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=500, batch_size=32, lr=3e-3, workers=2,
-                    stage0_steps=1000, stage1_steps=200, tune_lrs="1e-3,3e-3,1e-2", tune_budget=16,
-                    train_images=10_000, val_images=1_000, seeds="0,1,2,3,4", families=",".join(FAMILIES),
-                    budgets=",".join(BUDGETS)),
-    "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=12, batch_size=16, lr=3e-3, workers=1,
-                  stage0_steps=100, stage1_steps=6, tune_lrs="3e-3,1e-2", tune_budget=4,
-                  train_images=128, val_images=32, seeds="0,1", families="linear,pool,patch_merger",
-                  budgets="4,9,all"),
+    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=3000, batch_size=32, lr=3e-3, workers=2,
+                    eval_every=250, patience=3, min_delta=0.005, curve_questions=2000,
+                    stage0_steps=1000, stage1_steps=200, tune_lrs="1e-3,3e-3,1e-2", tune_warmups="25,250",
+                    tune_budget=16, train_images=10_000, val_images=1_000, seeds="0,1,2,3,4",
+                    families=",".join(FAMILIES), budgets=",".join(BUDGETS), param_budget=100_000,
+                    param_tokens=16, encoder_budgets="16,4"),
+    "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=24, batch_size=16, lr=3e-3, workers=1,
+                  eval_every=8, patience=2, min_delta=0.005, curve_questions=64,
+                  stage0_steps=100, stage1_steps=6, tune_lrs="1e-2", tune_warmups="2,8", tune_budget=4,
+                  train_images=128, val_images=32, seeds="0,1", families="mlp,pool,patch_merger",
+                  budgets="4,9,all", param_budget=20_000, param_tokens=4, encoder_budgets="4"),
 }
 
 
@@ -94,14 +108,42 @@ def ensure_tower(workdir: pathlib.Path, smoke: bool, data_dir=None) -> None:
                   workdir)
 
 
-def choose_lrs(tuned: dict) -> dict:
-    """``{family: lr}`` with the best validation accuracy in the tuning grid (ties: the smaller lr)."""
+def choose(tuned: dict) -> dict:
+    """``{family: (lr, warmup)}`` with the best validation accuracy in the tuning grid (ties: the
+    smaller lr, then the shorter warmup)."""
     best = {}
-    for (family, _, lr), results in tuned.items():
+    for (family, _, lr, warmup), results in tuned.items():
         acc = np.mean([r["accuracy"] for r in results.values()])
-        if family not in best or (acc, -lr) > (best[family][1], -best[family][0]):
-            best[family] = (lr, acc)
-    return {family: lr for family, (lr, _) in best.items()}
+        if family not in best or (acc, -lr, -warmup) > (best[family][1], -best[family][0][0], -best[family][0][1]):
+            best[family] = ((lr, warmup), acc)
+    return {family: setting for family, (setting, _) in best.items()}
+
+
+def encoder_views(tower_cfg: dict, tower_params: dict, image_size: int, grid, budgets) -> dict:
+    """``{tokens: {variant: (view name, tower, params, image size)}}``: the tower itself reaching
+    ``tokens`` patches by a smaller image (sin-cos positions recomputed for the smaller grid; a
+    learned table resampled) or by larger patches at the same image (the patch kernel PI-resized,
+    FlexiViT's rule). A budget neither reaches exactly is left out."""
+    from vitmm.models.patch_embed import resize_kernel
+    from vitmm.models.vit import resize_posemb
+
+    n, patch = grid[0] * grid[1], tower_cfg["patch_size"]
+    out = {}
+    for tokens in budgets:
+        scale = math.isqrt(n // tokens)
+        if grid[0] != grid[1] or scale * scale * tokens != n or scale < 2:
+            continue
+        views = out.setdefault(tokens, {})
+        small = image_size // scale
+        side = grid[0] // scale
+        params = (resize_posemb(tower_params, (side, side)) if "pos_embedding" in tower_params else tower_params)
+        views[f"image {small} px"] = (f"res{small}", ViT(**tower_cfg), params, small)
+        kernel = resize_kernel(tower_params["embedding"]["kernel"], patch * scale)
+        big = {**tower_params, "embedding": {**tower_params["embedding"], "kernel": kernel}}
+        views[f"patch {patch * scale}"] = (f"patch{patch * scale}", ViT(**{**tower_cfg, "patch_size": patch * scale}),
+                                           resize_posemb(big, (side, side)) if "pos_embedding" in big else big,
+                                           image_size)
+    return out
 
 
 # ------------------------------------------------------------------------------------ resume
@@ -130,57 +172,113 @@ def _signature(settings: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ sweep
-def main(argv=None) -> pathlib.Path:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/token_budget", help="output folder")
-    parser.add_argument("--tower", default=None, help="CLIP workdir (default workdirs/clip_scenes; "
-                        "smoke: OUT/tower); trained first when it holds no checkpoint")
-    parser.add_argument("--data", default=None, help="scenes config (default: the tower's training data)")
-    parser.add_argument("--data_dir", default=None, help="TFDS data_dir (default ~/tensorflow_datasets)")
-    parser.add_argument("--families", default=None, help="comma-separated connector names (default: all)")
-    parser.add_argument("--budgets", default=None, help="visual tokens, or 'all' (default: 4,16,all)")
-    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the preset's)")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--batch_size", type=int, default=None)
-    parser.add_argument("--lr", type=float, default=None,
-                        help="one learning rate for every family (no tuning); default: each family's best of "
-                             "--tune_lrs on the validation split")
-    parser.add_argument("--tune_lrs", default=None, help="the learning-rate grid (default: the preset's)")
-    parser.add_argument("--tune_budget", type=int, default=None,
-                        help="visual tokens at which each family is tuned (its nearest reachable count)")
-    parser.add_argument("--test_images", type=int, default=None, help="test-split images (default: as validation)")
-    parser.add_argument("--lm_width", type=int, default=None)
-    parser.add_argument("--lm_depth", type=int, default=None)
-    parser.add_argument("--tokenizer", default="words", help="words (the questions' vocabulary) or bytes")
-    parser.add_argument("--train_images", type=int, default=None)
-    parser.add_argument("--val_images", type=int, default=None)
-    parser.add_argument("--max_ratio", type=float, default=2.0,
-                        help="run at the nearest reachable count when within this factor of the budget")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="single-threaded worker processes (default: the preset's; 1 = in this process)")
-    parser.add_argument("--stage0_steps", type=int, default=None,
-                        help="stage 0: LM steps on the questions' text alone before connector training, per seed "
-                             "(default: the preset's; 0: the LM starts random)")
-    parser.add_argument("--stage1_steps", type=int, default=None,
-                        help="stage 1: connector-only steps (LM frozen) before the joint steps, per run "
-                             "(default: the preset's; 0: joint from the start)")
-    parser.add_argument("--no_blind", action="store_true", help="skip the no-image baseline")
-    parser.add_argument("--native_widths", action="store_true",
-                        help="qformer / c_abstractor at their own hidden widths (256), not the tower's")
-    parser.add_argument("--smoke", action="store_true", help="a tiny sweep that runs in about a minute")
+    add = parser.add_argument
+    add("--out", default="results/token_budget", help="output folder")
+    add("--tower", default=None, help="CLIP workdir (default workdirs/clip_scenes; smoke: OUT/tower); trained first "
+        "when it holds no checkpoint")
+    add("--data", default=None, help="scenes config (default: the tower's training data)")
+    add("--data_dir", default=None, help="TFDS data_dir (default ~/tensorflow_datasets)")
+    add("--families", default=None, help="comma-separated connector names (default: all)")
+    add("--budgets", default=None, help="visual tokens, or 'all' (default: 4,16,all)")
+    add("--seeds", default=None, help="comma-separated seeds (default: the preset's)")
+    add("--steps", type=int, default=None, help="joint steps at most (early stopping usually ends a run sooner)")
+    add("--batch_size", type=int, default=None)
+    add("--eval_every", type=int, default=None, help="joint steps between validation evaluations")
+    add("--patience", type=int, default=None, help="evaluations without a --min_delta gain before a run stops")
+    add("--min_delta", type=float, default=None, help="the validation gain that counts as progress")
+    add("--curve_questions", type=int, default=None, help="validation questions scored at each evaluation")
+    add("--lr", type=float, default=None, help="one learning rate for every family (no tuning); default: each "
+        "family's best of --tune_lrs on the validation split")
+    add("--tune_lrs", default=None, help="the learning-rate grid (default: the preset's)")
+    add("--tune_warmups", default=None, help="warmup steps tried at each family's best lr (the first: during the "
+        "lr grid)")
+    add("--tune_budget", type=int, default=None, help="visual tokens at which each family is tuned (its nearest "
+        "reachable count)")
+    add("--param_budget", type=int, default=None, help="the equal-parameter comparison: every family with a size "
+        "knob sized to this many connector parameters (0: skip)")
+    add("--param_tokens", type=int, default=None, help="the token budget of the equal-parameter comparison")
+    add("--encoder_budgets", default=None, help="token counts reached on the encoder side (smaller image, larger "
+        "patch) against connector compression ('' skips)")
+    add("--test_images", type=int, default=None, help="test-split images (default: as validation)")
+    add("--lm_width", type=int, default=None)
+    add("--lm_depth", type=int, default=None)
+    add("--tokenizer", default="words", help="words (the questions' vocabulary) or bytes")
+    add("--train_images", type=int, default=None)
+    add("--val_images", type=int, default=None)
+    add("--max_ratio", type=float, default=2.0, help="run at the nearest reachable count when within this factor of "
+        "the budget")
+    add("--workers", type=int, default=None, help="single-threaded worker processes (default: the preset's; 1 = in "
+        "this process)")
+    add("--stage0_steps", type=int, default=None, help="stage 0: LM steps on the questions' text alone before "
+        "connector training, per seed (default: the preset's; 0: the LM starts random)")
+    add("--stage1_steps", type=int, default=None, help="stage 1: connector-only steps (LM frozen) before the joint "
+        "steps, per run (default: the preset's; 0: joint from the start)")
+    add("--no_blind", action="store_true", help="skip the no-image baseline")
+    add("--native_widths", action="store_true", help="qformer / c_abstractor at their own hidden widths (256), not "
+        "the tower's")
+    add("--smoke", action="store_true", help="a tiny sweep that runs in about a minute")
     args = parser.parse_args(argv)
     preset = PRESETS["smoke" if args.smoke else "default"]
-    steps = args.steps or preset["steps"]
-    batch_size = args.batch_size or preset["batch_size"]
-    lr = args.lr or preset["lr"]  # stage 0's, and every family's when --lr is given
-    lm_preset = dict(preset["lm"], **({"width": args.lm_width} if args.lm_width else {}),
-                     **({"depth": args.lm_depth} if args.lm_depth else {}))
-    seeds = [int(s) for s in (args.seeds or preset["seeds"]).split(",")]
-    families = [f for f in (args.families or preset["families"]).split(",") if f]
-    unknown = [f for f in families if f not in connectors.REGISTRY]
+    lr_given = args.lr is not None
+    for key, value in preset.items():  # unset options take the preset's value
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.lm = dict(preset["lm"], **({"width": args.lm_width} if args.lm_width else {}),
+                   **({"depth": args.lm_depth} if args.lm_depth else {}))
+    args.seeds = [int(x) for x in str(args.seeds).split(",")]
+    args.families = [f for f in args.families.split(",") if f]
+    unknown = [f for f in args.families if f not in connectors.REGISTRY]
     if unknown:
         parser.error(f"unknown connector(s) {unknown}; choose from {sorted(connectors.REGISTRY)}.")
-    budgets = [b if b == "all" else int(b) for b in (args.budgets or preset["budgets"]).split(",") if b]
+    args.budgets = [b if b == "all" else int(b) for b in args.budgets.split(",") if b]
+    args.encoder_budgets = [int(b) for b in str(args.encoder_budgets).split(",") if b]
+    args.tune_lrs = [args.lr] if lr_given else [float(x) for x in args.tune_lrs.split(",")]
+    args.tune_warmups = [int(x) for x in str(args.tune_warmups).split(",")][: 1 if lr_given else None]
+    args.parser = parser
+    return args
+
+
+def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, dict]:
+    """The rows of the tables ``(family, requested budget, variant, setting, tokens, note)`` and
+    the jobs ``{(family, tokens, variant): {"connector": cfg, "view": name}}`` (two budgets at one
+    reachable count share a job). Variants: ``""`` (each family's default size, the main table),
+    ``"params ≈ P"`` (sized to P connector parameters) and the encoder-side ones (``mlp`` on all
+    patches of a smaller image or larger patches)."""
+    widths = {} if args.native_widths else {"qformer": {"width": in_dim}, "c_abstractor": {"hidden": in_dim}}
+    plan = [] if args.no_blind else [(BLIND, 0, "", 1, 1, "no image")]
+    jobs = {}
+    for family in args.families:
+        for b in args.budgets:
+            setting, tokens, note = connectors.resolve(family, b, grid, args.max_ratio)
+            plan.append((family, b, "", setting, tokens, note))
+    for family, _, variant, setting, tokens, _ in plan:
+        if setting is not None:
+            jobs.setdefault((family, tokens, variant), {
+                "connector": {"name": "pool" if family == BLIND else family, "budget": setting,
+                              **widths.get(family, {})}, "view": ""})
+    if args.param_budget:
+        variant = f"params ≈ {args.param_budget:,}"
+        for family in args.families:
+            setting, tokens, note = connectors.resolve(family, args.param_tokens, grid, args.max_ratio)
+            if setting is None or family not in connectors.SIZE_KNOBS:
+                continue
+            cfg, _ = connectors.size_to({"name": family, "budget": setting}, args.param_budget, in_dim, lm_width, grid)
+            plan.append((family, args.param_tokens, variant, setting, tokens, note))
+            jobs[(family, tokens, variant)] = {"connector": cfg, "view": ""}
+    if enc and "mlp" not in args.families:
+        args.parser.error("the encoder-side rows (--encoder_budgets) use the mlp connector at its tuned settings; add "
+                          "mlp to --families or pass --encoder_budgets ''.")
+    for tokens, views in enc.items():
+        for variant, (view, *_rest) in views.items():
+            plan.append(("mlp", tokens, variant, "all", tokens, ""))
+            jobs[("mlp", tokens, variant)] = {"connector": {"name": "mlp", "budget": "all"}, "view": "@" + view}
+    return plan, jobs
+
+
+def main(argv=None) -> pathlib.Path:
+    args = parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -191,132 +289,136 @@ def main(argv=None) -> pathlib.Path:
     image_size = clip_config["input"]["image_size"]
     data = args.data or clip_config["input"].get("data", {}).get("name")
     if data is None:  # e.g. a tower converted with python -m vitmm.interop
-        parser.error(f"{tower_dir} does not say what data it was trained on; pass --data (e.g. scenes/easy_224).")
+        args.parser.error(f"{tower_dir} does not say what data it was trained on; pass --data (e.g. scenes/easy_224).")
     tower = ViT(**tower_cfg)
     tower_params = ckpt_lib.load_params(tower_dir)["img"]
+    grid = tower.grid((image_size, image_size))
+    enc = encoder_views(tower_cfg, tower_params, image_size, grid, args.encoder_budgets)
+    views = {name: (t, p, size) for vs in enc.values() for name, t, p, size in vs.values()}
 
     t0 = time.perf_counter()
     tokenizer, max_len = qa_features.make_tokenizer(args.tokenizer, data, args.data_dir)
-    train = qa_features.encode_split(tower, tower_params, data, "train", args.train_images or preset["train_images"],
-                         image_size, tokenizer, max_len, args.data_dir)
-    val = qa_features.encode_split(tower, tower_params, data, "validation", args.val_images or preset["val_images"],
-                       image_size, tokenizer, max_len, args.data_dir)
-    test = qa_features.encode_split(tower, tower_params, data, "test",
-                                    args.test_images or args.val_images or preset["val_images"], image_size,
-                                    tokenizer, max_len, args.data_dir)
-    grid, in_dim = train["grid"], train["patches"].shape[-1]
+    splits = {}
+    for name, split, n in (("train", "train", args.train_images), ("val", "validation", args.val_images),
+                           ("test", "test", args.test_images or args.val_images)):
+        splits[name] = qa_features.encode_split(tower, tower_params, data, split, n, image_size, tokenizer, max_len,
+                                                args.data_dir, views=views)
+    train, val, test = splits["train"], splits["val"], splits["test"]
+    in_dim = train["patches"].shape[-1]
     print(f"tower features: {len(train['patches'])} train / {len(val['patches'])} validation / {len(test['patches'])} "
-          f"test images, grid {grid}, {in_dim} channels; {len(train['ids'])} / {len(val['ids'])} / {len(test['ids'])} "
-          f"questions ({time.perf_counter() - t0:.0f} s)")
+          f"test images, grid {grid}, {in_dim} channels, encoder-side views {sorted(views)}; {len(train['ids'])} / "
+          f"{len(val['ids'])} / {len(test['ids'])} questions ({time.perf_counter() - t0:.0f} s)")
 
-    lm_cfg = dict(vocab_size=tokenizer.vocab_size, **lm_preset)
-    stage0_steps = preset["stage0_steps"] if args.stage0_steps is None else args.stage0_steps
-    stage1_steps = preset["stage1_steps"] if args.stage1_steps is None else args.stage1_steps
-    plan = []  # (family, requested budget, setting, tokens, note)
-    if not args.no_blind:
-        plan.append((BLIND, 0, 1, 1, "no image"))
-    for family in families:
-        for b in budgets:
-            setting, tokens, note = connectors.resolve(family, b, grid, args.max_ratio)
-            plan.append((family, b, setting, tokens, note))
-    jobs = {}  # (family, tokens) -> connector config; two budgets at one reachable count share a job
-    widths = {} if args.native_widths else {"qformer": {"width": in_dim}, "c_abstractor": {"hidden": in_dim}}
-    for family, _, setting, tokens, _ in plan:
-        if setting is not None:
-            jobs.setdefault((family, tokens), {"name": "pool" if family == BLIND else family, "budget": setting,
-                                               **widths.get(family, {})})
-    print(f"{len(jobs)} distinct (connector, tokens) settings × {len(seeds)} seeds × {steps} steps; "
-          f"unreachable: {[(f, b) for f, b, s, _, _ in plan if s is None]}")
+    lm_cfg = dict(vocab_size=tokenizer.vocab_size, **args.lm)
+    plan, jobs = plan_jobs(args, grid, in_dim, lm_cfg["width"], enc)
+    print(f"{len(jobs)} jobs × {len(args.seeds)} seeds, ≤ {args.steps} joint steps each; unreachable: "
+          f"{[(f, b) for f, b, _, s, _, _ in plan if s is None]}")
+    train_plan = {k: getattr(args, k) for k in ("batch_size", "eval_every", "patience", "min_delta", "curve_questions")}
+    train_plan["max_steps"] = args.steps
     # A finished cell is reused only by a sweep with the same settings (everything but the cells).
-    settings = dict(tower=str(tower_dir.resolve()), data=data, lm=lm_cfg, steps=steps, batch_size=batch_size,
-                    stage0_lr=lr, seeds=seeds, stage0_steps=stage0_steps, stage1_steps=stage1_steps,
+    settings = dict(tower=str(tower_dir.resolve()), data=data, lm=lm_cfg, plan=train_plan, stage0_lr=args.lr,
+                    seeds=args.seeds, stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
                     train=len(train["ids"]), val=len(val["ids"]), test=len(test["ids"]), max_len=max_len,
-                    tokenizer=args.tokenizer, widths=widths)
-    context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, grid=grid, in_dim=in_dim, max_len=max_len, steps=steps,
-                   batch_size=batch_size, seeds=seeds, stage0={}, stage1_steps=stage1_steps, jobs=jobs,
-                   tune_seed=seeds[0])
-    arrays = {name: {k: v for k, v in split.items() if k != "grid"}
-              for name, split in (("train", train), ("val", val), ("test", test))}
-    n_workers = args.workers or preset["workers"]
+                    tokenizer=args.tokenizer)
+    context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, in_dim=in_dim, max_len=max_len, plan=train_plan,
+                   seeds=args.seeds, stage0={}, stage1_steps=args.stage1_steps, jobs=jobs, tune_seed=args.seeds[0],
+                   views={"": {"grid": grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}})
+    context["views"] = {k.removeprefix("grid"): v for k, v in context["views"].items()}
+    arrays = {name: {k: v for k, v in split.items() if not k.startswith("grid")} for name, split in splits.items()}
     stage0_loss = {}
 
     def ensure_stage0():  # trained the first time some run needs it
-        for seed in seeds if stage0_steps > 0 and not context["stage0"] else ():
+        for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
             t0 = time.perf_counter()
-            context["stage0"][seed], stage0_loss[seed] = run_lib.pretrain_lm(lm_cfg, train["ids"], tokenizer.pad_id,
-                                                                     stage0_steps, batch_size, lr, seed)
-            print(f"stage 0, seed {seed}: {stage0_steps} LM steps on the questions' text, final loss "
+            context["stage0"][seed], stage0_loss[seed] = run_lib.pretrain_lm(
+                lm_cfg, train["ids"], tokenizer.pad_id, args.stage0_steps, args.batch_size, args.lr, seed)
+            print(f"stage 0, seed {seed}: {args.stage0_steps} LM steps on the questions' text, final loss "
                   f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
 
-    # Tuning: each family's learning rate, chosen on the validation split at one budget and one seed.
-    tune_lrs = [lr] if args.lr else [float(x) for x in (args.tune_lrs or preset["tune_lrs"]).split(",")]
-    tune_budget = args.tune_budget or preset["tune_budget"]
-    tune_keys = []
-    for family in dict.fromkeys(f for f, _ in jobs):
-        tokens = min((t for f, t in jobs if f == family), key=lambda t: (abs(math.log(t / tune_budget)), t))
-        tune_keys += [(family, tokens, x) for x in tune_lrs] if len(tune_lrs) > 1 else []
-    tune_path, tune_sig = out / "tuning.jsonl", _signature({**settings, "tune_seed": seeds[0]})
-    tuned = {k: v for k, v in load_cells(tune_path, tune_sig).items() if k in set(tune_keys)}
-    tune_todo = [k for k in tune_keys if k not in tuned]
-    if tune_todo:
-        ensure_stage0()
-        tuned.update(workers.run(run_lib.tune_job, sorted(tune_todo, key=lambda k: -k[1]), arrays, context, n_workers,
-                                 total=len(tune_todo) * (stage1_steps + steps), desc="tuning",
-                                 on_result=lambda key, res: save_cell(tune_path, tune_sig, key, res)))
-    lrs = choose_lrs(tuned) if tune_keys else {f: lr for f, _ in jobs}
-    context["lrs"] = lrs
-    print(f"learning rates (validation, seed {seeds[0]}, {len(tune_keys)} tuning runs): {lrs}")
+    def run_cells(fn, keys, path, signature, desc, steps_per_key):
+        done = {k: v for k, v in load_cells(path, signature).items() if k in set(keys)}
+        todo = [k for k in keys if k not in done]
+        if done:
+            print(f"{desc}: {len(done)} cells already done in {path} (settings {signature}), skipped; "
+                  f"{len(todo)} to run")
+        if todo:
+            ensure_stage0()
+            done.update(workers.run(fn, todo, arrays, context, args.workers, total=len(todo) * steps_per_key, desc=desc,
+                                    on_result=lambda key, res: save_cell(path, signature, key, res)))
+        return done
 
-    cells_path, signature = out / "cells.jsonl", _signature({**settings, "lrs": lrs})
-    results = {k: v for k, v in load_cells(cells_path, signature).items() if k in jobs}
-    todo = [k for k in jobs if k not in results]
-    if results:
-        print(f"{len(results)} cells already done in {cells_path} (settings {signature}), skipped; {len(todo)} to run")
-    if todo:
-        ensure_stage0()
-    order = sorted(todo, key=lambda key: -key[1])  # the most tokens (the slowest) first
-    results.update(workers.run(run_lib.job, order, arrays, context, n_workers,
-                               total=len(todo) * len(seeds) * (stage1_steps + steps), desc="token budget",
-                               on_result=lambda key, res: save_cell(cells_path, signature, key, res)))
+    # Tuning at one budget and one seed on validation: the lr grid at the first warmup, then the
+    # other warmups at the family's best lr.
+    tune_sig = _signature({**settings, "tune_seed": args.seeds[0]})
+    run_steps = args.stage1_steps + args.steps
+    tune_at = {}
+    for family, tokens, variant in jobs:
+        if variant == "" and (family not in tune_at or abs(math.log(tokens / args.tune_budget))
+                              < abs(math.log(tune_at[family] / args.tune_budget))):
+            tune_at[family] = tokens
+    tuned = {}
+    if len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1:
+        keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in args.tune_lrs]
+        tuned = run_cells(run_lib.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
+                          "tuning (lr)", run_steps)
+        best_lr = {f: lr for f, (lr, _) in choose(tuned).items()}
+        keys = [(f, t, best_lr[f], w) for f, t in tune_at.items() for w in args.tune_warmups[1:]]
+        tuned.update(run_cells(run_lib.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
+                               "tuning (warmup)", run_steps))
+        chosen = choose(tuned)
+    else:
+        chosen = {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in tune_at}
+    context["chosen"] = chosen
+    print(f"(lr, warmup) per family (validation, seed {args.seeds[0]}, {len(tuned)} tuning runs): {chosen}")
+
+    order = sorted(jobs, key=lambda key: -key[1])  # the most tokens (the slowest) first
+    cells_sig = _signature({**settings, "chosen": chosen})
+    results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget",
+                        len(args.seeds) * run_steps)
 
     rows = []
-    for family, requested, setting, tokens, note in plan:
-        base = {"family": family, "budget": requested, "tokens": tokens, "note": note}
+    for family, requested, variant, setting, tokens, note in plan:
+        base = {"family": family, "budget": requested, "variant": variant, "tokens": tokens, "note": note}
         if setting is None:
             rows.append({**base, "seed": "", "status": "unreachable"})
             continue
-        connector_cfg = jobs[(family, tokens)]
-        cost = run_lib.costs(None if family == BLIND else connector_cfg, lm_cfg, in_dim, grid, tokens, max_len - 1)
-        for seed in seeds:
-            rows.append({**base, "seed": seed, "status": "ok", "lr": lrs[family], **cost,
-                         **results[(family, tokens)][seed]})
+        key = (family, tokens, variant)
+        view = jobs[key]["view"]
+        cost = run_lib.costs(None if family == BLIND else jobs[key]["connector"], lm_cfg, in_dim,
+                             context["views"][view]["grid"], tokens, max_len - 1)
+        for seed in args.seeds:
+            res = {k: v for k, v in results[key][seed].items() if k != "curve"}
+            rows.append({**base, "seed": seed, "status": "ok", "lr": chosen[family][0], "warmup": chosen[family][1],
+                         **cost, **res})
+    curves = {f"{f}|{t}|{v}|{seed}": res["curve"] for (f, t, v), by_seed in results.items()
+              for seed, res in by_seed.items()}
 
     shown = tower_dir.resolve()
     shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # no machine paths in results
     if not stage0_loss and (out / "setup.json").is_file():  # every cell was reused: so is stage 0's record
         stage0_loss = json.loads((out / "setup.json").read_text()).get("stage0_final_loss", {})
-    tuning = {}  # {"family@tokens": {lr: validation accuracy}}
-    for (family, tokens, x), res in sorted(tuned.items()):
-        tuning.setdefault(f"{family}@{tokens}", {})[str(x)] = res[seeds[0]]["accuracy"]
+    tuning = {}  # {"family@tokens": {"lr/warmup": validation accuracy}}
+    for (family, tokens, x, w), res in sorted(tuned.items()):
+        tuning.setdefault(f"{family}@{tokens}", {})[f"{x:g}/{w}"] = res[args.seeds[0]]["accuracy"]
     setup = {"tower": str(shown), "tower_config": tower_cfg, "data": data, "image_size": image_size,
-             "grid": list(grid), "lm": lm_preset, "steps": steps, "batch_size": batch_size, "stage0_lr": lr,
-             "tune_lrs": tune_lrs, "tune_budget": tune_budget, "tune_seed": seeds[0], "chosen_lr": lrs,
-             "tuning": tuning,
-             "stage0_steps": stage0_steps, "stage0_final_loss": stage0_loss, "stage1_steps": stage1_steps,
-             "seeds": seeds, "connector_widths": widths, "tokenizer": args.tokenizer,
-             "vocab_size": tokenizer.vocab_size, "max_len": max_len,
-             "train_images": len(train["patches"]),
+             "grid": list(grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
+             "tune_lrs": args.tune_lrs, "tune_warmups": args.tune_warmups, "tune_budget": args.tune_budget,
+             "tune_seed": args.seeds[0], "chosen": {f: list(v) for f, v in chosen.items()}, "tuning": tuning,
+             "stage0_steps": args.stage0_steps, "stage0_final_loss": stage0_loss, "stage1_steps": args.stage1_steps,
+             "seeds": args.seeds, "param_budget": args.param_budget, "param_tokens": args.param_tokens,
+             "connectors": {"|".join(map(str, k)): v for k, v in jobs.items()}, "tokenizer": args.tokenizer,
+             "vocab_size": tokenizer.vocab_size, "max_len": max_len, "train_images": len(train["patches"]),
              "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
-             "test_questions": len(test["ids"]),
-             "workers": args.workers or preset["workers"], "backend": jax.default_backend(),
-             "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+             "test_questions": len(test["ids"]), "workers": args.workers,
+             "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     summary = report.summarise(rows)
     report.write_csv(rows, out / "runs.csv")
+    (out / "curves.json").write_text(json.dumps(curves) + "\n")
     (out / "token_budget.md").write_text(report.to_markdown(summary, setup))
     (out / "setup.json").write_text(json.dumps(setup, indent=1, default=str) + "\n")
-    report.plot(summary, out)
+    report.plot(summary, out, curves)
     print((out / "token_budget.md").read_text())
-    print(f"wrote {out}/runs.csv, token_budget.md, accuracy_vs_budget.png, accuracy_vs_cost.png, setup.json")
+    print(f"wrote {out}/runs.csv, curves.json, token_budget.md, *.png, setup.json")
     return out
 
 

@@ -15,24 +15,35 @@ BLIND = "blind"
 KINDS = scenes.QUESTION_KINDS
 
 
+SPATIAL, GLOBAL = ("color_at", "shape_at", "relative"), ("exists", "count")
+LOCALITY = ("pool", "pixel_shuffle", "patch_merger", "c_abstractor", "ldp")  # Honeybee's locality-preserving
+LEARNED_QUERY = ("qwen_resampler", "perceiver", "qformer")  # learned queries attending to all patches
+
+
 def summarise(rows: list[dict]) -> list[dict]:
-    """Mean ± std over seeds per (family, requested budget)."""
+    """Mean, std and 95% CI over seeds per (family, requested budget, variant)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["family"], r["budget"]), []).append(r)
+        groups.setdefault((r["family"], r["budget"], r.get("variant", "")), []).append(r)
     out = []
     for rs in groups.values():
         first = rs[0]
-        s = {k: first.get(k) for k in ("family", "budget", "tokens", "note", "lr", "connector_params",
+        s = {k: first.get(k) for k in ("family", "budget", "tokens", "note", "lr", "warmup", "connector_params",
                                        "connector_mflops", "lm_mflops")}
+        s["variant"] = first.get("variant", "")
         s["seeds"] = sum(r["status"] == "ok" for r in rs)
         ok = [r for r in rs if r["status"] == "ok"]
-        for key in ("accuracy", *(f"acc_{k}" for k in KINDS), "train_ex_s", "infer_ex_s"):
-            values = np.array([r[key] for r in ok], float)
+        for key in ("train_ms", "infer_ms"):  # cost: the median over seeds and its range
+            values = [float(r[key]) for r in ok if r.get(key) not in (None, "")]
+            s[key] = float(np.median(values)) if values else float("nan")
+            s[key + "_range"] = (min(values), max(values)) if values else None
+        for key in ("accuracy", *(f"acc_{k}" for k in KINDS), "best_step", "steps_trained"):
+            values = np.array([r[key] for r in ok if r.get(key) is not None], float)
             s[key] = float(values.mean()) if len(values) else float("nan")
             s[key + "_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
             s[key + "_ci"] = ci95(values)
         s["by_seed"] = {int(r["seed"]): float(r["accuracy"]) for r in ok}
+        s["kinds_by_seed"] = {int(r["seed"]): {k: float(r[f"acc_{k}"]) for k in KINDS} for r in ok}
         s["status"] = first["status"]
         out.append(s)
     blind = next((s for s in out if s["family"] == BLIND and s["status"] == "ok"), None)
@@ -68,58 +79,68 @@ def _pm(s: dict, key: str) -> str:
     return f"{100 * s[key]:.1f} ± {100 * s[key + '_ci']:.1f}"
 
 
-def _vs(s: dict) -> str:
-    if not s.get("vs_blind"):
+def _p(test) -> str:
+    return "" if test is None else f"{100 * test[0]:+.1f} (p={test[1]:.2g})"
+
+
+def _ms(s: dict, key: str) -> str:
+    if s.get(key) is None or s[key] != s[key]:
         return ""
-    diff, p = s["vs_blind"]
-    return f"{100 * diff:+.1f} (p={p:.2g})"
+    lo, hi = s[key + "_range"]
+    return f"{s[key]:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
-def _threads(workers: int) -> str:
-    return ("one process on all cores" if workers <= 1
-            else f"one thread per run, {workers} runs side by side (compare rows with each other, not across "
-                 "machines)")
+def _ok(summary, variant=None):
+    return [s for s in summary if s["status"] == "ok" and (variant is None or s["variant"] == variant)]
 
 
 def to_markdown(summary: list[dict], setup: dict) -> str:
     kinds = " | ".join(KINDS)
-    test = setup.get("test_questions")
-    where = (f"{test:,} test questions" if test else f"{setup['val_questions']:,} validation questions")
-    tuned = (f"; each family's learning rate (column lr) the best of {setup['tune_lrs']} on "
+    plan = setup["plan"]
+    tuned = (f"; each family's learning rate and warmup (column lr/warmup) the best of lr {setup['tune_lrs']} "
+             f"(warmup {setup['tune_warmups'][0]}), then warmup {setup['tune_warmups']} at that lr, on all "
              f"{setup['val_questions']:,} validation questions at {setup['tune_budget']} tokens, seed "
-             f"{setup['tune_seed']}" if len(setup.get("tune_lrs") or ()) > 1 else "")
-    lines = [f"Exact-match accuracy on {where} of `{setup['data']}` "
+             f"{setup['tune_seed']}" if len(setup["tune_lrs"]) > 1 or len(setup["tune_warmups"]) > 1 else "")
+    lines = [f"Exact-match accuracy on {setup['test_questions']:,} test questions of `{setup['data']}` "
              f"(mean ± 95% CI half-width, Student's t over {len(setup['seeds'])} seeds; vs blind: the mean "
-             "difference in overall accuracy and the p of a t-test paired by seed; "
-             f"stage 0 {setup.get('stage0_steps', 0)} LM steps on the "
-             f"text, stage 1 {setup.get('stage1_steps', 0)} connector steps, then {setup['steps']} steps × "
-             f"{setup['batch_size']} questions per run{tuned}; tower `{setup['tower']}` grid "
-             f"{setup['grid'][0]}×{setup['grid'][1]}, LM {setup['lm']}). "
-             "FLOPs per example (XLA count, forward); LM FLOPs at BOS + visual tokens + "
-             f"{setup['max_len'] - 1} text positions ({setup['tokenizer']} tokens). Examples/s: connector + LM on "
-             f"precomputed features, median step, {_threads(setup['workers'])}.",
+             "difference in overall accuracy and the p of a t-test paired by seed). Each run: stage 0 "
+             f"{setup['stage0_steps']} LM steps on the text (per seed), stage 1 {setup['stage1_steps']} connector "
+             f"steps, then joint steps of {plan['batch_size']} questions (warmup, then a constant lr) until the "
+             f"accuracy on {plan['curve_questions']:,} validation questions, checked every {plan['eval_every']} "
+             f"steps, has not risen by {100 * plan['min_delta']:g} points for {plan['patience']} checks (at most "
+             f"{plan['max_steps']} steps); the parameters of the best check are tested (steps: mean best check / "
+             f"mean steps trained){tuned}; tower `{setup['tower']}` grid {setup['grid'][0]}×{setup['grid'][1]}, "
+             f"LM {setup['lm']}. FLOPs per example (XLA count, forward); LM FLOPs at BOS + visual tokens + "
+             f"{setup['max_len'] - 1} text positions ({setup['tokenizer']} tokens). ms/ex: milliseconds per example "
+             "of a training step and of scoring (connector + LM on precomputed features; "
+             f"{setup['workers']} single-core worker(s) side by side; per seed the median of 20 steps after its "
+             "training; the median over seeds [range]; compare rows, not machines).",
              "",
-             f"| connector | budget | tokens | lr | all | vs blind | {kinds} | params | conn. MFLOP | LM MFLOP | "
-             "train ex/s | infer ex/s |",
-             "|---|---|---:|---:|---:|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|---:|---:|"]
-    for s in summary:
+             f"| connector | budget | tokens | lr/warmup | steps | all | vs blind | {kinds} | params | conn. MFLOP | "
+             "LM MFLOP | train ms/ex | infer ms/ex |",
+             "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|---:|---:|"]
+    for s in [s for s in summary if s["variant"] == ""]:
         if s["status"] != "ok":
-            lines.append(f"| {s['family']} | {s['budget']} | {s['note']} |" + " |" * (len(KINDS) + 8))
+            lines.append(f"| {s['family']} | {s['budget']} | {s['note']} |" + " |" * (len(KINDS) + 9))
             continue
         tokens = f"{s['tokens']}" + (f" ({s['note']})" if s["note"] else "")
         lines.append(
-            f"| {s['family']} | {s['budget']} | {tokens} | {s['lr']:g} | {_pm(s, 'accuracy')} | {_vs(s)} | "
+            f"| {s['family']} | {s['budget']} | {tokens} | {s['lr']:g}/{s['warmup']} | "
+            f"{s['best_step']:.0f}/{s['steps_trained']:.0f} | {_pm(s, 'accuracy')} | {_p(s['vs_blind'])} | "
             + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
-            f"{s['train_ex_s']:,.0f} | {s['infer_ex_s']:,.0f} |")
-    return "\n".join(lines + [""] + spread_lines(summary)) + "\n"
+            f"{_ms(s, 'train_ms')} | {_ms(s, 'infer_ms')} |")
+    lines += ["", *spread_lines(summary), "", *param_lines(summary, setup), "", *encoder_lines(summary), "",
+              *claim_lines(summary)]
+    return "\n".join(lines) + "\n"
 
 
 def spread_lines(summary: list[dict]) -> list[str]:
-    """Connector vs token count at a glance: at each token count, how far apart the families are
-    (MM1 / TokenPacker's question), and per family, what going from its fewest to its most tokens
-    gains. Rows at the same actual count are compared whatever budget was requested."""
-    ok = [s for s in summary if s["status"] == "ok" and s["family"] != "blind"]
+    """Connector vs token count at a glance (the main table's rows): at each token count, how far
+    apart the families are (MM1 / TokenPacker's question), and per family, what going from its
+    fewest to its most tokens gains. Rows at the same actual count are compared whatever budget
+    was requested."""
+    ok = [s for s in _ok(summary, "") if s["family"] != BLIND]
     at: dict[int, dict[str, float]] = {}
     cell: dict[tuple[int, str], dict] = {}
     for s in ok:
@@ -143,23 +164,133 @@ def spread_lines(summary: list[dict]) -> list[str]:
         counts = {t: acc[family] for t, acc in at.items() if family in acc}
         if len(counts) > 1:
             lo, hi = min(counts), max(counts)
-            gain = counts[hi] - counts[lo]
             test = paired_vs(cell[(hi, family)], cell[(lo, family)])
-            lines.append(f"| {family} | {lo}: {counts[lo]:.1f} | {hi}: {counts[hi]:.1f} | {gain:+.1f} | "
-                         f"{'' if test is None else f'{test[1]:.2g}'} |")
-    blind = [s for s in summary if s["family"] == "blind" and s["status"] == "ok"]
+            lines.append(f"| {family} | {lo}: {counts[lo]:.1f} | {hi}: {counts[hi]:.1f} | "
+                         f"{counts[hi] - counts[lo]:+.1f} | {'' if test is None else f'{test[1]:.2g}'} |")
+    blind = [s for s in _ok(summary) if s["family"] == BLIND]
     if blind:
         lines += ["", f"No image (`blind`, the questions' prior): {100 * blind[0]['accuracy']:.1f}."]
     return lines
 
 
-def plot(summary: list[dict], out: pathlib.Path) -> None:
+def param_lines(summary: list[dict], setup: dict) -> list[str]:
+    """The equal-parameter table: each family sized to one connector parameter count, against
+    itself at its default size (paired by seed)."""
+    sized = [s for s in _ok(summary) if s["variant"].startswith("params")]
+    if not sized:
+        return []
+    default = {(s["family"], s["tokens"]): s for s in _ok(summary, "")}
+    knobs = {k.split("|")[0]: v["connector"] for k, v in setup.get("connectors", {}).items() if "params" in k}
+    lines = [f"At equal parameters ({sized[0]['variant']} connector parameters, {setup['param_tokens']} tokens; each "
+             "family's size knob set to the nearest count; vs default: paired by seed against the main table's row):",
+             "", f"| connector | tokens | size | params | all | vs default size | {' | '.join(KINDS)} |",
+             "|---|---:|---|---:|---:|---:|" + "---:|" * len(KINDS)]
+    for s in sized:
+        cfg = knobs.get(s["family"], {})
+        size = ", ".join(f"{k}={v}" for k, v in cfg.items() if k not in ("name", "budget"))
+        base = default.get((s["family"], s["tokens"]))
+        lines.append(f"| {s['family']} | {s['tokens']} | {size} | {s['connector_params']:,} | {_pm(s, 'accuracy')} | "
+                     f"{_p(paired_vs(s, base) if base else None)} | " + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
+                     + " |")
+    acc = {s["family"]: 100 * s["accuracy"] for s in sized}
+    best, worst = max(acc, key=acc.get), min(acc, key=acc.get)
+    test = paired_vs(*(next(s for s in sized if s["family"] == f) for f in (best, worst)))
+    lines += ["", f"Spread at equal parameters: {best} {acc[best]:.1f} − {worst} {acc[worst]:.1f} = "
+              f"{acc[best] - acc[worst]:.1f} points{'' if test is None else f' (p={test[1]:.2g}, paired by seed)'}."]
+    return lines
+
+
+def encoder_lines(summary: list[dict]) -> list[str]:
+    """Encoder-side against connector-side budget at equal LM tokens: ``mlp`` on every patch of a
+    smaller image or of larger patches, against each connector compressing the full grid."""
+    enc = [s for s in _ok(summary) if s["variant"].startswith(("image", "patch"))]
+    if not enc:
+        return []
+    lines = ["Encoder side against connector side at equal LM tokens (the encoder-side rows: `mlp` on all patches "
+             "of a smaller image, sin-cos positions recomputed, or of larger patches, the patch kernel PI-resized; "
+             "p: paired by seed against the best connector-side row):", "",
+             f"| tokens | how | all | vs best connector side | {' | '.join(KINDS)} |",
+             "|---:|---|---:|---:|" + "---:|" * len(KINDS)]
+    for tokens in sorted({s["tokens"] for s in enc}):
+        side = [s for s in _ok(summary, "") if s["tokens"] == tokens and s["family"] != BLIND]
+        best = max(side, key=lambda s: s["accuracy"]) if side else None
+        for s in [s for s in enc if s["tokens"] == tokens] + sorted(side, key=lambda s: -s["accuracy"]):
+            how = f"encoder: {s['variant']}" if s in enc else f"connector: {s['family']}"
+            vs = _p(paired_vs(s, best)) if s in enc and best is not None else ""
+            lines.append(f"| {tokens} | {how} | {_pm(s, 'accuracy')} | {vs} | "
+                         + " | ".join(_pm(s, f"acc_{k}") for k in KINDS) + " |")
+    return lines
+
+
+def _kind_mean(s: dict, seed: int, kinds) -> float:
+    return float(np.mean([s["kinds_by_seed"][seed][k] for k in kinds]))
+
+
+def _one_sample(values) -> tuple[float, float, float] | None:
+    """``(mean, 95% CI half-width, two-sided p of a one-sample t-test against 0)``."""
+    from scipy import stats
+
+    values = np.asarray(values, float)
+    if len(values) < 2:
+        return None
+    p = 1.0 if np.allclose(values, values[0]) and values[0] == 0 else float(stats.ttest_1samp(values, 0).pvalue)
+    return float(values.mean()), ci95(values), p
+
+
+def group_test(summary: list[dict], tokens: int, kinds) -> tuple[float, float, float] | None:
+    """Honeybee's claim at ``tokens``: per seed, the mean accuracy on ``kinds`` of the
+    locality-preserving families minus that of the learned-query families; the mean over seeds
+    with its CI and the p of a t-test (paired by seed)."""
+    rows = {s["family"]: s for s in _ok(summary, "") if s["tokens"] == tokens}
+    loc, query = [rows[f] for f in LOCALITY if f in rows], [rows[f] for f in LEARNED_QUERY if f in rows]
+    if not loc or not query:
+        return None
+    seeds = sorted(set.intersection(*(set(s["kinds_by_seed"]) for s in loc + query)))
+    return _one_sample([np.mean([_kind_mean(s, k, kinds) for s in loc])
+                        - np.mean([_kind_mean(s, k, kinds) for s in query]) for k in seeds])
+
+
+def detail_test(summary: list[dict]) -> tuple[float, float, float] | None:
+    """"More tokens help fine-detail kinds more": per seed, the mean over families of (gain on the
+    spatial kinds − gain on the global kinds) from each family's fewest to its most tokens."""
+    by_family: dict[str, dict[int, dict]] = {}
+    for s in _ok(summary, ""):
+        if s["family"] != BLIND:
+            by_family.setdefault(s["family"], {})[int(s["tokens"])] = s
+    pairs = [(c[min(c)], c[max(c)]) for c in by_family.values() if len(c) > 1]
+    if not pairs:
+        return None
+    seeds = sorted(set.intersection(*(set(s["kinds_by_seed"]) for pair in pairs for s in pair)))
+    return _one_sample([np.mean([(_kind_mean(hi, k, SPATIAL) - _kind_mean(lo, k, SPATIAL))
+                                 - (_kind_mean(hi, k, GLOBAL) - _kind_mean(lo, k, GLOBAL)) for lo, hi in pairs])
+                        for k in seeds])
+
+
+def claim_lines(summary: list[dict]) -> list[str]:
+    def fmt(t):
+        return "too few rows" if t is None else f"{100 * t[0]:+.1f} ± {100 * t[1]:.1f} points (p={t[2]:.2g})"
+
+    lines = ["Claims, tested (mean over seeds ± 95% CI; t-tests over seeds):", ""]
+    counts = sorted({int(s["tokens"]) for s in _ok(summary, "") if s["family"] != BLIND})
+    for tokens in counts:
+        for name, kinds in (("spatial kinds (" + ", ".join(SPATIAL) + ")", SPATIAL),
+                            ("global kinds (" + ", ".join(GLOBAL) + ")", GLOBAL)):
+            test = group_test(summary, tokens, kinds)
+            if test is not None:
+                lines.append(f"- Honeybee, {tokens} tokens, {name}: locality-preserving ({', '.join(LOCALITY)}) − "
+                             f"learned-query ({', '.join(LEARNED_QUERY)}) = {fmt(test)}")
+    lines.append(f"- More tokens help fine detail more: (gain on spatial kinds − gain on global kinds), fewest to most "
+                 f"tokens, mean over families = {fmt(detail_test(summary))}")
+    return lines
+
+
+def plot(summary: list[dict], out: pathlib.Path, curves: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [s for s in summary if s["status"] == "ok"]
+    ok = _ok(summary, "")
     blind = next((s for s in ok if s["family"] == BLIND), None)
     families = [f for f in dict.fromkeys(s["family"] for s in ok) if f != BLIND]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -167,6 +298,10 @@ def plot(summary: list[dict], out: pathlib.Path) -> None:
         pts = sorted({s["tokens"]: s for s in ok if s["family"] == family}.values(), key=lambda s: s["tokens"])
         ax.errorbar([s["tokens"] for s in pts], [100 * s["accuracy"] for s in pts],
                     yerr=[100 * np.nan_to_num(s["accuracy_ci"]) for s in pts], marker="o", capsize=3, label=family)
+    enc = [s for s in _ok(summary) if s["variant"].startswith(("image", "patch"))]
+    for s in enc:
+        ax.errorbar([s["tokens"]], [100 * s["accuracy"]], yerr=[100 * np.nan_to_num(s["accuracy_ci"])], marker="s",
+                    color="black", capsize=3, linestyle="none", label=f"encoder side: {s['variant']}")
     ax.set_xscale("log", base=2)
     _finish(plt, fig, ax, blind, "visual tokens handed to the LM",
             "Accuracy vs. token budget (mean, 95% CI over seeds)", out / "accuracy_vs_budget.png")
@@ -182,6 +317,33 @@ def plot(summary: list[dict], out: pathlib.Path) -> None:
     ax.set_xscale("log")
     _finish(plt, fig, ax, blind, "connector + LM forward MFLOP per example (labels: visual tokens)",
             "Accuracy vs. cost", out / "accuracy_vs_cost.png")
+    if curves:
+        plot_curves(plt, curves, out / "learning_curves.png")
+
+
+def plot_curves(plt, curves: dict, path: pathlib.Path) -> None:
+    """Validation accuracy against joint steps, one panel per token count of the main table, one
+    line per family (the mean over seeds at each check a seed reached)."""
+    by_tokens: dict[int, dict[str, list]] = {}
+    for key, curve in curves.items():
+        family, tokens, variant, _ = key.split("|")
+        if variant == "":
+            by_tokens.setdefault(int(tokens), {}).setdefault(family, []).append(curve)
+    if not by_tokens:
+        return
+    fig, axes = plt.subplots(1, len(by_tokens), figsize=(4.2 * len(by_tokens), 3.8), squeeze=False)
+    for ax, tokens in zip(axes[0], sorted(by_tokens), strict=True):
+        for family, runs in sorted(by_tokens[tokens].items()):
+            steps = sorted({step for c in runs for step, _ in c})
+            mean = [100 * np.mean([a for c in runs for s, a in c if s == step]) for step in steps]
+            ax.plot(steps, mean, marker=".", label=family)
+        ax.set_title(f"{tokens} visual tokens")
+        ax.set_xlabel("joint steps")
+        ax.set_ylabel("validation exact match (%)")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _finish(plt, fig, ax, blind, xlabel: str, title: str, path: pathlib.Path) -> None:

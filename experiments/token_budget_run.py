@@ -26,18 +26,23 @@ class Run:
     scoring are built once per setting and shared by its seeds."""
 
     def __init__(self, tower_cfg: dict, connector_cfg: dict, lm_cfg: dict, grid, in_dim: int, max_len: int,
-                 steps: int, lr: float, blind: bool = False, stage0: dict | None = None, stage1_steps: int = 0):
+                 steps: int, lr: float, blind: bool = False, stage0: dict | None = None, stage1_steps: int = 0,
+                 warmup: int | None = None):
         self.model = vlm.VLM(tower_cfg, connector_cfg, lm_cfg)
         self.grid, self.blind, self.stage0 = tuple(grid), blind, stage0 or {}
         self._example = (jnp.zeros((1, grid[0] * grid[1], in_dim), jnp.float32), jnp.zeros((1, max_len), jnp.int32))
         shapes = jax.eval_shape(self._init, jax.random.key(0))
-        self.tx, _ = optim.make_optimizer(_adamw(lr, steps), shapes)
+        # The joint phase: linear warmup, then a constant rate, for at most `steps` (early stopping
+        # ends it: a decaying schedule would tie the result to a step count fixed in advance).
+        warmup = max(steps // 20, 1) if warmup is None else warmup
+        self.tx, _ = optim.make_optimizer(_adamw(lr, steps, warmup, end_factor=1.0), shapes)
         self._init_jit = jax.jit(self._init)
         self.step = jax.jit(step_lib.update_step(self._loss, self.tx), donate_argnums=(0, 1))
         # Stage 1 (LLaVA's): the connector alone for stage1_steps, the LM frozen, before joint training.
         self.stage1_steps, self.stage1_tx, self.stage1_step = stage1_steps, None, None
         if stage1_steps > 0:
-            self.stage1_tx, _ = optim.make_optimizer(_adamw(lr, stage1_steps, freeze=(r"language/.*",)), shapes)
+            self.stage1_tx, _ = optim.make_optimizer(
+                _adamw(lr, stage1_steps, max(stage1_steps // 20, 1), freeze=(r"language/.*",)), shapes)
             self.stage1_step = jax.jit(step_lib.update_step(self._loss, self.stage1_tx), donate_argnums=(0, 1))
         self.score = jax.jit(lambda params, patches, ids, mask: self._scores(params, patches, ids, mask)[2])
 
@@ -64,8 +69,8 @@ class Run:
         return losses.masked_mean(nll, mask[:, 1:])
 
 
-def _adamw(lr: float, steps: int, freeze=()):
-    return ml_collections.ConfigDict(dict(lr=lr, total_steps=steps, warmup_steps=max(steps // 20, 1), end_factor=0.0,
+def _adamw(lr: float, steps: int, warmup: int, freeze=(), end_factor: float = 0.0):
+    return ml_collections.ConfigDict(dict(lr=lr, total_steps=steps, warmup_steps=warmup, end_factor=end_factor,
                                           weight_decay=0.0, b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0,
                                           freeze=tuple(freeze)))
 
@@ -76,7 +81,7 @@ def pretrain_lm(lm_cfg: dict, ids: np.ndarray, pad_id: int, steps: int, batch_si
     image), next-token loss on every text token; ``(params as numpy, mean loss of the last 20 steps)``."""
     model = lm.LM(**lm_cfg)
     params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, ids.shape[1]), jnp.int32))["params"]
-    tx, _ = optim.make_optimizer(_adamw(lr, steps), params)
+    tx, _ = optim.make_optimizer(_adamw(lr, steps, max(steps // 20, 1)), params)
 
     def loss_fn(p, batch):
         logits = model.apply({"params": p}, batch[:, :-1])
@@ -90,78 +95,138 @@ def pretrain_lm(lm_cfg: dict, ids: np.ndarray, pad_id: int, steps: int, batch_si
     return jax.tree.map(np.asarray, params), float(np.mean(history[-20:]))
 
 
-def _batch(split: dict, index: np.ndarray):
-    return (jnp.asarray(split["patches"][split["image"][index]]), jnp.asarray(split["ids"][index]),
+def _batch(split: dict, index: np.ndarray, view: str = ""):
+    return (jnp.asarray(split["patches" + view][split["image"][index]]), jnp.asarray(split["ids"][index]),
             jnp.asarray(split["answer_mask"][index]))
 
 
-def train_and_eval(run: Run, seed: int, train: dict, val: dict, steps: int, batch_size: int,
-                   eval_batch: int = 500, progress=None) -> dict:
-    params, opt_state = run.init(seed)
-    step, score = run.step, run.score
-    rng = np.random.default_rng(seed)
-    times, losses = [], []
-    if run.stage1_steps:  # connector only; the joint phase then starts with fresh optimizer moments
-        stage1_state = run.stage1_tx.init(params)
-        for _ in range(run.stage1_steps):
-            params, stage1_state, _ = run.stage1_step(params, stage1_state, *_batch(train, rng.integers(
-                len(train["ids"]), size=batch_size)))
-            if progress is not None:
-                progress.update(1)
-        opt_state = run.tx.init(params)
-    for i in range(steps):
-        batch = _batch(train, rng.integers(len(train["ids"]), size=batch_size))
-        start = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, *batch)
-        loss = float(loss)  # blocks: the step time below is the step's own
-        times.append(time.perf_counter() - start)
-        losses.append(loss)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss} at step {i} ({run.model.connector}, seed {seed}).")
-        if progress is not None:
-            progress.update(1)
-    exact, eval_times = [], []
-    for start in range(0, len(val["ids"]), eval_batch):
-        index = np.arange(start, min(start + eval_batch, len(val["ids"])))
+def evaluate(run: Run, params, split: dict, view: str = "", limit: int | None = None, eval_batch: int = 500) -> dict:
+    """Exact match on the first ``limit`` questions of ``split`` (all by default): overall and per kind."""
+    n = len(split["ids"]) if limit is None else min(limit, len(split["ids"]))
+    exact = []
+    for start in range(0, n, eval_batch):
+        index = np.arange(start, min(start + eval_batch, n))
         pad = eval_batch - len(index)  # one compiled shape: pad the last batch, drop its padding
-        batch = _batch(val, np.concatenate([index, np.zeros(pad, index.dtype)]))
-        t0 = time.perf_counter()
-        hits = np.asarray(score(params, *batch))
-        eval_times.append(time.perf_counter() - t0)
+        hits = np.asarray(run.score(params, *_batch(split, np.concatenate([index, np.zeros(pad, index.dtype)]), view)))
         exact.append(hits[: len(index)])
     exact = np.concatenate(exact)
-    result = {"accuracy": float(exact.mean()), "final_loss": float(np.mean(losses[-20:]))}
+    result = {"accuracy": float(exact.mean())}
     for k, name in enumerate(KINDS):
-        chosen = val["kind"] == k
+        chosen = split["kind"][:n] == k
         result[f"acc_{name}"] = float(exact[chosen].mean()) if chosen.any() else float("nan")
-    warm = times[min(5, len(times) - 1):]  # the first steps compile
-    result["train_ex_s"] = batch_size / float(np.median(warm))
-    warm_eval = eval_times[1:] or eval_times
-    result["infer_ex_s"] = eval_batch / float(np.median(warm_eval))
     return result
 
 
-def _run(c: dict, family: str, tokens: int, lr: float) -> Run:
-    return Run(c["tower_cfg"], c["jobs"][(family, tokens)], c["lm_cfg"], c["grid"], c["in_dim"], c["max_len"],
-               c["steps"], lr, blind=family == BLIND, stage0=c.get("stage0"), stage1_steps=c.get("stage1_steps", 0))
+def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, plan: dict, view: str = "",
+                   progress=None) -> dict:
+    """Stage 1, then joint steps until validation accuracy plateaus; the result on ``final``.
+
+    ``plan``: ``max_steps``, ``batch_size``, ``eval_every``, ``patience``, ``min_delta`` and
+    ``curve_questions``. Every ``eval_every`` joint steps (and before the first) the model is
+    scored on the first ``curve_questions`` of ``val``; training stops when the best score has not
+    risen by ``min_delta`` for ``patience`` evaluations, or at ``max_steps``. The parameters of the
+    best evaluation are scored on ``final`` (the test split; the full validation split when
+    tuning). Returns accuracy per kind, the learning curve ``[[step, accuracy], ...]``, the best
+    step, the steps trained and the mean training loss of the last 20 steps.
+    """
+    params, opt_state = run.init(seed)
+    rng = np.random.default_rng(seed)
+    batch_size, every = plan["batch_size"], plan["eval_every"]
+
+    def draw():
+        return _batch(train, rng.integers(len(train["ids"]), size=batch_size), view)
+
+    if run.stage1_steps:  # connector only; the joint phase then starts with fresh optimizer moments
+        stage1_state = run.stage1_tx.init(params)
+        for _ in range(run.stage1_steps):
+            params, stage1_state, _ = run.stage1_step(params, stage1_state, *draw())
+            if progress is not None:
+                progress.update(1)
+        opt_state = run.tx.init(params)
+
+    def curve_point():
+        return evaluate(run, params, val, view, plan["curve_questions"])["accuracy"]
+
+    curve, losses = [[0, curve_point()]], []
+    best_acc, best_step, best_params = curve[0][1], 0, jax.tree.map(jnp.copy, params)
+    step = 0
+    while step < plan["max_steps"]:
+        params, opt_state, loss = run.step(params, opt_state, *draw())
+        step += 1
+        losses.append(float(loss))
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss became {losses[-1]} at step {step} ({run.model.connector}, seed {seed}).")
+        if progress is not None:
+            progress.update(1)
+        if step % every == 0 or step == plan["max_steps"]:
+            curve.append([step, curve_point()])
+            if curve[-1][1] >= best_acc + plan["min_delta"]:
+                best_acc, best_step, best_params = curve[-1][1], step, jax.tree.map(jnp.copy, params)
+            elif step - best_step >= plan["patience"] * every:
+                break
+    if progress is not None:
+        progress.update(plan["max_steps"] - step)  # the bar counts every run at its longest
+    result = evaluate(run, best_params, final, view)
+    return {**result, "best_step": best_step, "steps_trained": step, "final_loss": float(np.mean(losses[-20:])),
+            "curve": curve}
+
+
+def time_steps(run: Run, train: dict, test: dict, batch_size: int, view: str = "", steps: int = 20,
+               eval_batch: int = 500) -> dict:
+    """Seconds per training step and per scoring batch after compilation (medians of ``steps``
+    and of 5 batches), from fresh parameters: the cost, not the result, of a run."""
+    params, opt_state = run.init(0)
+    rng = np.random.default_rng(0)
+    train_times, eval_times = [], []
+    for i in range(steps + 2):  # the first two steps compile (the second: donated buffers)
+        batch = _batch(train, rng.integers(len(train["ids"]), size=batch_size), view)
+        t0 = time.perf_counter()
+        params, opt_state, loss = run.step(params, opt_state, *batch)
+        loss.block_until_ready()
+        if i >= 2:
+            train_times.append(time.perf_counter() - t0)
+    for i in range(6):
+        batch = _batch(test, rng.integers(len(test["ids"]), size=eval_batch), view)
+        t0 = time.perf_counter()
+        run.score(params, *batch).block_until_ready()
+        if i:
+            eval_times.append(time.perf_counter() - t0)
+    return {"train_ms": 1e3 * float(np.median(train_times)) / batch_size,
+            "infer_ms": 1e3 * float(np.median(eval_times)) / eval_batch}
+
+
+def _run(c: dict, key: tuple, lr: float, warmup: int | None) -> Run:
+    job = c["jobs"][key]
+    view = c["views"][job["view"]]
+    return Run(c["tower_cfg"], job["connector"], c["lm_cfg"], view["grid"], c["in_dim"], c["max_len"],
+               c["plan"]["max_steps"], lr, blind=key[0] == BLIND, stage0=c.get("stage0"),
+               stage1_steps=c.get("stage1_steps", 0), warmup=warmup)
 
 
 def job(key, arrays: dict, context: dict, progress) -> dict:
-    """``{seed: result}`` on the test questions for one (connector, tokens) setting at its family's
-    chosen learning rate: compiled once, trained per seed."""
-    (family, tokens), c = key, context
-    run = _run(c, family, tokens, c["lrs"][family])
-    return {seed: train_and_eval(run, seed, arrays["train"], arrays["test"], c["steps"], c["batch_size"],
-                                 progress=progress) for seed in c["seeds"]}
+    """``{seed: result}`` on the test questions for one job (family, tokens, variant) at its
+    family's chosen learning rate and warmup: compiled once, trained per seed; after each seed the
+    same compiled step and scoring are timed (``time_steps``)."""
+    c = context
+    lr, warmup = c["chosen"][key[0]]
+    run, view = _run(c, key, lr, warmup), c["jobs"][key]["view"]
+    out = {}
+    for seed in c["seeds"]:
+        out[seed] = train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
+                                   progress=progress)
+        out[seed].update(time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view))
+    return out
 
 
 def tune_job(key, arrays: dict, context: dict, progress) -> dict:
-    """``{seed: result}`` on the validation questions for one (family, tokens, lr) of the tuning
-    grid, at the tuning seed."""
-    (family, tokens, lr), c = key, context
+    """``{seed: result}`` on the whole validation split for one (family, tokens, lr, warmup) of
+    the tuning grid, at the tuning seed."""
+    c, (family, tokens, lr, warmup) = context, key
+    job_key = (family, tokens, "")
+    run, view = _run(c, job_key, lr, warmup), c["jobs"][job_key]["view"]
     seed = c["tune_seed"]
-    return {seed: train_and_eval(_run(c, family, tokens, lr), seed, arrays["train"], arrays["val"], c["steps"],
-                                 c["batch_size"], progress=progress)}
+    return {seed: train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["val"], c["plan"], view,
+                                 progress=progress)}
 
 
 def costs(connector_cfg: dict | None, lm_cfg: dict, in_dim: int, grid, tokens: int, seq_text: int) -> dict:

@@ -55,44 +55,64 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     seeds = {r["seed"] for r in rows if r["status"] == "ok"}
     assert seeds == {"0", "1"}
     by_key = {(r["family"], r["budget"]): r for r in rows}
-    assert by_key[("linear", "4")]["status"] == "unreachable"
+    by_key = {(r["family"], r["budget"]): r for r in rows if r["variant"] == ""}
+    assert by_key[("mlp", "4")]["status"] == "unreachable"
     assert by_key[("patch_merger", "9")]["tokens"] == "16" and "nearest to 9" in by_key[("patch_merger", "9")]["note"]
     assert by_key[("blind", "0")]["status"] == "ok"
+    plan = setup["plan"]
     for r in rows:
-        if r["status"] != "ok" or r["family"] == "blind":
+        if r["status"] != "ok":
             continue
-        cfg = {"name": r["family"], "budget": int(r["tokens"])}
         assert 0.0 <= float(r["accuracy"]) <= 1.0
-        assert float(r["train_ex_s"]) > 0 and float(r["infer_ex_s"]) > 0
-        assert int(r["connector_params"]) > 0 and float(r["lm_mflops"]) > 0
-        if r["family"] == "pool":  # pool's budget→stride: the row's count is what the model produces
-            assert connectors.num_visual_tokens(cfg, grid) == int(r["tokens"])
+        assert float(r["train_ms"]) > 0 and float(r["infer_ms"]) > 0 and float(r["lm_mflops"]) > 0
+        # Early stopping: the tested parameters are those of a validation check, within the cap.
+        assert 0 <= int(r["best_step"]) <= int(r["steps_trained"]) <= plan["max_steps"]
+        assert int(r["best_step"]) % plan["eval_every"] == 0 or int(r["best_step"]) == int(r["steps_trained"])
+        if r["family"] == "blind":
+            continue
+        assert int(r["connector_params"]) > 0
+        if r["family"] == "pool" and r["variant"] == "":  # pool's budget→stride: the row's count is what it produces
+            assert connectors.num_visual_tokens({"name": "pool", "budget": int(r["tokens"])}, grid) == int(r["tokens"])
     # LM cost grows with the visual tokens it reads.
     pool = {int(r["tokens"]): float(r["lm_mflops"]) for r in rows if r["family"] == "pool" and r["status"] == "ok"}
     assert pool[4] < pool[16]
+    # Equal parameters: every family with a size knob at the same count, within 15%.
+    sized = [r for r in rows if r["variant"].startswith("params")]
+    assert {r["family"] for r in sized} == {"pool", "patch_merger"}  # mlp cannot reach 4 tokens
+    assert all(abs(int(r["connector_params"]) / setup["param_budget"] - 1) < 0.15 for r in sized)
+    # Encoder side: mlp on all patches of a 16-px image or of 16-px patches reaches the same 4 tokens.
+    enc = {r["variant"]: r for r in rows if r["variant"].startswith(("image", "patch"))}
+    assert set(enc) == {"image 16 px", "patch 16"} and all(r["tokens"] == "4" for r in enc.values())
+    curves = json.loads((out / "curves.json").read_text())
+    assert len(curves) == len({(r["family"], r["tokens"], r["variant"]) for r in rows if r["status"] == "ok"}) * 2
+    for curve in curves.values():
+        assert curve[0][0] == 0 and all(0 <= a <= 1 for _, a in curve)
     table = (out / "token_budget.md").read_text()
-    assert "| linear | 4 | unreachable" in table and "| patch_merger | 9 | 16 (nearest to 9) |" in table
+    assert "| mlp | 4 | unreachable" in table and "| patch_merger | 9 | 16 (nearest to 9) |" in table
     assert "Spread across connectors at equal token counts" in table and "| pool | 4: " in table
     assert "| vs blind |" in table and "paired by seed" in table
-    for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png"):
+    assert "At equal parameters" in table and "| 4 | encoder: image 16 px |" in table
+    assert "More tokens help fine detail more" in table
+    for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png", "learning_curves.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # Tuning: each family's learning rate is its best of the grid on validation, used for its rows.
+    # Tuning: the lr grid at the first warmup, then the other warmups at the best lr; each family's
+    # (lr, warmup) is its best on validation and is used for all its rows.
     tuning = (out / "tuning.jsonl").read_text().splitlines()
-    families = {r["family"] for r in rows if r["status"] == "ok"}
-    assert len(tuning) == len(families) * len(setup["tune_lrs"]) == 8
-    assert set(setup["chosen_lr"]) == families and setup["test_questions"] > 0
+    families = {r["family"] for r in rows if r["status"] == "ok" and r["variant"] == ""}
+    assert len(tuning) == len(families) * (len(setup["tune_lrs"]) + len(setup["tune_warmups"]) - 1) == 8
+    assert set(setup["chosen"]) == families and setup["test_questions"] > 0
     for r in rows:
         if r["status"] == "ok":
-            assert float(r["lr"]) == setup["chosen_lr"][r["family"]] in setup["tune_lrs"]
-    for family, lr in setup["chosen_lr"].items():
-        grid_scores = next(v for k, v in setup["tuning"].items() if k.startswith(f"{family}@"))
-        assert grid_scores[str(lr)] == max(grid_scores.values())
+            assert [float(r["lr"]), int(r["warmup"])] == setup["chosen"][r["family"]]
+    for family, (lr, warmup) in setup["chosen"].items():
+        scores = next(v for k, v in setup["tuning"].items() if k.startswith(f"{family}@"))
+        assert scores[f"{lr:g}/{warmup}"] == max(scores.values())
 
     # Resume: each finished cell is on disk; a rerun after losing one (an interrupted sweep)
     # trains only that cell, seeded the same, and the other rows come back unchanged.
     cells = (out / "cells.jsonl").read_text().splitlines()
-    assert len(cells) == len({(r["family"], r["tokens"]) for r in rows if r["status"] == "ok"})
+    assert len(cells) == len({(r["family"], r["tokens"], r["variant"]) for r in rows if r["status"] == "ok"})
     (out / "cells.jsonl").write_text("\n".join(cells[:-1]) + "\n")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments/token_budget.py"), "--smoke", "--workers", "2", "--out", str(out),
@@ -100,9 +120,10 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"{len(cells) - 1} cells already done" in proc.stdout and "1 to run" in proc.stdout
-    assert "tuning:" not in proc.stdout and len((out / "tuning.jsonl").read_text().splitlines()) == 8
+    assert "tuning (lr): 4 cells already done" in proc.stdout and "tuning (warmup): 4 cells" in proc.stdout
+    assert proc.stdout.count("; 0 to run") == 2 and len((out / "tuning.jsonl").read_text().splitlines()) == 8
     again = list(csv.DictReader(open(out / "runs.csv")))
-    accuracy = lambda rs: [(r["family"], r["tokens"], r["seed"], r.get("accuracy")) for r in rs]  # noqa: E731
+    accuracy = lambda rs: [(r["family"], r["tokens"], r["variant"], r["seed"], r.get("accuracy")) for r in rs]  # noqa: E731
     assert accuracy(again) == accuracy(rows)
 
 
@@ -133,7 +154,7 @@ def test_stage1_trains_the_connector_alone_from_the_stage0_lm(tb):
     stage0, _ = tb.run_lib.pretrain_lm(lm_cfg, ids, pad_id=0, steps=3, batch_size=2, lr=1e-2, seed=0)
     tower = dict(width=8, depth=1, mlp_dim=16, num_heads=2, patch_size=8)
     run = tb.run_lib.Run(tower, {"name": "linear"}, lm_cfg, (2, 2), 8, 6, steps=2, lr=1e-2, stage0={0: stage0},
-                 stage1_steps=3)
+                         stage1_steps=3)
     params, _ = run.init(0)
     jax.tree.map(np.testing.assert_array_equal, params["language"], stage0)
     patches = jax.random.normal(jax.random.key(0), (2, 4, 8))
@@ -170,3 +191,84 @@ def test_tables_show_95_percent_intervals_and_seed_paired_tests_against_blind(tb
     spread = next(line for line in tb.report.spread_lines(list(summary.values())) if line.startswith("| 16 |"))
     assert spread.startswith("| 16 | 2 | pool 51.3 | linear 46.7 | 4.7 |")
     assert f"| {stats.ttest_rel(pool, [0.45, 0.47, 0.48]).pvalue:.2g} |" in spread
+
+
+def _tiny_run(tb, lr, max_steps):
+    import numpy as np
+
+    lm_cfg = dict(vocab_size=12, width=16, depth=1, num_heads=2)
+    tower = dict(width=8, depth=1, mlp_dim=16, num_heads=2, patch_size=8)
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([np.ones((40, 1)), rng.integers(3, 12, (40, 4)), np.full((40, 1), 2)], 1).astype(np.int32)
+    split = {"patches": rng.normal(size=(10, 4, 8)).astype(np.float32), "image": np.arange(40) % 10, "ids": ids,
+             "answer_mask": (np.arange(6) >= 4)[None].repeat(40, 0).astype(np.float32), "kind": np.arange(40) % 5}
+    run = tb.run_lib.Run(tower, {"name": "linear"}, lm_cfg, (2, 2), 8, 6, steps=max_steps, lr=lr)
+    return run, split
+
+
+def test_training_stops_when_validation_accuracy_stops_rising_and_tests_the_best_check(tb):
+    """With a learning rate of 0 nothing improves: the run stops after `patience` checks, and the
+    tested parameters are the initial ones (the best check, step 0)."""
+    run, split = _tiny_run(tb, lr=0.0, max_steps=100)
+    plan = dict(max_steps=100, batch_size=4, eval_every=5, patience=3, min_delta=0.01, curve_questions=20)
+    result = tb.run_lib.train_and_eval(run, 0, split, split, split, plan)
+    assert result["steps_trained"] == 15 and result["best_step"] == 0
+    assert [s for s, _ in result["curve"]] == [0, 5, 10, 15]
+    params, _ = run.init(0)
+    assert result["accuracy"] == tb.run_lib.evaluate(run, params, split)["accuracy"]
+    # A run that keeps improving goes to the cap; it is scored at its best check.
+    run, split = _tiny_run(tb, lr=3e-2, max_steps=30)
+    result = tb.run_lib.train_and_eval(run, 0, split, split, split, dict(plan, max_steps=30, min_delta=-1.0))
+    assert result["steps_trained"] == 30 and result["best_step"] == 30 and result["curve"][-1][0] == 30
+
+
+def test_choose_takes_the_best_validation_accuracy_then_the_smaller_lr_and_warmup(tb):
+    tuned = {("pool", 16, 1e-3, 25): {0: {"accuracy": 0.6}}, ("pool", 16, 3e-3, 25): {0: {"accuracy": 0.7}},
+             ("pool", 16, 3e-3, 250): {0: {"accuracy": 0.7}}, ("mlp", 64, 1e-2, 25): {0: {"accuracy": 0.5}},
+             ("mlp", 64, 3e-3, 250): {0: {"accuracy": 0.5}}}
+    assert tb.choose(tuned) == {"pool": (3e-3, 25), "mlp": (3e-3, 250)}
+
+
+def test_encoder_views_reach_the_budget_by_a_smaller_image_or_larger_patches(tb):
+    import jax
+    import numpy as np
+
+    from vitmm.models.vit import ViT
+
+    cfg = dict(width=16, depth=1, mlp_dim=32, num_heads=2, patch_size=8, posemb="learn", pool="gap", class_token=False)
+    params = ViT(**cfg).init(jax.random.key(0), np.zeros((1, 64, 64, 3), np.float32))["params"]
+    views = tb.encoder_views(cfg, params, 64, (8, 8), [16, 4, 9])
+    assert sorted(views) == [4, 16]  # 9 tokens: no integer scale of an 8×8 grid
+    for tokens, named in views.items():
+        assert sorted(named) == sorted([f"image {({16: 32, 4: 16})[tokens]} px",
+                                        f"patch {({16: 16, 4: 32})[tokens]}"])
+        for _, tower, p, size in named.values():
+            _, out = tower.apply({"params": p}, np.zeros((2, size, size, 3), np.float32))
+            assert out["patch_tokens"].shape == (2, tokens, 16)  # the learned table resampled to the grid
+
+
+def test_claim_tests_on_known_numbers(tb):
+    """Honeybee's grouped comparison and the fine-detail gain, on rows whose answers are known."""
+    import numpy as np
+    from scipy import stats
+
+    def row(family, tokens, seed, spatial, global_):
+        kinds = {f"acc_{k}": (spatial if k in tb.report.SPATIAL else global_) for k in tb.KINDS}
+        return {"family": family, "budget": tokens, "tokens": tokens, "note": "", "lr": 1e-3, "warmup": 25,
+                "seed": seed, "status": "ok", "accuracy": 0.5, **kinds}
+
+    loc = {4: [0.50, 0.52, 0.55], 16: [0.70, 0.71, 0.76]}  # pool: spatial accuracy per seed
+    query = {4: [0.40, 0.45, 0.44], 16: [0.50, 0.52, 0.50]}  # perceiver
+    rows = [row("pool", t, k, loc[t][k], 0.6) for t in (4, 16) for k in range(3)]
+    rows += [row("perceiver", t, k, query[t][k], 0.6 + 0.01 * (t == 16)) for t in (4, 16) for k in range(3)]
+    summary = tb.report.summarise(rows)
+    diff = np.array(loc[16]) - np.array(query[16])
+    mean, ci, p = tb.report.group_test(summary, 16, tb.report.SPATIAL)
+    assert mean == pytest.approx(diff.mean()) and p == pytest.approx(stats.ttest_1samp(diff, 0).pvalue)
+    assert tb.report.group_test(summary, 16, tb.report.GLOBAL)[0] == pytest.approx(-0.01)
+    # Per seed: mean over the two families of (spatial gain − global gain), 4 → 16 tokens.
+    detail = ((np.array(loc[16]) - loc[4]) + (np.array(query[16]) - query[4] - 0.01)) / 2
+    mean, _, p = tb.report.detail_test(summary)
+    assert mean == pytest.approx(detail.mean()) and p == pytest.approx(stats.ttest_1samp(detail, 0).pvalue)
+    lines = "\n".join(tb.report.claim_lines(summary))
+    assert "Honeybee, 16 tokens, spatial kinds" in lines and f"{100 * diff.mean():+.1f}" in lines
