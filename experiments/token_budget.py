@@ -48,10 +48,8 @@ tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``, ``learning_curves.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import os
 import pathlib
 import sys
 import time
@@ -67,6 +65,7 @@ from vitmm.models.vit import ViT
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))  # the sibling modules below, also when loaded by path
 import qa_features  # noqa: E402
+import sweep  # noqa: E402
 import token_budget_report as report  # noqa: E402
 import token_budget_run as run_lib  # noqa: E402
 import workers  # noqa: E402
@@ -144,31 +143,6 @@ def encoder_views(tower_cfg: dict, tower_params: dict, image_size: int, grid, bu
                                            resize_posemb(big, (side, side)) if "pos_embedding" in big else big,
                                            image_size)
     return out
-
-
-# ------------------------------------------------------------------------------------ resume
-def load_cells(path: pathlib.Path, signature: str) -> dict:
-    """Finished cells ``{key: {seed: result}}`` (key: a tuple, e.g. ``(family, tokens)``) of a
-    sweep with these settings."""
-    cells = {}
-    for line in path.read_text().splitlines() if path.is_file() else ():
-        cell = json.loads(line)
-        if cell["signature"] == signature:
-            cells[tuple(cell["key"])] = {int(k): v for k, v in cell["results"].items()}
-    return cells
-
-
-def save_cell(path: pathlib.Path, signature: str, key, results: dict) -> None:
-    """Appends one finished cell (all its seeds) as a line of a ``.jsonl`` file."""
-    line = json.dumps({"signature": signature, "key": list(key), "results": {str(k): v for k, v in results.items()}})
-    with path.open("a") as f:
-        f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _signature(settings: dict) -> str:
-    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------ sweep
@@ -336,7 +310,7 @@ def main(argv=None) -> pathlib.Path:
                   f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
 
     def run_cells(fn, keys, path, signature, desc, steps_per_key):
-        done = {k: v for k, v in load_cells(path, signature).items() if k in set(keys)}
+        done = {k: v for k, v in sweep.load_cells(path, signature).items() if k in set(keys)}
         todo = [k for k in keys if k not in done]
         if done:
             print(f"{desc}: {len(done)} cells already done in {path} (settings {signature}), skipped; "
@@ -344,12 +318,12 @@ def main(argv=None) -> pathlib.Path:
         if todo:
             ensure_stage0()
             done.update(workers.run(fn, todo, arrays, context, args.workers, total=len(todo) * steps_per_key, desc=desc,
-                                    on_result=lambda key, res: save_cell(path, signature, key, res)))
+                                    on_result=lambda key, res: sweep.save_cell(path, signature, key, res)))
         return done
 
     # Tuning at one budget and one seed on validation: the lr grid at the first warmup, then the
     # other warmups at the family's best lr.
-    tune_sig = _signature({**settings, "tune_seed": args.seeds[0]})
+    tune_sig = sweep.signature({**settings, "tune_seed": args.seeds[0]})
     run_steps = args.stage1_steps + args.steps
     tune_at = {}
     for family, tokens, variant in jobs:
@@ -372,7 +346,7 @@ def main(argv=None) -> pathlib.Path:
     print(f"(lr, warmup) per family (validation, seed {args.seeds[0]}, {len(tuned)} tuning runs): {chosen}")
 
     order = sorted(jobs, key=lambda key: -key[1])  # the most tokens (the slowest) first
-    cells_sig = _signature({**settings, "chosen": chosen})
+    cells_sig = sweep.signature({**settings, "chosen": chosen})
     results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget",
                         len(args.seeds) * run_steps)
 

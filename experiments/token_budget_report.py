@@ -8,6 +8,7 @@ import csv
 import pathlib
 
 import numpy as np
+import sweep  # a sibling module: experiments/ is on sys.path
 
 from vitmm.data import scenes
 
@@ -41,7 +42,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             values = np.array([r[key] for r in ok if r.get(key) is not None], float)
             s[key] = float(values.mean()) if len(values) else float("nan")
             s[key + "_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-            s[key + "_ci"] = ci95(values)
+            s[key + "_ci"] = sweep.ci95(values)
         s["by_seed"] = {int(r["seed"]): float(r["accuracy"]) for r in ok}
         s["kinds_by_seed"] = {int(r["seed"]): {k: float(r[f"acc_{k}"]) for k in KINDS} for r in ok}
         s["status"] = first["status"]
@@ -52,27 +53,10 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-def ci95(values: np.ndarray) -> float:
-    """Half-width of the 95% confidence interval of the mean (Student's t over seeds)."""
-    from scipy import stats
-
-    if len(values) < 2:
-        return float("nan")
-    return float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values)))
-
-
 def paired_vs(s: dict, base: dict) -> tuple[float, float] | None:
     """``(mean difference, two-sided p)`` of a paired t-test over the seeds both cells ran (the data
     order is the same per seed, so the seeds pair); None with fewer than two shared seeds."""
-    from scipy import stats
-
-    seeds = sorted(set(s["by_seed"]) & set(base["by_seed"]))
-    if len(seeds) < 2:
-        return None
-    a, b = np.array([s["by_seed"][k] for k in seeds]), np.array([base["by_seed"][k] for k in seeds])
-    diff = a - b
-    p = 1.0 if np.allclose(diff, diff[0]) and diff[0] == 0 else float(stats.ttest_rel(a, b).pvalue)
-    return float(diff.mean()), p
+    return sweep.paired(s["by_seed"], base["by_seed"])
 
 
 def _pm(s: dict, key: str) -> str:
@@ -226,17 +210,6 @@ def _kind_mean(s: dict, seed: int, kinds) -> float:
     return float(np.mean([s["kinds_by_seed"][seed][k] for k in kinds]))
 
 
-def _one_sample(values) -> tuple[float, float, float] | None:
-    """``(mean, 95% CI half-width, two-sided p of a one-sample t-test against 0)``."""
-    from scipy import stats
-
-    values = np.asarray(values, float)
-    if len(values) < 2:
-        return None
-    p = 1.0 if np.allclose(values, values[0]) and values[0] == 0 else float(stats.ttest_1samp(values, 0).pvalue)
-    return float(values.mean()), ci95(values), p
-
-
 def group_test(summary: list[dict], tokens: int, kinds) -> tuple[float, float, float] | None:
     """Honeybee's claim at ``tokens``: per seed, the mean accuracy on ``kinds`` of the
     locality-preserving families minus that of the learned-query families; the mean over seeds
@@ -246,7 +219,7 @@ def group_test(summary: list[dict], tokens: int, kinds) -> tuple[float, float, f
     if not loc or not query:
         return None
     seeds = sorted(set.intersection(*(set(s["kinds_by_seed"]) for s in loc + query)))
-    return _one_sample([np.mean([_kind_mean(s, k, kinds) for s in loc])
+    return sweep.one_sample([np.mean([_kind_mean(s, k, kinds) for s in loc])
                         - np.mean([_kind_mean(s, k, kinds) for s in query]) for k in seeds])
 
 
@@ -261,7 +234,7 @@ def detail_test(summary: list[dict]) -> tuple[float, float, float] | None:
     if not pairs:
         return None
     seeds = sorted(set.intersection(*(set(s["kinds_by_seed"]) for pair in pairs for s in pair)))
-    return _one_sample([np.mean([(_kind_mean(hi, k, SPATIAL) - _kind_mean(lo, k, SPATIAL))
+    return sweep.one_sample([np.mean([(_kind_mean(hi, k, SPATIAL) - _kind_mean(lo, k, SPATIAL))
                                  - (_kind_mean(hi, k, GLOBAL) - _kind_mean(lo, k, GLOBAL)) for lo, hi in pairs])
                         for k in seeds])
 
