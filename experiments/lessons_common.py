@@ -10,7 +10,10 @@ cell it sits in, which needs positions).
 
 from __future__ import annotations
 
+import argparse
+import csv
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -95,3 +98,94 @@ class Classifier:
         hits = [np.asarray(jnp.argmax(self.logits(params, to_input(images[i:i + batch_size])), -1))
                 == labels[i:i + batch_size] for i in range(0, len(images), batch_size)]
         return float(np.concatenate(hits).mean())
+
+
+# ------------------------------------------------------------------------------------ sweeps
+def parse_args(description: str, out: str, presets: dict, argv=None, extra=()) -> tuple:
+    """The options every lessons' script takes (``--out``, ``--seeds``, ``--workers``,
+    ``--smoke``, and ``extra``: ``(name, type)`` pairs overriding a preset key); ``(args, preset,
+    seeds)`` with the chosen preset's values overridden by the options given."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the preset's)")
+    parser.add_argument("--workers", type=int, default=None, help="single-core worker processes")
+    for name, kind in extra:
+        parser.add_argument(f"--{name}", type=kind, default=None, help="default: the preset's")
+    parser.add_argument("--smoke", action="store_true", help="a tiny run of every cell (the tests run it)")
+    args = parser.parse_args(argv)
+    preset = dict(presets["smoke" if args.smoke else "default"])
+    for key in ("seeds", "workers", *(name for name, _ in extra)):
+        if getattr(args, key) is not None:
+            preset[key] = getattr(args, key)
+    return args, preset, [int(s) for s in str(preset["seeds"]).split(",")]
+
+
+def run_cells(out: pathlib.Path, settings: dict, keys: list, fn, arrays: dict, context: dict, n_workers: int,
+              desc: str, runs_per_key: int) -> dict:
+    """``{key: {seed: result}}`` for every key: those ``out/cells.jsonl`` holds for these
+    settings, and the rest run now (``workers.run``) and appended as each finishes."""
+    import sweep
+    import workers
+
+    path, signature = out / "cells.jsonl", sweep.signature(settings)
+    done = {k: v for k, v in sweep.load_cells(path, signature).items() if k in set(keys)}
+    todo = [k for k in keys if k not in done]
+    if done:
+        print(f"{len(done)} cells already done in {path}, skipped; {len(todo)} to run")
+    done.update(workers.run(fn, todo, arrays, context, n_workers, total=len(todo) * runs_per_key, desc=desc,
+                            on_result=lambda key, res: sweep.save_cell(path, signature, key, res)))
+    return done
+
+
+def write_rows(rows: list[dict], path: pathlib.Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def mean_ci(values, scale: float = 100, digits: int = 1) -> str:
+    """``mean ± 95% CI half-width`` of per-seed values (a dict's values or a sequence), scaled."""
+    import sweep
+
+    v = np.array(list(values.values()) if isinstance(values, dict) else list(values), float)
+    return f"{scale * v.mean():.{digits}f} ± {scale * sweep.ci95(v):.{digits}f}"
+
+
+def linear_probe(x: np.ndarray, y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, num_classes: int,
+                 fit_size: int, l2s=(1e-4, 1e-3, 1e-2, 1e-1), steps: int = 500) -> dict:
+    """A softmax regression on frozen features: fitted (full batch, Adam) on ``x[:fit_size]``
+    (standardised with their statistics) at each L2 strength, the one with the best accuracy on
+    ``x[fit_size:]`` kept; its accuracy on the fitted features (separability) and on the test set."""
+    import optax
+
+    mean, std = x[:fit_size].mean(0), x[:fit_size].std(0) + 1e-6
+    fx, fy = jnp.asarray((x[:fit_size] - mean) / std), jnp.asarray(y[:fit_size])
+    vx, vy = (x[fit_size:] - mean) / std, y[fit_size:]
+    tx = optax.adam(1e-2)
+
+    def fit(l2):
+        w = {"w": jnp.zeros((x.shape[1], num_classes)), "b": jnp.zeros(num_classes)}
+
+        def loss(w):
+            logits = fx @ w["w"] + w["b"]
+            return losses.token_nll(logits, fy).mean() + l2 * jnp.sum(w["w"] ** 2)
+
+        @jax.jit
+        def run(w):
+            def body(carry, _):
+                w, state = carry
+                updates, state = tx.update(jax.grad(loss)(w), state, w)
+                return (optax.apply_updates(w, updates), state), None
+
+            return jax.lax.scan(body, (w, tx.init(w)), None, length=steps)[0][0]
+
+        return run(w)
+
+    def acc(w, a, b):
+        return float((np.argmax(np.asarray(a) @ np.asarray(w["w"]) + np.asarray(w["b"]), -1) == b).mean())
+
+    best = max(((acc(w, vx, vy), -l2, l2, w) for l2 in l2s for w in [fit(l2)]), key=lambda t: t[:2])
+    w = best[3]
+    return {"train_accuracy": acc(w, fx, np.asarray(fy)), "val_accuracy": best[0], "l2": best[2],
+            "accuracy": acc(w, (test_x - mean) / std, test_y)}

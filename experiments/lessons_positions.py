@@ -20,8 +20,6 @@ and ``setup.json`` to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import pathlib
 import sys
@@ -37,7 +35,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 import lessons_common as common  # noqa: E402
 import sweep  # noqa: E402
-import workers  # noqa: E402
 
 POSEMBS = ("learn", "sincos2d", "rope2d", "none")
 PRESETS = {
@@ -101,19 +98,8 @@ def run_job(key, arrays: dict, context: dict, progress) -> dict:
 
 
 def main(argv=None) -> pathlib.Path:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/lessons/positions")
-    parser.add_argument("--seeds", default=None)
-    parser.add_argument("--epochs", type=int, default=None)
-    parser.add_argument("--train_images", type=int, default=None)
-    parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument("--smoke", action="store_true", help="a tiny run of every cell (about a minute)")
-    args = parser.parse_args(argv)
-    preset = dict(PRESETS["smoke" if args.smoke else "default"])
-    for key in ("seeds", "epochs", "train_images", "workers"):
-        if getattr(args, key) is not None:
-            preset[key] = getattr(args, key)
-    seeds = [int(s) for s in str(preset["seeds"]).split(",")]
+    args, preset, seeds = common.parse_args(__doc__.splitlines()[0], "results/lessons/positions", PRESETS, argv,
+                                            extra=(("epochs", int), ("train_images", int)))
     eval_res = [int(r) for r in preset["eval_res"].split(",")]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,27 +118,17 @@ def main(argv=None) -> pathlib.Path:
 
     context = dict(model=preset["model"], num_classes=num_classes, train_res=preset["train_res"], eval_res=eval_res,
                    epochs=preset["epochs"], batch_size=preset["batch_size"], lr=preset["lr"], seeds=seeds)
-    signature = sweep.signature({**context, "difficulty": preset["difficulty"], "train_images": preset["train_images"],
-                                 "test_images": preset["test_images"]})
+    settings = {**context, "difficulty": preset["difficulty"], "train_images": preset["train_images"],
+                "test_images": preset["test_images"]}
     keys = [(task, posemb) for task in common.TASKS for posemb in POSEMBS]
-    path = out / "cells.jsonl"
-    done = {k: v for k, v in sweep.load_cells(path, signature).items() if k in set(keys)}
-    todo = [k for k in keys if k not in done]
-    if done:
-        print(f"{len(done)} cells already done in {path}, skipped; {len(todo)} to run")
     t0 = time.perf_counter()
-    done.update(workers.run(run_job, todo, arrays, context, preset["workers"], total=len(todo) * len(seeds),
-                            desc="positions",
-                            on_result=lambda key, res: sweep.save_cell(path, signature, key, res)))
+    done = common.run_cells(out, settings, keys, run_job, arrays, context, preset["workers"], "positions", len(seeds))
     rows = [{"task": task, "posemb": posemb, "seed": seed, **done[(task, posemb)][seed]}
             for task, posemb in keys for seed in seeds]
     setup = {**{k: v for k, v in preset.items() if k != "seeds"}, "seeds": seeds, "num_classes": num_classes,
              "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"),
              "wall_s_this_sitting": round(time.perf_counter() - t0), "command": " ".join(sys.argv)}
-    with open(out / "runs.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    common.write_rows(rows, out / "runs.csv")
     (out / "setup.json").write_text(json.dumps(setup, indent=1) + "\n")
     table = to_markdown(rows, setup)
     (out / "positions.md").write_text(table)
@@ -163,11 +139,6 @@ def main(argv=None) -> pathlib.Path:
 
 def _cell(rows, task, posemb, key) -> dict:
     return {r["seed"]: r[key] for r in rows if r["task"] == task and r["posemb"] == posemb}
-
-
-def _pm(values: dict, scale: float = 100, digits: int = 1) -> str:
-    v = np.array(list(values.values()), float)
-    return f"{scale * v.mean():.{digits}f} ± {scale * sweep.ci95(v):.{digits}f}"
 
 
 def to_markdown(rows: list[dict], setup: dict) -> str:
@@ -186,9 +157,9 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
                   "|---|---:|" + "---:|" * len(res) + "---:|---:|"]
         for posemb in POSEMBS:
             err = np.array(list(_cell(rows, task, posemb, "equivariance_error").values()))
-            lines.append(f"| {posemb} | {_pm(_cell(rows, task, posemb, 'first_epoch_loss'), 1, 3)} | "
-                         + " | ".join(_pm(_cell(rows, task, posemb, f"acc_{r}")) for r in res)
-                         + f" | {_pm(_cell(rows, task, posemb, 'acc_shuffled'))} | {err.max():.1e} |")
+            lines.append(f"| {posemb} | {common.mean_ci(_cell(rows, task, posemb, 'first_epoch_loss'), 1, 3)} | "
+                         + " | ".join(common.mean_ci(_cell(rows, task, posemb, f"acc_{r}")) for r in res)
+                         + f" | {common.mean_ci(_cell(rows, task, posemb, 'acc_shuffled'))} | {err.max():.1e} |")
         lines += ["", "Paired by seed (points, p):", ""]
         for a, b in (("learn", "sincos2d"), ("learn", "none"), ("sincos2d", "none"), ("rope2d", "sincos2d")):
             cells = []

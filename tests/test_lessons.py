@@ -64,3 +64,33 @@ def test_positions_smoke_writes_tables_and_shows_equivariance_without_positions(
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0 and "8 cells already done" in proc.stdout
     assert list(csv.DictReader(open(out / "runs.csv"))) == rows
+
+
+def test_linear_probe_separates_separable_features_and_not_noise():
+    common = _load("lessons_common")
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 4, 400)
+    centres = rng.normal(size=(4, 16)) * 3
+    x = centres[y] + rng.normal(size=(400, 16))
+    result = common.linear_probe(x[:300], y[:300], x[300:], y[300:], 4, fit_size=240)
+    assert result["train_accuracy"] > 0.95 and result["accuracy"] > 0.9 and result["l2"] in (1e-4, 1e-3, 1e-2, 1e-1)
+    noise = common.linear_probe(rng.normal(size=(300, 16)), y[:300], rng.normal(size=(100, 16)), y[300:], 4,
+                                fit_size=240)
+    assert noise["accuracy"] < 0.45  # chance is 0.25
+
+
+def test_pooling_smoke_writes_both_tables(tmp_path, clip_smoke_run):
+    out = tmp_path / "pool"
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
+    cmd = [sys.executable, str(ROOT / "experiments/lessons_pooling.py"), "--smoke", "--out", str(out),
+           "--tower", str(clip_smoke_run.workdir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "runs.csv")))
+    assert len(rows) == (2 * 3 + 2) * 2  # (tasks × poolings + two towers) × seeds
+    assert {r["model"] for r in rows if r["part"] == "probe"} == {"pretrained", "untrained"}
+    assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
+    table = (out / "pooling.md").read_text()
+    assert "| CLS token (`tok`) |" in table and "| MAP head (`map`) |" in table and "| untrained |" in table
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and "8 cells already done" in proc.stdout
