@@ -94,3 +94,22 @@ def test_pooling_smoke_writes_both_tables(tmp_path, clip_smoke_run):
     assert "| CLS token (`tok`) |" in table and "| MAP head (`map`) |" in table and "| untrained |" in table
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0 and "8 cells already done" in proc.stdout
+
+
+def test_registers_smoke_measures_norms_and_cls_attention(tmp_path):
+    out = tmp_path / "reg"
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
+    cmd = [sys.executable, str(ROOT / "experiments/lessons_registers.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "runs.csv")))
+    assert sorted({int(r["registers"]) for r in rows}) == [0, 1, 4, 8] and len(rows) == 8
+    for r in rows:
+        registers = int(r["registers"])
+        # The CLS query's weights cover CLS, the registers and the 16 patches of a 32-px image.
+        assert float(r["cls_entropy_uniform"]) == pytest.approx(np.log(1 + registers + 16), rel=1e-6)
+        assert 0 < float(r["cls_entropy"]) <= float(r["cls_entropy_uniform"]) + 1e-6
+        assert (float(r["register_mass"]) == 0) == (registers == 0)
+        assert 0 <= float(r["outlier_share"]) <= 1 and float(r["max_over_median"]) >= 1
+    assert "| 8 |" in (out / "registers.md").read_text()
+    assert (out / "norms.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

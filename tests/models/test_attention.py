@@ -100,3 +100,22 @@ def test_gelu_is_the_exact_gelu_with_its_derivatives():
                                atol=1e-5, rtol=0)
     assert common.gelu(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
     assert common.activation("gelu") is common.gelu
+
+
+@pytest.mark.parametrize("impl,causal", [("matmul", False), ("xla", False), ("matmul", True)])
+def test_attention_maps_are_sown_on_request_and_are_the_softmax_of_the_scaled_scores(impl, causal):
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    module = Attention(num_heads=2, implementation=impl, is_causal=causal)
+    variables = module.init(jax.random.key(1), x)
+    plain = module.apply(variables, x)
+    out, state = module.apply(variables, x, mutable=["intermediates"])
+    np.testing.assert_array_equal(out, plain)  # asking for the maps changes nothing else
+    (probs,) = state["intermediates"]["attention"]
+    # Reference from the parameters, written out: q, k from the fused projection, softmax(q·kᵀ/√h).
+    qkv = x @ variables["params"]["qkv"]["kernel"] + variables["params"]["qkv"]["bias"]
+    q, k = qkv[..., :8].reshape(2, 5, 2, 4), qkv[..., 8:16].reshape(2, 5, 2, 4)
+    scores = np.einsum("bthd,bshd->bhts", q, k) / 2.0
+    if causal:
+        scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
+    np.testing.assert_allclose(probs, jax.nn.softmax(scores, axis=-1), atol=1e-6)
+    assert "intermediates" not in module.apply(variables, x, mutable=["params"])[1]

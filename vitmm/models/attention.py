@@ -58,6 +58,19 @@ def _scores(q, k, mask):
     return e, jnp.sum(e, axis=-1, keepdims=True)
 
 
+def attention_probs(q, k, mask=None, is_causal: bool = False, heads_first: bool = False):
+    """The softmax attention weights ``[B, N, T, S]`` (float32) of ``q``, ``k`` in either layout
+    (``[B, T, N, H]``, or ``[B, N, T, H]`` with ``heads_first``): what ``Attention`` sows as
+    ``intermediates/…/attention`` when applied with ``mutable=["intermediates"]``."""
+    if not heads_first:
+        q, k = jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2)
+    if is_causal:
+        causal = jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool))
+        mask = causal if mask is None else jnp.logical_and(mask, causal)
+    e, z = _scores(q.astype(jnp.float32) * _scale(q), k.astype(jnp.float32), mask)
+    return e / z
+
+
 def _scale(q):
     return q.shape[-1] ** -0.5
 
@@ -176,6 +189,8 @@ class Attention(nn.Module):
             seq_axis = 2 if heads_first else 1
             q, k = posemb.apply_rope(q, rope, seq_axis=seq_axis), posemb.apply_rope(k, rope, seq_axis=seq_axis)
         q, k, v = (a.astype(dtype) for a in (q, k, v))
+        if self.is_mutable_collection("intermediates"):  # the maps, only when asked for (costs nothing otherwise)
+            self.sow("intermediates", "attention", attention_probs(q, k, mask, self.is_causal, heads_first))
         if heads_first:
             out = jnp.swapaxes(heads_first_attention(q, k, v, mask=mask, is_causal=self.is_causal), 1, 2)
         else:
