@@ -113,3 +113,27 @@ def test_registers_smoke_measures_norms_and_cls_attention(tmp_path):
         assert 0 <= float(r["outlier_share"]) <= 1 and float(r["max_over_median"]) >= 1
     assert "| 8 |" in (out / "registers.md").read_text()
     assert (out / "norms.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_patch_size_cost_follows_the_token_count_and_the_lessons_example():
+    ps = _load("lessons_patch_size")
+    assert ps.score_ratio(224, 448, 16) == pytest.approx((785 / 197) ** 2)
+    assert round(ps.score_ratio(224, 448, 16), 1) == 15.9
+    cfg = dict(width=16, depth=1, num_heads=2, mlp_dim=32)
+    small, big = (ps.compile_config(cfg, 8, res, 2) for res in (32, 64))
+    # XLA counts the compiled forward: 4× the tokens is at least 4× the FLOPs, and more memory.
+    assert big["xla_gflops"] >= 4 * small["xla_gflops"] * 0.99 and big["temp_mib"] > small["temp_mib"]
+
+
+def test_patch_size_smoke_writes_cost_and_accuracy(tmp_path):
+    out = tmp_path / "ps"
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
+    cmd = [sys.executable, str(ROOT / "experiments/lessons_patch_size.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cost = {(int(r["patch"]), int(r["res"])): r for r in csv.DictReader(open(out / "cost.csv"))}
+    assert set(cost) == {(8, 32), (16, 32), (8, 64), (16, 64)}
+    assert float(cost[(16, 64)]["token_ratio"]) == 1.0 and float(cost[(8, 64)]["score_ratio"]) == 16.0
+    assert all(float(r["train_s"]) > 0 and float(r["analytic_gflops"]) > 0 for r in cost.values())
+    assert len(list(csv.DictReader(open(out / "accuracy.csv")))) == 4
+    assert "15.88× the score matrix" in (out / "patch_size.md").read_text()
