@@ -168,7 +168,8 @@ def main(argv=None) -> pathlib.Path:
     cost = measure_costs(preset)
     setup = {**{k: v for k, v in preset.items() if k not in ("seeds", "train")}, "seeds": seeds,
              "trained": [list(k) for k in keys], "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"),
-             "train_wall_s": round(t_train), "cost_wall_s": round(time.perf_counter() - t0), "command": " ".join(sys.argv)}
+             "train_wall_s": round(t_train), "cost_wall_s": round(time.perf_counter() - t0),
+             "command": " ".join(sys.argv)}
     common.write_rows(cost, out / "cost.csv")
     common.write_rows(accuracy, out / "accuracy.csv")
     (out / "setup.json").write_text(json.dumps(setup, indent=1) + "\n")
