@@ -137,3 +137,18 @@ def test_patch_size_smoke_writes_cost_and_accuracy(tmp_path):
     assert all(float(r["train_s"]) > 0 and float(r["analytic_gflops"]) > 0 for r in cost.values())
     assert len(list(csv.DictReader(open(out / "accuracy.csv")))) == 4
     assert "15.88× the score matrix" in (out / "patch_size.md").read_text()
+
+
+def test_patch_step_smoke_times_both_embeddings_that_agree(tmp_path):
+    out = tmp_path / "pst"
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
+    cmd = [sys.executable, str(ROOT / "experiments/lessons_patch_step.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "patch_step.csv")))
+    assert {(r["impl"], r["batch"]) for r in rows} == {(i, b) for i in ("conv", "unfold") for b in ("1", "2")}
+    for r in rows:
+        assert 0 < float(r["patch_s"]) and 0 < float(r["patch_share"]) and float(r["analytic_share"]) < 0.1
+    import json
+
+    assert json.loads((out / "setup.json").read_text())["max_abs_difference"] < 1e-4
