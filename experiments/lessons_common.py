@@ -31,10 +31,10 @@ TASKS = ("shape", "region")
 
 def single_shape_set(difficulty: str, resolution: int, split: str, n: int) -> dict:
     """The first ``n`` single-shape scenes of ``split``: ``images`` uint8 ``[n, R, R, 3]``,
-    ``shape`` and ``region`` labels (indices into the difficulty's shapes and into
-    ``scenes.REGIONS``), and ``num_classes`` per task."""
+    ``shape``, ``region`` and ``color`` labels (indices into the difficulty's shapes, into
+    ``scenes.REGIONS`` and into its colours), and ``num_classes`` per label."""
     diff = scenes.DIFFICULTIES[difficulty]
-    images, shape, region, index = [], [], [], 0
+    images, shape, region, color, index = [], [], [], [], 0
     while len(images) < n:
         ex = scenes.generate(difficulty, resolution, index, split)
         index += 1
@@ -43,8 +43,10 @@ def single_shape_set(difficulty: str, resolution: int, split: str, n: int) -> di
         images.append(ex["image"])
         shape.append(ex["label"])
         region.append(scenes.REGIONS.index(ex["objects"]["region"][0]))
+        color.append(diff.colors.index(ex["objects"]["color"][0]))
     return {"images": np.stack(images), "shape": np.asarray(shape, np.int32), "region": np.asarray(region, np.int32),
-            "num_classes": {"shape": len(diff.shapes), "region": len(scenes.REGIONS)}}
+            "color": np.asarray(color, np.int32),
+            "num_classes": {"shape": len(diff.shapes), "region": len(scenes.REGIONS), "color": len(diff.colors)}}
 
 
 def to_input(images: np.ndarray) -> jnp.ndarray:

@@ -18,6 +18,7 @@ def _load(name):
     sys.path.insert(0, str(ROOT / "experiments"))
     spec = importlib.util.spec_from_file_location(name, ROOT / f"experiments/{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses (flax modules) look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -31,7 +32,7 @@ def test_single_shape_sets_carry_shape_and_region_labels():
     common = _load("lessons_common")
     data = common.single_shape_set("medium", 32, "test", 20)
     assert data["images"].shape == (20, 32, 32, 3) and data["images"].dtype == np.uint8
-    assert data["num_classes"] == {"shape": 4, "region": 9}
+    assert data["num_classes"] == {"shape": 4, "region": 9, "color": 6} and data["color"].max() < 6
     assert data["shape"].max() < 4 and data["region"].max() < 9 and len(set(data["region"])) > 3
 
 
@@ -152,3 +153,26 @@ def test_patch_step_smoke_times_both_embeddings_that_agree(tmp_path):
     import json
 
     assert json.loads((out / "setup.json").read_text())["max_abs_difference"] < 1e-4
+
+
+def test_channels_inputs_and_smoke_run(tmp_path):
+    ch = _load("lessons_channels")
+    rgb = np.array([[[[255, 0, 0], [0, 0, 255]]]], np.uint8)  # a red and a blue pixel
+    np.testing.assert_array_equal(ch.to_channels(rgb, 1)[..., 0], [[[76, 29]]])  # 0.299·255, 0.114·255
+    eight = ch.to_channels(rgb, 8)
+    assert eight.shape == (1, 1, 2, 8) and eight.dtype == np.uint8
+    np.testing.assert_array_equal(eight, ch.to_channels(rgb, 8))  # one seeded mixture
+    with pytest.raises(ValueError, match="channels must be 1, 3 or 8"):
+        ch.to_channels(rgb, 4)
+    out = tmp_path / "ch"
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
+    cmd = [sys.executable, str(ROOT / "experiments/lessons_channels.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cost = {(r["channels"], r["stem"]): r for r in csv.DictReader(open(out / "cost.csv"))}
+    assert len(cost) == 7 and len(list(csv.DictReader(open(out / "runs.csv")))) == 14
+    # The linear embedding's kernel grows with the channels (C·P²·D); the projection adds 3·(C+1).
+    width, patch = 32, 8
+    assert int(cost[("8", "linear")]["params"]) - int(cost[("1", "linear")]["params"]) == 7 * patch * patch * width
+    assert int(cost[("8", "proj3")]["params"]) - int(cost[("3", "linear")]["params"]) == 3 * (8 + 1)
+    assert "| 8 | proj3 |" in (out / "channels.md").read_text()
