@@ -81,7 +81,7 @@ BLIND, KINDS = report.BLIND, report.KINDS
 PRESETS = {
     "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=3000, batch_size=32, lr=3e-3, workers=2,
                     eval_every=250, patience=3, min_delta=0.005, curve_questions=2000,
-                    stage0_steps=1000, stage1_steps=200, tune_lrs="1e-3,3e-3,1e-2", tune_warmups="25,250",
+                    stage0_steps=1000, stage1_steps=200, tune_lrs="3e-4,1e-3,3e-3,1e-2", tune_warmups="25,250",
                     tune_budget=16, train_images=10_000, val_images=1_000, seeds="0,1,2,3,4",
                     families=",".join(FAMILIES), budgets=",".join(BUDGETS), param_budget=100_000,
                     param_tokens=16, encoder_budgets="16,4"),
