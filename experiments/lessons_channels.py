@@ -52,17 +52,19 @@ PRESETS = {
 
 
 def to_channels(images: np.ndarray, channels: int, seed: int = 0) -> np.ndarray:
-    """uint8 RGB ``[..., 3]`` as 1 (luminance), 3 (itself) or 8 (mixed, noisy) uint8 channels."""
+    """uint8 RGB ``[..., 3]`` as 1 (luminance), 3 (itself) or 8 (mixed, noisy) uint8 channels.
+    The 8 bands' mixture is one fixed matrix (the same sensor for every split); ``seed`` draws
+    only the noise."""
     x = images.astype(np.float32)
     if channels == 3:
         return images
     if channels == 1:
         out = x @ np.array([0.299, 0.587, 0.114], np.float32)[:, None]
     elif channels == 8:
-        rng = np.random.default_rng(seed)
-        mix = rng.uniform(0.0, 1.0, (3, 8)).astype(np.float32)
+        mix = np.random.default_rng(0).uniform(0.0, 1.0, (3, 8)).astype(np.float32)
         mix /= mix.sum(0, keepdims=True)  # each band a weighted mean of R, G, B
-        out = x @ mix + rng.normal(0.0, 6.0, (*x.shape[:-1], 8)).astype(np.float32)
+        noise = np.random.default_rng(1 + seed).normal(0.0, 6.0, (*x.shape[:-1], 8)).astype(np.float32)
+        out = x @ mix + noise
     else:
         raise ValueError(f"channels must be 1, 3 or 8, got {channels}.")
     return np.clip(np.round(out), 0, 255).astype(np.uint8)

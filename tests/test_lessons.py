@@ -161,7 +161,11 @@ def test_channels_inputs_and_smoke_run(tmp_path):
     np.testing.assert_array_equal(ch.to_channels(rgb, 1)[..., 0], [[[76, 29]]])  # 0.299·255, 0.114·255
     eight = ch.to_channels(rgb, 8)
     assert eight.shape == (1, 1, 2, 8) and eight.dtype == np.uint8
-    np.testing.assert_array_equal(eight, ch.to_channels(rgb, 8))  # one seeded mixture
+    np.testing.assert_array_equal(eight, ch.to_channels(rgb, 8))  # seeded
+    # Another split's seed draws other noise but the same mixture (one sensor for every split).
+    big = np.random.default_rng(0).integers(0, 256, (64, 64, 3)).astype(np.uint8)
+    a, b = ch.to_channels(big, 8, seed=0).astype(float), ch.to_channels(big, 8, seed=1).astype(float)
+    assert 3 < np.abs(a - b).mean() < 10 and abs((a - b).mean()) < 0.5
     with pytest.raises(ValueError, match="channels must be 1, 3 or 8"):
         ch.to_channels(rgb, 4)
     out = tmp_path / "ch"
