@@ -20,7 +20,6 @@ Writes ``cells.jsonl``, ``runs.csv``, ``cost.csv``, ``channels.md`` and ``setup.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time
@@ -91,16 +90,8 @@ def model_for(cfg: dict, stem: str, num_classes: int):
 
 def train_job(key, arrays: dict, context: dict, progress) -> dict:
     channels, stem = key
-    c = context
-    train, test = arrays[f"train{channels}"], arrays[f"test{channels}"]
-    steps = c["epochs"] * len(train["images"]) // c["batch_size"]
-    clf = common.Classifier(model_for(c["model"], stem, c["num_classes"]), steps, c["lr"], train["images"].shape[1:])
-    out = {}
-    for seed in c["seeds"]:
-        params, _ = clf.train(train["images"], train["color"], c["batch_size"], seed)
-        out[seed] = {"accuracy": clf.accuracy(params, test["images"], test["color"]), "steps": steps}
-        progress.update(1)
-    return out
+    return common.train_per_seed(model_for(context["model"], stem, context["num_classes"]), arrays[f"train{channels}"],
+                                 arrays[f"test{channels}"], "color", context, progress)
 
 
 def measure_costs(preset: dict, num_classes: int) -> list[dict]:
@@ -156,14 +147,8 @@ def main(argv=None) -> pathlib.Path:
     train_s = time.perf_counter() - t0
     cost = measure_costs(preset, num_classes)
     setup = {**{k: v for k, v in preset.items() if k != "seeds"}, "seeds": seeds, "num_classes": num_classes,
-             "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "train_wall_s": round(train_s),
-             "command": " ".join(sys.argv)}
-    common.write_rows(rows, out / "runs.csv")
-    common.write_rows(cost, out / "cost.csv")
-    (out / "setup.json").write_text(json.dumps(setup, indent=1) + "\n")
-    table = to_markdown(rows, cost, setup)
-    (out / "channels.md").write_text(table)
-    print(table)
+             "train_wall_s": round(train_s)}
+    common.write_outputs(out, "channels", setup, to_markdown(rows, cost, setup), {"runs.csv": rows, "cost.csv": cost})
     return out
 
 

@@ -191,3 +191,41 @@ def linear_probe(x: np.ndarray, y: np.ndarray, test_x: np.ndarray, test_y: np.nd
     w = best[3]
     return {"train_accuracy": acc(w, fx, np.asarray(fy)), "val_accuracy": best[0], "l2": best[2],
             "accuracy": acc(w, (test_x - mean) / std, test_y)}
+
+
+def train_per_seed(model, train: dict, test: dict, label: str, context: dict, progress) -> dict:
+    """``{seed: {accuracy, final_loss, steps}}``: ``model`` trained on ``train[label]`` for
+    ``context["epochs"]`` epochs per seed (one compiled ``Classifier``), scored on ``test``."""
+    steps = context["epochs"] * len(train["images"]) // context["batch_size"]
+    clf = Classifier(model, steps, context["lr"], train["images"].shape[1:])
+    out = {}
+    for seed in context["seeds"]:
+        params, history = clf.train(train["images"], train[label], context["batch_size"], seed)
+        out[seed] = {"accuracy": clf.accuracy(params, test["images"], test[label]),
+                     "final_loss": float(np.mean(history[-10:])), "steps": steps}
+        progress.update(1)
+    return out
+
+
+def save_figure(fig, path: pathlib.Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(out: pathlib.Path, name: str, setup: dict, table: str, csvs: dict) -> None:
+    """``setup.json`` (with the backend, date and command added), each ``{file: rows}`` CSV and
+    ``NAME.md``; prints the table."""
+    import json
+    import sys
+    import time
+
+    setup = {**setup, "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"),
+             "command": " ".join(sys.argv)}
+    for file, rows in csvs.items():
+        write_rows(rows, out / file)
+    (out / "setup.json").write_text(json.dumps(setup, indent=1, default=str) + "\n")
+    (out / f"{name}.md").write_text(table)
+    print(table)

@@ -22,7 +22,6 @@ Writes ``cells.jsonl`` (the accuracy runs; a rerun skips them), ``cost.csv``, ``
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time
@@ -130,16 +129,8 @@ def measure_costs(preset: dict) -> list[dict]:
 
 def train_job(key, arrays: dict, context: dict, progress) -> dict:
     patch, res = key
-    c = context
-    train, test = arrays[f"train{res}"], arrays[f"test{res}"]
-    steps = c["epochs"] * len(train["images"]) // c["batch_size"]
-    clf = common.Classifier(model_for(c["model"], patch, c["num_classes"]), steps, c["lr"], train["images"].shape[1:])
-    out = {}
-    for seed in c["seeds"]:
-        params, _ = clf.train(train["images"], train["shape"], c["batch_size"], seed)
-        out[seed] = {"accuracy": clf.accuracy(params, test["images"], test["shape"]), "steps": steps}
-        progress.update(1)
-    return out
+    return common.train_per_seed(model_for(context["model"], patch, context["num_classes"]), arrays[f"train{res}"],
+                                 arrays[f"test{res}"], "shape", context, progress)
 
 
 def main(argv=None) -> pathlib.Path:
@@ -167,16 +158,11 @@ def main(argv=None) -> pathlib.Path:
     t0 = time.perf_counter()
     cost = measure_costs(preset)
     setup = {**{k: v for k, v in preset.items() if k not in ("seeds", "train")}, "seeds": seeds,
-             "trained": [list(k) for k in keys], "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"),
-             "train_wall_s": round(t_train), "cost_wall_s": round(time.perf_counter() - t0),
-             "command": " ".join(sys.argv)}
-    common.write_rows(cost, out / "cost.csv")
-    common.write_rows(accuracy, out / "accuracy.csv")
-    (out / "setup.json").write_text(json.dumps(setup, indent=1) + "\n")
-    table = to_markdown(cost, accuracy, setup)
-    (out / "patch_size.md").write_text(table)
+             "trained": [list(k) for k in keys], "train_wall_s": round(t_train),
+             "cost_wall_s": round(time.perf_counter() - t0)}
+    common.write_outputs(out, "patch_size", setup, to_markdown(cost, accuracy, setup),
+                         {"cost.csv": cost, "accuracy.csv": accuracy})
     plot(cost, out / "cost.png")
-    print(table)
     return out
 
 
@@ -237,9 +223,7 @@ def plot(cost: list[dict], path: pathlib.Path) -> None:
     ax.set_xlabel("tokens per image")
     ax.set_ylabel("seconds per step (batch of the table)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

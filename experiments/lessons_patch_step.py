@@ -16,7 +16,6 @@ Writes ``patch_step.csv``, ``patch_step.md`` and ``setup.json`` to ``--out``.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
@@ -97,13 +96,8 @@ def main(argv=None) -> pathlib.Path:
                      "patch_img_s": b / float(np.median(patch)), "forward_img_s": b / float(np.median(forward)),
                      "patch_share": float(np.median(patch)) / float(np.median(forward)),
                      "analytic_share": embed / total})
-    setup = {**preset, "cpu_threads": len(os.sched_getaffinity(0)), "max_abs_difference": gap,
-             "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
-    common.write_rows(rows, out / "patch_step.csv")
-    (out / "setup.json").write_text(json.dumps(setup, indent=1) + "\n")
-    table = to_markdown(rows, setup)
-    (out / "patch_step.md").write_text(table)
-    print(table)
+    setup = {**preset, "cpu_threads": len(os.sched_getaffinity(0)), "max_abs_difference": gap}
+    common.write_outputs(out, "patch_step", setup, to_markdown(rows, setup), {"patch_step.csv": rows})
     return out
 
 

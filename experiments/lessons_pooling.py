@@ -19,7 +19,6 @@ Writes ``cells.jsonl`` (finished cells; a rerun skips them), ``runs.csv``, ``poo
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time
@@ -54,17 +53,8 @@ def model_for(cfg: dict, pool: str, num_classes: int) -> ViT:
 
 
 def train_job(task: str, pool: str, arrays: dict, c: dict, progress) -> dict:
-    train, test = arrays["train"], arrays["test"]
-    steps = c["epochs"] * len(train["images"]) // c["batch_size"]
-    clf = common.Classifier(model_for(c["model"], pool, c["num_classes"][task]), steps, c["lr"],
-                            train["images"].shape[1:])
-    out = {}
-    for seed in c["seeds"]:
-        params, history = clf.train(train["images"], train[task], c["batch_size"], seed)
-        out[seed] = {"accuracy": clf.accuracy(params, test["images"], test[task]),
-                     "final_loss": float(np.mean(history[-10:])), "steps": steps}
-        progress.update(1)
-    return out
+    return common.train_per_seed(model_for(c["model"], pool, c["num_classes"][task]), arrays["train"], arrays["test"],
+                                 task, c, progress)
 
 
 def probe_job(tower: str, arrays: dict, c: dict, progress) -> dict:
@@ -134,14 +124,8 @@ def main(argv=None) -> pathlib.Path:
     shown = tower_dir.resolve()
     setup = {**{k: v for k, v in preset.items() if k not in ("seeds", "tower")}, "seeds": seeds,
              "tower": str(shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown), "tower_config": tower_cfg,
-             "tower_res": tower_res, "num_classes": num_classes, "backend": jax.default_backend(),
-             "date": time.strftime("%Y-%m-%d"), "wall_s_this_sitting": round(time.perf_counter() - t0),
-             "command": " ".join(sys.argv)}
-    common.write_rows(rows, out / "runs.csv")
-    (out / "setup.json").write_text(json.dumps(setup, indent=1, default=str) + "\n")
-    table = to_markdown(rows, setup)
-    (out / "pooling.md").write_text(table)
-    print(table)
+             "tower_res": tower_res, "num_classes": num_classes, "wall_s_this_sitting": round(time.perf_counter() - t0)}
+    common.write_outputs(out, "pooling", setup, to_markdown(rows, setup), {"runs.csv": rows})
     return out
 
 

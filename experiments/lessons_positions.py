@@ -20,12 +20,10 @@ and ``setup.json`` to ``--out``.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time
 
-import jax
 import numpy as np
 
 from vitmm import xla_flags
@@ -126,14 +124,9 @@ def main(argv=None) -> pathlib.Path:
     rows = [{"task": task, "posemb": posemb, "seed": seed, **done[(task, posemb)][seed]}
             for task, posemb in keys for seed in seeds]
     setup = {**{k: v for k, v in preset.items() if k != "seeds"}, "seeds": seeds, "num_classes": num_classes,
-             "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"),
-             "wall_s_this_sitting": round(time.perf_counter() - t0), "command": " ".join(sys.argv)}
-    common.write_rows(rows, out / "runs.csv")
-    (out / "setup.json").write_text(json.dumps(setup, indent=1) + "\n")
-    table = to_markdown(rows, setup)
-    (out / "positions.md").write_text(table)
+             "wall_s_this_sitting": round(time.perf_counter() - t0)}
+    common.write_outputs(out, "positions", setup, to_markdown(rows, setup), {"runs.csv": rows})
     plot(rows, setup, out / "positions.png")
-    print(table)
     return out
 
 
@@ -190,9 +183,7 @@ def plot(rows: list[dict], setup: dict, path: pathlib.Path) -> None:
         ax.set_ylabel("test accuracy (%)")
         ax.set_title(f"task: {task}")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ against 0 registers), ``norms.png`` (the patch-norm histograms) and ``setup.json
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time
@@ -111,14 +110,9 @@ def main(argv=None) -> pathlib.Path:
     rows = [{"registers": r, "seed": seed, **{k: v for k, v in done[(r,)][seed].items() if k != "norm_hist"}}
             for (r,) in keys for seed in seeds]
     setup = {**{k: v for k, v in preset.items() if k != "seeds"}, "seeds": seeds, "num_classes": num_classes,
-             "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"),
-             "wall_s_this_sitting": round(time.perf_counter() - t0), "command": " ".join(sys.argv)}
-    common.write_rows(rows, out / "runs.csv")
-    (out / "setup.json").write_text(json.dumps(setup, indent=1) + "\n")
-    table = to_markdown(rows, setup)
-    (out / "registers.md").write_text(table)
+             "wall_s_this_sitting": round(time.perf_counter() - t0)}
+    common.write_outputs(out, "registers", setup, to_markdown(rows, setup), {"runs.csv": rows})
     plot({r: np.sum([done[(r,)][s]["norm_hist"] for s in seeds], axis=0) for (r,) in keys}, out / "norms.png")
-    print(table)
     return out
 
 
@@ -168,9 +162,7 @@ def plot(hists: dict, path: pathlib.Path) -> None:
     ax.set_xlabel("patch-output norm / the image's median (last block)")
     ax.set_ylabel("share of patch tokens")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,16 @@ def _load(name):
     return module
 
 
+def _smoke(name: str, out, *extra) -> subprocess.CompletedProcess:
+    """Runs ``experiments/lessons_NAME.py --smoke --out OUT`` (with the tests' compile level);
+    the finished process."""
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
+    cmd = [sys.executable, str(ROOT / f"experiments/lessons_{name}.py"), "--smoke", "--out", str(out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.fixture(scope="module")
 def positions():
     return _load("lessons_positions")
@@ -47,10 +57,7 @@ def test_shuffle_patches_moves_whole_patches(positions):
 
 def test_positions_smoke_writes_tables_and_shows_equivariance_without_positions(positions, tmp_path):
     out = tmp_path / "pos"
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
-    cmd = [sys.executable, str(ROOT / "experiments/lessons_positions.py"), "--smoke", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _smoke("positions", out)
     rows = list(csv.DictReader(open(out / "runs.csv")))
     assert len(rows) == 2 * 4 * 2  # tasks × position kinds × seeds
     for r in rows:
@@ -62,8 +69,8 @@ def test_positions_smoke_writes_tables_and_shows_equivariance_without_positions(
     table = (out / "positions.md").read_text()
     assert "**Task `region`**" in table and "| rope2d |" in table and "learn − sincos2d" in table
     assert (out / "positions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0 and "8 cells already done" in proc.stdout
+    proc = _smoke("positions", out)  # again: every cell is reused
+    assert "8 cells already done" in proc.stdout
     assert list(csv.DictReader(open(out / "runs.csv"))) == rows
 
 
@@ -82,27 +89,20 @@ def test_linear_probe_separates_separable_features_and_not_noise():
 
 def test_pooling_smoke_writes_both_tables(tmp_path, clip_smoke_run):
     out = tmp_path / "pool"
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
-    cmd = [sys.executable, str(ROOT / "experiments/lessons_pooling.py"), "--smoke", "--out", str(out),
-           "--tower", str(clip_smoke_run.workdir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _smoke("pooling", out, "--tower", str(clip_smoke_run.workdir))
     rows = list(csv.DictReader(open(out / "runs.csv")))
     assert len(rows) == (2 * 3 + 2) * 2  # (tasks × poolings + two towers) × seeds
     assert {r["model"] for r in rows if r["part"] == "probe"} == {"pretrained", "untrained"}
     assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
     table = (out / "pooling.md").read_text()
     assert "| CLS token (`tok`) |" in table and "| MAP head (`map`) |" in table and "| untrained |" in table
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0 and "8 cells already done" in proc.stdout
+    proc = _smoke("pooling", out, "--tower", str(clip_smoke_run.workdir))  # again: every cell is reused
+    assert "8 cells already done" in proc.stdout
 
 
 def test_registers_smoke_measures_norms_and_cls_attention(tmp_path):
     out = tmp_path / "reg"
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
-    cmd = [sys.executable, str(ROOT / "experiments/lessons_registers.py"), "--smoke", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _smoke("registers", out)
     rows = list(csv.DictReader(open(out / "runs.csv")))
     assert sorted({int(r["registers"]) for r in rows}) == [0, 1, 4, 8] and len(rows) == 8
     for r in rows:
@@ -128,10 +128,7 @@ def test_patch_size_cost_follows_the_token_count_and_the_lessons_example():
 
 def test_patch_size_smoke_writes_cost_and_accuracy(tmp_path):
     out = tmp_path / "ps"
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
-    cmd = [sys.executable, str(ROOT / "experiments/lessons_patch_size.py"), "--smoke", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _smoke("patch_size", out)
     cost = {(int(r["patch"]), int(r["res"])): r for r in csv.DictReader(open(out / "cost.csv"))}
     assert set(cost) == {(8, 32), (16, 32), (8, 64), (16, 64)}
     assert float(cost[(16, 64)]["token_ratio"]) == 1.0 and float(cost[(8, 64)]["score_ratio"]) == 16.0
@@ -142,10 +139,7 @@ def test_patch_size_smoke_writes_cost_and_accuracy(tmp_path):
 
 def test_patch_step_smoke_times_both_embeddings_that_agree(tmp_path):
     out = tmp_path / "pst"
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
-    cmd = [sys.executable, str(ROOT / "experiments/lessons_patch_step.py"), "--smoke", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _smoke("patch_step", out)
     rows = list(csv.DictReader(open(out / "patch_step.csv")))
     assert {(r["impl"], r["batch"]) for r in rows} == {(i, b) for i in ("conv", "unfold") for b in ("1", "2")}
     for r in rows:
@@ -169,10 +163,7 @@ def test_channels_inputs_and_smoke_run(tmp_path):
     with pytest.raises(ValueError, match="channels must be 1, 3 or 8"):
         ch.to_channels(rgb, 4)
     out = tmp_path / "ch"
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
-    cmd = [sys.executable, str(ROOT / "experiments/lessons_channels.py"), "--smoke", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _smoke("channels", out)
     cost = {(r["channels"], r["stem"]): r for r in csv.DictReader(open(out / "cost.csv"))}
     assert len(cost) == 7 and len(list(csv.DictReader(open(out / "runs.csv")))) == 14
     # The linear embedding's kernel grows with the channels (C·P²·D); the projection adds 3·(C+1).
