@@ -149,6 +149,11 @@ def main(argv=None) -> pathlib.Path:
     setup = {**{k: v for k, v in preset.items() if k != "seeds"}, "seeds": seeds, "num_classes": num_classes,
              "train_wall_s": round(train_s)}
     common.write_outputs(out, "channels", setup, to_markdown(rows, cost, setup), {"runs.csv": rows, "cost.csv": cost})
+    groups = {f"{c} channel{'s' if c > 1 else ''}": {s: {r["seed"]: 100 * r["accuracy"] for r in rows
+                                                      if (r["channels"], r["stem"]) == (c, s)}
+                                                  for s in STEMS if (c, s) in CONFIGS}
+              for c in dict.fromkeys(c for c, _ in CONFIGS)}
+    common.bar_plot(groups, "colour accuracy (%)", out / "channels.png", "stems for 1-, 3- and 8-channel inputs")
     return out
 
 

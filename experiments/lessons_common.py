@@ -229,3 +229,28 @@ def write_outputs(out: pathlib.Path, name: str, setup: dict, table: str, csvs: d
     (out / "setup.json").write_text(json.dumps(setup, indent=1, default=str) + "\n")
     (out / f"{name}.md").write_text(table)
     print(table)
+
+
+def bar_plot(groups: dict, ylabel: str, path: pathlib.Path, title: str = "") -> None:
+    """Grouped bars with 95% CI error bars: ``{group: {bar: per-seed values}}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import sweep
+
+    bars = list(dict.fromkeys(b for g in groups.values() for b in g))
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(groups) * max(len(bars), 1) / 2), 3.8))
+    width = 0.8 / max(len(bars), 1)
+    for i, bar in enumerate(bars):
+        xs = [j + i * width for j, g in enumerate(groups.values()) if bar in g]
+        vals = [np.asarray(list(g[bar].values()) if isinstance(g[bar], dict) else g[bar], float)
+                for g in groups.values() if bar in g]
+        ax.bar(xs, [v.mean() for v in vals], width, yerr=[np.nan_to_num(sweep.ci95(v)) for v in vals],
+               capsize=3, label=bar)
+    ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(groups))], list(groups))
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)

@@ -98,6 +98,10 @@ def main(argv=None) -> pathlib.Path:
                      "analytic_share": embed / total})
     setup = {**preset, "cpu_threads": len(os.sched_getaffinity(0)), "max_abs_difference": gap}
     common.write_outputs(out, "patch_step", setup, to_markdown(rows, setup), {"patch_step.csv": rows})
+    groups = {f"batch {b}": {impl: [100 * t / f for t, f in zip(times[(impl, b)]["patch"], times[(impl, b)]["forward"],
+                                                                  strict=True)] for impl in IMPLS} for b in batches}
+    common.bar_plot(groups, "patch step / whole forward (%)", out / "patch_step.png",
+                    f"ViT-{preset['variant']} at {preset['res']} px (per round)")
     return out
 
 

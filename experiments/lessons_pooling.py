@@ -126,6 +126,10 @@ def main(argv=None) -> pathlib.Path:
              "tower": str(shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown), "tower_config": tower_cfg,
              "tower_res": tower_res, "num_classes": num_classes, "wall_s_this_sitting": round(time.perf_counter() - t0)}
     common.write_outputs(out, "pooling", setup, to_markdown(rows, setup), {"runs.csv": rows})
+    groups = {task: {pool: _cell(rows, "train", task, pool) for pool in POOLS} for task in common.TASKS}
+    groups["probe (4 shapes)"] = {f"{tower} tower": _cell(rows, "probe", "shape (easy)", tower) for tower in TOWERS}
+    common.bar_plot({k: {b: {s: 100 * a for s, a in v.items()} for b, v in g.items()} for k, g in groups.items()},
+                    "test accuracy (%)", out / "pooling.png", "pooling (trained from scratch) and the linear probe")
     return out
 
 

@@ -96,6 +96,7 @@ def test_pooling_smoke_writes_both_tables(tmp_path, clip_smoke_run):
     assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
     table = (out / "pooling.md").read_text()
     assert "| CLS token (`tok`) |" in table and "| MAP head (`map`) |" in table and "| untrained |" in table
+    assert (out / "pooling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     proc = _smoke("pooling", out, "--tower", str(clip_smoke_run.workdir))  # again: every cell is reused
     assert "8 cells already done" in proc.stdout
 
@@ -147,6 +148,7 @@ def test_patch_step_smoke_times_both_embeddings_that_agree(tmp_path):
     import json
 
     assert json.loads((out / "setup.json").read_text())["max_abs_difference"] < 1e-4
+    assert (out / "patch_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_channels_inputs_and_smoke_run(tmp_path):
@@ -171,3 +173,4 @@ def test_channels_inputs_and_smoke_run(tmp_path):
     assert int(cost[("8", "linear")]["params"]) - int(cost[("1", "linear")]["params"]) == 7 * patch * patch * width
     assert int(cost[("8", "proj3")]["params"]) - int(cost[("3", "linear")]["params"]) == 3 * (8 + 1)
     assert "| 8 | proj3 |" in (out / "channels.md").read_text()
+    assert (out / "channels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
