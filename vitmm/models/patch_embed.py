@@ -151,34 +151,51 @@ class PatchEmbed(nn.Module):
     use_bias: bool = True
 
     @nn.compact
-    def __call__(self, images: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, images: jnp.ndarray, *, flat: bool = False) -> jnp.ndarray:
+        """``images [B, H, W, C]`` → ``[B, h, w, D]``; with ``flat``, patches already cut
+        (``[..., ph·pw·C]`` in ``unfold_patches``' order, e.g. a packed sequence) → ``[..., D]``."""
         patch = to_pair(self.patch_size, "patch_size")
         stride = to_pair(self.stride if self.stride is not None else patch, "stride")
         padding = to_pair(self.padding, "padding")
         common.check_choice("impl", self.impl, ("conv", "unfold"))
         common.check_choice("size_policy", self.size_policy, SIZE_POLICIES)
+        if flat:
+            return self._project(images, patch)
         check_images(images)
         if self.size_policy == "pad":
             images = pad_to_fit(images, patch, stride, padding)
         grid_size(images.shape[1:3], patch, stride, padding)  # raises with a clear message
         if self.has_variable("params", "kernel"):
             check_images(images, self.get_variable("params", "kernel").shape[2])
+        if self.impl == "unfold":
+            return self._project(unfold_patches(images, patch, stride, padding), patch)
         channels = images.shape[-1]
         kernel = self.param(
             "kernel", common.trunc_normal(0.02), (*patch, channels, self.width), jnp.float32
         )
         dtype = jnp.dtype(self.dtype_mm)
-        if self.impl == "conv":
-            x = jax.lax.conv_general_dilated(
-                images.astype(dtype),
-                kernel.astype(dtype),
-                window_strides=stride,
-                padding=[(padding[0], padding[0]), (padding[1], padding[1])],
-                dimension_numbers=("NHWC", "HWIO", "NHWC"),
-            )
-        else:
-            patches = unfold_patches(images.astype(dtype), patch, stride, padding)
-            x = patches @ kernel.reshape(-1, self.width).astype(dtype)
+        x = jax.lax.conv_general_dilated(
+            images.astype(dtype),
+            kernel.astype(dtype),
+            window_strides=stride,
+            padding=[(padding[0], padding[0]), (padding[1], padding[1])],
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
+        if self.use_bias:
+            x = x + self.param("bias", nn.initializers.zeros, (self.width,), jnp.float32).astype(dtype)
+        return x
+
+    def _project(self, patches: jnp.ndarray, patch: tuple[int, int]) -> jnp.ndarray:
+        size = patches.shape[-1]
+        if size % (patch[0] * patch[1]):
+            raise ValueError(f"Flat patches of {size} values are not {patch[0]}x{patch[1]} patches of whole channels.")
+        channels = size // (patch[0] * patch[1])
+        if self.has_variable("params", "kernel") and self.get_variable("params", "kernel").shape[2] != channels:
+            raise ValueError(f"Flat patches have {channels} channels but the patch embedding was built for "
+                             f"{self.get_variable('params', 'kernel').shape[2]}.")
+        kernel = self.param("kernel", common.trunc_normal(0.02), (*patch, channels, self.width), jnp.float32)
+        dtype = jnp.dtype(self.dtype_mm)
+        x = patches.astype(dtype) @ kernel.reshape(-1, self.width).astype(dtype)
         if self.use_bias:
             x = x + self.param("bias", nn.initializers.zeros, (self.width,), jnp.float32).astype(dtype)
         return x

@@ -43,15 +43,32 @@ def sincos_2d(
         )
     if convention not in SINCOS_CONVENTIONS:
         raise ValueError(f"Unknown sin-cos convention {convention!r}; choose one of {SINCOS_CONVENTIONS}.")
+    axis = _sincos_1d(max(grid_h, grid_w), dim, temperature, convention)
+    rows, cols = np.mgrid[:grid_h, :grid_w]
+    return jnp.asarray(np.concatenate([axis[cols.reshape(-1)], axis[rows.reshape(-1)]], axis=1))
+
+
+def _sincos_1d(length: int, dim: int, temperature: float, convention: str) -> np.ndarray:
+    """``[length, dim // 2]`` float32: ``[sin(p·ω), cos(p·ω)]`` for positions ``p < length``,
+    computed in float64 (half of a 2D table's row; ``sincos_2d`` puts the column's first)."""
     quarter = dim // 4
     denom = quarter - 1 if convention == "big_vision" else quarter
     denom = max(denom, 1)  # dim == 4 under big_vision: a single frequency of 1.
     omega = 1.0 / (temperature ** (np.arange(quarter, dtype=np.float64) / denom))
-    rows, cols = np.mgrid[:grid_h, :grid_w]
-    x = cols.reshape(-1, 1).astype(np.float64) * omega[None]
-    y = rows.reshape(-1, 1).astype(np.float64) * omega[None]
-    table = np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)
-    return jnp.asarray(table, dtype=jnp.float32)
+    p = np.arange(length, dtype=np.float64)[:, None] * omega[None]
+    return np.concatenate([np.sin(p), np.cos(p)], axis=1).astype(np.float32)
+
+
+def sincos_2d_at(positions: jnp.ndarray, dim: int, max_side: int, temperature: float = 10_000.0, *,
+                 convention: str = "big_vision") -> jnp.ndarray:
+    """``sincos_2d``'s rows at (traced) integer ``positions [..., 2]`` (row, col), each below
+    ``max_side``: ``[..., dim]``, bit-equal to ``sincos_2d(h, w, dim)[row * w + col]``."""
+    if dim % 4 != 0:
+        raise ValueError(f"sincos_2d needs dim divisible by 4 (sin/cos × rows/cols), got dim={dim}.")
+    if convention not in SINCOS_CONVENTIONS:
+        raise ValueError(f"Unknown sin-cos convention {convention!r}; choose one of {SINCOS_CONVENTIONS}.")
+    axis = jnp.asarray(_sincos_1d(max_side, dim, temperature, convention))
+    return jnp.concatenate([axis[positions[..., 1]], axis[positions[..., 0]]], axis=-1)
 
 
 # How each source resamples a position table (``resample_grid``'s ``method``):
@@ -133,6 +150,59 @@ def resample_grid(table: jnp.ndarray, new_grid: tuple[int, int], method: str = "
     return out.astype(table.dtype)
 
 
+def axis_weights_at(size: int, new_size: jnp.ndarray, index: jnp.ndarray, method: str = "bicubic_aa") -> jnp.ndarray:
+    """Row ``index`` of the matrix that resamples an axis of ``size`` entries to ``new_size``,
+    for (traced) integer arrays ``new_size`` and ``index`` of one shape: ``[..., size]`` float32.
+
+    The per-token form of ``resample_grid`` for packed sequences, where every image has a grid of
+    its own: ``bicubic_aa`` follows ``jax.image.resize``'s weights (Keys a = -0.5, the kernel
+    widened by the scale when shrinking, rows renormalised), ``torch_bicubic`` and ``big_vision``
+    ``resample_weights``'; equal to those matrices' rows to float32 rounding (tested), and the
+    identity when ``new_size == size``.
+    """
+    f32 = jnp.float32
+    n, r = jnp.asarray(new_size).astype(f32), jnp.asarray(index).astype(f32)
+    taps = jnp.arange(size, dtype=f32)
+    if method == "bicubic_aa":
+        inv = f32(size) / n
+        sample = (r + 0.5) * inv - 0.5
+        x = jnp.abs(sample[..., None] - taps) / jnp.maximum(inv, 1.0)[..., None]
+        near = ((1.5 * x - 2.5) * x) * x + 1.0
+        w = jnp.where(x >= 2.0, 0.0, jnp.where(x >= 1.0, ((-0.5 * x + 2.5) * x - 4.0) * x + 2.0, near))
+        return w / jnp.sum(w, axis=-1, keepdims=True)
+    if method == "torch_bicubic":
+        src = (f32(size) / n) * (r + 0.5) - 0.5
+        base = jnp.floor(src)
+        t = (src - base)[..., None]
+        cubic = lambda d: jnp.where(d < 1.0, ((1.25 * d - 2.25) * d) * d + 1.0,  # noqa: E731 - a = -0.75
+                                    jnp.where(d < 2.0, ((-0.75 * d + 3.75) * d - 6.0) * d + 3.0, 0.0))
+        w = jnp.zeros((*r.shape, size), f32)
+        for j, d in enumerate((t + 1.0, t, 1.0 - t, (1.0 - t) + 1.0)):
+            at = jnp.clip(base[..., None] - 1 + j, 0, size - 1)
+            w = w + jnp.where(taps == at, cubic(d), 0.0)
+        return w
+    if method == "big_vision":
+        src = jnp.where(n > 1, r * ((size - 1) / jnp.maximum(n - 1, 1.0)), 0.0)
+        base = jnp.clip(jnp.floor(src), 0, size - 1)
+        frac = (src - base)[..., None]
+        base = base[..., None]
+        return jnp.where(taps == base, 1.0 - frac, 0.0) + jnp.where(taps == jnp.minimum(base + 1, size - 1), frac, 0.0)
+    raise ValueError(f"Unknown resampling method {method!r}; choose one of {RESAMPLE_METHODS}.")
+
+
+def resample_grid_at(table: jnp.ndarray, grids: jnp.ndarray, positions: jnp.ndarray,
+                     method: str = "bicubic_aa") -> jnp.ndarray:
+    """The ``[h, w, D]`` table resampled to each token's grid and read at its position:
+    ``grids`` and ``positions`` are ``[..., 2]`` integer (rows, cols) arrays, the result
+    ``[..., D]`` is what ``resample_grid(table, grid)[row, col]`` gives (tested)."""
+    h, w, d = table.shape
+    rows = axis_weights_at(h, grids[..., 0], positions[..., 0], method)
+    cols = axis_weights_at(w, grids[..., 1], positions[..., 1], method)
+    weights = (rows[..., :, None] * cols[..., None, :]).reshape(*rows.shape[:-1], h * w)
+    return jnp.matmul(weights, table.reshape(h * w, d).astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST).astype(table.dtype)
+
+
 def resample_flat_posemb(
     posemb: jnp.ndarray,
     old_grid: tuple[int, int],
@@ -176,26 +246,42 @@ def rope_2d_angles(
         raise ValueError(
             f"rope2d needs a head dim divisible by 4 (pairs × rows/cols), got head_dim={head_dim}."
         )
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 4, dtype=np.float64)[: head_dim // 4] / head_dim))
+    axis = _rope_1d(max(grid_h, grid_w), head_dim, theta)
     rows, cols = np.mgrid[:grid_h, :grid_w]
-    ang_x = cols.reshape(-1, 1) * freqs[None]
-    ang_y = rows.reshape(-1, 1) * freqs[None]
-    angles = np.concatenate([ang_x, ang_y], axis=1)
-    angles = np.concatenate([np.zeros((num_prefix_tokens, head_dim // 2)), angles], axis=0)
-    return jnp.asarray(angles, jnp.float32)
+    angles = np.concatenate([axis[cols.reshape(-1)], axis[rows.reshape(-1)]], axis=1)
+    return jnp.asarray(np.concatenate([np.zeros((num_prefix_tokens, head_dim // 2), np.float32), angles]))
+
+
+def _rope_1d(length: int, head_dim: int, theta: float) -> np.ndarray:
+    """``[length, head_dim // 4]`` float32 angles ``p · theta ** -(4k / head_dim)`` (float64 math)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 4, dtype=np.float64)[: head_dim // 4] / head_dim))
+    return (np.arange(length, dtype=np.float64)[:, None] * freqs[None]).astype(np.float32)
+
+
+def rope_2d_angles_at(positions: jnp.ndarray, head_dim: int, max_side: int, theta: float = 100.0) -> jnp.ndarray:
+    """``rope_2d_angles``' rows at (traced) integer ``positions [..., 2]`` (row, col), each below
+    ``max_side``: ``[..., head_dim // 2]``, bit-equal to the grid's table."""
+    if head_dim % 4 != 0:
+        raise ValueError(f"rope2d needs a head dim divisible by 4 (pairs × rows/cols), got head_dim={head_dim}.")
+    axis = jnp.asarray(_rope_1d(max_side, head_dim, theta))
+    return jnp.concatenate([axis[positions[..., 1]], axis[positions[..., 0]]], axis=-1)
 
 
 def apply_rope(x: jnp.ndarray, angles: jnp.ndarray, seq_axis: int = 1) -> jnp.ndarray:
     """Rotates ``x: [B, T, heads, head_dim]`` (``seq_axis=2``: ``[B, heads, T, head_dim]``) by
-    ``angles: [T, head_dim // 2]``.
+    ``angles: [T, head_dim // 2]``, or ``[B, T, head_dim // 2]`` for angles of each example's own
+    (packed sequences).
 
     Uses the half-split ("rotate_half") pairing: channel ``k`` pairs with ``k + head_dim/2``,
     the layout of Hugging Face Llama/Qwen2-VL, so their weights load without permutation.
     """
-    if angles.shape[0] != x.shape[seq_axis] or 2 * angles.shape[1] != x.shape[-1]:
+    if (angles.shape[-2] != x.shape[seq_axis] or 2 * angles.shape[-1] != x.shape[-1]
+            or angles.ndim not in (2, 3) or (angles.ndim == 3 and angles.shape[0] not in (1, x.shape[0]))):
         raise ValueError(f"RoPE angles {angles.shape} do not fit queries/keys of shape {x.shape}.")
-    shape = [1] * x.ndim  # angles broadcast over every axis but the sequence and the channels
-    shape[seq_axis], shape[-1] = angles.shape
+    shape = [1] * x.ndim  # angles broadcast over every axis but (the batch,) the sequence and the channels
+    shape[seq_axis], shape[-1] = angles.shape[-2:]
+    if angles.ndim == 3:
+        shape[0] = angles.shape[0]
     cos = jnp.cos(angles).reshape(shape).astype(x.dtype)
     sin = jnp.sin(angles).reshape(shape).astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)

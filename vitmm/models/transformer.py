@@ -208,6 +208,9 @@ class MAPHead(nn.Module):
     """Multihead attention pooling (Lee et al. 2019; big_vision's ``MAPHead``).
 
     One learned probe attends over the tokens; a residual MLP follows. ``[B, N, D] → [B, D]``.
+    With ``num_queries=K`` the probe is repeated K times, each copy attending where its row of
+    ``mask`` (``[B, 1, K, N]``, True = attend) allows: ``[B, N, D] → [B, K, D]``, one pooled
+    vector per image of a packed sequence.
     """
 
     num_heads: int
@@ -217,11 +220,11 @@ class MAPHead(nn.Module):
     dtype_mm: str | jnp.dtype = "float32"
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, mask: jnp.ndarray | None = None, num_queries: int | None = None):
         b, _, d = x.shape
         probe = self.param("probe", nn.initializers.xavier_uniform(), (1, 1, d), jnp.float32)
-        probe = jnp.broadcast_to(probe, (b, 1, d))
-        y = Attention(self.num_heads, dtype_mm=self.dtype_mm, name="attn")(probe, kv=x)
+        probe = jnp.broadcast_to(probe, (b, num_queries or 1, d))
+        y = Attention(self.num_heads, dtype_mm=self.dtype_mm, name="attn")(probe, kv=x, mask=mask)
         z = nn.LayerNorm(epsilon=self.norm_eps, name="norm")(y)
         y = y + MlpBlock(self.mlp_dim, act=self.act, dtype_mm=self.dtype_mm, name="mlp")(z)
-        return y[:, 0]
+        return y if num_queries else y[:, 0]

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from vitmm import tree
-from vitmm.models import common, layers
+from vitmm.models import common, layers, packing
 from vitmm.models import posemb as pe
 from vitmm.models.patch_embed import ConvStem, PatchEmbed, check_images, grid_size, to_pair
 from vitmm.models.transformer import REMAT_NONE, Encoder, MAPHead, layer_flops
@@ -91,7 +91,16 @@ class ViT(nn.Module):
     ``dynamic_img_size`` resamples a learned table on the fly when the image gives a different
     grid than the table was made for (otherwise that is an error; see ``resize_posemb`` to
     resample parameters once when loading at a new resolution); ``posemb_resample`` is how
-    (``posemb.RESAMPLE_METHODS``: converters set their source's, vitmm's own default is ``"bicubic_aa"``).
+    (``posemb.RESAMPLE_METHODS``: converters set their source's, vitmm's own default is ``"bicubic_aa"``);
+    ``posemb_grid`` is the learned table's grid (None: that of the images the model is
+    initialised with; initialising from a packed batch needs it).
+
+    Packed input (``models.packing.Packed``, NaViT): images of their own sizes in fixed-length
+    rows; attention stays within each image, positions are each image's own (a learned table
+    resampled to every image's grid, as ``dynamic_img_size`` would), pooling is per image:
+    ``pooled`` is ``[B, K, D]`` (K image slots per row), ``out["encoded"]`` the whole rows
+    ``[B, L, D]``. Each image gets its unpacked forward's numbers (tested). Needs the
+    non-overlapping patch stem.
 
     Tokens and pooling: ``class_token``; ``num_registers``; ``pool`` in ``tok | gap | map | none``
     (``gap`` and ``map`` use the patch tokens only); ``pre_norm`` is CLIP's LayerNorm on the
@@ -126,6 +135,7 @@ class ViT(nn.Module):
     rope_theta: float = 100.0
     dynamic_img_size: bool = False
     posemb_resample: str = "bicubic_aa"
+    posemb_grid: Sequence[int] | None = None
     # Tokens and pooling.
     class_token: bool = True
     num_registers: int = 0
@@ -196,13 +206,16 @@ class ViT(nn.Module):
         return PatchEmbed(arch.width, arch.patch_size, self.stride, self.padding, self.embed_impl,
                           self.size_policy, self.dtype_mm, self.embed_bias, name="embedding")(images)
 
-    def _learned_table(self, grid: tuple[int, int], width: int) -> jnp.ndarray:
-        """The learned ``[1, h, w, D]`` table, resampled to ``grid`` when allowed."""
-        shape = (1, *grid, width)
+    def _learned_table(self, grid: tuple[int, int] | None, width: int) -> jnp.ndarray:
+        """The learned ``[1, h, w, D]`` table, resampled to ``grid`` when allowed (None: as stored)."""
+        shape = (1, *(self.posemb_grid or grid or ()), width)
         if self.has_variable("params", "pos_embedding"):
             shape = self.get_variable("params", "pos_embedding").shape
+        elif len(shape) != 4:
+            raise ValueError("Initialising a learned position table from a packed batch needs its grid: "
+                             "set posemb_grid=(h, w) or initialise with an image batch.")
         table = self.param("pos_embedding", common.trunc_normal(0.02), shape, jnp.float32)
-        if table.shape[1:3] != grid:
+        if grid is not None and table.shape[1:3] != grid:
             if not self.dynamic_img_size:
                 raise ValueError(
                     f"The learned position table is for a {table.shape[1]}x{table.shape[2]} grid "
@@ -213,10 +226,55 @@ class ViT(nn.Module):
             table = pe.resample_grid(table, grid, self.posemb_resample)
         return table
 
+    def _cls(self, d: int):
+        """The CLS parameter (made before the position table: the parameters' RNG follows their order)."""
+        return self.param("cls", common.trunc_normal(0.02), (1, 1, d), jnp.float32) if self.class_token else None
+
+    def _prefix(self, cls, d: int) -> list[jnp.ndarray]:
+        """``[1, 1, D]`` CLS (with its position under ``with_cls``) and ``[1, R, D]`` registers."""
+        prefix = []
+        if cls is not None:
+            if self.posemb == "learn" and self.posemb_layout == "with_cls":
+                cls = cls + self.param("cls_pos_embedding", common.trunc_normal(0.02), (1, 1, d))
+            prefix.append(cls)
+        if self.num_registers:
+            prefix.append(self.param("registers", common.trunc_normal(0.02), (1, self.num_registers, d)))
+        return prefix
+
+    def _encode(self, x, arch: Arch, out: dict, train: bool, rope=None, mask=None):
+        out["with_posemb"] = x
+        if self.pre_norm:
+            x = nn.LayerNorm(epsilon=self.norm_eps, name="pre_norm")(x)
+        out["encoder_input"] = x
+        x, blocks = Encoder(
+            depth=arch.depth, num_heads=arch.num_heads, mlp_dim=arch.mlp_dim, dropout=self.dropout,
+            drop_path_rate=self.drop_path_rate, layerscale=self.layerscale, qk_norm=self.qk_norm,
+            act=self.act, norm_eps=self.norm_eps, scan=self.scan, remat_policy=self.remat_policy,
+            dtype_mm=self.dtype_mm, attn_impl=self.attn_impl, final_norm=not self.fc_norm,
+            dtype_residual=self.dtype_residual, name="encoder",
+        )(x, rope=rope, mask=mask, deterministic=not train)
+        out.update(blocks)
+        return x
+
+    def _map_head(self, arch: Arch):
+        return MAPHead(arch.num_heads, arch.mlp_dim, self.act, self.norm_eps, self.dtype_mm, name="map_head")
+
+    def _finish(self, pooled, out: dict):
+        if self.fc_norm:
+            pooled = nn.LayerNorm(epsilon=self.norm_eps, name="fc_norm")(pooled)
+        out["pooled"] = pooled
+        if self.num_classes:
+            logits = layers.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(pooled)
+            out["logits"] = logits
+            return logits, out
+        return pooled, out
+
     @nn.compact
-    def __call__(self, images: jnp.ndarray, *, train: bool = False):
+    def __call__(self, images, *, train: bool = False):
         arch = self.arch()
         self._check_options(arch)
+        if isinstance(images, packing.Packed):
+            return self._packed(images, arch, train)
         check_images(images)
         out = {}
         x = self._stem(images, arch)
@@ -226,40 +284,15 @@ class ViT(nn.Module):
         out["stem"] = x
         x = x.reshape(b, h * w, d)
 
-        cls = None
-        if self.class_token:
-            cls = self.param("cls", common.trunc_normal(0.02), (1, 1, d), jnp.float32)
-        rope = None
+        cls, rope = self._cls(d), None
         if self.posemb == "learn":
             x = x + self._learned_table((h, w), d).reshape(1, h * w, d)
-            if self.posemb_layout == "with_cls":
-                cls = cls + self.param("cls_pos_embedding", common.trunc_normal(0.02), (1, 1, d))
         elif self.posemb == "sincos2d":
-            table = pe.sincos_2d(h, w, d, convention=self.sincos_convention)
-            x = x + table[None]
+            x = x + pe.sincos_2d(h, w, d, convention=self.sincos_convention)[None]
         elif self.posemb == "rope2d":
             rope = pe.rope_2d_angles(h, w, d // arch.num_heads, self.rope_theta, self.num_prefix_tokens)
-
-        prefix = []
-        if cls is not None:
-            prefix.append(jnp.broadcast_to(cls, (b, 1, d)).astype(x.dtype))
-        if self.num_registers:
-            regs = self.param("registers", common.trunc_normal(0.02), (1, self.num_registers, d))
-            prefix.append(jnp.broadcast_to(regs, (b, self.num_registers, d)).astype(x.dtype))
-        x = jnp.concatenate([*prefix, x], axis=1)
-        out["with_posemb"] = x
-        if self.pre_norm:
-            x = nn.LayerNorm(epsilon=self.norm_eps, name="pre_norm")(x)
-        out["encoder_input"] = x
-
-        x, blocks = Encoder(
-            depth=arch.depth, num_heads=arch.num_heads, mlp_dim=arch.mlp_dim, dropout=self.dropout,
-            drop_path_rate=self.drop_path_rate, layerscale=self.layerscale, qk_norm=self.qk_norm,
-            act=self.act, norm_eps=self.norm_eps, scan=self.scan, remat_policy=self.remat_policy,
-            dtype_mm=self.dtype_mm, attn_impl=self.attn_impl, final_norm=not self.fc_norm,
-            dtype_residual=self.dtype_residual, name="encoder",
-        )(x, rope=rope, deterministic=not train)
-        out.update(blocks)
+        prefix = [jnp.broadcast_to(p, (b, *p.shape[1:])).astype(x.dtype) for p in self._prefix(cls, d)]
+        x = self._encode(jnp.concatenate([*prefix, x], axis=1), arch, out, train, rope=rope)
 
         n_cls = int(self.class_token)
         patches = x[:, self.num_prefix_tokens:]
@@ -273,18 +306,58 @@ class ViT(nn.Module):
         elif self.pool == "gap":
             pooled = patches.mean(axis=1)
         elif self.pool == "map":
-            pooled = MAPHead(arch.num_heads, arch.mlp_dim, self.act, self.norm_eps, self.dtype_mm,
-                             name="map_head")(patches)
+            pooled = self._map_head(arch)(patches)
         else:
             pooled = out["encoded"]
-        if self.fc_norm:
-            pooled = nn.LayerNorm(epsilon=self.norm_eps, name="fc_norm")(pooled)
-        out["pooled"] = pooled
-        if self.num_classes:
-            logits = layers.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(pooled)
-            out["logits"] = logits
-            return logits, out
-        return pooled, out
+        return self._finish(pooled, out)
+
+    def _packed(self, batch: packing.Packed, arch: Arch, train: bool):
+        """The forward of a packed batch (see the class docstring)."""
+        if self.stem != "patch" or to_pair(self.stride or arch.patch_size) != arch.patch_size or self.padding:
+            raise ValueError("Packed sequences need stem='patch' with stride equal to the patch and no padding.")
+        seg, kinds = batch.segment_ids, batch.kinds
+        b, length = seg.shape
+        is_patch = (kinds == packing.PATCH) & (seg > 0)
+        out = {}
+        x = PatchEmbed(arch.width, arch.patch_size, impl="unfold", dtype_mm=self.dtype_mm,
+                       use_bias=self.embed_bias, name="embedding")(batch.patches, flat=True)
+        d = x.shape[-1]
+        if self.stem_norm:
+            x = nn.LayerNorm(epsilon=self.norm_eps, name="stem_norm")(x)
+        out["stem"] = x
+        where_patch = lambda v: jnp.where(is_patch[..., None], v, 0)  # noqa: E731
+        grids = jnp.take_along_axis(batch.grids, jnp.maximum(seg - 1, 0)[..., None], axis=1)  # [B, L, 2]
+        cls, rope = self._cls(d), None
+        if self.posemb == "learn":
+            table = self._learned_table(None, d)[0]
+            x = x + where_patch(pe.resample_grid_at(table, grids, batch.positions, self.posemb_resample))
+        elif self.posemb == "sincos2d":
+            x = x + where_patch(pe.sincos_2d_at(batch.positions, d, length, convention=self.sincos_convention))
+        elif self.posemb == "rope2d":
+            rope = where_patch(pe.rope_2d_angles_at(batch.positions, d // arch.num_heads, length, self.rope_theta))
+        prefix = self._prefix(cls, d)
+        if prefix:  # row k of the table is the token of kind k (kind 0, a patch, never reads it)
+            table = jnp.concatenate([jnp.zeros((1, 1, d)), *([] if self.class_token else [jnp.zeros((1, 1, d))]),
+                                     *prefix], axis=1)[0]
+            x = jnp.where(is_patch[..., None] | (seg[..., None] == 0), x, table[kinds].astype(x.dtype))
+        mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # block-diagonal: each image (and the padding) alone
+        x = self._encode(x, arch, out, train, rope=rope, mask=mask)
+        out["encoded"] = x
+        out["patch_mask"] = is_patch
+
+        members = seg[:, None, :] == jnp.arange(1, batch.max_images + 1)[None, :, None]  # [B, K, L]
+        patch_of = members & is_patch[:, None]
+        if self.pool == "tok":
+            first = jnp.argmax(members & (kinds == packing.CLS)[:, None], axis=-1)  # [B, K]
+            pooled = jnp.take_along_axis(x, first[..., None], axis=1)
+        elif self.pool == "gap":
+            sums = jnp.einsum("bkl,bld->bkd", patch_of.astype(x.dtype), x, precision=jax.lax.Precision.HIGHEST)
+            pooled = sums / jnp.maximum(patch_of.sum(-1, keepdims=True), 1).astype(x.dtype)
+        elif self.pool == "map":
+            pooled = self._map_head(arch)(x, mask=patch_of[:, None], num_queries=batch.max_images)
+        else:
+            pooled = x
+        return self._finish(pooled, out)
 
 
 # ----------------------------------------------------------------------------------------------
