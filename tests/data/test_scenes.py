@@ -53,6 +53,20 @@ def test_objects_are_drawn_where_the_facts_say():
             assert np.abs(pixel - np.array(scenes.COLORS[color])).max() < 40, (index, color, pixel)
 
 
+@pytest.mark.parametrize("difficulty", ["easy", "medium", "hard"])
+def test_scenes_at_any_size_draw_round_shapes_where_the_facts_say(difficulty):
+    for index, (h, w) in enumerate([(48, 128), (160, 40), (72, 72), (33, 65)]):
+        ex = scenes.generate(difficulty, (h, w), index)
+        assert ex["image"].shape == (h, w, 3)
+        np.testing.assert_array_equal(ex["image"], scenes.generate(difficulty, (h, w), index)["image"])
+        for x, y, color in zip(ex["objects"]["x"], ex["objects"]["y"], ex["objects"]["color"], strict=True):
+            pixel = ex["image"][int(y * h), int(x * w)].astype(int)
+            assert np.abs(pixel - np.array(scenes.COLORS[color])).max() < 60, (difficulty, index, color, pixel)
+    # a square size given as a pair is the square scene
+    np.testing.assert_array_equal(scenes.generate(difficulty, (64, 64), 3)["image"],
+                                  scenes.generate(difficulty, 64, 3)["image"])
+
+
 def test_answers_are_true():
     for index in range(60):
         ex = scenes.generate("hard", 64, index)

@@ -119,3 +119,30 @@ def test_packed_params_are_the_unpacked_models_and_padding_changes_nothing():
     long, _ = model.apply({"params": unpacked_init}, packing.pack(images, 4, 40, 3, rows=[[0, 2, 3], [1], [4]]))
     np.testing.assert_allclose(packing.unpack(long, packing.pack(images, 4, 40, 3, rows=[[0, 2, 3], [1], [4]])),
                                packing.unpack(short, packing.pack(images, 4, 24, 3)), atol=3e-5)
+
+
+@pytest.mark.parametrize("posemb", ["learn", "sincos2d", "rope2d"])
+def test_flip_patch_dropout_is_the_forward_of_the_kept_patches(posemb):
+    """Dropping patches (FLIP) equals packing only the kept patches at their grid positions."""
+    model = ViT(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=4, posemb=posemb, pool="map",
+                patch_keep=0.4)
+    images = np.stack(_images(3)[1:2] * 2)  # two 16x16 images: 16 patches, 6 kept each
+    params = model.init(jax.random.key(0), images)["params"]
+    pooled, out = model.apply({"params": params}, images, train=True, rngs={"dropout": jax.random.key(5)})
+    _, full = model.apply({"params": params}, images)
+    assert out["with_posemb"].shape == (2, 1 + 6, 32)
+    for b in range(2):
+        # which patches were kept: the rows of the full forward's input that the dropped one has
+        match = np.isclose(np.asarray(out["with_posemb"][b, 1:, None]), np.asarray(full["with_posemb"][b, None, 1:]))
+        kept = np.argwhere(match.all(-1))[:, 1]
+        assert len(kept) == 6 and np.all(np.diff(kept) > 0)  # distinct, in raster order
+        batch = packing.pack(images[b:b + 1], 4, seq_len=18, max_images=1)  # 1 + 16 tokens, one padding
+        keep = np.r_[0, 1 + kept, 17]  # CLS, the kept patches, the padding slot
+        sub = packing.Packed(**{k: np.asarray(v)[:, keep] if k not in ("grids", "image_ids") else np.asarray(v)
+                                for k, v in vars(batch).items()})
+        ref, _ = model.apply({"params": params}, sub)
+        np.testing.assert_allclose(pooled[b], ref[0, 0], atol=3e-5, rtol=1e-5)
+    other, _ = model.apply({"params": params}, images, train=True, rngs={"dropout": jax.random.key(6)})
+    assert not np.allclose(other, pooled)  # another draw keeps other patches
+    with pytest.raises(ValueError, match="patch_keep"):
+        ViT(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=4, patch_keep=0.0).init(jax.random.key(0), images)

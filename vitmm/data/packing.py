@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import numpy as np
+
 
 def naflex_size(height: int, width: int, patch: int, max_num_patches: int,
                 max_scale: float = 100.0) -> tuple[int, int]:
@@ -48,3 +50,92 @@ def naflex_size(height: int, width: int, patch: int, max_num_patches: int,
             best = max(best, min(Fraction(lo * patch, side), cap))
     h, w = grid(best) if best else (1, 1)
     return h * patch, w * patch
+
+
+# ----------------------------------------------------------------------------------------------
+# Scenes of many shapes, and packed batches of them.
+# ----------------------------------------------------------------------------------------------
+def random_size(rng: np.random.Generator, min_side: int, max_side: int, max_aspect: float) -> tuple[int, int]:
+    """An image size with log-uniform aspect ratio in ``[1/max_aspect, max_aspect]`` and
+    log-uniform longer side in ``[min_side, max_side]`` (the shorter side at least 8 px)."""
+    aspect = math.exp(rng.uniform(-math.log(max_aspect), math.log(max_aspect)))
+    long = math.exp(rng.uniform(math.log(min_side), math.log(max_side)))
+    short = max(8, round(long / max(aspect, 1 / aspect)))
+    long = round(long)
+    return (long, short) if aspect < 1 else (short, long)
+
+
+class SceneSource:
+    """Random-access scenes (``data.scenes.generate``) at random sizes (``random_size``), made on
+    the fly: example ``i`` of a split is always the same image. A grain source."""
+
+    def __init__(self, difficulty: str, num_examples: int, split: str = "train", seed: int = 0, *,
+                 min_side: int = 32, max_side: int = 128, max_aspect: float = 3.0):
+        self.difficulty, self.num_examples, self.split, self.seed = difficulty, num_examples, split, seed
+        self.sizes = (min_side, max_side, max_aspect)
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+    def __getitem__(self, index: int) -> dict:
+        from vitmm.data import scenes
+
+        rng = np.random.default_rng([self.seed, scenes.SPLIT_IDS[self.split], int(index), 1])
+        return scenes.generate(self.difficulty, random_size(rng, *self.sizes), int(index), self.split, self.seed)
+
+
+PACKED_KEYS = ("patches", "kinds", "positions")
+
+
+def packed_iterator(source, pp_fn, *, patch_size: int, seq_len: int, max_images: int, rows: int,
+                    num_bins: int = 8, class_token: bool = True, num_registers: int = 0,
+                    meta_keys: tuple[str, ...] = (), seed: int = 0, num_epochs: int | None = None):
+    """Batches of ``rows`` packed rows (``models.packing.Packed`` fields as numpy arrays) from a
+    source of images of many sizes: each example through ``pp_fn`` (its ``image`` float32
+    ``[H, W, C]`` with sides multiples of the patch, e.g. after ``naflex``), cut into its tokens,
+    and placed by grain's first-fit packer into one of ``num_bins`` open rows (more bins, less
+    padding); a row holds at most ``max_images`` images. ``meta_keys`` (e.g. ``caption_tokens``)
+    come along per image slot as ``[rows, max_images, ...]`` (zeros in empty slots), with
+    ``image_ids`` the examples' indices in the source. The iterator's ``get_state``/``set_state``
+    resume it exactly."""
+    import grain
+    import grain.experimental
+
+    from vitmm.models import packing
+
+    def to_tokens(ex: dict, rng) -> dict:
+        ex = pp_fn(ex, rng)
+        tokens = packing.image_tokens(ex["image"], patch_size, class_token=class_token, num_registers=num_registers)
+        return {**{k: tokens[k] for k in PACKED_KEYS}, "grid": tokens["grid"], "image_id": ex["_index"],
+                **{k: np.asarray(ex[k]) for k in meta_keys}}
+
+    def to_row(row: dict) -> dict:
+        out = {k: row[k] for k in PACKED_KEYS}
+        out["segment_ids"] = row["kinds_segment_ids"].astype(np.int32)
+        n = len(row["grid"])
+        for key, fill in [("grid", 0), ("image_id", -1), *((k, 0) for k in meta_keys)]:
+            values = np.stack([np.asarray(v) for v in row[key]])
+            padded = np.full((max_images, *values.shape[1:]), fill, values.dtype)
+            padded[:n] = values
+            out["grids" if key == "grid" else "image_ids" if key == "image_id" else key] = padded
+        return out
+
+    ds = grain.MapDataset.source(_Indexed(source)).shuffle(seed=seed).repeat(num_epochs)
+    ds = ds.random_map(to_tokens, seed=seed).to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=8))
+    ds = grain.experimental.FirstFitPackIterDataset(
+        ds, length_struct={k: seq_len for k in PACKED_KEYS}, num_packing_bins=num_bins, shuffle_bins=False,
+        max_sequences_per_bin=max_images, meta_features=("grid", "image_id", *meta_keys))
+    return iter(ds.map(to_row).batch(rows, drop_remainder=True))
+
+
+class _Indexed:
+    """A source whose examples carry their index (``_index``)."""
+
+    def __init__(self, source):
+        self._source = source
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> dict:
+        return {**self._source[index], "_index": np.int64(index)}

@@ -9,7 +9,9 @@ Ops (all work on numpy, per example):
   * ``decode``: text bytes (and lists of them) → str; images to uint8 RGB ``[H, W, 3]``. Grayscale
     (``[H, W]`` or ``[H, W, 1]``) is repeated to three channels; RGBA drops its alpha channel,
     as PIL's ``convert("RGB")`` and the Hugging Face/open_clip processors do.
-  * ``resize(size)``, ``center_crop(size)``, ``random_resized_crop(size, scale, ratio)``.
+  * ``resize(size)``, ``center_crop(size)``, ``random_resized_crop(size, scale, ratio)``;
+    ``naflex(max_num_patches, patch)`` (aspect kept, the grid within a patch budget) and
+    ``letterbox(size)`` (aspect kept, padded to a square) for images of many shapes.
   * ``flip_lr(prob=0.5, text_keys=(...), mode="swap")``: horizontal flip. A flipped image
     makes "left" wrong in its text, so ``mode="swap"`` swaps the words left/right in the
     listed text fields (default: captions and questions stay true); ``mode="skip"`` leaves any
@@ -154,6 +156,36 @@ def resize(size, key="image"):
 
     def fn(ex, rng):
         ex[key] = _resize(ex[key], size)
+        return ex
+
+    return fn
+
+
+@register("naflex")
+def naflex(max_num_patches, patch, key="image"):
+    """NaFlex: resize to the largest aspect-preserving size whose patch grid fits the budget
+    (``data.packing.naflex_size``), so the token count follows from the image size alone."""
+    from vitmm.data.packing import naflex_size
+
+    def fn(ex, rng):
+        ex[key] = _resize(ex[key], naflex_size(*ex[key].shape[:2], patch, max_num_patches))
+        return ex
+
+    return fn
+
+
+@register("letterbox")
+def letterbox(size, key="image"):
+    """Padded square batching: resize so the longer side is ``size`` (aspect kept), then pad the
+    bottom/right with zeros to ``size × size``; ``{key}_valid`` holds the image's own ``(h, w)``."""
+
+    def fn(ex, rng):
+        h, w = ex[key].shape[:2]
+        scale = size / max(h, w)
+        new = (max(1, round(h * scale)), max(1, round(w * scale)))
+        out = np.zeros((size, size, ex[key].shape[2]), ex[key].dtype)
+        out[:new[0], :new[1]] = _resize(ex[key], new)
+        ex[key], ex[f"{key}_valid"] = out, np.array(new, np.int32)
         return ex
 
     return fn

@@ -232,10 +232,15 @@ def _questions(rng: np.random.Generator, diff: Difficulty, objects: list[dict], 
     return qa
 
 
-def generate(difficulty: str, resolution: int, index: int, split: str = "train", seed: int = 0) -> dict:
+def generate(difficulty: str, resolution: int | tuple[int, int], index: int, split: str = "train",
+             seed: int = 0) -> dict:
     """One scene as a dict of numpy/python values (see ``vitmm.data.scenes_builder`` for types).
 
-    Keys: ``image`` uint8 ``[R, R, 3]``; ``caption``; ``label`` (index of the shape in
+    ``resolution`` is a side (square images) or ``(height, width)``: positions are then fractions
+    of each axis (regions a 3×3 or 2×2 layout of the whole image) and shapes stay round, their
+    radius a share of the shorter side.
+
+    Keys: ``image`` uint8 ``[H, W, 3]``; ``caption``; ``label`` (index of the shape in
     ``DIFFICULTIES[difficulty].shapes`` for single-shape images, else -1); ``objects``
     (per-shape ``shape``, ``color``, ``size``, ``region`` names and ``x``, ``y`` centres in
     [0, 1] from the top left); ``shape_counts`` and ``color_counts`` (over the difficulty's
@@ -246,7 +251,11 @@ def generate(difficulty: str, resolution: int, index: int, split: str = "train",
     if split not in SPLIT_IDS:
         raise ValueError(f"Unknown split {split!r}; choose one of {tuple(SPLIT_IDS)}.")
     diff = DIFFICULTIES[difficulty]
-    rng = np.random.default_rng([seed, SPLIT_IDS[split], index, resolution])
+    square = isinstance(resolution, int | np.integer)
+    height, width = (int(resolution),) * 2 if square else (int(resolution[0]), int(resolution[1]))
+    if min(height, width) < 1:
+        raise ValueError(f"Scenes need a positive size, got {resolution!r}.")
+    rng = np.random.default_rng([seed, SPLIT_IDS[split], index, *((height,) if height == width else (height, width))])
     n = int(rng.integers(1, diff.max_shapes + 1))
     layout = 2 if diff.grid == 2 else 3
     objects = []
@@ -257,18 +266,18 @@ def generate(difficulty: str, resolution: int, index: int, split: str = "train",
             size=size, x=x, y=y, region=region_of(x, y, layout),
         ))
 
-    scale = 4 if resolution <= 64 else 2  # supersampling for anti-aliased edges
-    canvas = resolution * scale
+    scale = 4 if max(height, width) <= 64 else 2  # supersampling for anti-aliased edges
+    canvas_h, canvas_w = height * scale, width * scale
     if diff.noisy_background:
         background = tuple(int(v) for v in rng.integers(200, 246, size=3))
     else:
         background = (235, 235, 235)
-    image = Image.new("RGB", (canvas, canvas), background)
+    image = Image.new("RGB", (canvas_w, canvas_h), background)
     draw = ImageDraw.Draw(image)
     for o in objects:
-        _draw(draw, o["shape"], COLORS[o["color"]], o["x"] * canvas, o["y"] * canvas,
-              _radius(diff, o["size"]) * canvas)
-    pixels = np.asarray(image.resize((resolution, resolution), Image.Resampling.BOX), dtype=np.float32)
+        _draw(draw, o["shape"], COLORS[o["color"]], o["x"] * canvas_w, o["y"] * canvas_h,
+              _radius(diff, o["size"]) * min(canvas_h, canvas_w))
+    pixels = np.asarray(image.resize((width, height), Image.Resampling.BOX), dtype=np.float32)
     if diff.noisy_background:
         pixels = pixels + rng.normal(0.0, 12.0, size=pixels.shape)
     pixels = np.clip(np.round(pixels), 0, 255).astype(np.uint8)

@@ -13,7 +13,8 @@ row and column); ``grids`` holds each image's grid. A ``ViT`` applied to it atte
 an image, gives each image its own positions and pools per image, so every image gets what its
 own unpacked forward gives (tested to float32 rounding for every position kind and pooling).
 
-``pack`` lays out given images (host, numpy); ``first_fit`` decides which images share a row.
+``pack`` lays out given images (host, numpy): ``image_tokens`` per image, ``first_fit`` to decide
+which share a row, ``from_rows`` for the arrays (``data.packing`` streams them with grain).
 """
 
 from __future__ import annotations
@@ -62,11 +63,6 @@ class Packed:
         return float(np.mean(np.asarray(self.segment_ids) == 0))
 
 
-def image_length(grid: Sequence[int], num_prefix_tokens: int) -> int:
-    """Tokens an image of patch grid ``(h, w)`` takes in a row."""
-    return num_prefix_tokens + grid[0] * grid[1]
-
-
 def first_fit(lengths: Sequence[int], seq_len: int, max_images: int) -> list[list[int]]:
     """Greedy first-fit in the given order: each item goes into the first row with room for its
     length (and fewer than ``max_images`` items), else opens a new row. Returns the rows as lists
@@ -88,6 +84,56 @@ def first_fit(lengths: Sequence[int], seq_len: int, max_images: int) -> list[lis
     return rows
 
 
+def image_tokens(image: np.ndarray, patch_size: int | Sequence[int], *, class_token: bool = True,
+                 num_registers: int = 0) -> dict:
+    """One image's tokens as they enter a row: ``patches [n, ph·pw·C]`` (zeros for the prefix),
+    ``kinds [n]`` and ``positions [n, 2]``, with ``n = prefix + h·w``, and its ``grid (h, w)``."""
+    ph, pw = to_pair(patch_size, "patch_size")
+    image = np.asarray(image, np.float32)
+    if image.ndim != 3:
+        raise ValueError(f"Packing needs [H, W, C] images, got shape {image.shape}.")
+    (h, w), c = grid_size(image.shape[:2], (ph, pw)), image.shape[-1]
+    prefix = [CLS] * class_token + [FIRST_REGISTER + r for r in range(num_registers)]
+    p = len(prefix)
+    patches = np.zeros((p + h * w, ph * pw * c), np.float32)
+    patches[p:] = image.reshape(h, ph, w, pw, c).transpose(0, 2, 1, 3, 4).reshape(h * w, ph * pw * c)
+    positions = np.zeros((p + h * w, 2), np.int32)
+    positions[p:] = np.stack(np.divmod(np.arange(h * w), w), axis=1)
+    kinds = np.array(prefix + [PATCH] * (h * w), np.int32)
+    return dict(patches=patches, kinds=kinds, positions=positions, grid=np.array([h, w], np.int32))
+
+
+def from_rows(rows: Sequence[Sequence[dict]], seq_len: int, max_images: int,
+              image_ids: Sequence[Sequence[int]] | None = None) -> Packed:
+    """Lays out rows of ``image_tokens`` dicts one after another (then padding) as a ``Packed``
+    batch; ``image_ids`` (default: counting across rows) say which image each entry is."""
+    if not rows or not rows[0]:
+        raise ValueError("from_rows needs at least one row with one image.")
+    size = rows[0][0]["patches"].shape[-1]
+    b = len(rows)
+    out = dict(patches=np.zeros((b, seq_len, size), np.float32), segment_ids=np.zeros((b, seq_len), np.int32),
+               kinds=np.zeros((b, seq_len), np.int32), positions=np.zeros((b, seq_len, 2), np.int32),
+               grids=np.zeros((b, max_images, 2), np.int32), image_ids=np.full((b, max_images), -1, np.int32))
+    count = 0
+    for r, members in enumerate(rows):
+        if len(members) > max_images:
+            raise ValueError(f"Row {r} has {len(members)} images but max_images={max_images}.")
+        start = 0
+        for k, tokens in enumerate(members):
+            n = len(tokens["kinds"])
+            if start + n > seq_len:
+                raise ValueError(f"Row {r} needs more than seq_len={seq_len} tokens (image {k} ends at {start + n}).")
+            span = slice(start, start + n)
+            out["segment_ids"][r, span] = k + 1
+            for key in ("patches", "kinds", "positions"):
+                out[key][r, span] = tokens[key]
+            out["grids"][r, k] = tokens["grid"]
+            out["image_ids"][r, k] = image_ids[r][k] if image_ids is not None else count
+            count += 1
+            start += n
+    return Packed(**out)
+
+
 def pack(images: Sequence[np.ndarray], patch_size: int | Sequence[int], seq_len: int, max_images: int, *,
          class_token: bool = True, num_registers: int = 0,
          rows: Sequence[Sequence[int]] | None = None) -> Packed:
@@ -97,42 +143,14 @@ def pack(images: Sequence[np.ndarray], patch_size: int | Sequence[int], seq_len:
     per-image results in the order of ``images``.
 
     ``class_token`` and ``num_registers`` are the model's: each image's tokens start with them."""
-    ph, pw = to_pair(patch_size, "patch_size")
-    channels = {np.shape(im)[-1] for im in images}
-    if len(channels) != 1 or any(np.ndim(im) != 3 for im in images):
+    if len({np.shape(im)[-1] for im in images}) != 1 or any(np.ndim(im) != 3 for im in images):
         raise ValueError(f"pack needs [H, W, C] images with one channel count, got shapes "
                          f"{sorted({tuple(np.shape(im)) for im in images})}.")
-    grids = [grid_size(np.shape(im)[:2], (ph, pw)) for im in images]
-    prefix = np.array([CLS] * class_token + [FIRST_REGISTER + r for r in range(num_registers)], np.int32)
-    num_prefix_tokens = len(prefix)
+    tokens = [image_tokens(im, patch_size, class_token=class_token, num_registers=num_registers) for im in images]
     if rows is None:
-        rows = first_fit([image_length(g, num_prefix_tokens) for g in grids], seq_len, max_images)
-    (c,) = channels
-    b = len(rows)
-    out = dict(patches=np.zeros((b, seq_len, ph * pw * c), np.float32),
-               segment_ids=np.zeros((b, seq_len), np.int32), kinds=np.zeros((b, seq_len), np.int32),
-               positions=np.zeros((b, seq_len, 2), np.int32), grids=np.zeros((b, max_images, 2), np.int32),
-               image_ids=np.full((b, max_images), -1, np.int32))
-    for r, members in enumerate(rows):
-        if len(members) > max_images:
-            raise ValueError(f"Row {r} has {len(members)} images but max_images={max_images}.")
-        start = 0
-        for k, i in enumerate(members):
-            (h, w), im = grids[i], np.asarray(images[i], np.float32)
-            n = image_length((h, w), num_prefix_tokens)
-            if start + n > seq_len:
-                raise ValueError(f"Row {r} needs more than seq_len={seq_len} tokens (image {i} ends at {start + n}).")
-            span = slice(start, start + n)
-            out["segment_ids"][r, span] = k + 1
-            out["kinds"][r, start:start + num_prefix_tokens] = prefix
-            first = start + num_prefix_tokens
-            patches = im.reshape(h, ph, w, pw, c).transpose(0, 2, 1, 3, 4).reshape(h * w, ph * pw * c)
-            out["patches"][r, first:first + h * w] = patches
-            out["positions"][r, first:first + h * w] = np.stack(np.divmod(np.arange(h * w), w), axis=1)
-            out["grids"][r, k] = (h, w)
-            out["image_ids"][r, k] = i
-            start += n
-    return Packed(**out)
+        rows = first_fit([len(t["kinds"]) for t in tokens], seq_len, max_images)
+    return from_rows([[tokens[i] for i in members] for members in rows], seq_len, max_images,
+                     image_ids=[list(members) for members in rows])
 
 
 def unpack(values, packed: Packed) -> list:

@@ -95,6 +95,10 @@ class ViT(nn.Module):
     ``posemb_grid`` is the learned table's grid (None: that of the images the model is
     initialised with; initialising from a packed batch needs it).
 
+    ``patch_keep < 1`` (FLIP, Li et al. 2023): in training, each image keeps a random
+    ``round(patch_keep · N)`` of its N patch tokens (positions already added; in raster order),
+    drawn from the ``dropout`` RNG; evaluation sees every patch.
+
     Packed input (``models.packing.Packed``, NaViT): images of their own sizes in fixed-length
     rows; attention stays within each image, positions are each image's own (a learned table
     resampled to every image's grid, as ``dynamic_img_size`` would), pooling is per image:
@@ -136,6 +140,7 @@ class ViT(nn.Module):
     dynamic_img_size: bool = False
     posemb_resample: str = "bicubic_aa"
     posemb_grid: Sequence[int] | None = None
+    patch_keep: float = 1.0
     # Tokens and pooling.
     class_token: bool = True
     num_registers: int = 0
@@ -193,6 +198,8 @@ class ViT(nn.Module):
             raise ValueError("fc_norm normalises the pooled vector; pool='none' has none. Drop fc_norm.")
         if self.posemb_layout == "with_cls" and not self.class_token:
             raise ValueError("posemb_layout='with_cls' needs class_token=True.")
+        if not 0 < self.patch_keep <= 1:
+            raise ValueError(f"patch_keep is the share of patches kept in training, in (0, 1]; got {self.patch_keep}.")
         if self.num_registers < 0:
             raise ValueError(f"num_registers must be >= 0, got {self.num_registers}.")
         if arch.width % arch.num_heads:
@@ -291,6 +298,8 @@ class ViT(nn.Module):
             x = x + pe.sincos_2d(h, w, d, convention=self.sincos_convention)[None]
         elif self.posemb == "rope2d":
             rope = pe.rope_2d_angles(h, w, d // arch.num_heads, self.rope_theta, self.num_prefix_tokens)
+        if train and self.patch_keep < 1:
+            x, rope = self._drop_patches(x, rope)
         prefix = [jnp.broadcast_to(p, (b, *p.shape[1:])).astype(x.dtype) for p in self._prefix(cls, d)]
         x = self._encode(jnp.concatenate([*prefix, x], axis=1), arch, out, train, rope=rope)
 
@@ -310,6 +319,19 @@ class ViT(nn.Module):
         else:
             pooled = out["encoded"]
         return self._finish(pooled, out)
+
+    def _drop_patches(self, x, rope):
+        """FLIP's masking: a random ``patch_keep`` share of each image's patches, in raster order."""
+        b, n, _ = x.shape
+        keep = max(1, round(self.patch_keep * n))
+        noise = jax.random.uniform(self.make_rng("dropout"), (b, n))
+        kept = jnp.sort(jnp.argsort(noise, axis=1)[:, :keep], axis=1)
+        x = jnp.take_along_axis(x, kept[..., None], axis=1)
+        if rope is not None:  # [prefix + N, hd/2] → each image's own [B, prefix + keep, hd/2]
+            p = self.num_prefix_tokens
+            patch_angles = jnp.take(rope[p:], kept, axis=0)
+            rope = jnp.concatenate([jnp.broadcast_to(rope[None, :p], (b, p, rope.shape[-1])), patch_angles], axis=1)
+        return x, rope
 
     def _packed(self, batch: packing.Packed, arch: Arch, train: bool):
         """The forward of a packed batch (see the class docstring)."""
