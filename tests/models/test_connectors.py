@@ -39,6 +39,34 @@ def test_num_visual_tokens_equals_the_real_output_shape(name, budget, grid):
     assert (report["flops"] > 0) == (name != "identity")
 
 
+@pytest.mark.parametrize("name, budget, grid", CASES)
+def test_token_grid_is_where_each_token_looks(name, budget, grid):
+    """Grid-shaped families say the (rows, cols) their tokens lie in, in raster order: token (r, c)
+    draws on the image around its own cell: the centre of its gradient over the patches lies in the
+    cell (±½ patch for pooling's overlapping cells, ±1 for LDP's convolutions)."""
+    cfg = {"name": name, "budget": budget}
+    token_grid = C.token_grid(cfg, grid)
+    if name in ("qwen_resampler", "perceiver", "idefics2_perceiver", "qformer"):
+        assert token_grid is None
+        return
+    assert token_grid[0] * token_grid[1] == C.num_visual_tokens(cfg, grid)
+    if name == "c_abstractor":  # its squeeze-excite blocks and stacked 3x3 convs see the whole image: at
+        return  # initialisation every token's gradient is spread near-evenly, so locality is not testable so
+    x = jax.random.normal(jax.random.key(0), (1, grid[0] * grid[1], D_OUT if name == "identity" else D_IN))
+    module = C.build(cfg, D_OUT)
+    variables = module.init(jax.random.key(1), x, grid)
+    jac = jax.jacobian(lambda x: module.apply(variables, x, grid)[0].sum(-1))(x)[:, 0]  # [M, N, C]
+    strength = np.abs(np.asarray(jac)).sum(-1).reshape(-1, *grid)
+    slack = {"ldp": 1, "pool": 0.5}.get(name, 0)
+    centres = np.stack(np.meshgrid(np.arange(grid[0]), np.arange(grid[1]), indexing="ij"), -1) + 0.5
+    for i, heat in enumerate(strength):
+        r, c = divmod(i, token_grid[1])
+        pr, pc = (heat[..., None] * centres).sum((0, 1)) / heat.sum()
+        rows = (r * grid[0] / token_grid[0] - slack, (r + 1) * grid[0] / token_grid[0] + slack)
+        cols = (c * grid[1] / token_grid[1] - slack, (c + 1) * grid[1] / token_grid[1] + slack)
+        assert rows[0] <= pr <= rows[1] and cols[0] <= pc <= cols[1], (name, i, (pr, pc))
+
+
 @pytest.mark.parametrize("name, budget, grid, message", [
     ("linear", 16, (8, 8), "keeps every patch token"),
     ("patch_merger", 20, (8, 8), r"gives \[64, 16, 4, 1\] tokens; 20"),

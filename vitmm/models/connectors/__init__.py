@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from vitmm import tree
 from vitmm.models import common
-from vitmm.models.connectors.budget import BudgetError, lookup, num_visual_tokens, reachable, resolve
+from vitmm.models.connectors.budget import BudgetError, lookup, num_visual_tokens, reachable, resolve, token_grid
 from vitmm.models.connectors.c_abstractor import CAbstractor
 from vitmm.models.connectors.ldp import LDP
 from vitmm.models.connectors.merge import PatchMerger, PixelShuffle
@@ -44,7 +44,7 @@ SIZE_KNOBS = {
 _CANDIDATES = {"hidden": range(8, 4097, 8), "width": range(8, 2049, 8), "depth": range(1, 17)}
 
 __all__ = ["REGISTRY", "SIZE_KNOBS", "BudgetError", "build", "num_visual_tokens", "reachable", "resolve", "cost",
-           "num_params", "size_to"]
+           "num_params", "size_to", "token_grid"]
 
 
 def build(cfg: dict, out_dim: int):

@@ -76,6 +76,15 @@ def num_visual_tokens(cfg: dict, grid: tuple[int, int]) -> int:
     return family.tokens(settings.pop("budget", None), tuple(grid), **settings)
 
 
+def token_grid(cfg: dict, grid: tuple[int, int]) -> tuple[int, int] | None:
+    """The ``(rows, cols)`` in which the connector's tokens lie, in raster order (what M-RoPE and
+    AnyRes's newline tokens need), or None for a family whose tokens are learned queries with no
+    place in the image (perceiver, qformer, qwen_resampler)."""
+    family, settings = lookup(cfg)
+    rule = getattr(family, "token_grid", None)
+    return None if rule is None else tuple(rule(settings.pop("budget", None), tuple(grid), **settings))
+
+
 def reachable(cfg: dict | str, grid: tuple[int, int]) -> dict[int, int | str]:
     """``{tokens: budget setting}`` for every token count the connector can produce on ``grid``
     (``cfg``: a config dict, or a family name for its default settings)."""

@@ -48,6 +48,10 @@ class CAbstractor(nn.Module):
     def tokens(budget, grid, **settings):
         return square_side(budget, "c_abstractor") ** 2
 
+    @staticmethod
+    def token_grid(budget, grid, **settings):
+        return (square_side(budget, "c_abstractor"),) * 2
+
     @nn.compact
     def __call__(self, x, grid):
         check_tokens(x, grid)

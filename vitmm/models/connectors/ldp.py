@@ -18,6 +18,10 @@ class LDP(nn.Module):
     def tokens(budget, grid, **settings):
         return square_side(budget, "ldp") ** 2
 
+    @staticmethod
+    def token_grid(budget, grid, **settings):
+        return (square_side(budget, "ldp"),) * 2
+
     @nn.compact
     def __call__(self, x, grid):
         check_tokens(x, grid)

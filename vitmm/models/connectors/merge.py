@@ -26,6 +26,11 @@ class PatchMerger(nn.Module):
         k = merge_factor(budget, grid, "patch_merger")
         return (grid[0] // k) * (grid[1] // k)
 
+    @staticmethod
+    def token_grid(budget, grid, **settings):
+        k = merge_factor(budget, grid, "patch_merger")
+        return grid[0] // k, grid[1] // k
+
     @nn.compact
     def __call__(self, x, grid):
         check_tokens(x, grid)
@@ -44,6 +49,11 @@ class PixelShuffle(nn.Module):
     def tokens(budget, grid, **settings):
         k = merge_factor(budget, grid, "pixel_shuffle")
         return (grid[0] // k) * (grid[1] // k)
+
+    @staticmethod
+    def token_grid(budget, grid, **settings):
+        k = merge_factor(budget, grid, "pixel_shuffle")
+        return grid[0] // k, grid[1] // k
 
     @nn.compact
     def __call__(self, x, grid):

@@ -64,6 +64,10 @@ class Pool(nn.Module):
         gh, gw = pooled_grid(grid, pool_stride(budget, grid, mode), mode)
         return gh * gw
 
+    @staticmethod
+    def token_grid(budget, grid, mode="area", **settings):
+        return pooled_grid(grid, pool_stride(budget, grid, mode), mode)
+
     @nn.compact
     def __call__(self, x, grid):
         check_tokens(x, grid)

@@ -21,6 +21,11 @@ class Identity(nn.Module):
     def tokens(budget, grid, **settings):
         return all_tokens(budget, grid, "identity")
 
+    @staticmethod
+    def token_grid(budget, grid, **settings):
+        all_tokens(budget, grid, "identity")
+        return tuple(grid)
+
     @nn.compact
     def __call__(self, x, grid):
         check_tokens(x, grid)
@@ -39,6 +44,11 @@ class Linear(nn.Module):
     def tokens(budget, grid, **settings):
         return all_tokens(budget, grid, "linear")
 
+    @staticmethod
+    def token_grid(budget, grid, **settings):
+        all_tokens(budget, grid, "linear")
+        return tuple(grid)
+
     @nn.compact
     def __call__(self, x, grid):
         check_tokens(x, grid)
@@ -56,6 +66,11 @@ class Mlp(nn.Module):
     @staticmethod
     def tokens(budget, grid, **settings):
         return all_tokens(budget, grid, "mlp")
+
+    @staticmethod
+    def token_grid(budget, grid, **settings):
+        all_tokens(budget, grid, "mlp")
+        return tuple(grid)
 
     @nn.compact
     def __call__(self, x, grid):
