@@ -54,6 +54,63 @@ def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float = 10_000.0, 
     return positions[..., None].astype(jnp.float32) * inv
 
 
+def mrope_angles(positions: jnp.ndarray, head_dim: int, section, theta: float = 10_000.0) -> jnp.ndarray:
+    """Qwen2-VL's multimodal RoPE: ``positions [3, B, T]`` (temporal, height, width; a plain
+    ``[B, T]`` means the three are equal, as for text) → angles ``[B, T, head_dim/2]`` whose first
+    ``section[0]`` frequencies turn with the temporal position, the next ``section[1]`` with the
+    height and the last ``section[2]`` with the width (``sum(section) = head_dim/2``)."""
+    if sum(section) != head_dim // 2 or len(section) != 3:
+        raise ValueError(f"mrope_section {tuple(section)} must be three counts summing to head_dim/2 "
+                         f"= {head_dim // 2}.")
+    positions = jnp.broadcast_to(positions, (3, *positions.shape[-2:])) if positions.ndim == 2 else positions
+    inv = jnp.asarray(inverse_frequencies(head_dim, theta))
+    bounds = np.cumsum([0, *section])
+    return jnp.concatenate([positions[c][..., None].astype(jnp.float32) * inv[bounds[c]:bounds[c + 1]]
+                            for c in range(3)], axis=-1)
+
+
+def mrope_positions(token_types: np.ndarray, grids, pad_mask: np.ndarray | None = None):
+    """Qwen2-VL's 3D position ids (``get_rope_index``) for batches of text and images:
+    ``(positions [3, B, T], deltas [B])``.
+
+    ``token_types [B, T]``: 0 for text, 1 for an image's tokens; ``grids``: each image's
+    ``(t, h, w)`` in LM tokens (after the patch merger), in the order the images appear, row after
+    row. A text run continues from the current position ``p`` with ``p, p+1, …`` in all three
+    components; an image's token at ``(i, j)`` gets ``(p, p + i, p + j)``, and the text after it
+    resumes at ``p + max(h, w)``. Padding (``pad_mask`` False) gets 0. ``deltas`` is the largest
+    position + 1 minus the real length: decoding continues at sequence index + delta.
+    """
+    token_types = np.asarray(token_types)
+    b, length = token_types.shape
+    valid = np.ones_like(token_types, bool) if pad_mask is None else np.asarray(pad_mask, bool)
+    positions = np.zeros((3, b, length), np.int32)
+    deltas = np.zeros(b, np.int32)
+    images = iter([tuple(int(v) for v in g) for g in grids])
+    for row in range(b):
+        types = token_types[row][valid[row]]
+        out, current, start = [], 0, 0
+        while start < len(types):
+            end = start
+            while end < len(types) and types[end] == types[start]:
+                end += 1
+            if types[start] == 0:
+                out.append(np.broadcast_to(current + np.arange(end - start), (3, end - start)))
+                current += end - start
+            else:
+                t, h, w = next(images)
+                if end - start != t * h * w:
+                    raise ValueError(f"Row {row} has an image run of {end - start} tokens where its grid "
+                                     f"{(t, h, w)} gives {t * h * w}.")
+                grid_t, grid_h, grid_w = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+                out.append(current + np.stack([grid_t, grid_h, grid_w]).reshape(3, -1))
+                current += max(h, w)
+            start = end
+        row_positions = np.concatenate(out, axis=1) if out else np.zeros((3, 0), np.int32)
+        positions[:, row, valid[row]] = row_positions
+        deltas[row] = (row_positions.max() + 1 if row_positions.size else 0) - len(types)
+    return positions, deltas
+
+
 def rotate(x: jnp.ndarray, angles: jnp.ndarray) -> jnp.ndarray:
     """``x: [B, T, heads, hd]`` rotated by ``angles: [B or 1, T, hd/2]`` (channel k pairs with
     k + hd/2, Hugging Face's ``rotate_half``)."""
@@ -170,8 +227,9 @@ class LM(nn.Module):
 
     ``pad_mask [B, T]`` (True: a real token) keeps padding out of every attention;
     ``positions [B, T]`` are the RoPE positions (default ``0 … T-1``; for left padding pass the
-    count of real tokens before each one). ``embed(ids)`` gives the input embeddings, so a
-    caller can splice other tokens in.
+    count of real tokens before each one); with ``mrope_section`` (Qwen2-VL's multimodal RoPE,
+    e.g. ``(16, 24, 24)``) they may be ``[3, B, T]`` (``mrope_positions``). ``embed(ids)`` gives
+    the input embeddings, so a caller can splice other tokens in.
     """
 
     vocab_size: int = 259
@@ -184,6 +242,7 @@ class LM(nn.Module):
     qkv_bias: bool = False
     rope_theta: float = 10_000.0
     rope_scaling: dict | None = None
+    mrope_section: tuple[int, int, int] | None = None
     norm_eps: float = 1e-6
     norm_offset: bool = False
     embed_scale: bool = False
@@ -225,7 +284,10 @@ class LM(nn.Module):
         x = self.embed(ids) if embeds is None else embeds
         b, t = x.shape[:2]
         positions = jnp.arange(t)[None] if positions is None else positions
-        angles = rope_angles(positions, self.attn_head_dim, self.rope_theta, self.rope_scaling)
+        if self.mrope_section is not None:
+            angles = mrope_angles(positions, self.attn_head_dim, self.mrope_section, self.rope_theta)
+        else:
+            angles = rope_angles(positions, self.attn_head_dim, self.rope_theta, self.rope_scaling)
         new_valid = jnp.ones((b, t), bool) if pad_mask is None else pad_mask.astype(bool)
         if cache is None:
             mask = attention_mask(t, prefix_len) & new_valid[:, None, None, :]

@@ -18,6 +18,14 @@ only for towers without one, e.g. ``fc_norm=True``). ``use_cls`` prepends the CL
 token, projected by its own linear layer, to the connector's output (the grid-based connectors
 only take patch tokens). ``prefix_lm`` lets BOS, the image and the prompt attend to each other
 both ways (pass ``prompt_len``); otherwise attention is causal throughout.
+
+``mrope=True`` gives the LM Qwen2-VL's 3D positions (the LM built with ``mrope_section``; a
+grid-shaped connector, ``connectors.token_grid``): visual token ``(i, j)`` of an image at
+``p`` sits at ``(p, p + i, p + j)``, text before it at ``p' = (p', p', p')`` and text after it
+continues from ``p + max(rows, cols)`` (``lm.mrope_positions``, tested against transformers).
+With a tower that resamples its positions (``dynamic_img_size`` or sin-cos) and the patch merger,
+that is Qwen2-VL's native-resolution path: every image at its own grid, the token count
+``num_visual_tokens(image_hw)``.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class VLM(nn.Module):
     lm: dict
     vision_layer: int = -1
     use_cls: bool = False
+    mrope: bool = False
 
     def setup(self):
         self.tower = ViT(**self.vision)
@@ -47,6 +56,36 @@ class VLM(nn.Module):
     def num_visual_tokens(self, image_hw) -> int:
         grid = self.tower.grid(image_hw)
         return connectors.num_visual_tokens(self.connector, grid) + int(self.use_cls)
+
+    def positions(self, batch: int, text_len: int, grid, image_pos=None):
+        """The LM positions of the sequence ``ids[:p] visual ids[p:]`` for the tower's patch
+        ``grid``: None (0 … T-1) unless ``mrope``, then ``[3, B, T]`` (see the module docstring)."""
+        if not self.mrope:
+            return None
+        if self.language.mrope_section is None or self.use_cls:
+            raise ValueError("mrope=True needs an LM with mrope_section and use_cls=False.")
+        rows_cols = connectors.token_grid(self.connector, tuple(grid))
+        if rows_cols is None:
+            raise ValueError(f"mrope=True needs a grid-shaped connector; {self.connector.get('name')!r} "
+                             "hands the LM learned queries with no place in the image.")
+        m = rows_cols[0] * rows_cols[1]
+        j = jnp.arange(text_len + m)[None]
+        p = jnp.ones((batch, 1), jnp.int32) if image_pos is None else jnp.asarray(image_pos, jnp.int32).reshape(-1, 1)
+        k = j - p
+        image = (k >= 0) & (k < m)
+        after = j - m + max(rows_cols)
+        rows = jnp.where(image, p + k // rows_cols[1], jnp.where(k < 0, j, after))
+        cols = jnp.where(image, p + k % rows_cols[1], jnp.where(k < 0, j, after))
+        first = jnp.where(image, p, jnp.where(k < 0, j, after))
+        return jnp.broadcast_to(jnp.stack([first, rows, cols]), (3, batch, text_len + m))
+
+    def rope_delta(self, grid) -> int:
+        """What decoding adds to a sequence index to get its position under ``mrope``."""
+        rows_cols = connectors.token_grid(self.connector, tuple(grid))
+        return max(rows_cols) - rows_cols[0] * rows_cols[1]
+
+    def _grid(self, images, features):
+        return tuple(features[2]) if features is not None else self.tower.grid(images.shape[1:3])
 
     def features(self, images: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray | None, tuple[int, int]]:
         """Patch tokens ``[B, N, C]`` of the chosen layer, the CLS token if any, and the grid."""
@@ -96,7 +135,8 @@ class VLM(nn.Module):
         """Logits for the sequence ``ids[:p] visual ids[p:]`` (``p = image_pos``, default 1:
         ``ids[:, 0]`` is then BOS)."""
         x, m = self.sequence(images, ids, image_pos, features)
-        return self.language(embeds=x, prefix_len=_prefix(prefix_lm, prompt_len, m))
+        positions = self.positions(ids.shape[0], ids.shape[1], self._grid(images, features), image_pos)
+        return self.language(embeds=x, prefix_len=_prefix(prefix_lm, prompt_len, m), positions=positions)
 
     def prefill(self, images, ids, prompt_len, cache, image_pos=None, prefix_lm: bool = False):
         """Writes the prompts ``ids[:, :prompt_len]`` (right-padded) and the image into the KV
@@ -104,13 +144,21 @@ class VLM(nn.Module):
         x, m = self.sequence(images, ids, image_pos)
         end = jnp.asarray(prompt_len, jnp.int32) + m  # each row's sequence length
         valid = jnp.arange(x.shape[1])[None] < end[:, None]
+        grid = self._grid(images, None)
         logits, cache = self.language(embeds=x, pad_mask=valid, prefix_len=_prefix(prefix_lm, prompt_len, m),
+                                      positions=self.positions(ids.shape[0], ids.shape[1], grid, image_pos),
                                       cache=cache)
+        if self.mrope:  # decoding's positions: sequence index + delta
+            cache["rope_delta"] = jnp.asarray(self.rope_delta(grid), jnp.int32)
         return jnp.take_along_axis(logits, (end - 1)[:, None, None], 1)[:, 0], cache
 
     def step(self, token, position, cache):
         """One decoding step: ``token [B]`` at sequence ``position [B]`` → ``(logits [B, vocab], cache)``."""
-        logits, cache = self.language(token[:, None], positions=position[:, None], cache=cache)
+        delta = cache.get("rope_delta")
+        shifted = position if delta is None else position + delta
+        logits, cache = self.language(token[:, None], positions=shifted[:, None], cache=cache)
+        if delta is not None:
+            cache["rope_delta"] = delta
         return logits[:, -1], cache
 
 

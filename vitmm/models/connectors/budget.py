@@ -27,9 +27,18 @@ def all_tokens(budget, grid, family: str) -> int:
                       "perceiver, idefics2_perceiver, qformer, c_abstractor, ldp) for a smaller budget.")
 
 
-def merge_factor(budget, grid, family: str) -> int:
-    """k such that merging k×k neighbours of the grid gives exactly ``budget`` tokens."""
+def merge_factor(budget, grid, family: str, merge: int | None = None) -> int:
+    """k such that merging k×k neighbours of the grid gives exactly ``budget`` tokens; with a
+    fixed ``merge`` (native resolution: the count follows the image), that k, checked."""
     h, w = grid
+    if merge is not None:
+        if h % merge or w % merge:
+            raise BudgetError(f"{family} merges {merge}x{merge} neighbours but the patch grid {h}x{w} is not a "
+                              f"multiple of {merge}; give the image sides that are multiples of patch x {merge}.")
+        if budget not in (None, "all", (h // merge) * (w // merge)):
+            raise BudgetError(f"{family} with merge={merge} gives {(h // merge) * (w // merge)} tokens on a "
+                              f"{h}x{w} grid, not budget={budget}; set one of the two.")
+        return merge
     if budget in (None, "all"):
         return 1
     for k in range(1, min(h, w) + 1):

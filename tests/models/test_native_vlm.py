@@ -1,0 +1,123 @@
+"""Native resolution in the VLM: Qwen2-VL's multimodal RoPE, and LLaVA-NeXT's AnyRes tiles."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.models import lm as lm_lib
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "native"
+
+
+def test_mrope_positions_are_qwen2vls_get_rope_index():
+    data = np.load(FIXTURES / "qwen2vl_rope_index.npz")
+    merge = int(data["merge"])
+    cases = sorted({k.split("_")[0] for k in data.files if k != "merge"})
+    assert len(cases) == 6
+    for case in cases:
+        grids = data[f"{case}_grids"] // np.array([1, merge, merge])  # HF's grids count patches before merging
+        positions, deltas = lm_lib.mrope_positions(data[f"{case}_types"], grids, data[f"{case}_mask"])
+        np.testing.assert_array_equal(positions, data[f"{case}_positions"], err_msg=case)
+        np.testing.assert_array_equal(deltas, data[f"{case}_deltas"].ravel(), err_msg=case)
+
+
+def test_mrope_positions_check_the_grids():
+    with pytest.raises(ValueError, match=r"image run of 3 tokens where its grid \(1, 2, 2\) gives 4"):
+        lm_lib.mrope_positions(np.array([[0, 1, 1, 1, 0]]), [(1, 2, 2)])
+
+
+def test_mrope_angles_turn_each_band_with_its_component_and_equal_rope_for_text():
+    hd, section = 16, (2, 3, 3)
+    positions = jnp.asarray(np.random.default_rng(0).integers(0, 50, size=(3, 2, 5)))
+    angles = lm_lib.mrope_angles(positions, hd, section, 100.0)
+    inv = lm_lib.inverse_frequencies(hd, 100.0)
+    component = np.repeat([0, 1, 2], section)
+    for j in range(hd // 2):
+        np.testing.assert_allclose(angles[..., j], positions[component[j]] * inv[j], rtol=1e-6)
+    text = positions[0]
+    np.testing.assert_array_equal(lm_lib.mrope_angles(text, hd, section, 100.0), lm_lib.rope_angles(text, hd, 100.0))
+    with pytest.raises(ValueError, match="summing to head_dim/2 = 8"):
+        lm_lib.mrope_angles(text, hd, (2, 2, 2))
+
+
+def test_an_mrope_lm_on_text_is_the_plain_lm():
+    cfg = dict(vocab_size=50, width=32, depth=2, num_heads=2)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 50, size=(2, 7)))
+    params = lm_lib.LM(**cfg).init(jax.random.key(0), ids)
+    plain = lm_lib.LM(**cfg).apply(params, ids)
+    mrope = lm_lib.LM(**cfg, mrope_section=(2, 3, 3))
+    np.testing.assert_array_equal(mrope.apply(params, ids), plain)
+    three = jnp.broadcast_to(jnp.arange(7), (3, 2, 7))
+    np.testing.assert_array_equal(mrope.apply(params, ids, positions=three), plain)
+    shifted = three.at[1, :, 3].add(5)  # one token at another height (a uniform shift would be invisible)
+    assert not np.allclose(mrope.apply(params, ids, positions=shifted), plain)
+
+
+def _mrope_vlm():
+    from vitmm.models.vlm import VLM
+
+    return VLM(vision=dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=4, posemb="sincos2d",
+                           class_token=False, pool="gap"),
+               connector={"name": "patch_merger", "merge": 2},
+               lm=dict(width=32, depth=2, num_heads=2, mrope_section=(2, 3, 3)), mrope=True)
+
+
+def _types(text_len, m, image_pos):
+    types = np.zeros((len(image_pos), text_len + m), np.int64)
+    for b, p in enumerate(image_pos):
+        types[b, p:p + m] = 1
+    return types
+
+
+def test_vlm_mrope_positions_follow_the_rule_at_native_resolution():
+    from vitmm.models.vlm import VLM
+
+    model = _mrope_vlm()
+    images = jnp.zeros((2, 16, 24, 3))
+    ids = jnp.ones((2, 5), jnp.int32)
+    variables = model.init(jax.random.key(0), images, ids)
+    for hw, rows_cols in [((16, 24), (2, 3)), ((24, 8), (3, 1)), ((40, 16), (5, 2))]:
+        m = rows_cols[0] * rows_cols[1]
+        assert model.apply(variables, hw, method=VLM.num_visual_tokens) == m
+        tokens = model.apply(variables, jnp.zeros((1, *hw, 3)), method=VLM.visual_tokens)
+        assert tokens.shape[1] == m  # the count is the real shape, for every size
+        for image_pos in ([1, 1], [2, 4]):
+            got = model.apply(variables, 2, 5, (hw[0] // 4, hw[1] // 4),
+                              jnp.asarray(image_pos), method=VLM.positions)
+            want, _ = lm_lib.mrope_positions(_types(5, m, image_pos), [(1, *rows_cols)] * 2)
+            np.testing.assert_array_equal(got, want, err_msg=f"{hw} {image_pos}")
+    with pytest.raises(ValueError, match="not a multiple of 2"):
+        model.apply(variables, jnp.zeros((1, 12, 16, 3)), method=VLM.visual_tokens)
+
+
+def test_mrope_cached_decoding_equals_the_full_forward():
+    """Prefill, then steps at sequence index + delta: each step's logits are the full forward's
+    at the last position of the sequence so far (whose positions come from the rule), and greedy
+    decoding returns its argmaxes."""
+    from vitmm import decode
+    from vitmm.models.vlm import VLM
+
+    model = _mrope_vlm()
+    images = jax.random.normal(jax.random.key(1), (2, 16, 24, 3))
+    prompts = [[257, 70, 80], [257]]
+    ids = jnp.asarray([[257, 70, 80], [257, 0, 0]], jnp.int32)
+    lens = jnp.asarray([3, 1])
+    variables = model.init(jax.random.key(0), images, ids)
+    m = model.apply(variables, (16, 24), method=VLM.num_visual_tokens)
+    cache = lm_lib.init_cache(model.lm, 2, 3 + m + 3)
+    logits, cache = model.apply(variables, images, ids, lens, cache, method=VLM.prefill)
+    seqs = [list(p) for p in prompts]
+    for i in range(3):
+        for b in range(2):
+            full = model.apply(variables, images[b:b + 1], jnp.asarray([seqs[b]], jnp.int32))[0, -1]
+            np.testing.assert_allclose(logits[b], full, atol=2e-5, err_msg=f"step {i} row {b}")
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+        for b in range(2):
+            seqs[b].append(int(token[b]))
+        logits, cache = model.apply(variables, token, lens + m + i, cache, method=VLM.step)
+    out = decode.greedy_decode(model, variables, images, np.asarray(ids), np.asarray(lens), max_new_tokens=3,
+                               eos_id=-1)
+    assert out.tolist() == [s[len(p):] for s, p in zip(seqs, prompts, strict=True)]
