@@ -121,3 +121,64 @@ def test_mrope_cached_decoding_equals_the_full_forward():
     out = decode.greedy_decode(model, variables, images, np.asarray(ids), np.asarray(lens), max_new_tokens=3,
                                eos_id=-1)
     assert out.tolist() == [s[len(p):] for s, p in zip(seqs, prompts, strict=True)]
+
+
+def _anyres_fixture():
+    import json
+
+    return json.loads((FIXTURES / "anyres_counts.json").read_text())["configs"]
+
+
+def test_anyres_counts_and_resolutions_are_llava_nexts():
+    from vitmm.models import anyres
+
+    for name, cfg in _anyres_fixture().items():
+        tile_grid = (cfg["tile"] // cfg["patch"],) * 2
+        assert len(cfg["cases"]) == 150
+        for case in cfg["cases"]:
+            hw = (case["height"], case["width"])
+            assert list(anyres.best_resolution(hw, cfg["pinpoints"])) == case["best"], (name, case)
+            got = anyres.num_tokens(hw, cfg["pinpoints"], cfg["tile"], tile_grid, extra=case["extra_tokens"])
+            assert got == case["tokens"], (name, case)
+
+
+def _anyres_vlm(cfg):
+    from vitmm.models.vlm import VLM
+
+    return VLM(vision=dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=cfg["patch"], class_token=False,
+                           pool="gap"),
+               connector={"name": "mlp"}, lm=dict(width=32, depth=1, num_heads=2),
+               anyres=dict(pinpoints=cfg["pinpoints"], tile=cfg["tile"]))
+
+
+def test_anyres_vlm_hands_the_lm_exactly_the_counted_tokens():
+    """For every stored size, the VLM's real output shape (traced) is LLaVA-NeXT's count and
+    num_visual_tokens; one forward shows the layout: base view, then rows each ending in the newline."""
+    from vitmm.models import anyres
+    from vitmm.models.vlm import VLM
+
+    cfg = _anyres_fixture()["tiny"]
+    model = _anyres_vlm(cfg)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 20, 40, 3)), jnp.ones((1, 3), jnp.int32))
+    for case in cfg["cases"]:
+        if case["extra_tokens"]:
+            continue
+        hw = (case["height"], case["width"])
+        shape = jax.eval_shape(lambda x: model.apply(variables, x, method=VLM.visual_tokens),
+                               jax.ShapeDtypeStruct((2, *hw, 3), jnp.float32)).shape
+        assert shape == (2, case["tokens"], 32), case
+        assert model.apply(variables, hw, method=VLM.num_visual_tokens) == case["tokens"]
+    image = jax.random.uniform(jax.random.key(2), (1, 20, 44, 3))
+    tokens = model.apply(variables, image, method=VLM.visual_tokens)[0]
+    layout = anyres.plan((20, 44), cfg["pinpoints"], cfg["tile"])
+    assert layout["best"] == (16, 48) and layout["tiles"] == (1, 3)
+    rows, cols = anyres.unpadded((20, 44), (4, 12))
+    width = cols.stop - cols.start + 1
+    newline = variables["params"]["image_newline"]
+    body = np.asarray(tokens[16:]).reshape(rows.stop - rows.start, width, 32)
+    np.testing.assert_array_equal(body[:, -1], np.broadcast_to(newline, body[:, -1].shape))
+    assert not np.any(np.all(np.isclose(body[:, :-1], newline), -1))
+    # the base view is the whole image squashed to one tile, through the same tower and connector
+    base = model.apply(variables, jax.image.resize(image, (1, 16, 16, 3), "bicubic", antialias=True),
+                       method=lambda m, x: m.project(*m.features(x)[::2]))
+    np.testing.assert_allclose(tokens[:16], base[0], atol=1e-5)

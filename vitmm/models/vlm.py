@@ -26,6 +26,14 @@ continues from ``p + max(rows, cols)`` (``lm.mrope_positions``, tested against t
 With a tower that resamples its positions (``dynamic_img_size`` or sin-cos) and the patch merger,
 that is Qwen2-VL's native-resolution path: every image at its own grid, the token count
 ``num_visual_tokens(image_hw)``.
+
+``anyres={"pinpoints": [(h, w), …], "tile": side}`` is LLaVA-NeXT's AnyRes (``models.anyres``):
+images at their own size become a base view and ``tile``-pixel tiles of the best candidate
+resolution, each through the tower and a grid-shaped connector; the tiles' tokens are
+reassembled, cut to the image, and each row ends with a learned newline token.
+
+``num_visual_tokens(image_hw)`` is exact on every path (square inputs, native resolution, AnyRes):
+it is what the LM receives for an image of that size (tested against the real shapes).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from vitmm.models import anyres as anyres_lib
 from vitmm.models import common, connectors, layers
 from vitmm.models.lm import LM
 from vitmm.models.vit import ViT
@@ -45,6 +54,7 @@ class VLM(nn.Module):
     vision_layer: int = -1
     use_cls: bool = False
     mrope: bool = False
+    anyres: dict | None = None
 
     def setup(self):
         self.tower = ViT(**self.vision)
@@ -52,10 +62,43 @@ class VLM(nn.Module):
         self.project = connectors.build(self.connector, out_dim=self.language.width)
         if self.use_cls:
             self.cls_proj = layers.Dense(self.language.width, kernel_init=common.trunc_normal(0.02))
+        if self.anyres is not None:
+            if self.use_cls or self.mrope:
+                raise ValueError("anyres works without use_cls and mrope.")
+            self.image_newline = self.param("image_newline", common.trunc_normal(0.02), (self.language.width,))
 
     def num_visual_tokens(self, image_hw) -> int:
+        if self.anyres is not None:
+            return anyres_lib.num_tokens(image_hw, self.anyres["pinpoints"], self.anyres["tile"], self._tile_grid())
         grid = self.tower.grid(image_hw)
         return connectors.num_visual_tokens(self.connector, grid) + int(self.use_cls)
+
+    def _tile_grid(self) -> tuple[int, int]:
+        tile = self.anyres["tile"]
+        rows_cols = connectors.token_grid(self.connector, self.tower.grid((tile, tile)))
+        if rows_cols is None:
+            raise ValueError(f"anyres needs a grid-shaped connector; {self.connector.get('name')!r} hands the LM "
+                             "learned queries with no place in the image.")
+        return rows_cols
+
+    def _anyres_tokens(self, images):
+        """AnyRes: ``[B, M, D]`` for images of one size ``[B, H, W, C]`` (``models.anyres``)."""
+        pinpoints, tile = self.anyres["pinpoints"], self.anyres["tile"]
+        b, h, w, _ = images.shape
+        views = anyres_lib.views(images, pinpoints, tile)
+        n = views.shape[1]
+        patches, _, grid = self.features(views.reshape(b * n, *views.shape[2:]))
+        tokens = self.project(patches, grid)
+        (gh, gw), d = self._tile_grid(), tokens.shape[-1]
+        tokens = tokens.reshape(b, n, gh, gw, d)
+        rows, cols = anyres_lib.plan((h, w), pinpoints, tile)["tiles"]
+        canvas = tokens[:, 1:].reshape(b, rows, cols, gh, gw, d).transpose(0, 1, 3, 2, 4, 5)
+        canvas = canvas.reshape(b, rows * gh, cols * gw, d)
+        keep_rows, keep_cols = anyres_lib.unpadded((h, w), canvas.shape[1:3])
+        canvas = canvas[:, keep_rows, keep_cols]
+        newline = jnp.broadcast_to(self.image_newline.astype(canvas.dtype), (*canvas.shape[:2], 1, d))
+        canvas = jnp.concatenate([canvas, newline], axis=2).reshape(b, -1, d)
+        return jnp.concatenate([tokens[:, 0].reshape(b, gh * gw, d), canvas], axis=1)
 
     def positions(self, batch: int, text_len: int, grid, image_pos=None):
         """The LM positions of the sequence ``ids[:p] visual ids[p:]`` for the tower's patch
@@ -110,6 +153,8 @@ class VLM(nn.Module):
 
     def visual_tokens(self, images: jnp.ndarray, features=None) -> jnp.ndarray:
         """``[B, M, D]`` tokens for the LM (``features`` may be precomputed tower outputs)."""
+        if self.anyres is not None:
+            return self._anyres_tokens(images)
         patches, cls, grid = features if features is not None else self.features(images)
         tokens = self.project(patches, grid)
         if self.use_cls:

@@ -1,0 +1,94 @@
+"""AnyRes (LLaVA-NeXT, Liu et al. 2024): a high-resolution image as a base view plus tiles.
+
+    layout = anyres.plan((480, 640), pinpoints=[(336, 672), (672, 336), (672, 672)], tile=336)
+    anyres.num_tokens((480, 640), pinpoints, tile=336, tile_grid=(24, 24))   # what the LM gets
+
+The image goes to the candidate resolution (``pinpoints``) that keeps the most of its pixels and
+wastes the least (``best_resolution``), resized with its aspect ratio kept and centred with zero
+padding, then cut into ``tile × tile`` tiles in raster order; a base view is the whole image
+squashed to one tile. Each view goes through the tower and the connector, which give a grid of
+tokens per tile (``tile_grid``). The tiles' grids are put back together, the rows or columns that
+only show padding are cut away (``unpadded``), and a learned newline token ends every row; the
+base view's tokens come first. The rules are transformers' (``select_best_resolution``,
+``get_patch_output_size``, ``unpad_image``), and ``num_tokens`` equals its processor's count on
+300 stored image sizes (tested), as it equals the VLM's real output shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def best_resolution(image_hw: Sequence[int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """The candidate ``(h, w)`` that shows the most of the image's own pixels after an
+    aspect-preserving resize (at most its pixel count: upscaling adds none), ties broken by the
+    least padding; the first such candidate."""
+    h, w = image_hw
+    best, best_key = None, None
+    for ch, cw in pinpoints:
+        scale = min(cw / w, ch / h)
+        shown = min(int(w * scale) * int(h * scale), w * h)
+        key = (shown, -(ch * cw - shown))
+        if best_key is None or key > best_key:
+            best, best_key = (int(ch), int(cw)), key
+    return best
+
+
+def fitted_size(image_hw: Sequence[int], target_hw: Sequence[int]) -> tuple[int, int]:
+    """The image's size inside ``target_hw`` after an aspect-preserving resize (the longer
+    relative side fills the target; the other rounds up)."""
+    (h, w), (th, tw) = image_hw, target_hw
+    if tw / w < th / h:
+        return min(math.ceil(h * tw / w), th), tw
+    return th, min(math.ceil(w * th / h), tw)
+
+
+def plan(image_hw: Sequence[int], pinpoints, tile: int) -> dict:
+    """``best`` resolution, the ``fitted`` size in it, the ``offset`` (top, left) of the centred
+    image, and the ``tiles`` (rows, cols)."""
+    best = best_resolution(image_hw, pinpoints)
+    if best[0] % tile or best[1] % tile:
+        raise ValueError(f"AnyRes candidate {best} is not a whole number of {tile}px tiles.")
+    fitted = fitted_size(image_hw, best)
+    return dict(best=best, fitted=fitted, offset=((best[0] - fitted[0]) // 2, (best[1] - fitted[1]) // 2),
+                tiles=(best[0] // tile, best[1] // tile))
+
+
+def unpadded(image_hw: Sequence[int], grid_hw: Sequence[int]) -> tuple[slice, slice]:
+    """The rows and columns of a ``grid_hw`` token grid (the tiles together) that show the image,
+    not its padding: the axis the image does not fill loses ``(grid - image)//2`` at each end."""
+    (h, w), (gh, gw) = image_hw, grid_hw
+    if w / h > gw / gh:
+        new = int(round(h * (gw / w), 7))
+        pad = (gh - new) // 2
+        return slice(pad, gh - pad), slice(0, gw)
+    new = int(round(w * (gh / h), 7))
+    pad = (gw - new) // 2
+    return slice(0, gh), slice(pad, gw - pad)
+
+
+def num_tokens(image_hw: Sequence[int], pinpoints, tile: int, tile_grid: Sequence[int], extra: int = 0) -> int:
+    """Visual tokens for an image: the base view's ``tile_grid`` (+ ``extra``, e.g. a CLS token),
+    the tiles' unpadded grid and one newline per row of it."""
+    layout = plan(image_hw, pinpoints, tile)
+    rows, cols = unpadded(image_hw, (layout["tiles"][0] * tile_grid[0], layout["tiles"][1] * tile_grid[1]))
+    n_rows, n_cols = rows.stop - rows.start, cols.stop - cols.start
+    return tile_grid[0] * tile_grid[1] + extra + n_rows * n_cols + n_rows
+
+
+def views(images: jnp.ndarray, pinpoints, tile: int) -> jnp.ndarray:
+    """``images [B, H, W, C]`` (one size) → ``[B, 1 + rows·cols, tile, tile, C]``: the base view
+    (squashed to a tile), then the tiles in raster order (bicubic resizes, anti-aliased)."""
+    b, h, w, c = images.shape
+    layout = plan((h, w), pinpoints, tile)
+    (fh, fw), (top, left), (rows, cols) = layout["fitted"], layout["offset"], layout["tiles"]
+    resize = lambda x, size: jax.image.resize(x, (b, *size, c), "bicubic", antialias=True)  # noqa: E731
+    canvas = jnp.zeros((b, *layout["best"], c), images.dtype).at[:, top:top + fh, left:left + fw].set(
+        resize(images, (fh, fw)).astype(images.dtype))
+    tiles = canvas.reshape(b, rows, tile, cols, tile, c).transpose(0, 1, 3, 2, 4, 5)
+    tiles = tiles.reshape(b, rows * cols, tile, tile, c)
+    return jnp.concatenate([resize(images, (tile, tile))[:, None].astype(images.dtype), tiles], axis=1)
