@@ -90,9 +90,9 @@ CASES += [dict(posemb="learn", posemb_layout="with_cls", num_registers=2, pool="
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
 def test_packed_forward_equals_each_images_own_forward(case):
-    model = ViT(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=4, dynamic_img_size=True,
-                posemb_grid=(3, 3), **case)
-    images = _images(1)
+    model = ViT(width=32, depth=2 if case.get("scan") else 1, mlp_dim=64, num_heads=2, patch_size=4,
+                dynamic_img_size=True, posemb_grid=(3, 3), **case)
+    images = _images(1)[:3]  # grids 2x3, 4x4 (the table's 3x3 resampled both ways) and 3x1: two rows
     batch = packing.pack(images, 4, seq_len=24, max_images=3, class_token=model.class_token,
                          num_registers=model.num_registers)
     params = model.init(jax.random.key(0), batch)["params"]
