@@ -143,3 +143,25 @@ def test_single_device_losses_match_their_formulas():
     labels = 2 * np.eye(5) - 1
     sig = -np.log(1 / (1 + np.exp(-labels * (logits - 1.0)))).sum() / 5
     np.testing.assert_allclose(losses.sigmoid_loss(zi, zt, 3.0, -1.0), sig, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
+def test_a_validity_mask_gives_the_loss_of_the_valid_pairs_alone(kind):
+    """Packed batches leave empty image slots out: the masked loss (and its gradient) is the
+    loss of the valid rows as if the others were never there."""
+    rng = np.random.default_rng(0)
+    zi, zt = (jnp.asarray(rng.normal(size=(7, 5)), jnp.float32) for _ in range(2))
+    valid = jnp.asarray([True, False, True, True, False, True, True])
+
+    def loss(zi, zt, valid=None):
+        if kind == "softmax":
+            return losses.softmax_loss(zi, zt, 3.0, valid)
+        return losses.sigmoid_loss(zi, zt, 3.0, -1.0, valid)
+
+    keep = np.flatnonzero(valid)
+    np.testing.assert_allclose(loss(zi, zt, valid), loss(zi[keep], zt[keep]), rtol=1e-6)
+    grads = jax.grad(loss, argnums=(0, 1))(zi, zt, valid)
+    sub = jax.grad(loss, argnums=(0, 1))(zi[keep], zt[keep])
+    for g, s in zip(grads, sub, strict=True):
+        np.testing.assert_allclose(g[keep], s, rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(np.asarray(g)[~np.asarray(valid)], 0.0)

@@ -34,12 +34,18 @@ from jax.sharding import PartitionSpec as P
 # ----------------------------------------------------------------------------------------------
 # One device (and jit over a mesh: the same code on global arrays).
 # ----------------------------------------------------------------------------------------------
-def softmax_loss(zimg: jnp.ndarray, ztxt: jnp.ndarray, t) -> jnp.ndarray:
+def softmax_loss(zimg: jnp.ndarray, ztxt: jnp.ndarray, t, valid: jnp.ndarray | None = None) -> jnp.ndarray:
+    """``valid [n]`` (packed batches: empty image slots) keeps pairs out entirely: the loss is the
+    loss of the valid pairs alone (tested)."""
     logits = t * zimg @ ztxt.T
     labels = jnp.arange(zimg.shape[0])
+    if valid is not None:
+        logits = jnp.where(valid[:, None] & valid[None, :], logits, jnp.finfo(logits.dtype).min)
     i2t = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     t2i = optax.softmax_cross_entropy_with_integer_labels(logits.T, labels)
-    return 0.5 * (i2t.mean() + t2i.mean())
+    if valid is None:
+        return 0.5 * (i2t.mean() + t2i.mean())
+    return 0.5 * masked_mean(i2t + t2i, valid)
 
 
 def _sigmoid_block(zimg, ztxt, t, b, positives_on_diagonal: bool) -> jnp.ndarray:
@@ -52,8 +58,14 @@ def _sigmoid_block(zimg, ztxt, t, b, positives_on_diagonal: bool) -> jnp.ndarray
     return -jnp.sum(jax.nn.log_sigmoid(labels * logits))
 
 
-def sigmoid_loss(zimg: jnp.ndarray, ztxt: jnp.ndarray, t, b) -> jnp.ndarray:
-    return _sigmoid_block(zimg, ztxt, t, b, True) / zimg.shape[0]
+def sigmoid_loss(zimg: jnp.ndarray, ztxt: jnp.ndarray, t, b, valid: jnp.ndarray | None = None) -> jnp.ndarray:
+    """``valid [n]`` keeps pairs with an empty slot out (the loss of the valid pairs alone)."""
+    if valid is None:
+        return _sigmoid_block(zimg, ztxt, t, b, True) / zimg.shape[0]
+    logits = t * zimg @ ztxt.T + b
+    labels = 2.0 * jnp.eye(zimg.shape[0]) - 1.0
+    pairs = (valid[:, None] & valid[None, :]).astype(logits.dtype)
+    return -jnp.sum(pairs * jax.nn.log_sigmoid(labels * logits)) / jnp.maximum(valid.sum(), 1)
 
 
 # ----------------------------------------------------------------------------------------------

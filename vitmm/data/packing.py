@@ -89,24 +89,35 @@ PACKED_KEYS = ("patches", "kinds", "positions")
 
 def packed_iterator(source, pp_fn, *, patch_size: int, seq_len: int, max_images: int, rows: int,
                     num_bins: int = 8, class_token: bool = True, num_registers: int = 0,
-                    meta_keys: tuple[str, ...] = (), seed: int = 0, num_epochs: int | None = None):
+                    meta_keys: tuple[str, ...] = (), seed: int = 0, num_epochs: int | None = None,
+                    process_index: int = 0, process_count: int = 1, patch_keep: float = 1.0):
     """Batches of ``rows`` packed rows (``models.packing.Packed`` fields as numpy arrays) from a
     source of images of many sizes: each example through ``pp_fn`` (its ``image`` float32
     ``[H, W, C]`` with sides multiples of the patch, e.g. after ``naflex``), cut into its tokens,
     and placed by grain's first-fit packer into one of ``num_bins`` open rows (more bins, less
     padding); a row holds at most ``max_images`` images. ``meta_keys`` (e.g. ``caption_tokens``)
     come along per image slot as ``[rows, max_images, ...]`` (zeros in empty slots), with
-    ``image_ids`` the examples' indices in the source. The iterator's ``get_state``/``set_state``
-    resume it exactly."""
+    ``image_ids`` the examples' indices in the source. Each process reads its own slice of the
+    source (``process_index`` of ``process_count``). ``patch_keep < 1`` is FLIP/NaViT token
+    dropping before packing: each image keeps a random ``round(patch_keep · h·w)`` of its patches
+    (their grid positions kept), so a row holds more images. The iterator's
+    ``get_state``/``set_state`` resume it exactly."""
     import grain
     import grain.experimental
 
     from vitmm.models import packing
 
     def to_tokens(ex: dict, rng) -> dict:
+        index = ex.pop("_index")
         ex = pp_fn(ex, rng)
         tokens = packing.image_tokens(ex["image"], patch_size, class_token=class_token, num_registers=num_registers)
-        return {**{k: tokens[k] for k in PACKED_KEYS}, "grid": tokens["grid"], "image_id": ex["_index"],
+        if patch_keep < 1:
+            prefix = int(class_token) + num_registers
+            n = len(tokens["kinds"]) - prefix
+            kept = np.sort(rng.permutation(n)[:max(1, round(patch_keep * n))]) + prefix
+            rows = np.concatenate([np.arange(prefix), kept])
+            tokens = {**{k: tokens[k][rows] for k in PACKED_KEYS}, "grid": tokens["grid"]}
+        return {**{k: tokens[k] for k in PACKED_KEYS}, "grid": tokens["grid"], "image_id": index,
                 **{k: np.asarray(ex[k]) for k in meta_keys}}
 
     def to_row(row: dict) -> dict:
@@ -120,7 +131,7 @@ def packed_iterator(source, pp_fn, *, patch_size: int, seq_len: int, max_images:
             out["grids" if key == "grid" else "image_ids" if key == "image_id" else key] = padded
         return out
 
-    ds = grain.MapDataset.source(_Indexed(source)).shuffle(seed=seed).repeat(num_epochs)
+    ds = grain.MapDataset.source(_Indexed(source))[process_index::process_count].shuffle(seed=seed).repeat(num_epochs)
     ds = ds.random_map(to_tokens, seed=seed).to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=8))
     ds = grain.experimental.FirstFitPackIterDataset(
         ds, length_struct={k: seq_len for k in PACKED_KEYS}, num_packing_bins=num_bins, shuffle_bins=False,

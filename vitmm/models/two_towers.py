@@ -31,7 +31,11 @@ MAX_TEMPERATURE = 100.0
 
 
 def l2_normalize(x: jnp.ndarray, eps: float = 1e-8) -> jnp.ndarray:
-    return x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + eps)
+    """``x / (|x| + eps)``; an all-zero vector (an empty slot of a packed batch) stays zero with a
+    zero gradient, where the norm's own gradient would be 0/0."""
+    zero = jnp.all(x == 0, axis=-1, keepdims=True)
+    safe = jnp.where(zero, jnp.ones_like(x), x)
+    return jnp.where(zero, jnp.zeros_like(x), safe / (jnp.linalg.norm(safe, axis=-1, keepdims=True) + eps))
 
 
 class TwoTowers(nn.Module):

@@ -97,7 +97,8 @@ class ViT(nn.Module):
 
     ``patch_keep < 1`` (FLIP, Li et al. 2023): in training, each image keeps a random
     ``round(patch_keep · N)`` of its N patch tokens (positions already added; in raster order),
-    drawn from the ``dropout`` RNG; evaluation sees every patch.
+    drawn from the ``dropout`` RNG; evaluation sees every patch. (Packed rows drop patches before
+    packing instead, in ``data.packing.packed_iterator``, so a row holds more images.)
 
     Packed input (``models.packing.Packed``, NaViT): images of their own sizes in fixed-length
     rows; attention stays within each image, positions are each image's own (a learned table

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
 from vitmm.models import lora as lora_lib
-from vitmm.models import two_towers, vlm
+from vitmm.models import packing, two_towers, vlm
 from vitmm.train import evaluators as eval_lib
 from vitmm.train.parallel import Parallel
 
@@ -33,7 +33,7 @@ def _contrastive_impl(kind: str, par: Parallel):
         return {"softmax": lambda zi, zt, t, b: losses.softmax_loss_pmap(zi, zt, t),
                 "sigmoid": losses.sigmoid_loss_pmap,
                 "sigmoid_chunked": losses.sigmoid_loss_chunked_pmap}[kind]
-    return {"softmax": lambda zi, zt, t, b: losses.softmax_loss(zi, zt, t),
+    return {"softmax": lambda zi, zt, t, b, valid=None: losses.softmax_loss(zi, zt, t, valid),
             "sigmoid": losses.sigmoid_loss,
             "sigmoid_chunked": lambda zi, zt, t, b: losses.sigmoid_loss_chunked(zi, zt, t, b, par.mesh)}[kind]
 
@@ -50,6 +50,9 @@ class ContrastiveTask:
         self.config, self.tokenizer = config, tokenizer
         self.model = two_towers.TwoTowers(**config.model.to_dict())
         self._loss = _contrastive_impl(config.loss, par)
+        if config.input.get("packing") and (par.kind == "pmap" or config.loss == "sigmoid_chunked"):
+            raise ValueError("input.packing (images at their own sizes) needs parallel='jit' and loss 'softmax' "
+                             f"or 'sigmoid'; got parallel={par.kind!r}, loss={config.loss!r}.")
 
     def init_params(self):
         res = self.config.input.image_size
@@ -58,10 +61,23 @@ class ContrastiveTask:
         return jax.jit(self.model.init)(jax.random.key(self.config.seed), images, ids)["params"]
 
     def loss_fn(self, params, batch, rng):
+        if "segment_ids" in batch:  # packed rows of images at their own sizes, captions per image slot
+            return self._packed_loss(params, batch, rng)
         zimg, ztxt, out = self.model.apply({"params": params}, batch["image"], batch["caption_tokens"],
                                            train=True, rngs={"dropout": rng})
         t, b = out["t"], out.get("b", jnp.zeros(()))
         return self._loss(zimg, ztxt, t, b), {"t": t, "b": b}
+
+    def _packed_loss(self, params, batch, rng):
+        images = packing.Packed(**{k: batch[k] for k in ("patches", "segment_ids", "kinds", "positions", "grids",
+                                                          "image_ids")})
+        ids = batch["caption_tokens"]
+        rows, slots, length = ids.shape
+        zimg, ztxt, out = self.model.apply({"params": params}, images, ids.reshape(rows * slots, length),
+                                           train=True, rngs={"dropout": rng})
+        t, b = out["t"], out.get("b", jnp.zeros(()))
+        valid = images.image_mask().reshape(-1)
+        return self._loss(zimg.reshape(rows * slots, -1), ztxt, t, b, valid), {"t": t, "b": b}
 
     def post_update(self, params):
         max_t = self.config.get("max_temperature")
@@ -245,7 +261,9 @@ def pp_string(config, template: str | None = None) -> str:
     (``image_normalization``)."""
     template = config.input.pp if template is None else template
     fields = dict(image_size=config.input.image_size,
-                  max_len=config.model.get("max_len") or config.model.get("text", {}).get("max_len"))
+                  max_len=config.model.get("max_len") or config.model.get("text", {}).get("max_len"),
+                  max_num_patches=(config.input.get("packing") or {}).get("max_num_patches"),
+                  patch_size=(config.model.get("image") or {}).get("patch_size"))
     if "{image_mean}" in template or "{image_std}" in template:
         mean, std = image_normalization(config)
         fields.update(image_mean=mean, image_std=std)
@@ -253,7 +271,8 @@ def pp_string(config, template: str | None = None) -> str:
         return template.format(**fields)
     except (KeyError, IndexError) as err:
         raise ValueError(f"The pp template {template!r} names the field {err}; a pp template may use "
-                         f"{{image_size}}, {{max_len}}, {{image_mean}} and {{image_std}} only.") from None
+                         f"{{image_size}}, {{max_len}}, {{image_mean}}, {{image_std}}, {{max_num_patches}} "
+                         "and {patch_size} only.") from None
 
 
 def _check_budget(connector: dict, vision: dict, image_size) -> None:

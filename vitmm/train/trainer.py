@@ -109,12 +109,40 @@ def maybe_initialize_distributed(config) -> None:
 
 def _input(config, tokenizer, par: Parallel):
     inp = config.input
-    keys = tuple(inp.get("keys") or ()) or None
-    source = pipeline.get_source(inp.data.name, inp.data.split, inp.get("data_dir"), keys=keys)
     pp = preprocess.parse(tasks.pp_string(config), tokenizer)
-    host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
-                                   num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8))
+    if inp.get("packing"):
+        host = _packed_input(config, pp)
+    else:
+        keys = tuple(inp.get("keys") or ()) or None
+        source = pipeline.get_source(inp.data.name, inp.data.split, inp.get("data_dir"), keys=keys)
+        host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
+                                       num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8))
     return pipeline.DeviceIterator(host, size=inp.get("device_prefetch", 2), put=par.put_batch)
+
+
+def _packed_input(config, pp):
+    """Packed rows of images at their own sizes (``input.packing``; ``batch_size`` counts rows):
+    scenes drawn at random sizes (``input.scenes_any``) or a TFDS dataset, through ``pp`` (e.g.
+    NaFlex), packed by ``data.packing.packed_iterator`` with each image's caption tokens."""
+    from vitmm.data import packing as data_packing
+    from vitmm.models.patch_embed import to_pair
+    from vitmm.models.vit import ViT
+
+    inp, pk = config.input, config.input.packing
+    if inp.get("scenes_any"):
+        source = data_packing.SceneSource(**inp.scenes_any.to_dict())
+    else:
+        source = pipeline.get_source(inp.data.name, inp.data.split, inp.get("data_dir"),
+                                     keys=tuple(inp.get("keys") or ()) or None)
+    tower = ViT(**config.model.image)
+    count, index = jax.process_count(), jax.process_index()
+    if config.batch_size % count:
+        raise ValueError(f"batch_size={config.batch_size} packed rows do not split over {count} processes.")
+    return data_packing.packed_iterator(
+        source, pp, patch_size=to_pair(tower.arch().patch_size)[0], seq_len=pk.seq_len, max_images=pk.max_images,
+        rows=config.batch_size // count, num_bins=pk.bins, class_token=tower.class_token,
+        num_registers=tower.num_registers, meta_keys=("caption_tokens",), seed=config.seed,
+        process_index=index, process_count=count, patch_keep=tower.patch_keep)
 
 
 # ================================================================================================
