@@ -1,7 +1,8 @@
 """Connectors against the reference implementations' own modules: stored outputs of transformers'
 LLaVA projector, Qwen2-VL ``PatchMerger``, InternVL's pixel shuffle and projector, BLIP-2
-Q-Former and Idefics2's connector (SwiGLU projection + perceiver resampler), and of Honeybee's
-C-Abstractor as built from timm's ``RegStage`` (``tests/fixtures/interop/make_fixtures.py``),
+Q-Former and Idefics2's connector (SwiGLU projection + perceiver resampler), of Honeybee's
+C-Abstractor as built from timm's ``RegStage``, and of MobileVLM's own LDPv2 projector code
+(``tests/fixtures/interop/make_fixtures.py``),
 loaded into vitmm's connectors through the weight mappings below. Tolerance: max abs difference
 ≤ 1e-6 of the reference's largest value, float32 (measured: ≤ 4.3e-7).
 """
@@ -104,7 +105,14 @@ def idefics2_perceiver(w):
     return p
 
 
+def mobilevlm_ldpv2(w):
+    peg = w["peg.peg.0.weight"]  # depthwise [C, 1, 3, 3] → [3, 3, 1, C]
+    return {"mlp": {"fc1": linear(w, "mlp.mlp.0"), "fc2": linear(w, "mlp.mlp.2")},
+            "peg": {"kernel": peg.transpose(2, 3, 1, 0), "bias": w["peg.peg.0.bias"]}}
+
+
 CASES = {  # fixture: (connector config, grid, weight mapping)
+    "mobilevlm_ldpv2": ({"name": "ldp", "budget": 144}, (16, 16), mobilevlm_ldpv2),
     "llava_projector": ({"name": "mlp"}, (4, 6), llava_projector),
     "qwen2vl_patch_merger": ({"name": "patch_merger", "budget": 6}, (4, 6), qwen2vl_patch_merger),
     "internvl_pixel_shuffle": ({"name": "pixel_shuffle", "budget": 6}, (4, 6), internvl_pixel_shuffle),
