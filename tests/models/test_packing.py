@@ -27,7 +27,10 @@ def test_axis_weights_at_are_the_resampling_matrices_rows(method):
             refs = [pe.resample_weights(size, n, method) for n in news]
         got = pe.axis_weights_at(size, np.repeat(news, news), np.concatenate([np.arange(n) for n in news]), method)
         for n, ref, rows in zip(news, refs, np.split(np.asarray(got), np.cumsum(news)[:-1]), strict=True):
-            np.testing.assert_allclose(rows, ref, atol=1e-6, err_msg=f"{method} {size}->{n}")
+            # torch_bicubic's matrix contracts its multiply-adds as torch's compiled kernel does
+            # (float64 emulation); the traced rows compute the formula in float32: ≤ 1.1e-6 apart
+            np.testing.assert_allclose(rows, ref, atol=2e-6 if method == "torch_bicubic" else 1e-6,
+                                       err_msg=f"{method} {size}->{n}")
             if n == size:
                 np.testing.assert_array_equal(rows, np.eye(size))
 

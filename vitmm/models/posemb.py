@@ -94,6 +94,23 @@ def _cubic(x: np.ndarray, a: float) -> np.ndarray:
     return np.where(x < one, near, np.where(x < two, far, x.dtype.type(0)))
 
 
+def _fma(a, b, c) -> np.ndarray:
+    """float32 ``a·b + c`` rounded once, as a fused multiply-add: the float32 product is exact in
+    float64. PyTorch's CPU kernels are compiled with FMA contraction, so its bicubic weights are
+    these (the max difference to torch drops from 1.3e-6 to 2e-7 of the table's largest value)."""
+    f64 = np.float64
+    return (np.asarray(a, f64) * np.asarray(b, f64) + np.asarray(c, f64)).astype(np.float32)
+
+
+def _cubic_near(x):  # torch's cubic_convolution1 (|x| <= 1), a = -0.75, contracted as compiled
+    return _fma(_fma(np.float32(1.25), x, np.float32(-2.25)) * x, x, np.float32(1))
+
+
+def _cubic_far(x):  # cubic_convolution2 (1 < |x| < 2)
+    a = np.float32(-0.75)
+    return _fma(_fma(_fma(a, x, np.float32(3.75)), x, np.float32(-6)), x, np.float32(3))
+
+
 def resample_weights(size: int, new_size: int, method: str) -> np.ndarray:
     """The ``[new_size, size]`` matrix that resamples one axis the way ``method`` does.
 
@@ -106,11 +123,10 @@ def resample_weights(size: int, new_size: int, method: str) -> np.ndarray:
     f32 = np.float32
     if method == "torch_bicubic":  # upsample_bicubic2d: half-pixel source index, 4 clamped taps
         scale = f32(size) / f32(new_size)
-        src = scale * (rows.astype(f32) + f32(0.5)) - f32(0.5)
+        src = _fma(scale, rows.astype(f32) + f32(0.5), f32(-0.5))
         base = np.floor(src)
         t = src - base
-        taps = (_cubic(t + f32(1), -0.75), _cubic(t, -0.75), _cubic(f32(1) - t, -0.75),
-                _cubic(f32(1) - t + f32(1), -0.75))
+        taps = (_cubic_far(t + f32(1)), _cubic_near(t), _cubic_near(f32(1) - t), _cubic_far(f32(1) - t + f32(1)))
         for j, weight in enumerate(taps):
             np.add.at(w, (rows, np.clip(base.astype(int) - 1 + j, 0, size - 1)), weight)
     elif method == "big_vision":  # scipy.ndimage.zoom(order=1): corners aligned
@@ -157,8 +173,9 @@ def axis_weights_at(size: int, new_size: jnp.ndarray, index: jnp.ndarray, method
     The per-token form of ``resample_grid`` for packed sequences, where every image has a grid of
     its own: ``bicubic_aa`` follows ``jax.image.resize``'s weights (Keys a = -0.5, the kernel
     widened by the scale when shrinking, rows renormalised), ``torch_bicubic`` and ``big_vision``
-    ``resample_weights``'; equal to those matrices' rows to float32 rounding (tested), and the
-    identity when ``new_size == size``.
+    ``resample_weights``'; equal to those matrices' rows to float32 rounding (tested; ≤ 1.1e-6
+    for ``torch_bicubic``, whose matrix is FMA-contracted as torch's kernel is), and the identity
+    when ``new_size == size``.
     """
     f32 = jnp.float32
     n, r = jnp.asarray(new_size).astype(f32), jnp.asarray(index).astype(f32)
