@@ -1,8 +1,8 @@
 """Connectors against the reference implementations' own modules: stored outputs of transformers'
 LLaVA projector, Qwen2-VL ``PatchMerger``, InternVL's pixel shuffle and projector, BLIP-2
 Q-Former and Idefics2's connector (SwiGLU projection + perceiver resampler), of Honeybee's
-C-Abstractor as built from timm's ``RegStage``, and of MobileVLM's own LDPv2 projector code
-(``tests/fixtures/interop/make_fixtures.py``),
+C-Abstractor as built from timm's ``RegStage``, and of MobileVLM's own LDPv2 projector code and
+OpenFlamingo's own perceiver resampler (``tests/fixtures/interop/make_fixtures.py``),
 loaded into vitmm's connectors through the weight mappings below. Tolerance: max abs difference
 ≤ 1e-6 of the reference's largest value, float32 (measured: ≤ 4.3e-7).
 """
@@ -111,7 +111,25 @@ def mobilevlm_ldpv2(w):
             "peg": {"kernel": peg.transpose(2, 3, 1, 0), "bias": w["peg.peg.0.bias"]}}
 
 
+def openflamingo_perceiver(w):
+    kernel = lambda k: {"kernel": w[f"{k}.weight"].T}  # noqa: E731
+    r = "resampler"
+    p = {"in_proj": linear(w, "in_proj"), "latents": w[f"{r}.latents"], "norm_out": norm(w, f"{r}.norm")}
+    for i in sorted({int(k.split(".")[2]) for k in w if k.startswith(f"{r}.layers.")}):
+        attn, ff = f"{r}.layers.{i}.0", f"{r}.layers.{i}.1"
+        kv = w[f"{attn}.to_kv.weight"]
+        p.update({f"norm_media_{i}": norm(w, f"{attn}.norm_media"),
+                  f"norm_latents_{i}": norm(w, f"{attn}.norm_latents"),
+                  f"attn_{i}_q": kernel(f"{attn}.to_q"), f"attn_{i}_k": {"kernel": kv[: len(kv) // 2].T},
+                  f"attn_{i}_v": {"kernel": kv[len(kv) // 2:].T}, f"attn_{i}_out": kernel(f"{attn}.to_out"),
+                  f"ff_norm_{i}": norm(w, f"{ff}.0"), f"ff_in_{i}": kernel(f"{ff}.1"),
+                  f"ff_out_{i}": kernel(f"{ff}.3")})
+    return p
+
+
 CASES = {  # fixture: (connector config, grid, weight mapping)
+    "openflamingo_perceiver": ({"name": "perceiver", "budget": 5, "depth": 2, "head_dim": 8}, (4, 6),
+                               openflamingo_perceiver),
     "mobilevlm_ldpv2": ({"name": "ldp", "budget": 144}, (16, 16), mobilevlm_ldpv2),
     "llava_projector": ({"name": "mlp"}, (4, 6), llava_projector),
     "qwen2vl_patch_merger": ({"name": "patch_merger", "budget": 6}, (4, 6), qwen2vl_patch_merger),

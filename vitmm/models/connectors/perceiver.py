@@ -2,8 +2,10 @@
 
 ``Perceiver`` is Flamingo's: each layer LayerNorms the media and the latents, the latents
 query keys/values from their concatenation (residual), then a bias-free FFN (LayerNorm →
-Dense 4D → GELU → Dense D, residual); a final LayerNorm. The patches are first projected to the
-LM width D by one Dense layer. No spatial positions (as in OpenFlamingo).
+Dense 4D → GELU → Dense D, residual); a final LayerNorm (eps 1e-5). The patches are first
+projected to the LM width D by one Dense layer (OpenFlamingo's resampler works at the vision
+width and the LM cross-attends to it). No spatial positions (as in OpenFlamingo). Parity with
+OpenFlamingo's own ``PerceiverResampler`` (after that projection) is tested on stored outputs.
 
 ``Idefics2Perceiver`` is Idefics2's connector (transformers' ``Idefics2Connector``): a SwiGLU
 ``modality_projection`` to D, then the same pattern with RMSNorm, grouped-query attention
@@ -32,6 +34,7 @@ class Perceiver(nn.Module):
     depth: int = 2
     head_dim: int = 64
     ff_mult: int = 4
+    eps: float = 1e-5  # torch's LayerNorm default, which Flamingo/OpenFlamingo use
 
     @staticmethod
     def tokens(budget, grid, **settings):
@@ -47,15 +50,15 @@ class Perceiver(nn.Module):
         latents = self.param("latents", nn.initializers.normal(1.0), (m, d))
         latents = jnp.broadcast_to(latents, (x.shape[0], m, d))
         for i in range(self.depth):
-            media = nn.LayerNorm(name=f"norm_media_{i}")(x)
-            lat = nn.LayerNorm(name=f"norm_latents_{i}")(latents)
+            media = nn.LayerNorm(epsilon=self.eps, name=f"norm_media_{i}")(x)
+            lat = nn.LayerNorm(epsilon=self.eps, name=f"norm_latents_{i}")(latents)
             kv = jnp.concatenate([media, lat], axis=1)
             latents = latents + mha(lat, kv, kv, heads, f"attn_{i}", use_bias=False)
-            y = nn.LayerNorm(name=f"ff_norm_{i}")(latents)
+            y = nn.LayerNorm(epsilon=self.eps, name=f"ff_norm_{i}")(latents)
             y = layers.Dense(self.ff_mult * d, use_bias=False, name=f"ff_in_{i}")(y)
             y = layers.Dense(d, use_bias=False, name=f"ff_out_{i}")(common.activation("gelu")(y))
             latents = latents + y
-        return nn.LayerNorm(name="norm_out")(latents)
+        return nn.LayerNorm(epsilon=self.eps, name="norm_out")(latents)
 
 
 class Idefics2Perceiver(nn.Module):
