@@ -249,3 +249,33 @@ def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_
     assert "scratch_lm_same_examples: done, skipped" in capsys.readouterr().out
     assert len(list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))) == 1
     assert "| scratch_lm_same_examples |" in (tmp_path / "out/vlm_smollm2.md").read_text()
+
+
+def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):
+    """A decoder that always answers "yes" scores exactly the share of questions whose answer is
+    "yes", overall and per kind (the yes/no kinds about half, the others none)."""
+    from vitmm.data import pipeline
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.data.scenes import QUESTION_KINDS
+    from vitmm.train import evaluators
+
+    tok = tok_lib.ByteTokenizer()
+    pp = "decode|resize(32)|value_range(-1, 1)|choose|qa_tokens(48)"
+    cfg = dict(data=dict(name=common.SMOKE_DATA, split="validation", data_dir=data_dir), pp=pp, num_examples=40,
+               batch_size=16, max_new_tokens=5)
+    qa = evaluators.QAAccuracy(None, cfg, tok, prefix_lm=False)
+    yes = tok.encode("yes") + [tok.eos_id]
+    qa.decode = lambda variables, images, *args: np.tile(np.array(yes + [0] * (5 - len(yes))), (len(images), 1))
+    result = qa.run(params={})
+    answers, kinds = [], []  # the same examples through the same preprocessing
+    for batch in pipeline.eval_batches(qa.source, qa._pp, 16, process_index=0, process_count=1, num_threads=1):
+        keep = batch["_mask"].astype(bool)
+        answers += [a for a, k in zip(batch["answer"], keep, strict=True) if k]
+        kinds += list(np.asarray(batch["question_kind"])[keep])
+    answers, kinds = np.array(answers), np.array(kinds)
+    assert result["examples"] == len(answers) == 40
+    assert result["accuracy"] == pytest.approx(np.mean(answers == "yes"))
+    for i, kind in enumerate(QUESTION_KINDS):
+        if (kinds == i).any():
+            assert result[f"acc_{kind}"] == pytest.approx(np.mean(answers[kinds == i] == "yes"))
+    assert 0 < result["accuracy"] < 1 and result.get("acc_count", 0.0) == 0.0
