@@ -11,8 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_native_costs_smoke(tmp_path):
     env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
-    cmd = [sys.executable, str(ROOT / "experiments/native_costs.py"), "--smoke", "--out", str(tmp_path),
-           "--examples", "48", "--keeps", "1.0,0.5"]
+    cmd = [sys.executable, str(ROOT / "experiments/native_costs.py"), "--out", str(tmp_path), "--examples", "32",
+           "--keeps", "1.0,0.5", "--repeats", "1", "--flip_batch", "8", "--flip_steps", "1", "--rows", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     square, packed = list(csv.DictReader((tmp_path / "packing.csv").open()))

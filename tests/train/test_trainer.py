@@ -232,13 +232,13 @@ def test_evaluation_embeds_every_new_parameter_tree(clip_smoke_run, monkeypatch)
 def test_packed_native_resolution_run_trains_evaluates_and_resumes_exactly(tmp_path, data_dir):
     """configs/clip_scenes_native.py: scenes at random sizes, NaFlex, packed rows, masked loss;
     stopped at step 2 and resumed, it ends where the uninterrupted run ends."""
-    c = smoke_config(data_dir, "clip_scenes_native", log_every=1)
-    straight = trainer.train(c, tmp_path / "straight")
+    c = smoke_config(data_dir, "clip_scenes_native", log_every=1, checkpoint_every=2)
+    straight = trainer.train(c, tmp_path)
     assert straight["final_step"] == 4 and all(math.isfinite(h["loss"]) for h in straight["history"])
     assert {"zeroshot/accuracy", "retrieval/i2t_r1"} <= set(straight["evals"])
-    c = smoke_config(data_dir, "clip_scenes_native", evals=False, log_every=1)
-    trainer.train(c, tmp_path / "resumed", stop_at=2)
-    second = trainer.train(c, tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "checkpoints" / "4")  # as if killed after step 2's checkpoint
+    second = trainer.train(smoke_config(data_dir, "clip_scenes_native", evals=False, log_every=1,
+                                        checkpoint_every=2), tmp_path)
     assert [h["step"] for h in second["history"]] == [3, 4]
     np.testing.assert_allclose([h["loss"] for h in second["history"]],
                                [h["loss"] for h in straight["history"][2:]], rtol=1e-6)
