@@ -9,9 +9,10 @@ aspect ratios (sides 32–128 px, aspect up to 3, made on the fly: ``input.scene
 image is resized by NaFlex to the largest aspect-kept size whose 8-px patch grid fits
 ``input.packing.max_num_patches`` (64: the demo's 64-px square), and grain's first-fit packer
 puts whole images into rows of ``seq_len`` tokens; ``batch_size`` counts rows (32 rows of 256
-tokens hold about 128 images, the demo's batch). Attention stays within each image; the loss
-pairs each image with its caption and leaves empty slots out. ``patch_keep`` < 1 adds FLIP's
-patch dropout. Evaluation is the demo's (64-px squares), which the sin-cos tower reads at any grid.
+tokens hold about 128 images, the demo's batch; the logged ``img_per_s`` then counts rows).
+Attention stays within each image; the loss pairs each image with its caption and leaves empty
+slots out. ``patch_keep`` < 1 adds FLIP's patch dropout. Evaluation is the demo's (64-px
+squares), which the sin-cos tower reads at any grid.
 
 Args: ``steps``, ``difficulty``, ``loss`` (``softmax`` or ``sigmoid``), ``patch_keep``, ``smoke``.
 """
