@@ -30,7 +30,7 @@ def _smoke(name: str, out, *extra) -> types.SimpleNamespace:
     module = _load(f"lessons_{name}")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        module.main(["--smoke", "--out", str(out), *extra])
+        module.main(["--smoke", "--workers", "1", "--out", str(out), *extra])  # worker pools: the token-budget smoke
     return types.SimpleNamespace(stdout=printed.getvalue())
 
 
