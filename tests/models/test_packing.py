@@ -80,6 +80,11 @@ def test_pack_errors_name_the_fix():
         packing.pack([np.zeros((6, 8, 3))], 4, 16, 2)
     with pytest.raises(ValueError, match=r"\[H, W, C\] images with one channel count"):
         packing.pack([np.zeros((8, 8, 3)), np.zeros((8, 8, 1))], 4, 16, 2)
+    no_cls = ViT(width=16, depth=1, mlp_dim=32, num_heads=2, patch_size=4, posemb="sincos2d", class_token=False,
+                 pool="gap")
+    params = no_cls.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
+    with pytest.raises(ValueError, match=r"token kinds \[1\] but this model has class_token=False"):
+        no_cls.apply(params, packing.pack(_images()[:1], 4, 8, 1))  # packed with a CLS slot
     with pytest.raises(ValueError, match="posemb_grid"):
         ViT(width=16, depth=1, mlp_dim=32, num_heads=2, patch_size=4).init(
             jax.random.key(0), packing.pack(_images()[:1], 4, 8, 1))

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from vitmm import tree
 from vitmm.models import common, layers, packing
@@ -340,6 +341,14 @@ class ViT(nn.Module):
             raise ValueError("Packed sequences need stem='patch' with stride equal to the patch and no padding.")
         seg, kinds = batch.segment_ids, batch.kinds
         b, length = seg.shape
+        if not isinstance(kinds, jax.core.Tracer):  # concrete input: its prefix tokens must be this model's
+            present = set(np.unique(np.asarray(kinds)[np.asarray(seg) > 0]).tolist()) - {packing.PATCH}
+            expected = {packing.FIRST_REGISTER + r for r in range(self.num_registers)}
+            expected |= {packing.CLS} if self.class_token else set()
+            if not present <= expected:
+                raise ValueError(f"The packed batch has token kinds {sorted(present)} but this model has "
+                                 f"class_token={self.class_token}, num_registers={self.num_registers}; pack with "
+                                 "class_token=model.class_token, num_registers=model.num_registers.")
         is_patch = (kinds == packing.PATCH) & (seg > 0)
         out = {}
         x = PatchEmbed(arch.width, arch.patch_size, impl="unfold", dtype_mm=self.dtype_mm,
