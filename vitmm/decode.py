@@ -20,7 +20,8 @@ from vitmm.models.vlm import VLM, text_logits
 
 
 def answer_scores(model: VLM, variables, ids, answer_mask, *, images=None, features=None, prompt_len=None,
-                  prefix_lm: bool = False, image_pos=None) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+                  prefix_lm: bool = False, image_pos=None,
+                  visual_mask=None) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Teacher-forced answer scoring: ``(nll, correct, exact)`` with ``[B, L-1]`` per-position
     negative log-likelihoods and argmax hits, and ``[B]`` exact-match flags.
 
@@ -28,10 +29,11 @@ def answer_scores(model: VLM, variables, ids, answer_mask, *, images=None, featu
     ``qa_tokens`` makes them). ``exact`` is True iff the argmax is right at every answer
     position; that is precisely when greedy decoding reproduces the answer and its EOS (each
     greedy step sees the correct prefix until the first miss), so one forward pass gives
-    greedy exact-match accuracy (tests check this against ``greedy_decode``).
+    greedy exact-match accuracy (tests check this against ``greedy_decode``). ``visual_mask``:
+    images with different token counts in one batch (``VLM.__call__``).
     """
     logits = model.apply(variables, images, ids, prompt_len=prompt_len, prefix_lm=prefix_lm, features=features,
-                         image_pos=image_pos)
+                         image_pos=image_pos, visual_mask=visual_mask)
     num_visual = logits.shape[1] - ids.shape[1]
     logits = text_logits(logits, num_visual, image_pos)[:, :-1]
     targets, mask = ids[:, 1:], answer_mask[:, 1:] > 0

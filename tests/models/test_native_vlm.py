@@ -183,3 +183,40 @@ def test_anyres_vlm_hands_the_lm_exactly_the_counted_tokens():
     base = model.apply(variables, jax.image.resize(image, (1, 16, 16, 3), "bicubic", antialias=True),
                        method=lambda m, x: m.project(*m.features(x)[::2]))
     np.testing.assert_allclose(tokens[:16], base[0], atol=1e-5)
+
+
+def test_a_padded_batch_gives_each_image_its_unpadded_text_logits():
+    """Images with different token counts in one batch: visual tokens left-padded with garbage and
+    masked (``visual_mask``) give each example the text logits of its own unpadded sequence, with
+    the image after BOS or inside the prompt; without the mask they do not."""
+    from vitmm.models.vlm import VLM, text_logits
+
+    model = VLM(vision=dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=8, class_token=False, pool="gap",
+                            posemb="sincos2d"),
+                connector={"name": "mlp"}, lm=dict(vocab_size=40, width=32, depth=2, num_heads=2))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(1, 40, size=(2, 7)), jnp.int32)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), ids[:1])
+    images = [jnp.asarray(rng.uniform(-1, 1, size=(1, h, w, 3)), jnp.float32) for h, w in ((16, 24), (24, 32))]
+    feats = [model.apply(variables, x, method=VLM.features)[0][0] for x in images]
+    m = max(len(f) for f in feats)  # 6 and 12 tokens
+    garbage = [jnp.asarray(rng.normal(size=(m - len(f), f.shape[-1])), jnp.float32) for f in feats]
+    padded = jnp.stack([jnp.concatenate([g, f]) for g, f in zip(garbage, feats, strict=True)])
+    mask = jnp.asarray([[k >= m - len(f) for k in range(m)] for f in feats])
+    for image_pos in (None, jnp.asarray([1, 3])):
+        logits = model.apply(variables, None, ids, features=(padded, None, (1, m)), visual_mask=mask,
+                             image_pos=image_pos)
+        got = text_logits(logits, m, image_pos)
+        unmasked = text_logits(model.apply(variables, None, ids, features=(padded, None, (1, m)),
+                                           image_pos=image_pos), m, image_pos)
+        for b, f in enumerate(feats):
+            pos = None if image_pos is None else image_pos[b:b + 1]
+            alone = model.apply(variables, None, ids[b:b + 1], features=(f[None], None, (1, len(f))), image_pos=pos)
+            want = text_logits(alone, len(f), pos)[0]
+            np.testing.assert_allclose(got[b], want, atol=1e-5, rtol=1e-5)
+            if len(f) < m:
+                assert not np.allclose(unmasked[b], want, atol=1e-3)
+    mrope = VLM(vision=model.vision, connector={"name": "mlp"}, lm=dict(model.lm, mrope_section=(2, 3, 3)),
+                mrope=True)
+    with pytest.raises(ValueError, match="visual_mask works with 1D positions only"):
+        mrope.init(jax.random.key(0), None, ids, features=(padded, None, (1, m)), visual_mask=mask)

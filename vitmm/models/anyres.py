@@ -80,6 +80,22 @@ def num_tokens(image_hw: Sequence[int], pinpoints, tile: int, tile_grid: Sequenc
     return tile_grid[0] * tile_grid[1] + extra + n_rows * n_cols + n_rows
 
 
+def assemble(tokens: jnp.ndarray, image_hw: Sequence[int], pinpoints, tile: int, newline: jnp.ndarray) -> jnp.ndarray:
+    """The LM's tokens ``[B, M, D]`` from each view's grid of tokens ``[B, 1 + rows·cols, gh, gw,
+    D]`` (the base view, then the tiles in raster order, as ``views`` makes them) of an image of
+    ``image_hw``: the base view's grid, then the tiles' grids put back together, cut to the image
+    (``unpadded``), each row followed by ``newline [D]``."""
+    b, _, gh, gw, d = tokens.shape
+    rows, cols = plan(image_hw, pinpoints, tile)["tiles"]
+    canvas = tokens[:, 1:].reshape(b, rows, cols, gh, gw, d).transpose(0, 1, 3, 2, 4, 5)
+    canvas = canvas.reshape(b, rows * gh, cols * gw, d)
+    keep_rows, keep_cols = unpadded(image_hw, canvas.shape[1:3])
+    canvas = canvas[:, keep_rows, keep_cols]
+    newline = jnp.broadcast_to(newline.astype(canvas.dtype), (*canvas.shape[:2], 1, d))
+    canvas = jnp.concatenate([canvas, newline], axis=2).reshape(b, -1, d)
+    return jnp.concatenate([tokens[:, 0].reshape(b, gh * gw, d), canvas], axis=1)
+
+
 def views(images: jnp.ndarray, pinpoints, tile: int) -> jnp.ndarray:
     """``images [B, H, W, C]`` (one size) → ``[B, 1 + rows·cols, tile, tile, C]``: the base view
     (squashed to a tile), then the tiles in raster order (bicubic resizes, anti-aliased)."""

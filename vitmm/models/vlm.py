@@ -33,7 +33,9 @@ resolution, each through the tower and a grid-shaped connector; the tiles' token
 reassembled, cut to the image, and each row ends with a learned newline token.
 
 ``num_visual_tokens(image_hw)`` is exact on every path (square inputs, native resolution, AnyRes):
-it is what the LM receives for an image of that size (tested against the real shapes).
+it is what the LM receives for an image of that size (tested against the real shapes). Images with
+different counts share a batch through ``visual_mask`` (``__call__``): each example's visual tokens
+left-padded, the padding masked out of attention and positions.
 """
 
 from __future__ import annotations
@@ -89,16 +91,8 @@ class VLM(nn.Module):
         n = views.shape[1]
         patches, _, grid = self.features(views.reshape(b * n, *views.shape[2:]))
         tokens = self.project(patches, grid)
-        (gh, gw), d = self._tile_grid(), tokens.shape[-1]
-        tokens = tokens.reshape(b, n, gh, gw, d)
-        rows, cols = anyres_lib.plan((h, w), pinpoints, tile)["tiles"]
-        canvas = tokens[:, 1:].reshape(b, rows, cols, gh, gw, d).transpose(0, 1, 3, 2, 4, 5)
-        canvas = canvas.reshape(b, rows * gh, cols * gw, d)
-        keep_rows, keep_cols = anyres_lib.unpadded((h, w), canvas.shape[1:3])
-        canvas = canvas[:, keep_rows, keep_cols]
-        newline = jnp.broadcast_to(self.image_newline.astype(canvas.dtype), (*canvas.shape[:2], 1, d))
-        canvas = jnp.concatenate([canvas, newline], axis=2).reshape(b, -1, d)
-        return jnp.concatenate([tokens[:, 0].reshape(b, gh * gw, d), canvas], axis=1)
+        tokens = tokens.reshape(b, n, *self._tile_grid(), tokens.shape[-1])
+        return anyres_lib.assemble(tokens, (h, w), pinpoints, tile, self.image_newline)
 
     def positions(self, batch: int, text_len: int, grid, image_pos=None):
         """The LM positions of the sequence ``ids[:p] visual ids[p:]`` for the tower's patch
@@ -128,6 +122,10 @@ class VLM(nn.Module):
         return max(rows_cols) - rows_cols[0] * rows_cols[1]
 
     def _grid(self, images, features):
+        """The tower's patch grid, which only M-RoPE's positions read (None without ``mrope``: an
+        AnyRes image need not be a whole number of patches)."""
+        if not self.mrope:
+            return None
         return tuple(features[2]) if features is not None else self.tower.grid(images.shape[1:3])
 
     def features(self, images: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray | None, tuple[int, int]]:
@@ -176,12 +174,31 @@ class VLM(nn.Module):
         from_image = jnp.take_along_axis(visual, jnp.clip(j - p, 0, m - 1)[..., None], 1)
         return jnp.where(((j >= p) & (j < p + m))[..., None], from_image, from_text), m
 
-    def __call__(self, images, ids, prompt_len=None, prefix_lm: bool = False, features=None, image_pos=None):
+    def __call__(self, images, ids, prompt_len=None, prefix_lm: bool = False, features=None, image_pos=None,
+                 visual_mask=None):
         """Logits for the sequence ``ids[:p] visual ids[p:]`` (``p = image_pos``, default 1:
-        ``ids[:, 0]`` is then BOS)."""
+        ``ids[:, 0]`` is then BOS).
+
+        ``visual_mask [B, M]`` (True: a real visual token) lets one batch hold images with
+        different token counts (e.g. precomputed ``features`` of images at their own sizes), each
+        example's visual tokens left-padded to ``M``: padding first, so that the last visual
+        position, which predicts ``ids[p]``, is a real token. Padding is kept out of attention
+        and out of the positions, so each example gets its unpadded sequence's text logits
+        (tested)."""
         x, m = self.sequence(images, ids, image_pos, features)
         positions = self.positions(ids.shape[0], ids.shape[1], self._grid(images, features), image_pos)
-        return self.language(embeds=x, prefix_len=_prefix(prefix_lm, prompt_len, m), positions=positions)
+        pad_mask = None
+        if visual_mask is not None:
+            if self.mrope:
+                raise ValueError("visual_mask works with 1D positions only (mrope=False).")
+            j = jnp.arange(ids.shape[1] + m)[None]
+            p = jnp.ones((ids.shape[0], 1), jnp.int32) if image_pos is None else \
+                jnp.asarray(image_pos, jnp.int32).reshape(-1, 1)
+            shown = jnp.take_along_axis(jnp.asarray(visual_mask, bool), jnp.clip(j - p, 0, m - 1), 1)
+            pad_mask = jnp.where((j >= p) & (j < p + m), shown, True)
+            positions = jnp.cumsum(pad_mask, axis=1) - 1
+        return self.language(embeds=x, prefix_len=_prefix(prefix_lm, prompt_len, m), positions=positions,
+                             pad_mask=pad_mask)
 
     def prefill(self, images, ids, prompt_len, cache, image_pos=None, prefix_lm: bool = False):
         """Writes the prompts ``ids[:, :prompt_len]`` (right-padded) and the image into the KV
