@@ -28,9 +28,9 @@ class Run:
     def __init__(self, tower_cfg: dict, connector_cfg: dict, lm_cfg: dict, grid, in_dim: int, max_len: int,
                  steps: int, lr: float, blind: bool = False, stage0: dict | None = None, stage1_steps: int = 0,
                  warmup: int | None = None):
-        self.model = vlm.VLM(tower_cfg, connector_cfg, lm_cfg)
+        self.model = self.make_model(tower_cfg, connector_cfg, lm_cfg)
         self.grid, self.blind, self.stage0 = tuple(grid), blind, stage0 or {}
-        self._example = (jnp.zeros((1, grid[0] * grid[1], in_dim), jnp.float32), jnp.zeros((1, max_len), jnp.int32))
+        self._example = self.example(in_dim, max_len)
         shapes = jax.eval_shape(self._init, jax.random.key(0))
         # The joint phase: linear warmup, then a constant rate, for at most `steps` (early stopping
         # ends it: a decaying schedule would tie the result to a step count fixed in advance).
@@ -44,11 +44,18 @@ class Run:
             self.stage1_tx, _ = optim.make_optimizer(
                 _adamw(lr, stage1_steps, max(stage1_steps // 20, 1), freeze=(r"language/.*",)), shapes)
             self.stage1_step = jax.jit(step_lib.update_step(self._loss, self.stage1_tx), donate_argnums=(0, 1))
-        self.score = jax.jit(lambda params, patches, ids, mask: self._scores(params, patches, ids, mask)[2])
+        self.score = jax.jit(lambda params, *batch: self._scores(params, *batch)[2])
+
+    def make_model(self, tower_cfg: dict, connector_cfg: dict, lm_cfg: dict) -> vlm.VLM:
+        return vlm.VLM(tower_cfg, connector_cfg, lm_cfg)
+
+    def example(self, in_dim: int, max_len: int) -> tuple:
+        """One batch of what ``_batch`` hands the step (the answer mask left out): the shapes ``init`` traces."""
+        return jnp.zeros((1, self.grid[0] * self.grid[1], in_dim), jnp.float32), jnp.zeros((1, max_len), jnp.int32)
 
     def _init(self, key):
-        patches, ids = self._example
-        return self.model.init(key, None, ids, features=(patches, None, self.grid))["params"]
+        *features, ids = self._example
+        return self.model.init(key, None, ids, features=self._features(*features))["params"]
 
     def init(self, seed: int):
         params = self._init_jit(jax.random.key(seed))
@@ -64,9 +71,9 @@ class Run:
     def _scores(self, params, patches, ids, mask):
         return decode.answer_scores(self.model, {"params": params}, ids, mask, features=self._features(patches))
 
-    def _loss(self, params, patches, ids, mask):
-        nll, _, _ = self._scores(params, patches, ids, mask)
-        return losses.masked_mean(nll, mask[:, 1:])
+    def _loss(self, params, *batch):
+        nll, _, _ = self._scores(params, *batch)
+        return losses.masked_mean(nll, batch[-1][:, 1:])
 
 
 def _adamw(lr: float, steps: int, warmup: int, freeze=(), end_factor: float = 0.0):
@@ -95,13 +102,19 @@ def pretrain_lm(lm_cfg: dict, ids: np.ndarray, pad_id: int, steps: int, batch_si
     return jax.tree.map(np.asarray, params), float(np.mean(history[-20:]))
 
 
+IMAGE_KEYS = ("patches", "newline", "visual_mask")  # per-image arrays of a batch (the last two if a split has them)
+
+
 def _batch(split: dict, index: np.ndarray, view: str = ""):
-    return (jnp.asarray(split["patches" + view][split["image"][index]]), jnp.asarray(split["ids"][index]),
-            jnp.asarray(split["answer_mask"][index]))
+    """``(patches, [newline, visual_mask,] ids, answer_mask)`` of the questions ``index``."""
+    images = split["image"][index]
+    per_image = [jnp.asarray(split[k + view][images]) for k in IMAGE_KEYS if k + view in split]
+    return (*per_image, jnp.asarray(split["ids"][index]), jnp.asarray(split["answer_mask"][index]))
 
 
 def evaluate(run: Run, params, split: dict, view: str = "", limit: int | None = None, eval_batch: int = 500) -> dict:
-    """Exact match on the first ``limit`` questions of ``split`` (all by default): overall and per kind."""
+    """Exact match on the first ``limit`` questions of ``split`` (all by default): overall, per
+    kind and on each subset a boolean per-question array ``split["in_NAME"]`` marks (``acc_NAME``)."""
     n = len(split["ids"]) if limit is None else min(limit, len(split["ids"]))
     exact = []
     for start in range(0, n, eval_batch):
@@ -114,6 +127,9 @@ def evaluate(run: Run, params, split: dict, view: str = "", limit: int | None = 
     for k, name in enumerate(KINDS):
         chosen = split["kind"][:n] == k
         result[f"acc_{name}"] = float(exact[chosen].mean()) if chosen.any() else float("nan")
+    for key in sorted(k for k in split if k.startswith("in_")):
+        chosen = np.asarray(split[key][:n], bool)
+        result["acc_" + key[3:]] = float(exact[chosen].mean()) if chosen.any() else float("nan")
     return result
 
 

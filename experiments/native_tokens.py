@@ -1,0 +1,476 @@
+"""Square resize, NaFlex and AnyRes at equal LM tokens, on scenes at their own sizes.
+
+    python experiments/native_tokens.py                        # results/native/tokens/
+    python experiments/native_tokens.py --smoke --out /tmp/nt  # a minute or two; the tests run it
+
+Scenes drawn at random sizes and aspect ratios (``data.packing.SceneSource``: longer side
+``--min_side``–``--max_side`` px, aspect up to ``--max_aspect``; a shape's radius is a share of
+the shorter side, so a wide image holds small shapes) are encoded once by the frozen CLIP image
+tower (``workdirs/clip_scenes``, trained first when missing; its sin-cos positions read any grid)
+along three paths, each handing the LM at most about ``M`` visual tokens (``--budgets``, each
+``4·k²``):
+
+- ``square``: the image resized to a square of ``M`` patches, its aspect ratio lost: ``M`` tokens;
+- ``naflex``: resized with its aspect ratio kept to the largest size whose patch grid fits ``M``
+  patches (SigLIP 2's NaFlex, ``data.packing.naflex_size``): at most ``M``;
+- ``anyres``: LLaVA-NeXT's AnyRes (``models.anyres``) with tiles of ``M/4`` patches and candidate
+  resolutions of two or three tiles in a row or a column: a base view of ``M/4`` tokens, then the
+  tiles' tokens cut to the image, a newline after each row: at most ``M + 3·√(M/4)`` (a tall
+  image), fewer for a near-square one (the base view and a tile's worth: ``M/2 + √(M/4)``).
+
+The paths' caps are equal, their mean counts are not (NaFlex rounds down to its grid, AnyRes
+shows a near-square image as one tile's worth), so every path runs at several budgets and the
+plot compares them at equal mean tokens.
+
+Every path uses the same connector, ``mlp`` (LLaVA's; it acts on each token alone, so the tower's
+features can be laid out in the LM's order before it, newline slots marked: ``anyres.assemble``),
+and the token-budget sweep's small LM and recipe (``token_budget_run``: stage 0 on the questions'
+text once per seed, stage 1 the connector alone, then both until validation accuracy plateaus),
+each path's learning rate chosen from ``--tune_lrs`` on validation at the largest budget and the
+first seed (one rate given: no tuning). In a
+batch, an image with fewer tokens is left-padded and masked (``VLM(visual_mask=…)``), so each
+example reads exactly its own tokens. ``blind`` (constant visual tokens) is what the questions
+alone give away. Accuracy is reported per question kind and on the questions of wide images
+(``wide``: longer/shorter side ≥ ``--wide``) and of near-square ones (``squarish``: < 1.5).
+
+Writes to ``--out``: ``cells.jsonl`` and ``tuning.jsonl`` (each finished job as it finishes; a
+rerun with the same settings skips it), ``runs.csv`` (one row per run), ``native_tokens.md``
+(means ± 95% CIs, tests paired by seed), ``native_tokens.png`` and ``setup.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vitmm import checkpoint as ckpt_lib
+from vitmm import decode, xla_flags
+from vitmm.data import packing as data_packing
+from vitmm.data import preprocess
+from vitmm.models import anyres, lm, vlm
+from vitmm.models.vit import ViT
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import lessons_common  # noqa: E402
+import qa_features  # noqa: E402
+import sweep  # noqa: E402
+import token_budget  # noqa: E402
+import token_budget_run as run_lib  # noqa: E402
+import workers  # noqa: E402
+
+PATHS = ("square", "naflex", "anyres")
+BLIND, KINDS = run_lib.BLIND, run_lib.KINDS
+SPATIAL = ("color_at", "shape_at", "relative")
+PRESETS = {
+    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=3000, batch_size=32, eval_every=250, patience=3,
+                    min_delta=0.005, curve_questions=2000, stage0_steps=1000, stage1_steps=200, stage0_lr=3e-3,
+                    warmup=25, tune_lrs="3e-4,1e-3,3e-3", budgets="16,36,64", seeds="0,1,2,3,4", workers=2,
+                    train_images=10_000, val_images=1_000, test_images=1_000, difficulty="easy", min_side=32,
+                    max_side=160, max_aspect=3.0, wide=2.0),
+    "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=16, batch_size=16, eval_every=8, patience=2,
+                  min_delta=0.005, curve_questions=64, stage0_steps=40, stage1_steps=4, stage0_lr=3e-3, warmup=2,
+                  tune_lrs="1e-2", budgets="16", seeds="0,1", workers=1, train_images=64, val_images=24,
+                  test_images=24, difficulty="easy", min_side=16, max_side=64, max_aspect=3.0, wide=2.0),
+}
+
+
+# ------------------------------------------------------------------------------------ features
+def anyres_settings(budget: int, patch: int) -> dict:
+    """AnyRes at a budget of ``4·k²`` tokens: tiles of ``k × k`` patches, candidate resolutions of
+    two or three tiles in a row or a column."""
+    tile = patch * math.isqrt(budget // 4)
+    return dict(tile=tile, pinpoints=[(tile, 2 * tile), (2 * tile, tile), (tile, 3 * tile), (3 * tile, tile)])
+
+
+def check_budget(budget: int) -> None:
+    k = math.isqrt(budget // 4)
+    if budget < 4 or 4 * k * k != budget:
+        raise SystemExit(f"--budgets: {budget} is not 4·k² (e.g. 16, 36, 64): the square path needs a square "
+                         "grid of M patches and AnyRes tiles of M/4.")
+
+
+def _tower_fn(tower: ViT):
+    return jax.jit(lambda p, x: tower.apply({"params": p}, x)[1]["patch_tokens"])
+
+
+def encode(fn, params, images: list[np.ndarray], batch: int = 256) -> list[np.ndarray]:
+    """Patch tokens ``[h·w, C]`` of each image (float ``[H, W, 3]``); images of one size share
+    batches, padded to a power of two so that few shapes compile."""
+    out: list = [None] * len(images)
+    by_size: dict = {}
+    for i, image in enumerate(images):
+        by_size.setdefault(image.shape, []).append(i)
+    for indices in by_size.values():
+        for start in range(0, len(indices), batch):
+            chunk = indices[start:start + batch]
+            x = np.stack([images[i] for i in chunk])
+            x = np.concatenate([x, np.zeros((2 ** math.ceil(math.log2(len(x))) - len(x), *x.shape[1:]), x.dtype)])
+            feats = np.asarray(fn(params, jnp.asarray(x)))
+            for i, f in zip(chunk, feats, strict=False):
+                out[i] = f
+    return out
+
+
+def path_features(path: str, budget: int, fn, params, images: list[np.ndarray], patch: int) -> list[tuple]:
+    """``(features [n, C], newline [n])`` per image (uint8 ``[H, W, 3]``) along ``path`` at
+    ``budget``: the tokens the LM reads, in its order (newline slots zero, flagged)."""
+    rng = np.random.default_rng(0)  # the ops used here draw nothing
+    if path in ("square", "naflex"):
+        resize = f"resize({patch * math.isqrt(budget)})" if path == "square" else f"naflex({budget}, {patch})"
+        pp = preprocess.parse(f"{resize}|value_range(-1, 1)")
+        feats = encode(fn, params, [pp({"image": im}, rng)["image"] for im in images])
+        return [(f, np.zeros(len(f), bool)) for f in feats]
+    settings = anyres_settings(budget, patch)
+    views = [anyres_views(im, settings) for im in images]
+    flat = encode(fn, params, [v for vs in views for v in vs])
+    out, start = [], 0
+    for im, vs in zip(images, views, strict=True):
+        out.append(anyres_layout(np.stack(flat[start:start + len(vs)]), im.shape[:2], settings))
+        start += len(vs)
+    return out
+
+
+def anyres_views(image: np.ndarray, settings: dict) -> np.ndarray:
+    """``[1 + rows·cols, tile, tile, 3]`` in [-1, 1]: the base view (the image squashed to a tile)
+    and the tiles of its best candidate resolution (``anyres.plan``: aspect-kept, centred, zero
+    padding), cut in numpy after PIL resizes as the other paths' ops resize (and as LLaVA-NeXT's
+    processor does): ``anyres.views`` does the same in JAX, which compiles for every image size."""
+    rng, tile = np.random.default_rng(0), settings["tile"]
+    layout = anyres.plan(image.shape[:2], settings["pinpoints"], tile)
+    (fh, fw), (top, left), (rows, cols) = layout["fitted"], layout["offset"], layout["tiles"]
+    to_float = preprocess.parse("value_range(-1, 1)")
+    fitted = to_float({"image": preprocess.parse(f"resize(({fh}, {fw}))")({"image": image}, rng)["image"]}, rng)
+    canvas = np.zeros((*layout["best"], 3), np.float32)
+    canvas[top:top + fh, left:left + fw] = fitted["image"]
+    tiles = canvas.reshape(rows, tile, cols, tile, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols, tile, tile, 3)
+    base = preprocess.parse(f"resize({tile})|value_range(-1, 1)")({"image": image}, rng)["image"]
+    return np.concatenate([base[None], tiles])
+
+
+def anyres_layout(tiles: np.ndarray, image_hw, settings: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``(features [n, C], newline [n])`` from each view's patch tokens ``[1 + rows·cols, g·g, C]``:
+    ``anyres.assemble``'s order, zero features in the newline slots."""
+    n, g, d = len(tiles), math.isqrt(tiles.shape[1]), tiles.shape[-1]
+    laid = anyres.assemble(jnp.asarray(tiles.reshape(1, n, g, g, d)), image_hw, settings["pinpoints"],
+                           settings["tile"], jnp.zeros(d))[0]
+    flags = anyres.assemble(jnp.zeros((1, n, g, g, 1)), image_hw, settings["pinpoints"], settings["tile"],
+                            jnp.ones(1))[0, :, 0]
+    return np.asarray(laid), np.asarray(flags) > 0
+
+
+def left_pad(items: list[tuple], length: int) -> dict:
+    """``patches [I, length, C]``, ``newline`` and ``visual_mask [I, length]``: each image's tokens
+    at the end (``VLM(visual_mask=…)``), zeros before them."""
+    d = items[0][0].shape[-1]
+    patches = np.zeros((len(items), length, d), np.float32)
+    newline, mask = np.zeros((len(items), length), bool), np.zeros((len(items), length), bool)
+    for i, (f, flags) in enumerate(items):
+        patches[i, length - len(f):], newline[i, length - len(f):], mask[i, length - len(f):] = f, flags, True
+    return dict(patches=patches, newline=newline, visual_mask=mask)
+
+
+def make_splits(args, tower: ViT, params) -> tuple[dict, object, int]:
+    """Each split's questions (``qa_features.qa_arrays``), the subsets ``in_wide``/``in_squarish``,
+    and per view ``@{path}{budget}`` the padded features; the tokenizer and ``max_len``."""
+    t0 = time.perf_counter()
+    examples = {}
+    for split, n in (("train", args.train_images), ("validation", args.val_images), ("test", args.test_images)):
+        source = data_packing.SceneSource(args.difficulty, n, split, 0, min_side=args.min_side,
+                                          max_side=args.max_side, max_aspect=args.max_aspect)
+        examples[split] = [source[i] for i in range(n)]
+    tokenizer, max_len = qa_features.tokenizer_for("words", examples["train"])
+    fn, patch = _tower_fn(tower), tower.arch().patch_size[0]
+    splits = {}
+    for split, exs in examples.items():
+        qa = qa_features.qa_arrays(exs, tokenizer, max_len)
+        aspect = np.array([max(e["image"].shape[:2]) / min(e["image"].shape[:2]) for e in exs])
+        qa["in_wide"], qa["in_squarish"] = aspect[qa["image"]] >= args.wide, aspect[qa["image"]] < 1.5
+        qa["aspect"], qa["sizes"] = aspect, np.array([e["image"].shape[:2] for e in exs])
+        splits[split] = qa
+    for budget in args.budgets:
+        for path in PATHS:
+            items = {s: path_features(path, budget, fn, params, [e["image"] for e in exs], patch)
+                     for s, exs in examples.items()}
+            length = max(len(f) for its in items.values() for f, _ in its)
+            for split, its in items.items():
+                splits[split].update({f"{k}@{path}{budget}": v for k, v in left_pad(its, length).items()})
+    print(f"{len(examples['train'])} / {len(examples['validation'])} / {len(examples['test'])} images, "
+          f"{len(splits['train']['ids'])} training questions, features for budgets {args.budgets} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    return splits, tokenizer, max_len
+
+
+# ------------------------------------------------------------------------------------ model
+class FeatureVLM(vlm.VLM):
+    """The VLM on precomputed tower features already in the LM's order (``features = (patches
+    [B, N, C], newline [B, N], grid)``): a per-token connector, then AnyRes's learned newline
+    where flagged. Its parameters are ``VLM``'s (tested: equal logits to ``VLM(anyres=…)`` on images)."""
+
+    def visual_tokens(self, images, features=None):
+        patches, newline, grid = features
+        tokens = self.project(patches, grid)
+        if self.anyres is not None:
+            tokens = jnp.where(newline[..., None], self.image_newline.astype(tokens.dtype), tokens)
+        return tokens
+
+
+class NativeRun(run_lib.Run):
+    """``token_budget_run.Run`` on one view's padded features: batches are ``(patches, newline,
+    visual_mask, ids, answer_mask)``."""
+
+    def __init__(self, *args, length: int, anyres_cfg: dict | None = None, **kwargs):
+        self.length, self.anyres_cfg = length, anyres_cfg
+        super().__init__(*args, **kwargs)
+
+    def make_model(self, tower_cfg, connector_cfg, lm_cfg):
+        return FeatureVLM(tower_cfg, connector_cfg, lm_cfg, anyres=self.anyres_cfg)
+
+    def example(self, in_dim, max_len):
+        n = self.length
+        return (jnp.zeros((1, n, in_dim), jnp.float32), jnp.zeros((1, n), bool), jnp.ones((1, n), bool),
+                jnp.zeros((1, max_len), jnp.int32))
+
+    def _init(self, key):
+        patches, newline, mask, ids = self._example
+        return self.model.init(key, None, ids, features=self._features(patches, newline), visual_mask=mask)["params"]
+
+    def _features(self, patches, newline):
+        if self.blind:  # constant visual tokens: the image never reaches the LM
+            patches = jnp.zeros_like(patches)
+        return patches, newline, (1, self.length)
+
+    def _scores(self, params, patches, newline, mask, ids, answer_mask):
+        return decode.answer_scores(self.model, {"params": params}, ids, answer_mask,
+                                    features=self._features(patches, newline), visual_mask=mask)
+
+
+def _run(c: dict, path: str, budget: int, lr: float) -> NativeRun:
+    view = c["views"]["@" + view_name(path, budget)]
+    return NativeRun(c["tower_cfg"], {"name": "mlp", "budget": "all"}, c["lm_cfg"], (1, view["length"]), c["in_dim"],
+                     c["max_len"], c["plan"]["max_steps"], lr, blind=path == BLIND, stage0=c["stage0"],
+                     stage1_steps=c["stage1_steps"], warmup=c["warmup"], length=view["length"],
+                     anyres_cfg=view["anyres"])
+
+
+def tune_job(key, arrays, context, progress) -> dict:
+    """One (path, budget, lr) of the tuning grid at the first seed, scored on all of validation."""
+    path, budget, lr = key
+    c, seed = context, context["seeds"][0]
+    view = "@" + view_name(path, budget)
+    return {seed: run_lib.train_and_eval(_run(c, path, budget, lr), seed, arrays["train"], arrays["val"],
+                                         arrays["val"], c["plan"], view, progress=progress)}
+
+
+def cell_job(key, arrays, context, progress) -> dict:
+    """``{seed: result on test}`` for one (path, budget) at the path's chosen learning rate."""
+    path, budget = key
+    c = context
+    run, view = _run(c, path, budget, c["chosen"][path]), "@" + view_name(path, budget)
+    out = {}
+    for seed in c["seeds"]:
+        out[seed] = run_lib.train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
+                                           progress=progress)
+        out[seed].update(run_lib.time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view))
+    return out
+
+
+def view_name(path: str, budget: int) -> str:
+    return f"square{budget}" if path == BLIND else f"{path}{budget}"
+
+
+# ------------------------------------------------------------------------------------ report
+def summarise(rows: list[dict]) -> dict:
+    """``{(path, budget): {metric: {seed: value}}}``."""
+    out: dict = {}
+    for r in rows:
+        cell = out.setdefault((r["path"], r["budget"]), {})
+        for k, v in r.items():
+            if k.startswith("acc") or k in ("accuracy", "spatial"):
+                cell.setdefault(k, {})[r["seed"]] = v
+    return out
+
+
+def to_markdown(rows: list[dict], setup: dict) -> str:
+    s = summarise(rows)
+    metrics = [("accuracy", "all"), *((f"acc_{k}", k) for k in KINDS), ("spatial", "spatial"),
+               ("acc_wide", "wide images"), ("acc_squarish", "near-square")]
+    tokens = {(r["path"], r["budget"]): (r["tokens_mean"], r["tokens_max"]) for r in rows}
+    lines = ["# Square resize vs NaFlex vs AnyRes at equal LM tokens", "",
+             f"`{setup['command']}` ({setup['date']}, {setup['backend']}); scenes `{setup['difficulty']}` at random "
+             f"sizes (longer side {setup['min_side']}–{setup['max_side']} px, aspect ≤ {setup['max_aspect']}), "
+             f"{setup['train_images']:,} training images, {setup['test_questions']:,} test questions; tower "
+             f"`{setup['tower']}`; connector `mlp`; LM {setup['lm']}; {len(setup['seeds'])} seeds; learning rates "
+             f"(validation, budget {max(setup['budgets'])}, seed {setup['seeds'][0]}): {setup['chosen']}.", "",
+             "Exact match in %, mean ± 95% CI over seeds. Tokens: the visual tokens the LM reads per image (mean / "
+             "max over the test images). *spatial* = mean of color_at, shape_at, relative; *wide* = questions on "
+             f"images with aspect ≥ {setup['wide']} ({setup['wide_share']:.0%} of test questions).", "",
+             "| budget | path | tokens | " + " | ".join(name for _, name in metrics) + " |",
+             "|---|---|---|" + "---:|" * len(metrics)]
+    for (path, budget), cell in sorted(s.items(), key=lambda kv: (kv[0][1], (BLIND, *PATHS).index(kv[0][0]))):
+        mean, top = tokens[(path, budget)]
+        lines.append(f"| {budget} | {path} | {mean:.1f} / {top} | "
+                     + " | ".join(lessons_common.mean_ci(cell[m]) if m in cell else "" for m, _ in metrics) + " |")
+    lines += ["", "## Paired tests (same seeds, same data order)", "",
+              "| budget | comparison | metric | difference (points) | p |", "|---|---|---|---:|---:|"]
+    for budget in setup["budgets"]:
+        for a, b in (("naflex", "square"), ("anyres", "square"), ("anyres", "naflex"), ("square", BLIND)):
+            if (a, budget) not in s or (b, budget) not in s:
+                continue
+            for m, name in (("accuracy", "all"), ("spatial", "spatial"), ("acc_wide", "wide images")):
+                test = sweep.paired(s[(a, budget)][m], s[(b, budget)][m])
+                if test:
+                    lines.append(f"| {budget} | {a} − {b} | {name} | {100 * test[0]:+.1f} | {test[1]:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], out: pathlib.Path) -> None:
+    """Accuracy against the mean visual tokens per image, a line per path with 95% CI bands: all
+    questions, and those on wide images."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = summarise(rows)
+    tokens = {(r["path"], r["budget"]): r["tokens_mean"] for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, (metric, title) in zip(axes, (("accuracy", "all questions"), ("acc_wide", "questions on wide images")),
+                                   strict=True):
+        for path in PATHS:
+            cells = sorted((tokens[k], np.array(list(v[metric].values()), float)) for k, v in s.items()
+                           if k[0] == path)
+            if not cells:
+                continue
+            x = np.array([t for t, _ in cells])
+            mean = 100 * np.array([v.mean() for _, v in cells])
+            ci = 100 * np.nan_to_num(np.array([sweep.ci95(v) for _, v in cells]))
+            ax.plot(x, mean, marker="o", label=path)
+            ax.fill_between(x, mean - ci, mean + ci, alpha=0.2)
+        blind = [np.array(list(v[metric].values()), float) for k, v in s.items() if k[0] == BLIND]
+        if blind:
+            ax.axhline(100 * blind[0].mean(), color="gray", linestyle="--", label="blind")
+        ax.set_xlabel("visual tokens per image (mean over test images)")
+        ax.set_title(title)
+    axes[0].set_ylabel("exact match, % (95% CI)")
+    axes[0].legend(fontsize=8)
+    lessons_common.save_figure(fig, out / "native_tokens.png")
+
+
+# ------------------------------------------------------------------------------------ main
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--out", default=str(ROOT / "results/native/tokens"))
+    add("--tower", default=None, help="CLIP workdir (default workdirs/clip_scenes; smoke: OUT/tower)")
+    add("--data_dir", default=None, help="TFDS data_dir for training the tower when it is missing")
+    add("--smoke", action="store_true", help="a tiny run of every cell (the tests run it)")
+    for key, value in PRESETS["default"].items():
+        if key != "lm":
+            add(f"--{key}", type=type(value) if not isinstance(value, str) else str, default=None,
+                help=f"default {value} (smoke: {PRESETS['smoke'][key]})")
+    args = parser.parse_args(argv)
+    for key, value in PRESETS["smoke" if args.smoke else "default"].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.budgets = sorted(int(b) for b in str(args.budgets).split(","))
+    for b in args.budgets:
+        check_budget(b)
+    args.seeds = [int(x) for x in str(args.seeds).split(",")]
+    args.tune_lrs = [float(x) for x in str(args.tune_lrs).split(",")]
+    return args
+
+
+def main(argv=None) -> pathlib.Path:
+    args = parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tower_dir = pathlib.Path(args.tower or (out / "tower" if args.smoke else ROOT / "workdirs/clip_scenes"))
+    token_budget.ensure_tower(tower_dir, args.smoke, args.data_dir)
+    tower_cfg = ckpt_lib.load_config(tower_dir)["model"]["image"]
+    if tower_cfg.get("posemb", "learn") == "learn":
+        tower_cfg = {**tower_cfg, "dynamic_img_size": True}  # the learned table resampled to each grid
+    tower, params = ViT(**tower_cfg), ckpt_lib.load_params(tower_dir)["img"]
+
+    splits, tokenizer, max_len = make_splits(args, tower, params)
+    train, val, test = splits["train"], splits["validation"], splits["test"]
+    patch = tower.arch().patch_size[0]
+    views = {}
+    for budget in args.budgets:
+        for path in PATHS:
+            views[f"@{path}{budget}"] = {"length": int(train[f"patches@{path}{budget}"].shape[1]),
+                                         "anyres": anyres_settings(budget, patch) if path == "anyres" else None}
+    lm_cfg = dict(vocab_size=tokenizer.vocab_size, **args.lm)
+    plan = dict(max_steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every, patience=args.patience,
+                min_delta=args.min_delta, curve_questions=args.curve_questions)
+    settings = dict(tower=str(tower_dir.resolve()), lm=lm_cfg, plan=plan, seeds=args.seeds, stage0=args.stage0_steps,
+                    stage0_lr=args.stage0_lr, stage1=args.stage1_steps, warmup=args.warmup, data=[
+                        args.difficulty, args.train_images, args.val_images, args.test_images, args.min_side,
+                        args.max_side, args.max_aspect], max_len=max_len)
+    context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, in_dim=int(train[f"patches@square{args.budgets[0]}"].shape[-1]),
+                   max_len=max_len, plan=plan, seeds=args.seeds, stage0={}, stage1_steps=args.stage1_steps,
+                   warmup=args.warmup, views=views)
+    arrays = {"train": train, "val": val, "test": test}
+
+    def ensure_stage0():
+        for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
+            context["stage0"][seed], loss = run_lib.pretrain_lm(lm_cfg, train["ids"], tokenizer.pad_id,
+                                                                args.stage0_steps, args.batch_size, args.stage0_lr,
+                                                                seed)
+            print(f"stage 0, seed {seed}: final loss {loss:.3f}")
+
+    def run_cells(fn, keys, name, desc, runs_per_key):
+        path, signature = out / name, sweep.signature(settings)
+        done = {k: v for k, v in sweep.load_cells(path, signature).items() if k in set(keys)}
+        todo = [k for k in keys if k not in done]
+        if todo:
+            ensure_stage0()
+            done.update(workers.run(fn, todo, arrays, context, args.workers,
+                                    total=len(todo) * runs_per_key * (args.stage1_steps + args.steps), desc=desc,
+                                    on_result=lambda key, res: sweep.save_cell(path, signature, key, res)))
+        return done
+
+    top, seed0 = args.budgets[-1], args.seeds[0]
+    tuned = {} if len(args.tune_lrs) == 1 else run_cells(
+        tune_job, [(p, top, lr) for p in (*PATHS, BLIND) for lr in args.tune_lrs], "tuning.jsonl", "tuning", 1)
+    # each path's best validation accuracy (ties: the smaller rate)
+    context["chosen"] = chosen = {p: max(args.tune_lrs, key=lambda lr, p=p: (
+        tuned[(p, top, lr)][seed0]["accuracy"] if tuned else 0.0, -lr)) for p in (*PATHS, BLIND)}
+    settings["chosen"] = chosen
+    keys = [(p, b) for b in reversed(args.budgets) for p in PATHS] + [(BLIND, top)]
+    results = run_cells(cell_job, keys, "cells.jsonl", "cells", len(args.seeds))
+
+    rows = []
+    seq_text = max_len - 1
+    for (path, budget), by_seed in results.items():
+        mask = test[f"visual_mask@{view_name(path, budget)}"]
+        counts = mask.sum(1) if path != BLIND else np.full(len(mask), mask.shape[1])
+        for seed, res in sorted(by_seed.items()):
+            res = {k: v for k, v in res.items() if k != "curve"}
+            rows.append({"path": path, "budget": budget, "seed": seed, "lr": chosen[path],
+                         "tokens_mean": float(counts.mean()), "tokens_max": int(counts.max()),
+                         "lm_mflops": lm.forward_flops(lm_cfg, 1 + round(float(counts.mean())) + seq_text) / 1e6,
+                         "spatial": float(np.mean([res[f"acc_{k}"] for k in SPATIAL])), **res})
+    setup = {**{k: v for k, v in vars(args).items() if k not in ("out", "tower", "data_dir")},
+             "tower": str(tower_dir.resolve().relative_to(ROOT) if tower_dir.resolve().is_relative_to(ROOT)
+                          else tower_dir), "tower_config": tower_cfg, "lm": lm_cfg, "chosen": chosen,
+             "tuning": {f"{p}@{b}|{lr:g}": r[seed0]["accuracy"] for (p, b, lr), r in tuned.items()},
+             "test_questions": int(len(test["ids"])), "wide_share": float(test["in_wide"].mean()),
+             "views": {k: v["length"] for k, v in views.items()}}
+    command = " ".join(["python", "experiments/native_tokens.py", *(sys.argv[1:] if argv is None else argv)])
+    shown = {**setup, "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": command}
+    lessons_common.write_outputs(out, "native_tokens", setup, to_markdown(rows, shown), {"runs.csv": rows})
+    plot(rows, out)
+    return out
+
+
+if __name__ == "__main__":
+    xla_flags.use_vitmm_defaults()
+    main()
