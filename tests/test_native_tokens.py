@@ -26,14 +26,19 @@ def nt():
     return module
 
 
+@pytest.fixture(scope="module")
+def nf(nt):
+    return nt.features_lib
+
+
 TOWER = dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=8, class_token=False, pool="gap",
              posemb="sincos2d")
 
 
-def test_feature_vlm_on_laid_out_features_equals_the_anyres_vlm(nt):
+def test_feature_vlm_on_laid_out_features_equals_the_anyres_vlm(nt, nf):
     """Tower features of AnyRes's views laid out by the experiment (newline slots flagged, a
     batch left-padded and masked) give the text logits of ``VLM(anyres=…)`` on the images."""
-    settings = nt.anyres_settings(16, 8)  # tiles of 2x2 patches (16 px)
+    settings = nf.anyres_settings(16, 8)  # tiles of 2x2 patches (16 px)
     lm_cfg = dict(vocab_size=30, width=32, depth=1, num_heads=2)
     model = VLM(TOWER, {"name": "mlp"}, lm_cfg, anyres=settings)
     feature_model = nt.FeatureVLM(TOWER, {"name": "mlp"}, lm_cfg, anyres=settings)
@@ -45,11 +50,11 @@ def test_feature_vlm_on_laid_out_features_equals_the_anyres_vlm(nt):
     for b, image in enumerate(images):
         views = anyres.views(image, settings["pinpoints"], settings["tile"])[0]
         tiles = model.apply(variables, views, method=lambda m, x: m.features(x)[0])
-        laid.append(nt.anyres_layout(np.asarray(tiles), image.shape[1:3], settings))
+        laid.append(nf.anyres_layout(np.asarray(tiles), image.shape[1:3], settings))
         n = model.apply(variables, image.shape[1:3], method=VLM.num_visual_tokens)
         assert len(laid[-1][0]) == n
         want.append(model.apply(variables, image, ids[b:b + 1])[0, n:])
-    batch = nt.left_pad(laid, max(len(f) for f, _ in laid))
+    batch = nf.left_pad(laid, max(len(f) for f, _ in laid))
     m = batch["patches"].shape[1]
     got = feature_model.apply(variables, None, ids, features=(batch["patches"], batch["newline"], (1, m)),
                               visual_mask=batch["visual_mask"])
@@ -57,31 +62,31 @@ def test_feature_vlm_on_laid_out_features_equals_the_anyres_vlm(nt):
         np.testing.assert_allclose(got[b, m:], want[b], atol=2e-5, rtol=1e-5)
 
 
-def test_anyres_views_cut_tiles_as_the_library_and_count_its_tokens(nt):
-    settings = nt.anyres_settings(16, 8)
+def test_anyres_views_cut_tiles_as_the_library_and_count_its_tokens(nf):
+    settings = nf.anyres_settings(16, 8)
     tile = settings["tile"]
     image = np.random.default_rng(0).integers(0, 256, size=(16, 48, 3), dtype=np.uint8)  # fits (16, 48) exactly
-    views = nt.anyres_views(image, settings)
+    views = nf.anyres_views(image, settings)
     want = anyres.views(jnp.asarray(image, jnp.float32)[None] / 127.5 - 1, settings["pinpoints"], tile)[0]
     assert views.shape == want.shape == (4, tile, tile, 3)
     np.testing.assert_allclose(views[1:], want[1:], atol=1e-5)  # no resize: the tiles are exact crops
     rng = np.random.default_rng(2)
     for _ in range(20):
         hw = tuple(int(x) for x in rng.integers(8, 120, size=2))
-        n = len(nt.anyres_views(np.zeros((*hw, 3), np.uint8), settings))
+        n = len(nf.anyres_views(np.zeros((*hw, 3), np.uint8), settings))
         g = math.isqrt(16 // 4)
-        feats, flags = nt.anyres_layout(np.zeros((n, g * g, 5), np.float32), hw, settings)
+        feats, flags = nf.anyres_layout(np.zeros((n, g * g, 5), np.float32), hw, settings)
         assert len(feats) == anyres.num_tokens(hw, settings["pinpoints"], tile, (g, g)), hw
         tiles_r, tiles_c = anyres.plan(hw, settings["pinpoints"], tile)["tiles"]
         rows, _ = anyres.unpadded(hw, (tiles_r * g, tiles_c * g))
         assert flags.sum() == rows.stop - rows.start and flags[-1] and not flags[:g * g].any(), hw
 
 
-def test_budgets_must_be_four_squares(nt):
+def test_budgets_must_be_four_squares(nf):
     for bad in (8, 12, 2):
         with pytest.raises(SystemExit, match=f"{bad} is not 4·k²"):
-            nt.check_budget(bad)
-    nt.check_budget(36)
+            nf.check_budget(bad)
+    nf.check_budget(36)
 
 
 def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
