@@ -2,7 +2,7 @@
 
 For each case: a jit-compiled AdamW step (bf16 matmuls, float32 parameters, donated state) on
 synthetic data, timed as the median of ``--repeats`` runs of ``--steps`` steps after warm-up;
-MFU = analytic training FLOPs (3 × forward, ``vitmm.models.vit.forward_flops``) / time / peak.
+MFU = analytic training FLOPs (3 × forward, ``vitmm.models.vit_tools.forward_flops``) / time / peak.
 Cases: ViT-B/16 and ViT-L/16 classification at 224 (XLA attention with CLS, 197 tokens; and
 cuDNN flash attention with GAP pooling, 196 tokens), and SigLIP-B/16 image+text pairs.
 Also checks on the GPU that cuDNN attention and bf16 agree with XLA/float32.
@@ -38,7 +38,7 @@ import optax
 
 from vitmm import losses
 from vitmm.models import text as text_lib
-from vitmm.models import two_towers, vit
+from vitmm.models import two_towers, vit, vit_tools
 from vitmm.train import profiling
 from vitmm.train import step as step_lib
 
@@ -124,7 +124,7 @@ def build_case(tower: str, variant: str, batch: int, attn_impl, gap: bool, args)
             logits, _ = model.apply({"params": p}, data[0], train=True)
             return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), data[1]).mean()
 
-        flops = 3 * vit.forward_flops(model.arch(), (res, res), num_prefix_tokens=0 if gap else 1) * batch
+        flops = 3 * vit_tools.forward_flops(model.arch(), (res, res), num_prefix_tokens=0 if gap else 1) * batch
     else:
         text = dict(vocab_size=32_000, width=768, depth=12, num_heads=12, max_len=64)
         if args.tiny:
@@ -141,7 +141,7 @@ def build_case(tower: str, variant: str, batch: int, attn_impl, gap: bool, args)
             return losses.sigmoid_loss(zi.astype(jnp.float32), zt.astype(jnp.float32), out["t"], out["b"])
 
         image_arch = vit.ViT(**image_kw).arch()
-        per_pair = vit.forward_flops(image_arch, (res, res), num_prefix_tokens=0) + text_lib.forward_flops(
+        per_pair = vit_tools.forward_flops(image_arch, (res, res), num_prefix_tokens=0) + text_lib.forward_flops(
             text["width"], text["depth"], 4 * text["width"], text["max_len"])
         flops = 3 * per_pair * batch
     state = jax.jit(lambda p: (p, tx.init(p)))(params)

@@ -89,9 +89,9 @@ def _run_worker(python: str, kind: str, spec: dict, threads: int, tunables: str 
 
 def analytic_gflop(variant: str, res: int, pair: dict | None = None) -> float:
     """Forward GFLOP per image (per image+text pair with ``pair``: the text tower by the same count)."""
-    from vitmm.models import text, vit
+    from vitmm.models import text, vit, vit_tools
 
-    flops = vit.forward_flops(vit.decode_variant(variant), (res, res))
+    flops = vit_tools.forward_flops(vit.decode_variant(variant), (res, res))
     if pair:
         flops += text.forward_flops(pair["text_width"], pair["text_depth"], 4 * pair["text_width"], pair["text_len"])
     return flops / 1e9

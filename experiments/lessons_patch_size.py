@@ -5,7 +5,7 @@
 
 1. **Cost** of a small ViT (width 64, 4 blocks, mean pooling, no CLS) for patch 4/8/16/32 at
    32–224 px (up to 1,024 tokens: patch 4 at 224 px, 3,136, would hold ~5 GB of attention
-   weights for the backward pass): tokens, the analytic forward count (``vit.forward_flops``) and XLA's count of the
+   weights for the backward pass): tokens, the analytic count (``vit_tools.forward_flops``), XLA's count of the
    compiled forward, the attention-score entries per image (heads × N²), the training step's
    compiled temporary memory (XLA's memory analysis) and measured seconds per training and
    inference step (batch 8; the configurations take turns, ``--repeats`` rounds, median and
@@ -33,6 +33,7 @@ import numpy as np
 from vitmm import xla_flags
 from vitmm.models import common as model_common
 from vitmm.models import vit as vit_lib
+from vitmm.models import vit_tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -107,7 +108,7 @@ def measure_costs(preset: dict) -> list[dict]:
         arch = model_for(cfg, patch).arch()
         tokens = (res // patch) ** 2
         row = {"patch": patch, "res": res, "tokens": tokens,
-               "analytic_gflops": vit_lib.forward_flops(arch, (res, res), num_prefix_tokens=0) / 1e9,
+               "analytic_gflops": vit_tools.forward_flops(arch, (res, res), num_prefix_tokens=0) / 1e9,
                "xla_gflops": compiled[(patch, res)]["xla_gflops"], "score_entries": cfg["num_heads"] * tokens ** 2,
                "temp_mib": compiled[(patch, res)]["temp_mib"]}
         for mode in ("train", "infer"):

@@ -9,7 +9,7 @@ A ViT (default ``S/16`` at 224 px, float32, this CPU's threads) with either patc
 rounding, which is checked), at batch 1, 8 and 64: seconds for the patch embedding alone and for
 the whole forward, taken in turns (every setting once per round, ``--repeats`` rounds; median and
 range), throughput, and the patch step's measured share of the forward next to its share of the
-analytic FLOP count (``2·N_p·3P²·D`` of ``vit.forward_flops``). Run it on a quiet machine.
+analytic FLOP count (``2·N_p·3P²·D`` of ``vit_tools.forward_flops``). Run it on a quiet machine.
 
 Writes ``patch_step.csv``, ``patch_step.md`` and ``setup.json`` to ``--out``.
 """
@@ -27,6 +27,7 @@ import numpy as np
 
 from vitmm import xla_flags
 from vitmm.models import vit as vit_lib
+from vitmm.models import vit_tools
 from vitmm.models.patch_embed import PatchEmbed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,7 +85,7 @@ def main(argv=None) -> pathlib.Path:
               for b in batches)
     times = measure(compiled, preset["repeats"])
     arch = vit_lib.ViT(variant=preset["variant"]).arch()
-    total = vit_lib.forward_flops(arch, (preset["res"],) * 2)
+    total = vit_tools.forward_flops(arch, (preset["res"],) * 2)
     n_patch = (preset["res"] // arch.patch_size[0]) * (preset["res"] // arch.patch_size[1])
     embed = 2 * n_patch * 3 * arch.patch_size[0] * arch.patch_size[1] * arch.width
     rows = []

@@ -124,7 +124,7 @@ def encoder_views(tower_cfg: dict, tower_params: dict, image_size: int, grid, bu
     learned table resampled) or by larger patches at the same image (the patch kernel PI-resized,
     FlexiViT's rule). A budget neither reaches exactly is left out."""
     from vitmm.models.patch_embed import resize_kernel
-    from vitmm.models.vit import resize_posemb
+    from vitmm.models.vit_tools import resize_posemb
 
     n, patch = grid[0] * grid[1], tower_cfg["patch_size"]
     out = {}

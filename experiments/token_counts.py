@@ -4,7 +4,7 @@
 
 Writes ``token_counts.csv`` and ``token_counts.md``: for each variant, square resolution and
 patch size, the number of tokens (patches + CLS), N², forward GFLOP per image (the standard
-count, ``vitmm.models.vit.forward_flops``) and the share of each layer's FLOPs spent in
+count, ``vitmm.models.vit_tools.forward_flops``) and the share of each layer's FLOPs spent in
 attention scores. Resolutions that the patch does not divide are listed as not applicable.
 This is the analytic side of the scaling tables; measured step times come with the benchmark.
 """
@@ -15,7 +15,7 @@ import argparse
 import csv
 import pathlib
 
-from vitmm.models import vit
+from vitmm.models import vit_tools
 
 VARIANTS = ("Ti", "S", "B", "L")
 RESOLUTIONS = (224, 256, 336, 384, 448, 512)
@@ -24,7 +24,7 @@ COLUMNS = ("variant", "resolution", "patch", "patches", "tokens", "attn_pairs", 
 
 
 def build_rows() -> list[dict]:
-    return [row for name in VARIANTS for row in vit.token_costs(name, RESOLUTIONS, PATCHES)]
+    return [row for name in VARIANTS for row in vit_tools.token_costs(name, RESOLUTIONS, PATCHES)]
 
 
 def to_markdown(rows: list[dict]) -> str:

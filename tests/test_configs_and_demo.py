@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from vitmm import config_args, demo, tree
-from vitmm.models import vit
+from vitmm.models import vit, vit_tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py") if p.stem not in ("__init__", "common"))
@@ -63,7 +63,7 @@ def test_every_config_builds_its_model(path, arg):
         assert tree.count(shapes["params"]) > 0
     else:
         model = vit.ViT(**config.model.to_dict())
-        assert vit.count_params(model, (config.image_size, config.image_size)) > 0
+        assert vit_tools.count_params(model, (config.image_size, config.image_size)) > 0
     with pytest.raises(AttributeError):
         config.not_a_key = 1
 

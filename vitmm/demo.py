@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm import tree, xla_flags
-from vitmm.models import posemb, vit
+from vitmm.models import posemb, vit, vit_tools
 
 
 def synthetic_image(size: int) -> np.ndarray:
@@ -85,14 +85,14 @@ def run(config, print_fn=print) -> dict:
     variants = {}
     for name in config.variants:
         v_arch = vit.decode_variant(f"{name}/16")
-        count = vit.count_params(vit.ViT(variant=f"{name}/16", posemb_layout="with_cls"))
+        count = vit_tools.count_params(vit.ViT(variant=f"{name}/16", posemb_layout="with_cls"))
         variants[name] = count
-        gflops = vit.forward_flops(v_arch, (224, 224)) / 1e9
+        gflops = vit_tools.forward_flops(v_arch, (224, 224)) / 1e9
         print_fn(f"  {name + '/16':<8} {v_arch.width:>6} {v_arch.depth:>6} {v_arch.mlp_dim:>6} "
                  f"{v_arch.num_heads:>6} {count:>15,} {gflops:>10.2f}")
 
     name = config.model.variant.split("/")[0]
-    rows = vit.token_costs(name, config.table_resolutions, config.table_patches)
+    rows = vit_tools.token_costs(name, config.table_resolutions, config.table_patches)
     base = next((r for r in rows if r["resolution"] == 224 and r["patch"] == 16), None)
     print_fn(f"\nTokens per image and cost for ViT-{name} (N = patches + CLS; attention grows as N²)")
     print_fn(f"  {'res':>5} {'patch':>5} {'patches':>8} {'N':>6} {'N² / N²(224/16)':>16} "

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vitmm import tree
-from vitmm.models import posemb, transformer, vit
+from vitmm.models import posemb, transformer, vit, vit_tools
 
 TINY = dict(width=32, depth=2, mlp_dim=64, num_heads=4, patch_size=8)
 
@@ -138,12 +138,12 @@ def test_learned_table_resampling_for_new_resolution():
     images = jax.random.normal(jax.random.key(3), (1, 48, 64, 3))
     with pytest.raises(ValueError, match=r"4x4 grid .* 6x8 patches.*resize_posemb"):
         model.apply(variables, images)
-    resized = {"params": vit.resize_posemb(variables["params"], (6, 8))}
+    resized = {"params": vit_tools.resize_posemb(variables["params"], (6, 8))}
     a = model.apply(resized, images)[0]
     b = vit.ViT(**TINY, dynamic_img_size=True).apply(variables, images)[0]
     np.testing.assert_allclose(a, b, atol=1e-5)
     # Same grid: resampling is the identity.
-    same = vit.resize_posemb(variables["params"], (4, 4))
+    same = vit_tools.resize_posemb(variables["params"], (4, 4))
     np.testing.assert_array_equal(same["pos_embedding"], variables["params"]["pos_embedding"])
 
 
@@ -268,10 +268,10 @@ TIMM_COUNTS = {"Ti/16": 5_524_416, "S/16": 21_665_664, "B/16": 85_798_656, "L/16
 
 @pytest.mark.parametrize("variant, expected", sorted(TIMM_COUNTS.items()))
 def test_published_parameter_counts(variant, expected):
-    assert vit.count_params(vit.ViT(variant=variant, posemb_layout="with_cls")) == expected
+    assert vit_tools.count_params(vit.ViT(variant=variant, posemb_layout="with_cls")) == expected
     # big_vision layout: the same minus the CLS position.
     d = vit.decode_variant(variant).width
-    assert vit.count_params(vit.ViT(variant=variant)) == expected - d
+    assert vit_tools.count_params(vit.ViT(variant=variant)) == expected - d
 
 
 def _formula(arch, grid_tokens, channels=3):
@@ -287,7 +287,7 @@ def test_every_variant_builds_and_counts_its_parameters(name):
     variant = f"{name}/14"
     model = vit.ViT(variant=variant, posemb_layout="with_cls")
     arch = vit.decode_variant(variant)
-    assert vit.count_params(model) == _formula(arch, 16 * 16)
+    assert vit_tools.count_params(model) == _formula(arch, 16 * 16)
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))["params"]
     assert shapes["encoder"][f"block_{arch.depth - 1:02d}"]["mlp"]["fc1"]["kernel"].shape == (
         arch.width, arch.mlp_dim)
@@ -307,7 +307,7 @@ def test_variant_decoding_and_overrides():
 def test_forward_flops_matches_the_standard_count():
     # ViT-B/16 at 224: 2·196·768·768 + 12·(24·197·768² + 4·197²·768) = 35.13 GFLOP (the
     # 17.6 GMAC usually quoted).
-    flops = vit.forward_flops(vit.decode_variant("B/16"), (224, 224))
+    flops = vit_tools.forward_flops(vit.decode_variant("B/16"), (224, 224))
     assert flops == 2 * 196 * 768 * 768 + 12 * (24 * 197 * 768**2 + 4 * 197**2 * 768)
     assert abs(flops / 1e9 - 35.13) < 0.005
 
@@ -345,7 +345,7 @@ def test_bad_options_raise(kwargs, message):
 def test_count_params_helper_matches_tree():
     model = vit.ViT(**TINY)
     variables, _ = _init(model)
-    assert vit.count_params(model, (32, 32)) == tree.count(variables["params"])
+    assert vit_tools.count_params(model, (32, 32)) == tree.count(variables["params"])
     assert isinstance(model, nn.Module)
 
 
@@ -353,7 +353,7 @@ def test_openai_clip_vision_tower_layout_counts_like_open_clip():
     """OpenAI/open_clip ViT-B/16 visual tower: no patch bias, positions over CLS, LayerNorm before
     the encoder, a 768→512 projection without bias: 86,192,640 parameters."""
     model = vit.ViT(variant="B/16", embed_bias=False, posemb_layout="with_cls", pre_norm=True, norm_eps=1e-5)
-    tower = vit.count_params(model)
+    tower = vit_tools.count_params(model)
     assert tower == 86_192_640 - 768 * 512
     params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))["params"]
     assert set(params["embedding"]) == {"kernel"}

@@ -113,7 +113,7 @@ def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_
     connector only."""
     from vitmm.interop import __main__ as cli
     from vitmm.interop import convert
-    from vitmm.models.vit import resize_posemb
+    from vitmm.models.vit_tools import resize_posemb
     from vitmm.train import tasks
 
     fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"

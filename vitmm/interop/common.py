@@ -63,7 +63,7 @@ def resize(params: dict, kwargs: dict, image_size) -> dict:
     """Resamples a converted tower's learned position table for ``image_size`` (an int for a
     square image or ``(height, width)``), the way its source does (``kwargs["posemb_resample"]``)."""
     from vitmm.models.patch_embed import to_pair
-    from vitmm.models.vit import resize_posemb
+    from vitmm.models.vit_tools import resize_posemb
 
     size = to_pair(image_size, "image_size")
     patch = to_pair(kwargs["patch_size"], "patch_size")

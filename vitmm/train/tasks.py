@@ -234,7 +234,7 @@ def tokenizer_for(config):
 def _fit_positions(tower: dict, model_tower: dict, vision: dict) -> dict:
     """A pretrained tower's learned position table resampled to the run's grid (the source's
     method, ``posemb_resample``) when the run's image size differs from the tower's."""
-    from vitmm.models.vit import resize_posemb
+    from vitmm.models.vit_tools import resize_posemb
 
     have, want = tower.get("pos_embedding"), model_tower.get("pos_embedding")
     if have is None or want is None or have.shape == want.shape:
