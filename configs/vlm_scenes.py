@@ -13,8 +13,10 @@ Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``), ``budget``
 or ``all``), ``stage`` (1: connector only; 2: connector and LM, as LLaVA; the tower stays
 frozen), ``lora`` (a rank > 0: LoRA adapters on the LM's attention instead of training it),
 ``chat`` (prompts in the chat template of the LM of ``init.lm``), ``blind`` (images blanked:
-the no-image baseline), ``steps``, ``data`` (a scenes
-config), ``smoke``.
+the no-image baseline), ``mrope`` (Qwen2-VL's 3D positions for the visual tokens, the LM's
+rotary bands split by ``lm.mrope_split``; a grid-shaped connector), ``anyres`` (a tile side in
+pixels: LLaVA-NeXT's base view + tiles of 1×2, 2×1 or 2×2 tiles, a newline per row; a
+grid-shaped connector), ``steps``, ``data`` (a scenes config), ``smoke``.
 """
 
 import ml_collections
@@ -29,7 +31,7 @@ TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="g
 
 def get_config(arg=None):
     arg = parse_arg(arg, connector="mlp", budget="all", stage=1, steps=500, data="easy_64", lora=0, chat=False,
-                    blind=False, smoke=False)
+                    blind=False, mrope=False, anyres=0, smoke=False)
     if arg.stage not in (1, 2):
         raise ValueError(f"stage must be 1 (connector only) or 2 (connector and LM), got {arg.stage}.")
     c = ml_collections.ConfigDict()
@@ -66,6 +68,10 @@ def get_config(arg=None):
     c.model.vision_layer = -1  # -1: the tower's output; -n: HF's hidden_states[-n]
     c.model.use_cls = False
     c.model.prefix_lm = False  # True: image and prompt attend both ways
+    c.model.mrope = arg.mrope  # Qwen2-VL's (temporal, height, width) positions for the visual tokens
+    tile = arg.anyres  # AnyRes: the image as a base view + tiles of the best candidate resolution
+    c.model.anyres = dict(tile=tile, pinpoints=((tile, 2 * tile), (2 * tile, tile), (2 * tile, 2 * tile))) if tile \
+        else None
     c.model.max_len = 64  # BOS + question + answer + EOS, in tokens
 
     # Stage 1 trains the connector; stage 2 the connector and the LM, or with lora=R > 0 the

@@ -220,3 +220,12 @@ def test_a_padded_batch_gives_each_image_its_unpadded_text_logits():
                 mrope=True)
     with pytest.raises(ValueError, match="visual_mask works with 1D positions only"):
         mrope.init(jax.random.key(0), None, ids, features=(padded, None, (1, m)), visual_mask=mask)
+
+
+def test_mrope_split_keeps_qwen2vls_proportions():
+    assert lm_lib.mrope_split(128) == (16, 24, 24)  # Qwen2-VL's own mrope_section
+    for head_dim in (8, 32, 64, 96):
+        section = lm_lib.mrope_split(head_dim)
+        assert sum(section) == head_dim // 2 and min(section) >= 1 and section[1] == section[2]
+    with pytest.raises(ValueError, match="head_dim >= 6"):
+        lm_lib.mrope_split(4)

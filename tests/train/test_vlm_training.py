@@ -279,3 +279,23 @@ def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):
         if (kinds == i).any():
             assert result[f"acc_{kind}"] == pytest.approx(np.mean(answers[kinds == i] == "yes"))
     assert 0 < result["accuracy"] < 1 and result.get("acc_count", 0.0) == 0.0
+
+
+@pytest.mark.parametrize("arg", ["mrope=True", "anyres=16"])
+def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
+    """``mrope`` (Qwen2-VL's positions, the LM's bands split by ``lm.mrope_split``) and ``anyres``
+    (LLaVA-NeXT's tiles) reach the VLM the run trains, and the QA evaluator decodes with them."""
+    from vitmm.train import tasks
+
+    c = _config("vlm_scenes", f"smoke,{arg}", data_dir)
+    task = tasks.VLMTask(c, None, tasks.tokenizer_for(c))
+    if arg.startswith("mrope"):
+        assert task.model.mrope and task.model.lm["mrope_section"] == (2, 1, 1)  # head_dim 8
+    else:  # a 32-px image: the base view (2x2 tokens) and 2x2 tiles of 2x2 tokens, a newline per row
+        assert task.model.anyres == {"pinpoints": [(16, 32), (32, 16), (32, 32)], "tile": 16}
+        task.init_params()
+        assert task.num_visual == 4 + 16 + 4
+    summary = trainer.train(c, tmp_path)
+    assert "qa/accuracy" in summary["evals"]
+    assert all(np.isfinite(h["loss"]) for h in summary["history"])
+    assert ("image_newline" in ckpt_lib.load_params(tmp_path)) == arg.startswith("anyres")

@@ -69,6 +69,17 @@ def mrope_angles(positions: jnp.ndarray, head_dim: int, section, theta: float = 
                             for c in range(3)], axis=-1)
 
 
+def mrope_split(head_dim: int) -> tuple[int, int, int]:
+    """An ``mrope_section`` in Qwen2-VL's proportions for any head size: of the ``head_dim/2``
+    frequency bands, a quarter turn with the temporal position and the rest evenly with height and
+    width (``(16, 24, 24)`` at head_dim 128, Qwen2-VL's own; ``(4, 6, 6)`` at 32)."""
+    half = head_dim // 2
+    if half < 3:
+        raise ValueError(f"mrope needs head_dim >= 6 (three frequency bands), got {head_dim}.")
+    side = max(1, (half - half // 4) // 2)
+    return half - 2 * side, side, side
+
+
 def mrope_positions(token_types: np.ndarray, grids, pad_mask: np.ndarray | None = None):
     """Qwen2-VL's 3D position ids (``get_rope_index``) for batches of text and images:
     ``(positions [3, B, T], deltas [B])``.

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
+from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
 from vitmm.models import packing, two_towers, vlm
 from vitmm.train import evaluators as eval_lib
@@ -113,8 +114,14 @@ class VLMTask:
                              f"{tokenizer.vocab_size}; set --config.model.lm.vocab_size={tokenizer.vocab_size}, "
                              "or use the tokenizer saved with init.lm.")
         self.config, self.tokenizer = config, tokenizer
-        _check_budget(m.connector.to_dict(), self.vision, config.input.image_size)
-        self.model = vlm.VLM(self.vision, m.connector.to_dict(), self.lm, m.vision_layer, m.use_cls)
+        anyres = m.get("anyres")
+        if anyres is not None:  # LLaVA-NeXT's tiles: the tower sees tile x tile views
+            anyres = {"pinpoints": [tuple(p) for p in anyres["pinpoints"]], "tile": int(anyres["tile"])}
+        if m.get("mrope") and self.lm.get("mrope_section") is None:  # Qwen2-VL's 3D positions on any LM
+            self.lm = {**self.lm, "mrope_section": lm_lib.mrope_split(lm_lib.LM(**self.lm).attn_head_dim)}
+        _check_budget(m.connector.to_dict(), self.vision, anyres["tile"] if anyres else config.input.image_size)
+        self.model = vlm.VLM(self.vision, m.connector.to_dict(), self.lm, m.vision_layer, m.use_cls,
+                             mrope=bool(m.get("mrope", False)), anyres=anyres)
         self.num_visual = None  # known once the parameters exist (init_params)
 
     def init_params(self):
