@@ -19,12 +19,12 @@ def signature(settings: dict) -> str:
 
 def load_cells(path: pathlib.Path, signature: str) -> dict:
     """Finished cells ``{key: {seed: result}}`` (key: a tuple, e.g. ``(family, tokens)``) of a
-    sweep with these settings."""
-    cells = {}
+    sweep with these settings; lines of one key (e.g. one per finished seed) are merged."""
+    cells: dict = {}
     for line in path.read_text().splitlines() if path.is_file() else ():
         cell = json.loads(line)
         if cell["signature"] == signature:
-            cells[tuple(cell["key"])] = {int(k): v for k, v in cell["results"].items()}
+            cells.setdefault(tuple(cell["key"]), {}).update({int(k): v for k, v in cell["results"].items()})
     return cells
 
 

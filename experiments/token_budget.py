@@ -37,7 +37,8 @@ than what it reads: at 256 their training step cost 6–11× the others' and wou
 (``--native_widths`` keeps the defaults).
 
 Writes to ``--out``: ``cells.jsonl`` (each finished job, all its seeds, as it finishes: a rerun
-with the same settings skips it, so a sweep can span several sittings), ``tuning.jsonl``,
+with the same settings skips it, so a sweep can span several sittings; ``seeds.jsonl`` keeps each
+finished seed of the jobs still running, which a rerun does not train again), ``tuning.jsonl``,
 ``runs.csv`` (one row per run and seed: lr, warmup, steps, tokens, parameters, FLOPs, ms per
 example, per-kind accuracy), ``curves.json`` (validation accuracy per check of every run),
 ``token_budget.md`` (the tables, with 95% CIs over seeds and paired tests, and the claims'
@@ -347,6 +348,9 @@ def main(argv=None) -> pathlib.Path:
 
     order = sorted(jobs, key=lambda key: -key[1])  # the most tokens (the slowest) first
     cells_sig = sweep.signature({**settings, "chosen": chosen})
+    # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
+    context["seed_log"] = (str(out / "seeds.jsonl"), cells_sig)
+    context["seeds_done"] = sweep.load_cells(out / "seeds.jsonl", cells_sig)
     results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget",
                         len(args.seeds) * run_steps)
 

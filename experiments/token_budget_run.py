@@ -5,13 +5,15 @@ a split, and the jobs the worker processes run (``token_budget.py`` is the sweep
 from __future__ import annotations
 
 import math
+import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import token_budget_report as report  # a sibling module: experiments/ is on sys.path (token_budget.py)
+import sweep  # sibling modules: experiments/ is on sys.path (token_budget.py)
+import token_budget_report as report
 
 from vitmm import decode, losses
 from vitmm.models import connectors, lm, vlm
@@ -222,15 +224,24 @@ def _run(c: dict, key: tuple, lr: float, warmup: int | None) -> Run:
 def job(key, arrays: dict, context: dict, progress) -> dict:
     """``{seed: result}`` on the test questions for one job (family, tokens, variant) at its
     family's chosen learning rate and warmup: compiled once, trained per seed; after each seed the
-    same compiled step and scoring are timed (``time_steps``)."""
+    same compiled step and scoring are timed (``time_steps``). With ``context["seed_log"] = (path,
+    signature)`` each finished seed is appended there as it ends, and seeds found there
+    (``context["seeds_done"]``) are not trained again: a sweep stopped mid-job loses one seed's run."""
     c = context
     lr, warmup = c["chosen"][key[0]]
     run, view = _run(c, key, lr, warmup), c["jobs"][key]["view"]
+    done = c.get("seeds_done", {}).get(tuple(key), {})
     out = {}
     for seed in c["seeds"]:
+        if seed in done:
+            out[seed] = done[seed]
+            progress.update(c.get("stage1_steps", 0) + c["plan"]["max_steps"])
+            continue
         out[seed] = train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
                                    progress=progress)
         out[seed].update(time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view))
+        if c.get("seed_log"):
+            sweep.save_cell(pathlib.Path(c["seed_log"][0]), c["seed_log"][1], key, {seed: out[seed]})
     return out
 
 

@@ -303,3 +303,36 @@ def test_the_image_reaches_the_lm_and_beats_blind_where_only_it_answers(tb):
                              warmup=10)
         scores[name] = tb.run_lib.train_and_eval(run, 0, train, val, test, plan)["accuracy"]
     assert scores["mlp"] >= 0.9 and scores["blind"] <= 0.4 and scores["mlp"] - scores["blind"] >= 0.5, scores
+
+
+def test_a_job_keeps_each_finished_seed_and_skips_those_already_kept(tb, tmp_path):
+    """A sweep stopped mid-job loses one seed's run, not the job: each finished seed goes to the
+    seed log as it ends, and a rerun takes the seeds found there instead of training them."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n = 64
+    arrays = {name: dict(patches=rng.normal(size=(n, 4, 8)).astype(np.float32), image=np.arange(n),
+                         ids=np.tile(np.array([1, 3, 4, 2, 0, 0], np.int32), (n, 1)),
+                         answer_mask=np.tile(np.array([0, 0, 1, 1, 0, 0], np.float32), (n, 1)), kind=np.zeros(n, int))
+              for name in ("train", "val", "test")}
+    key, log = ("mlp", 4, ""), tmp_path / "seeds.jsonl"
+    kept = {"accuracy": -1.0}  # a sentinel no run produces
+    context = dict(tower_cfg=dict(width=8, depth=1, mlp_dim=16, num_heads=2, patch_size=8),
+                   lm_cfg=dict(vocab_size=10, width=16, depth=1, num_heads=2), in_dim=8, max_len=6,
+                   plan=dict(max_steps=4, batch_size=8, eval_every=2, patience=2, min_delta=0.005, curve_questions=16),
+                   seeds=[0, 1], jobs={key: {"connector": {"name": "mlp"}, "view": ""}}, views={"": {"grid": (2, 2)}},
+                   chosen={"mlp": (1e-3, 1)}, seed_log=(str(log), "sig"), seeds_done={key: {0: kept}})
+
+    class Progress:
+        steps = 0
+
+        def update(self, k):
+            self.steps += k
+
+    progress = Progress()
+    out = tb.run_lib.job(key, arrays, context, progress)
+    assert out[0] == kept and 0 <= out[1]["accuracy"] <= 1 and progress.steps == 2 * 4
+    logged = tb.sweep.load_cells(log, "sig")  # only the seed trained here
+    assert list(logged) == [key] and list(logged[key]) == [1]
+    assert logged[key][1]["accuracy"] == out[1]["accuracy"] and logged[key][1]["curve"] == out[1]["curve"]
