@@ -11,8 +11,9 @@ image is resized by NaFlex to the largest aspect-kept size whose 8-px patch grid
 puts whole images into rows of ``seq_len`` tokens; ``batch_size`` counts rows (32 rows of 256
 tokens hold about 128 images, the demo's batch; the logged ``img_per_s`` then counts rows).
 Attention stays within each image; the loss pairs each image with its caption and leaves empty
-slots out. ``patch_keep`` < 1 adds FLIP's patch dropout. Evaluation is the demo's (64-px
-squares), which the sin-cos tower reads at any grid.
+slots out. ``patch_keep`` < 1 adds FLIP's patch dropout. Evaluation runs twice: the demo's
+(64-px squares, which the sin-cos tower reads at any grid) and at native sizes (``*_native``:
+validation scenes at random sizes, NaFlex to the same budget, packed).
 
 Args: ``steps``, ``difficulty``, ``loss`` (``softmax`` or ``sigmoid``), ``patch_keep``, ``smoke``.
 """
@@ -39,10 +40,19 @@ def get_config(arg=None):
         c.input.pp = ("naflex({max_num_patches}, {patch_size})|value_range(-1, 1)|"
                       "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
         c.model.image.patch_keep = arg.patch_keep
+        val_any = dict(name="scenes_any", split="validation", scenes_any=dict(c.input.scenes_any.to_dict(),
+                                                                             num_examples=1000))
+        native = dict(max_num_patches=64, seq_len=256, max_images=16)
+        c.evals.zeroshot_native = dict(type="zeroshot", data=val_any, native=native, num_examples=1000)
+        c.evals.retrieval_native = dict(type="retrieval", data=val_any, native=native, num_examples=1000)
+        c.evals.val_native = dict(type="val_loss", data=val_any, native=native, num_examples=1000, batch_size=256)
         if arg.smoke:
             common.smoke(c, batch_size=4)
             c.input.scenes_any.num_examples = 64
             c.input.packing.seq_len = 64
             c.input.packing.max_num_patches = 16
+            for name in ("zeroshot_native", "retrieval_native", "val_native"):
+                c.evals[name].native.update(max_num_patches=16, seq_len=64)
+            c.evals.val_native.batch_size = 32
     c.lock()
     return c

@@ -1,5 +1,6 @@
 """The contrastive trainer end to end on smoke configs (4 CPU devices, tiny towers, tiny data)."""
 
+import csv
 import json
 import math
 import pathlib
@@ -235,7 +236,8 @@ def test_packed_native_resolution_run_trains_evaluates_and_resumes_exactly(tmp_p
     c = smoke_config(data_dir, "clip_scenes_native", log_every=1, checkpoint_every=2)
     straight = trainer.train(c, tmp_path)
     assert straight["final_step"] == 4 and all(math.isfinite(h["loss"]) for h in straight["history"])
-    assert {"zeroshot/accuracy", "retrieval/i2t_r1"} <= set(straight["evals"])
+    assert {"zeroshot/accuracy", "retrieval/i2t_r1", "zeroshot_native/accuracy", "retrieval_native/i2t_r1",
+            "val_native/loss"} <= set(straight["evals"])
     shutil.rmtree(tmp_path / "checkpoints" / "4")  # as if killed after step 2's checkpoint
     second = trainer.train(smoke_config(data_dir, "clip_scenes_native", evals=False, log_every=1,
                                         checkpoint_every=2), tmp_path)
@@ -245,3 +247,58 @@ def test_packed_native_resolution_run_trains_evaluates_and_resumes_exactly(tmp_p
     assert second["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
     with pytest.raises(ValueError, match="input.packing .* needs parallel='jit'"):
         trainer.train(smoke_config(data_dir, "clip_scenes_native", parallel="pmap"), tmp_path / "pmap")
+
+
+def test_native_evaluation_embeds_each_image_at_its_own_size():
+    """``native`` evaluators: scenes at random sizes, each NaFlex-resized and packed with others
+    into rows; every image's embedding equals its own forward alone, in the examples' order, and
+    zero-shot and retrieval run on them."""
+    import jax
+    import jax.numpy as jnp
+
+    from vitmm.data import preprocess
+    from vitmm.data.packing import SceneSource
+    from vitmm.data.tokenizer import ByteTokenizer
+    from vitmm.models import two_towers
+    from vitmm.train import evaluators as eval_lib
+
+    model = two_towers.TwoTowers(
+        image=dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=8, pool="gap", class_token=False,
+                   posemb="sincos2d"),
+        text=dict(vocab_size=259, max_len=32, width=32, depth=1, mlp_dim=64, num_heads=2, causal=True, pool="eot"),
+        embed_dim=16)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), jnp.zeros((1, 32), jnp.int32))["params"]
+    spec = dict(difficulty="easy", num_examples=40, seed=0, min_side=16, max_side=64, max_aspect=3.0)
+    data = dict(name="scenes_any", split="validation", scenes_any=spec)
+    native = dict(max_num_patches=16, seq_len=64, max_images=8)
+    evals = eval_lib.from_config({"zeroshot": dict(type="zeroshot", data=data, native=native, num_examples=40,
+                                                   embed_batch_size=16),
+                                  "retrieval": dict(type="retrieval", data=data, native=native, num_examples=40,
+                                                    embed_batch_size=16)},
+                                 model, 32, ByteTokenizer(), "softmax", 32)
+    emb = evals["zeroshot"].embeddings.get(params)
+    assert evals["retrieval"].embeddings is evals["zeroshot"].embeddings and emb["zimg"].shape == (40, 16)
+    source = SceneSource(**{**spec, "split": "validation"})
+    pp = preprocess.parse("naflex(16, 8)|value_range(-1, 1)")
+    sizes = set()
+    for i in (0, 7, 23, 39):
+        image = pp({"image": source[i]["image"]}, None)["image"]
+        sizes.add(image.shape)
+        alone = model.apply({"params": params}, jnp.asarray(image)[None])[0][0]
+        np.testing.assert_allclose(emb["zimg"][i], alone, atol=2e-5)
+    assert len(sizes) > 1  # the images really are at different sizes
+    assert 0 <= evals["zeroshot"].run(params)["accuracy"] <= 1 and evals["retrieval"].run(params)["examples"] == 40
+
+
+def test_native_eval_scores_a_tower_on_squares_and_at_native_sizes(tmp_path, clip_smoke_run):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("native_eval", ROOT / "experiments/native_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(["--workdirs", str(clip_smoke_run.workdir), "--out", str(tmp_path), "--num_examples", "32",
+                       "--smoke", "--data_dir", clip_smoke_run.data_dir])
+    table = (out / "native_eval.md").read_text()
+    assert "| zero-shot squares | zero-shot native |" in table and "| 64-px squares |" in table
+    row = next(csv.DictReader(open(out / "native_eval.csv")))
+    assert 0 <= float(row["zeroshot_native/accuracy"]) <= 1 and float(row["val_native/loss"]) > 0

@@ -10,6 +10,11 @@ round of evaluation. The image-text evaluators share one pass that embeds the ev
   Several scenes share the same caption word for word; retrieving any pair with the identical
   caption counts as correct, and the chance level printed accounts for that.
 * ``val_loss``: the training loss on consecutive full batches of ``batch_size`` pairs.
+
+Any of them reads images at their own sizes with ``native={"max_num_patches", "seq_len",
+"max_images"}``: each image resized by NaFlex to the patch budget and the images packed into
+rows (``models.packing``) for the image tower; ``data.scenes_any`` (``data.packing.SceneSource``
+settings, the split from ``data.split``) draws scenes at random sizes instead of a TFDS split.
 """
 
 from __future__ import annotations
@@ -31,18 +36,26 @@ class _Embeddings:
     """Embeds an evaluation split once per set of parameters; shared by the evaluators."""
 
     def __init__(self, embed_images, embed_texts, data: dict, max_len: int, tokenizer, batch_size: int,
-                 num_examples: int | None, image_size: int):
+                 num_examples: int | None, image_size: int, native: dict | None = None):
         self._embed_images, self._embed_texts = embed_images, embed_texts
         self.tokenizer, self.max_len, self.batch_size = tokenizer, max_len, batch_size
-        # data: name, split, data_dir; keys to read (default image, caption, label) and the ops
-        # that turn a record into one "caption" (default: it already has one).
+        # data: name, split, data_dir (or scenes_any); keys to read (default image, caption,
+        # label) and the ops that turn a record into one "caption" (default: it already has one).
         keys = tuple(data.get("keys") or ("image", "caption", "label"))
-        source = pipeline.get_source(data["name"], data["split"], data.get("data_dir"), keys=keys)
+        if data.get("scenes_any"):
+            from vitmm.data.packing import SceneSource
+
+            source = SceneSource(**{**dict(data["scenes_any"]), "split": data["split"]})
+        else:
+            source = pipeline.get_source(data["name"], data["split"], data.get("data_dir"), keys=keys)
         self.source = source
         self.num_examples = min(num_examples or len(source), len(source))
         label = "'label'" if "label" in keys else ""
+        self.native = native  # with it: NaFlex to a patch budget and packed rows, else squares
+        size = (f"naflex({native['max_num_patches']}, {native['patch_size'][0]})" if native
+                else f"resize({image_size})")
         self._pp = preprocess.parse(
-            f"{data.get('pp') or 'decode'}|resize({image_size})|value_range(-1, 1)|"
+            f"{data.get('pp') or 'decode'}|{size}|value_range(-1, 1)|"
             f"tokenize('caption', {max_len})|keep('image', 'caption_tokens', {label})", tokenizer)
         self.has_labels = "label" in keys
         self._params, self._value = None, None
@@ -53,10 +66,13 @@ class _Embeddings:
         if params is not self._params:
             images, texts, tokens, labels = [], [], [], []
             view = _Prefix(self.source, self.num_examples)
-            for batch in pipeline.eval_batches(view, self._pp, self.batch_size, process_index=0,
-                                               process_count=1, num_threads=1):
+            batches = (self._native_batches(params, view) if self.native else
+                       pipeline.eval_batches(view, self._pp, self.batch_size, process_index=0, process_count=1,
+                                             num_threads=1))
+            for batch in batches:
                 keep = batch["_mask"].astype(bool)
-                images.append(np.asarray(self._embed_images(params, batch["image"]))[keep])
+                embedded = batch["zimg"] if self.native else np.asarray(self._embed_images(params, batch["image"]))
+                images.append(embedded[keep])
                 texts.append(np.asarray(self._embed_texts(params, batch["caption_tokens"]))[keep])
                 tokens.append(batch["caption_tokens"][keep])
                 labels.append(batch["label"][keep] if self.has_labels else np.full(keep.sum(), -1))
@@ -64,6 +80,22 @@ class _Embeddings:
                                tokens=np.concatenate(tokens), labels=np.concatenate(labels))
             self._params = params
         return self._value
+
+    def _native_batches(self, params, view):
+        """``eval_batches``' batches for images at their own sizes: each chunk of examples packed
+        into rows for the image tower, its embeddings (``zimg``) in the examples' order."""
+        from vitmm.models import packing
+
+        rng, n = np.random.default_rng(0), len(view)  # the ops used here draw nothing
+        for start in range(0, n, self.batch_size):
+            examples = [self._pp(dict(view[i]), rng) for i in range(start, min(n, start + self.batch_size))]
+            packed = packing.pack([ex["image"] for ex in examples], self.native["patch_size"],
+                                  self.native["seq_len"], self.native["max_images"],
+                                  class_token=self.native["class_token"], num_registers=self.native["num_registers"])
+            batch = {k: np.stack([ex[k] for ex in examples]) for k in examples[0] if k != "image"}
+            batch["zimg"] = np.stack(packing.unpack(self._embed_images(params, packed), packed))
+            batch["_mask"] = np.ones(len(examples), np.int32)
+            yield batch
 
     def clear(self) -> None:
         """Drops the cached embeddings and the parameters they came from."""
@@ -193,11 +225,21 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
         if kind not in TYPES:
             raise ValueError(f"Unknown evaluator type {kind!r} for {name!r}; choose one of {tuple(TYPES)}.")
         data = dict(cfg.pop("data"))
-        key = (data["name"], data["split"], cfg.get("num_examples"))
+        native = cfg.pop("native", None)
+        if native:  # the image tower's patch and prefix tokens, as packing needs them
+            from vitmm.models.vit import ViT
+
+            tower = ViT(**model.image)
+            patch = tower.arch().patch_size
+            if patch[0] != patch[1]:
+                raise ValueError(f"{name}: native (NaFlex) evaluation needs square patches, the tower has {patch}.")
+            native = {**dict(native), "patch_size": patch, "class_token": tower.class_token,
+                      "num_registers": tower.num_registers}
+        key = (data.get("name"), data["split"], str(data.get("scenes_any")), cfg.get("num_examples"), str(native))
         if key not in caches:
             caches[key] = _Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
                                       cfg.pop("embed_batch_size", 256), cfg.get("num_examples"),
-                                      image_size)
+                                      image_size, native)
         cfg.pop("every", None)
         cfg.pop("num_examples", None)
         cfg.pop("embed_batch_size", None)
@@ -219,13 +261,17 @@ def _at(region: str) -> str:
 
 def _scenes_classes(data: dict) -> tuple[list[str], dict]:
     """Class names, colours and regions of a scenes config (other datasets name their classes)."""
-    name = data["name"]
-    if not name.startswith("scenes"):
-        raise ValueError(f"zeroshot on {name!r} needs class_names (and templates) in its config.")
     from vitmm.data import scenes, scenes_builder
 
-    config = name.split("/", 1)[1] if "/" in name else scenes_builder.Scenes.DEFAULT_CONFIG_NAME
-    diff = scenes.DIFFICULTIES[scenes_builder.config_from_name(config).difficulty]
+    if data.get("scenes_any"):
+        difficulty = data["scenes_any"]["difficulty"]
+    else:
+        name = data["name"]
+        if not name.startswith("scenes"):
+            raise ValueError(f"zeroshot on {name!r} needs class_names (and templates) in its config.")
+        config = name.split("/", 1)[1] if "/" in name else scenes_builder.Scenes.DEFAULT_CONFIG_NAME
+        difficulty = scenes_builder.config_from_name(config).difficulty
+    diff = scenes.DIFFICULTIES[difficulty]
     regions = scenes.REGIONS_2X2 if diff.grid == 2 else scenes.REGIONS_3X3
     return list(diff.shapes), {"color": list(diff.colors), "region": list(regions)}
 
