@@ -34,8 +34,9 @@ alone give away. Accuracy is reported per question kind and on the questions of 
 (``wide``: longer/shorter side ≥ ``--wide``) and of near-square ones (``squarish``: < 1.5).
 
 Writes to ``--out``: ``cells.jsonl`` and ``tuning.jsonl`` (each finished job as it finishes; a
-rerun with the same settings skips it), ``runs.csv`` (one row per run), ``native_tokens.md``
-(means ± 95% CIs, tests paired by seed), ``native_tokens.png`` and ``setup.json``.
+rerun with the same settings skips it), ``seeds.jsonl`` (each finished seed of a cell, which a
+rerun does not train again), ``runs.csv`` (one row per run), ``native_tokens.md`` (means ± 95%
+CIs, tests paired by seed), ``native_tokens.png`` and ``setup.json``.
 """
 
 from __future__ import annotations
@@ -145,12 +146,13 @@ def cell_job(key, arrays, context, progress) -> dict:
     path, budget = key
     c = context
     run, view = _run(c, path, budget, c["chosen"][path]), "@" + view_name(path, budget)
-    out = {}
-    for seed in c["seeds"]:
-        out[seed] = run_lib.train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
-                                           progress=progress)
-        out[seed].update(run_lib.time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view))
-    return out
+
+    def one(seed):
+        result = run_lib.train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
+                                        progress=progress)
+        return {**result, **run_lib.time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view)}
+
+    return run_lib.run_seeds(key, c, progress, one)
 
 
 def view_name(path: str, budget: int) -> str:
@@ -316,6 +318,9 @@ def main(argv=None) -> pathlib.Path:
         tuned[(p, top, lr)][seed0]["accuracy"] if tuned else 0.0, -lr)) for p in (*PATHS, BLIND)}
     settings["chosen"] = chosen
     keys = [(p, b) for b in reversed(args.budgets) for p in PATHS] + [(BLIND, top)]
+    signature = sweep.signature(settings)  # each finished seed of a cell too: a stop loses one seed's run
+    context["seed_log"] = (str(out / "seeds.jsonl"), signature)
+    context["seeds_done"] = sweep.load_cells(out / "seeds.jsonl", signature)
     results = run_cells(cell_job, keys, "cells.jsonl", "cells", len(args.seeds))
 
     rows = []

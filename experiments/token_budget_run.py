@@ -230,18 +230,29 @@ def job(key, arrays: dict, context: dict, progress) -> dict:
     c = context
     lr, warmup = c["chosen"][key[0]]
     run, view = _run(c, key, lr, warmup), c["jobs"][key]["view"]
-    done = c.get("seeds_done", {}).get(tuple(key), {})
+
+    def one(seed):
+        result = train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
+                                progress=progress)
+        return {**result, **time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view)}
+
+    return run_seeds(key, c, progress, one)
+
+
+def run_seeds(key, context: dict, progress, one) -> dict:
+    """``{seed: one(seed)}`` over ``context["seeds"]``, each finished seed appended to
+    ``context["seed_log"] = (path, signature)`` when given; seeds already in
+    ``context["seeds_done"][key]`` are taken from there, not trained again."""
+    done = context.get("seeds_done", {}).get(tuple(key), {})
     out = {}
-    for seed in c["seeds"]:
+    for seed in context["seeds"]:
         if seed in done:
             out[seed] = done[seed]
-            progress.update(c.get("stage1_steps", 0) + c["plan"]["max_steps"])
+            progress.update(context.get("stage1_steps", 0) + context["plan"]["max_steps"])
             continue
-        out[seed] = train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
-                                   progress=progress)
-        out[seed].update(time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view))
-        if c.get("seed_log"):
-            sweep.save_cell(pathlib.Path(c["seed_log"][0]), c["seed_log"][1], key, {seed: out[seed]})
+        out[seed] = one(seed)
+        if context.get("seed_log"):
+            sweep.save_cell(pathlib.Path(context["seed_log"][0]), context["seed_log"][1], key, {seed: out[seed]})
     return out
 
 
