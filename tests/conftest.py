@@ -22,6 +22,7 @@
   train step (the trainer's resume test alone compiles it three times: 78 s without the cache,
   53 s cold, 33 s warm). Programs are keyed by their HLO, options and the JAX version, so a hit
   is the same executable. ``VITMM_TEST_XLA_CACHE=`` (empty) turns it off.
+* ``load_script``: imports a script by its path (experiments/ and configs/ are not packages).
 * ``clip_smoke_run`` (and ``siglip_chunked_smoke_run``): one trained smoke run for the session,
   for the tests that need a trained CLIP (initialising from it, a VLM tower, the token-budget
   sweep) or a reference run to compare against (pmap vs jit, resuming) rather than a run of
@@ -31,9 +32,11 @@
 
 import dataclasses
 import fcntl
+import importlib.util
 import json
 import os
 import pathlib
+import sys
 import tempfile
 
 import pytest
@@ -58,6 +61,26 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """``load_script("experiments/token_budget.py")``: the script as a fresh module, registered
+    in ``sys.modules`` under its file name (flax modules, being dataclasses, look their module up
+    there). Scripts that import siblings put their folder on ``sys.path`` themselves."""
+
+    def load(relative_path: str):
+        path = ROOT / relative_path
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
 @dataclasses.dataclass(frozen=True)
 class SharedRun:
     workdir: pathlib.Path  # read-only for the tests: copy it before training on top of it
@@ -79,7 +102,7 @@ def _shared_run(tmp_path_factory, name: str, arg: str) -> SharedRun:
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            config = config_args.load(pathlib.Path(__file__).parents[1] / "configs" / f"{name}.py", arg,
+            config = config_args.load(ROOT / "configs" / f"{name}.py", arg,
                                       **{"input.data_dir": str(data_dir)})
             summary = trainer.train(config, workdir)
             (root / "summary.tmp").write_text(json.dumps(summary, default=float))

@@ -1,7 +1,6 @@
 """Configs parse and build; the front-end demo and the token-count experiment run."""
 
 import csv
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -103,10 +102,8 @@ def test_demo_command_line_with_overrides_and_typo():
     assert "num_registrs" in bad.stderr
 
 
-def test_token_count_experiment_writes_tables(tmp_path):
-    spec = importlib.util.spec_from_file_location("token_counts", ROOT / "experiments/token_counts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_token_count_experiment_writes_tables(tmp_path, load_script):
+    module = load_script("experiments/token_counts.py")
     out = module.main(["--out", str(tmp_path)])
     csv_text = (out / "token_counts.csv").read_text().splitlines()
     assert csv_text[0].startswith("variant,resolution,patch")
@@ -169,12 +166,10 @@ def test_benchmark_script_runs_and_writes_its_tables(tmp_path):
     assert "| ViT-mu/16 | train | vitmm |" in markdown and "| CLIP mu/16 + text (pairs) | infer | vitmm |" in markdown
 
 
-def test_benchmark_scaling_table_sets_measured_next_to_predicted_ratios(tmp_path, monkeypatch):
+def test_benchmark_scaling_table_sets_measured_next_to_predicted_ratios(tmp_path, monkeypatch, load_script):
     """The scaling mode's bookkeeping, with the timed worker replaced by a clock that is exactly
     proportional to the analytic FLOPs: every measured ratio must then equal its prediction."""
-    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "experiments/benchmark.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("experiments/benchmark.py")
     fake = lambda python, kind, spec, threads, tunables: {"step_s": bench.analytic_gflop(spec["variant"], spec["res"])}  # noqa: E731
     monkeypatch.setattr(bench, "_run_worker", fake)
     out = bench.main(["--scaling", "Ti", "--out", str(tmp_path)])
@@ -191,12 +186,10 @@ def test_benchmark_scaling_table_sets_measured_next_to_predicted_ratios(tmp_path
     assert "| Ti/8 | 224 | 784 |" in (out / "scaling.md").read_text()
 
 
-def test_benchmark_rounds_take_turns_and_report_the_median_paired_ratio(tmp_path, monkeypatch):
+def test_benchmark_rounds_take_turns_and_report_the_median_paired_ratio(tmp_path, monkeypatch, load_script):
     """``--rounds 3``: each round runs vitmm then the reference; a row's time is the median over
     rounds and its ratio the median of the rounds' paired ratios, with their range."""
-    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "experiments/benchmark.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("experiments/benchmark.py")
     calls = []
     times = {"jax": [1.0, 2.0, 1.0], "torch": [1.5, 2.0, 3.0]}  # paired ratios 1.5, 1.0, 3.0 per mode
 
@@ -218,19 +211,17 @@ def test_benchmark_rounds_take_turns_and_report_the_median_paired_ratio(tmp_path
     assert "1.50× (1.00–3.00)" in (out / "benchmark.md").read_text()
 
 
-def _bench_gpu():
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "experiments/bench_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def bench_gpu(load_script):
+    return load_script("experiments/bench_gpu.py")
 
 
-def test_bench_gpu_tiny_runs_every_case_and_profiles_it(tmp_path):
+def test_bench_gpu_tiny_runs_every_case_and_profiles_it(tmp_path, bench_gpu):
     """experiments/bench_gpu.py end to end at --tiny size on the CPU: every case times, its
     profile attributes the step's ops, and the tables are written."""
     out = tmp_path / "bench_gpu.json"
-    results = _bench_gpu().main(["--tiny", "--profile", "--steps", "2", "--repeats", "1", "--out", str(out)])
-    assert set(results) == {"agreement", *(c[0] for c in _bench_gpu().CASES)}
+    results = bench_gpu.main(["--tiny", "--profile", "--steps", "2", "--repeats", "1", "--out", str(out)])
+    assert set(results) == {"agreement", *(c[0] for c in bench_gpu.CASES)}
     # bf16 against float32 on the same tokens: close, not equal (cuDNN is absent on a CPU)
     assert 1e-4 < results["agreement"]["xla_bf16"]["rel"] < 0.02
     assert 1e-4 < results["agreement"]["xla_bf16_residual_bf16"]["rel"] < 0.03
@@ -246,10 +237,10 @@ def test_bench_gpu_tiny_runs_every_case_and_profiles_it(tmp_path):
     assert profile.count("## ") == len(results) - 1 and "| forward | encoder/block_*/mlp/fc1 |" in profile
 
 
-def test_bench_gpu_sweep_runs_each_setting_in_its_own_process(tmp_path, monkeypatch):
+def test_bench_gpu_sweep_runs_each_setting_in_its_own_process(tmp_path, monkeypatch, bench_gpu):
     """The sweep hands each setting's XLA flags and arguments to a fresh process: a flag XLA does
     not know fails that setting alone, and speed-ups are against the baseline runs."""
-    bench = _bench_gpu()
+    bench = bench_gpu
     monkeypatch.setattr(bench, "SWEEP", [("baseline", "", []), ("bogus flag", "--xla_no_such_flag_anywhere=1", []),
                                          ("tanh GELU", "", ["--act", "gelu_tanh", "--dtype_residual", "bfloat16"])])
     out = tmp_path / "sweep.json"

@@ -86,13 +86,8 @@ def test_top_p_keeps_the_nucleus_only():
     assert set(draws) == {0, 1}  # 0.5 + 0.3 reach 0.7; 0.15 and 0.05 never drawn
 
 
-def test_the_decode_benchmarks_vitmm_side_runs_on_a_gguf():
-    import importlib.util
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("bench_decode", root / "experiments/bench_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_the_decode_benchmarks_vitmm_side_runs_on_a_gguf(load_script):
+    bench = load_script("experiments/bench_decode.py")
     gguf = FIXTURE.parent / "gguf_llama" / "tiny.gguf"
     out = bench.vitmm_side(dict(gguf=str(gguf), batches=[1, 2], prompt_len=5, new_tokens=3, repeats=1))
     assert out["framework"].startswith("vitmm")

@@ -3,10 +3,8 @@ write every output."""
 
 import contextlib
 import csv
-import importlib.util
 import io
 import pathlib
-import sys
 import types
 
 import numpy as np
@@ -15,19 +13,16 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"experiments/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses (flax modules) look their module up there
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def lesson(load_script):
+    """``lesson("positions")``: experiments/lessons_positions.py as a module."""
+    return lambda name: load_script(f"experiments/lessons_{name}.py")
 
 
-def _smoke(name: str, out, *extra) -> types.SimpleNamespace:
+def _smoke(lesson, name: str, out, *extra) -> types.SimpleNamespace:
     """Runs ``experiments/lessons_NAME.py --smoke --out OUT`` in this process (its ``main``; the
     suite's compile level and cache), with what it printed as ``.stdout``."""
-    module = _load(f"lessons_{name}")
+    module = lesson(name)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         module.main(["--smoke", "--workers", "1", "--out", str(out), *extra])  # worker pools: the token-budget smoke
@@ -35,12 +30,12 @@ def _smoke(name: str, out, *extra) -> types.SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def positions():
-    return _load("lessons_positions")
+def positions(lesson):
+    return lesson("positions")
 
 
-def test_single_shape_sets_carry_shape_and_region_labels():
-    common = _load("lessons_common")
+def test_single_shape_sets_carry_shape_and_region_labels(lesson):
+    common = lesson("common")
     data = common.single_shape_set("medium", 32, "test", 20)
     assert data["images"].shape == (20, 32, 32, 3) and data["images"].dtype == np.uint8
     assert data["num_classes"] == {"shape": 4, "region": 9, "color": 6} and data["color"].max() < 6
@@ -56,9 +51,9 @@ def test_shuffle_patches_moves_whole_patches(positions):
     np.testing.assert_array_equal(positions.shuffle_patches(moved, 8, np.argsort(perm)), images)
 
 
-def test_positions_smoke_writes_tables_and_shows_equivariance_without_positions(positions, tmp_path):
+def test_positions_smoke_writes_tables_and_shows_equivariance_without_positions(positions, tmp_path, lesson):
     out = tmp_path / "pos"
-    proc = _smoke("positions", out)
+    proc = _smoke(lesson, "positions", out)
     rows = list(csv.DictReader(open(out / "runs.csv")))
     assert len(rows) == 2 * 4 * 2  # tasks × position kinds × seeds
     for r in rows:
@@ -70,13 +65,13 @@ def test_positions_smoke_writes_tables_and_shows_equivariance_without_positions(
     table = (out / "positions.md").read_text()
     assert "**Task `region`**" in table and "| rope2d |" in table and "learn − sincos2d" in table
     assert (out / "positions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    proc = _smoke("positions", out)  # again: every cell is reused
+    proc = _smoke(lesson, "positions", out)  # again: every cell is reused
     assert "8 cells already done" in proc.stdout
     assert list(csv.DictReader(open(out / "runs.csv"))) == rows
 
 
-def test_linear_probe_separates_separable_features_and_not_noise():
-    common = _load("lessons_common")
+def test_linear_probe_separates_separable_features_and_not_noise(lesson):
+    common = lesson("common")
     rng = np.random.default_rng(0)
     y = rng.integers(0, 4, 400)
     centres = rng.normal(size=(4, 16)) * 3
@@ -88,9 +83,9 @@ def test_linear_probe_separates_separable_features_and_not_noise():
     assert noise["accuracy"] < 0.45  # chance is 0.25
 
 
-def test_pooling_smoke_writes_both_tables(tmp_path, clip_smoke_run):
+def test_pooling_smoke_writes_both_tables(tmp_path, clip_smoke_run, lesson):
     out = tmp_path / "pool"
-    _smoke("pooling", out, "--tower", str(clip_smoke_run.workdir))
+    _smoke(lesson, "pooling", out, "--tower", str(clip_smoke_run.workdir))
     rows = list(csv.DictReader(open(out / "runs.csv")))
     assert len(rows) == (2 * 3 + 2) * 2  # (tasks × poolings + two towers) × seeds
     assert {r["model"] for r in rows if r["part"] == "probe"} == {"pretrained", "untrained"}
@@ -100,9 +95,9 @@ def test_pooling_smoke_writes_both_tables(tmp_path, clip_smoke_run):
     assert (out / "pooling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # (reuse: the positions test)
 
 
-def test_registers_smoke_measures_norms_and_cls_attention(tmp_path):
+def test_registers_smoke_measures_norms_and_cls_attention(tmp_path, lesson):
     out = tmp_path / "reg"
-    _smoke("registers", out)
+    _smoke(lesson, "registers", out)
     rows = list(csv.DictReader(open(out / "runs.csv")))
     assert sorted({int(r["registers"]) for r in rows}) == [0, 1, 4, 8] and len(rows) == 8
     for r in rows:
@@ -116,8 +111,8 @@ def test_registers_smoke_measures_norms_and_cls_attention(tmp_path):
     assert (out / "norms.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_patch_size_cost_follows_the_token_count_and_the_lessons_example():
-    ps = _load("lessons_patch_size")
+def test_patch_size_cost_follows_the_token_count_and_the_lessons_example(lesson):
+    ps = lesson("patch_size")
     assert ps.score_ratio(224, 448, 16) == pytest.approx((785 / 197) ** 2)
     assert round(ps.score_ratio(224, 448, 16), 1) == 15.9
     cfg = dict(width=16, depth=1, num_heads=2, mlp_dim=32)
@@ -126,9 +121,9 @@ def test_patch_size_cost_follows_the_token_count_and_the_lessons_example():
     assert big["xla_gflops"] >= 4 * small["xla_gflops"] * 0.99 and big["temp_mib"] > small["temp_mib"]
 
 
-def test_patch_size_smoke_writes_cost_and_accuracy(tmp_path):
+def test_patch_size_smoke_writes_cost_and_accuracy(tmp_path, lesson):
     out = tmp_path / "ps"
-    _smoke("patch_size", out)
+    _smoke(lesson, "patch_size", out)
     cost = {(int(r["patch"]), int(r["res"])): r for r in csv.DictReader(open(out / "cost.csv"))}
     assert set(cost) == {(8, 32), (16, 32), (8, 64), (16, 64)}
     assert float(cost[(16, 64)]["token_ratio"]) == 1.0 and float(cost[(8, 64)]["score_ratio"]) == 16.0
@@ -137,9 +132,9 @@ def test_patch_size_smoke_writes_cost_and_accuracy(tmp_path):
     assert "15.88× the score matrix" in (out / "patch_size.md").read_text()
 
 
-def test_patch_step_smoke_times_both_embeddings_that_agree(tmp_path):
+def test_patch_step_smoke_times_both_embeddings_that_agree(tmp_path, lesson):
     out = tmp_path / "pst"
-    _smoke("patch_step", out)
+    _smoke(lesson, "patch_step", out)
     rows = list(csv.DictReader(open(out / "patch_step.csv")))
     assert {(r["impl"], r["batch"]) for r in rows} == {(i, b) for i in ("conv", "unfold") for b in ("1", "2")}
     for r in rows:
@@ -150,8 +145,8 @@ def test_patch_step_smoke_times_both_embeddings_that_agree(tmp_path):
     assert (out / "patch_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_channels_inputs_and_smoke_run(tmp_path):
-    ch = _load("lessons_channels")
+def test_channels_inputs_and_smoke_run(tmp_path, lesson):
+    ch = lesson("channels")
     rgb = np.array([[[[255, 0, 0], [0, 0, 255]]]], np.uint8)  # a red and a blue pixel
     np.testing.assert_array_equal(ch.to_channels(rgb, 1)[..., 0], [[[76, 29]]])  # 0.299·255, 0.114·255
     eight = ch.to_channels(rgb, 8)
@@ -164,7 +159,7 @@ def test_channels_inputs_and_smoke_run(tmp_path):
     with pytest.raises(ValueError, match="channels must be 1, 3 or 8"):
         ch.to_channels(rgb, 4)
     out = tmp_path / "ch"
-    _smoke("channels", out)
+    _smoke(lesson, "channels", out)
     cost = {(r["channels"], r["stem"]): r for r in csv.DictReader(open(out / "cost.csv"))}
     assert len(cost) == 7 and len(list(csv.DictReader(open(out / "runs.csv")))) == 14
     # The linear embedding's kernel grows with the channels (C·P²·D); the projection adds 3·(C+1).

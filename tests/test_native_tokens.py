@@ -2,7 +2,6 @@
 its token counts are the paths' own, and a smoke run writes every output and resumes."""
 
 import csv
-import importlib.util
 import json
 import math
 import pathlib
@@ -19,11 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def nt():
-    spec = importlib.util.spec_from_file_location("native_tokens", ROOT / "experiments/native_tokens.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def nt(load_script):
+    return load_script("experiments/native_tokens.py")
 
 
 @pytest.fixture(scope="module")

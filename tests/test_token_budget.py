@@ -1,7 +1,6 @@
 """The token-budget experiment: budget resolution, and a smoke sweep that writes every output."""
 
 import csv
-import importlib.util
 import json
 import os
 import pathlib
@@ -16,11 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tb():
-    spec = importlib.util.spec_from_file_location("token_budget", ROOT / "experiments/token_budget.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tb(load_script):
+    return load_script("experiments/token_budget.py")
 
 
 def test_tower_is_trained_only_when_its_workdir_has_no_checkpoint(tb, tmp_path, monkeypatch):

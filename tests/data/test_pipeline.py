@@ -166,14 +166,8 @@ def test_key_source_decodes_only_what_is_asked_and_equals_full_decode(data_dir, 
         assert sorted(mocked[0]) == ["image"]
 
 
-def test_input_benchmark_runs(tmp_path, data_dir, small_name):
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "experiments/bench_input.py"
-    spec = importlib.util.spec_from_file_location("bench_input", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_input_benchmark_runs(tmp_path, data_dir, small_name, load_script):
+    module = load_script("experiments/bench_input.py")
     result = module.main(["--data", f"scenes/{small_name}", "--data_dir", data_dir, "--batch", "8",
                           "--batches", "2", "--steps", "1", "--repeats", "1", "--out", str(tmp_path)])
     assert result["input_examples_per_s"] > 0 and result["step_examples_per_s"] > 0

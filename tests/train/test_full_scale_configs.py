@@ -1,7 +1,6 @@
 """Full-scale configs: they build at full size, and their smoke variant trains one step on a
 COCO-captions-shaped dataset read without TensorFlow (the read-only path a real COCO takes)."""
 
-import importlib.util
 import io
 import pathlib
 
@@ -12,7 +11,7 @@ import pytest
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from vitmm import tree
+from vitmm import config_args, tree
 from vitmm.models import two_towers
 from vitmm.train import trainer
 
@@ -20,10 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _config(name, arg=None):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return config_args.load(ROOT / "configs" / f"{name}.py", arg)
 
 
 def _png(seed):

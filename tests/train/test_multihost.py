@@ -13,10 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 WORKER = r"""
 import json, sys
-import importlib.util
-spec = importlib.util.spec_from_file_location("cfg", sys.argv[1])
-module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
-c = module.get_config("smoke")
+from vitmm import config_args
+c = config_args.load(sys.argv[1], "smoke")
 with c.unlocked():
     c.input.data_dir = sys.argv[3]
     for ev in c.evals.values():

@@ -311,12 +311,8 @@ def test_resuming_on_fewer_devices_continues_the_same_global_data_order(tmp_path
                                rtol=1e-5)
 
 
-def test_a_loop_of_sigkill_and_sigterm_ends_where_an_uninterrupted_run_ends(tmp_path, data_dir):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("preemption_loop", ROOT / "experiments/preemption_loop.py")
-    loop = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loop)
+def test_a_loop_of_sigkill_and_sigterm_ends_where_an_uninterrupted_run_ends(tmp_path, data_dir, load_script):
+    loop = load_script("experiments/preemption_loop.py")
     result = loop.main(["--steps", "12", "--checkpoint_every", "4", "--kills", "2", "--data_dir", data_dir,
                         "--out", str(tmp_path)])
     assert [r["signal"] for r in result["interruptions"]] == ["SIGKILL", "SIGTERM"]

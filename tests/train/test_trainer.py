@@ -290,12 +290,8 @@ def test_native_evaluation_embeds_each_image_at_its_own_size():
     assert 0 <= evals["zeroshot"].run(params)["accuracy"] <= 1 and evals["retrieval"].run(params)["examples"] == 40
 
 
-def test_native_eval_scores_a_tower_on_squares_and_at_native_sizes(tmp_path, clip_smoke_run):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("native_eval", ROOT / "experiments/native_eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_native_eval_scores_a_tower_on_squares_and_at_native_sizes(tmp_path, clip_smoke_run, load_script):
+    module = load_script("experiments/native_eval.py")
     out = module.main(["--workdirs", str(clip_smoke_run.workdir), "--out", str(tmp_path), "--num_examples", "32",
                        "--smoke", "--data_dir", clip_smoke_run.data_dir])
     table = (out / "native_eval.md").read_text()

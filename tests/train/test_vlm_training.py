@@ -231,13 +231,9 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
     assert not example["image"].any() and "|blank|" in blind.evals.qa.pp
 
 
-def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_rerun(tmp_path, data_dir, capsys):
-    import importlib.util
-
-    root = pathlib.Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("vlm_smollm2", root / "experiments/vlm_smollm2.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_rerun(
+        tmp_path, data_dir, capsys, load_script):
+    script = load_script("experiments/vlm_smollm2.py")
     args = ["--smoke", "--only", "scratch_lm_same_examples", "--out", str(tmp_path / "out"), "--workdirs",
             str(tmp_path / "w"), "--data_dir", data_dir]
     script.main(args)
