@@ -19,7 +19,7 @@ Ops (all work on numpy, per example):
   * ``value_range(lo, hi)``: uint8 → float32 in ``[lo, hi]``; ``normalize(mean, std)``: uint8 →
     ``(x / 255 - mean) / std`` (a pretrained tower's input statistics); ``blank``: zeros instead
     (a no-image baseline).
-  * ``tokenize(key, max_len, out_key=None, ...)``: fixed-length int32 ids in ``out_key``
+  * The text ops (in ``data/ops_text.py``): ``tokenize(key, max_len, out_key=None, ...)``: fixed-length int32 ids in ``out_key``
     (default ``{key}_tokens``) and ``{out_key}_truncated``.
   * ``qa_tokens(max_len, chat=False)``: a question and its answer as one sequence for the VLM
     (``chat=True``: in the LM's chat template, ``image_pos`` where ``<image>`` stood), with the
@@ -38,16 +38,21 @@ from collections.abc import Callable
 import numpy as np
 from PIL import Image
 
-from vitmm.data import tokenizer as tok_lib
+from vitmm.data import ops_text
 from vitmm.data.scenes import swap_left_right
 
 _OPS: dict[str, Callable[..., Callable]] = {}
 _TEXT_DEFAULT = ("caption", "captions", "questions", "question", "answers", "answer", "text")
 
 
-def register(name: str):
+_TAKES_TOKENIZER: set[str] = set()  # ops whose ``tokenizer`` defaults to the one ``parse`` is given
+
+
+def register(name: str, takes_tokenizer: bool = False):
     def wrap(factory):
         _OPS[name] = factory
+        if takes_tokenizer:
+            _TAKES_TOKENIZER.add(name)
         return factory
 
     return wrap
@@ -78,7 +83,7 @@ def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], di
         name, args, kwargs = _parse_op(text)
         if name not in _OPS:
             raise ValueError(f"Unknown preprocessing op {name!r} in {spec!r}; available: {available_ops()}.")
-        if name in ("tokenize", "qa_tokens"):
+        if name in _TAKES_TOKENIZER:
             kwargs.setdefault("tokenizer", tokenizer)
         fns.append(_OPS[name](*args, **kwargs))
 
@@ -296,107 +301,6 @@ def normalize(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), key="image"):
     return fn
 
 
-@register("tokenize")
-def tokenize(key, max_len, out_key=None, tokenizer=None, add_bos=True, add_eos=True, padding="pad",
-             truncation="right"):
-    tokenizer = tokenizer or tok_lib.ByteTokenizer()
-    out_key = out_key or f"{key}_tokens"
-
-    def fn(ex, rng):
-        text = ex[key]
-        if isinstance(text, bytes):
-            text = text.decode("utf-8")
-        result = tok_lib.tokenize(tokenizer, text, max_len, add_bos=add_bos, add_eos=add_eos,
-                                  padding=padding, truncation=truncation)
-        ex[out_key] = result.ids
-        ex[f"{out_key}_truncated"] = np.bool_(result.truncated)
-        return ex
-
-    return fn
-
-
-IMAGE_PLACEHOLDER = "<image>"  # where a chat prompt's visual tokens go (LLaVA's convention)
-
-
-@register("qa_tokens")
-def qa_tokens(max_len, question_key="question", answer_key="answer", tokenizer=None, separator=" ", chat=False,
-              system=None):
-    """A question and its answer as one VLM sequence: ``ids`` (int32 ``[max_len]``, PAD after),
-    ``answer_mask`` (1 on the tokens the VLM is trained to produce), ``prompt_len`` (the tokens
-    before the answer) and ``qa_truncated``.
-
-    Plain (``chat=False``): ``[BOS] question separator answer [EOS]``; the image goes after BOS
-    (``image_pos`` 1).
-    A question too long for ``max_len`` is cut from the right so that the whole answer fits.
-
-    ``chat=True``: the tokenizer's chat template (a converted LM's) renders a user turn
-    ``"<image>\nquestion"`` (after a ``system`` turn when given) and the assistant's answer; the
-    answer mask covers the assistant's answer up to and including EOS (the template's end of
-    turn), ``image_pos`` is where ``<image>`` stood (the visual tokens go there), and the text
-    after EOS is dropped. A chat example that does not fit ``max_len`` is an error.
-    """
-    tokenizer = tokenizer or tok_lib.ByteTokenizer()
-    if chat:
-        return _qa_chat(max_len, question_key, answer_key, tokenizer, system)
-
-    def fn(ex, rng):
-        question = tokenizer.encode(ex[question_key] + separator)
-        answer = tokenizer.encode(ex[answer_key]) + [tokenizer.eos_id]
-        room = max_len - 1 - len(answer)
-        if room < 1:
-            raise ValueError(f"qa_tokens: answer {ex[answer_key]!r} does not fit max_len={max_len}.")
-        truncated = len(question) > room
-        question = question[:room]
-        seq = [tokenizer.bos_id] + question + answer
-        ids = np.full(max_len, tokenizer.pad_id, np.int32)
-        ids[: len(seq)] = seq
-        mask = np.zeros(max_len, np.float32)
-        mask[1 + len(question): len(seq)] = 1.0
-        ex["ids"], ex["answer_mask"] = ids, mask
-        ex["prompt_len"], ex["qa_truncated"] = np.int32(1 + len(question)), np.bool_(truncated)
-        ex["image_pos"] = np.int32(1)
-        return ex
-
-    return fn
-
-
-def _qa_chat(max_len, question_key, answer_key, tokenizer, system):
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("qa_tokens(chat=True) needs a tokenizer with a chat template: set init.lm to a converted "
-                         "LM (`python -m vitmm.interop --from hf|gguf`), whose tokenizer and template the run uses.")
-    head = [{"role": "system", "content": system}] if system else []
-
-    def fn(ex, rng):
-        user = head + [{"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{ex[question_key]}"}]
-        prompt = tokenizer.chat(user, add_generation_prompt=True)
-        full = tokenizer.chat(user + [{"role": "assistant", "content": ex[answer_key]}])
-        if not full.startswith(prompt) or prompt.count(IMAGE_PLACEHOLDER) != 1:
-            raise ValueError("qa_tokens(chat=True): the chat template must render the prompt as a prefix of the whole "
-                             f"exchange with one {IMAGE_PLACEHOLDER}; got {prompt!r} and {full!r}.")
-        before, after = prompt.split(IMAGE_PLACEHOLDER)
-        before, after = tokenizer.encode(before), tokenizer.encode(after)
-        answer = tokenizer.encode(full[len(prompt):])
-        if tokenizer.eos_id not in answer:
-            raise ValueError(f"qa_tokens(chat=True): the assistant's turn {full[len(prompt):]!r} has no EOS (id "
-                             f"{tokenizer.eos_id}) to stop at; convert the LM with its end-of-turn token as EOS.")
-        answer = answer[: answer.index(tokenizer.eos_id) + 1]
-        seq = before + after + answer
-        if not before:
-            raise ValueError("qa_tokens(chat=True): the chat template puts no token before <image>.")
-        if len(seq) > max_len:
-            raise ValueError(f"qa_tokens(chat=True): the exchange is {len(seq)} tokens, more than max_len={max_len}; "
-                             "raise model.max_len.")
-        ids = np.full(max_len, tokenizer.pad_id, np.int32)
-        ids[: len(seq)] = seq
-        mask = np.zeros(max_len, np.float32)
-        mask[len(before) + len(after): len(seq)] = 1.0
-        ex["ids"], ex["answer_mask"], ex["image_pos"] = ids, mask, np.int32(len(before))
-        ex["prompt_len"], ex["qa_truncated"] = np.int32(len(before) + len(after)), np.bool_(False)
-        return ex
-
-    return fn
-
-
 @register("choose")
 def choose(keys=("questions", "answers", "question_kinds"), out_keys=("question", "answer", "question_kind")):
     def fn(ex, rng):
@@ -428,3 +332,7 @@ def drop(*keys):
         return {k: v for k, v in ex.items() if k not in keys}
 
     return fn
+
+
+tokenize = register("tokenize", takes_tokenizer=True)(ops_text.tokenize)
+qa_tokens = register("qa_tokens", takes_tokenizer=True)(ops_text.qa_tokens)
