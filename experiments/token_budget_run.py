@@ -4,7 +4,6 @@ a split, and the jobs the worker processes run (``token_budget.py`` is the sweep
 
 from __future__ import annotations
 
-import math
 import pathlib
 import time
 
@@ -165,18 +164,27 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     def curve_point():
         return evaluate(run, params, val, view, plan["curve_questions"])["accuracy"]
 
-    curve, losses = [[0, curve_point()]], []
+    curve, losses, pending = [[0, curve_point()]], [], []
+
+    def fetch_losses():  # one host transfer per evaluation, not a sync per step
+        new = np.asarray(jax.device_get(pending), np.float64)
+        pending.clear()
+        bad = np.flatnonzero(~np.isfinite(new))
+        if bad.size:
+            raise FloatingPointError(f"loss became {new[bad[0]]} at step {len(losses) + bad[0] + 1} "
+                                     f"({run.model.connector}, seed {seed}).")
+        losses.extend(new.tolist())
+
     best_acc, best_step, best_params = curve[0][1], 0, jax.tree.map(jnp.copy, params)
     step = 0
     while step < plan["max_steps"]:
         params, opt_state, loss = run.step(params, opt_state, *draw())
         step += 1
-        losses.append(float(loss))
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"loss became {losses[-1]} at step {step} ({run.model.connector}, seed {seed}).")
+        pending.append(loss)
         if progress is not None:
             progress.update(1)
         if step % every == 0 or step == plan["max_steps"]:
+            fetch_losses()
             curve.append([step, curve_point()])
             if curve[-1][1] >= best_acc + plan["min_delta"]:
                 best_acc, best_step, best_params = curve[-1][1], step, jax.tree.map(jnp.copy, params)

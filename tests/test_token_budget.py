@@ -218,6 +218,15 @@ def test_training_stops_when_validation_accuracy_stops_rising_and_tests_the_best
     assert result["steps_trained"] == 30 and result["best_step"] == 30 and result["curve"][-1][0] == 30
 
 
+def test_a_run_whose_loss_is_not_finite_stops_naming_the_first_bad_step(tb):
+    """Losses reach the host once per evaluation (no sync per step); a NaN is still reported at
+    the step it appeared: a NaN learning rate leaves step 1's loss finite and makes step 2's NaN."""
+    run, split = _tiny_run(tb, lr=float("nan"), max_steps=10)
+    plan = dict(max_steps=10, batch_size=4, eval_every=5, patience=3, min_delta=0.01, curve_questions=20)
+    with pytest.raises(FloatingPointError, match=r"loss became nan at step 2 \(.*linear.*, seed 0\)"):
+        tb.run_lib.train_and_eval(run, 0, split, split, split, plan)
+
+
 def test_choose_takes_the_best_validation_accuracy_then_the_smaller_lr_and_warmup(tb):
     tuned = {("pool", 16, 1e-3, 25): {0: {"accuracy": 0.6}}, ("pool", 16, 3e-3, 25): {0: {"accuracy": 0.7}},
              ("pool", 16, 3e-3, 250): {0: {"accuracy": 0.7}}, ("mlp", 64, 1e-2, 25): {0: {"accuracy": 0.5}},
