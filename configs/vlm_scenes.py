@@ -15,8 +15,13 @@ frozen), ``lora`` (a rank > 0: LoRA adapters on the LM's attention instead of tr
 ``chat`` (prompts in the chat template of the LM of ``init.lm``), ``blind`` (images blanked:
 the no-image baseline), ``mrope`` (Qwen2-VL's 3D positions for the visual tokens, the LM's
 rotary bands split by ``lm.mrope_split``; a grid-shaped connector), ``anyres`` (a tile side in
-pixels: LLaVA-NeXT's base view + tiles of 1×2, 2×1 or 2×2 tiles, a newline per row; a
-grid-shaped connector), ``steps``, ``data`` (a scenes config), ``smoke``.
+pixels: LLaVA-NeXT's base view + tiles of 1×2, 2×1 or 2×2 tiles, a newline per row, made on the
+host by the ``anyres`` op at each image's own size; a grid-shaped connector), ``any_size``
+(scenes at random sizes and aspect ratios, made on the fly: ``input.scenes_any``; training and
+evaluation), ``steps``, ``data`` (a scenes config), ``smoke``.
+
+    python -m vitmm.train --config configs/vlm_scenes.py:connector=mlp,anyres=32,any_size=True \
+        --workdir workdirs/vlm_anyres --config.init.vision=workdirs/clip_scenes
 """
 
 import ml_collections
@@ -31,7 +36,7 @@ TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="g
 
 def get_config(arg=None):
     arg = parse_arg(arg, connector="mlp", budget="all", stage=1, steps=500, data="easy_64", lora=0, chat=False,
-                    blind=False, mrope=False, anyres=0, smoke=False)
+                    blind=False, mrope=False, anyres=0, any_size=False, smoke=False)
     if arg.stage not in (1, 2):
         raise ValueError(f"stage must be 1 (connector only) or 2 (connector and LM), got {arg.stage}.")
     c = ml_collections.ConfigDict()
@@ -52,12 +57,16 @@ def get_config(arg=None):
     # ({image_mean}/{image_std}: input.image_mean/std, else what init.vision records).
     # chat: the question in the LM's chat template (init.lm's) after a short system turn, the
     # image where <image> stands. blind: every image blanked (the no-image baseline).
-    qa = ("decode|resize({image_size})|normalize({image_mean}, {image_std})|" + ("blank|" if arg.blind else "")
-          + "choose|" + ("qa_tokens({max_len}, chat=True, system='Answer with one word or number.')" if arg.chat
-                         else "qa_tokens({max_len})"))
+    # anyres: each image's views and their layout made on the host at its own size ({anyres}:
+    # the model's tiles, candidates and the connector's grid per tile), padded to the most views.
+    qa = ("decode|" + ("{anyres}" if arg.anyres else "resize({image_size})") + "|normalize({image_mean}, {image_std})|"
+          + ("blank|" if arg.blind else "") + "choose|"
+          + ("qa_tokens({max_len}, chat=True, system='Answer with one word or number.')" if arg.chat
+             else "qa_tokens({max_len})"))
+    anyres_keys = ", 'visual_mask', 'anyres_layout'" if arg.anyres else ""
     c.input = common.train_input(f"scenes/{arg.data}", image_size=64,
                                  keys=("image", "questions", "answers", "question_kinds"),
-                                 pp=f"{qa}|keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos')")
+                                 pp=f"{qa}|keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos'{anyres_keys})")
     c.input.image_mean = config_dict.placeholder(tuple)
     c.input.image_std = config_dict.placeholder(tuple)
 
@@ -91,12 +100,20 @@ def get_config(arg=None):
     c.evals = ml_collections.ConfigDict()
     c.evals.qa = dict(type="qa", data=common.data_spec(f"scenes/{arg.data}", "validation"), pp=qa,
                       num_examples=512, batch_size=128, max_new_tokens=8)
+    if arg.any_size:  # scenes at random sizes (longer side 32-160 px, aspect up to 3), made on the fly
+        c.input.scenes_any = ml_collections.ConfigDict(dict(
+            difficulty=arg.data.split("_")[0], num_examples=20_000, split="train", seed=0, min_side=32,
+            max_side=160, max_aspect=3.0))
+        c.evals.qa.data = dict(name="scenes_any", split="validation", scenes_any=dict(
+            c.input.scenes_any.to_dict(), num_examples=512))
 
     c.multihost = common.multihost()
     if arg.smoke:
         common.smoke(c, steps=4, batch_size=8)
         c.model.lm.update(dict(width=32, depth=1))
         c.evals.qa.num_examples, c.evals.qa.batch_size = 16, 8
+        if arg.any_size:
+            c.input.scenes_any.num_examples = 64
         c.init.allow_random_tower = True
     c.lock()
     return c

@@ -75,20 +75,13 @@ def path_features(path: str, budget: int, fn, params, images: list[np.ndarray], 
 
 
 def anyres_views(image: np.ndarray, settings: dict) -> np.ndarray:
-    """``[1 + rows·cols, tile, tile, 3]`` in [-1, 1]: the base view (the image squashed to a tile)
-    and the tiles of its best candidate resolution (``anyres.plan``: aspect-kept, centred, zero
-    padding), cut in numpy after PIL resizes as the other paths' ops resize (and as LLaVA-NeXT's
-    processor does): ``anyres.views`` does the same in JAX, which compiles for every image size."""
-    rng, tile = np.random.default_rng(0), settings["tile"]
-    layout = anyres.plan(image.shape[:2], settings["pinpoints"], tile)
-    (fh, fw), (top, left), (rows, cols) = layout["fitted"], layout["offset"], layout["tiles"]
-    to_float = preprocess.parse("value_range(-1, 1)")
-    fitted = to_float({"image": preprocess.parse(f"resize(({fh}, {fw}))")({"image": image}, rng)["image"]}, rng)
-    canvas = np.zeros((*layout["best"], 3), np.float32)
-    canvas[top:top + fh, left:left + fw] = fitted["image"]
-    tiles = canvas.reshape(rows, tile, cols, tile, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols, tile, tile, 3)
-    base = preprocess.parse(f"resize({tile})|value_range(-1, 1)")({"image": image}, rng)["image"]
-    return np.concatenate([base[None], tiles])
+    """``[1 + rows·cols, tile, tile, 3]`` in [-1, 1]: the base view and the tiles of the image's
+    best candidate resolution, made by the library's ``anyres`` op (PIL resizes, as the other
+    paths' ops resize; black padding, as LLaVA-NeXT's processor pads), without its padding views."""
+    tile = settings["tile"]
+    views = preprocess.parse(f"anyres({settings['pinpoints']}, {tile})|value_range(-1, 1)")({"image": image}, None)
+    rows, cols = anyres.plan(image.shape[:2], settings["pinpoints"], tile)["tiles"]
+    return views["image"][:1 + rows * cols]
 
 
 def anyres_layout(tiles: np.ndarray, image_hw, settings: dict) -> tuple[np.ndarray, np.ndarray]:

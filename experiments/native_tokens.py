@@ -86,7 +86,8 @@ class FeatureVLM(vlm.VLM):
     [B, N, C], newline [B, N], grid)``): a per-token connector, then AnyRes's learned newline
     where flagged. Its parameters are ``VLM``'s (tested: equal logits to ``VLM(anyres=…)`` on images)."""
 
-    def visual_tokens(self, images, features=None):
+    def visual_tokens(self, images, features=None, layout=None):
+        del layout  # the features are laid out already
         patches, newline, grid = features
         tokens = self.project(patches, grid)
         if self.anyres is not None:

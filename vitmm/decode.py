@@ -50,8 +50,9 @@ class GreedyDecoder:
     def __init__(self, model: VLM):
         self.model = model
 
-        def prefill(variables, images, ids, prompt_len, cache, image_pos, prefix_lm):
-            return model.apply(variables, images, ids, prompt_len, cache, image_pos, prefix_lm, method=VLM.prefill)
+        def prefill(variables, images, ids, prompt_len, cache, image_pos, prefix_lm, visual_mask, layout):
+            return model.apply(variables, images, ids, prompt_len, cache, image_pos, prefix_lm, visual_mask, layout,
+                               method=VLM.prefill)
 
         def step(variables, token, position, cache):
             logits, cache = model.apply(variables, token, position, cache, method=VLM.step)
@@ -61,20 +62,24 @@ class GreedyDecoder:
         self._step = jax.jit(step, donate_argnums=(3,))
 
     def __call__(self, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray, max_new_tokens: int,
-                 eos_id: int, prefix_lm: bool = False, image_pos=None) -> np.ndarray:
+                 eos_id: int, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None) -> np.ndarray:
         """Answers ``[B, max_new_tokens]`` (EOS, then padding with EOS) after each prompt.
 
         ``prompt_ids: [B, L]`` holds each prompt (BOS included) left-aligned, ``prompt_len`` their
-        lengths; whatever follows a prompt in its row is ignored. ``image_pos`` as in ``VLM``.
+        lengths; whatever follows a prompt in its row is ignored. ``image_pos``, ``visual_mask``
+        (images with different token counts) and ``layout`` (AnyRes views) as in ``VLM``.
         """
         b, length = prompt_ids.shape
-        num_visual = self.model.apply(variables, images.shape[1:3], method=VLM.num_visual_tokens)
+        num_visual = (self.model.apply(variables, images.shape[1:3], method=VLM.num_visual_tokens) if layout is None
+                      else np.shape(layout)[1])
         cache = lm_lib.init_cache(self.model.lm, b, length + num_visual + max_new_tokens)
         prompt_len = jnp.asarray(np.asarray(prompt_len), jnp.int32)
+        optional = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
         logits, cache = self._prefill(variables, images, jnp.asarray(prompt_ids), prompt_len, cache,
                                       None if image_pos is None else jnp.asarray(image_pos, jnp.int32),
-                                      prefix_lm=prefix_lm)
-        state = {"cache": cache, "position": prompt_len + num_visual}
+                                      prefix_lm, optional(visual_mask), optional(layout))
+        shown = num_visual if visual_mask is None else jnp.asarray(np.asarray(visual_mask).sum(-1), jnp.int32)
+        state = {"cache": cache, "position": prompt_len + shown}
 
         def step(now, i):
             token, state["cache"] = self._step(variables, jnp.asarray(now), state["position"] + i, state["cache"])
@@ -100,10 +105,10 @@ def until_eos(first, max_new_tokens: int, eos_id: int, step) -> np.ndarray:
 
 
 def greedy_decode(model: VLM, variables, images, prompt_ids, prompt_len, max_new_tokens: int, eos_id: int,
-                  prefix_lm: bool = False, image_pos=None) -> np.ndarray:
+                  prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None) -> np.ndarray:
     """``GreedyDecoder(model)(...)`` for a single call (compiles its steps each time)."""
     return GreedyDecoder(model)(variables, images, prompt_ids, prompt_len, max_new_tokens, eos_id, prefix_lm,
-                                image_pos)
+                                image_pos, visual_mask, layout)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

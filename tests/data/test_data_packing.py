@@ -79,6 +79,39 @@ def test_packed_iterator_rows_hold_each_examples_own_tokens_and_resume_exactly()
         np.testing.assert_array_equal(value, following[key])
 
 
+def test_anyres_op_cuts_the_best_resolution_into_tiles_after_a_squashed_base_view():
+    """A 30x70 image with 16-px tiles: the best candidate is 16x48 (1x3 tiles, the most of its
+    pixels), the image resized to 16x38 with its aspect kept and centred on black; the tiles are
+    that canvas in raster order after the base view (the image squashed to 16x16), then black
+    views up to the most any candidate needs (1 + 4); the layout is ``anyres.layout``, left-padded."""
+    from PIL import Image
+
+    from vitmm.data import preprocess
+    from vitmm.models import anyres
+
+    pins = [(16, 32), (32, 16), (32, 32), (16, 48)]
+    image = np.random.default_rng(0).integers(1, 256, (30, 70, 3), dtype=np.uint8)
+    out = preprocess.parse(f"anyres({pins}, 16, (2, 2))")({"image": image}, None)
+    plan = anyres.plan((30, 70), pins, 16)
+    assert plan["best"] == (16, 48) and plan["fitted"] == (16, 38) and plan["offset"] == (0, 5)
+    views = out["image"]
+    assert views.shape == (5, 16, 16, 3) and views.dtype == np.uint8 and not views[4:].any()
+    pil = lambda size: np.asarray(Image.fromarray(image).resize(size[::-1], Image.Resampling.BILINEAR))  # noqa: E731
+    np.testing.assert_array_equal(views[0], pil((16, 16)))
+    canvas = np.concatenate(list(views[1:4]), axis=1)  # 16 x 48
+    np.testing.assert_array_equal(canvas[:, 5:43], pil((16, 38)))
+    assert not canvas[:, :5].any() and not canvas[:, 43:].any()
+    index = anyres.layout((30, 70), pins, 16, (2, 2))
+    length = anyres.max_tokens(pins, 16, (2, 2))
+    # the base view's 2x2, then the tiles' 2x6 grid cut to the 2x4 the image covers (int(70 * 2 / 30) = 4
+    # columns, one cut at each side) with a newline per row; at most 2x2 + 4 rows of 4 + 1
+    assert length == 4 + 4 * 5 and len(index) == 4 + 2 * 5
+    np.testing.assert_array_equal(out["anyres_layout"][-len(index):], index)
+    np.testing.assert_array_equal(out["visual_mask"], np.arange(length) >= length - len(index))
+    with pytest.raises(ValueError, match="not a whole number of 16px tiles"):
+        preprocess.parse("anyres([(16, 40)], 16, (2, 2))")({"image": image}, None)
+
+
 def test_letterbox_and_naflex_ops():
     from vitmm.data import preprocess
 

@@ -144,6 +144,23 @@ def test_anyres_counts_and_resolutions_are_llava_nexts():
             assert got == case["tokens"], (name, case)
 
 
+def test_anyres_layout_is_the_order_llava_next_hands_the_lm_its_tokens():
+    """``anyres.layout`` (what ``assemble``, ``gather`` and the ``anyres`` op lay out by) equals
+    the order of LLaVA-NeXT's ``pack_image_features`` on labelled features, for 150 image sizes of
+    the tiny setting and three of LLaVA-NeXT's own (2,000+ tokens each)."""
+    import json
+
+    from vitmm.models import anyres
+
+    stored = json.loads((FIXTURES / "anyres_layouts.json").read_text())["configs"]
+    for name, cfg in stored.items():
+        grid = (cfg["tile"] // cfg["patch"],) * 2
+        assert len(cfg["cases"]) == (150 if name == "tiny" else 3)
+        for case in cfg["cases"]:
+            got = anyres.layout((case["height"], case["width"]), cfg["pinpoints"], cfg["tile"], grid)
+            np.testing.assert_array_equal(got, case["layout"], err_msg=f"{name} {case['height']}x{case['width']}")
+
+
 def _anyres_vlm(cfg):
     from vitmm.models.vlm import VLM
 
@@ -183,6 +200,55 @@ def test_anyres_vlm_hands_the_lm_exactly_the_counted_tokens():
     base = model.apply(variables, jax.image.resize(image, (1, 16, 16, 3), "bicubic", antialias=True),
                        method=lambda m, x: m.project(*m.features(x)[::2]))
     np.testing.assert_allclose(tokens[:16], base[0], atol=1e-5)
+
+
+def test_host_made_anyres_views_of_images_at_their_own_sizes_batch_and_decode_as_each_alone():
+    """The ``anyres`` op (views made on the host, padded to the most views, each image's layout
+    left-padded) lets one batch hold images of different sizes: each example's visual tokens are
+    its views' tokens in ``anyres.assemble``'s order, its text logits those of its unpadded
+    sequence, and greedy decoding over the KV cache gives the tokens it gives alone."""
+    from vitmm import decode
+    from vitmm.data import preprocess
+    from vitmm.models import anyres
+    from vitmm.models.vlm import VLM, text_logits
+
+    cfg = _anyres_fixture()["tiny"]  # 16-px tiles of 4-px patches: a 4x4 grid per view
+    model = VLM(vision=dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=cfg["patch"], class_token=False,
+                            pool="gap", posemb="sincos2d"),
+                connector={"name": "mlp"}, lm=dict(vocab_size=40, width=32, depth=2, num_heads=2),
+                anyres=dict(pinpoints=[tuple(p) for p in cfg["pinpoints"]], tile=cfg["tile"]))
+    pp = preprocess.parse(f"anyres({cfg['pinpoints']}, {cfg['tile']}, (4, 4))|value_range(-1, 1)")
+    rng = np.random.default_rng(0)
+    sizes = ((20, 44), (37, 30), (9, 50))  # 1x3 tiles, 2x2, 1x3 with little left of the padding
+    examples = [pp({"image": rng.integers(1, 256, (*hw, 3), dtype=np.uint8)}, rng) for hw in sizes]
+    views, layout, mask = (np.stack([e[k] for e in examples]) for k in ("image", "anyres_layout", "visual_mask"))
+    assert views.shape == (3, anyres.max_views(cfg["pinpoints"], 16), 16, 16, 3) and views.dtype == np.float32
+    assert layout.shape == mask.shape == (3, anyres.max_tokens(cfg["pinpoints"], 16, (4, 4)))
+    counts = [anyres.num_tokens(hw, cfg["pinpoints"], 16, (4, 4)) for hw in sizes]
+    assert mask.sum(1).tolist() == counts and len(set(counts)) == 3 and not mask[:, :1].all()
+    ids = jnp.asarray(rng.integers(1, 40, size=(3, 6)), jnp.int32)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 32, 3)), ids[:1])
+    tokens = model.apply(variables, jnp.asarray(views), layout=layout, method=VLM.visual_tokens)
+    logits = text_logits(model.apply(variables, jnp.asarray(views), ids, visual_mask=mask, layout=layout),
+                         layout.shape[1], None)
+    for b, (hw, n) in enumerate(zip(sizes, counts, strict=True)):
+        v = 1 + int(np.prod(anyres.plan(hw, cfg["pinpoints"], 16)["tiles"]))
+        assert (views[b, v:] == -1).all() and (views[b, :v] > -1).any()  # black views after the image's own
+        per_view = model.apply(variables, jnp.asarray(views[b:b + 1, :v]), method=lambda m, x: m._view_tokens(x))
+        want = anyres.assemble(per_view, hw, cfg["pinpoints"], 16, variables["params"]["image_newline"])
+        np.testing.assert_allclose(tokens[b, -n:], want[0], atol=1e-5)
+        alone = model.apply(variables, jnp.asarray(views[b:b + 1, :v]), ids[b:b + 1], layout=layout[b:b + 1, -n:])
+        np.testing.assert_allclose(logits[b], text_logits(alone, n, None)[0], atol=1e-5, rtol=1e-5)
+    prompt_len = np.array([3, 5, 4])
+    batch = decode.GreedyDecoder(model)(variables, jnp.asarray(views), np.asarray(ids), prompt_len, 4, eos_id=2,
+                                        visual_mask=mask, layout=layout)
+    for b, n in enumerate(counts):
+        v = 1 + int(np.prod(anyres.plan(sizes[b], cfg["pinpoints"], 16)["tiles"]))
+        alone = decode.greedy_decode(model, variables, jnp.asarray(views[b:b + 1, :v]), np.asarray(ids[b:b + 1]),
+                                     prompt_len[b:b + 1], 4, eos_id=2, layout=layout[b:b + 1, -n:])
+        np.testing.assert_array_equal(batch[b], alone[0])
+    with pytest.raises(ValueError, match="views .* with their layout"):
+        model.apply(variables, jnp.asarray(views), method=VLM.visual_tokens)
 
 
 def test_a_padded_batch_gives_each_image_its_unpadded_text_logits():

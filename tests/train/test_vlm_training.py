@@ -80,7 +80,8 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
             seen.append(batch)
             yield batch
 
-    def oracle(variables, images, prompts, prompt_len, max_new_tokens, eos_id, prefix_lm, image_pos):
+    def oracle(variables, images, prompts, prompt_len, max_new_tokens, eos_id, prefix_lm, image_pos, visual_mask,
+               layout):
         out = np.full((len(prompts), max_new_tokens), eos_id, np.int32)
         for i, (answer, kind) in enumerate(zip(seen[-1]["answer"], seen[-1]["question_kind"], strict=True)):
             ids = tok.encode(str(answer) if kind == count else str(answer) + "!")
@@ -277,10 +278,12 @@ def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):
     assert 0 < result["accuracy"] < 1 and result.get("acc_count", 0.0) == 0.0
 
 
-@pytest.mark.parametrize("arg", ["mrope=True", "anyres=16"])
+@pytest.mark.parametrize("arg", ["mrope=True", "anyres=16", "anyres=16,any_size=True"])
 def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
     """``mrope`` (Qwen2-VL's positions, the LM's bands split by ``lm.mrope_split``) and ``anyres``
-    (LLaVA-NeXT's tiles) reach the VLM the run trains, and the QA evaluator decodes with them."""
+    (LLaVA-NeXT's tiles, made on the host; with ``any_size`` of scenes at random sizes, so each
+    batch mixes token counts) reach the VLM the run trains, and the QA evaluator decodes with them."""
+    from vitmm.data import pipeline
     from vitmm.train import tasks
 
     c = _config("vlm_scenes", f"smoke,{arg}", data_dir)
@@ -291,6 +294,13 @@ def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
         assert task.model.anyres == {"pinpoints": [(16, 32), (32, 16), (32, 32)], "tile": 16}
         task.init_params()
         assert task.num_visual == 4 + 16 + 4
+        assert tasks.pp_string(c).startswith("decode|anyres([(16, 32), (32, 16), (32, 32)], 16, (2, 2))|normalize(")
+        pp = preprocess.parse(tasks.pp_string(c), task.tokenizer)
+        source = pipeline.source_for(trainer._data_spec(c.input))
+        examples = [pp(source[i], np.random.default_rng(i)) for i in range(12)]
+        assert {e["image"].shape for e in examples} == {(5, 16, 16, 3)}  # views padded to 1 + 2x2
+        counts = {int(e["visual_mask"].sum()) for e in examples}
+        assert (len(counts) > 1) == arg.endswith("any_size=True") and max(counts) <= 24
     summary = trainer.train(c, tmp_path)
     assert "qa/accuracy" in summary["evals"]
     assert all(np.isfinite(h["loss"]) for h in summary["history"])

@@ -88,6 +88,17 @@ def get_source(name: str, split: str, data_dir: str | None = None,
     return SafeSource(source, name, split)
 
 
+def source_for(data: dict, keys: tuple[str, ...] | None = None):
+    """The source a data spec names (``name``, ``split``, ``data_dir``): a TFDS dataset
+    (``get_source``), or with ``scenes_any`` (``data.packing.SceneSource``'s settings) scenes at
+    random sizes made on the fly, of ``split``."""
+    if data.get("scenes_any"):
+        from vitmm.data.packing import SceneSource
+
+        return SceneSource(**{**dict(data["scenes_any"]), "split": data["split"]})
+    return get_source(data["name"], data["split"], data.get("data_dir"), keys=keys)
+
+
 class KeySource:
     """Parses and decodes only ``keys`` of each record, with TFDS's own feature decoders.
 

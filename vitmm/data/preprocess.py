@@ -11,7 +11,9 @@ Ops (all work on numpy, per example):
     as PIL's ``convert("RGB")`` and the Hugging Face/open_clip processors do.
   * ``resize(size)``, ``center_crop(size)``, ``random_resized_crop(size, scale, ratio)``;
     ``naflex(max_num_patches, patch)`` (aspect kept, the grid within a patch budget) and
-    ``letterbox(size)`` (aspect kept, padded to a square) for images of many shapes.
+    ``letterbox(size)`` (aspect kept, padded to a square) for images of many shapes;
+    ``anyres(pinpoints, tile, tile_grid)``: LLaVA-NeXT's base view + tiles, with each visual
+    token's place (batches of images at their own sizes for an AnyRes VLM).
   * ``flip_lr(prob=0.5, text_keys=(...), mode="swap")``: horizontal flip. A flipped image
     makes "left" wrong in its text, so ``mode="swap"`` swaps the words left/right in the
     listed text fields (default: captions and questions stay true); ``mode="skip"`` leaves any
@@ -19,8 +21,8 @@ Ops (all work on numpy, per example):
   * ``value_range(lo, hi)``: uint8 → float32 in ``[lo, hi]``; ``normalize(mean, std)``: uint8 →
     ``(x / 255 - mean) / std`` (a pretrained tower's input statistics); ``blank``: zeros instead
     (a no-image baseline).
-  * The text ops (in ``data/ops_text.py``): ``tokenize(key, max_len, out_key=None, ...)``: fixed-length int32 ids in ``out_key``
-    (default ``{key}_tokens``) and ``{out_key}_truncated``.
+  * The text ops (in ``data/ops_text.py``): ``tokenize(key, max_len, out_key=None, ...)``:
+    fixed-length int32 ids in ``out_key`` (default ``{key}_tokens``) and ``{out_key}_truncated``.
   * ``qa_tokens(max_len, chat=False)``: a question and its answer as one sequence for the VLM
     (``chat=True``: in the LM's chat template, ``image_pos`` where ``<image>`` stood), with the
     answer mask and the prompt length.
@@ -191,6 +193,41 @@ def letterbox(size, key="image"):
         out = np.zeros((size, size, ex[key].shape[2]), ex[key].dtype)
         out[:new[0], :new[1]] = _resize(ex[key], new)
         ex[key], ex[f"{key}_valid"] = out, np.array(new, np.int32)
+        return ex
+
+    return fn
+
+
+@register("anyres")
+def anyres(pinpoints, tile, tile_grid=None, key="image"):
+    """AnyRes (``models.anyres``) on the host, for batches of images at their own sizes: ``key``
+    becomes the views ``[max_views, tile, tile, C]``: the base view (the image squashed to a tile),
+    then the tiles of its best candidate resolution (the image resized with its aspect kept and
+    centred on black, as LLaVA-NeXT's processor pads), then zero views up to ``max_views``.
+    ``anyres_layout`` (int32 ``[max_tokens]``) says where each visual token comes from
+    (``anyres.layout``) and ``visual_mask`` which are real: the image's tokens at the end, padding
+    first, as ``VLM(visual_mask=…)`` reads them (without ``tile_grid``: the views only). Put it
+    before ``value_range``/``normalize``."""
+    from vitmm.models import anyres as anyres_lib
+
+    pinpoints, views = [tuple(p) for p in pinpoints], anyres_lib.max_views(pinpoints, tile)
+
+    def fn(ex, rng):
+        image = ex[key]
+        plan = anyres_lib.plan(image.shape[:2], pinpoints, tile)
+        (fh, fw), (top, left), (rows, cols) = plan["fitted"], plan["offset"], plan["tiles"]
+        canvas = np.zeros((*plan["best"], image.shape[2]), image.dtype)
+        canvas[top:top + fh, left:left + fw] = _resize(image, (fh, fw))
+        out = np.zeros((views, tile, tile, image.shape[2]), image.dtype)
+        out[0] = _resize(image, (tile, tile))
+        out[1:1 + rows * cols] = canvas.reshape(rows, tile, cols, tile, -1).swapaxes(1, 2).reshape(-1, tile, tile,
+                                                                                                  image.shape[2])
+        ex[key] = out
+        if tile_grid is not None:
+            index = anyres_lib.layout(image.shape[:2], pinpoints, tile, tile_grid)
+            length = anyres_lib.max_tokens(pinpoints, tile, tile_grid)
+            ex["anyres_layout"] = np.concatenate([np.zeros(length - len(index), np.int32), index])
+            ex["visual_mask"] = np.arange(length) >= length - len(index)
         return ex
 
     return fn

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def best_resolution(image_hw: Sequence[int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -80,25 +81,58 @@ def num_tokens(image_hw: Sequence[int], pinpoints, tile: int, tile_grid: Sequenc
     return tile_grid[0] * tile_grid[1] + extra + n_rows * n_cols + n_rows
 
 
-def assemble(tokens: jnp.ndarray, image_hw: Sequence[int], pinpoints, tile: int, newline: jnp.ndarray) -> jnp.ndarray:
-    """The LM's tokens ``[B, M, D]`` from each view's grid of tokens ``[B, 1 + rows·cols, gh, gw,
-    D]`` (the base view, then the tiles in raster order, as ``views`` makes them) of an image of
-    ``image_hw``: the base view's grid, then the tiles' grids put back together, cut to the image
-    (``unpadded``), each row followed by ``newline [D]``."""
-    b, _, gh, gw, d = tokens.shape
+NEWLINE = -1  # a layout entry that is the learned newline token, not a view's token
+
+
+def layout(image_hw: Sequence[int], pinpoints, tile: int, tile_grid: Sequence[int]) -> np.ndarray:
+    """Where each of the LM's visual tokens for an image of ``image_hw`` comes from: its index in
+    the views' tokens flattened in order (view, row, column), or ``NEWLINE``. The base view's grid
+    comes first, then the tiles' grids put back together, cut to the image (``unpadded``), each
+    row followed by a newline; ``len(layout(...)) == num_tokens(...)``. Host-side numpy, so a
+    batch of images of different sizes can be laid out before the model (``gather``)."""
+    gh, gw = tile_grid
     rows, cols = plan(image_hw, pinpoints, tile)["tiles"]
-    canvas = tokens[:, 1:].reshape(b, rows, cols, gh, gw, d).transpose(0, 1, 3, 2, 4, 5)
-    canvas = canvas.reshape(b, rows * gh, cols * gw, d)
-    keep_rows, keep_cols = unpadded(image_hw, canvas.shape[1:3])
-    canvas = canvas[:, keep_rows, keep_cols]
-    newline = jnp.broadcast_to(newline.astype(canvas.dtype), (*canvas.shape[:2], 1, d))
-    canvas = jnp.concatenate([canvas, newline], axis=2).reshape(b, -1, d)
-    return jnp.concatenate([tokens[:, 0].reshape(b, gh * gw, d), canvas], axis=1)
+    r, c = np.meshgrid(np.arange(rows * gh), np.arange(cols * gw), indexing="ij")  # the tiles' canvas
+    index = (1 + (r // gh) * cols + c // gw) * gh * gw + (r % gh) * gw + c % gw
+    keep_rows, keep_cols = unpadded(image_hw, index.shape)
+    index = index[keep_rows, keep_cols]
+    index = np.concatenate([index, np.full((index.shape[0], 1), NEWLINE)], axis=1)
+    return np.concatenate([np.arange(gh * gw), index.reshape(-1)]).astype(np.int32)
+
+
+def max_views(pinpoints, tile: int) -> int:
+    """The most views (base + tiles) any image gets: what a batch pads its views to."""
+    return 1 + max((h // tile) * (w // tile) for h, w in pinpoints)
+
+
+def max_tokens(pinpoints, tile: int, tile_grid: Sequence[int]) -> int:
+    """The most visual tokens any image gets (a candidate's full canvas, nothing unpadded)."""
+    gh, gw = tile_grid
+    return gh * gw + max((h // tile) * gh * ((w // tile) * gw + 1) for h, w in pinpoints)
+
+
+def gather(tokens: jnp.ndarray, index: jnp.ndarray, newline: jnp.ndarray) -> jnp.ndarray:
+    """The LM's tokens ``[B, M, D]`` from each view's grid of tokens ``[B, V, gh, gw, D]`` and each
+    example's ``layout`` ``[B, M]`` (``NEWLINE``: ``newline [D]``)."""
+    b, v, gh, gw, d = tokens.shape
+    table = jnp.concatenate([tokens.reshape(b, v * gh * gw, d),
+                             jnp.broadcast_to(newline.astype(tokens.dtype), (b, 1, d))], axis=1)
+    index = jnp.where(index == NEWLINE, v * gh * gw, index)
+    return jnp.take_along_axis(table, index[..., None], axis=1)
+
+
+def assemble(tokens: jnp.ndarray, image_hw: Sequence[int], pinpoints, tile: int, newline: jnp.ndarray) -> jnp.ndarray:
+    """``gather`` for a batch of images of one size: tokens ``[B, 1 + rows·cols, gh, gw, D]`` (the
+    base view, then the tiles in raster order, as ``views`` makes them)."""
+    index = layout(image_hw, pinpoints, tile, tokens.shape[2:4])
+    return gather(tokens, jnp.broadcast_to(jnp.asarray(index), (tokens.shape[0], len(index))), newline)
 
 
 def views(images: jnp.ndarray, pinpoints, tile: int) -> jnp.ndarray:
     """``images [B, H, W, C]`` (one size) → ``[B, 1 + rows·cols, tile, tile, C]``: the base view
-    (squashed to a tile), then the tiles in raster order (bicubic resizes, anti-aliased)."""
+    (squashed to a tile), then the tiles in raster order (bicubic resizes, anti-aliased; the
+    padding is zero of the input, the mean colour of normalised images, where the ``anyres``
+    preprocessing op, for batches of images at their own sizes, pads black as LLaVA-NeXT does)."""
     b, h, w, c = images.shape
     layout = plan((h, w), pinpoints, tile)
     (fh, fw), (top, left), (rows, cols) = layout["fitted"], layout["offset"], layout["tiles"]

@@ -83,16 +83,26 @@ class VLM(nn.Module):
                              "learned queries with no place in the image.")
         return rows_cols
 
-    def _anyres_tokens(self, images):
-        """AnyRes: ``[B, M, D]`` for images of one size ``[B, H, W, C]`` (``models.anyres``)."""
-        pinpoints, tile = self.anyres["pinpoints"], self.anyres["tile"]
-        b, h, w, _ = images.shape
-        views = anyres_lib.views(images, pinpoints, tile)
-        n = views.shape[1]
+    def _view_tokens(self, views):
+        """Each AnyRes view's grid of tokens ``[B, V, gh, gw, D]`` from ``views [B, V, t, t, C]``."""
+        b, n = views.shape[:2]
         patches, _, grid = self.features(views.reshape(b * n, *views.shape[2:]))
         tokens = self.project(patches, grid)
-        tokens = tokens.reshape(b, n, *self._tile_grid(), tokens.shape[-1])
-        return anyres_lib.assemble(tokens, (h, w), pinpoints, tile, self.image_newline)
+        return tokens.reshape(b, n, *self._tile_grid(), tokens.shape[-1])
+
+    def _anyres_tokens(self, images, layout=None):
+        """AnyRes (``models.anyres``): ``[B, M, D]`` for images of one size ``[B, H, W, C]``, or for
+        views made on the host (the ``anyres`` preprocessing op: ``[B, V, t, t, C]``, each image's
+        ``layout [B, M]``)."""
+        pinpoints, tile = self.anyres["pinpoints"], self.anyres["tile"]
+        if (images.ndim == 5) != (layout is not None):
+            raise ValueError(f"AnyRes takes images [B, H, W, C], or views [B, V, {tile}, {tile}, C] with their layout "
+                             f"(the `anyres` preprocessing op); got images of shape {images.shape} and "
+                             f"{'a' if layout is not None else 'no'} layout.")
+        if layout is not None:
+            return anyres_lib.gather(self._view_tokens(images), jnp.asarray(layout, jnp.int32), self.image_newline)
+        return anyres_lib.assemble(self._view_tokens(anyres_lib.views(images, pinpoints, tile)), images.shape[1:3],
+                                   pinpoints, tile, self.image_newline)
 
     def positions(self, batch: int, text_len: int, grid, image_pos=None):
         """The LM positions of the sequence ``ids[:p] visual ids[p:]`` for the tower's patch
@@ -149,20 +159,23 @@ class VLM(nn.Module):
             raise ValueError("use_cls=True needs a tower with class_token=True.")
         return patches, cls, grid
 
-    def visual_tokens(self, images: jnp.ndarray, features=None) -> jnp.ndarray:
-        """``[B, M, D]`` tokens for the LM (``features`` may be precomputed tower outputs)."""
+    def visual_tokens(self, images: jnp.ndarray, features=None, layout=None) -> jnp.ndarray:
+        """``[B, M, D]`` tokens for the LM (``features`` may be precomputed tower outputs; ``layout``:
+        AnyRes views made on the host)."""
         if self.anyres is not None:
-            return self._anyres_tokens(images)
+            return self._anyres_tokens(images, layout)
+        if layout is not None:
+            raise ValueError("layout is AnyRes's (the `anyres` preprocessing op); this VLM has anyres=None.")
         patches, cls, grid = features if features is not None else self.features(images)
         tokens = self.project(patches, grid)
         if self.use_cls:
             tokens = jnp.concatenate([self.cls_proj(cls)[:, None], tokens], axis=1)
         return tokens
 
-    def sequence(self, images, ids, image_pos=None, features=None) -> tuple[jnp.ndarray, int]:
+    def sequence(self, images, ids, image_pos=None, features=None, layout=None) -> tuple[jnp.ndarray, int]:
         """The LM's input embeddings ``[B, L + M, D]`` (visual tokens before ``ids[:, image_pos]``)
         and ``M``."""
-        visual = self.visual_tokens(images, features)
+        visual = self.visual_tokens(images, features, layout)
         text = self.language.embed(ids)
         visual = visual.astype(text.dtype)
         m = visual.shape[1]
@@ -175,7 +188,7 @@ class VLM(nn.Module):
         return jnp.where(((j >= p) & (j < p + m))[..., None], from_image, from_text), m
 
     def __call__(self, images, ids, prompt_len=None, prefix_lm: bool = False, features=None, image_pos=None,
-                 visual_mask=None):
+                 visual_mask=None, layout=None):
         """Logits for the sequence ``ids[:p] visual ids[p:]`` (``p = image_pos``, default 1:
         ``ids[:, 0]`` is then BOS).
 
@@ -184,32 +197,43 @@ class VLM(nn.Module):
         example's visual tokens left-padded to ``M``: padding first, so that the last visual
         position, which predicts ``ids[p]``, is a real token. Padding is kept out of attention
         and out of the positions, so each example gets its unpadded sequence's text logits
-        (tested)."""
-        x, m = self.sequence(images, ids, image_pos, features)
+        (tested). ``layout``: AnyRes views made on the host (the ``anyres`` op) as ``images``."""
+        x, m = self.sequence(images, ids, image_pos, features, layout)
         positions = self.positions(ids.shape[0], ids.shape[1], self._grid(images, features), image_pos)
         pad_mask = None
         if visual_mask is not None:
-            if self.mrope:
-                raise ValueError("visual_mask works with 1D positions only (mrope=False).")
-            j = jnp.arange(ids.shape[1] + m)[None]
-            p = jnp.ones((ids.shape[0], 1), jnp.int32) if image_pos is None else \
-                jnp.asarray(image_pos, jnp.int32).reshape(-1, 1)
-            shown = jnp.take_along_axis(jnp.asarray(visual_mask, bool), jnp.clip(j - p, 0, m - 1), 1)
-            pad_mask = jnp.where((j >= p) & (j < p + m), shown, True)
+            pad_mask = self._shown(visual_mask, ids.shape[1], m, image_pos)
             positions = jnp.cumsum(pad_mask, axis=1) - 1
         return self.language(embeds=x, prefix_len=_prefix(prefix_lm, prompt_len, m), positions=positions,
                              pad_mask=pad_mask)
 
-    def prefill(self, images, ids, prompt_len, cache, image_pos=None, prefix_lm: bool = False):
+    def _shown(self, visual_mask, text_len: int, m: int, image_pos=None) -> jnp.ndarray:
+        """``[B, L + M]``: False on the visual padding ``visual_mask [B, M]`` marks, True elsewhere."""
+        if self.mrope:
+            raise ValueError("visual_mask works with 1D positions only (mrope=False).")
+        visual_mask = jnp.asarray(visual_mask, bool)
+        j = jnp.arange(text_len + m)[None]
+        p = jnp.ones((visual_mask.shape[0], 1), jnp.int32) if image_pos is None else \
+            jnp.asarray(image_pos, jnp.int32).reshape(-1, 1)
+        shown = jnp.take_along_axis(visual_mask, jnp.clip(j - p, 0, m - 1), 1)
+        return jnp.where((j >= p) & (j < p + m), shown, True)
+
+    def prefill(self, images, ids, prompt_len, cache, image_pos=None, prefix_lm: bool = False, visual_mask=None,
+                layout=None):
         """Writes the prompts ``ids[:, :prompt_len]`` (right-padded) and the image into the KV
-        ``cache`` (``lm.init_cache``): ``(logits [B, vocab] after each prompt, cache)``."""
-        x, m = self.sequence(images, ids, image_pos)
+        ``cache`` (``lm.init_cache``): ``(logits [B, vocab] after each prompt, cache)``. With
+        ``visual_mask`` (as in ``__call__``) the padding stays out of the cache's valid slots and of
+        the positions: decoding continues at ``prompt_len + visual_mask.sum(-1)``."""
+        x, m = self.sequence(images, ids, image_pos, layout=layout)
         end = jnp.asarray(prompt_len, jnp.int32) + m  # each row's sequence length
         valid = jnp.arange(x.shape[1])[None] < end[:, None]
         grid = self._grid(images, None)
+        positions = self.positions(ids.shape[0], ids.shape[1], grid, image_pos)
+        if visual_mask is not None:
+            valid = valid & self._shown(visual_mask, ids.shape[1], m, image_pos)
+            positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
         logits, cache = self.language(embeds=x, pad_mask=valid, prefix_len=_prefix(prefix_lm, prompt_len, m),
-                                      positions=self.positions(ids.shape[0], ids.shape[1], grid, image_pos),
-                                      cache=cache)
+                                      positions=positions, cache=cache)
         if self.mrope:  # decoding's positions: sequence index + delta
             cache["rope_delta"] = jnp.asarray(self.rope_delta(grid), jnp.int32)
         return jnp.take_along_axis(logits, (end - 1)[:, None, None], 1)[:, 0], cache

@@ -42,13 +42,7 @@ class _Embeddings:
         # data: name, split, data_dir (or scenes_any); keys to read (default image, caption,
         # label) and the ops that turn a record into one "caption" (default: it already has one).
         keys = tuple(data.get("keys") or ("image", "caption", "label"))
-        if data.get("scenes_any"):
-            from vitmm.data.packing import SceneSource
-
-            source = SceneSource(**{**dict(data["scenes_any"]), "split": data["split"]})
-        else:
-            source = pipeline.get_source(data["name"], data["split"], data.get("data_dir"), keys=keys)
-        self.source = source
+        self.source = source = pipeline.source_for(data, keys)
         self.num_examples = min(num_examples or len(source), len(source))
         label = "'label'" if "label" in keys else ""
         self.native = native  # with it: NaFlex to a patch budget and packed rows, else squares
@@ -279,7 +273,8 @@ def _scenes_classes(data: dict) -> tuple[list[str], dict]:
 class QAAccuracy:
     """Greedy-decoded answers of a VLM against the reference, exact match, per question kind.
 
-    ``cfg``: ``data`` (name, split, data_dir; a scenes config), ``pp`` (the preprocessing up to
+    ``cfg``: ``data`` (name, split, data_dir; a scenes config, or ``scenes_any``: scenes at random
+    sizes, e.g. for an AnyRes VLM with the ``anyres`` op in ``pp``), ``pp`` (the preprocessing up to
     ``qa_tokens``, fields filled: the training run's image normalisation and prompt format;
     default ``PP``), ``num_examples`` (images; one seeded random question each),
     ``batch_size``, ``max_new_tokens``.
@@ -296,12 +291,12 @@ class QAAccuracy:
         self.decode = decode.GreedyDecoder(model)
         self.batch_size = cfg.get("batch_size", 64)
         self.max_new_tokens = cfg.get("max_new_tokens", 8)
-        source = pipeline.get_source(data["name"], data["split"], data.get("data_dir"),
-                                     keys=("image", "questions", "answers", "question_kinds"))
+        source = pipeline.source_for(data, keys=("image", "questions", "answers", "question_kinds"))
         self.source = _Prefix(source, min(cfg.get("num_examples") or len(source), len(source)))
         self.kinds = scenes.QUESTION_KINDS
-        self._pp = preprocess.parse(f"{cfg['pp']}|keep('image', 'ids', 'prompt_len', 'image_pos', 'answer', "
-                                    "'question_kind')", tokenizer)
+        pp = preprocess.parse(cfg["pp"], tokenizer)
+        wanted = ("image", "ids", "prompt_len", "image_pos", "answer", "question_kind", "visual_mask", "anyres_layout")
+        self._pp = lambda ex, rng: {k: v for k, v in pp(ex, rng).items() if k in wanted}
 
     def run(self, params, **_) -> dict:
         variables = {"params": params}
@@ -311,7 +306,8 @@ class QAAccuracy:
             prompts = batch["ids"].copy()
             prompts[np.arange(prompts.shape[1])[None, :] >= batch["prompt_len"][:, None]] = self.tokenizer.pad_id
             out = self.decode(variables, batch["image"], prompts, batch["prompt_len"], self.max_new_tokens,
-                              self.tokenizer.eos_id, self.prefix_lm, batch.get("image_pos"))
+                              self.tokenizer.eos_id, self.prefix_lm, batch.get("image_pos"), batch.get("visual_mask"),
+                              batch.get("anyres_layout"))
             for row, answer, kind, keep in zip(out, batch["answer"], batch["question_kind"], batch["_mask"],
                                               strict=True):
                 if not keep:
@@ -320,7 +316,7 @@ class QAAccuracy:
                 text = self.tokenizer.decode(row[: row.index(self.tokenizer.eos_id)] if self.tokenizer.eos_id in row
                                              else row)
                 correct.append(text == answer)
-                kinds.append(int(kind))
+                kinds.append(self.kinds.index(kind) if isinstance(kind, str) else int(kind))  # scenes_any: names
         correct, kinds = np.array(correct), np.array(kinds)
         result = {"accuracy": float(correct.mean()), "examples": int(len(correct))}
         for i, name in enumerate(self.kinds):

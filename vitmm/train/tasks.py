@@ -173,9 +173,11 @@ class VLMTask:
 
     def loss_fn(self, params, batch, rng):
         image_pos = batch.get("image_pos")  # chat prompts: where <image> stood; else after BOS
+        # AnyRes views made on the host (the `anyres` op): each image's layout, its padding masked
         logits = self._apply(params, batch["image"], batch["ids"], prompt_len=batch["prompt_len"],
-                             prefix_lm=self.config.model.prefix_lm, image_pos=image_pos, rng=rng)
-        logits = vlm.text_logits(logits, self.num_visual, image_pos)
+                             prefix_lm=self.config.model.prefix_lm, image_pos=image_pos, rng=rng,
+                             visual_mask=batch.get("visual_mask"), layout=batch.get("anyres_layout"))
+        logits = vlm.text_logits(logits, logits.shape[1] - batch["ids"].shape[1], image_pos)
         loss, acc = losses.lm_loss(logits[:, :-1], batch["ids"][:, 1:], batch["answer_mask"][:, 1:])
         return loss, {"token_acc": acc}
 
@@ -271,6 +273,8 @@ def pp_string(config, template: str | None = None) -> str:
                   max_len=config.model.get("max_len") or config.model.get("text", {}).get("max_len"),
                   max_num_patches=(config.input.get("packing") or {}).get("max_num_patches"),
                   patch_size=(config.model.get("image") or {}).get("patch_size"))
+    if "{anyres}" in template:
+        fields["anyres"] = _anyres_op(config)
     if "{image_mean}" in template or "{image_std}" in template:
         mean, std = image_normalization(config)
         fields.update(image_mean=mean, image_std=std)
@@ -278,8 +282,25 @@ def pp_string(config, template: str | None = None) -> str:
         return template.format(**fields)
     except (KeyError, IndexError) as err:
         raise ValueError(f"The pp template {template!r} names the field {err}; a pp template may use "
-                         f"{{image_size}}, {{max_len}}, {{image_mean}}, {{image_std}}, {{max_num_patches}} "
-                         "and {patch_size} only.") from None
+                         f"{{image_size}}, {{max_len}}, {{image_mean}}, {{image_std}}, {{max_num_patches}}, "
+                         "{patch_size} and {anyres} only.") from None
+
+
+def _anyres_op(config) -> str:
+    """The ``anyres`` preprocessing op of a VLM with ``model.anyres``: its tiles, candidate
+    resolutions and the connector's token grid on a tile (what each view hands the LM)."""
+    from vitmm.models import connectors
+    from vitmm.models.vit import ViT
+
+    settings = config.model.get("anyres")
+    if not settings:
+        raise ValueError("The pp template uses {anyres}, but model.anyres is not set.")
+    tile = int(settings["tile"])
+    tile_grid = connectors.token_grid(config.model.connector.to_dict(), ViT(**vlm_parts(config)[0]).grid((tile, tile)))
+    if tile_grid is None:
+        raise ValueError(f"model.anyres needs a grid-shaped connector; {config.model.connector.name!r} hands the LM "
+                         "learned queries with no place in the image.")
+    return f"anyres({[tuple(p) for p in settings['pinpoints']]}, {tile}, {tuple(tile_grid)})"
 
 
 def _check_budget(connector: dict, vision: dict, image_size) -> None:

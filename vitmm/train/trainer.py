@@ -113,11 +113,18 @@ def _input(config, tokenizer, par: Parallel):
     if inp.get("packing"):
         host = _packed_input(config, pp)
     else:
-        keys = tuple(inp.get("keys") or ()) or None
-        source = pipeline.get_source(inp.data.name, inp.data.split, inp.get("data_dir"), keys=keys)
+        source = pipeline.source_for(_data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
         host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
                                        num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8))
     return pipeline.DeviceIterator(host, size=inp.get("device_prefetch", 2), put=par.put_batch)
+
+
+def _data_spec(inp) -> dict:
+    """The training input's data spec: ``input.data`` in ``input.data_dir``, or scenes at random
+    sizes (``input.scenes_any``, with their own split)."""
+    if inp.get("scenes_any"):
+        return {"scenes_any": inp.scenes_any.to_dict(), "split": inp.scenes_any.get("split", "train")}
+    return {"name": inp.data.name, "split": inp.data.split, "data_dir": inp.get("data_dir")}
 
 
 def _packed_input(config, pp):
@@ -129,11 +136,7 @@ def _packed_input(config, pp):
     from vitmm.models.vit import ViT
 
     inp, pk = config.input, config.input.packing
-    if inp.get("scenes_any"):
-        source = data_packing.SceneSource(**inp.scenes_any.to_dict())
-    else:
-        source = pipeline.get_source(inp.data.name, inp.data.split, inp.get("data_dir"),
-                                     keys=tuple(inp.get("keys") or ()) or None)
+    source = pipeline.source_for(_data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
     tower = ViT(**config.model.image)
     count, index = jax.process_count(), jax.process_index()
     if config.batch_size % count:
