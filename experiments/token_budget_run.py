@@ -250,7 +250,9 @@ def job(key, arrays: dict, context: dict, progress) -> dict:
 def run_seeds(key, context: dict, progress, one) -> dict:
     """``{seed: one(seed)}`` over ``context["seeds"]``, each finished seed appended to
     ``context["seed_log"] = (path, signature)`` when given; seeds already in
-    ``context["seeds_done"][key]`` are taken from there, not trained again."""
+    ``context["seeds_done"][key]`` are taken from there, not trained again. Each trained seed's
+    result carries its ``wall_s`` (seconds, with the machine shared by the sweep's workers), so
+    that the sweep's total time adds up across sittings."""
     done = context.get("seeds_done", {}).get(tuple(key), {})
     out = {}
     for seed in context["seeds"]:
@@ -258,7 +260,8 @@ def run_seeds(key, context: dict, progress, one) -> dict:
             out[seed] = done[seed]
             progress.update(context.get("stage1_steps", 0) + context["plan"]["max_steps"])
             continue
-        out[seed] = one(seed)
+        t0 = time.perf_counter()
+        out[seed] = {**one(seed), "wall_s": round(time.perf_counter() - t0, 1)}
         if context.get("seed_log"):
             sweep.save_cell(pathlib.Path(context["seed_log"][0]), context["seed_log"][1], key, {seed: out[seed]})
     return out

@@ -337,7 +337,7 @@ def test_a_job_keeps_each_finished_seed_and_skips_those_already_kept(tb, tmp_pat
 
     progress = Progress()
     out = tb.run_lib.job(key, arrays, context, progress)
-    assert out[0] == kept and 0 <= out[1]["accuracy"] <= 1 and progress.steps == 2 * 4
+    assert out[0] == kept and 0 <= out[1]["accuracy"] <= 1 and progress.steps == 2 * 4 and out[1]["wall_s"] > 0
     logged = tb.sweep.load_cells(log, "sig")  # only the seed trained here
     assert list(logged) == [key] and list(logged[key]) == [1]
     assert logged[key][1]["accuracy"] == out[1]["accuracy"] and logged[key][1]["curve"] == out[1]["curve"]
