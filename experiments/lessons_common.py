@@ -130,7 +130,7 @@ def run_cells(out: pathlib.Path, settings: dict, keys: list, fn, arrays: dict, c
     import workers
 
     path, signature = out / "cells.jsonl", sweep.signature(settings)
-    done = {k: v for k, v in sweep.load_cells(path, signature).items() if k in set(keys)}
+    done = sweep.finished(path, signature, keys)
     todo = [k for k in keys if k not in done]
     if done:
         print(f"{len(done)} cells already done in {path}, skipped; {len(todo)} to run")

@@ -284,7 +284,10 @@ def main(argv=None) -> pathlib.Path:
     lm_cfg = dict(vocab_size=tokenizer.vocab_size, **args.lm)
     plan = dict(max_steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every, patience=args.patience,
                 min_delta=args.min_delta, curve_questions=args.curve_questions)
-    settings = dict(tower=str(tower_dir.resolve()), lm=lm_cfg, plan=plan, seeds=args.seeds, stage0=args.stage0_steps,
+    # A finished run is reused by a sweep with the same settings; the seed list is not one of them
+    # (tuning runs at the first seed), so a rerun with more seeds trains only the new ones.
+    settings = dict(tower=str(tower_dir.resolve()), lm=lm_cfg, plan=plan, tune_seed=args.seeds[0],
+                    stage0=args.stage0_steps,
                     stage0_lr=args.stage0_lr, stage1=args.stage1_steps, warmup=args.warmup, data=[
                         args.difficulty, args.train_images, args.val_images, args.test_images, args.min_side,
                         args.max_side, args.max_aspect], max_len=max_len)
@@ -300,20 +303,20 @@ def main(argv=None) -> pathlib.Path:
                                                                 seed)
             print(f"stage 0, seed {seed}: final loss {loss:.3f}")
 
-    def run_cells(fn, keys, name, desc, runs_per_key):
+    def run_cells(fn, keys, name, desc, seeds):
         path, signature = out / name, sweep.signature(settings)
-        done = {k: v for k, v in sweep.load_cells(path, signature).items() if k in set(keys)}
+        done = sweep.finished(path, signature, keys, seeds)
         todo = [k for k in keys if k not in done]
         if todo:
             ensure_stage0()
             done.update(workers.run(fn, todo, arrays, context, args.workers,
-                                    total=len(todo) * runs_per_key * (args.stage1_steps + args.steps), desc=desc,
+                                    total=len(todo) * len(seeds) * (args.stage1_steps + args.steps), desc=desc,
                                     on_result=lambda key, res: sweep.save_cell(path, signature, key, res)))
         return done
 
     top, seed0 = args.budgets[-1], args.seeds[0]
     tuned = {} if len(args.tune_lrs) == 1 else run_cells(
-        tune_job, [(p, top, lr) for p in (*PATHS, BLIND) for lr in args.tune_lrs], "tuning.jsonl", "tuning", 1)
+        tune_job, [(p, top, lr) for p in (*PATHS, BLIND) for lr in args.tune_lrs], "tuning.jsonl", "tuning", [seed0])
     # each path's best validation accuracy (ties: the smaller rate)
     context["chosen"] = chosen = {p: max(args.tune_lrs, key=lambda lr, p=p: (
         tuned[(p, top, lr)][seed0]["accuracy"] if tuned else 0.0, -lr)) for p in (*PATHS, BLIND)}
@@ -321,8 +324,8 @@ def main(argv=None) -> pathlib.Path:
     keys = [(p, b) for b in reversed(args.budgets) for p in PATHS] + [(BLIND, top)]
     signature = sweep.signature(settings)  # each finished seed of a cell too: a stop loses one seed's run
     context["seed_log"] = (str(out / "seeds.jsonl"), signature)
-    context["seeds_done"] = sweep.load_cells(out / "seeds.jsonl", signature)
-    results = run_cells(cell_job, keys, "cells.jsonl", "cells", len(args.seeds))
+    context["seeds_done"] = sweep.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], signature)
+    results = run_cells(cell_job, keys, "cells.jsonl", "cells", args.seeds)
 
     rows = []
     seq_text = max_len - 1

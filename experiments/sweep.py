@@ -28,6 +28,26 @@ def load_cells(path: pathlib.Path, signature: str) -> dict:
     return cells
 
 
+def finished(path: pathlib.Path, signature: str, keys, seeds=None) -> dict:
+    """The cells of ``keys`` a rerun skips: those holding every one of ``seeds`` (their results
+    only; ``None``: any seeds). A sweep's signature leaves its seed list out, so rerunning it with
+    more seeds trains only the new ones (with ``seed_results``, each missing seed of a cell)."""
+    cells = load_cells(path, signature)
+    if seeds is None:
+        return {k: cells[k] for k in keys if k in cells}
+    return {k: {s: cells[k][s] for s in seeds} for k in keys if k in cells and set(seeds) <= set(cells[k])}
+
+
+def seed_results(paths, signature: str) -> dict:
+    """Every finished seed ``{key: {seed: result}}`` recorded in any of ``paths`` (the finished
+    cells and the per-seed log) under this signature."""
+    merged: dict = {}
+    for path in paths:
+        for key, by_seed in load_cells(pathlib.Path(path), signature).items():
+            merged.setdefault(key, {}).update(by_seed)
+    return merged
+
+
 def save_cell(path: pathlib.Path, signature: str, key, results: dict) -> None:
     """Appends one finished cell (all its seeds) as a line of a ``.jsonl`` file, synced to disk."""
     line = json.dumps({"signature": signature, "key": list(key), "results": {str(k): v for k, v in results.items()}})

@@ -290,9 +290,10 @@ def main(argv=None) -> pathlib.Path:
           f"{[(f, b) for f, b, _, s, _, _ in plan if s is None]}")
     train_plan = {k: getattr(args, k) for k in ("batch_size", "eval_every", "patience", "min_delta", "curve_questions")}
     train_plan["max_steps"] = args.steps
-    # A finished cell is reused only by a sweep with the same settings (everything but the cells).
+    # A finished cell is reused only by a sweep with the same settings (everything but the cells
+    # and the seed list: a rerun with more seeds trains only the new ones).
     settings = dict(tower=str(tower_dir.resolve()), data=data, lm=lm_cfg, plan=train_plan, stage0_lr=args.lr,
-                    seeds=args.seeds, stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
+                    stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
                     train=len(train["ids"]), val=len(val["ids"]), test=len(test["ids"]), max_len=max_len,
                     tokenizer=args.tokenizer)
     context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, in_dim=in_dim, max_len=max_len, plan=train_plan,
@@ -310,15 +311,16 @@ def main(argv=None) -> pathlib.Path:
             print(f"stage 0, seed {seed}: {args.stage0_steps} LM steps on the questions' text, final loss "
                   f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
 
-    def run_cells(fn, keys, path, signature, desc, steps_per_key):
-        done = {k: v for k, v in sweep.load_cells(path, signature).items() if k in set(keys)}
+    def run_cells(fn, keys, path, signature, desc, seeds, steps_per_seed):
+        done = sweep.finished(path, signature, keys, seeds)
         todo = [k for k in keys if k not in done]
         if done:
             print(f"{desc}: {len(done)} cells already done in {path} (settings {signature}), skipped; "
                   f"{len(todo)} to run")
         if todo:
             ensure_stage0()
-            done.update(workers.run(fn, todo, arrays, context, args.workers, total=len(todo) * steps_per_key, desc=desc,
+            done.update(workers.run(fn, todo, arrays, context, args.workers,
+                                    total=len(todo) * len(seeds) * steps_per_seed, desc=desc,
                                     on_result=lambda key, res: sweep.save_cell(path, signature, key, res)))
         return done
 
@@ -335,11 +337,11 @@ def main(argv=None) -> pathlib.Path:
     if len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1:
         keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in args.tune_lrs]
         tuned = run_cells(run_lib.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
-                          "tuning (lr)", run_steps)
+                          "tuning (lr)", args.seeds[:1], run_steps)
         best_lr = {f: lr for f, (lr, _) in choose(tuned).items()}
         keys = [(f, t, best_lr[f], w) for f, t in tune_at.items() for w in args.tune_warmups[1:]]
         tuned.update(run_cells(run_lib.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
-                               "tuning (warmup)", run_steps))
+                               "tuning (warmup)", args.seeds[:1], run_steps))
         chosen = choose(tuned)
     else:
         chosen = {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in tune_at}
@@ -350,9 +352,8 @@ def main(argv=None) -> pathlib.Path:
     cells_sig = sweep.signature({**settings, "chosen": chosen})
     # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
     context["seed_log"] = (str(out / "seeds.jsonl"), cells_sig)
-    context["seeds_done"] = sweep.load_cells(out / "seeds.jsonl", cells_sig)
-    results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget",
-                        len(args.seeds) * run_steps)
+    context["seeds_done"] = sweep.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], cells_sig)
+    results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget", args.seeds, run_steps)
 
     rows = []
     for family, requested, variant, setting, tokens, note in plan:

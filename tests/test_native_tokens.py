@@ -110,3 +110,11 @@ def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
     assert len(lines) == len(cells)
     nt.main(argv)  # every cell is reused: nothing is trained again
     assert (out / "cells.jsonl").read_text().splitlines() == lines
+    # More seeds: only the new seed is trained (one seed-log line per cell), the others come back unchanged.
+    seed_log = (out / "seeds.jsonl").read_text().splitlines()
+    nt.main([*argv, "--seeds", "0,1,2"])
+    assert len((out / "seeds.jsonl").read_text().splitlines()) == len(seed_log) + len(cells)
+    more = list(csv.DictReader(open(out / "runs.csv")))
+    assert {r["seed"] for r in more} == {"0", "1", "2"}
+    accuracy = lambda rs: sorted((r["path"], r["budget"], r["seed"], r["accuracy"]) for r in rs if r["seed"] != "2")  # noqa: E731
+    assert accuracy(more) == accuracy(rows)

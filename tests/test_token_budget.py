@@ -341,3 +341,17 @@ def test_a_job_keeps_each_finished_seed_and_skips_those_already_kept(tb, tmp_pat
     logged = tb.sweep.load_cells(log, "sig")  # only the seed trained here
     assert list(logged) == [key] and list(logged[key]) == [1]
     assert logged[key][1]["accuracy"] == out[1]["accuracy"] and logged[key][1]["curve"] == out[1]["curve"]
+
+
+def test_a_cell_is_finished_when_it_holds_every_requested_seed(tb, tmp_path):
+    """Seeds are not part of a sweep's signature: asking for more seeds reopens a finished cell,
+    whose kept seeds (in the cells or the seed log) are not trained again."""
+    cells, log = tmp_path / "cells.jsonl", tmp_path / "seeds.jsonl"
+    tb.sweep.save_cell(cells, "sig", ("mlp", 16, ""), {0: {"a": 0}, 1: {"a": 1}})
+    tb.sweep.save_cell(cells, "other", ("pool", 16, ""), {0: {"a": 9}})
+    tb.sweep.save_cell(log, "sig", ("mlp", 16, ""), {2: {"a": 2}})
+    keys = [("mlp", 16, ""), ("pool", 16, "")]
+    assert tb.sweep.finished(cells, "sig", keys, [0, 1]) == {("mlp", 16, ""): {0: {"a": 0}, 1: {"a": 1}}}
+    assert tb.sweep.finished(cells, "sig", keys, [1]) == {("mlp", 16, ""): {1: {"a": 1}}}
+    assert tb.sweep.finished(cells, "sig", keys, [0, 1, 2]) == {}
+    assert tb.sweep.seed_results([cells, log], "sig") == {("mlp", 16, ""): {0: {"a": 0}, 1: {"a": 1}, 2: {"a": 2}}}
