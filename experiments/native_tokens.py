@@ -35,8 +35,9 @@ alone give away. Accuracy is reported per question kind and on the questions of 
 
 Writes to ``--out``: ``cells.jsonl`` and ``tuning.jsonl`` (each finished job as it finishes; a
 rerun with the same settings skips it), ``seeds.jsonl`` (each finished seed of a cell, which a
-rerun does not train again), ``runs.csv`` (one row per run), ``native_tokens.md`` (means ± 95%
-CIs, tests paired by seed), ``native_tokens.png`` and ``setup.json``.
+rerun does not train again; a rerun with more ``--seeds`` trains only the new ones), ``runs.csv``
+(one row per run), ``native_tokens.md`` (means ± 95% CIs, tests paired by seed),
+``native_tokens.png`` and ``setup.json``.
 """
 
 from __future__ import annotations

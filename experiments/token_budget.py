@@ -38,7 +38,8 @@ than what it reads: at 256 their training step cost 6–11× the others' and wou
 
 Writes to ``--out``: ``cells.jsonl`` (each finished job, all its seeds, as it finishes: a rerun
 with the same settings skips it, so a sweep can span several sittings; ``seeds.jsonl`` keeps each
-finished seed of the jobs still running, which a rerun does not train again), ``tuning.jsonl``,
+finished seed of the jobs still running, which a rerun does not train again; a rerun with more
+``--seeds`` trains only the new ones), ``tuning.jsonl``,
 ``runs.csv`` (one row per run and seed: lr, warmup, steps, tokens, parameters, FLOPs, ms per
 example, per-kind accuracy), ``curves.json`` (validation accuracy per check of every run),
 ``token_budget.md`` (the tables, with 95% CIs over seeds and paired tests, and the claims'
