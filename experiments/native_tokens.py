@@ -1,6 +1,6 @@
 """Square resize, NaFlex and AnyRes at equal LM tokens, on scenes at their own sizes.
 
-    python experiments/native_tokens.py                        # results/native/tokens/
+    python experiments/native_tokens.py                        # results/native/tokens_6000/
     python experiments/native_tokens.py --smoke --out /tmp/nt  # a minute or two; the tests run it
 
 Scenes drawn at random sizes and aspect ratios (``data.packing.SceneSource``: longer side
@@ -69,10 +69,10 @@ PATHS = features_lib.PATHS
 BLIND, KINDS = run_lib.BLIND, run_lib.KINDS
 SPATIAL = ("color_at", "shape_at", "relative")
 PRESETS = {
-    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=3000, batch_size=32, eval_every=250, patience=3,
+    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=6000, batch_size=32, eval_every=250, patience=4,
                     min_delta=0.005, curve_questions=2000, stage0_steps=1000, stage1_steps=200, stage0_lr=3e-3,
-                    warmup=25, tune_lrs="3e-4,1e-3,3e-3", budgets="16,36,64", seeds="0,1,2,3,4", workers=2,
-                    train_images=10_000, val_images=1_000, test_images=1_000, difficulty="easy", min_side=32,
+                    warmup=25, tune_lrs="3e-4,1e-3,3e-3", budgets="16,36,64", seeds="0,1,2,3,4,5,6,7,8,9",
+                    workers=2, train_images=10_000, val_images=1_000, test_images=1_000, difficulty="easy", min_side=32,
                     max_side=160, max_aspect=3.0, wide=2.0),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=16, batch_size=16, eval_every=8, patience=2,
                   min_delta=0.005, curve_questions=64, stage0_steps=40, stage1_steps=4, stage0_lr=3e-3, warmup=2,
@@ -243,7 +243,7 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--out", default=str(ROOT / "results/native/tokens"))
+    add("--out", default=str(ROOT / "results/native/tokens_6000"))
     add("--tower", default=None, help="CLIP workdir (default workdirs/clip_scenes; smoke: OUT/tower)")
     add("--data_dir", default=None, help="TFDS data_dir for training the tower when it is missing")
     add("--smoke", action="store_true", help="a tiny run of every cell (the tests run it)")
