@@ -81,7 +81,7 @@ BLIND, KINDS = report.BLIND, report.KINDS
 # eval_every steps, stop after `patience` evaluations without a min_delta gain), images per split,
 # the tuning grid and seeds of a preset.
 PRESETS = {
-    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=6000, batch_size=32, lr=3e-3, workers=2,
+    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=10_000, batch_size=32, lr=3e-3, workers=2,
                     eval_every=250, patience=4, min_delta=0.005, curve_questions=2000,
                     stage0_steps=1000, stage1_steps=200, tune_lrs="1e-4,3e-4,1e-3,3e-3", tune_warmups="25,250",
                     tune_budget=16, train_images=10_000, val_images=1_000, seeds="0,1,2,3,4",
