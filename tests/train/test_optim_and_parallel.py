@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from vitmm.train import optim
+from vitmm.train import step as step_lib
 from vitmm.train.parallel import MESH_AXIS, Parallel, to_host
 
 
@@ -55,6 +56,35 @@ def test_freezing_by_regex_keeps_parameters_fixed():
     assert float(jnp.abs(names["txt/token_embedding/embedding"]).max()) > 0
     with pytest.raises(ValueError, match="matches no parameter"):
         optim.make_optimizer(_cfg(freeze=("vision/.*",)), PARAMS)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_frozen_parameters_get_no_gradient_and_the_rest_get_the_full_one(accum):
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), PARAMS)
+    batch = {"x": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)}
+
+    def loss_fn(p, b, _):
+        h = b["x"] @ p["img"]["embedding"]["kernel"] + p["img"]["cls"] + p["txt"]["token_embedding"]["embedding"][0]
+        return jnp.mean(jnp.tanh(h) ** 2) * p["t"][0] + p["b"][0] ** 2, {}
+
+    cfg = _cfg(warmup_steps=0, freeze=(r"img/.*",))
+    trainable = optim.trainable_mask(cfg, params)
+    loss, _, grads = step_lib.loss_and_grads(loss_fn, params, batch, jax.random.key(0), accum, trainable)
+    full_loss, _, full = step_lib.loss_and_grads(loss_fn, params, batch, jax.random.key(0), accum)
+    np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
+    names, full_names = optim.path_names(grads), optim.path_names(full)
+    assert set(names) == set(full_names)
+    for k, g in names.items():
+        if k.startswith("img/"):
+            assert g is None, k  # never computed
+        else:
+            np.testing.assert_allclose(g, full_names[k], rtol=1e-6, err_msg=k)
+    tx, _ = optim.make_optimizer(cfg, params)
+    new, _, _ = step_lib.apply(tx, grads, tx.init(params), params)
+    jax.tree.map(np.testing.assert_array_equal, new["img"], params["img"])
+    assert float(jnp.abs(new["t"] - params["t"]).max()) > 0
+    assert optim.trainable_mask(_cfg(), params) is None
 
 
 def test_clipping_bounds_the_update_input():

@@ -56,6 +56,44 @@ def test_stage1_keeps_the_language_model_fixed(tmp_path, data_dir):
     assert all(jax.tree.leaves(changed))
 
 
+def test_a_frozen_tower_and_lm_cost_the_step_no_gradient_of_their_own(data_dir):
+    """Stage 1 differentiates the connector only: the trainer's step costs (compiled FLOPs) about
+    what the connector's own gradient does, not the 2.7× it cost while the frozen parameters'
+    gradients were computed for the logged gradient norm and then dropped."""
+    import jax.numpy as jnp
+
+    from vitmm.train import optim, tasks
+    from vitmm.train.parallel import Parallel
+
+    c = _config("vlm_scenes", "smoke,connector=mlp", data_dir, total_steps=10)
+    assert tuple(c.optim.freeze) == (r"tower/.*", r"language/.*")
+    task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+    params = task.init_params()
+    b, r = c.batch_size, c.input.image_size
+    batch = dict(image=jnp.zeros((b, r, r, 3)), ids=jnp.zeros((b, c.model.max_len), jnp.int32),
+                 prompt_len=jnp.ones((b,), jnp.int32), answer_mask=jnp.ones((b, c.model.max_len), jnp.int32))
+
+    def flops(fn, *args):
+        return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+    def step_flops(freeze):
+        with c.unlocked():
+            c.optim.freeze = freeze
+        cfg = c.optim.copy_and_resolve_references()
+        with cfg.unlocked():
+            cfg.total_steps = c.total_steps
+        tx, lr = optim.make_optimizer(cfg, params)
+        state = dict(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+                     rng=jax.random.key(0), bad=jnp.full((2,), -1, jnp.int32))
+        return flops(trainer.make_train_step(task, tx, lr, c, Parallel(c.parallel)), state, batch)
+
+    connector_grad = flops(jax.grad(lambda proj: task.loss_fn({**params, "project": proj}, batch, None)[0]),
+                           params["project"])
+    frozen, everything = step_flops((r"tower/.*", r"language/.*")), step_flops(())
+    assert frozen <= 1.15 * connector_grad, (frozen, connector_grad)
+    assert everything >= 2 * connector_grad, (everything, connector_grad)
+
+
 def test_a_vlm_needs_a_pretrained_tower(tmp_path, data_dir):
     c = _config("vlm_scenes", "smoke", data_dir, **{"init.allow_random_tower": False})
     with pytest.raises(ValueError, match="init.vision=WORKDIR"):

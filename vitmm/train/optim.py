@@ -47,12 +47,21 @@ def make_optimizer(cfg, params) -> tuple[optax.GradientTransformation, optax.Sch
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.get("clip_norm") else optax.identity(),
         optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay),
     )
-    freeze = tuple(cfg.get("freeze", ()) or ())
-    if freeze:
-        frozen = regex_mask(params, freeze)
-        if not any(jax.tree.leaves(frozen)):
-            raise ValueError(f"freeze={freeze} matches no parameter; paths look like "
-                             f"{sorted(path_names(params))[:4]}.")
-        labels = jax.tree.map(lambda f: "frozen" if f else "train", frozen)
+    trainable = trainable_mask(cfg, params)
+    if trainable is not None:
+        labels = jax.tree.map(lambda t: "train" if t else "frozen", trainable)
         tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
     return tx, lr
+
+
+def trainable_mask(cfg, params):
+    """Booleans like ``params``, False where a ``cfg.freeze`` regex matches (those never change);
+    ``None`` when nothing is frozen."""
+    freeze = tuple(cfg.get("freeze", ()) or ())
+    if not freeze:
+        return None
+    frozen = regex_mask(params, freeze)
+    if not any(jax.tree.leaves(frozen)):
+        raise ValueError(f"freeze={freeze} matches no parameter; paths look like "
+                         f"{sorted(path_names(params))[:4]}.")
+    return jax.tree.map(lambda f: not f, frozen)

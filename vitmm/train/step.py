@@ -15,29 +15,45 @@ import jax.numpy as jnp
 import optax
 
 
-def loss_and_grads(loss_fn: Callable, params, batch, rng, accum_steps: int = 1):
+def loss_and_grads(loss_fn: Callable, params, batch, rng, accum_steps: int = 1, trainable=None):
     """``(loss, aux, grads)`` of ``loss_fn(params, batch, rng) -> (loss, aux)``. With
     ``accum_steps = k`` the batch is split into k micro-batches (micro-batch i gets
-    ``fold_in(rng, i)``) whose losses and gradients are averaged; ``aux`` is the last one's."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    ``fold_in(rng, i)``) whose losses and gradients are averaged; ``aux`` is the last one's.
+
+    ``trainable`` (booleans shaped like ``params``, e.g. ``optim.trainable_mask``): only those
+    parameters are differentiated, and ``grads`` holds ``None`` for the others. A frozen LM or
+    tower then costs its forward and its input gradients only: differentiating every parameter
+    and dropping the frozen ones' gradients in the optimizer still computes them whenever anything
+    else reads them (a gradient norm, a cross-device mean)."""
+    if trainable is None:
+        wrt, whole = params, lambda w: w
+    else:
+        wrt = jax.tree.map(lambda p, t: p if t else None, params, trainable)
+        whole = lambda w: jax.tree.map(lambda x, p: p if x is None else x, w, params,  # noqa: E731
+                                       is_leaf=lambda x: x is None)
+    grad_fn = jax.value_and_grad(lambda w, b, r: loss_fn(whole(w), b, r), has_aux=True)
     if accum_steps == 1:
-        (loss, aux), grads = grad_fn(params, batch, rng)
+        (loss, aux), grads = grad_fn(wrt, batch, rng)
         return loss, aux, grads
     micro = jax.tree.map(lambda x: x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:]), batch)
 
     def body(carry, inputs):
         mb, i = inputs
-        (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        (loss, aux), grads = grad_fn(wrt, mb, jax.random.fold_in(rng, i))
         return jax.tree.map(jnp.add, carry, (loss, grads)), aux
 
-    zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, wrt))
     (loss, grads), aux = jax.lax.scan(body, zero, (micro, jnp.arange(accum_steps)))
     grads = jax.tree.map(lambda g: g / accum_steps, grads)
     return loss / accum_steps, jax.tree.map(lambda a: a[-1], aux), grads
 
 
 def apply(tx: optax.GradientTransformation, grads, opt_state, params):
-    """``(params, opt_state, updates)`` after one optimizer update."""
+    """``(params, opt_state, updates)`` after one optimizer update. ``None`` gradients (the
+    parameters ``loss_and_grads`` did not differentiate) reach ``tx`` as zeros: a frozen
+    parameter's transform ignores them."""
+    grads = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None else g, grads, params,
+                         is_leaf=lambda x: x is None)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, updates
 

@@ -45,7 +45,8 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
 
     def step(state, batch):
         rng = par.device_rng(jax.random.fold_in(state["rng"], state["step"]))
-        loss, aux, grads = step_lib.loss_and_grads(task.loss_fn, state["params"], batch, rng, accum)
+        trainable = optim.trainable_mask(config.optim, state["params"])  # frozen parts get no gradient
+        loss, aux, grads = step_lib.loss_and_grads(task.loss_fn, state["params"], batch, rng, accum, trainable)
         loss, grads, aux = par.reduce((loss, grads, aux))
         params, opt_state, updates = step_lib.apply(tx, grads, state["opt_state"], state["params"])
         params = task.post_update(params)
