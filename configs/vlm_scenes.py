@@ -61,8 +61,8 @@ def get_config(arg=None):
     # the model's tiles, candidates and the connector's grid per tile), padded to the most views.
     qa = ("decode|" + ("{anyres}" if arg.anyres else "resize({image_size})") + "|normalize({image_mean}, {image_std})|"
           + ("blank|" if arg.blind else "") + "choose|"
-          + ("qa_tokens({max_len}, chat=True, system='Answer with one word or number.')" if arg.chat
-             else "qa_tokens({max_len})"))
+          + ("qa_tokens({max_len}, chat=True, system='Answer with one word or number.', max_answer={loss_positions})"
+             if arg.chat else "qa_tokens({max_len}, max_answer={loss_positions})"))
     anyres_keys = ", 'visual_mask', 'anyres_layout'" if arg.anyres else ""
     c.input = common.train_input(f"scenes/{arg.data}", image_size=64,
                                  keys=("image", "questions", "answers", "question_kinds"),
@@ -82,6 +82,9 @@ def get_config(arg=None):
     c.model.anyres = dict(tile=tile, pinpoints=((tile, 2 * tile), (2 * tile, tile), (2 * tile, 2 * tile))) if tile \
         else None
     c.model.max_len = 64  # BOS + question + answer + EOS, in tokens
+    # K: the LM's head runs on the first K answer tokens of each example only (the pp's qa_tokens
+    # refuses a longer answer); None: on every position. What a large vocabulary needs.
+    c.model.loss_positions = config_dict.placeholder(int)
 
     # Stage 1 trains the connector; stage 2 the connector and the LM, or with lora=R > 0 the
     # connector and rank-R adapters on the LM's attention projections (the LM itself frozen).

@@ -102,3 +102,6 @@ def test_qa_tokens_mark_the_answer_and_keep_it_whole():
     assert bool(short["qa_truncated"]) and list(short["ids"][-2:]) == [ord("2") + 1, 258]
     with pytest.raises(ValueError, match="does not fit"):
         _run("qa_tokens(3)", {"question": "q", "answer": "long answer"})
+    assert _run("qa_tokens(40, max_answer=2)", ex)["answer_mask"].sum() == 2  # '2' and EOS: allowed
+    with pytest.raises(ValueError, match=r"'22' is 3 tokens with EOS, more than max_answer=2 .*model.loss_positions"):
+        _run("qa_tokens(40, max_answer=2)", {"question": "q", "answer": "22"})

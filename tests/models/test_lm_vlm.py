@@ -199,6 +199,23 @@ def test_image_pos_puts_the_visual_tokens_where_the_placeholder_was():
     np.testing.assert_array_equal(vlm_lib.text_logits(logits, m, np.ones(2, np.int32)), logits[:, m:])
 
 
+@pytest.mark.parametrize("image_pos", [None, np.array([3, 5])])
+def test_text_logits_at_gives_the_full_text_logits_at_those_positions(image_pos):
+    """The head run at chosen text positions only returns exactly ``text_logits`` there (≤ 1e-6),
+    the last visual position's included (text position ``p - 1``)."""
+    model, variables, images = _vlm_and_variables()
+    m = model.apply(variables, (32, 32), method=vlm_lib.VLM.num_visual_tokens)
+    ids = jax.random.randint(jax.random.key(5), (2, 7), 1, 250).at[:, 0].set(257)
+    full = vlm_lib.text_logits(model.apply(variables, images, ids, image_pos=image_pos), m, image_pos)
+    at = np.array([[0, 2, 4, 6], [4, 1, 5, 3]])
+    some = model.apply(variables, images, ids, image_pos=image_pos, text_logits_at=at)
+    assert some.shape == (2, 4, 259)
+    np.testing.assert_allclose(some, np.take_along_axis(np.asarray(full), at[..., None], 1), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="logits_at is for training"):
+        lm_lib.LM(**LM_KW).apply({"params": variables["params"]["language"]}, ids, logits_at=at,
+                                 cache=lm_lib.init_cache(LM_KW, 2, 8))
+
+
 @pytest.mark.parametrize("prefix_lm", [False, True])
 def test_cached_decoding_equals_the_full_forward_with_image_pos_and_prefix(prefix_lm):
     """The KV-cache prefill's logits equal the full forward's at each prompt's last position

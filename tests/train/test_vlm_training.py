@@ -94,6 +94,47 @@ def test_a_frozen_tower_and_lm_cost_the_step_no_gradient_of_their_own(data_dir):
     assert everything >= 2 * connector_grad, (everything, connector_grad)
 
 
+def test_the_loss_on_answer_positions_only_equals_the_full_loss_for_less(data_dir):
+    """``model.loss_positions``: the same loss, token accuracy and gradients (≤ 1e-6) as the head
+    on every position, with fewer FLOPs; a pp that cannot check answer lengths is refused."""
+    import jax.numpy as jnp
+
+    from vitmm.train import tasks
+    from vitmm.train.parallel import Parallel
+
+    def task_for(k):
+        c = _config("vlm_scenes", "smoke,connector=mlp,stage=2", data_dir, **{"model.loss_positions": k})
+        return c, tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+
+    c, full = task_for(None)
+    _, some = task_for(3)
+    params = full.init_params()
+    pp = preprocess.parse(tasks.pp_string(c))
+    rng = np.random.default_rng(0)
+    exs = [pp({"image": np.zeros((8, 8, 3), np.uint8), "questions": np.array(["how many?", "is there a star?"]),
+               "answers": np.array([a, a]), "question_kinds": np.array([0, 1])}, rng)
+           for a in ("2", "no", "3")]
+    batch = {k: jnp.asarray(np.stack([e[k] for e in exs]))
+             for k in ("image", "ids", "answer_mask", "prompt_len", "image_pos")}
+    batch["image"] = jnp.asarray(rng.normal(size=batch["image"].shape), jnp.float32)
+
+    def grads(task):
+        return jax.value_and_grad(task.loss_fn, has_aux=True)(params, batch, None)
+
+    (loss, aux), g = grads(full)
+    (loss_k, aux_k), g_k = grads(some)
+    np.testing.assert_allclose(loss_k, loss, rtol=1e-6)
+    np.testing.assert_allclose(aux_k["token_acc"], aux["token_acc"], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g_k, g)
+    cost = [jax.jit(t.loss_fn).lower(params, batch, None).compile().cost_analysis()["flops"] for t in (full, some)]
+    assert cost[1] < cost[0]
+    c = _config("vlm_scenes", "smoke,connector=mlp", data_dir, **{"model.loss_positions": 3})
+    with c.unlocked():
+        c.input.pp = c.input.pp.replace("max_answer={loss_positions}", "")
+    with pytest.raises(ValueError, match="add max_answer=\\{loss_positions\\}"):
+        tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+
+
 def test_a_vlm_needs_a_pretrained_tower(tmp_path, data_dir):
     c = _config("vlm_scenes", "smoke", data_dir, **{"init.allow_random_tower": False})
     with pytest.raises(ValueError, match="init.vision=WORKDIR"):

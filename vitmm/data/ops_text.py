@@ -31,7 +31,7 @@ IMAGE_PLACEHOLDER = "<image>"  # where a chat prompt's visual tokens go (LLaVA's
 
 
 def qa_tokens(max_len, question_key="question", answer_key="answer", tokenizer=None, separator=" ", chat=False,
-              system=None):
+              system=None, max_answer=None):
     """A question and its answer as one VLM sequence: ``ids`` (int32 ``[max_len]``, PAD after),
     ``answer_mask`` (1 on the tokens the VLM is trained to produce), ``prompt_len`` (the tokens
     before the answer) and ``qa_truncated``.
@@ -45,10 +45,28 @@ def qa_tokens(max_len, question_key="question", answer_key="answer", tokenizer=N
     answer mask covers the assistant's answer up to and including EOS (the template's end of
     turn), ``image_pos`` is where ``<image>`` stood (the visual tokens go there), and the text
     after EOS is dropped. A chat example that does not fit ``max_len`` is an error.
+
+    ``max_answer``: an answer of more tokens (EOS included) is an error (a VLM whose loss reads
+    ``model.loss_positions`` answer tokens per example would drop the rest).
     """
     tokenizer = tokenizer or tok_lib.ByteTokenizer()
-    if chat:
-        return _qa_chat(max_len, question_key, answer_key, tokenizer, system)
+    fn = _qa_chat(max_len, question_key, answer_key, tokenizer, system) if chat else \
+        _qa_plain(max_len, question_key, answer_key, tokenizer, separator)
+    if max_answer is None:
+        return fn
+
+    def checked(ex, rng):
+        ex = fn(ex, rng)
+        if ex["answer_mask"].sum() > max_answer:
+            raise ValueError(f"qa_tokens: the answer {ex[answer_key]!r} is {int(ex['answer_mask'].sum())} tokens with "
+                             f"EOS, more than max_answer={max_answer} (model.loss_positions, the answer tokens the "
+                             "loss reads); raise model.loss_positions.")
+        return ex
+
+    return checked
+
+
+def _qa_plain(max_len, question_key, answer_key, tokenizer, separator):
 
     def fn(ex, rng):
         question = tokenizer.encode(ex[question_key] + separator)

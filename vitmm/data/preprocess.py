@@ -23,9 +23,10 @@ Ops (all work on numpy, per example):
     (a no-image baseline).
   * The text ops (in ``data/ops_text.py``): ``tokenize(key, max_len, out_key=None, ...)``:
     fixed-length int32 ids in ``out_key`` (default ``{key}_tokens``) and ``{out_key}_truncated``.
-  * ``qa_tokens(max_len, chat=False)``: a question and its answer as one sequence for the VLM
-    (``chat=True``: in the LM's chat template, ``image_pos`` where ``<image>`` stood), with the
-    answer mask and the prompt length.
+  * ``qa_tokens(max_len, chat=False, max_answer=None)``: a question and its answer as one sequence
+    for the VLM (``chat=True``: in the LM's chat template, ``image_pos`` where ``<image>`` stood),
+    with the answer mask and the prompt length; an answer longer than ``max_answer`` tokens is an
+    error.
   * ``choose(keys, out_keys)``: one random entry, at the same index, from parallel lists
     (e.g. a question with its answer; ``"captions/text"`` reaches into nested features).
   * ``keep(*keys)`` / ``drop(*keys)``.

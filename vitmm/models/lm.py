@@ -287,11 +287,16 @@ class LM(nn.Module):
         return x
 
     def __call__(self, ids: jnp.ndarray | None = None, embeds: jnp.ndarray | None = None, prefix_len=None,
-                 pad_mask: jnp.ndarray | None = None, positions: jnp.ndarray | None = None, cache: dict | None = None):
+                 pad_mask: jnp.ndarray | None = None, positions: jnp.ndarray | None = None, cache: dict | None = None,
+                 logits_at: jnp.ndarray | None = None):
         """Logits ``[B, T, vocab]``; with ``cache`` (``init_cache``), ``(logits, cache)``: the ``T``
-        new tokens are written at ``cache["slot"]`` onward and attend to every valid earlier slot."""
+        new tokens are written at ``cache["slot"]`` onward and attend to every valid earlier slot.
+        ``logits_at [B, K]`` (positions in ``0 … T-1``): the head runs at those positions only and
+        the logits are ``[B, K, vocab]`` (a loss on a few tokens of a large vocabulary)."""
         if (ids is None) == (embeds is None):
             raise ValueError("Pass exactly one of ids [B, T] or embeds [B, T, D].")
+        if logits_at is not None and cache is not None:
+            raise ValueError("logits_at is for training losses; decoding with a cache reads every new position.")
         x = self.embed(ids) if embeds is None else embeds
         b, t = x.shape[:2]
         positions = jnp.arange(t)[None] if positions is None else positions
@@ -317,6 +322,8 @@ class LM(nn.Module):
             else:
                 x, kv = block(x, angles, mask, (cache["k"][i], cache["v"][i], cache["slot"]))
                 layers_kv.append(kv)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[..., None], 1)
         x = self.final_norm(x)
         logits = (self.token_embedding.attend(x) if self.tie_embeddings else self.head(x)).astype(jnp.float32)
         if cache is None:

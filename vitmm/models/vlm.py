@@ -188,7 +188,7 @@ class VLM(nn.Module):
         return jnp.where(((j >= p) & (j < p + m))[..., None], from_image, from_text), m
 
     def __call__(self, images, ids, prompt_len=None, prefix_lm: bool = False, features=None, image_pos=None,
-                 visual_mask=None, layout=None):
+                 visual_mask=None, layout=None, text_logits_at=None):
         """Logits for the sequence ``ids[:p] visual ids[p:]`` (``p = image_pos``, default 1:
         ``ids[:, 0]`` is then BOS).
 
@@ -197,15 +197,20 @@ class VLM(nn.Module):
         example's visual tokens left-padded to ``M``: padding first, so that the last visual
         position, which predicts ``ids[p]``, is a real token. Padding is kept out of attention
         and out of the positions, so each example gets its unpadded sequence's text logits
-        (tested). ``layout``: AnyRes views made on the host (the ``anyres`` op) as ``images``."""
+        (tested). ``layout``: AnyRes views made on the host (the ``anyres`` op) as ``images``.
+
+        ``text_logits_at [B, K]`` (text positions): only the logits ``text_logits`` would give at
+        those positions, ``[B, K, vocab]`` — position ``i`` predicts ``ids[:, i + 1]`` — with the
+        LM's head run there alone."""
         x, m = self.sequence(images, ids, image_pos, features, layout)
         positions = self.positions(ids.shape[0], ids.shape[1], self._grid(images, features), image_pos)
         pad_mask = None
         if visual_mask is not None:
             pad_mask = self._shown(visual_mask, ids.shape[1], m, image_pos)
             positions = jnp.cumsum(pad_mask, axis=1) - 1
+        rows = None if text_logits_at is None else text_rows(text_logits_at, m, image_pos)
         return self.language(embeds=x, prefix_len=_prefix(prefix_lm, prompt_len, m), positions=positions,
-                             pad_mask=pad_mask)
+                             pad_mask=pad_mask, logits_at=rows)
 
     def _shown(self, visual_mask, text_len: int, m: int, image_pos=None) -> jnp.ndarray:
         """``[B, L + M]``: False on the visual padding ``visual_mask [B, M]`` marks, True elsewhere."""
@@ -264,6 +269,14 @@ def text_logits(logits: jnp.ndarray, num_visual: int, image_pos=None) -> jnp.nda
     visual positions and of ``ids[:, p - 1]`` are dropped."""
     if image_pos is None:
         return logits[:, num_visual:]
-    i = jnp.arange(logits.shape[1] - num_visual)[None]
-    rows = jnp.where(i < jnp.asarray(image_pos, jnp.int32).reshape(-1, 1) - 1, i, i + num_visual)
+    rows = text_rows(jnp.arange(logits.shape[1] - num_visual)[None], num_visual, image_pos)
     return jnp.take_along_axis(logits, rows[..., None], 1)
+
+
+def text_rows(i: jnp.ndarray, num_visual: int, image_pos=None) -> jnp.ndarray:
+    """The sequence rows of text positions ``i`` (``[B, K]`` or ``[1, K]``): the rows of
+    ``text_logits``, i.e. the last visual row for ``ids[:, p - 1]``, which predicts ``ids[:, p]``."""
+    i = jnp.asarray(i, jnp.int32)
+    if image_pos is None:
+        return i + num_visual
+    return jnp.where(i < jnp.asarray(image_pos, jnp.int32).reshape(-1, 1) - 1, i, i + num_visual)

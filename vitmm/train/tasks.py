@@ -120,6 +120,10 @@ class VLMTask:
         if m.get("mrope") and self.lm.get("mrope_section") is None:  # Qwen2-VL's 3D positions on any LM
             self.lm = {**self.lm, "mrope_section": lm_lib.mrope_split(lm_lib.LM(**self.lm).attn_head_dim)}
         _check_budget(m.connector.to_dict(), self.vision, anyres["tile"] if anyres else config.input.image_size)
+        if m.get("loss_positions") and "{loss_positions}" not in config.input.pp:
+            raise ValueError(f"model.loss_positions={m.loss_positions} reads that many answer tokens per example; the "
+                             "train pp must check that no answer is longer: add max_answer={loss_positions} to its "
+                             "qa_tokens op (as configs/vlm_scenes.py does).")
         self.model = vlm.VLM(self.vision, m.connector.to_dict(), self.lm, m.vision_layer, m.use_cls,
                              mrope=bool(m.get("mrope", False)), anyres=anyres)
         self.num_visual = None  # known once the parameters exist (init_params)
@@ -173,12 +177,19 @@ class VLMTask:
 
     def loss_fn(self, params, batch, rng):
         image_pos = batch.get("image_pos")  # chat prompts: where <image> stood; else after BOS
+        targets, mask = batch["ids"][:, 1:], batch["answer_mask"][:, 1:]  # text position i predicts ids[i + 1]
+        at = None
+        if self.config.model.get("loss_positions"):  # the head on the first K answer positions only
+            at = jnp.argsort(mask <= 0, axis=1, stable=True)[:, : self.config.model.loss_positions]
+            targets, mask = jnp.take_along_axis(targets, at, 1), jnp.take_along_axis(mask, at, 1)
         # AnyRes views made on the host (the `anyres` op): each image's layout, its padding masked
         logits = self._apply(params, batch["image"], batch["ids"], prompt_len=batch["prompt_len"],
                              prefix_lm=self.config.model.prefix_lm, image_pos=image_pos, rng=rng,
-                             visual_mask=batch.get("visual_mask"), layout=batch.get("anyres_layout"))
-        logits = vlm.text_logits(logits, logits.shape[1] - batch["ids"].shape[1], image_pos)
-        loss, acc = losses.lm_loss(logits[:, :-1], batch["ids"][:, 1:], batch["answer_mask"][:, 1:])
+                             visual_mask=batch.get("visual_mask"), layout=batch.get("anyres_layout"),
+                             text_logits_at=at)
+        if at is None:
+            logits = vlm.text_logits(logits, logits.shape[1] - batch["ids"].shape[1], image_pos)[:, :-1]
+        loss, acc = losses.lm_loss(logits, targets, mask)
         return loss, {"token_acc": acc}
 
     def post_update(self, params):
@@ -267,12 +278,13 @@ def pp_string(config, template: str | None = None) -> str:
     """A pp template (default ``config.input.pp``) with its fields filled from the config:
     ``{image_size}`` (``input.image_size``), ``{max_len}`` (the LM's ``model.max_len`` or the
     text tower's ``model.text.max_len``), ``{image_mean}`` and ``{image_std}``
-    (``image_normalization``)."""
+    (``image_normalization``), ``{loss_positions}`` (``model.loss_positions``)."""
     template = config.input.pp if template is None else template
     fields = dict(image_size=config.input.image_size,
                   max_len=config.model.get("max_len") or config.model.get("text", {}).get("max_len"),
                   max_num_patches=(config.input.get("packing") or {}).get("max_num_patches"),
-                  patch_size=(config.model.get("image") or {}).get("patch_size"))
+                  patch_size=(config.model.get("image") or {}).get("patch_size"),
+                  loss_positions=config.model.get("loss_positions"))
     if "{anyres}" in template:
         fields["anyres"] = _anyres_op(config)
     if "{image_mean}" in template or "{image_std}" in template:
@@ -283,7 +295,7 @@ def pp_string(config, template: str | None = None) -> str:
     except (KeyError, IndexError) as err:
         raise ValueError(f"The pp template {template!r} names the field {err}; a pp template may use "
                          f"{{image_size}}, {{max_len}}, {{image_mean}}, {{image_std}}, {{max_num_patches}}, "
-                         "{patch_size} and {anyres} only.") from None
+                         "{patch_size}, {loss_positions} and {anyres} only.") from None
 
 
 def _anyres_op(config) -> str:
