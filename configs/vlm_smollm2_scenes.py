@@ -37,4 +37,5 @@ def get_config(arg=None):
         c.evals.qa.update(num_examples=512, batch_size=64, max_new_tokens=6)
         if arg.smoke:  # a test's tiny parts: set init.vision/init.lm to converted fixtures
             c.batch_size, c.evals.qa.num_examples, c.evals.qa.batch_size = 4, 8, 4
+            c.model.max_len = 96  # the fixtures' small vocabularies take more tokens
     return c

@@ -3,10 +3,22 @@ from-scratch LM at the same connector and token budget (`configs/vlm_smollm2_sce
 
     python experiments/vlm_smollm2.py            # needs workdirs/clip_scenes (make demo) and workdirs/smollm2
     python experiments/vlm_smollm2.py --smoke --vision DIR --lm DIR --data_dir DIR   # what the test runs
+    python experiments/vlm_smollm2.py --frozen   # the token-budget subset on the frozen LM (results/vlm_smollm2/frozen)
 
 Each run is a `python -m vitmm.train` process; its row (exact match per question kind, wall
 time, peak memory, training speed) is appended to ``runs.csv`` when it finishes, so a rerun
 skips finished runs (and the trainer resumes an interrupted one from its checkpoint).
+
+``--frozen``: the token-budget study's question on a real LM. SmolLM2 stays frozen and each run
+trains its connector alone (stage 1) for ``--steps`` steps of 16 examples: ``--families`` ×
+``--budgets`` × ``--seeds`` (the seed sets the initialisation and the data order, the same for
+every family, so seeds pair), and a ``blind`` row per seed (pool at the largest budget on blank
+images: what a learned soft prompt gets from the questions alone). Each family's learning rate is
+the best of ``--lrs`` on the validation questions at ``--tune_budget`` tokens and the first seed
+(the tuning rows); blind uses pool's. The grid is scored on ``--test_questions`` test questions,
+greedy decoding; ``frozen.md`` has the means with 95% CIs over seeds and t-tests paired by seed
+(the token-budget report's spread and claim tests). A finished run's checkpoint (the frozen LM
+with it: 0.5 GB) is deleted once its row is written.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ import csv
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -47,7 +60,8 @@ def plan(steps: int, scratch_steps: int, smoke: bool) -> list[dict]:
 
 def run_one(spec: dict, workdirs: pathlib.Path, overrides: list[str]) -> dict:
     workdir = workdirs / spec["run"]
-    cmd = [sys.executable, "-m", "vitmm.train", "--config", spec["config"], "--workdir", str(workdir), *overrides]
+    cmd = [sys.executable, "-m", "vitmm.train", "--config", spec["config"], "--workdir", str(workdir), *overrides,
+           *spec.get("overrides", ())]
     if spec.get("after"):
         cmd.append(f"--config.init.checkpoint={workdirs / spec['after']}")
     if "vlm_scenes" in spec["config"]:  # the from-scratch LM has no init.lm; the tower is the SmolLM2 runs'
@@ -151,6 +165,131 @@ def report(table: pathlib.Path, counts: dict, out: pathlib.Path) -> None:
     (out / "vlm_smollm2.md").write_text("\n".join(lines) + "\n")
 
 
+FROZEN_FIELDS = (*FIELDS, "family", "budget", "tokens", "seed", "lr", "split", "status", "variant")
+
+
+def frozen_specs(args, chosen: dict | None) -> list[dict]:
+    """The frozen-LM subset's runs: without ``chosen`` the tuning runs (every family at
+    ``tune_budget`` with every lr, the first seed, scored on validation); with ``chosen``
+    (``{family: lr}``) the grid and the blind rows, scored on the test split."""
+    smol, extra = "configs/vlm_smollm2_scenes.py", ",smoke" if args.smoke else ""
+
+    def spec(run, family, budget, seed, lr, split, blind=False):
+        connector = "pool" if blind else family
+        test = [f"--config.evals.qa.data.split={split}"] + (
+            [f"--config.evals.qa.num_examples={args.test_questions}"] if split == "test" else [])
+        return dict(run=run, lm="SmolLM2-135M (frozen)", family="blind" if blind else family, budget=budget,
+                    seed=seed, lr=lr, split=split,
+                    config=f"{smol}:stage=1,connector={connector},budget={budget},steps={args.steps}"
+                           f"{',blind=True' if blind else ''}{extra}",
+                    overrides=[f"--config.optim.lr={lr}", f"--config.seed={seed}", *test])
+
+    if chosen is None:
+        return [spec(f"tune_{f}_{args.tune_budget}_lr{lr:g}", f, args.tune_budget, args.seeds[0], lr, "validation")
+                for f in args.families for lr in args.lrs]
+    runs = [spec(f"{f}_{b}_s{seed}", f, b, seed, chosen[f], "test")
+            for seed in args.seeds for b in sorted(args.budgets, reverse=True) for f in args.families]
+    blind_lr = chosen.get("pool", chosen[args.families[0]])
+    return runs + [spec(f"blind_{max(args.budgets)}_s{seed}", None, max(args.budgets), seed, blind_lr, "test", True)
+                   for seed in args.seeds]
+
+
+def visual_tokens(workdir: pathlib.Path) -> int:
+    """The visual tokens the run's connector handed the LM (its config and the tower's grid)."""
+    import ml_collections
+
+    from vitmm.models import connectors
+    from vitmm.models.vit import ViT
+    from vitmm.train import tasks
+
+    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    vision, _ = tasks.vlm_parts(config)
+    grid = tuple(ViT(**vision).grid((config.input.image_size, config.input.image_size)))
+    return int(connectors.num_visual_tokens(config.model.connector.to_dict(), grid))
+
+
+def choose_lrs(rows: list[dict], families) -> dict:
+    """``{family: lr}``: the best validation accuracy among the tuning rows (ties: the smaller lr)."""
+    best = {}
+    for r in rows:
+        key = (float(r["accuracy"]), -float(r["lr"]))
+        if r["run"].startswith("tune_") and r["family"] in families and key > best.get(r["family"], ((-1, 0), 0))[0]:
+            best[r["family"]] = (key, float(r["lr"]))
+    return {f: lr for f, (_, lr) in best.items()}
+
+
+def frozen_report(rows: list[dict], chosen: dict, args, path: pathlib.Path) -> None:
+    """``frozen.md``: the tuning grid, then the grid's means ± 95% CI over seeds per question kind
+    with the paired gain over blind, the spread across families against the gain from more
+    tokens, and Honeybee's and the fine-detail claims (``token_budget_report``'s tests)."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import token_budget_report as tbr
+
+    tune = [r for r in rows if r["run"].startswith("tune_")]
+    lrs = sorted({float(r["lr"]) for r in tune})
+    batch = rows[0]["batch"] if rows else "?"
+    lines = [f"SmolLM2-135M-Instruct frozen; each run trains its connector alone for {args.steps} steps of {batch} "
+             "examples (stage 1), exact match of greedy answers.", "",
+             f"Learning rate per family: validation accuracy (%) at {args.tune_budget} tokens, seed {args.seeds[0]} "
+             "(the chosen one in bold):", "", "| family | " + " | ".join(f"{lr:g}" for lr in lrs) + " |",
+             "|---|" + "---:|" * len(lrs)]
+    for f in dict.fromkeys(r["family"] for r in tune):
+        acc = {float(r["lr"]): 100 * float(r["accuracy"]) for r in tune if r["family"] == f}
+        lines.append(f"| {f} | " + " | ".join(("**{:.1f}**" if chosen.get(f) == lr else "{:.1f}").format(acc[lr])
+                                              if lr in acc else "" for lr in lrs) + " |")
+    grid = [dict(r, seed=int(r["seed"]), tokens=int(r["tokens"]), budget=int(r["budget"]), variant="", status="ok",
+                 **{k: float(r[k]) for k in ("accuracy", *(f"acc_{k}" for k in KINDS))})
+            for r in rows if not r["run"].startswith("tune_")]
+    if grid:
+        summary = sorted(tbr.summarise(grid), key=lambda s: (s["family"] == tbr.BLIND, s["family"], s["tokens"]))
+        n = int(grid[0]["qa_examples"])
+        lines += ["", f"Test questions ({n}, the same for every run), mean ± 95% CI over seeds (%); "
+                  "vs blind: t-test paired by seed:", "",
+                  "| family | tokens | lr | seeds | all | " + " | ".join(KINDS) + " | vs blind |",
+                  "|---|---:|---:|---:|" + "---:|" * (len(KINDS) + 2)]
+        for x in summary:
+            cells = [tbr._pm(x, "accuracy"), *(tbr._pm(x, f"acc_{k}") for k in KINDS), tbr._p(x["vs_blind"])]
+            lines.append(f"| {x['family']} | {x['tokens']} | {float(x['lr']):g} | {x['seeds']} | " + " | ".join(cells)
+                         + " |")
+        lines += ["", *tbr.spread_lines(summary), "", *tbr.claim_lines(summary)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_frozen(args, overrides: list[str]) -> None:
+    out, workdirs = pathlib.Path(args.out), pathlib.Path(args.workdirs)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "runs.csv"
+
+    def rows():
+        return list(csv.DictReader(table.open())) if table.is_file() else []
+
+    def run_all(specs):
+        for spec in specs:
+            if spec["run"] in {r["run"] for r in rows()}:
+                print(f"{spec['run']}: done, skipped", flush=True)
+                continue
+            row = run_one(spec, workdirs, overrides)
+            row.update({k: spec[k] for k in ("family", "budget", "seed", "lr", "split")},
+                       tokens=visual_tokens(workdirs / spec["run"]), status="ok", variant="")
+            new = not table.is_file()
+            with table.open("a", newline="") as f:
+                writer = csv.DictWriter(f, FROZEN_FIELDS)
+                if new:
+                    writer.writeheader()
+                writer.writerow(row)
+            shutil.rmtree(workdirs / spec["run"] / "checkpoints", ignore_errors=True)
+            print(row, flush=True)
+
+    chosen = {f: args.lrs[0] for f in args.families}
+    if len(args.lrs) > 1:
+        run_all(frozen_specs(args, None))
+        chosen = choose_lrs(rows(), args.families)
+    print(f"learning rate per family: {chosen}", flush=True)
+    run_all(frozen_specs(args, chosen))
+    frozen_report(rows(), chosen, args, out / "frozen.md")
+    print(f"wrote {out / 'frozen.md'}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="steps of each SmolLM2 stage (batch 16)")
@@ -161,12 +300,28 @@ def main(argv=None):
     parser.add_argument("--data_dir", default=None)
     parser.add_argument("--only", default=None, help="comma-separated run names (default: all)")
     parser.add_argument("--smoke", action="store_true")
+    frozen = parser.add_argument_group("--frozen: the token-budget subset on the frozen LM")
+    frozen.add_argument("--frozen", action="store_true")
+    frozen.add_argument("--families", default="pool,c_abstractor,qwen_resampler")
+    frozen.add_argument("--budgets", default="4,16", help="visual tokens")
+    frozen.add_argument("--seeds", default="0,1,2")
+    frozen.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="the tuning grid (one value: no tuning)")
+    frozen.add_argument("--tune_budget", type=int, default=16)
+    frozen.add_argument("--test_questions", type=int, default=1024)
     args = parser.parse_args(argv)
-    out, workdirs = pathlib.Path(args.out), pathlib.Path(args.workdirs)
-    out.mkdir(parents=True, exist_ok=True)
     overrides = [f"--config.init.{k}={v}" for k, v in (("vision", args.vision), ("lm", args.lm)) if v]
     if args.data_dir:
         overrides.append(f"--config.input.data_dir={args.data_dir}")
+    if args.frozen:
+        args.families, args.lrs = args.families.split(","), [float(x) for x in args.lrs.split(",")]
+        args.budgets, args.seeds = [int(x) for x in args.budgets.split(",")], [int(x) for x in args.seeds.split(",")]
+        if args.out == parser.get_default("out"):
+            args.out = str(ROOT / "results/vlm_smollm2/frozen")
+        if args.workdirs == parser.get_default("workdirs"):
+            args.workdirs = str(ROOT / "workdirs/smol_frozen")
+        return run_frozen(args, overrides)
+    out, workdirs = pathlib.Path(args.out), pathlib.Path(args.workdirs)
+    out.mkdir(parents=True, exist_ok=True)
     table = out / "runs.csv"
     done = {r["run"] for r in csv.DictReader(table.open())} if table.is_file() else set()
     # The from-scratch LM sees as many examples as both SmolLM2 stages together (batch 64 there).

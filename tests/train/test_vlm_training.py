@@ -1,6 +1,7 @@
 """VLM training through the same loop: stages freeze what they should, the tower comes from a
 CLIP run of `vitmm.train`, and the QA evaluator reports accuracy per question kind."""
 
+import json
 import pathlib
 
 import jax
@@ -325,6 +326,39 @@ def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_
     assert "scratch_lm_same_examples: done, skipped" in capsys.readouterr().out
     assert len(list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))) == 1
     assert "| scratch_lm_same_examples |" in (tmp_path / "out/vlm_smollm2.md").read_text()
+
+
+def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resumes(
+        tmp_path, data_dir, clip_smoke_run, capsys, load_script):
+    """``vlm_smollm2.py --frozen`` on a converted tiny GGUF: the lr chosen per family on validation
+    is the one the grid runs with, on the test split; every run is a row (then its checkpoint is
+    deleted), blind sees blank images, and a rerun trains nothing."""
+    from vitmm.interop import __main__ as cli
+
+    fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
+    cli.main(["--from", "gguf", "--src", str(fixtures / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "lm")])
+    script = load_script("experiments/vlm_smollm2.py")
+    args = ["--frozen", "--smoke", "--families", "pool", "--budgets", "4", "--seeds", "0,1", "--lrs", "1e-3,3e-3",
+            "--tune_budget", "4", "--test_questions", "8", "--vision", str(clip_smoke_run.workdir), "--lm",
+            str(tmp_path / "lm"), "--out", str(tmp_path / "out"), "--workdirs", str(tmp_path / "w"),
+            "--data_dir", data_dir]
+    script.main([*args, "--steps", "4"])
+    rows = list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))
+    assert [r["run"] for r in rows] == ["tune_pool_4_lr0.001", "tune_pool_4_lr0.003", "pool_4_s0", "pool_4_s1",
+                                        "blind_4_s0", "blind_4_s1"]
+    chosen = script.choose_lrs(rows, ["pool"])["pool"]
+    tuned = {float(r["lr"]): float(r["accuracy"]) for r in rows[:2]}
+    assert tuned[chosen] == max(tuned.values()) and all(r["split"] == "validation" for r in rows[:2])
+    assert all(float(r["lr"]) == chosen and r["split"] == "test" and r["tokens"] == "4" for r in rows[2:])
+    assert [r["family"] for r in rows[2:]] == ["pool", "pool", "blind", "blind"]
+    assert not any((tmp_path / "w" / r["run"] / "checkpoints").exists() for r in rows)
+    blind_config = json.loads((tmp_path / "w/blind_4_s1/config.json").read_text())
+    assert "|blank|" in blind_config["input"]["pp"] and blind_config["seed"] == 1
+    report = (tmp_path / "out/frozen.md").read_text()
+    assert "| pool | 4 |" in report and "| blind | 4 |" in report and "Spread across connectors" in report
+    capsys.readouterr()
+    script.main([*args, "--steps", "4"])
+    assert capsys.readouterr().out.count("done, skipped") == 6
 
 
 def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):
