@@ -5,7 +5,11 @@
     python -m vitmm.train --config configs/clip_scenes.py:smoke --workdir /tmp/clip_smoke
 
 Args: ``steps`` (updates), ``data`` (a scenes config, e.g. ``easy_64``, ``medium_64``),
-``parallel`` (``jit`` or ``pmap``), ``smoke`` (a seconds-long run on a small build).
+``parallel`` (``jit`` or ``pmap``), ``smoke`` (a seconds-long run on a small build), ``scale``:
+``demo`` (the towers above) or ``b16``, the GPU run of the same job: OpenAI CLIP-B/16-sized
+towers (ViT-B/16 at 224 px, the scenes upsampled; a 12-layer width-512 text tower) in bfloat16
+matmuls with ``attn`` attention (default ``cudnn``; ``xla`` on a CPU), ``batch`` pairs a step
+(default 256) and 16 reader threads (``scale=b16,smoke``: one block per tower, on a CPU).
 """
 
 import ml_collections
@@ -16,7 +20,7 @@ from vitmm.config_args import parse_arg
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, steps=400, data="easy_64", parallel="jit", smoke=False)
+    arg = parse_arg(arg, steps=400, data="easy_64", parallel="jit", smoke=False, scale="demo", attn="cudnn", batch=256)
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.total_steps = arg.steps
@@ -54,8 +58,21 @@ def get_config(arg=None):
     c.evals.retrieval = dict(type="retrieval", data=val, num_examples=1000)
     c.evals.val = dict(type="val_loss", data=val, num_examples=1000, batch_size=256)
 
+    if arg.scale == "b16":
+        fast = dict(dtype_mm="bfloat16", attn_impl=arg.attn)
+        c.batch_size = arg.batch
+        c.input.image_size, c.input.num_threads = 224, 16
+        c.model.image = dict(variant="B/16", pool="gap", class_token=False, posemb="sincos2d", **fast)
+        c.model.text = dict(c.model.text.to_dict(), width=512, depth=12, mlp_dim=2048, num_heads=8, dtype_mm="bfloat16")
+        c.model.embed_dim = 512
+        c.optim.lr = 5e-4
+    elif arg.scale != "demo":
+        raise ValueError(f"scale={arg.scale!r}: choose demo or b16.")
+
     c.multihost = common.multihost()
     if arg.smoke:
         common.smoke(c)
+        if arg.scale == "b16":
+            c.model.image.depth = c.model.text.depth = 1
     c.lock()
     return c

@@ -60,16 +60,33 @@ def fake_coco(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, expected_millions", [("clip_b16_coco", (120, 130)),
-                                                     ("siglip_b16", (175, 185))])
+                                                     ("siglip_b16", (175, 185)),
+                                                     ("clip_scenes:scale=b16,attn=xla", (120, 130))])
 def test_full_size_models_build(name, expected_millions):
-    c = _config(name)
+    c = _config(*name.split(":"))
     model = two_towers.TwoTowers(**c.model.to_dict())
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)),
                             jnp.zeros((1, c.model.text.max_len), jnp.int32))
     millions = tree.count(shapes["params"]) / 1e6
     lo, hi = expected_millions
     assert lo < millions < hi, millions  # byte vocabulary: no 49k/32k token embedding table
-    assert c.model.image.dtype_mm == "bfloat16" and c.model.image.scan
+    assert c.model.image.dtype_mm == "bfloat16" and c.model.text.dtype_mm == "bfloat16"
+    assert c.model.image.get("scan") or c.model.image.attn_impl == "xla"  # the scenes job at GPU scale, on a CPU
+    assert _config("clip_scenes", "scale=b16").model.image.attn_impl == "cudnn"  # its default
+
+
+def test_loop_overhead_times_the_loop_and_its_bare_step(load_script, clip_smoke_run):
+    """``experiments/loop_overhead.py``: the trainer's logged speed after the skipped intervals and
+    the same compiled step alone (``trainer.build``)."""
+    script = load_script("experiments/loop_overhead.py")
+    out = script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "12",
+                       "--log_every", "2", "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
+    assert out["loop"]["intervals"] == 4 and out["batch_size"] == 16
+    assert out["loop"]["img_per_s"] > 0 and out["bare"]["img_per_s"] > 0
+    assert out["ratio"] == out["loop"]["img_per_s"] / out["bare"]["img_per_s"] and 0.2 < out["ratio"] < 2
+    with pytest.raises(SystemExit, match="too few intervals"):
+        script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4", "--log_every", "2",
+                     "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
 
 
 @pytest.mark.parametrize("name", ["clip_b16_coco", "siglip_b16"])

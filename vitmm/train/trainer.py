@@ -7,12 +7,14 @@ another run, or resumed from this workdir) → loop (step, log, evaluate, checkp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -238,7 +240,34 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
         lock.release()
 
 
-def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopRequests) -> dict:
+@dataclasses.dataclass
+class Setup:
+    """What a run trains: the parallelism, tokenizer, task, the initial state (on the host) and
+    ``compile()``, the train step as the loop runs it."""
+
+    par: Parallel
+    tokenizer: Any
+    task: Any
+    tx: Any
+    lr_schedule: Any
+    state: dict
+    config: Any
+
+    def compile(self, placed):
+        """``step(state, batch) -> (state, metrics)``, jitted or pmapped, the state donated;
+        ``placed``: a state as ``par.put_state`` lays it out."""
+        train_step = make_train_step(self.task, self.tx, self.lr_schedule, self.config, self.par)
+
+        def step_with_key(state, batch):  # the RNG is stored as raw key data (plain pytree leaf)
+            keyed = dict(state, rng=jax.random.wrap_key_data(state["rng"]))
+            new, metrics = train_step(keyed, batch)
+            return dict(new, rng=jax.random.key_data(new["rng"])), metrics
+
+        return self.par.compile(step_with_key, jax.tree.map(lambda x: x, self.par.host_state(placed)))
+
+
+def build(config) -> Setup:
+    """The task, optimizer and fresh state of ``config`` (``init.checkpoint`` loaded)."""
     par = Parallel(config.parallel, fsdp=config.get("fsdp", False))
     tokenizer = tasks.tokenizer_for(config)
     task = tasks.from_config(config, par, tokenizer)
@@ -247,7 +276,6 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
     with optim_cfg.unlocked():
         optim_cfg.total_steps = config.total_steps
     tx, lr_schedule = optim.make_optimizer(optim_cfg, params)
-
     if config.init.get("checkpoint"):
         loaded = ckpt_lib.load_params(config.init.checkpoint)
         params = ckpt_lib.merge_params(params, loaded, config.init.get("dont_load") or (),
@@ -255,7 +283,12 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
     state = dict(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
                  rng=jax.random.key_data(jax.random.key(config.seed)),
                  bad=jnp.full((2,), -1, jnp.int32))
+    return Setup(par, tokenizer, task, tx, lr_schedule, state, config)
 
+
+def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopRequests) -> dict:
+    setup = build(config)
+    par, tokenizer, task, state = setup.par, setup.tokenizer, setup.task, setup.state
     data = _input(config, tokenizer, par)
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
     start = 0
@@ -274,14 +307,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
     if is_main:
         workdir_lib.write_config(workdir, config)
     state = par.put_state(state)
-
-    def step_with_key(state, batch):  # the RNG is stored as raw key data (plain pytree leaf)
-        keyed = dict(state, rng=jax.random.wrap_key_data(state["rng"]))
-        new, metrics = train_step(keyed, batch)
-        return dict(new, rng=jax.random.key_data(new["rng"])), metrics
-
-    train_step = make_train_step(task, tx, lr_schedule, config, par)
-    step_fn = par.compile(step_with_key, jax.tree.map(lambda x: x, par.host_state(state)))
+    step_fn = setup.compile(state)
     evaluators = task.evaluators()
     metric_names = BASE_METRICS + task.aux_names
     writer = MetricWriter(workdir, enabled=is_main, resumed_at=start)  # a fresh start drops a lost run's rows

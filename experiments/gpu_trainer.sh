@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Issue 27, part 1: `python -m vitmm.train` itself on a GPU, in one device call of ~5 minutes.
+#   bash experiments/gpu_carry.sh                          # here, once: .whl/ and .gpu_data/
+#   run(command="bash experiments/gpu_trainer.sh", carry=[".whl", ".gpu_data"], timeout_s=540)
+#   TINY_DATA=DIR bash experiments/gpu_trainer.sh --tiny   # here, on the CPU: every step at smoke scale
+# Steps (each one's failure is logged and the next still runs), results in $OUT/gpu_trainer/:
+#   versions.txt       python, jax and the packages, the devices
+#   demo.json          `make demo`'s config (configs/clip_scenes.py) trained on the GPU: wall time and
+#                      its evaluations, against the CPU's 0.602 zero-shot (results/demo/README.md)
+#   loop_overhead.json the whole loop's img/s against the bare compiled step, CLIP-B/16 scale
+#                      (configs/clip_scenes.py:scale=b16: bf16, cuDNN attention, 16 reader threads)
+#   resume.json        60 steps straight against 30 + a resumed 30: the same losses and parameters?
+set -uo pipefail
+cd "$(dirname "$0")/.."
+tiny=0
+[ "${1:-}" = "--tiny" ] && tiny=1
+R=${OUT:-/tmp/gpu_trainer_out}/gpu_trainer
+mkdir -p "$R"
+exec > >(tee -a "$R/log.txt") 2>&1
+PY=python3
+if [ $tiny = 1 ]; then
+    PY=.venv/bin/python DATA=${TINY_DATA:?TINY_DATA=a smoke tfds data_dir (the tests build one)}
+    DEMO=":smoke" B16=":scale=b16,smoke,attn=xla" RESUME=":smoke" HALF=4 STEPS=30 LOG=5
+else
+    DATA=$PWD/.gpu_data DEMO="" B16=":scale=b16" RESUME="" HALF=30 STEPS=300 LOG=20
+    if [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || echo "FAILED: installing the carried wheels"
+        export PYTHONPATH=/tmp/site
+    fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
+
+step versions
+$PY - > "$R/versions.txt" <<'EOF' || echo "FAILED: versions"
+import importlib.metadata as md, sys, jax
+print("python", sys.version.split()[0])
+for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorflow-datasets", "array-record",
+             "ml-collections", "numpy", "protobuf"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+print("devices", jax.devices())
+EOF
+cat "$R/versions.txt"
+
+step "demo config"
+t0=$(date +%s.%N)
+timeout 200 $PY -m vitmm.train --config "configs/clip_scenes.py$DEMO" --workdir "$R/demo" \
+    --config.input.data_dir="$DATA" || echo "FAILED: demo config"
+t1=$(date +%s.%N)
+$PY - "$R" "$t0" "$t1" <<'EOF' || echo "FAILED: demo.json"
+import json, pathlib, sys
+r = pathlib.Path(sys.argv[1])
+rows = [json.loads(x) for x in (r / "demo/metrics.jsonl").read_text().splitlines() if x.strip()]
+evals = {k: v for row in rows for k, v in row.items() if "/" in k}
+speeds = sorted(row["img_per_s"] for row in rows if "img_per_s" in row)
+out = dict(wall_s=float(sys.argv[3]) - float(sys.argv[2]), steps=max(row["step"] for row in rows),
+           median_img_per_s=speeds[len(speeds) // 2] if speeds else None, last_evals=evals,
+           cpu_reference={"zeroshot/accuracy": 0.602, "source": "results/demo/README.md"})
+(r / "demo.json").write_text(json.dumps(out, indent=1))
+print(json.dumps(out, indent=1))
+EOF
+
+step "loop against the bare step"
+timeout 300 $PY experiments/loop_overhead.py --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
+    --set input.data_dir="$DATA" --out "$R/loop_overhead.json" || echo "FAILED: loop_overhead"
+
+step "resume"
+timeout 240 $PY - "$R" "configs/clip_scenes.py$RESUME" "$DATA" $HALF <<'EOF' || echo "FAILED: resume"
+import json, pathlib, sys
+import numpy as np
+from vitmm import config_args
+from vitmm.train import trainer
+r, spec, data, half = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+path, _, arg = spec.partition(":")
+config = config_args.load(path, arg, **{"input.data_dir": data})
+with config.unlocked():
+    config.evals = type(config.evals)()
+    config.log_every, config.total_steps = 1, 2 * half
+straight = trainer.train(config, r / "straight")
+trainer.train(config, r / "split", stop_at=half)
+resumed = trainer.train(config, r / "split")
+loss = lambda s: [h["loss"] for h in s["history"] if h["step"] > half]
+a, b = np.array(loss(straight)), np.array(loss(resumed))
+assert len(a) == len(b) == half, (len(a), len(b), half)
+out = dict(steps=config.total_steps, stopped_at=half, losses_after_stop_equal=bool(np.array_equal(a, b)),
+           max_loss_difference=float(np.abs(a - b).max()),
+           param_checksums=[straight["param_checksum"], resumed["param_checksum"]])
+(r / "resume.json").write_text(json.dumps(out, indent=1))
+print(json.dumps(out, indent=1))
+EOF
+rm -rf "$R/demo/checkpoints" "$R/straight" "$R/split"
+step done
