@@ -67,21 +67,6 @@ SWEEP = [
 ]
 
 
-def time_step(step, state, batch, steps: int, repeats: int):
-    """Median-ready step times (seconds) and the state after them (the step donates it)."""
-    for _ in range(2):
-        state, loss = step(state, batch)
-    jax.block_until_ready(loss)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            state, loss = step(state, batch)
-        jax.block_until_ready(loss)
-        times.append((time.perf_counter() - start) / steps)
-    return times, state
-
-
 def profile_step(step, state, batch, steps: int) -> profiling.OpProfile:
     """Device time of the compiled, already warm step (a ``jax.stages.Compiled``) by op kind and
     module (``vitmm.train.profiling``)."""
@@ -151,7 +136,7 @@ def build_case(tower: str, variant: str, batch: int, attn_impl, gap: bool, args)
 def run_case(name: str, spec: tuple, args, profile_md: list[str]) -> dict:
     step, state, data, flops, batch = build_case(*spec, args)
     step = step.lower(state, data).compile()  # compiled once, timed and traced alike
-    times, state = time_step(step, state, data, args.steps, args.repeats)
+    times, state = profiling.time_step(step, state, data, args.steps, args.repeats)
     t = statistics.median(times)
     r = dict(times=times, flops=flops, batch=batch, step_s=t, examples_per_s=batch / t,
              tflops=flops / t / 1e12, mfu=flops / t / PEAK["bf16"])

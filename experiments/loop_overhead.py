@@ -22,7 +22,6 @@ import json
 import pathlib
 import sys
 import tempfile
-import time
 
 import jax
 import numpy as np
@@ -31,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vitmm import config_args  # noqa: E402
-from vitmm.train import trainer  # noqa: E402
+from vitmm.train import profiling, trainer  # noqa: E402
 
 
 def _value(text: str):
@@ -68,17 +67,8 @@ def bare_speed(config, steps: int, repeats: int = 3) -> dict:
     data = trainer._input(config, setup.tokenizer, setup.par)
     batch = next(data)
     state = setup.par.put_state(setup.state)
-    step = setup.compile(state)
-    for _ in range(2):  # compile (the second call: donated buffers)
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    speeds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
-        speeds.append(steps * config.batch_size / (time.perf_counter() - t0))
+    times, _ = profiling.time_step(setup.compile(state), state, batch, steps, repeats)
+    speeds = [config.batch_size / t for t in times]
     return {"img_per_s": float(np.median(speeds)), "range": [float(min(speeds)), float(max(speeds))]}
 
 

@@ -89,6 +89,16 @@ def run_one(spec: dict, workdirs: pathlib.Path, overrides: list[str]) -> dict:
                 **{f"acc_{k}": round(evals.get(f"qa/acc_{k}", float("nan")), 4) for k in KINDS})
 
 
+def append_row(table: pathlib.Path, fields, row: dict) -> None:
+    """Appends ``row`` to the CSV ``table`` (its header first when the file is new)."""
+    new = not table.is_file()
+    with table.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fields)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
 def kind_counts(workdir: pathlib.Path) -> dict:
     """How many of the QA evaluator's questions are of each kind (the same questions for every
     run: the first ``num_examples`` validation images, one seeded question each)."""
@@ -271,12 +281,7 @@ def run_frozen(args, overrides: list[str]) -> None:
             row = run_one(spec, workdirs, overrides)
             row.update({k: spec[k] for k in ("family", "budget", "seed", "lr", "split")},
                        tokens=visual_tokens(workdirs / spec["run"]), status="ok", variant="")
-            new = not table.is_file()
-            with table.open("a", newline="") as f:
-                writer = csv.DictWriter(f, FROZEN_FIELDS)
-                if new:
-                    writer.writeheader()
-                writer.writerow(row)
+            append_row(table, FROZEN_FIELDS, row)
             shutil.rmtree(workdirs / spec["run"] / "checkpoints", ignore_errors=True)
             print(row, flush=True)
 
@@ -333,12 +338,7 @@ def main(argv=None):
             print(f"{spec['run']}: done, skipped", flush=True)
             continue
         row = run_one(spec, workdirs, overrides)
-        new = not table.is_file()
-        with table.open("a", newline="") as f:
-            writer = csv.DictWriter(f, FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+        append_row(table, FIELDS, row)
         print(row, flush=True)
     if table.is_file():
         first = next(csv.DictReader(table.open()))["run"]

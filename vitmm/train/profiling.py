@@ -56,6 +56,23 @@ class HloOp:
     module: str  # e.g. "encoder/block_*/attn/qkv"; "" outside any model
 
 
+def time_step(step: Callable, state, batch, steps: int, repeats: int) -> tuple[list[float], Any]:
+    """Seconds per step of ``state, out = step(state, batch)`` (the state donated or not): two
+    warm-up calls (compilation; the second with donated buffers), then ``repeats`` timings of
+    ``steps`` back-to-back calls, blocking only at the end of each; the times and the last state."""
+    for _ in range(2):
+        state, out = step(state, batch)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, out = step(state, batch)
+        jax.block_until_ready((state, out))
+        times.append((time.perf_counter() - start) / steps)
+    return times, state
+
+
 def hlo_module_name(hlo_text: str) -> str:
     match = _MODULE_RE.search(hlo_text)
     if not match:
