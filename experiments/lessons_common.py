@@ -127,16 +127,9 @@ def run_cells(out: pathlib.Path, settings: dict, keys: list, fn, arrays: dict, c
     """``{key: {seed: result}}`` for every key: those ``out/cells.jsonl`` holds for these
     settings, and the rest run now (``workers.run``) and appended as each finishes."""
     import sweep
-    import workers
 
-    path, signature = out / "cells.jsonl", sweep.signature(settings)
-    done = sweep.finished(path, signature, keys)
-    todo = [k for k in keys if k not in done]
-    if done:
-        print(f"{len(done)} cells already done in {path}, skipped; {len(todo)} to run")
-    done.update(workers.run(fn, todo, arrays, context, n_workers, total=len(todo) * runs_per_key, desc=desc,
-                            on_result=lambda key, res: sweep.save_cell(path, signature, key, res)))
-    return done
+    return sweep.run_cells(out / "cells.jsonl", sweep.signature(settings), keys, fn, arrays, context, n_workers,
+                           desc, runs_per_key)
 
 
 def write_rows(rows: list[dict], path: pathlib.Path) -> None:

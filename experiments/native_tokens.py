@@ -63,7 +63,6 @@ import native_features as features_lib  # noqa: E402
 import sweep  # noqa: E402
 import token_budget  # noqa: E402
 import token_budget_run as run_lib  # noqa: E402
-import workers  # noqa: E402
 
 PATHS = features_lib.PATHS
 BLIND, KINDS = run_lib.BLIND, run_lib.KINDS
@@ -305,15 +304,8 @@ def main(argv=None) -> pathlib.Path:
             print(f"stage 0, seed {seed}: final loss {loss:.3f}")
 
     def run_cells(fn, keys, name, desc, seeds):
-        path, signature = out / name, sweep.signature(settings)
-        done = sweep.finished(path, signature, keys, seeds)
-        todo = [k for k in keys if k not in done]
-        if todo:
-            ensure_stage0()
-            done.update(workers.run(fn, todo, arrays, context, args.workers,
-                                    total=len(todo) * len(seeds) * (args.stage1_steps + args.steps), desc=desc,
-                                    on_result=lambda key, res: sweep.save_cell(path, signature, key, res)))
-        return done
+        return sweep.run_cells(out / name, sweep.signature(settings), keys, fn, arrays, context, args.workers, desc,
+                               len(seeds) * (args.stage1_steps + args.steps), seeds, before=ensure_stage0)
 
     top, seed0 = args.budgets[-1], args.seeds[0]
     tuned = {} if len(args.tune_lrs) == 1 else run_cells(

@@ -57,6 +57,26 @@ def save_cell(path: pathlib.Path, signature: str, key, results: dict) -> None:
         os.fsync(f.fileno())
 
 
+def run_cells(path: pathlib.Path, signature: str, keys: list, fn, arrays: dict, context: dict, n_workers: int,
+              desc: str, steps_per_key: int, seeds=None, before=None) -> dict:
+    """``{key: {seed: result}}`` for every key: the cells ``path`` holds for ``signature`` (with
+    every one of ``seeds``: ``finished``), and the rest run now by ``workers.run`` (after
+    ``before()``, e.g. a stage every cell needs), each appended to ``path`` as it finishes.
+    ``steps_per_key`` sizes the progress bar."""
+    import workers  # a sibling module: experiments/ is on sys.path
+
+    done = finished(path, signature, keys, seeds)
+    todo = [k for k in keys if k not in done]
+    if done:
+        print(f"{desc}: {len(done)} cells already done in {path} (settings {signature}), skipped; {len(todo)} to run")
+    if todo:
+        if before is not None:
+            before()
+        done.update(workers.run(fn, todo, arrays, context, n_workers, total=len(todo) * steps_per_key, desc=desc,
+                                on_result=lambda key, res: save_cell(path, signature, key, res)))
+    return done
+
+
 def ci95(values) -> float:
     """Half-width of the 95% confidence interval of the mean (Student's t over seeds)."""
     from scipy import stats

@@ -70,7 +70,6 @@ import qa_features  # noqa: E402
 import sweep  # noqa: E402
 import token_budget_report as report  # noqa: E402
 import token_budget_run as run_lib  # noqa: E402
-import workers  # noqa: E402
 
 FAMILIES = ("linear", "mlp", "pool", "pixel_shuffle", "patch_merger", "c_abstractor", "ldp",
             "qwen_resampler", "perceiver", "qformer")
@@ -313,17 +312,8 @@ def main(argv=None) -> pathlib.Path:
                   f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
 
     def run_cells(fn, keys, path, signature, desc, seeds, steps_per_seed):
-        done = sweep.finished(path, signature, keys, seeds)
-        todo = [k for k in keys if k not in done]
-        if done:
-            print(f"{desc}: {len(done)} cells already done in {path} (settings {signature}), skipped; "
-                  f"{len(todo)} to run")
-        if todo:
-            ensure_stage0()
-            done.update(workers.run(fn, todo, arrays, context, args.workers,
-                                    total=len(todo) * len(seeds) * steps_per_seed, desc=desc,
-                                    on_result=lambda key, res: sweep.save_cell(path, signature, key, res)))
-        return done
+        return sweep.run_cells(path, signature, keys, fn, arrays, context, args.workers, desc,
+                               len(seeds) * steps_per_seed, seeds, before=ensure_stage0)
 
     # Tuning at one budget and one seed on validation: the lr grid at the first warmup, then the
     # other warmups at the family's best lr.
