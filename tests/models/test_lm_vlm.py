@@ -211,9 +211,6 @@ def test_text_logits_at_gives_the_full_text_logits_at_those_positions(image_pos)
     some = model.apply(variables, images, ids, image_pos=image_pos, text_logits_at=at)
     assert some.shape == (2, 4, 259)
     np.testing.assert_allclose(some, np.take_along_axis(np.asarray(full), at[..., None], 1), atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="logits_at is for training"):
-        lm_lib.LM(**LM_KW).apply({"params": variables["params"]["language"]}, ids, logits_at=at,
-                                 cache=lm_lib.init_cache(LM_KW, 2, 8))
 
 
 @pytest.mark.parametrize("prefix_lm", [False, True])

@@ -291,12 +291,11 @@ class LM(nn.Module):
                  logits_at: jnp.ndarray | None = None):
         """Logits ``[B, T, vocab]``; with ``cache`` (``init_cache``), ``(logits, cache)``: the ``T``
         new tokens are written at ``cache["slot"]`` onward and attend to every valid earlier slot.
-        ``logits_at [B, K]`` (positions in ``0 … T-1``): the head runs at those positions only and
-        the logits are ``[B, K, vocab]`` (a loss on a few tokens of a large vocabulary)."""
+        ``logits_at [B, K]`` (positions in ``0 … T-1`` of the new tokens): the head runs at those
+        positions only and the logits are ``[B, K, vocab]`` (a loss on a few tokens of a large
+        vocabulary, or a prefill that needs each prompt's last position)."""
         if (ids is None) == (embeds is None):
             raise ValueError("Pass exactly one of ids [B, T] or embeds [B, T, D].")
-        if logits_at is not None and cache is not None:
-            raise ValueError("logits_at is for training losses; decoding with a cache reads every new position.")
         x = self.embed(ids) if embeds is None else embeds
         b, t = x.shape[:2]
         positions = jnp.arange(t)[None] if positions is None else positions

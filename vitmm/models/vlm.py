@@ -238,10 +238,10 @@ class VLM(nn.Module):
             valid = valid & self._shown(visual_mask, ids.shape[1], m, image_pos)
             positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
         logits, cache = self.language(embeds=x, pad_mask=valid, prefix_len=_prefix(prefix_lm, prompt_len, m),
-                                      positions=positions, cache=cache)
+                                      positions=positions, cache=cache, logits_at=(end - 1)[:, None])
         if self.mrope:  # decoding's positions: sequence index + delta
             cache["rope_delta"] = jnp.asarray(self.rope_delta(grid), jnp.int32)
-        return jnp.take_along_axis(logits, (end - 1)[:, None, None], 1)[:, 0], cache
+        return logits[:, 0], cache
 
     def step(self, token, position, cache):
         """One decoding step: ``token [B]`` at sequence ``position [B]`` → ``(logits [B, vocab], cache)``."""
