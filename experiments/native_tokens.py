@@ -139,7 +139,8 @@ def tune_job(key, arrays, context, progress) -> dict:
     c, seed = context, context["seeds"][0]
     view = "@" + view_name(path, budget)
     return {seed: run_lib.train_and_eval(_run(c, path, budget, lr), seed, arrays["train"], arrays["val"],
-                                         arrays["val"], c["plan"], view, progress=progress)}
+                                         arrays["val"], c["plan"], view, progress=progress,
+                                         snapshot=run_lib.snapshot_path(c, "tuning", key, seed))}
 
 
 def cell_job(key, arrays, context, progress) -> dict:
@@ -150,7 +151,8 @@ def cell_job(key, arrays, context, progress) -> dict:
 
     def one(seed):
         result = run_lib.train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
-                                        progress=progress)
+                                        progress=progress,
+                                        snapshot=run_lib.snapshot_path(c, key, seed, c["chosen"][path]))
         return {**result, **run_lib.time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view)}
 
     return run_lib.run_seeds(key, c, progress, one)
@@ -295,6 +297,7 @@ def main(argv=None) -> pathlib.Path:
                    max_len=max_len, plan=plan, seeds=args.seeds, stage0={}, stage1_steps=args.stage1_steps,
                    warmup=args.warmup, views=views)
     arrays = {"train": train, "val": val, "test": test}
+    context["snapshots"] = (str(out / "snapshots"), sweep.signature(settings))  # a killed run resumes mid-way
 
     def ensure_stage0():
         for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():

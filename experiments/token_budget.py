@@ -96,14 +96,19 @@ PRESETS = {
 
 # ------------------------------------------------------------------------------------ data
 def ensure_tower(workdir: pathlib.Path, smoke: bool, data_dir=None) -> None:
-    """Trains the CLIP tower with ``configs/clip_scenes.py`` when ``workdir`` has no checkpoint."""
-    if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
+    """Trains the CLIP tower with ``configs/clip_scenes.py`` unless ``workdir`` holds the final
+    checkpoint of its training: one stopped part-way (a sweep killed while it trained the tower)
+    resumes from its last checkpoint instead of being taken for the finished tower."""
+    folder = workdir / "checkpoints"
+    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+    if steps and steps[-1] >= ckpt_lib.load_config(workdir)["total_steps"]:
         return
     from vitmm.config_args import load
     from vitmm.train import trainer
 
     arg = "smoke" if smoke else None
-    print(f"No CLIP checkpoint in {workdir}: training configs/clip_scenes.py{':' + arg if arg else ''} first.")
+    print(f"No final CLIP checkpoint in {workdir}: training configs/clip_scenes.py{':' + arg if arg else ''} "
+          f"first{f' (resuming from step {steps[-1]})' if steps else ''}.")
     trainer.train(load(ROOT / "configs/clip_scenes.py", arg, **({"input.data_dir": data_dir} if data_dir else {})),
                   workdir)
 
@@ -301,6 +306,7 @@ def main(argv=None) -> pathlib.Path:
                    views={"": {"grid": grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}})
     context["views"] = {k.removeprefix("grid"): v for k, v in context["views"].items()}
     arrays = {name: {k: v for k, v in split.items() if not k.startswith("grid")} for name, split in splits.items()}
+    context["snapshots"] = (str(out / "snapshots"), sweep.signature(settings))  # a killed run resumes mid-way
     stage0_loss = {}
 
     def ensure_stage0():  # trained the first time some run needs it

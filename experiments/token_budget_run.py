@@ -4,7 +4,9 @@ a split, and the jobs the worker processes run (``token_budget.py`` is the sweep
 
 from __future__ import annotations
 
+import os
 import pathlib
+import pickle
 import time
 
 import jax
@@ -135,7 +137,7 @@ def evaluate(run: Run, params, split: dict, view: str = "", limit: int | None = 
 
 
 def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, plan: dict, view: str = "",
-                   progress=None) -> dict:
+                   progress=None, snapshot: pathlib.Path | None = None, snapshot_every_s: float = 120.0) -> dict:
     """Stage 1, then joint steps until validation accuracy plateaus; the result on ``final``.
 
     ``plan``: ``max_steps``, ``batch_size``, ``eval_every``, ``patience``, ``min_delta`` and
@@ -145,15 +147,29 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     best evaluation are scored on ``final`` (the test split; the full validation split when
     tuning). Returns accuracy per kind, the learning curve ``[[step, accuracy], ...]``, the best
     step, the steps trained and the mean training loss of the last 20 steps.
+
+    With ``snapshot`` (a file path) the whole state of the run (parameters, optimizer moments,
+    the best parameters so far, the curve, the losses and the data order's generator) is written
+    there at an evaluation when ``snapshot_every_s`` seconds have passed since the last write, and
+    a run that finds the file continues from it: a run killed mid-way (a stopped sweep) resumes
+    where its last snapshot was taken, with the result an uninterrupted run gives. The file is
+    removed when the run ends.
     """
-    params, opt_state = run.init(seed)
     rng = np.random.default_rng(seed)
     batch_size, every = plan["batch_size"], plan["eval_every"]
+    state = _load_snapshot(snapshot)
 
     def draw():
         return _batch(train, rng.integers(len(train["ids"]), size=batch_size), view)
 
-    if run.stage1_steps:  # connector only; the joint phase then starts with fresh optimizer moments
+    if state is not None:
+        rng.bit_generator.state = state["rng"]
+        params, opt_state = jax.tree.map(jnp.asarray, (state["params"], state["opt_state"]))
+        if progress is not None:
+            progress.update(run.stage1_steps + state["step"])
+    else:
+        params, opt_state = run.init(seed)
+    if run.stage1_steps and state is None:  # connector only; the joint phase then starts with fresh optimizer moments
         stage1_state = run.stage1_tx.init(params)
         for _ in range(run.stage1_steps):
             params, stage1_state, _ = run.stage1_step(params, stage1_state, *draw())
@@ -164,7 +180,7 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     def curve_point():
         return evaluate(run, params, val, view, plan["curve_questions"])["accuracy"]
 
-    curve, losses, pending = [[0, curve_point()]], [], []
+    curve, losses, pending = ([[0, curve_point()]], [], []) if state is None else (state["curve"], state["losses"], [])
 
     def fetch_losses():  # one host transfer per evaluation, not a sync per step
         new = np.asarray(jax.device_get(pending), np.float64)
@@ -175,8 +191,12 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
                                      f"({run.model.connector}, seed {seed}).")
         losses.extend(new.tolist())
 
-    best_acc, best_step, best_params = curve[0][1], 0, jax.tree.map(jnp.copy, params)
-    step = 0
+    if state is None:
+        best_acc, best_step, best_params, step = curve[0][1], 0, jax.tree.map(jnp.copy, params), 0
+    else:
+        best_acc, best_step, step = state["best_acc"], state["best_step"], state["step"]
+        best_params = jax.tree.map(jnp.asarray, state["best_params"])
+    saved_at = time.monotonic()
     while step < plan["max_steps"]:
         params, opt_state, loss = run.step(params, opt_state, *draw())
         step += 1
@@ -190,11 +210,46 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
                 best_acc, best_step, best_params = curve[-1][1], step, jax.tree.map(jnp.copy, params)
             elif step - best_step >= plan["patience"] * every:
                 break
+            if snapshot is not None and time.monotonic() - saved_at >= snapshot_every_s:
+                _save_snapshot(snapshot, dict(step=step, params=params, opt_state=opt_state, best_params=best_params,
+                                              best_acc=best_acc, best_step=best_step, curve=curve, losses=losses,
+                                              rng=rng.bit_generator.state))
+                saved_at = time.monotonic()
     if progress is not None:
         progress.update(plan["max_steps"] - step)  # the bar counts every run at its longest
     result = evaluate(run, best_params, final, view)
+    if snapshot is not None:
+        snapshot.unlink(missing_ok=True)
     return {**result, "best_step": best_step, "steps_trained": step, "final_loss": float(np.mean(losses[-20:])),
             "curve": curve}
+
+
+def snapshot_path(context: dict, *identity) -> pathlib.Path | None:
+    """Where one run's mid-run snapshot lives: ``context["snapshots"] = (folder, signature of the
+    sweep's settings)`` and the run's ``identity`` (key, seed, lr, warmup) name the file; None
+    without ``context["snapshots"]``."""
+    if not context.get("snapshots"):
+        return None
+    folder, signature = context["snapshots"]
+    return pathlib.Path(folder) / f"{sweep.signature([signature, *identity])}.pkl"
+
+
+def _save_snapshot(path: pathlib.Path, state: dict) -> None:
+    """Written whole or not at all: to a temporary file, synced, then renamed over the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        pickle.dump(jax.device_get(state), f, protocol=pickle.HIGHEST_PROTOCOL)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load_snapshot(path: pathlib.Path | None) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    with path.open("rb") as f:
+        return pickle.load(f)
 
 
 def time_steps(run: Run, train: dict, test: dict, batch_size: int, view: str = "", steps: int = 20,
@@ -241,7 +296,7 @@ def job(key, arrays: dict, context: dict, progress) -> dict:
 
     def one(seed):
         result = train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
-                                progress=progress)
+                                progress=progress, snapshot=snapshot_path(c, key, seed, lr, warmup))
         return {**result, **time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view)}
 
     return run_seeds(key, c, progress, one)
@@ -275,7 +330,7 @@ def tune_job(key, arrays: dict, context: dict, progress) -> dict:
     run, view = _run(c, job_key, lr, warmup), c["jobs"][job_key]["view"]
     seed = c["tune_seed"]
     return {seed: train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["val"], c["plan"], view,
-                                 progress=progress)}
+                                 progress=progress, snapshot=snapshot_path(c, "tuning", key, seed))}
 
 
 def costs(connector_cfg: dict | None, lm_cfg: dict, in_dim: int, grid, tokens: int, seq_text: int) -> dict:

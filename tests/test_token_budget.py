@@ -19,18 +19,22 @@ def tb(load_script):
     return load_script("experiments/token_budget.py")
 
 
-def test_tower_is_trained_only_when_its_workdir_has_no_checkpoint(tb, tmp_path, monkeypatch):
+def test_tower_is_trained_unless_its_workdir_has_the_final_checkpoint(tb, tmp_path, monkeypatch):
     from vitmm.train import trainer
 
     calls = []
     monkeypatch.setattr(trainer, "train", lambda config, workdir: calls.append((config, workdir)))
+    monkeypatch.setattr(tb.ckpt_lib, "load_config", lambda workdir: {"total_steps": 4})
     tb.ensure_tower(tmp_path / "w", smoke=True, data_dir=str(tmp_path / "tfds"))
     (config, workdir), = calls  # configs/clip_scenes.py:smoke on the given data_dir
     assert workdir == tmp_path / "w" and config.total_steps == 4 and config.input.image_size == 32
     assert config.input.data_dir == str(tmp_path / "tfds")
+    (tmp_path / "w" / "checkpoints" / "2").mkdir(parents=True)  # stopped half-way: trained on (it resumes)
+    tb.ensure_tower(tmp_path / "w", smoke=True)
+    assert len(calls) == 2
     (tmp_path / "w" / "checkpoints" / "4").mkdir(parents=True)
     tb.ensure_tower(tmp_path / "w", smoke=True)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
@@ -221,7 +225,7 @@ def test_tables_show_95_percent_intervals_and_seed_paired_tests_against_blind(tb
     assert f"| {stats.ttest_rel(pool, [0.45, 0.47, 0.48]).pvalue:.2g} |" in spread
 
 
-def _tiny_run(tb, lr, max_steps):
+def _tiny_run(tb, lr, max_steps, stage1_steps=0):
     import numpy as np
 
     lm_cfg = dict(vocab_size=12, width=16, depth=1, num_heads=2)
@@ -230,7 +234,8 @@ def _tiny_run(tb, lr, max_steps):
     ids = np.concatenate([np.ones((40, 1)), rng.integers(3, 12, (40, 4)), np.full((40, 1), 2)], 1).astype(np.int32)
     split = {"patches": rng.normal(size=(10, 4, 8)).astype(np.float32), "image": np.arange(40) % 10, "ids": ids,
              "answer_mask": (np.arange(6) >= 4)[None].repeat(40, 0).astype(np.float32), "kind": np.arange(40) % 5}
-    run = tb.run_lib.Run(tower, {"name": "linear"}, lm_cfg, (2, 2), 8, 6, steps=max_steps, lr=lr)
+    run = tb.run_lib.Run(tower, {"name": "linear"}, lm_cfg, (2, 2), 8, 6, steps=max_steps, lr=lr,
+                         stage1_steps=stage1_steps)
     return run, split
 
 
@@ -248,6 +253,42 @@ def test_training_stops_when_validation_accuracy_stops_rising_and_tests_the_best
     run, split = _tiny_run(tb, lr=3e-2, max_steps=30)
     result = tb.run_lib.train_and_eval(run, 0, split, split, split, dict(plan, max_steps=30, min_delta=-1.0))
     assert result["steps_trained"] == 30 and result["best_step"] == 30 and result["curve"][-1][0] == 30
+
+
+def test_a_run_killed_mid_way_resumes_from_its_snapshot_to_the_uninterrupted_result(tb, tmp_path):
+    """A sweep stopped in the middle of a long run keeps what the run had done: it resumes from the
+    snapshot of its last evaluation (parameters, Adam moments, best check, curve, losses and the
+    data order) and ends exactly where a run that was never stopped ends."""
+    run, split = _tiny_run(tb, lr=3e-2, max_steps=30, stage1_steps=3)
+    plan = dict(max_steps=30, batch_size=4, eval_every=5, patience=10, min_delta=0.0, curve_questions=20)
+    straight = tb.run_lib.train_and_eval(run, 0, split, split, split, plan)
+
+    class Kill(Exception):
+        pass
+
+    class Progress:
+        def __init__(self, kill_at=None):
+            self.steps, self.kill_at = 0, kill_at
+
+        def update(self, k):
+            self.steps += k
+            if self.kill_at is not None and self.steps >= self.kill_at:
+                raise Kill
+
+    snap = tmp_path / "snapshots" / "run.pkl"
+    with pytest.raises(Kill):  # 3 stage-1 steps + 17 joint steps: the last snapshot is step 15's
+        tb.run_lib.train_and_eval(run, 0, split, split, split, plan, progress=Progress(kill_at=3 + 17),
+                                  snapshot=snap, snapshot_every_s=0.0)
+    assert snap.is_file() and [p.name for p in snap.parent.iterdir()] == ["run.pkl"]  # no temporary left
+    progress = Progress()
+    resumed = tb.run_lib.train_and_eval(run, 0, split, split, split, plan, progress=progress, snapshot=snap,
+                                        snapshot_every_s=0.0)
+    assert resumed == straight and straight["steps_trained"] == 30
+    assert progress.steps == 3 + 30 and not snap.exists()  # the bar counts the resumed steps; the file is gone
+    # The snapshot's name is the run's identity under the sweep's settings; none without a folder.
+    c = {"snapshots": (str(tmp_path), "sig")}
+    names = {tb.run_lib.snapshot_path(c, ("mlp", 4, ""), s, 1e-3, 25) for s in (0, 1)}
+    assert len(names) == 2 and tb.run_lib.snapshot_path({}, ("mlp", 4, ""), 0, 1e-3, 25) is None
 
 
 def test_a_run_whose_loss_is_not_finite_stops_naming_the_first_bad_step(tb):
