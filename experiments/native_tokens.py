@@ -274,6 +274,7 @@ def main(argv=None) -> pathlib.Path:
     if tower_cfg.get("posemb", "learn") == "learn":
         tower_cfg = {**tower_cfg, "dynamic_img_size": True}  # the learned table resampled to each grid
     tower, params = ViT(**tower_cfg), ckpt_lib.load_params(tower_dir)["img"]
+    sweep.check_tower(out, tower_dir, params)
 
     splits, tokenizer, max_len = features_lib.make_splits(args, tower, params)
     train, val, test = splits["train"], splits["validation"], splits["test"]

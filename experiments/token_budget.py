@@ -4,9 +4,13 @@
     python experiments/token_budget.py --smoke --out /tmp/tb  # about a minute; the tests run it
     python experiments/token_budget.py --families pool,perceiver --budgets 4,16 --seeds 0,1,2
 
-One frozen CLIP image tower (a ``python -m vitmm.train`` workdir; default
-``workdirs/clip_scenes``, which ``make demo`` writes and this script trains first when it is
-missing) encodes every image once; all runs of the sweep read those features. Stage 0 trains
+One frozen CLIP image tower encodes every image once; all runs of the sweep read those features.
+It is part of the results: ``OUT/tower`` (the image tower's parameters and the CLIP config, 3 MB),
+taken from ``workdirs/clip_scenes`` (which ``make demo`` writes, and this script trains first
+when it is missing) the first time, and read from there by every later sitting, so that a sweep
+spanning several machines runs on one tower (the same config trained on another machine gives
+another tower: zero-shot 0.630 against 0.602). ``--tower`` takes any ``vitmm.train`` workdir
+instead. Stage 0 trains
 the small Llama-style LM (word tokens) on the training questions' text alone, once per seed
 (``--stage0_steps``), so that connector training starts from an LM that answers in the right
 format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen: LLaVA's
@@ -14,7 +18,9 @@ stage 1, so a fresh connector's tokens do not disturb the trained LM), and then 
 the LM together on (image, question, answer) triples — LLaVA's stage 2 with the tower frozen —
 with a linear warmup and then a constant rate, until the exact match on ``--curve_questions``
 validation questions, checked every ``--eval_every`` steps, has not risen by ``--min_delta`` for
-``--patience`` checks (or at ``--steps``); the best check's parameters are scored per question
+``--patience`` checks, though not before ``--min_steps`` (runs often wait on the blind plateau,
+where the LM answers from the text alone, for thousands of steps before they use the image), or
+at ``--steps``; the best check's parameters are scored per question
 kind on the test questions. Each family's learning rate and warmup are chosen first on the
 validation split at ``--tune_budget`` tokens and the first seed: the best of ``--tune_lrs`` at
 the first of ``--tune_warmups``, then the other warmups at that rate (``tuning.jsonl``; ``--lr``
@@ -77,17 +83,18 @@ BUDGETS = ("4", "16", "all")
 BLIND, KINDS = report.BLIND, report.KINDS
 
 # The LM, the training plan (joint steps at most, batch of questions, validation every
-# eval_every steps, stop after `patience` evaluations without a min_delta gain), images per split,
+# eval_every steps, stop after `patience` evaluations without a min_delta gain but not before
+# min_steps), images per split,
 # the tuning grid and seeds of a preset.
 PRESETS = {
     "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=10_000, batch_size=32, lr=3e-3, workers=2,
-                    eval_every=250, patience=4, min_delta=0.005, curve_questions=2000,
+                    eval_every=250, patience=4, min_delta=0.005, min_steps=5000, curve_questions=2000,
                     stage0_steps=1000, stage1_steps=200, tune_lrs="1e-4,3e-4,1e-3,3e-3", tune_warmups="25,250",
                     tune_budget=16, train_images=10_000, val_images=1_000, seeds="0,1,2,3,4",
                     families=",".join(FAMILIES), budgets=",".join(BUDGETS), param_budget=100_000,
                     param_tokens=16, encoder_budgets="16,4"),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=24, batch_size=16, lr=3e-3, workers=1,
-                  eval_every=8, patience=2, min_delta=0.005, curve_questions=64,
+                  eval_every=8, patience=2, min_delta=0.005, min_steps=16, curve_questions=64,
                   stage0_steps=100, stage1_steps=6, tune_lrs="1e-2", tune_warmups="2,8", tune_budget=4,
                   train_images=128, val_images=32, seeds="0,1", families="mlp,pool,patch_merger",
                   budgets="4,9,all", param_budget=20_000, param_tokens=4, encoder_budgets="4"),
@@ -111,6 +118,17 @@ def ensure_tower(workdir: pathlib.Path, smoke: bool, data_dir=None) -> None:
           f"first{f' (resuming from step {steps[-1]})' if steps else ''}.")
     trainer.train(load(ROOT / "configs/clip_scenes.py", arg, **({"input.data_dir": data_dir} if data_dir else {})),
                   workdir)
+
+
+def pin_tower(workdir: pathlib.Path, out: pathlib.Path) -> None:
+    """Writes the image tower of ``workdir``'s final checkpoint to ``out`` (its parameters under
+    ``img`` and the run's config, at the same step): a small folder the results can carry, which
+    ``--tower`` and ``ensure_tower`` read as a finished training."""
+    step = ckpt_lib.Checkpointer(workdir).latest_step()
+    writer = ckpt_lib.Checkpointer(out, keep=1, async_save=False)
+    writer.save(step, {"params": {"img": ckpt_lib.load_params(workdir, step)["img"]}}, {},
+                {"step": step, "config": json.dumps(ckpt_lib.load_config(workdir, step))})
+    writer.close()
 
 
 def choose(tuned: dict) -> dict:
@@ -156,8 +174,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--out", default="results/token_budget", help="output folder")
-    add("--tower", default=None, help="CLIP workdir (default workdirs/clip_scenes; smoke: OUT/tower); trained first "
-        "when it holds no checkpoint")
+    add("--tower", default=None, help="CLIP workdir (default OUT/tower: workdirs/clip_scenes's image tower, "
+        "trained first when missing, copied there the first time); trained first when it holds no final checkpoint")
     add("--data", default=None, help="scenes config (default: the tower's training data)")
     add("--data_dir", default=None, help="TFDS data_dir (default ~/tensorflow_datasets)")
     add("--families", default=None, help="comma-separated connector names (default: all)")
@@ -168,6 +186,8 @@ def parse_args(argv=None):
     add("--eval_every", type=int, default=None, help="joint steps between validation evaluations")
     add("--patience", type=int, default=None, help="evaluations without a --min_delta gain before a run stops")
     add("--min_delta", type=float, default=None, help="the validation gain that counts as progress")
+    add("--min_steps", type=int, default=None, help="joint steps before a run may stop early (default: the "
+        "preset's; 5,000: the tuning runs left the blind plateau as late as step 4,250-5,000)")
     add("--curve_questions", type=int, default=None, help="validation questions scored at each evaluation")
     add("--lr", type=float, default=None, help="one learning rate for every family (no tuning); default: each "
         "family's best of --tune_lrs on the validation split")
@@ -262,8 +282,12 @@ def main(argv=None) -> pathlib.Path:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    tower_dir = pathlib.Path(args.tower or (out / "tower" if args.smoke else ROOT / "workdirs/clip_scenes"))
-    ensure_tower(tower_dir, args.smoke, args.data_dir)
+    tower_dir = pathlib.Path(args.tower or out / "tower")
+    if args.tower or args.smoke:
+        ensure_tower(tower_dir, args.smoke, args.data_dir)
+    elif not (tower_dir / "checkpoints").is_dir():
+        ensure_tower(ROOT / "workdirs/clip_scenes", False, args.data_dir)
+        pin_tower(ROOT / "workdirs/clip_scenes", tower_dir)
     clip_config = ckpt_lib.load_config(tower_dir)
     tower_cfg = clip_config["model"]["image"]
     image_size = clip_config["input"]["image_size"]
@@ -272,6 +296,7 @@ def main(argv=None) -> pathlib.Path:
         args.parser.error(f"{tower_dir} does not say what data it was trained on; pass --data (e.g. scenes/easy_224).")
     tower = ViT(**tower_cfg)
     tower_params = ckpt_lib.load_params(tower_dir)["img"]
+    tower_print = sweep.check_tower(out, tower_dir, tower_params)
     grid = tower.grid((image_size, image_size))
     enc = encoder_views(tower_cfg, tower_params, image_size, grid, args.encoder_budgets)
     views = {name: (t, p, size) for vs in enc.values() for name, t, p, size in vs.values()}
@@ -295,9 +320,12 @@ def main(argv=None) -> pathlib.Path:
           f"{[(f, b) for f, b, _, s, _, _ in plan if s is None]}")
     train_plan = {k: getattr(args, k) for k in ("batch_size", "eval_every", "patience", "min_delta", "curve_questions")}
     train_plan["max_steps"] = args.steps
+    # Left out of the signature: a result stands under a higher floor when its run trained past it.
+    signed_plan, holds = dict(train_plan), run_lib.holds_under_min_steps(args.min_steps)
+    train_plan["min_steps"] = args.min_steps
     # A finished cell is reused only by a sweep with the same settings (everything but the cells
     # and the seed list: a rerun with more seeds trains only the new ones).
-    settings = dict(tower=str(tower_dir.resolve()), data=data, lm=lm_cfg, plan=train_plan, stage0_lr=args.lr,
+    settings = dict(tower=tower_print, data=data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.lr,
                     stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
                     train=len(train["ids"]), val=len(val["ids"]), test=len(test["ids"]), max_len=max_len,
                     tokenizer=args.tokenizer)
@@ -306,7 +334,7 @@ def main(argv=None) -> pathlib.Path:
                    views={"": {"grid": grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}})
     context["views"] = {k.removeprefix("grid"): v for k, v in context["views"].items()}
     arrays = {name: {k: v for k, v in split.items() if not k.startswith("grid")} for name, split in splits.items()}
-    context["snapshots"] = (str(out / "snapshots"), sweep.signature(settings))  # a killed run resumes mid-way
+    context["snapshots"] = (str(out / "snapshots"), sweep.signature({**settings, "plan": train_plan}))  # resume
     stage0_loss = {}
 
     def ensure_stage0():  # trained the first time some run needs it
@@ -319,7 +347,7 @@ def main(argv=None) -> pathlib.Path:
 
     def run_cells(fn, keys, path, signature, desc, seeds, steps_per_seed):
         return sweep.run_cells(path, signature, keys, fn, arrays, context, args.workers, desc,
-                               len(seeds) * steps_per_seed, seeds, before=ensure_stage0)
+                               len(seeds) * steps_per_seed, seeds, before=ensure_stage0, holds=holds)
 
     # Tuning at one budget and one seed on validation: the lr grid at the first warmup, then the
     # other warmups at the family's best lr.
@@ -349,7 +377,7 @@ def main(argv=None) -> pathlib.Path:
     cells_sig = sweep.signature({**settings, "chosen": chosen})
     # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
     context["seed_log"] = (str(out / "seeds.jsonl"), cells_sig)
-    context["seeds_done"] = sweep.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], cells_sig)
+    context["seeds_done"] = sweep.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], cells_sig, holds)
     results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget", args.seeds, run_steps)
 
     rows = []
@@ -376,8 +404,8 @@ def main(argv=None) -> pathlib.Path:
     tuning = {}  # {"family@tokens": {"lr/warmup": validation accuracy}}
     for (family, tokens, x, w), res in sorted(tuned.items()):
         tuning.setdefault(f"{family}@{tokens}", {})[f"{x:g}/{w}"] = res[args.seeds[0]]["accuracy"]
-    setup = {"tower": str(shown), "tower_config": tower_cfg, "data": data, "image_size": image_size,
-             "grid": list(grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
+    setup = {"tower": str(shown), "tower_fingerprint": tower_print, "tower_config": tower_cfg, "data": data,
+             "image_size": image_size, "grid": list(grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
              "tune_lrs": args.tune_lrs, "tune_warmups": args.tune_warmups, "tune_budget": args.tune_budget,
              "tune_seed": args.seeds[0], "chosen": {f: list(v) for f, v in chosen.items()}, "tuning": tuning,
              "stage0_steps": args.stage0_steps, "stage0_final_loss": stage0_loss, "stage1_steps": args.stage1_steps,

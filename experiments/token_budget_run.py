@@ -140,10 +140,12 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
                    progress=None, snapshot: pathlib.Path | None = None, snapshot_every_s: float = 120.0) -> dict:
     """Stage 1, then joint steps until validation accuracy plateaus; the result on ``final``.
 
-    ``plan``: ``max_steps``, ``batch_size``, ``eval_every``, ``patience``, ``min_delta`` and
-    ``curve_questions``. Every ``eval_every`` joint steps (and before the first) the model is
-    scored on the first ``curve_questions`` of ``val``; training stops when the best score has not
-    risen by ``min_delta`` for ``patience`` evaluations, or at ``max_steps``. The parameters of the
+    ``plan``: ``max_steps``, ``batch_size``, ``eval_every``, ``patience``, ``min_delta``,
+    ``curve_questions`` and optionally ``min_steps``. Every ``eval_every`` joint steps (and before
+    the first) the model is scored on the first ``curve_questions`` of ``val``; training stops when
+    the best score has not risen by ``min_delta`` for ``patience`` evaluations, but not before
+    ``min_steps`` (a run waiting on the blind plateau is not a run that has converged), or at
+    ``max_steps``. The parameters of the
     best evaluation are scored on ``final`` (the test split; the full validation split when
     tuning). Returns accuracy per kind, the learning curve ``[[step, accuracy], ...]``, the best
     step, the steps trained and the mean training loss of the last 20 steps.
@@ -208,7 +210,7 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
             curve.append([step, curve_point()])
             if curve[-1][1] >= best_acc + plan["min_delta"]:
                 best_acc, best_step, best_params = curve[-1][1], step, jax.tree.map(jnp.copy, params)
-            elif step - best_step >= plan["patience"] * every:
+            elif step - best_step >= plan["patience"] * every and step >= plan.get("min_steps", 0):
                 break
             if snapshot is not None and time.monotonic() - saved_at >= snapshot_every_s:
                 _save_snapshot(snapshot, dict(step=step, params=params, opt_state=opt_state, best_params=best_params,
@@ -220,8 +222,19 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     result = evaluate(run, best_params, final, view)
     if snapshot is not None:
         snapshot.unlink(missing_ok=True)
-    return {**result, "best_step": best_step, "steps_trained": step, "final_loss": float(np.mean(losses[-20:])),
-            "curve": curve}
+    return {**result, "best_step": best_step, "steps_trained": step, "min_steps": plan.get("min_steps", 0),
+            "final_loss": float(np.mean(losses[-20:])), "curve": curve}
+
+
+def holds_under_min_steps(min_steps: int):
+    """Whether a stored result stands for a sweep whose runs stop no sooner than ``min_steps``:
+    one run with that floor, or with a lower one and at least ``min_steps`` steps trained (its
+    stop rule never fired before then, so the stricter rule fires at the same evaluation and the
+    run is the same). Results from before the floor existed count as floor 0."""
+    def holds(result: dict) -> bool:
+        floor = result.get("min_steps", 0)
+        return floor == min_steps or (floor < min_steps and result["steps_trained"] >= min_steps)
+    return holds
 
 
 def snapshot_path(context: dict, *identity) -> pathlib.Path | None:

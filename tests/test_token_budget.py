@@ -37,6 +37,25 @@ def test_tower_is_trained_unless_its_workdir_has_the_final_checkpoint(tb, tmp_pa
     assert len(calls) == 2
 
 
+def test_the_pinned_tower_is_the_trained_image_tower_and_counts_as_finished(tb, tmp_path, clip_smoke_run,
+                                                                           monkeypatch):
+    """OUT/tower, which the results carry: the image tower's exact parameters and the run's
+    config at its final step, read by ``--tower`` and never trained again."""
+    import numpy as np
+
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.train import trainer
+
+    workdir, out = clip_smoke_run.workdir, tmp_path / "tower"
+    tb.pin_tower(workdir, out)
+    pinned, trained = ckpt_lib.load_params(out), ckpt_lib.load_params(workdir)
+    assert list(pinned) == ["img"] and tb.sweep.fingerprint(pinned["img"]) == tb.sweep.fingerprint(trained["img"])
+    np.testing.assert_array_equal(pinned["img"]["embedding"]["kernel"], trained["img"]["embedding"]["kernel"])
+    assert ckpt_lib.load_config(out) == ckpt_lib.load_config(workdir)
+    monkeypatch.setattr(trainer, "train", lambda *a: pytest.fail("a pinned tower was trained again"))
+    tb.ensure_tower(out, smoke=True)
+
+
 def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     """A whole sweep end to end on the session's smoke CLIP (features, two worker processes,
     outputs; training the tower when a workdir has none is the same ``trainer.train``)."""
@@ -249,6 +268,9 @@ def test_training_stops_when_validation_accuracy_stops_rising_and_tests_the_best
     assert [s for s, _ in result["curve"]] == [0, 5, 10, 15]
     params, _ = run.init(0)
     assert result["accuracy"] == tb.run_lib.evaluate(run, params, split)["accuracy"]
+    # Not before min_steps: the same run waits until step 25 (a plateau early on is not the end).
+    floored = tb.run_lib.train_and_eval(run, 0, split, split, split, dict(plan, min_steps=23))
+    assert floored["steps_trained"] == 25 and floored["best_step"] == 0 and floored["min_steps"] == 23
     # A run that keeps improving goes to the cap; it is scored at its best check.
     run, split = _tiny_run(tb, lr=3e-2, max_steps=30)
     result = tb.run_lib.train_and_eval(run, 0, split, split, split, dict(plan, max_steps=30, min_delta=-1.0))
@@ -289,6 +311,38 @@ def test_a_run_killed_mid_way_resumes_from_its_snapshot_to_the_uninterrupted_res
     c = {"snapshots": (str(tmp_path), "sig")}
     names = {tb.run_lib.snapshot_path(c, ("mlp", 4, ""), s, 1e-3, 25) for s in (0, 1)}
     assert len(names) == 2 and tb.run_lib.snapshot_path({}, ("mlp", 4, ""), 0, 1e-3, 25) is None
+
+
+def test_a_stored_run_stands_under_a_higher_min_steps_only_if_it_trained_past_it(tb, tmp_path):
+    """Raising --min_steps keeps the finished runs the new floor would not change (those that
+    trained at least that long, the stop rule never having fired sooner) and reruns the others."""
+    holds = tb.run_lib.holds_under_min_steps(5000)
+    assert holds({"steps_trained": 5000}) and holds({"steps_trained": 9750, "min_steps": 0})
+    assert not holds({"steps_trained": 4750}) and not holds({"steps_trained": 1750, "min_steps": 1000})
+    assert holds({"steps_trained": 5250, "min_steps": 5000}) and holds({"steps_trained": 6000, "min_steps": 5000})
+    assert not holds({"steps_trained": 9000, "min_steps": 6000})  # a higher floor may have run on past the stop
+    path = tmp_path / "tuning.jsonl"
+    tb.sweep.save_cell(path, "sig", ("ldp", 16, 3e-4, 25), {0: {"steps_trained": 3250}})
+    tb.sweep.save_cell(path, "sig", ("ldp", 16, 1e-3, 25), {0: {"steps_trained": 6000}})
+    keys = [("ldp", 16, 3e-4, 25), ("ldp", 16, 1e-3, 25)]
+    assert list(tb.sweep.finished(path, "sig", keys, [0], holds)) == keys[1:]
+    assert list(tb.sweep.finished(path, "sig", keys, [0])) == keys
+
+
+def test_results_are_tied_to_the_tower_they_were_made_with(tb, tmp_path):
+    """Signatures hold the tower's path, not its weights; a tower retrained elsewhere (same path,
+    other numbers) must not add its runs to results made with another."""
+    import numpy as np
+
+    params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": {"c": np.ones(2, np.float32)}}
+    first = tb.sweep.check_tower(tmp_path, tmp_path / "tower", params)
+    assert json.loads((tmp_path / "tower.json").read_text())["fingerprint"] == first
+    assert tb.sweep.check_tower(tmp_path, tmp_path / "tower", {k: v for k, v in params.items()}) == first
+    other = {**params, "a": params["a"] + np.float32(1e-6)}
+    assert tb.sweep.fingerprint(other) != first
+    with pytest.raises(SystemExit, match=f"not the one the results in {tmp_path} were made with \\({first}"):
+        tb.sweep.check_tower(tmp_path, tmp_path / "tower", other)
+    assert tb.sweep.fingerprint({"a": params["a"].reshape(3, 2), "b": params["b"]}) != first  # shapes count
 
 
 def test_a_run_whose_loss_is_not_finite_stops_naming_the_first_bad_step(tb):
