@@ -17,8 +17,9 @@ images: what a learned soft prompt gets from the questions alone). Each family's
 the best of ``--lrs`` on the validation questions at ``--tune_budget`` tokens and the first seed
 (the tuning rows); blind uses pool's. The grid is scored on ``--test_questions`` test questions,
 greedy decoding; ``frozen.md`` has the means with 95% CIs over seeds and t-tests paired by seed
-(the token-budget report's spread and claim tests). A finished run's checkpoint (the frozen LM
-with it: 0.5 GB) is deleted once its row is written.
+(the token-budget report's spread and claim tests). The tower is the token-budget sweep's
+(``results/token_budget/tower``) unless ``--vision`` says otherwise. A finished run's checkpoint
+(the frozen LM with it: 0.5 GB) is deleted once its row is written.
 """
 
 from __future__ import annotations
@@ -300,7 +301,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300, help="steps of each SmolLM2 stage (batch 16)")
     parser.add_argument("--out", default=str(ROOT / "results/vlm_smollm2"))
     parser.add_argument("--workdirs", default=str(ROOT / "workdirs/smol"))
-    parser.add_argument("--vision", default=None, help="the tower folder (default: the config's, make demo's)")
+    parser.add_argument("--vision", default=None, help="the tower folder (default: the config's, make demo's; "
+                        "--frozen: the token-budget sweep's, results/token_budget/tower)")
     parser.add_argument("--lm", default=None, help="the converted LM folder (default: the config's)")
     parser.add_argument("--data_dir", default=None)
     parser.add_argument("--only", default=None, help="comma-separated run names (default: all)")
@@ -324,6 +326,8 @@ def main(argv=None):
             args.out = str(ROOT / "results/vlm_smollm2/frozen")
         if args.workdirs == parser.get_default("workdirs"):
             args.workdirs = str(ROOT / "workdirs/smol_frozen")
+        if args.vision is None:  # the token-budget sweep's own tower, pinned with its results
+            overrides.append(f"--config.init.vision={ROOT / 'results/token_budget/tower'}")
         return run_frozen(args, overrides)
     out, workdirs = pathlib.Path(args.out), pathlib.Path(args.workdirs)
     out.mkdir(parents=True, exist_ok=True)
