@@ -415,6 +415,9 @@ def main(argv=None) -> pathlib.Path:
              "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
              "test_questions": len(test["ids"]), "workers": args.workers,
              "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    timed = [r["wall_s"] for cells in (tuned, results) for by_seed in cells.values() for r in by_seed.values()
+             if "wall_s" in r]
+    setup.update(worker_hours=round(sum(timed) / 3600, 2), runs_timed=len(timed))
     summary = report.summarise(rows)
     report.write_csv(rows, out / "runs.csv")
     (out / "curves.json").write_text(json.dumps(curves) + "\n")

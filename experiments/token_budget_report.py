@@ -91,14 +91,17 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
              f"{setup['stage0_steps']} LM steps on the text (per seed), stage 1 {setup['stage1_steps']} connector "
              f"steps, then joint steps of {plan['batch_size']} questions (warmup, then a constant lr) until the "
              f"accuracy on {plan['curve_questions']:,} validation questions, checked every {plan['eval_every']} "
-             f"steps, has not risen by {100 * plan['min_delta']:g} points for {plan['patience']} checks (at most "
-             f"{plan['max_steps']} steps); the parameters of the best check are tested (steps: mean best check / "
+             f"steps, has not risen by {100 * plan['min_delta']:g} points for {plan['patience']} checks (no sooner "
+             f"than step {plan.get('min_steps', 0)}, at most {plan['max_steps']}); the parameters of the best check "
+             "are tested (steps: mean best check / "
              f"mean steps trained){tuned}; tower `{setup['tower']}` grid {setup['grid'][0]}×{setup['grid'][1]}, "
              f"LM {setup['lm']}. FLOPs per example (XLA count, forward); LM FLOPs at BOS + visual tokens + "
              f"{setup['max_len'] - 1} text positions ({setup['tokenizer']} tokens). ms/ex: milliseconds per example "
              "of a training step and of scoring (connector + LM on precomputed features; "
              f"{setup['workers']} single-core worker(s) side by side; per seed the median of 20 steps after its "
-             "training; the median over seeds [range]; compare rows, not machines).",
+             "training; the median over seeds [range]; compare rows, not machines)."
+             + (f" The sweep's runs took {setup['worker_hours']:.1f} worker-hours ({setup['runs_timed']} runs, tuning "
+                "included, summed over sittings)." if setup.get("worker_hours") else ""),
              "",
              f"| connector | budget | tokens | lr/warmup | steps | all | vs blind | {kinds} | params | conn. MFLOP | "
              "LM MFLOP | train ms/ex | infer ms/ex |",

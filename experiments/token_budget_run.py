@@ -148,7 +148,8 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     ``max_steps``. The parameters of the
     best evaluation are scored on ``final`` (the test split; the full validation split when
     tuning). Returns accuracy per kind, the learning curve ``[[step, accuracy], ...]``, the best
-    step, the steps trained and the mean training loss of the last 20 steps.
+    step, the steps trained, the mean training loss of the last 20 steps and ``wall_s``, the run's
+    seconds (across sittings when it resumed; the machine shared by the sweep's workers).
 
     With ``snapshot`` (a file path) the whole state of the run (parameters, optimizer moments,
     the best parameters so far, the curve, the losses and the data order's generator) is written
@@ -157,9 +158,11 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     where its last snapshot was taken, with the result an uninterrupted run gives. The file is
     removed when the run ends.
     """
+    started = time.monotonic()
     rng = np.random.default_rng(seed)
     batch_size, every = plan["batch_size"], plan["eval_every"]
     state = _load_snapshot(snapshot)
+    earlier_s = 0.0 if state is None else state.get("wall_s", 0.0)  # the sittings before this one
 
     def draw():
         return _batch(train, rng.integers(len(train["ids"]), size=batch_size), view)
@@ -215,7 +218,8 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
             if snapshot is not None and time.monotonic() - saved_at >= snapshot_every_s:
                 _save_snapshot(snapshot, dict(step=step, params=params, opt_state=opt_state, best_params=best_params,
                                               best_acc=best_acc, best_step=best_step, curve=curve, losses=losses,
-                                              rng=rng.bit_generator.state))
+                                              rng=rng.bit_generator.state,
+                                              wall_s=earlier_s + time.monotonic() - started))
                 saved_at = time.monotonic()
     if progress is not None:
         progress.update(plan["max_steps"] - step)  # the bar counts every run at its longest
@@ -223,7 +227,8 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     if snapshot is not None:
         snapshot.unlink(missing_ok=True)
     return {**result, "best_step": best_step, "steps_trained": step, "min_steps": plan.get("min_steps", 0),
-            "final_loss": float(np.mean(losses[-20:])), "curve": curve}
+            "final_loss": float(np.mean(losses[-20:])), "curve": curve,
+            "wall_s": round(earlier_s + time.monotonic() - started, 1)}
 
 
 def holds_under_min_steps(min_steps: int):
@@ -318,9 +323,7 @@ def job(key, arrays: dict, context: dict, progress) -> dict:
 def run_seeds(key, context: dict, progress, one) -> dict:
     """``{seed: one(seed)}`` over ``context["seeds"]``, each finished seed appended to
     ``context["seed_log"] = (path, signature)`` when given; seeds already in
-    ``context["seeds_done"][key]`` are taken from there, not trained again. Each trained seed's
-    result carries its ``wall_s`` (seconds, with the machine shared by the sweep's workers), so
-    that the sweep's total time adds up across sittings."""
+    ``context["seeds_done"][key]`` are taken from there, not trained again."""
     done = context.get("seeds_done", {}).get(tuple(key), {})
     out = {}
     for seed in context["seeds"]:
@@ -328,8 +331,7 @@ def run_seeds(key, context: dict, progress, one) -> dict:
             out[seed] = done[seed]
             progress.update(context.get("stage1_steps", 0) + context["plan"]["max_steps"])
             continue
-        t0 = time.perf_counter()
-        out[seed] = {**one(seed), "wall_s": round(time.perf_counter() - t0, 1)}
+        out[seed] = one(seed)
         if context.get("seed_log"):
             sweep.save_cell(pathlib.Path(context["seed_log"][0]), context["seed_log"][1], key, {seed: out[seed]})
     return out

@@ -112,6 +112,11 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     assert "| vs blind |" in table and "paired by seed" in table
     assert "At equal parameters" in table and "| 4 | encoder: image 16 px |" in table
     assert "More tokens help fine detail more" in table
+    # Every run's seconds add up to the sweep's cost, tuning included; no run stopped before the floor.
+    rows_ok = [r for r in rows if r["status"] == "ok"]  # budgets that reach the same count share a run
+    assert setup["runs_timed"] == len({(r["family"], r["tokens"], r["variant"], r["seed"]) for r in rows_ok}) + 8
+    assert 0 < setup["worker_hours"] and "worker-hours" in table and f"no sooner than step {plan['min_steps']}" in table
+    assert all(int(r["steps_trained"]) >= plan["min_steps"] for r in rows_ok)
     for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png", "learning_curves.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -305,6 +310,7 @@ def test_a_run_killed_mid_way_resumes_from_its_snapshot_to_the_uninterrupted_res
     progress = Progress()
     resumed = tb.run_lib.train_and_eval(run, 0, split, split, split, plan, progress=progress, snapshot=snap,
                                         snapshot_every_s=0.0)
+    assert resumed.pop("wall_s") > 0 and straight.pop("wall_s") > 0  # seconds: the only difference
     assert resumed == straight and straight["steps_trained"] == 30
     assert progress.steps == 3 + 30 and not snap.exists()  # the bar counts the resumed steps; the file is gone
     # The snapshot's name is the run's identity under the sweep's settings; none without a folder.
