@@ -351,6 +351,53 @@ def test_results_are_tied_to_the_tower_they_were_made_with(tb, tmp_path):
     assert tb.sweep.fingerprint({"a": params["a"].reshape(3, 2), "b": params["b"]}) != first  # shapes count
 
 
+def test_a_killed_sweep_leaves_no_workers_running_and_its_arrays_are_cleared(tb, tmp_path):
+    """kill -9 of a sweep: its worker processes die with it (they would otherwise run their jobs
+    to the end for nobody, beside the restarted sweep), and the next sweep removes the arrays'
+    folder the killed one left."""
+    import signal
+    import tempfile
+    import time
+
+    (tmp_path / "job.py").write_text(
+        "import os, pathlib, time\n"
+        "def job(key, arrays, context, progress):\n"
+        "    pathlib.Path(context['dir'], f'{os.getpid()}.pid').write_text('')\n"
+        "    time.sleep(600)\n")
+    (tmp_path / "main.py").write_text(
+        f"import sys\nsys.path[:0] = [{str(ROOT / 'experiments')!r}, {str(tmp_path)!r}]\n"
+        "import numpy as np, workers, job\n"
+        "if __name__ == '__main__':\n"
+        f"    workers.run(job.job, [0, 1], {{'a': {{'x': np.zeros(3)}}}}, {{'dir': {str(tmp_path)!r}}}, 2, total=2)\n")
+    sweep = subprocess.Popen([sys.executable, str(tmp_path / "main.py")], env={**os.environ, "TMPDIR": str(tmp_path)})
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.time() < deadline and sweep.poll() is None:
+        time.sleep(0.2)
+    pids = [int(f.stem) for f in tmp_path.glob("*.pid")]
+    assert len(pids) == 2 and len(list(tmp_path.glob("vitmm-workers-*"))) == 1
+    sweep.send_signal(signal.SIGKILL)
+    sweep.wait()
+
+    def alive(pid):
+        try:
+            return pathlib.Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    deadline = time.time() + 20
+    while any(alive(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids)
+    import workers
+
+    old, tempfile.tempdir = tempfile.tempdir, str(tmp_path)
+    try:
+        workers._remove_stale_arrays()
+    finally:
+        tempfile.tempdir = old
+    assert not list(tmp_path.glob("vitmm-workers-*"))
+
+
 def test_a_run_whose_loss_is_not_finite_stops_naming_the_first_bad_step(tb):
     """Losses reach the host once per evaluation (no sync per step); a NaN is still reported at
     the step it appeared: a NaN learning rate leaves step 1's loss finite and makes step 2's NaN."""
