@@ -109,10 +109,10 @@ def run(fn, keys: list, arrays: dict[str, dict[str, np.ndarray]], context: dict,
             return results
         ctx = multiprocessing.get_context("spawn")
         _remove_stale_arrays()
-        with tempfile.TemporaryDirectory(prefix=f"{_PREFIX}{os.getpid()}-") as tmp, ctx.Manager() as manager:
+        with tempfile.TemporaryDirectory(prefix=f"{_PREFIX}{os.getpid()}-") as tmp:
             path = os.path.join(tmp, "arrays.npz")
             np.savez(path, **{f"{group}/{name}": a for group, named in arrays.items() for name, a in named.items()})
-            queue = manager.Queue()
+            queue = ctx.Queue()  # handed to the workers as they start (no manager process to outlive a kill)
             cores = sorted(os.sched_getaffinity(0))
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
                                                         initargs=(path, context, queue, cores, os.getpid())) as pool:

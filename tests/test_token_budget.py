@@ -351,6 +351,13 @@ def test_results_are_tied_to_the_tower_they_were_made_with(tb, tmp_path):
     assert tb.sweep.fingerprint({"a": params["a"].reshape(3, 2), "b": params["b"]}) != first  # shapes count
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def test_a_killed_sweep_leaves_no_workers_running_and_its_arrays_are_cleared(tb, tmp_path):
     """kill -9 of a sweep: its worker processes die with it (they would otherwise run their jobs
     to the end for nobody, beside the restarted sweep), and the next sweep removes the arrays'
@@ -375,6 +382,9 @@ def test_a_killed_sweep_leaves_no_workers_running_and_its_arrays_are_cleared(tb,
         time.sleep(0.2)
     pids = [int(f.stem) for f in tmp_path.glob("*.pid")]
     assert len(pids) == 2 and len(list(tmp_path.glob("vitmm-workers-*"))) == 1
+    children = [int(p.name) for p in pathlib.Path("/proc").iterdir()
+                if p.name.isdigit() and _ppid(int(p.name)) == sweep.pid]
+    assert set(pids) <= set(children)
     sweep.send_signal(signal.SIGKILL)
     sweep.wait()
 
@@ -388,6 +398,10 @@ def test_a_killed_sweep_leaves_no_workers_running_and_its_arrays_are_cleared(tb,
     while any(alive(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in pids)
+    deadline = time.time() + 20
+    while any(alive(pid) for pid in children) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in children if alive(pid)]  # nothing the killed sweep started is left running
     import workers
 
     old, tempfile.tempdir = tempfile.tempdir, str(tmp_path)
