@@ -144,7 +144,7 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     ``curve_questions`` and optionally ``min_steps``. Every ``eval_every`` joint steps (and before
     the first) the model is scored on the first ``curve_questions`` of ``val``; training stops when
     the best score has not risen by ``min_delta`` for ``patience`` evaluations, but not before
-    ``min_steps`` (a run waiting on the blind plateau is not a run that has converged), or at
+    ``min_steps`` (a run sitting on an early plateau is not a run that has converged), or at
     ``max_steps``. The parameters of the
     best evaluation are scored on ``final`` (the test split; the full validation split when
     tuning). Returns accuracy per kind, the learning curve ``[[step, accuracy], ...]``, the best
