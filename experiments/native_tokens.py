@@ -61,8 +61,8 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import lessons_common  # noqa: E402
 import native_features as features_lib  # noqa: E402
 import sweep  # noqa: E402
-import token_budget  # noqa: E402
 import token_budget_run as run_lib  # noqa: E402
+import token_budget_tower  # noqa: E402
 
 PATHS = features_lib.PATHS
 BLIND, KINDS = run_lib.BLIND, run_lib.KINDS
@@ -269,7 +269,7 @@ def main(argv=None) -> pathlib.Path:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tower_dir = pathlib.Path(args.tower or (out / "tower" if args.smoke else ROOT / "workdirs/clip_scenes"))
-    token_budget.ensure_tower(tower_dir, args.smoke, args.data_dir)
+    token_budget_tower.ensure_tower(tower_dir, args.smoke, args.data_dir)
     tower_cfg = ckpt_lib.load_config(tower_dir)["model"]["image"]
     if tower_cfg.get("posemb", "learn") == "learn":
         tower_cfg = {**tower_cfg, "dynamic_img_size": True}  # the learned table resampled to each grid

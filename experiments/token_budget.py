@@ -76,6 +76,7 @@ import qa_features  # noqa: E402
 import sweep  # noqa: E402
 import token_budget_report as report  # noqa: E402
 import token_budget_run as run_lib  # noqa: E402
+import token_budget_tower as tower_lib  # noqa: E402
 
 FAMILIES = ("linear", "mlp", "pool", "pixel_shuffle", "patch_merger", "c_abstractor", "ldp",
             "qwen_resampler", "perceiver", "qformer")
@@ -101,36 +102,6 @@ PRESETS = {
 }
 
 
-# ------------------------------------------------------------------------------------ data
-def ensure_tower(workdir: pathlib.Path, smoke: bool, data_dir=None) -> None:
-    """Trains the CLIP tower with ``configs/clip_scenes.py`` unless ``workdir`` holds the final
-    checkpoint of its training: one stopped part-way (a sweep killed while it trained the tower)
-    resumes from its last checkpoint instead of being taken for the finished tower."""
-    folder = workdir / "checkpoints"
-    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
-    if steps and steps[-1] >= ckpt_lib.load_config(workdir)["total_steps"]:
-        return
-    from vitmm.config_args import load
-    from vitmm.train import trainer
-
-    arg = "smoke" if smoke else None
-    print(f"No final CLIP checkpoint in {workdir}: training configs/clip_scenes.py{':' + arg if arg else ''} "
-          f"first{f' (resuming from step {steps[-1]})' if steps else ''}.")
-    trainer.train(load(ROOT / "configs/clip_scenes.py", arg, **({"input.data_dir": data_dir} if data_dir else {})),
-                  workdir)
-
-
-def pin_tower(workdir: pathlib.Path, out: pathlib.Path) -> None:
-    """Writes the image tower of ``workdir``'s final checkpoint to ``out`` (its parameters under
-    ``img`` and the run's config, at the same step): a small folder the results can carry, which
-    ``--tower`` and ``ensure_tower`` read as a finished training."""
-    step = ckpt_lib.Checkpointer(workdir).latest_step()
-    writer = ckpt_lib.Checkpointer(out, keep=1, async_save=False)
-    writer.save(step, {"params": {"img": ckpt_lib.load_params(workdir, step)["img"]}}, {},
-                {"step": step, "config": json.dumps(ckpt_lib.load_config(workdir, step))})
-    writer.close()
-
-
 def choose(tuned: dict) -> dict:
     """``{family: (lr, warmup)}`` with the best validation accuracy in the tuning grid (ties: the
     smaller lr, then the shorter warmup)."""
@@ -140,33 +111,6 @@ def choose(tuned: dict) -> dict:
         if family not in best or (acc, -lr, -warmup) > (best[family][1], -best[family][0][0], -best[family][0][1]):
             best[family] = ((lr, warmup), acc)
     return {family: setting for family, (setting, _) in best.items()}
-
-
-def encoder_views(tower_cfg: dict, tower_params: dict, image_size: int, grid, budgets) -> dict:
-    """``{tokens: {variant: (view name, tower, params, image size)}}``: the tower itself reaching
-    ``tokens`` patches by a smaller image (sin-cos positions recomputed for the smaller grid; a
-    learned table resampled) or by larger patches at the same image (the patch kernel PI-resized,
-    FlexiViT's rule). A budget neither reaches exactly is left out."""
-    from vitmm.models.patch_embed import resize_kernel
-    from vitmm.models.vit_tools import resize_posemb
-
-    n, patch = grid[0] * grid[1], tower_cfg["patch_size"]
-    out = {}
-    for tokens in budgets:
-        scale = math.isqrt(n // tokens)
-        if grid[0] != grid[1] or scale * scale * tokens != n or scale < 2:
-            continue
-        views = out.setdefault(tokens, {})
-        small = image_size // scale
-        side = grid[0] // scale
-        params = (resize_posemb(tower_params, (side, side)) if "pos_embedding" in tower_params else tower_params)
-        views[f"image {small} px"] = (f"res{small}", ViT(**tower_cfg), params, small)
-        kernel = resize_kernel(tower_params["embedding"]["kernel"], patch * scale)
-        big = {**tower_params, "embedding": {**tower_params["embedding"], "kernel": kernel}}
-        views[f"patch {patch * scale}"] = (f"patch{patch * scale}", ViT(**{**tower_cfg, "patch_size": patch * scale}),
-                                           resize_posemb(big, (side, side)) if "pos_embedding" in big else big,
-                                           image_size)
-    return out
 
 
 # ------------------------------------------------------------------------------------ sweep
@@ -282,12 +226,7 @@ def main(argv=None) -> pathlib.Path:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    tower_dir = pathlib.Path(args.tower or out / "tower")
-    if args.tower or args.smoke:
-        ensure_tower(tower_dir, args.smoke, args.data_dir)
-    elif not (tower_dir / "checkpoints").is_dir():
-        ensure_tower(ROOT / "workdirs/clip_scenes", False, args.data_dir)
-        pin_tower(ROOT / "workdirs/clip_scenes", tower_dir)
+    tower_dir = tower_lib.tower_dir(args.tower, out, args.smoke, args.data_dir)
     clip_config = ckpt_lib.load_config(tower_dir)
     tower_cfg = clip_config["model"]["image"]
     image_size = clip_config["input"]["image_size"]
@@ -298,7 +237,7 @@ def main(argv=None) -> pathlib.Path:
     tower_params = ckpt_lib.load_params(tower_dir)["img"]
     tower_print = sweep.check_tower(out, tower_dir, tower_params)
     grid = tower.grid((image_size, image_size))
-    enc = encoder_views(tower_cfg, tower_params, image_size, grid, args.encoder_budgets)
+    enc = tower_lib.encoder_views(tower_cfg, tower_params, image_size, grid, args.encoder_budgets)
     views = {name: (t, p, size) for vs in enc.values() for name, t, p, size in vs.values()}
 
     t0 = time.perf_counter()

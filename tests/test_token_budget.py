@@ -25,15 +25,15 @@ def test_tower_is_trained_unless_its_workdir_has_the_final_checkpoint(tb, tmp_pa
     calls = []
     monkeypatch.setattr(trainer, "train", lambda config, workdir: calls.append((config, workdir)))
     monkeypatch.setattr(tb.ckpt_lib, "load_config", lambda workdir: {"total_steps": 4})
-    tb.ensure_tower(tmp_path / "w", smoke=True, data_dir=str(tmp_path / "tfds"))
+    tb.tower_lib.ensure_tower(tmp_path / "w", smoke=True, data_dir=str(tmp_path / "tfds"))
     (config, workdir), = calls  # configs/clip_scenes.py:smoke on the given data_dir
     assert workdir == tmp_path / "w" and config.total_steps == 4 and config.input.image_size == 32
     assert config.input.data_dir == str(tmp_path / "tfds")
     (tmp_path / "w" / "checkpoints" / "2").mkdir(parents=True)  # stopped half-way: trained on (it resumes)
-    tb.ensure_tower(tmp_path / "w", smoke=True)
+    tb.tower_lib.ensure_tower(tmp_path / "w", smoke=True)
     assert len(calls) == 2
     (tmp_path / "w" / "checkpoints" / "4").mkdir(parents=True)
-    tb.ensure_tower(tmp_path / "w", smoke=True)
+    tb.tower_lib.ensure_tower(tmp_path / "w", smoke=True)
     assert len(calls) == 2
 
 
@@ -47,13 +47,13 @@ def test_the_pinned_tower_is_the_trained_image_tower_and_counts_as_finished(tb, 
     from vitmm.train import trainer
 
     workdir, out = clip_smoke_run.workdir, tmp_path / "tower"
-    tb.pin_tower(workdir, out)
+    tb.tower_lib.pin_tower(workdir, out)
     pinned, trained = ckpt_lib.load_params(out), ckpt_lib.load_params(workdir)
     assert list(pinned) == ["img"] and tb.sweep.fingerprint(pinned["img"]) == tb.sweep.fingerprint(trained["img"])
     np.testing.assert_array_equal(pinned["img"]["embedding"]["kernel"], trained["img"]["embedding"]["kernel"])
     assert ckpt_lib.load_config(out) == ckpt_lib.load_config(workdir)
     monkeypatch.setattr(trainer, "train", lambda *a: pytest.fail("a pinned tower was trained again"))
-    tb.ensure_tower(out, smoke=True)
+    tb.tower_lib.ensure_tower(out, smoke=True)
 
 
 def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
@@ -436,7 +436,7 @@ def test_encoder_views_reach_the_budget_by_a_smaller_image_or_larger_patches(tb)
 
     cfg = dict(width=16, depth=1, mlp_dim=32, num_heads=2, patch_size=8, posemb="learn", pool="gap", class_token=False)
     params = ViT(**cfg).init(jax.random.key(0), np.zeros((1, 64, 64, 3), np.float32))["params"]
-    views = tb.encoder_views(cfg, params, 64, (8, 8), [16, 4, 9])
+    views = tb.tower_lib.encoder_views(cfg, params, 64, (8, 8), [16, 4, 9])
     assert sorted(views) == [4, 16]  # 9 tokens: no integer scale of an 8×8 grid
     for tokens, named in views.items():
         assert sorted(named) == sorted([f"image {({16: 32, 4: 16})[tokens]} px",
