@@ -49,8 +49,8 @@ finished seed of the jobs still running, which a rerun does not train again; a r
 ``runs.csv`` (one row per run and seed: lr, warmup, steps, tokens, parameters, FLOPs, ms per
 example, per-kind accuracy), ``curves.json`` (validation accuracy per check of every run),
 ``token_budget.md`` (the tables, with 95% CIs over seeds and paired tests, and the claims'
-tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``, ``learning_curves.png`` and
-``setup.json`` (tower, data, model, training and tuning settings).
+tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``, ``learning_curves.png``,
+``encoder_vs_connector.png`` and ``setup.json`` (tower, data, model, training and tuning settings).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))  # the sibling modules below, also when loaded by path
 import qa_features  # noqa: E402
 import sweep  # noqa: E402
+import token_budget_plots as plots  # noqa: E402
 import token_budget_report as report  # noqa: E402
 import token_budget_run as run_lib  # noqa: E402
 import token_budget_tower as tower_lib  # noqa: E402
@@ -362,7 +363,7 @@ def main(argv=None) -> pathlib.Path:
     (out / "curves.json").write_text(json.dumps(curves) + "\n")
     (out / "token_budget.md").write_text(report.to_markdown(summary, setup))
     (out / "setup.json").write_text(json.dumps(setup, indent=1, default=str) + "\n")
-    report.plot(summary, out, curves)
+    plots.plot(summary, out, curves)
     print((out / "token_budget.md").read_text())
     print(f"wrote {out}/runs.csv, curves.json, token_budget.md, *.png, setup.json")
     return out

@@ -74,7 +74,7 @@ def _ms(s: dict, key: str) -> str:
     return f"{s[key]:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
-def _ok(summary, variant=None):
+def ok_rows(summary, variant=None):
     return [s for s in summary if s["status"] == "ok" and (variant is None or s["variant"] == variant)]
 
 
@@ -118,7 +118,7 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{_ms(s, 'train_ms')} | {_ms(s, 'infer_ms')} |")
     lines += ["", *spread_lines(summary), "", *param_lines(summary, setup), "", *encoder_lines(summary), "",
-              *claim_lines(summary)]
+              *factor_lines(summary), "", *claim_lines(summary)]
     return "\n".join(lines) + "\n"
 
 
@@ -127,7 +127,7 @@ def spread_lines(summary: list[dict]) -> list[str]:
     apart the families are (MM1 / TokenPacker's question), and per family, what going from its
     fewest to its most tokens gains. Rows at the same actual count are compared whatever budget
     was requested."""
-    ok = [s for s in _ok(summary, "") if s["family"] != BLIND]
+    ok = [s for s in ok_rows(summary, "") if s["family"] != BLIND]
     at: dict[int, dict[str, float]] = {}
     cell: dict[tuple[int, str], dict] = {}
     for s in ok:
@@ -154,7 +154,7 @@ def spread_lines(summary: list[dict]) -> list[str]:
             test = paired_vs(cell[(hi, family)], cell[(lo, family)])
             lines.append(f"| {family} | {lo}: {counts[lo]:.1f} | {hi}: {counts[hi]:.1f} | "
                          f"{counts[hi] - counts[lo]:+.1f} | {'' if test is None else f'{test[1]:.2g}'} |")
-    blind = [s for s in _ok(summary) if s["family"] == BLIND]
+    blind = [s for s in ok_rows(summary) if s["family"] == BLIND]
     if blind:
         lines += ["", f"No image (`blind`, the questions' prior): {100 * blind[0]['accuracy']:.1f}."]
     return lines
@@ -163,10 +163,10 @@ def spread_lines(summary: list[dict]) -> list[str]:
 def param_lines(summary: list[dict], setup: dict) -> list[str]:
     """The equal-parameter table: each family sized to one connector parameter count, against
     itself at its default size (paired by seed)."""
-    sized = [s for s in _ok(summary) if s["variant"].startswith("params")]
+    sized = [s for s in ok_rows(summary) if s["variant"].startswith("params")]
     if not sized:
         return []
-    default = {(s["family"], s["tokens"]): s for s in _ok(summary, "")}
+    default = {(s["family"], s["tokens"]): s for s in ok_rows(summary, "")}
     knobs = {k.split("|")[0]: v["connector"] for k, v in setup.get("connectors", {}).items() if "params" in k}
     lines = [f"At equal parameters ({sized[0]['variant']} connector parameters, {setup['param_tokens']} tokens; each "
              "family's size knob set to the nearest count; vs default: paired by seed against the main table's row):",
@@ -190,7 +190,7 @@ def param_lines(summary: list[dict], setup: dict) -> list[str]:
 def encoder_lines(summary: list[dict]) -> list[str]:
     """Encoder-side against connector-side budget at equal LM tokens: ``mlp`` on every patch of a
     smaller image or of larger patches, against each connector compressing the full grid."""
-    enc = [s for s in _ok(summary) if s["variant"].startswith(("image", "patch"))]
+    enc = [s for s in ok_rows(summary) if s["variant"].startswith(("image", "patch"))]
     if not enc:
         return []
     lines = ["Encoder side against connector side at equal LM tokens (the encoder-side rows: `mlp` on all patches "
@@ -199,7 +199,7 @@ def encoder_lines(summary: list[dict]) -> list[str]:
              f"| tokens | how | all | vs best connector side | {' | '.join(KINDS)} |",
              "|---:|---|---:|---:|" + "---:|" * len(KINDS)]
     for tokens in sorted({s["tokens"] for s in enc}):
-        side = [s for s in _ok(summary, "") if s["tokens"] == tokens and s["family"] != BLIND]
+        side = [s for s in ok_rows(summary, "") if s["tokens"] == tokens and s["family"] != BLIND]
         best = max(side, key=lambda s: s["accuracy"]) if side else None
         for s in [s for s in enc if s["tokens"] == tokens] + sorted(side, key=lambda s: -s["accuracy"]):
             how = f"encoder: {s['variant']}" if s in enc else f"connector: {s['family']}"
@@ -217,7 +217,7 @@ def group_test(summary: list[dict], tokens: int, kinds) -> tuple[float, float, f
     """Honeybee's claim at ``tokens``: per seed, the mean accuracy on ``kinds`` of the
     locality-preserving families minus that of the learned-query families; the mean over seeds
     with its CI and the p of a t-test (paired by seed)."""
-    rows = {s["family"]: s for s in _ok(summary, "") if s["tokens"] == tokens}
+    rows = {s["family"]: s for s in ok_rows(summary, "") if s["tokens"] == tokens}
     loc, query = [rows[f] for f in LOCALITY if f in rows], [rows[f] for f in LEARNED_QUERY if f in rows]
     if not loc or not query:
         return None
@@ -230,7 +230,7 @@ def detail_test(summary: list[dict]) -> tuple[float, float, float] | None:
     """"More tokens help fine-detail kinds more": per seed, the mean over families of (gain on the
     spatial kinds − gain on the global kinds) from each family's fewest to its most tokens."""
     by_family: dict[str, dict[int, dict]] = {}
-    for s in _ok(summary, ""):
+    for s in ok_rows(summary, ""):
         if s["family"] != BLIND:
             by_family.setdefault(s["family"], {})[int(s["tokens"])] = s
     pairs = [(c[min(c)], c[max(c)]) for c in by_family.values() if len(c) > 1]
@@ -242,12 +242,75 @@ def detail_test(summary: list[dict]) -> tuple[float, float, float] | None:
                         for k in seeds])
 
 
+def factor_test(summary: list[dict]) -> dict | None:
+    """MM1's and TokenPacker's question, budget or connector, as a two-way analysis of variance
+    with seeds as blocks (a seed shares its data order and stage-0 LM across cells) on the balanced
+    part of the main table: the families that ran at every requested budget, over the seeds all of
+    them ran. Returns each source's sum of squares, degrees of freedom, share of the total (η²), F
+    and p against the residual (family × budget is tested as well, so a budget effect that differs
+    by family shows), and the range of the budget and family marginal means in points."""
+    from scipy import stats
+
+    cells = {(s["family"], str(s["budget"])): s for s in ok_rows(summary, "") if s["family"] != BLIND}
+    budgets = sorted({b for _, b in cells}, key=lambda b: (not b.isdigit(), int(b) if b.isdigit() else 0))
+    families = [f for f in dict.fromkeys(f for f, _ in cells) if all((f, b) in cells for b in budgets)]
+    if len(families) < 2 or len(budgets) < 2:
+        return None
+    seeds = sorted(set.intersection(*(set(cells[(f, b)]["by_seed"]) for f in families for b in budgets)))
+    if len(seeds) < 2:
+        return None
+    y = np.array([[[cells[(f, b)]["by_seed"][k] for k in seeds] for b in budgets] for f in families]) * 100
+    n_f, n_b, n_s = y.shape
+    grand = y.mean()
+    m_f, m_b, m_s, m_fb = y.mean((1, 2)), y.mean((0, 2)), y.mean((0, 1)), y.mean(2)
+    ss = {"budget": n_f * n_s * ((m_b - grand) ** 2).sum(), "family": n_b * n_s * ((m_f - grand) ** 2).sum(),
+          "family × budget": n_s * ((m_fb - m_f[:, None] - m_b[None] + grand) ** 2).sum(),
+          "seed": n_f * n_b * ((m_s - grand) ** 2).sum()}
+    total = ((y - grand) ** 2).sum()
+    df = {"budget": n_b - 1, "family": n_f - 1, "family × budget": (n_f - 1) * (n_b - 1), "seed": n_s - 1}
+    ss["residual"], df["residual"] = total - sum(ss.values()), (n_f * n_b - 1) * (n_s - 1)
+    ms_e = ss["residual"] / df["residual"]
+    out = {"families": families, "budgets": budgets, "seeds": seeds,
+           "budget_means": dict(zip(budgets, m_b.tolist(), strict=True)),
+           "family_means": dict(zip(families, m_f.tolist(), strict=True)), "sources": {}}
+    for name in ss:
+        f_stat = ss[name] / df[name] / ms_e if name != "residual" and ms_e > 0 else None
+        out["sources"][name] = dict(ss=float(ss[name]), df=df[name], eta2=float(ss[name] / total) if total else 0.0,
+                                    f=f_stat, p=None if f_stat is None else float(stats.f.sf(f_stat, df[name],
+                                                                                            df["residual"])))
+    return out
+
+
+def _pval(p) -> str:
+    return "n/a (no residual variance)" if p is None else f"{p:.2g}"
+
+
+def factor_lines(summary: list[dict]) -> list[str]:
+    test = factor_test(summary)
+    if test is None:
+        return []
+    fam, bud = test["family_means"], test["budget_means"]
+    lines = [f"Budget or connector (MM1, TokenPacker): analysis of variance over the {len(fam)} families that ran at "
+             f"every budget ({', '.join(fam)}) × requested budgets {', '.join(test['budgets'])} × "
+             f"{len(test['seeds'])} seeds (seeds as blocks; accuracy in points). Marginal means: budgets "
+             + ", ".join(f"{b} {m:.1f}" for b, m in bud.items())
+             + f" (range {max(bud.values()) - min(bud.values()):.1f}); families "
+             + ", ".join(f"{f} {m:.1f}" for f, m in fam.items())
+             + f" (range {max(fam.values()) - min(fam.values()):.1f}).", "",
+             "| source | sum of squares | df | share of the variance | F | p |", "|---|---:|---:|---:|---:|---:|"]
+    for name, s in test["sources"].items():
+        f = "" if s["f"] is None else f"{s['f']:.1f}"
+        p = "" if name == "residual" else _pval(s["p"])
+        lines.append(f"| {name} | {s['ss']:.1f} | {s['df']} | {100 * s['eta2']:.1f}% | {f} | {p} |")
+    return lines
+
+
 def claim_lines(summary: list[dict]) -> list[str]:
     def fmt(t):
         return "too few rows" if t is None else f"{100 * t[0]:+.1f} ± {100 * t[1]:.1f} points (p={t[2]:.2g})"
 
     lines = ["Claims, tested (mean over seeds ± 95% CI; t-tests over seeds):", ""]
-    counts = sorted({int(s["tokens"]) for s in _ok(summary, "") if s["family"] != BLIND})
+    counts = sorted({int(s["tokens"]) for s in ok_rows(summary, "") if s["family"] != BLIND})
     for tokens in counts:
         for name, kinds in (("spatial kinds (" + ", ".join(SPATIAL) + ")", SPATIAL),
                             ("global kinds (" + ", ".join(GLOBAL) + ")", GLOBAL)):
@@ -255,83 +318,15 @@ def claim_lines(summary: list[dict]) -> list[str]:
             if test is not None:
                 lines.append(f"- Honeybee, {tokens} tokens, {name}: locality-preserving ({', '.join(LOCALITY)}) − "
                              f"learned-query ({', '.join(LEARNED_QUERY)}) = {fmt(test)}")
+    test = factor_test(summary)
+    if test is not None:
+        src = test["sources"]
+        lines.append("- MM1 / TokenPacker, budget matters more than the connector: of the variance over the balanced "
+                     "grid, " + ", ".join(f"{name} {100 * src[name]['eta2']:.1f}% (p={_pval(src[name]['p'])})"
+                                            for name in ("budget", "family", "family × budget")))
     lines.append(f"- More tokens help fine detail more: (gain on spatial kinds − gain on global kinds), fewest to most "
                  f"tokens, mean over families = {fmt(detail_test(summary))}")
     return lines
-
-
-def plot(summary: list[dict], out: pathlib.Path, curves: dict | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = _ok(summary, "")
-    blind = next((s for s in ok if s["family"] == BLIND), None)
-    families = [f for f in dict.fromkeys(s["family"] for s in ok) if f != BLIND]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family in families:
-        pts = sorted({s["tokens"]: s for s in ok if s["family"] == family}.values(), key=lambda s: s["tokens"])
-        ax.errorbar([s["tokens"] for s in pts], [100 * s["accuracy"] for s in pts],
-                    yerr=[100 * np.nan_to_num(s["accuracy_ci"]) for s in pts], marker="o", capsize=3, label=family)
-    enc = [s for s in _ok(summary) if s["variant"].startswith(("image", "patch"))]
-    for s in enc:
-        ax.errorbar([s["tokens"]], [100 * s["accuracy"]], yerr=[100 * np.nan_to_num(s["accuracy_ci"])], marker="s",
-                    color="black", capsize=3, linestyle="none", label=f"encoder side: {s['variant']}")
-    ax.set_xscale("log", base=2)
-    _finish(plt, fig, ax, blind, "visual tokens handed to the LM",
-            "Accuracy vs. token budget (mean, 95% CI over seeds)", out / "accuracy_vs_budget.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family in families:
-        pts = [s for s in ok if s["family"] == family]
-        ax.scatter([s["connector_mflops"] + s["lm_mflops"] for s in pts], [100 * s["accuracy"] for s in pts],
-                   label=family)
-        for s in pts:
-            ax.annotate(str(s["tokens"]), (s["connector_mflops"] + s["lm_mflops"], 100 * s["accuracy"]),
-                        fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    _finish(plt, fig, ax, blind, "connector + LM forward MFLOP per example (labels: visual tokens)",
-            "Accuracy vs. cost", out / "accuracy_vs_cost.png")
-    if curves:
-        plot_curves(plt, curves, out / "learning_curves.png")
-
-
-def plot_curves(plt, curves: dict, path: pathlib.Path) -> None:
-    """Validation accuracy against joint steps, one panel per token count of the main table, one
-    line per family (the mean over seeds at each check a seed reached)."""
-    by_tokens: dict[int, dict[str, list]] = {}
-    for key, curve in curves.items():
-        family, tokens, variant, _ = key.split("|")
-        if variant == "":
-            by_tokens.setdefault(int(tokens), {}).setdefault(family, []).append(curve)
-    if not by_tokens:
-        return
-    fig, axes = plt.subplots(1, len(by_tokens), figsize=(4.2 * len(by_tokens), 3.8), squeeze=False)
-    for ax, tokens in zip(axes[0], sorted(by_tokens), strict=True):
-        for family, runs in sorted(by_tokens[tokens].items()):
-            steps = sorted({step for c in runs for step, _ in c})
-            mean = [100 * np.mean([a for c in runs for s, a in c if s == step]) for step in steps]
-            ax.plot(steps, mean, marker=".", label=family)
-        ax.set_title(f"{tokens} visual tokens")
-        ax.set_xlabel("joint steps")
-        ax.set_ylabel("validation exact match (%)")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _finish(plt, fig, ax, blind, xlabel: str, title: str, path: pathlib.Path) -> None:
-    if blind:
-        ax.axhline(100 * blind["accuracy"], color="grey", linestyle="--", label="blind (no image)")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("exact-match accuracy (%)")
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def write_csv(rows: list[dict], path: pathlib.Path) -> None:

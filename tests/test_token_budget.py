@@ -112,12 +112,13 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     assert "| vs blind |" in table and "paired by seed" in table
     assert "At equal parameters" in table and "| 4 | encoder: image 16 px |" in table
     assert "More tokens help fine detail more" in table
+    assert "over the 2 families that ran at every budget (pool, patch_merger) × requested budgets 4, 9, all" in table
     # Every run's seconds add up to the sweep's cost, tuning included; no run stopped before the floor.
     rows_ok = [r for r in rows if r["status"] == "ok"]  # budgets that reach the same count share a run
     assert setup["runs_timed"] == len({(r["family"], r["tokens"], r["variant"], r["seed"]) for r in rows_ok}) + 8
     assert 0 < setup["worker_hours"] and "worker-hours" in table and f"no sooner than step {plan['min_steps']}" in table
     assert all(int(r["steps_trained"]) >= plan["min_steps"] for r in rows_ok)
-    for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png", "learning_curves.png"):
+    for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png", "learning_curves.png", "encoder_vs_connector.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Tuning: the lr grid at the first warmup, then the other warmups at the best lr; each family's
@@ -471,6 +472,67 @@ def test_claim_tests_on_known_numbers(tb):
     assert mean == pytest.approx(detail.mean()) and p == pytest.approx(stats.ttest_1samp(detail, 0).pvalue)
     lines = "\n".join(tb.report.claim_lines(summary))
     assert "Honeybee, 16 tokens, spatial kinds" in lines and f"{100 * diff.mean():+.1f}" in lines
+
+
+def test_budget_or_connector_anova_matches_a_least_squares_fit(tb):
+    """The two-way analysis of variance (families × budgets, seeds as blocks) on a balanced grid
+    with a known budget effect: its F-tests equal the extra-sum-of-squares F of nested
+    least-squares fits (an independent computation), its shares sum to one, the budget dominates,
+    and a family missing a budget is left out of the grid."""
+    import numpy as np
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    families, budgets, seeds = ["pool", "ldp", "perceiver"], ["4", "16", "all"], range(5)
+    effect_b, effect_f = {"4": 0.0, "16": 0.10, "all": 0.15}, {"pool": 0.02, "ldp": 0.0, "perceiver": -0.01}
+    acc = {(f, b, k): 0.5 + effect_b[b] + effect_f[f] + 0.01 * k + 0.02 * rng.normal()
+           for f in families for b in budgets for k in seeds}
+    kinds = {f"acc_{k}": 0.5 for k in tb.KINDS}
+    rows = [{"family": f, "budget": b, "tokens": {"4": 4, "16": 16, "all": 64}[b], "note": "", "lr": 1e-3, "warmup": 25,
+             "seed": k, "status": "ok", "accuracy": a, **kinds} for (f, b, k), a in acc.items()]
+    rows += [{**rows[0], "family": "mlp", "budget": "all", "tokens": 64, "seed": k} for k in seeds]  # one budget only
+    test = tb.report.factor_test(tb.report.summarise(rows))
+    assert test["families"] == families and test["budgets"] == budgets and test["seeds"] == list(seeds)
+    src = test["sources"]
+    assert sum(s["eta2"] for s in src.values()) == pytest.approx(1.0)
+    assert src["budget"]["eta2"] > 0.8 > 0.05 > src["family"]["eta2"] and src["budget"]["p"] < 1e-10
+
+    # Reference: y ~ dummies, the F of dropping each factor from the full additive-plus-interaction model.
+    y = np.array([100 * acc[(f, b, k)] for f in families for b in budgets for k in seeds])
+    cols = {"f": [(f,) for f in families for b in budgets for k in seeds],
+            "b": [(b,) for f in families for b in budgets for k in seeds],
+            "fb": [(f, b) for f in families for b in budgets for k in seeds],
+            "s": [(k,) for f in families for b in budgets for k in seeds]}
+
+    def rss(terms):
+        x = [np.ones(len(y))]
+        for term in terms:
+            levels = sorted(set(cols[term]), key=str)
+            x += [np.array([v == level for v in cols[term]], float) for level in levels[1:]]
+        x = np.stack(x, 1)
+        resid = y - x @ np.linalg.lstsq(x, y, rcond=None)[0]
+        return resid @ resid, np.linalg.matrix_rank(x)
+
+    full, rank_full = rss(["f", "b", "fb", "s"])
+    df_e = len(y) - rank_full
+    assert src["residual"]["ss"] == pytest.approx(full) and src["residual"]["df"] == df_e
+    for name, drop in (("budget", ["f", "s"]), ("family", ["b", "s"]), ("seed", ["f", "b"])):
+        reduced, rank = rss(drop)  # balanced: a main effect's SS is the same with or without the interaction
+        additive, rank_add = rss(["f", "b", "s"])
+        f_ref = (reduced - additive) / (rank_add - rank) / (full / df_e)
+        assert src[name]["f"] == pytest.approx(f_ref, rel=1e-9)
+        assert src[name]["p"] == pytest.approx(stats.f.sf(f_ref, rank_add - rank, df_e), rel=1e-9)
+    additive, rank_add = rss(["f", "b", "s"])
+    f_int = (additive - full) / (rank_full - rank_add) / (full / df_e)
+    assert src["family × budget"]["f"] == pytest.approx(f_int, rel=1e-9)
+    assert "Budget or connector (MM1, TokenPacker)" in "\n".join(tb.report.factor_lines(tb.report.summarise(rows)))
+    claim = next(line for line in tb.report.claim_lines(tb.report.summarise(rows)) if "MM1" in line)
+    assert f"budget {100 * src['budget']['eta2']:.1f}%" in claim
+
+
+def test_learning_curves_average_the_seeds_that_reached_each_check(tb):
+    steps, mean, count = tb.plots.mean_curve([[[0, 0.4], [250, 0.6], [500, 0.7]], [[0, 0.5], [250, 0.8]]])
+    assert steps == [0, 250, 500] and mean == pytest.approx([0.45, 0.7, 0.7]) and count == [2, 2, 1]
 
 
 def test_the_image_reaches_the_lm_and_beats_blind_where_only_it_answers(tb):
