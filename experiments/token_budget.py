@@ -16,16 +16,17 @@ the small Llama-style LM (word tokens) on the training questions' text alone, on
 format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen: LLaVA's
 stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the connector and
 the LM together on (image, question, answer) triples — LLaVA's stage 2 with the tower frozen —
-with a linear warmup and then a constant rate, until the exact match on ``--curve_questions``
-validation questions, checked every ``--eval_every`` steps, has not risen by ``--min_delta`` for
-``--patience`` checks, though not before ``--min_steps`` (runs often sit on a plateau near 64%
-validation accuracy, above blind's 45%, for thousands of steps before they rise again), or
-at ``--steps``; the best check's parameters are scored per question
-kind on the test questions. Each family's learning rate and warmup are chosen first on the
-validation split at ``--tune_budget`` tokens and the first seed: the best of ``--tune_lrs`` at
-the first of ``--tune_warmups``, then the other warmups at that rate (``tuning.jsonl``; ``--lr``
-skips tuning). Exact match is computed teacher-forced in one forward pass, which equals greedy
-decoding's exact match (``vitmm.decode.answer_scores``).
+for ``--steps`` steps: a linear warmup, then a cosine decay to zero (``--schedule cosine``; a
+constant rate with early stopping, ``--schedule constant --patience N``, made the score depend on
+when a run happened to stop: ``results/token_budget/v2_constant/README.md``). The exact match on
+``--curve_questions`` validation questions is checked every ``--eval_every`` steps (the learning
+curves) and the best check's parameters are scored per question kind on the test questions. Each
+family's learning rate and warmup are chosen first on the validation split at ``--tune_budget``
+tokens and the first seed: the best of ``--tune_lrs`` at the first of ``--tune_warmups`` (a best
+rate at an edge of the grid tries the next one past it, up to ``--tune_extend`` more), then the
+other warmups at that rate (``tuning.jsonl``; ``--lr`` skips tuning). Exact match is computed
+teacher-forced in one forward pass, which equals greedy decoding's exact match
+(``vitmm.decode.answer_scores``).
 
 Two more comparisons share the sweep: at equal parameters (``--param_budget`` connector
 parameters at ``--param_tokens`` tokens, each family's size knob set by ``connectors.size_to``),
@@ -84,22 +85,22 @@ FAMILIES = ("linear", "mlp", "pool", "pixel_shuffle", "patch_merger", "c_abstrac
 BUDGETS = ("4", "16", "all")
 BLIND, KINDS = report.BLIND, report.KINDS
 
-# The LM, the training plan (joint steps at most, batch of questions, validation every
-# eval_every steps, stop after `patience` evaluations without a min_delta gain but not before
-# min_steps), images per split,
-# the tuning grid and seeds of a preset.
+# The LM, the training plan (joint steps, batch of questions, validation every eval_every steps,
+# the rate's schedule; with patience > 0, stop after `patience` evaluations without a min_delta
+# gain but not before min_steps), images per split, the tuning grid and seeds of a preset.
 PRESETS = {
-    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=10_000, batch_size=32, lr=3e-3, workers=2,
-                    eval_every=250, patience=4, min_delta=0.005, min_steps=5000, curve_questions=2000,
-                    stage0_steps=1000, stage1_steps=200, tune_lrs="1e-4,3e-4,1e-3,3e-3", tune_warmups="25,250",
-                    tune_budget=16, train_images=10_000, val_images=1_000, seeds="0,1,2,3,4",
-                    families=",".join(FAMILIES), budgets=",".join(BUDGETS), param_budget=100_000,
-                    param_tokens=16, encoder_budgets="16,4"),
+    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=8000, batch_size=32, lr=3e-3, workers=2,
+                    eval_every=250, patience=0, min_delta=0.005, min_steps=0, curve_questions=2000,
+                    schedule="cosine", stage0_steps=1000, stage1_steps=200, tune_lrs="1e-4,3e-4,1e-3,3e-3",
+                    tune_warmups="25,250", tune_extend=2, tune_budget=16, train_images=10_000, val_images=1_000,
+                    seeds="0,1,2,3,4", families=",".join(FAMILIES), budgets=",".join(BUDGETS),
+                    param_budget=100_000, param_tokens=16, encoder_budgets="16,4"),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=24, batch_size=16, lr=3e-3, workers=1,
-                  eval_every=8, patience=2, min_delta=0.005, min_steps=16, curve_questions=64,
-                  stage0_steps=100, stage1_steps=6, tune_lrs="1e-2", tune_warmups="2,8", tune_budget=4,
-                  train_images=128, val_images=32, seeds="0,1", families="mlp,pool,patch_merger",
-                  budgets="4,9,all", param_budget=20_000, param_tokens=4, encoder_budgets="4"),
+                  eval_every=8, patience=0, min_delta=0.005, min_steps=0, curve_questions=64,
+                  schedule="cosine", stage0_steps=100, stage1_steps=6, tune_lrs="1e-2", tune_warmups="2,8",
+                  tune_extend=0, tune_budget=4, train_images=128, val_images=32, seeds="0,1",
+                  families="mlp,pool,patch_merger", budgets="4,9,all", param_budget=20_000, param_tokens=4,
+                  encoder_budgets="4"),
 }
 
 
@@ -114,6 +115,33 @@ def choose(tuned: dict) -> dict:
     return {family: setting for family, (setting, _) in best.items()}
 
 
+def next_rate(lr: float, up: bool) -> float:
+    """The next rate on the 1-3-10 ladder (…, 1e-4, 3e-4, 1e-3, …) above or below ``lr``."""
+    ladder = [m * 10.0 ** e for e in range(math.floor(math.log10(lr)) - 1, math.floor(math.log10(lr)) + 2)
+              for m in (1, 3)]
+    return float(f"{(min(x for x in ladder if x > lr * 1.01) if up else max(x for x in ladder if x < lr / 1.01)):.3g}")
+
+
+def extend_grid(tuned: dict, lrs: dict, base: list, max_extra: int, min_gain: float) -> dict:
+    """``{family: next lr}`` for each family whose best rate sits at an edge of its grid ``lrs[family]``
+    and beats its neighbour there by at least ``min_gain``: the grid continues one step past that
+    edge on the 1-3-10 ladder, at most ``max_extra`` rates beyond ``base`` on each side. A flat
+    edge (blind, whose rate hardly matters) is not extended."""
+    out = {}
+    for family, grid in lrs.items():
+        acc = {lr: np.mean([r["accuracy"] for r in res.values()]) for (f, _, lr, _), res in tuned.items()
+               if f == family and lr in grid}
+        if len(acc) < 2:
+            continue
+        ordered = sorted(acc)
+        best = max(ordered, key=lambda lr: (acc[lr], -lr))
+        for edge, neighbour, up, beyond in ((ordered[0], ordered[1], False, sum(x < min(base) for x in grid)),
+                                            (ordered[-1], ordered[-2], True, sum(x > max(base) for x in grid))):
+            if best == edge and acc[edge] >= acc[neighbour] + min_gain and beyond < max_extra:
+                out[family] = next_rate(edge, up)
+    return out
+
+
 # ------------------------------------------------------------------------------------ sweep
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -126,17 +154,22 @@ def parse_args(argv=None):
     add("--families", default=None, help="comma-separated connector names (default: all)")
     add("--budgets", default=None, help="visual tokens, or 'all' (default: 4,16,all)")
     add("--seeds", default=None, help="comma-separated seeds (default: the preset's)")
-    add("--steps", type=int, default=None, help="joint steps at most (early stopping usually ends a run sooner)")
+    add("--steps", type=int, default=None, help="joint steps (with --patience, at most)")
     add("--batch_size", type=int, default=None)
     add("--eval_every", type=int, default=None, help="joint steps between validation evaluations")
-    add("--patience", type=int, default=None, help="evaluations without a --min_delta gain before a run stops")
+    add("--patience", type=int, default=None, help="evaluations without a --min_delta gain before a run stops (0: "
+        "never; a run trains --steps)")
+    add("--schedule", default=None, choices=("constant", "cosine"), help="the joint phase's learning rate after the "
+        "warmup: constant (runs end by early stopping) or a cosine decay to zero at --steps")
     add("--min_delta", type=float, default=None, help="the validation gain that counts as progress")
-    add("--min_steps", type=int, default=None, help="joint steps before a run may stop early (default: the "
-        "preset's; 5,000: tuning runs left an early plateau as late as step 4,250-5,000)")
+    add("--min_steps", type=int, default=None, help="joint steps before a run may stop early (with "
+        "--patience; runs can sit on an early plateau until step ~5,000)")
     add("--curve_questions", type=int, default=None, help="validation questions scored at each evaluation")
     add("--lr", type=float, default=None, help="one learning rate for every family (no tuning); default: each "
         "family's best of --tune_lrs on the validation split")
     add("--tune_lrs", default=None, help="the learning-rate grid (default: the preset's)")
+    add("--tune_extend", type=int, default=None, help="a family whose best rate is at an edge of the grid tries up "
+        "to this many more rates past it, one at a time (each --tune_lrs ratio), while the edge wins by --min_delta")
     add("--tune_warmups", default=None, help="warmup steps tried at each family's best lr (the first: during the "
         "lr grid)")
     add("--tune_budget", type=int, default=None, help="visual tokens at which each family is tuned (its nearest "
@@ -260,6 +293,8 @@ def main(argv=None) -> pathlib.Path:
           f"{[(f, b) for f, b, _, s, _, _ in plan if s is None]}")
     train_plan = {k: getattr(args, k) for k in ("batch_size", "eval_every", "patience", "min_delta", "curve_questions")}
     train_plan["max_steps"] = args.steps
+    if args.schedule != "constant":  # results from before the option existed ran at a constant rate
+        train_plan["schedule"] = args.schedule
     # Left out of the signature: a result stands under a higher floor when its run trained past it.
     signed_plan, holds = dict(train_plan), run_lib.holds_under_min_steps(args.min_steps)
     train_plan["min_steps"] = args.min_steps
@@ -300,9 +335,17 @@ def main(argv=None) -> pathlib.Path:
             tune_at[family] = tokens
     tuned = {}
     if len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1:
-        keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in args.tune_lrs]
-        tuned = run_cells(run_lib.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
-                          "tuning (lr)", args.seeds[:1], run_steps)
+        lrs, tuned = {f: list(args.tune_lrs) for f in tune_at}, {}
+        while True:  # the grid, then one more rate past an edge that wins, until none does
+            keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in lrs[f]]
+            tuned = run_cells(run_lib.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
+                              "tuning (lr)", args.seeds[:1], run_steps)
+            extra = extend_grid(tuned, lrs, args.tune_lrs, args.tune_extend, args.min_delta)
+            if not extra:
+                break
+            print(f"best rate at an edge of the grid: trying {extra}")
+            for f, x in extra.items():
+                lrs[f].append(x)
         best_lr = {f: lr for f, (lr, _) in choose(tuned).items()}
         keys = [(f, t, best_lr[f], w) for f, t in tune_at.items() for w in args.tune_warmups[1:]]
         tuned.update(run_cells(run_lib.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,

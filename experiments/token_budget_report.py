@@ -78,6 +78,16 @@ def ok_rows(summary, variant=None):
     return [s for s in summary if s["status"] == "ok" and (variant is None or s["variant"] == variant)]
 
 
+def _joint(plan: dict) -> str:
+    """The joint phase's schedule in words."""
+    if plan.get("schedule", "constant") == "cosine" and not plan["patience"]:
+        return f"{plan['max_steps']:,} joint steps of {plan['batch_size']} questions (warmup, then a cosine decay to 0)"
+    return (f"joint steps of {plan['batch_size']} questions (warmup, then a {plan.get('schedule', 'constant')} lr) "
+            + (f"until the validation accuracy has not risen by {100 * plan['min_delta']:g} points for "
+               f"{plan['patience']} checks (no sooner than step {plan.get('min_steps', 0)}, at most "
+               f"{plan['max_steps']})" if plan["patience"] else f"for {plan['max_steps']:,} steps"))
+
+
 def to_markdown(summary: list[dict], setup: dict) -> str:
     kinds = " | ".join(KINDS)
     plan = setup["plan"]
@@ -89,11 +99,8 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
              f"(mean ± 95% CI half-width, Student's t over {len(setup['seeds'])} seeds; vs blind: the mean "
              "difference in overall accuracy and the p of a t-test paired by seed). Each run: stage 0 "
              f"{setup['stage0_steps']} LM steps on the text (per seed), stage 1 {setup['stage1_steps']} connector "
-             f"steps, then joint steps of {plan['batch_size']} questions (warmup, then a constant lr) until the "
-             f"accuracy on {plan['curve_questions']:,} validation questions, checked every {plan['eval_every']} "
-             f"steps, has not risen by {100 * plan['min_delta']:g} points for {plan['patience']} checks (no sooner "
-             f"than step {plan.get('min_steps', 0)}, at most {plan['max_steps']}); the parameters of the best check "
-             "are tested (steps: mean best check / "
+             f"steps, then {_joint(plan)}; the parameters of the best of the checks on {plan['curve_questions']:,} "
+             f"validation questions every {plan['eval_every']} steps are tested (steps: mean best check / "
              f"mean steps trained){tuned}; tower `{setup['tower']}` grid {setup['grid'][0]}×{setup['grid'][1]}, "
              f"LM {setup['lm']}. FLOPs per example (XLA count, forward); LM FLOPs at BOS + visual tokens + "
              f"{setup['max_len'] - 1} text positions ({setup['tokenizer']} tokens). ms/ex: milliseconds per example "

@@ -30,15 +30,18 @@ class Run:
 
     def __init__(self, tower_cfg: dict, connector_cfg: dict, lm_cfg: dict, grid, in_dim: int, max_len: int,
                  steps: int, lr: float, blind: bool = False, stage0: dict | None = None, stage1_steps: int = 0,
-                 warmup: int | None = None):
+                 warmup: int | None = None, schedule: str = "constant"):
         self.model = self.make_model(tower_cfg, connector_cfg, lm_cfg)
         self.grid, self.blind, self.stage0 = tuple(grid), blind, stage0 or {}
         self._example = self.example(in_dim, max_len)
         shapes = jax.eval_shape(self._init, jax.random.key(0))
-        # The joint phase: linear warmup, then a constant rate, for at most `steps` (early stopping
-        # ends it: a decaying schedule would tie the result to a step count fixed in advance).
+        # The joint phase: linear warmup, then a constant rate for at most `steps` (early stopping
+        # ends it), or a cosine decay to zero at `steps` (a fixed horizon).
+        if schedule not in ("constant", "cosine"):
+            raise ValueError(f"schedule={schedule!r}: choose 'constant' or 'cosine'.")
         warmup = max(steps // 20, 1) if warmup is None else warmup
-        self.tx, _ = optim.make_optimizer(_adamw(lr, steps, warmup, end_factor=1.0), shapes)
+        self.tx, _ = optim.make_optimizer(_adamw(lr, steps, warmup, end_factor=1.0 if schedule == "constant" else 0.0),
+                                          shapes)
         self._init_jit = jax.jit(self._init)
         self.step = jax.jit(step_lib.update_step(self._loss, self.tx), donate_argnums=(0, 1))
         # Stage 1 (LLaVA's): the connector alone for stage1_steps, the LM frozen, before joint training.
@@ -143,7 +146,7 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     ``plan``: ``max_steps``, ``batch_size``, ``eval_every``, ``patience``, ``min_delta``,
     ``curve_questions`` and optionally ``min_steps``. Every ``eval_every`` joint steps (and before
     the first) the model is scored on the first ``curve_questions`` of ``val``; training stops when
-    the best score has not risen by ``min_delta`` for ``patience`` evaluations, but not before
+    the best score has not risen by ``min_delta`` for ``patience`` evaluations (0: never), but not before
     ``min_steps`` (a run sitting on an early plateau is not a run that has converged), or at
     ``max_steps``. The parameters of the
     best evaluation are scored on ``final`` (the test split; the full validation split when
@@ -213,7 +216,8 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
             curve.append([step, curve_point()])
             if curve[-1][1] >= best_acc + plan["min_delta"]:
                 best_acc, best_step, best_params = curve[-1][1], step, jax.tree.map(jnp.copy, params)
-            elif step - best_step >= plan["patience"] * every and step >= plan.get("min_steps", 0):
+            elif (0 < plan["patience"] and step - best_step >= plan["patience"] * every
+                  and step >= plan.get("min_steps", 0)):
                 break
             if snapshot is not None and time.monotonic() - saved_at >= snapshot_every_s:
                 _save_snapshot(snapshot, dict(step=step, params=params, opt_state=opt_state, best_params=best_params,
@@ -299,7 +303,7 @@ def _run(c: dict, key: tuple, lr: float, warmup: int | None) -> Run:
     view = c["views"][job["view"]]
     return Run(c["tower_cfg"], job["connector"], c["lm_cfg"], view["grid"], c["in_dim"], c["max_len"],
                c["plan"]["max_steps"], lr, blind=key[0] == BLIND, stage0=c.get("stage0"),
-               stage1_steps=c.get("stage1_steps", 0), warmup=warmup)
+               stage1_steps=c.get("stage1_steps", 0), warmup=warmup, schedule=c["plan"].get("schedule", "constant"))
 
 
 def job(key, arrays: dict, context: dict, progress) -> dict:

@@ -113,11 +113,12 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     assert "At equal parameters" in table and "| 4 | encoder: image 16 px |" in table
     assert "More tokens help fine detail more" in table
     assert "over the 2 families that ran at every budget (pool, patch_merger) × requested budgets 4, 9, all" in table
-    # Every run's seconds add up to the sweep's cost, tuning included; no run stopped before the floor.
+    # Every run's seconds add up to the sweep's cost, tuning included; every run trains the whole horizon.
     rows_ok = [r for r in rows if r["status"] == "ok"]  # budgets that reach the same count share a run
     assert setup["runs_timed"] == len({(r["family"], r["tokens"], r["variant"], r["seed"]) for r in rows_ok}) + 8
-    assert 0 < setup["worker_hours"] and "worker-hours" in table and f"no sooner than step {plan['min_steps']}" in table
-    assert all(int(r["steps_trained"]) >= plan["min_steps"] for r in rows_ok)
+    assert 0 < setup["worker_hours"] and "worker-hours" in table
+    assert f"{plan['max_steps']} joint steps of 16 questions (warmup, then a cosine decay to 0)" in table
+    assert all(int(r["steps_trained"]) == plan["max_steps"] for r in rows_ok)  # a fixed horizon: no early stop
     for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png", "learning_curves.png", "encoder_vs_connector.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -472,6 +473,30 @@ def test_claim_tests_on_known_numbers(tb):
     assert mean == pytest.approx(detail.mean()) and p == pytest.approx(stats.ttest_1samp(detail, 0).pvalue)
     lines = "\n".join(tb.report.claim_lines(summary))
     assert "Honeybee, 16 tokens, spatial kinds" in lines and f"{100 * diff.mean():+.1f}" in lines
+
+
+def test_the_lr_grid_grows_past_an_edge_only_while_the_edge_wins(tb):
+    """A family best at the grid's smallest rate tries the next smaller one (the grid's ratio), at
+    most ``max_extra`` past the base grid; an interior best, or an edge that wins by less than
+    ``min_gain`` (blind: its rate hardly matters), adds nothing."""
+    base = [1e-4, 3e-4, 1e-3, 3e-3]
+
+    def tuned(family, accs):
+        return {(family, 16, lr, 25): {0: {"accuracy": a}} for lr, a in accs.items()}
+
+    grid = {"low": list(base), "high": list(base), "mid": list(base), "flat": list(base)}
+    results = {**tuned("low", {1e-4: 0.9, 3e-4: 0.85, 1e-3: 0.8, 3e-3: 0.7}),
+               **tuned("high", {1e-4: 0.6, 3e-4: 0.7, 1e-3: 0.8, 3e-3: 0.85}),
+               **tuned("mid", {1e-4: 0.6, 3e-4: 0.9, 1e-3: 0.8, 3e-3: 0.7}),
+               **tuned("flat", {1e-4: 0.446, 3e-4: 0.445, 1e-3: 0.446, 3e-3: 0.444})}
+    assert tb.extend_grid(results, grid, base, 2, 0.005) == {"low": 3e-5, "high": 1e-2}
+    grid["low"].append(3e-5)
+    results.update(tuned("low", {3e-5: 0.95}))
+    assert tb.extend_grid(results, {"low": grid["low"]}, base, 2, 0.005) == {"low": 1e-5}
+    grid["low"].append(1e-5)
+    results.update(tuned("low", {1e-5: 0.97}))
+    assert tb.extend_grid(results, {"low": grid["low"]}, base, 2, 0.005) == {}  # two past the grid: enough
+    assert tb.extend_grid(results, {"high": grid["high"]}, base, 0, 0.005) == {}
 
 
 def test_budget_or_connector_anova_matches_a_least_squares_fit(tb):
