@@ -296,7 +296,7 @@ def main(argv=None) -> pathlib.Path:
     if args.schedule != "constant":  # results from before the option existed ran at a constant rate
         train_plan["schedule"] = args.schedule
     # Left out of the signature: a result stands under a higher floor when its run trained past it.
-    signed_plan, holds = dict(train_plan), run_lib.holds_under_min_steps(args.min_steps)
+    signed_plan, holds = dict(train_plan), run_lib.holds_under_min_steps(args.min_steps if args.patience else None)
     train_plan["min_steps"] = args.min_steps
     # A finished cell is reused only by a sweep with the same settings (everything but the cells
     # and the seed list: a rerun with more seeds trains only the new ones).

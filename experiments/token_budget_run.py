@@ -235,14 +235,15 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
             "wall_s": round(earlier_s + time.monotonic() - started, 1)}
 
 
-def holds_under_min_steps(min_steps: int):
+def holds_under_min_steps(min_steps: int | None):
     """Whether a stored result stands for a sweep whose runs stop no sooner than ``min_steps``:
     one run with that floor, or with a lower one and at least ``min_steps`` steps trained (its
     stop rule never fired before then, so the stricter rule fires at the same evaluation and the
-    run is the same). Results from before the floor existed count as floor 0."""
+    run is the same). Results from before the floor existed count as floor 0. ``None``: runs never
+    stop early (patience 0, which the sweep's signature holds), so the floor is never read."""
     def holds(result: dict) -> bool:
         floor = result.get("min_steps", 0)
-        return floor == min_steps or (floor < min_steps and result["steps_trained"] >= min_steps)
+        return min_steps is None or floor == min_steps or (floor < min_steps and result["steps_trained"] >= min_steps)
     return holds
 
 

@@ -335,6 +335,8 @@ def test_a_stored_run_stands_under_a_higher_min_steps_only_if_it_trained_past_it
     keys = [("ldp", 16, 3e-4, 25), ("ldp", 16, 1e-3, 25)]
     assert list(tb.sweep.finished(path, "sig", keys, [0], holds)) == keys[1:]
     assert list(tb.sweep.finished(path, "sig", keys, [0])) == keys
+    # Without early stopping (patience 0, in the signature) the floor is never read: any result holds.
+    assert tb.run_lib.holds_under_min_steps(None)({"steps_trained": 8000, "min_steps": 5000})
 
 
 def test_results_are_tied_to_the_tower_they_were_made_with(tb, tmp_path):
