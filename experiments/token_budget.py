@@ -64,7 +64,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import xla_flags
@@ -79,6 +78,7 @@ import token_budget_plots as plots  # noqa: E402
 import token_budget_report as report  # noqa: E402
 import token_budget_run as run_lib  # noqa: E402
 import token_budget_tower as tower_lib  # noqa: E402
+import token_budget_tune as tune_lib  # noqa: E402
 
 FAMILIES = ("linear", "mlp", "pool", "pixel_shuffle", "patch_merger", "c_abstractor", "ldp",
             "qwen_resampler", "perceiver", "qformer")
@@ -102,44 +102,6 @@ PRESETS = {
                   families="mlp,pool,patch_merger", budgets="4,9,all", param_budget=20_000, param_tokens=4,
                   encoder_budgets="4"),
 }
-
-
-def choose(tuned: dict) -> dict:
-    """``{family: (lr, warmup)}`` with the best validation accuracy in the tuning grid (ties: the
-    smaller lr, then the shorter warmup)."""
-    best = {}
-    for (family, _, lr, warmup), results in tuned.items():
-        acc = np.mean([r["accuracy"] for r in results.values()])
-        if family not in best or (acc, -lr, -warmup) > (best[family][1], -best[family][0][0], -best[family][0][1]):
-            best[family] = ((lr, warmup), acc)
-    return {family: setting for family, (setting, _) in best.items()}
-
-
-def next_rate(lr: float, up: bool) -> float:
-    """The next rate on the 1-3-10 ladder (…, 1e-4, 3e-4, 1e-3, …) above or below ``lr``."""
-    ladder = [m * 10.0 ** e for e in range(math.floor(math.log10(lr)) - 1, math.floor(math.log10(lr)) + 2)
-              for m in (1, 3)]
-    return float(f"{(min(x for x in ladder if x > lr * 1.01) if up else max(x for x in ladder if x < lr / 1.01)):.3g}")
-
-
-def extend_grid(tuned: dict, lrs: dict, base: list, max_extra: int, min_gain: float) -> dict:
-    """``{family: next lr}`` for each family whose best rate sits at an edge of its grid ``lrs[family]``
-    and beats its neighbour there by at least ``min_gain``: the grid continues one step past that
-    edge on the 1-3-10 ladder, at most ``max_extra`` rates beyond ``base`` on each side. A flat
-    edge (blind, whose rate hardly matters) is not extended."""
-    out = {}
-    for family, grid in lrs.items():
-        acc = {lr: np.mean([r["accuracy"] for r in res.values()]) for (f, _, lr, _), res in tuned.items()
-               if f == family and lr in grid}
-        if len(acc) < 2:
-            continue
-        ordered = sorted(acc)
-        best = max(ordered, key=lambda lr: (acc[lr], -lr))
-        for edge, neighbour, up, beyond in ((ordered[0], ordered[1], False, sum(x < min(base) for x in grid)),
-                                            (ordered[-1], ordered[-2], True, sum(x > max(base) for x in grid))):
-            if best == edge and acc[edge] >= acc[neighbour] + min_gain and beyond < max_extra:
-                out[family] = next_rate(edge, up)
-    return out
 
 
 # ------------------------------------------------------------------------------------ sweep
@@ -289,8 +251,8 @@ def main(argv=None) -> pathlib.Path:
 
     lm_cfg = dict(vocab_size=tokenizer.vocab_size, **args.lm)
     plan, jobs = plan_jobs(args, grid, in_dim, lm_cfg["width"], enc)
-    print(f"{len(jobs)} jobs × {len(args.seeds)} seeds, ≤ {args.steps} joint steps each; unreachable: "
-          f"{[(f, b) for f, b, _, s, _, _ in plan if s is None]}")
+    print(f"{len(jobs)} jobs × {len(args.seeds)} seeds, {'≤ ' if args.patience else ''}{args.steps} joint steps "
+          f"each; unreachable: {[(f, b) for f, b, _, s, _, _ in plan if s is None]}")
     train_plan = {k: getattr(args, k) for k in ("batch_size", "eval_every", "patience", "min_delta", "curve_questions")}
     train_plan["max_steps"] = args.steps
     if args.schedule != "constant":  # results from before the option existed ran at a constant rate
@@ -340,17 +302,17 @@ def main(argv=None) -> pathlib.Path:
             keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in lrs[f]]
             tuned = run_cells(run_lib.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
                               "tuning (lr)", args.seeds[:1], run_steps)
-            extra = extend_grid(tuned, lrs, args.tune_lrs, args.tune_extend, args.min_delta)
+            extra = tune_lib.extend_grid(tuned, lrs, args.tune_lrs, args.tune_extend, args.min_delta)
             if not extra:
                 break
             print(f"best rate at an edge of the grid: trying {extra}")
             for f, x in extra.items():
                 lrs[f].append(x)
-        best_lr = {f: lr for f, (lr, _) in choose(tuned).items()}
+        best_lr = {f: lr for f, (lr, _) in tune_lib.choose(tuned).items()}
         keys = [(f, t, best_lr[f], w) for f, t in tune_at.items() for w in args.tune_warmups[1:]]
         tuned.update(run_cells(run_lib.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
                                "tuning (warmup)", args.seeds[:1], run_steps))
-        chosen = choose(tuned)
+        chosen = tune_lib.choose(tuned)
     else:
         chosen = {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in tune_at}
     context["chosen"] = chosen

@@ -429,7 +429,7 @@ def test_choose_takes_the_best_validation_accuracy_then_the_smaller_lr_and_warmu
     tuned = {("pool", 16, 1e-3, 25): {0: {"accuracy": 0.6}}, ("pool", 16, 3e-3, 25): {0: {"accuracy": 0.7}},
              ("pool", 16, 3e-3, 250): {0: {"accuracy": 0.7}}, ("mlp", 64, 1e-2, 25): {0: {"accuracy": 0.5}},
              ("mlp", 64, 3e-3, 250): {0: {"accuracy": 0.5}}}
-    assert tb.choose(tuned) == {"pool": (3e-3, 25), "mlp": (3e-3, 250)}
+    assert tb.tune_lib.choose(tuned) == {"pool": (3e-3, 25), "mlp": (3e-3, 250)}
 
 
 def test_encoder_views_reach_the_budget_by_a_smaller_image_or_larger_patches(tb):
@@ -491,14 +491,14 @@ def test_the_lr_grid_grows_past_an_edge_only_while_the_edge_wins(tb):
                **tuned("high", {1e-4: 0.6, 3e-4: 0.7, 1e-3: 0.8, 3e-3: 0.85}),
                **tuned("mid", {1e-4: 0.6, 3e-4: 0.9, 1e-3: 0.8, 3e-3: 0.7}),
                **tuned("flat", {1e-4: 0.446, 3e-4: 0.445, 1e-3: 0.446, 3e-3: 0.444})}
-    assert tb.extend_grid(results, grid, base, 2, 0.005) == {"low": 3e-5, "high": 1e-2}
+    assert tb.tune_lib.extend_grid(results, grid, base, 2, 0.005) == {"low": 3e-5, "high": 1e-2}
     grid["low"].append(3e-5)
     results.update(tuned("low", {3e-5: 0.95}))
-    assert tb.extend_grid(results, {"low": grid["low"]}, base, 2, 0.005) == {"low": 1e-5}
+    assert tb.tune_lib.extend_grid(results, {"low": grid["low"]}, base, 2, 0.005) == {"low": 1e-5}
     grid["low"].append(1e-5)
     results.update(tuned("low", {1e-5: 0.97}))
-    assert tb.extend_grid(results, {"low": grid["low"]}, base, 2, 0.005) == {}  # two past the grid: enough
-    assert tb.extend_grid(results, {"high": grid["high"]}, base, 0, 0.005) == {}
+    assert tb.tune_lib.extend_grid(results, {"low": grid["low"]}, base, 2, 0.005) == {}  # two past the grid: enough
+    assert tb.tune_lib.extend_grid(results, {"high": grid["high"]}, base, 0, 0.005) == {}
 
 
 def test_budget_or_connector_anova_matches_a_least_squares_fit(tb):
