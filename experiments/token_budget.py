@@ -131,7 +131,7 @@ def parse_args(argv=None):
         "family's best of --tune_lrs on the validation split")
     add("--tune_lrs", default=None, help="the learning-rate grid (default: the preset's)")
     add("--tune_extend", type=int, default=None, help="a family whose best rate is at an edge of the grid tries up "
-        "to this many more rates past it, one at a time (each --tune_lrs ratio), while the edge wins by --min_delta")
+        "to this many more rates past it, one at a time (the 1-3-10 ladder), while the edge wins by --min_delta")
     add("--tune_warmups", default=None, help="warmup steps tried at each family's best lr (the first: during the "
         "lr grid)")
     add("--tune_budget", type=int, default=None, help="visual tokens at which each family is tuned (its nearest "
