@@ -125,8 +125,50 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{_ms(s, 'train_ms')} | {_ms(s, 'infer_ms')} |")
     lines += ["", *spread_lines(summary), "", *param_lines(summary, setup), "", *encoder_lines(summary), "",
-              *factor_lines(summary), "", *claim_lines(summary)]
+              *factor_lines(summary), "", *claim_lines(summary), "", *tuning_lines(setup)]
     return "\n".join(lines) + "\n"
+
+
+def tuning_lines(setup: dict) -> list[str]:
+    """The tuning grid as a table: each family's validation accuracy (%) per learning rate at the
+    first warmup, then at the other warmups (run at the family's best rate), the chosen setting in bold."""
+    tuning, chosen = setup.get("tuning") or {}, setup.get("chosen") or {}
+    if not tuning:
+        return []
+    first = int(setup["tune_warmups"][0])
+    runs = {name: {(float(k.split("/")[0]), int(k.split("/")[1])): acc for k, acc in scores.items()}
+            for name, scores in tuning.items()}
+    lrs = sorted({lr for r in runs.values() for lr, w in r if w == first})
+    warmups = sorted({w for r in runs.values() for _, w in r} - {first})
+
+    def cell(r, setting, family):
+        if setting not in r:
+            return ""
+        text = f"{100 * r[setting]:.1f}"
+        return f"**{text}**" if list(setting) == [float(x) for x in chosen.get(family, ())] else text
+
+    extra = {}  # runs off the grid: another warmup at a rate that was not the family's best
+    for name, r in runs.items():
+        at_first = [lr for lr, w in r if w == first]
+        best = max(at_first, key=lambda lr: (r[(lr, first)], -lr)) if at_first else None
+        extra[name] = sorted(s for s in r if s[1] != first and s[0] != best)
+        runs[name] = (r, best)
+    lines = [f"Tuning (validation exact match in %, all {setup['val_questions']:,} validation questions, seed "
+             f"{setup['tune_seed']}, one run each; the chosen lr/warmup in bold, used for every row of its family; "
+             "blank: not run, the grid grows past its edge only for a family best there):", "",
+             "| family @ tokens | " + " | ".join(f"lr {lr:g}" for lr in lrs)
+             + "".join(f" | warmup {w} (at the best lr)" for w in warmups) + " | chosen lr/warmup |"
+             + (" other runs |" if any(extra.values()) else ""),
+             "|---|" + "---:|" * (len(lrs) + len(warmups)) + "---:|" + ("---|" if any(extra.values()) else "")]
+    for name, (r, best) in runs.items():
+        family = name.split("@")[0]
+        lr_w = chosen.get(family)
+        lines.append(f"| {name} | " + " | ".join(cell(r, (lr, first), family) for lr in lrs)
+                     + "".join(f" | {cell(r, (best, w), family)}" for w in warmups)
+                     + (f" | {lr_w[0]:g}/{lr_w[1]} |" if lr_w else " | |")
+                     + (" " + ", ".join(f"{lr:g}/{w}: {cell(r, (lr, w), family)}" for lr, w in extra[name]) + " |"
+                        if any(extra.values()) else ""))
+    return lines
 
 
 def spread_lines(summary: list[dict]) -> list[str]:

@@ -111,7 +111,7 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
     assert "Spread across connectors at equal token counts" in table and "| pool | 4: " in table
     assert "| vs blind |" in table and "paired by seed" in table
     assert "At equal parameters" in table and "| 4 | encoder: image 16 px |" in table
-    assert "More tokens help fine detail more" in table
+    assert "More tokens help fine detail more" in table and "| chosen lr/warmup |" in table
     assert "over the 2 families that ran at every budget (pool, patch_merger) × requested budgets 4, 9, all" in table
     # Every run's seconds add up to the sweep's cost, tuning included; every run trains the whole horizon.
     rows_ok = [r for r in rows if r["status"] == "ok"]  # budgets that reach the same count share a run
@@ -638,3 +638,17 @@ def test_a_cell_is_finished_when_it_holds_every_requested_seed(tb, tmp_path):
     assert tb.sweep.finished(cells, "sig", keys, [1]) == {("mlp", 16, ""): {1: {"a": 1}}}
     assert tb.sweep.finished(cells, "sig", keys, [0, 1, 2]) == {}
     assert tb.sweep.seed_results([cells, log], "sig") == {("mlp", 16, ""): {0: {"a": 0}, 1: {"a": 1}, 2: {"a": 2}}}
+
+
+def test_the_tuning_table_shows_every_run_and_marks_the_chosen_setting(tb):
+    setup = {"tune_warmups": [25, 250], "tune_seed": 0, "val_questions": 6454,
+             "tuning": {"pool@16": {"0.0001/25": 0.793, "0.0003/25": 0.857, "0.001/25": 0.855, "0.0003/250": 0.861},
+                        "mlp@64": {"0.001/25": 0.859, "0.003/25": 0.836, "0.01/25": 0.8, "0.001/250": 0.85,
+                                   "0.003/250": 0.81}},  # a pilot's run at another rate
+             "chosen": {"pool": [0.0003, 250], "mlp": [0.001, 25]}}
+    lines = tb.report.tuning_lines(setup)
+    assert lines[2] == ("| family @ tokens | lr 0.0001 | lr 0.0003 | lr 0.001 | lr 0.003 | lr 0.01 | "
+                        "warmup 250 (at the best lr) | chosen lr/warmup | other runs |")
+    assert "| pool@16 | 79.3 | 85.7 | 85.5 |  |  | **86.1** | 0.0003/250 |  |" in lines
+    assert "| mlp@64 |  |  | **85.9** | 83.6 | 80.0 | 85.0 | 0.001/25 | 0.003/250: 81.0 |" in lines
+    assert tb.report.tuning_lines({"tune_warmups": [25]}) == []
