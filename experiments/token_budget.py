@@ -64,6 +64,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import xla_flags
@@ -217,6 +218,23 @@ def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, 
     return plan, jobs
 
 
+def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
+    """The jobs by expected seconds, longest first, so that the sweep does not end on one worker
+    running a slow job while the other waits. Expected seconds: the job's forward MFLOPs per example
+    (``mflops[key]``, connector + LM) times its family's seconds per MFLOP in its tuning runs
+    (``tuned``; FLOPs alone miss how slow some layers run on a CPU: at 16 tokens C-Abstractor has 3.4x
+    pool's FLOPs per example and took 14x its seconds), times the seeds it has left to run."""
+    rate = {}
+    for (family, tokens, _, _), by_seed in tuned.items():
+        if (family, tokens, "") in mflops:
+            rate.setdefault(family, []).extend(r["wall_s"] / mflops[(family, tokens, "")]
+                                               for r in by_seed.values() if "wall_s" in r)
+    known = [x for xs in rate.values() for x in xs]
+    default = float(np.median(known)) if known else 1.0
+    return sorted(jobs, key=lambda key: -mflops[key] * float(np.mean(rate.get(key[0]) or [default]))
+                  * seeds_left.get(key, 1))
+
+
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
@@ -318,11 +336,15 @@ def main(argv=None) -> pathlib.Path:
     context["chosen"] = chosen
     print(f"(lr, warmup) per family (validation, seed {args.seeds[0]}, {len(tuned)} tuning runs): {chosen}")
 
-    order = sorted(jobs, key=lambda key: -key[1])  # the most tokens (the slowest) first
     cells_sig = sweep.signature({**settings, "chosen": chosen})
     # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
     context["seed_log"] = (str(out / "seeds.jsonl"), cells_sig)
     context["seeds_done"] = sweep.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], cells_sig, holds)
+    costs = {key: run_lib.costs(None if key[0] == BLIND else job["connector"], lm_cfg, in_dim,
+                                context["views"][job["view"]]["grid"], key[1], max_len - 1)
+             for key, job in jobs.items()}
+    order = longest_first(jobs, {k: c["connector_mflops"] + c["lm_mflops"] for k, c in costs.items()}, tuned,
+                          {k: len(set(args.seeds) - set(context["seeds_done"].get(k, {}))) for k in jobs})
     results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget", args.seeds, run_steps)
 
     rows = []
@@ -332,13 +354,10 @@ def main(argv=None) -> pathlib.Path:
             rows.append({**base, "seed": "", "status": "unreachable"})
             continue
         key = (family, tokens, variant)
-        view = jobs[key]["view"]
-        cost = run_lib.costs(None if family == BLIND else jobs[key]["connector"], lm_cfg, in_dim,
-                             context["views"][view]["grid"], tokens, max_len - 1)
         for seed in args.seeds:
             res = {k: v for k, v in results[key][seed].items() if k != "curve"}
             rows.append({**base, "seed": seed, "status": "ok", "lr": chosen[family][0], "warmup": chosen[family][1],
-                         **cost, **res})
+                         **costs[key], **res})
     curves = {f"{f}|{t}|{v}|{seed}": res["curve"] for (f, t, v), by_seed in results.items()
               for seed, res in by_seed.items()}
 

@@ -652,3 +652,20 @@ def test_the_tuning_table_shows_every_run_and_marks_the_chosen_setting(tb):
     assert "| pool@16 | 79.3 | 85.7 | 85.5 |  |  | **86.1** | 0.0003/250 |  |" in lines
     assert "| mlp@64 |  |  | **85.9** | 83.6 | 80.0 | 85.0 | 0.001/25 | 0.003/250: 81.0 |" in lines
     assert tb.report.tuning_lines({"tune_warmups": [25]}) == []
+
+
+def test_jobs_run_longest_first_by_flops_times_their_familys_measured_speed(tb):
+    jobs = {("pool", 64, ""): {}, ("pool", 16, ""): {}, ("c_abstractor", 16, ""): {}, ("c_abstractor", 4, ""): {},
+            ("mlp", 16, "patch 16"): {}}
+    mflops = {("pool", 64, ""): 21.0, ("pool", 16, ""): 7.0, ("c_abstractor", 16, ""): 26.0,
+              ("c_abstractor", 4, ""): 20.0, ("mlp", 16, "patch 16"): 8.0}
+    # pool: 140 s at 7 MFLOP (20 s/MFLOP); c_abstractor: 2,080 s at 26 (80 s/MFLOP); mlp untuned: the median, 50.
+    tuned = {("pool", 16, 1e-3, 25): {0: {"wall_s": 140.0}}, ("c_abstractor", 16, 1e-3, 25): {0: {"wall_s": 2080.0}},
+             ("c_abstractor", 16, 3e-3, 25): {0: {"accuracy": 0.5}}}  # a result without seconds counts for nothing
+    order = tb.longest_first(jobs, mflops, tuned, {k: 5 for k in jobs})
+    assert order == [("c_abstractor", 16, ""), ("c_abstractor", 4, ""), ("pool", 64, ""), ("mlp", 16, "patch 16"),
+                     ("pool", 16, "")]
+    # A job with one seed left (2,080 s) moves behind pool at 64 tokens (2,100 s); without tuning, FLOPs decide.
+    order = tb.longest_first(jobs, mflops, tuned, {**{k: 5 for k in jobs}, ("c_abstractor", 16, ""): 1})
+    assert order[0] == ("c_abstractor", 4, "") and order.index(("c_abstractor", 16, "")) == 2
+    assert tb.longest_first(jobs, mflops, {}, {})[:2] == [("c_abstractor", 16, ""), ("pool", 64, "")]
