@@ -147,12 +147,11 @@ def tuning_lines(setup: dict) -> list[str]:
         text = f"{100 * r[setting]:.1f}"
         return f"**{text}**" if list(setting) == [float(x) for x in chosen.get(family, ())] else text
 
-    extra = {}  # runs off the grid: another warmup at a rate that was not the family's best
-    for name, r in runs.items():
-        at_first = [lr for lr, w in r if w == first]
-        best = max(at_first, key=lambda lr: (r[(lr, first)], -lr)) if at_first else None
-        extra[name] = sorted(s for s in r if s[1] != first and s[0] != best)
-        runs[name] = (r, best)
+    # Each family's best rate at the first warmup (ties: the smaller rate); runs at another warmup
+    # and another rate (e.g. a pilot's) are off the grid and listed apart.
+    best = {name: max((lr for lr, w in r if w == first), key=lambda lr: (r[(lr, first)], -lr), default=None)
+            for name, r in runs.items()}
+    extra = {name: sorted(s for s in r if s[1] != first and s[0] != best[name]) for name, r in runs.items()}
     lines = [f"Tuning (validation exact match in %, all {setup['val_questions']:,} validation questions, seed "
              f"{setup['tune_seed']}, one run each; the chosen lr/warmup in bold, used for every row of its family; "
              "blank: not run, the grid grows past its edge only for a family best there):", "",
@@ -160,11 +159,11 @@ def tuning_lines(setup: dict) -> list[str]:
              + "".join(f" | warmup {w} (at the best lr)" for w in warmups) + " | chosen lr/warmup |"
              + (" other runs |" if any(extra.values()) else ""),
              "|---|" + "---:|" * (len(lrs) + len(warmups)) + "---:|" + ("---|" if any(extra.values()) else "")]
-    for name, (r, best) in runs.items():
+    for name, r in runs.items():
         family = name.split("@")[0]
         lr_w = chosen.get(family)
         lines.append(f"| {name} | " + " | ".join(cell(r, (lr, first), family) for lr in lrs)
-                     + "".join(f" | {cell(r, (best, w), family)}" for w in warmups)
+                     + "".join(f" | {cell(r, (best[name], w), family)}" for w in warmups)
                      + (f" | {lr_w[0]:g}/{lr_w[1]} |" if lr_w else " | |")
                      + (" " + ", ".join(f"{lr:g}/{w}: {cell(r, (lr, w), family)}" for lr, w in extra[name]) + " |"
                         if any(extra.values()) else ""))
