@@ -108,8 +108,6 @@ def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
     assert "| naflex − square | all |" in table and (out / "native_tokens.png").stat().st_size > 0
     lines = (out / "cells.jsonl").read_text().splitlines()
     assert len(lines) == len(cells)
-    nt.main(argv)  # every cell is reused: nothing is trained again
-    assert (out / "cells.jsonl").read_text().splitlines() == lines
     # More seeds: only the new seed is trained (one seed-log line per cell), the others come back unchanged.
     seed_log = (out / "seeds.jsonl").read_text().splitlines()
     nt.main([*argv, "--seeds", "0,1,2"])
