@@ -146,3 +146,15 @@ def one_sample(values) -> tuple[float, float, float] | None:
         return None
     p = 1.0 if np.allclose(values, values[0]) and values[0] == 0 else float(stats.ttest_1samp(values, 0).pvalue)
     return float(values.mean()), ci95(values), p
+
+
+def holm(ps: list[float]) -> list[float]:
+    """Holm's step-down adjustment of ``ps`` (one claim tested several times, e.g. at every token
+    count): the smallest p times n, the next times n - 1, ..., each at least the one before, at most
+    1. Controls the chance of any false positive among the n at the nominal level."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    adjusted, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted

@@ -475,6 +475,17 @@ def test_claim_tests_on_known_numbers(tb):
     assert mean == pytest.approx(detail.mean()) and p == pytest.approx(stats.ttest_1samp(detail, 0).pvalue)
     lines = "\n".join(tb.report.claim_lines(summary))
     assert "Honeybee, 16 tokens, spatial kinds" in lines and f"{100 * diff.mean():+.1f}" in lines
+    # Four Honeybee tests (two counts × two groups of kinds): each line also shows its Holm-adjusted p.
+    ps = {(t, g): tb.report.group_test(summary, t, kinds)[2] for t in (4, 16)
+          for g, kinds in (("spatial", tb.report.SPATIAL), ("global", tb.report.GLOBAL))}
+    adjusted = dict(zip(ps, tb.sweep.holm(list(ps.values())), strict=True))
+    assert f"Holm p={adjusted[(16, 'spatial')]:.2g}" in next(x for x in lines.splitlines() if "16 tokens, spatial" in x)
+
+
+def test_holm_adjusts_each_p_by_its_rank_and_keeps_the_order(tb):
+    """Holm's step-down on known numbers: 0.01 × 3, then max(0.03 × 2, that), then max(0.04 × 1, that)."""
+    assert tb.sweep.holm([0.04, 0.01, 0.03]) == pytest.approx([0.06, 0.03, 0.06])
+    assert tb.sweep.holm([0.5, 0.9]) == [1.0, 1.0] and tb.sweep.holm([]) == []
 
 
 def test_the_lr_grid_grows_past_an_edge_only_while_the_edge_wins(tb):
