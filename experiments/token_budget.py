@@ -3,6 +3,7 @@
     python experiments/token_budget.py                        # the default sweep (results/token_budget/)
     python experiments/token_budget.py --smoke --out /tmp/tb  # about a minute; the tests run it
     python experiments/token_budget.py --families pool,perceiver --budgets 4,16 --seeds 0,1,2
+    python experiments/token_budget.py --interim              # the tables so far, while it runs
 
 One frozen CLIP image tower encodes every image once; all runs of the sweep read those features.
 It is part of the results: ``OUT/tower`` (the image tower's parameters and the CLIP config, 3 MB),
@@ -52,6 +53,8 @@ example, per-kind accuracy), ``curves.json`` (validation accuracy per check of e
 ``token_budget.md`` (the tables, with 95% CIs over seeds and paired tests, and the claims'
 tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``, ``learning_curves.png``,
 ``encoder_vs_connector.png`` and ``setup.json`` (tower, data, model, training and tuning settings).
+``--interim`` trains nothing and writes the same files to ``OUT/interim/`` from the seeds finished so
+far (it encodes the features to check the settings, about two minutes for the default sweep).
 """
 
 from __future__ import annotations
@@ -160,6 +163,8 @@ def parse_args(argv=None):
     add("--native_widths", action="store_true", help="qformer / c_abstractor at their own hidden widths (256), not "
         "the tower's")
     add("--smoke", action="store_true", help="a tiny sweep that runs in about a minute")
+    add("--interim", action="store_true", help="train nothing: the tables and plots of the seeds finished so far "
+        "(a sweep's later sitting may be running) in OUT/interim/")
     args = parser.parse_args(argv)
     preset = PRESETS["smoke" if args.smoke else "default"]
     lr_given = args.lr is not None
@@ -314,7 +319,13 @@ def main(argv=None) -> pathlib.Path:
                               < abs(math.log(tune_at[family] / args.tune_budget))):
             tune_at[family] = tokens
     tuned = {}
-    if len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1:
+    if args.interim and (len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1):
+        tuned = sweep.load_cells(out / "tuning.jsonl", tune_sig)
+        chosen = tune_lib.choose(tuned)
+        if set(chosen) != set(tune_at):
+            args.parser.error(f"--interim: tuning has finished for {sorted(chosen)} only, so the main stage has no "
+                              f"runs yet; its {len(tuned)} runs are in {out / 'tuning.jsonl'}.")
+    elif len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1:
         lrs, tuned = {f: list(args.tune_lrs) for f in tune_at}, {}
         while True:  # the grid, then one more rate past an edge that wins, until none does
             keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in lrs[f]]
@@ -345,7 +356,13 @@ def main(argv=None) -> pathlib.Path:
              for key, job in jobs.items()}
     order = longest_first(jobs, {k: c["connector_mflops"] + c["lm_mflops"] for k, c in costs.items()}, tuned,
                           {k: len(set(args.seeds) - set(context["seeds_done"].get(k, {}))) for k in jobs})
-    results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget", args.seeds, run_steps)
+    if args.interim:
+        results = {key: by_seed for key, by_seed in context["seeds_done"].items() if key in jobs}
+        print(f"interim: the seeds finished so far of {len(results)} of the {len(jobs)} jobs")
+        out = out / "interim"
+        out.mkdir(exist_ok=True)
+    else:
+        results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget", args.seeds, run_steps)
 
     rows = []
     for family, requested, variant, setting, tokens, note in plan:
@@ -354,7 +371,9 @@ def main(argv=None) -> pathlib.Path:
             rows.append({**base, "seed": "", "status": "unreachable"})
             continue
         key = (family, tokens, variant)
-        for seed in args.seeds:
+        if not results.get(key):  # --interim: a cell with no finished seed yet
+            rows.append({**base, "note": "no seed finished yet", "seed": "", "status": "pending"})
+        for seed in [seed for seed in args.seeds if seed in results.get(key, {})]:
             res = {k: v for k, v in results[key][seed].items() if k != "curve"}
             rows.append({**base, "seed": seed, "status": "ok", "lr": chosen[family][0], "warmup": chosen[family][1],
                          **costs[key], **res})
@@ -379,6 +398,9 @@ def main(argv=None) -> pathlib.Path:
              "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
              "test_questions": len(test["ids"]), "workers": args.workers,
              "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    if args.interim:
+        setup["interim"] = dict(runs=sum(len(set(by_seed) & set(args.seeds)) for by_seed in results.values()),
+                                of=len(jobs) * len(args.seeds))
     timed = [r["wall_s"] for cells in (tuned, results) for by_seed in cells.values() for r in by_seed.values()
              if "wall_s" in r]
     setup.update(worker_hours=round(sum(timed) / 3600, 2), runs_timed=len(timed))

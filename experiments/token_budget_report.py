@@ -95,7 +95,14 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
              f"(warmup {setup['tune_warmups'][0]}), then warmup {setup['tune_warmups']} at that lr, on all "
              f"{setup['val_questions']:,} validation questions at {setup['tune_budget']} tokens, seed "
              f"{setup['tune_seed']}" if len(setup["tune_lrs"]) > 1 or len(setup["tune_warmups"]) > 1 else "")
-    lines = [f"Exact-match accuracy on {setup['test_questions']:,} test questions of `{setup['data']}` "
+    interim, lines = setup.get("interim"), []
+    if interim:
+        pending = [f"{s['family']}@{s['tokens']}" + (f" ({s['variant']})" if s["variant"] else "")
+                   for s in summary if s["status"] == "pending"]
+        lines += [f"**Interim: {interim['runs']} of {interim['of']} main-stage runs finished** (`--interim`, "
+                  f"{setup['date']}): means and tests over the seeds each cell has so far; no seed finished yet: "
+                  f"{', '.join(pending) or 'none'}.", ""]
+    lines += [f"Exact-match accuracy on {setup['test_questions']:,} test questions of `{setup['data']}` "
              f"(mean ± 95% CI half-width, Student's t over {len(setup['seeds'])} seeds; vs blind: the mean "
              "difference in overall accuracy and the p of a t-test paired by seed). Each run: stage 0 "
              f"{setup['stage0_steps']} LM steps on the text (per seed), stage 1 {setup['stage1_steps']} connector "
@@ -120,7 +127,10 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
         tokens = f"{s['tokens']}" + (f" ({s['note']})" if s["note"] else "")
         lines.append(
             f"| {s['family']} | {s['budget']} | {tokens} | {s['lr']:g}/{s['warmup']} | "
-            f"{s['best_step']:.0f}/{s['steps_trained']:.0f} | {_pm(s, 'accuracy')} | {_p(s['vs_blind'])} | "
+            f"{s['best_step']:.0f}/{s['steps_trained']:.0f} | {_pm(s, 'accuracy')}"
+            + (f" ({s['seeds']} of {len(setup['seeds'])} seeds)" if interim and s["seeds"] < len(setup["seeds"])
+               else "")
+            + f" | {_p(s['vs_blind'])} | "
             + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{_ms(s, 'train_ms')} | {_ms(s, 'infer_ms')} |")

@@ -56,7 +56,7 @@ def test_the_pinned_tower_is_the_trained_image_tower_and_counts_as_finished(tb, 
     tb.tower_lib.ensure_tower(out, smoke=True)
 
 
-def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
+def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run):
     """A whole sweep end to end on the session's smoke CLIP (features, two worker processes,
     outputs; training the tower when a workdir has none is the same ``trainer.train``)."""
     out = tmp_path / "tb"
@@ -135,11 +135,24 @@ def test_smoke_sweep_writes_tables_and_plots(tmp_path, clip_smoke_run):
         scores = next(v for k, v in setup["tuning"].items() if k.startswith(f"{family}@"))
         assert scores[f"{lr:g}/{warmup}"] == max(scores.values())
 
-    # Resume: each finished cell is on disk; a rerun after losing one (an interrupted sweep)
-    # trains only that cell, seeded the same, and the other rows come back unchanged.
+    # Resume: each finished cell is on disk; a rerun after losing one (an interrupted sweep, its
+    # seeds lost too) trains only that cell, which, seeded the same, gives the same rows again.
     cells = (out / "cells.jsonl").read_text().splitlines()
     assert len(cells) == len({(r["family"], r["tokens"], r["variant"]) for r in rows if r["status"] == "ok"})
     (out / "cells.jsonl").write_text("\n".join(cells[:-1]) + "\n")
+    lost = json.loads(cells[-1])["key"]
+    seed_log = [x for x in (out / "seeds.jsonl").read_text().splitlines() if json.loads(x)["key"] != lost]
+    (out / "seeds.jsonl").write_text("\n".join(seed_log) + "\n")
+    # --interim meanwhile: the tables of what has finished, the lost cell listed with no seed, nothing trained.
+    ok_runs = len({(r["family"], r["tokens"], r["variant"], r["seed"]) for r in rows_ok})
+    tb.main(["--smoke", "--interim", "--out", str(out), "--tower", str(clip_smoke_run.workdir), "--data_dir",
+             clip_smoke_run.data_dir])
+    interim = (out / "interim/token_budget.md").read_text()
+    assert f"**Interim: {ok_runs - 2} of {ok_runs} main-stage runs finished**" in interim
+    lost_name = f"{lost[0]}@{lost[1]}" + (f" ({lost[2]})" if lost[2] else "")
+    assert f"no seed finished yet: {lost_name}." in interim and (out / "interim/accuracy_vs_budget.png").is_file()
+    assert "of 2 seeds)" not in interim  # every other cell has both seeds
+    assert (out / "cells.jsonl").read_text().splitlines() == cells[:-1] and not (out / "interim/cells.jsonl").exists()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments/token_budget.py"), "--smoke", "--workers", "2", "--out", str(out),
          "--tower", str(clip_smoke_run.workdir), "--data_dir", clip_smoke_run.data_dir],
