@@ -318,14 +318,14 @@ def main(argv=None) -> pathlib.Path:
         if variant == "" and (family not in tune_at or abs(math.log(tokens / args.tune_budget))
                               < abs(math.log(tune_at[family] / args.tune_budget))):
             tune_at[family] = tokens
-    tuned = {}
-    if args.interim and (len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1):
+    tuned, tuning = {}, len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1
+    if args.interim and tuning:
         tuned = sweep.load_cells(out / "tuning.jsonl", tune_sig)
         chosen = tune_lib.choose(tuned)
         if set(chosen) != set(tune_at):
             args.parser.error(f"--interim: tuning has finished for {sorted(chosen)} only, so the main stage has no "
                               f"runs yet; its {len(tuned)} runs are in {out / 'tuning.jsonl'}.")
-    elif len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1:
+    elif tuning:
         lrs, tuned = {f: list(args.tune_lrs) for f in tune_at}, {}
         while True:  # the grid, then one more rate past an edge that wins, until none does
             keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in lrs[f]]
@@ -354,14 +354,14 @@ def main(argv=None) -> pathlib.Path:
     costs = {key: run_lib.costs(None if key[0] == BLIND else job["connector"], lm_cfg, in_dim,
                                 context["views"][job["view"]]["grid"], key[1], max_len - 1)
              for key, job in jobs.items()}
-    order = longest_first(jobs, {k: c["connector_mflops"] + c["lm_mflops"] for k, c in costs.items()}, tuned,
-                          {k: len(set(args.seeds) - set(context["seeds_done"].get(k, {}))) for k in jobs})
     if args.interim:
         results = {key: by_seed for key, by_seed in context["seeds_done"].items() if key in jobs}
         print(f"interim: the seeds finished so far of {len(results)} of the {len(jobs)} jobs")
         out = out / "interim"
         out.mkdir(exist_ok=True)
     else:
+        order = longest_first(jobs, {k: c["connector_mflops"] + c["lm_mflops"] for k, c in costs.items()}, tuned,
+                              {k: len(set(args.seeds) - set(context["seeds_done"].get(k, {}))) for k in jobs})
         results = run_cells(run_lib.job, order, out / "cells.jsonl", cells_sig, "token budget", args.seeds, run_steps)
 
     rows = []
