@@ -97,8 +97,9 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
              f"{setup['tune_seed']}" if len(setup["tune_lrs"]) > 1 or len(setup["tune_warmups"]) > 1 else "")
     interim, lines = setup.get("interim"), []
     if interim:
-        pending = [f"{s['family']}@{s['tokens']}" + (f" ({s['variant']})" if s["variant"] else "")
-                   for s in summary if s["status"] == "pending"]
+        # Budgets that reach the same token count share one cell: name it once.
+        pending = list(dict.fromkeys(f"{s['family']}@{s['tokens']}" + (f" ({s['variant']})" if s["variant"] else "")
+                                     for s in summary if s["status"] == "pending"))
         lines += [f"**Interim: {interim['runs']} of {interim['of']} main-stage runs finished** (`--interim`, "
                   f"{setup['date']}): means and tests over the seeds each cell has so far; no seed finished yet: "
                   f"{', '.join(pending) or 'none'}.", ""]
