@@ -375,6 +375,7 @@ def main(argv=None) -> pathlib.Path:
             rows.append({**base, "note": "no seed finished yet", "seed": "", "status": "pending"})
         for seed in [seed for seed in args.seeds if seed in results.get(key, {})]:
             res = {k: v for k, v in results[key][seed].items() if k != "curve"}
+            res["late_gain"] = report.late_gain(results[key][seed]["curve"])
             rows.append({**base, "seed": seed, "status": "ok", "lr": chosen[family][0], "warmup": chosen[family][1],
                          **costs[key], **res})
     curves = {f"{f}|{t}|{v}|{seed}": res["curve"] for (f, t, v), by_seed in results.items()

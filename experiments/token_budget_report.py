@@ -19,6 +19,18 @@ KINDS = scenes.QUESTION_KINDS
 SPATIAL, GLOBAL = ("color_at", "shape_at", "relative"), ("exists", "count")
 LOCALITY = ("pool", "pixel_shuffle", "patch_merger", "c_abstractor", "ldp")  # Honeybee's locality-preserving
 LEARNED_QUERY = ("qwen_resampler", "perceiver", "qformer")  # learned queries attending to all patches
+# A seed "learns" a kind when its test accuracy on it is this far above the blind cell's mean on that
+# kind. Fixed (session 27) after seeing that colour-at-location is bimodal over seeds (~18% or 50-77%)
+# and before the blind cell or most families had finished; ~8 binomial standard errors at ~1,000 questions.
+LEARNED_MARGIN = 0.10
+LATE = 0.75  # "late in training": past this share of the steps trained
+
+
+def late_gain(curve: list) -> float:
+    """Validation accuracy at the last check minus at the last check at or before ``LATE`` of the
+    steps: what the final quarter of training still added (a run at its plateau adds ~0)."""
+    end = curve[-1][0]
+    return float(curve[-1][1] - [acc for step, acc in curve if step <= LATE * end][-1])
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -38,13 +50,15 @@ def summarise(rows: list[dict]) -> list[dict]:
             values = [float(r[key]) for r in ok if r.get(key) not in (None, "")]
             s[key] = float(np.median(values)) if values else float("nan")
             s[key + "_range"] = (min(values), max(values)) if values else None
-        for key in ("accuracy", *(f"acc_{k}" for k in KINDS), "best_step", "steps_trained"):
+        for key in ("accuracy", *(f"acc_{k}" for k in KINDS), "best_step", "steps_trained", "late_gain"):
             values = np.array([r[key] for r in ok if r.get(key) is not None], float)
             s[key] = float(values.mean()) if len(values) else float("nan")
             s[key + "_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
             s[key + "_ci"] = sweep.ci95(values)
         s["by_seed"] = {int(r["seed"]): float(r["accuracy"]) for r in ok}
         s["kinds_by_seed"] = {int(r["seed"]): {k: float(r[f"acc_{k}"]) for k in KINDS} for r in ok}
+        s["late_best"] = sum(float(r["best_step"]) > LATE * float(r["steps_trained"]) for r in ok
+                             if r.get("best_step") is not None)
         s["status"] = first["status"]
         out.append(s)
     blind = next((s for s in out if s["family"] == BLIND and s["status"] == "ok"), None)
@@ -136,7 +150,7 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{_ms(s, 'train_ms')} | {_ms(s, 'infer_ms')} |")
     lines += ["", *spread_lines(summary), "", *param_lines(summary, setup), "", *encoder_lines(summary), "",
-              *factor_lines(summary), "", *claim_lines(summary), "", *tuning_lines(setup)]
+              *factor_lines(summary), "", *claim_lines(summary), "", *seed_lines(summary), "", *tuning_lines(setup)]
     return "\n".join(lines) + "\n"
 
 
@@ -387,6 +401,46 @@ def claim_lines(summary: list[dict]) -> list[str]:
                                             for name in ("budget", "family", "family × budget")))
     lines.append(f"- More tokens help fine detail more: (gain on spatial kinds − gain on global kinds), fewest to most "
                  f"tokens, mean over families = {fmt(detail_test(summary))}")
+    return lines
+
+
+def learned(summary: list[dict]) -> dict | None:
+    """Per cell (not blind) and spatial kind, the seeds that learn the kind: test accuracy at least
+    ``LEARNED_MARGIN`` above the blind cell's mean on it. None until the blind cell has a seed."""
+    blind = next((s for s in ok_rows(summary) if s["family"] == BLIND), None)
+    if blind is None:
+        return None
+    bar = {k: blind[f"acc_{k}"] + LEARNED_MARGIN for k in SPATIAL}
+    return {"bar": bar, "cells": [(s, {k: sum(acc[k] >= bar[k] for acc in s["kinds_by_seed"].values())
+                                       for k in SPATIAL}) for s in ok_rows(summary) if s["family"] != BLIND]}
+
+
+def seed_lines(summary: list[dict]) -> list[str]:
+    """Outcomes that a mean over seeds hides: how many seeds learn each spatial kind (some kinds are
+    learned or not, per seed, so their mean ± CI describes no run), and whether training had levelled
+    off (the seeds whose best check came in the last quarter, and what that quarter added)."""
+    got = learned(summary)
+    if got is None:
+        return []
+    lines = [f"Per seed: a seed learns a kind when its test accuracy on it is at least {100 * LEARNED_MARGIN:g} "
+             "points above blind's mean (" + ", ".join(f"{k} ≥ {100 * v:.1f}" for k, v in got["bar"].items())
+             + f"); late best: seeds whose best validation check came after {100 * LATE:g}% of their steps; last "
+             f"quarter: validation points gained from {100 * LATE:g}% of the steps to the end (mean ± 95% CI):", "",
+             f"| connector | tokens | seeds | {' | '.join(f'learn {k}' for k in SPATIAL)} | late best | last quarter |",
+             "|---|---:|---:|" + "---:|" * len(SPATIAL) + "---:|---:|"]
+    for s, n in got["cells"]:
+        name = s["family"] + (f" ({s['variant']})" if s["variant"] else "")
+        lines.append(f"| {name} | {s['tokens']} | {s['seeds']} | " + " | ".join(str(n[k]) for k in SPATIAL)
+                     + f" | {s['late_best']} | {100 * s['late_gain']:+.1f} ± {100 * s['late_gain_ci']:.1f} |")
+    groups = []
+    for label, families in (("locality-preserving", LOCALITY), ("learned-query", LEARNED_QUERY)):
+        cells = [(s, n) for s, n in got["cells"] if s["family"] in families and s["variant"] == ""]
+        if cells:
+            seeds = sum(s["seeds"] for s, _ in cells)
+            groups.append(f"{label}: " + ", ".join(f"{k} {sum(n[k] for _, n in cells)}/{seeds}" for k in SPATIAL))
+    if groups:
+        lines += ["", "Seeds that learn each spatial kind, main-table cells pooled over token counts: "
+                  + "; ".join(groups) + "."]
     return lines
 
 

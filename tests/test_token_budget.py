@@ -112,6 +112,7 @@ def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run):
     assert "| vs blind |" in table and "paired by seed" in table
     assert "At equal parameters" in table and "| 4 | encoder: image 16 px |" in table
     assert "More tokens help fine detail more" in table and "| chosen lr/warmup |" in table
+    assert "| learn color_at | learn shape_at | learn relative | late best | last quarter |" in table
     assert "over the 2 families that ran at every budget (pool, patch_merger) × requested budgets 4, 9, all" in table
     # Every run's seconds add up to the sweep's cost, tuning included; every run trains the whole horizon.
     rows_ok = [r for r in rows if r["status"] == "ok"]  # budgets that reach the same count share a run
@@ -119,6 +120,7 @@ def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run):
     assert 0 < setup["worker_hours"] and "worker-hours" in table
     assert f"{plan['max_steps']} joint steps of 16 questions (warmup, then a cosine decay to 0)" in table
     assert all(int(r["steps_trained"]) == plan["max_steps"] for r in rows_ok)  # a fixed horizon: no early stop
+    assert all(-1 <= float(r["late_gain"]) <= 1 for r in rows_ok)
     for name in ("accuracy_vs_budget.png", "accuracy_vs_cost.png", "learning_curves.png", "encoder_vs_connector.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -496,6 +498,38 @@ def test_claim_tests_on_known_numbers(tb):
           for g, kinds in (("spatial", tb.report.SPATIAL), ("global", tb.report.GLOBAL))}
     adjusted = dict(zip(ps, tb.sweep.holm(list(ps.values())), strict=True))
     assert f"Holm p={adjusted[(16, 'spatial')]:.2g}" in next(x for x in lines.splitlines() if "16 tokens, spatial" in x)
+
+
+def test_seed_outcomes_count_the_seeds_that_learn_a_kind_and_late_best_checks(tb):
+    """A kind learned by some seeds only: counted per cell against blind's mean + the margin; the
+    last quarter's validation gain read off each seed's curve."""
+    import numpy as np
+
+    curve = [[0, 0.3], [250, 0.5], [500, 0.6], [750, 0.62], [1000, 0.65]]
+    assert tb.report.late_gain(curve) == pytest.approx(0.65 - 0.62)  # 750 = 75% of 1000
+    assert tb.report.late_gain([[0, 0.3], [300, 0.5], [600, 0.6], [900, 0.7]]) == pytest.approx(0.7 - 0.6)
+
+    def row(family, seed, color_at, best_step=500, late=0.01):
+        kinds = {f"acc_{k}": 0.5 for k in tb.KINDS} | {"acc_color_at": color_at}
+        return {"family": family, "budget": 16, "tokens": 16, "note": "", "lr": 1e-3, "warmup": 25, "seed": seed,
+                "status": "ok", "accuracy": 0.5, "best_step": best_step, "steps_trained": 1000, "late_gain": late,
+                **kinds}
+
+    rows = [row("blind", k, c) for k, c in enumerate((0.17, 0.19, 0.18))]  # blind mean 18% → bar 28%
+    rows += [row("c_abstractor", k, c, b) for k, (c, b) in enumerate(((0.62, 1000), (0.279, 750), (0.29, 800)))]
+    rows += [row("perceiver", k, c, late=g) for k, (c, g) in enumerate(((0.75, 0.02), (0.74, 0.04), (0.18, 0.0)))]
+    got = tb.report.learned(tb.report.summarise(rows))
+    assert got["bar"]["color_at"] == pytest.approx(0.28) and got["bar"]["shape_at"] == pytest.approx(0.60)
+    counts = {s["family"]: n for s, n in got["cells"]}
+    assert counts == {"c_abstractor": {"color_at": 2, "shape_at": 0, "relative": 0},
+                      "perceiver": {"color_at": 2, "shape_at": 0, "relative": 0}}
+    lines = tb.report.seed_lines(tb.report.summarise(rows))
+    assert "| c_abstractor | 16 | 3 | 2 | 0 | 0 | 2 | +1.0 ± 0.0 |" in lines  # best at 800 and 1000 > 750
+    gains = np.array([0.02, 0.04, 0.0])
+    assert f"| perceiver | 16 | 3 | 2 | 0 | 0 | 0 | +2.0 ± {100 * tb.sweep.ci95(gains):.1f} |" in lines
+    assert lines[-1].endswith("locality-preserving: color_at 2/3, shape_at 0/3, relative 0/3; learned-query: "
+                              "color_at 2/3, shape_at 0/3, relative 0/3.")
+    assert tb.report.seed_lines(tb.report.summarise(rows[3:])) == []  # no blind yet: no bar to count against
 
 
 def test_holm_adjusts_each_p_by_its_rank_and_keeps_the_order(tb):
