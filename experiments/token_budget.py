@@ -133,6 +133,8 @@ def parse_args(argv=None):
     add("--curve_questions", type=int, default=None, help="validation questions scored at each evaluation")
     add("--lr", type=float, default=None, help="one learning rate for every family (no tuning); default: each "
         "family's best of --tune_lrs on the validation split")
+    add("--chosen", default=None, help="each family's lr/warmup, no tuning: e.g. 'pool=3e-4/25,blind=1e-3/25' (a "
+        "finished sweep's choice, from its setup.json; every family run, blind included, must be named)")
     add("--tune_lrs", default=None, help="the learning-rate grid (default: the preset's)")
     add("--tune_extend", type=int, default=None, help="a family whose best rate is at an edge of the grid tries up "
         "to this many more rates past it, one at a time (the 1-3-10 ladder), while the edge wins by --min_delta")
@@ -182,8 +184,27 @@ def parse_args(argv=None):
     args.encoder_budgets = [int(b) for b in str(args.encoder_budgets).split(",") if b]
     args.tune_lrs = [args.lr] if lr_given else [float(x) for x in args.tune_lrs.split(",")]
     args.tune_warmups = [int(x) for x in str(args.tune_warmups).split(",")][: 1 if lr_given else None]
+    if args.chosen:
+        args.chosen = parse_chosen(args.chosen, parser)
+        missing = [f for f in args.families + ([] if args.no_blind else [BLIND]) if f not in args.chosen]
+        if missing:
+            parser.error(f"--chosen names no lr/warmup for {missing}; add e.g. {missing[0]}=1e-3/25.")
+    args.chosen = args.chosen or None
     args.parser = parser
     return args
+
+
+def parse_chosen(text: str, parser) -> dict:
+    """``--chosen 'pool=3e-4/25,...'`` as ``{family: (lr, warmup)}``."""
+    chosen = {}
+    for item in text.split(","):
+        try:
+            family, setting = item.split("=")
+            lr, warmup = setting.split("/")
+            chosen[family.strip()] = (float(lr), int(warmup))
+        except ValueError:
+            parser.error(f"--chosen: cannot read {item!r}; write family=lr/warmup, e.g. pool=3e-4/25.")
+    return chosen
 
 
 def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, dict]:
@@ -318,8 +339,10 @@ def main(argv=None) -> pathlib.Path:
         if variant == "" and (family not in tune_at or abs(math.log(tokens / args.tune_budget))
                               < abs(math.log(tune_at[family] / args.tune_budget))):
             tune_at[family] = tokens
-    tuned, tuning = {}, len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1
-    if args.interim and tuning:
+    tuned, tuning = {}, args.chosen is None and (len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1)
+    if args.chosen is not None:
+        chosen = {f: args.chosen[f] for f in tune_at}
+    elif args.interim and tuning:
         tuned = sweep.load_cells(out / "tuning.jsonl", tune_sig)
         chosen = tune_lib.choose(tuned)
         if set(chosen) != set(tune_at):
@@ -391,7 +414,8 @@ def main(argv=None) -> pathlib.Path:
     setup = {"tower": str(shown), "tower_fingerprint": tower_print, "tower_config": tower_cfg, "data": data,
              "image_size": image_size, "grid": list(grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
              "tune_lrs": args.tune_lrs, "tune_warmups": args.tune_warmups, "tune_budget": args.tune_budget,
-             "tune_seed": args.seeds[0], "chosen": {f: list(v) for f, v in chosen.items()}, "tuning": tuning,
+             "tune_seed": args.seeds[0], "chosen": {f: list(v) for f, v in chosen.items()},
+             "chosen_given": args.chosen is not None, "tuning": tuning,
              "stage0_steps": args.stage0_steps, "stage0_final_loss": stage0_loss, "stage1_steps": args.stage1_steps,
              "seeds": args.seeds, "param_budget": args.param_budget, "param_tokens": args.param_tokens,
              "connectors": {"|".join(map(str, k)): v for k, v in jobs.items()}, "tokenizer": args.tokenizer,

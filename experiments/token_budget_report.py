@@ -109,6 +109,8 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
              f"(warmup {setup['tune_warmups'][0]}), then warmup {setup['tune_warmups']} at that lr, on all "
              f"{setup['val_questions']:,} validation questions at {setup['tune_budget']} tokens, seed "
              f"{setup['tune_seed']}" if len(setup["tune_lrs"]) > 1 or len(setup["tune_warmups"]) > 1 else "")
+    if setup.get("chosen_given"):
+        tuned = "; each family's learning rate and warmup (column lr/warmup) given with `--chosen`, not tuned here"
     interim, lines = setup.get("interim"), []
     if interim:
         # Budgets that reach the same token count share one cell: name it once.

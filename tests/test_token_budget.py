@@ -56,7 +56,7 @@ def test_the_pinned_tower_is_the_trained_image_tower_and_counts_as_finished(tb, 
     tb.tower_lib.ensure_tower(out, smoke=True)
 
 
-def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run):
+def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run, load_script):
     """A whole sweep end to end on the session's smoke CLIP (features, two worker processes,
     outputs; training the tower when a workdir has none is the same ``trainer.train``)."""
     out = tmp_path / "tb"
@@ -169,6 +169,21 @@ def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run):
     again = list(csv.DictReader(open(out / "runs.csv")))
     accuracy = lambda rs: [(r["family"], r["tokens"], r["variant"], r["seed"], r.get("accuracy")) for r in rs]  # noqa: E731
     assert accuracy(again) == accuracy(rows)
+
+    # The longer-horizon check: pool's cell again at twice the steps, the same stage 0 per seed and
+    # the sweep's chosen lr/warmup, compared paired by seed.
+    horizon = load_script("experiments/token_budget_horizon.py")
+    long_out = horizon.main(["--main", str(out), "--out", str(tmp_path / "long"), "--families", "pool", "--budget",
+                             "4", "--seeds", "0,1", "--workers", "1", "--smoke", "--tower",
+                             str(clip_smoke_run.workdir), "--data_dir", clip_smoke_run.data_dir])
+    long_rows = list(csv.DictReader(open(long_out / "runs.csv")))
+    assert {(r["family"], r["tokens"], r["seed"]) for r in long_rows} == {("pool", "4", "0"), ("pool", "4", "1")}
+    assert all(int(r["steps_trained"]) == 2 * plan["max_steps"] for r in long_rows)
+    long_setup = json.loads((long_out / "setup.json").read_text())
+    assert long_setup["chosen"] == {"pool": setup["chosen"]["pool"]} and long_setup["chosen_given"]
+    assert horizon.differences(setup, long_setup) == []
+    md = (long_out / "horizon.md").read_text()
+    assert f"| all at {plan['max_steps']:,} | all at {2 * plan['max_steps']:,} |" in md and "| pool | 4 | 2 |" in md
 
 
 def test_the_image_reaches_the_lm(tmp_path, clip_smoke_run):
@@ -530,6 +545,46 @@ def test_seed_outcomes_count_the_seeds_that_learn_a_kind_and_late_best_checks(tb
     assert lines[-1].endswith("locality-preserving: color_at 2/3, shape_at 0/3, relative 0/3; learned-query: "
                               "color_at 2/3, shape_at 0/3, relative 0/3.")
     assert tb.report.seed_lines(tb.report.summarise(rows[3:])) == []  # no blind yet: no bar to count against
+
+
+def test_the_horizon_check_pairs_each_seed_with_its_shorter_run(load_script):
+    """horizon.md on known rows: gains paired by seed, seeds that learn colour-at-location at each
+    horizon against the sweep's blind; a setting that differs is named, so nothing unpaired is compared."""
+    import numpy as np
+    from scipy import stats
+
+    horizon = load_script("experiments/token_budget_horizon.py")
+
+    def row(family, seed, acc, color_at):
+        return {"family": family, "tokens": "16", "variant": "", "seed": str(seed), "status": "ok",
+                "accuracy": str(acc), "acc_color_at": str(color_at), "acc_shape_at": "0.7"}
+
+    short = [row("pool", k, a, c) for k, (a, c) in enumerate(((0.80, 0.70), (0.76, 0.18), (0.79, 0.60)))]
+    short += [row("blind", k, 0.45, 0.18) for k in range(3)] + [row("pool", 3, 0.5, 0.5)]  # seed 3: not rerun
+    long = [row("pool", k, a, c) for k, (a, c) in enumerate(((0.82, 0.72), (0.81, 0.65), (0.80, 0.61)))]
+    lines = horizon.compare(short, long, (8000, 16000))
+    gain = np.array([0.02, 0.05, 0.01])
+    p = stats.ttest_1samp(gain, 0).pvalue
+    pool = next(line for line in lines if line.startswith("| pool |"))
+    assert pool.startswith(f"| pool | 16 | 3 | 78.3 ± {horizon.sweep.ci95(100 * np.array([.80, .76, .79])):.1f} | "
+                           f"81.0 ± {horizon.sweep.ci95(100 * np.array([.82, .81, .80])):.1f} | "
+                           f"+2.7 ± {100 * horizon.sweep.ci95(gain):.1f} | {p:.2g} |")
+    assert pool.endswith("| +0.0 ± 0.0 | 2 → 3 |")  # colour_at bar: 18 + 10 points
+    setup = {"tower_fingerprint": "a", "data": "d", "lm": {}, "stage0_final_loss": {"0": 1.0, "4": 2.0},
+             "plan": {"batch_size": 32, "max_steps": 8000}}
+    assert horizon.differences(setup, dict(setup, plan={"batch_size": 32, "max_steps": 16000})) == []
+    assert horizon.differences(setup, dict(setup, stage0_final_loss={"0": 1.5}, plan={"batch_size": 16})) == [
+        "stage0_final_loss[0]", "plan.batch_size"]
+
+
+def test_chosen_settings_replace_tuning_and_must_cover_every_family(tb, capsys):
+    args = tb.parse_args(["--families", "pool,qformer", "--chosen", "pool=3e-4/25,qformer=1e-4/250,blind=1e-3/25"])
+    assert args.chosen == {"pool": (3e-4, 25), "qformer": (1e-4, 250), "blind": (1e-3, 25)}
+    for chosen, says in (("pool=3e-4/25,qformer=1e-4/250", "no lr/warmup for ['blind']"),
+                         ("pool=3e-4", "cannot read 'pool=3e-4'")):
+        with pytest.raises(SystemExit):
+            tb.parse_args(["--families", "pool,qformer", "--chosen", chosen])
+        assert says in capsys.readouterr().err
 
 
 def test_holm_adjusts_each_p_by_its_rank_and_keeps_the_order(tb):
