@@ -232,9 +232,10 @@ def choose_lrs(rows: list[dict], families) -> dict:
 def frozen_report(rows: list[dict], chosen: dict, args, path: pathlib.Path) -> None:
     """``frozen.md``: the tuning grid, then the grid's means ± 95% CI over seeds per question kind
     with the paired gain over blind, the spread across families against the gain from more
-    tokens, and Honeybee's and the fine-detail claims (``token_budget_report``'s tests)."""
+    tokens, and Honeybee's and the fine-detail claims (``token_budget_tables``)."""
     sys.path.insert(0, str(ROOT / "experiments"))
     import token_budget_report as tbr
+    import token_budget_tables as tables
 
     tune = [r for r in rows if r["run"].startswith("tune_")]
     lrs = sorted({float(r["lr"]) for r in tune})
@@ -259,10 +260,10 @@ def frozen_report(rows: list[dict], chosen: dict, args, path: pathlib.Path) -> N
                   "| family | tokens | lr | seeds | all | " + " | ".join(KINDS) + " | vs blind |",
                   "|---|---:|---:|---:|" + "---:|" * (len(KINDS) + 2)]
         for x in summary:
-            cells = [tbr._pm(x, "accuracy"), *(tbr._pm(x, f"acc_{k}") for k in KINDS), tbr._p(x["vs_blind"])]
+            cells = [tables._pm(x, "accuracy"), *(tables._pm(x, f"acc_{k}") for k in KINDS), tables._p(x["vs_blind"])]
             lines.append(f"| {x['family']} | {x['tokens']} | {float(x['lr']):g} | {x['seeds']} | " + " | ".join(cells)
                          + " |")
-        lines += ["", *tbr.spread_lines(summary), "", *tbr.claim_lines(summary)]
+        lines += ["", *tables.spread_lines(summary), "", *tables.claim_lines(summary)]
     path.write_text("\n".join(lines) + "\n")
 
 

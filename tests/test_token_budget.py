@@ -279,7 +279,7 @@ def test_tables_show_95_percent_intervals_and_seed_paired_tests_against_blind(tb
     assert diff == pytest.approx(pool.mean() - 0.41)
     assert p == pytest.approx(stats.ttest_rel(pool, [0.40, 0.42, 0.41]).pvalue)
     assert summary["blind"]["vs_blind"] is None
-    spread = next(line for line in tb.report.spread_lines(list(summary.values())) if line.startswith("| 16 |"))
+    spread = next(line for line in tb.tables.spread_lines(list(summary.values())) if line.startswith("| 16 |"))
     assert spread.startswith("| 16 | 2 | pool 51.3 | linear 46.7 | 4.7 |")
     assert f"| {stats.ttest_rel(pool, [0.45, 0.47, 0.48]).pvalue:.2g} |" in spread
 
@@ -506,7 +506,7 @@ def test_claim_tests_on_known_numbers(tb):
     detail = ((np.array(loc[16]) - loc[4]) + (np.array(query[16]) - query[4] - 0.01)) / 2
     mean, _, p = tb.report.detail_test(summary)
     assert mean == pytest.approx(detail.mean()) and p == pytest.approx(stats.ttest_1samp(detail, 0).pvalue)
-    lines = "\n".join(tb.report.claim_lines(summary))
+    lines = "\n".join(tb.tables.claim_lines(summary))
     assert "Honeybee, 16 tokens, spatial kinds" in lines and f"{100 * diff.mean():+.1f}" in lines
     # Four Honeybee tests (two counts × two groups of kinds): each line also shows its Holm-adjusted p.
     ps = {(t, g): tb.report.group_test(summary, t, kinds)[2] for t in (4, 16)
@@ -538,13 +538,13 @@ def test_seed_outcomes_count_the_seeds_that_learn_a_kind_and_late_best_checks(tb
     counts = {s["family"]: n for s, n in got["cells"]}
     assert counts == {"c_abstractor": {"color_at": 2, "shape_at": 0, "relative": 0},
                       "perceiver": {"color_at": 2, "shape_at": 0, "relative": 0}}
-    lines = tb.report.seed_lines(tb.report.summarise(rows))
+    lines = tb.tables.seed_lines(tb.report.summarise(rows))
     assert "| c_abstractor | 16 | 3 | 2 | 0 | 0 | 2 | +1.0 ± 0.0 |" in lines  # best at 800 and 1000 > 750
     gains = np.array([0.02, 0.04, 0.0])
     assert f"| perceiver | 16 | 3 | 2 | 0 | 0 | 0 | +2.0 ± {100 * tb.sweep.ci95(gains):.1f} |" in lines
     assert lines[-1].endswith("locality-preserving: color_at 2/3, shape_at 0/3, relative 0/3; learned-query: "
                               "color_at 2/3, shape_at 0/3, relative 0/3.")
-    assert tb.report.seed_lines(tb.report.summarise(rows[3:])) == []  # no blind yet: no bar to count against
+    assert tb.tables.seed_lines(tb.report.summarise(rows[3:])) == []  # no blind yet: no bar to count against
 
 
 def test_the_horizon_check_pairs_each_seed_with_its_shorter_run(load_script):
@@ -668,8 +668,8 @@ def test_budget_or_connector_anova_matches_a_least_squares_fit(tb):
     additive, rank_add = rss(["f", "b", "s"])
     f_int = (additive - full) / (rank_full - rank_add) / (full / df_e)
     assert src["family × budget"]["f"] == pytest.approx(f_int, rel=1e-9)
-    assert "Budget or connector (MM1, TokenPacker)" in "\n".join(tb.report.factor_lines(tb.report.summarise(rows)))
-    claim = next(line for line in tb.report.claim_lines(tb.report.summarise(rows)) if "MM1" in line)
+    assert "Budget or connector (MM1, TokenPacker)" in "\n".join(tb.tables.factor_lines(tb.report.summarise(rows)))
+    claim = next(line for line in tb.tables.claim_lines(tb.report.summarise(rows)) if "MM1" in line)
     assert f"budget {100 * src['budget']['eta2']:.1f}%" in claim
 
 
@@ -762,12 +762,12 @@ def test_the_tuning_table_shows_every_run_and_marks_the_chosen_setting(tb):
                         "mlp@64": {"0.001/25": 0.859, "0.003/25": 0.836, "0.01/25": 0.8, "0.001/250": 0.85,
                                    "0.003/250": 0.81}},  # a pilot's run at another rate
              "chosen": {"pool": [0.0003, 250], "mlp": [0.001, 25]}}
-    lines = tb.report.tuning_lines(setup)
+    lines = tb.tables.tuning_lines(setup)
     assert lines[2] == ("| family @ tokens | lr 0.0001 | lr 0.0003 | lr 0.001 | lr 0.003 | lr 0.01 | "
                         "warmup 250 (at the best lr) | chosen lr/warmup | other runs |")
     assert "| pool@16 | 79.3 | 85.7 | 85.5 |  |  | **86.1** | 0.0003/250 |  |" in lines
     assert "| mlp@64 |  |  | **85.9** | 83.6 | 80.0 | 85.0 | 0.001/25 | 0.003/250: 81.0 |" in lines
-    assert tb.report.tuning_lines({"tune_warmups": [25]}) == []
+    assert tb.tables.tuning_lines({"tune_warmups": [25]}) == []
 
 
 def test_jobs_run_longest_first_by_flops_times_their_familys_measured_speed(tb):
