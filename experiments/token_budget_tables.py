@@ -25,7 +25,9 @@ from token_budget_report import (
 
 
 def _pm(s: dict, key: str) -> str:
-    return f"{100 * s[key]:.1f} ± {100 * s[key + '_ci']:.1f}"
+    """Mean ± 95% CI half-width in points; the mean alone where one seed gives no interval (--interim)."""
+    ci = s[key + "_ci"]
+    return f"{100 * s[key]:.1f}" + ("" if ci != ci else f" ± {100 * ci:.1f}")
 
 
 def _p(test) -> str:

@@ -282,6 +282,10 @@ def test_tables_show_95_percent_intervals_and_seed_paired_tests_against_blind(tb
     spread = next(line for line in tb.tables.spread_lines(list(summary.values())) if line.startswith("| 16 |"))
     assert spread.startswith("| 16 | 2 | pool 51.3 | linear 46.7 | 4.7 |")
     assert f"| {stats.ttest_rel(pool, [0.45, 0.47, 0.48]).pvalue:.2g} |" in spread
+    # One seed (an --interim cell) has no interval: its mean is shown alone, not "± nan".
+    one = tb.report.summarise(rows[3:4])[0]
+    assert tb.tables._pm(one, "accuracy") == "50.0" and tb.tables._pm(summary["pool"], "accuracy") == (
+        f"51.3 ± {100 * summary['pool']['accuracy_ci']:.1f}")
 
 
 def _tiny_run(tb, lr, max_steps, stage1_steps=0):
