@@ -130,7 +130,9 @@ def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
     running a slow job while the other waits. Expected seconds: the job's forward MFLOPs per example
     (``mflops[key]``, connector + LM) times its family's seconds per MFLOP in its tuning runs
     (``tuned``; FLOPs alone miss how slow some layers run on a CPU: at 16 tokens C-Abstractor has 3.4x
-    pool's FLOPs per example and took 14x its seconds), times the seeds it has left to run."""
+    pool's FLOPs per example and took 14x its seconds), times the seeds it has left to run. The
+    blind job goes first: every other row is compared with it, so ``--interim`` tables have their
+    baseline from the start, and as the cheapest job it would not balance the end anyway."""
     rate = {}
     for (family, tokens, _, _), by_seed in tuned.items():
         if (family, tokens, "") in mflops:
@@ -138,8 +140,8 @@ def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
                                                for r in by_seed.values() if "wall_s" in r)
     known = [x for xs in rate.values() for x in xs]
     default = float(np.median(known)) if known else 1.0
-    return sorted(jobs, key=lambda key: -mflops[key] * float(np.mean(rate.get(key[0]) or [default]))
-                  * seeds_left.get(key, 1))
+    return sorted(jobs, key=lambda key: (key[0] != BLIND, -mflops[key] * float(np.mean(rate.get(key[0]) or [default]))
+                                         * seeds_left.get(key, 1)))
 
 
 def main(argv=None) -> pathlib.Path:

@@ -789,3 +789,6 @@ def test_jobs_run_longest_first_by_flops_times_their_familys_measured_speed(tb):
     order = tb.longest_first(jobs, mflops, tuned, {**{k: 5 for k in jobs}, ("c_abstractor", 16, ""): 1})
     assert order[0] == ("c_abstractor", 4, "") and order.index(("c_abstractor", 16, "")) == 2
     assert tb.longest_first(jobs, mflops, {}, {})[:2] == [("c_abstractor", 16, ""), ("pool", 64, "")]
+    # Blind, the baseline of every row, first (and the cheapest job: 1 MFLOP).
+    order = tb.longest_first({**jobs, ("blind", 1, ""): {}}, {**mflops, ("blind", 1, ""): 1.0}, tuned, {})
+    assert order[0] == ("blind", 1, "") and order[1:] == tb.longest_first(jobs, mflops, tuned, {})
