@@ -202,7 +202,7 @@ def param_lines(summary: list[dict], setup: dict) -> list[str]:
         size = ", ".join(f"{k}={v}" for k, v in cfg.items() if k not in ("name", "budget"))
         base = default.get((s["family"], s["tokens"]))
         lines.append(f"| {s['family']} | {s['tokens']} | {size} | {s['connector_params']:,} | {_pm(s, 'accuracy')} | "
-                     f"{_p(paired_vs(s, base) if base else None)} | " + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
+                     f"{vs_default(s, base)} | " + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
                      + " |")
     acc = {s["family"]: 100 * s["accuracy"] for s in sized}
     best, worst = max(acc, key=acc.get), min(acc, key=acc.get)
@@ -210,6 +210,14 @@ def param_lines(summary: list[dict], setup: dict) -> list[str]:
     lines += ["", f"Spread at equal parameters: {best} {acc[best]:.1f} − {worst} {acc[worst]:.1f} = "
               f"{acc[best] - acc[worst]:.1f} points{'' if test is None else f' (p={test[1]:.2g}, paired by seed)'}."]
     return lines
+
+
+def vs_default(s: dict, base: dict | None) -> str:
+    """A sized row against the family's default size: the paired difference, or, where the nearest
+    size is the default itself (the same connector, so the same runs), says so."""
+    if base is not None and base["connector_params"] == s["connector_params"]:
+        return "its default size"
+    return _p(paired_vs(s, base) if base else None)
 
 
 def encoder_lines(summary: list[dict]) -> list[str]:

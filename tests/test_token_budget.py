@@ -792,3 +792,26 @@ def test_jobs_run_longest_first_by_flops_times_their_familys_measured_speed(tb):
     # Blind, the baseline of every row, first (and the cheapest job: 1 MFLOP).
     order = tb.longest_first({**jobs, ("blind", 1, ""): {}}, {**mflops, ("blind", 1, ""): 1.0}, tuned, {})
     assert order[0] == ("blind", 1, "") and order[1:] == tb.longest_first(jobs, mflops, tuned, {})
+
+
+def test_the_equal_parameter_table_pairs_each_sized_row_with_its_default_size(tb):
+    """A family sized to the parameter budget is compared, paired by seed, with its default-size row;
+    a family whose nearest size is its default (Perceiver at 16 tokens: depth 2 either way) is named
+    as such rather than shown as a zero difference with p = 1."""
+    from scipy import stats
+
+    kinds = {f"acc_{k}": 0.5 for k in tb.KINDS}
+    runs = (("pool", "", 10_000, (0.50, 0.55, 0.49)), ("pool", "params ≈ 100,000", 99_000, (0.60, 0.62, 0.61)),
+            ("perceiver", "", 111_552, (0.70, 0.71, 0.69)), ("perceiver", "params ≈ 100,000", 111_552,
+                                                              (0.70, 0.71, 0.69)))
+    rows = [{"family": f, "budget": 16, "tokens": 16, "variant": v, "note": "", "lr": 1e-3, "warmup": 25,
+             "seed": seed, "status": "ok", "accuracy": acc, "connector_params": n, **kinds}
+            for f, v, n, accs in runs for seed, acc in enumerate(accs)]
+    sized = {"pool": {"name": "pool", "hidden": 520}, "perceiver": {"name": "perceiver", "depth": 2}}
+    setup = {"param_tokens": 16, "connectors": {f"{f}|16|params ≈ 100,000": {"connector": c} for f, c in sized.items()}}
+    lines = tb.tables.param_lines(tb.report.summarise(rows), setup)
+    pool = next(line for line in lines if line.startswith("| pool |"))
+    p = stats.ttest_rel([0.60, 0.62, 0.61], [0.50, 0.55, 0.49]).pvalue
+    assert pool.startswith("| pool | 16 | hidden=520 | 99,000 | 61.0 ± ") and f"| +9.7 (p={p:.2g}) |" in pool
+    assert "| perceiver | 16 | depth=2 | 111,552 | 70.0 ± " in lines[-3] and "| its default size |" in lines[-3]
+    assert lines[-1].startswith("Spread at equal parameters: perceiver 70.0 − pool 61.0 = 9.0 points")
