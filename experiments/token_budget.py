@@ -88,15 +88,17 @@ from token_budget_args import parse_args  # noqa: E402
 BLIND, KINDS = report.BLIND, report.KINDS
 
 
-def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, dict]:
-    """The rows of the tables ``(family, requested budget, variant, setting, tokens, note)`` and
-    the jobs ``{(family, tokens, variant): {"connector": cfg, "view": name}}`` (two budgets at one
-    reachable count share a job). Variants: ``""`` (each family's default size, the main table),
-    ``"params ≈ P"`` (sized to P connector parameters) and the encoder-side ones (``mlp`` on all
-    patches of a smaller image or larger patches)."""
+def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, dict, dict]:
+    """The rows of the tables ``(family, requested budget, variant, setting, tokens, note)``, the
+    jobs ``{(family, tokens, variant): {"connector": cfg, "view": name}}`` (two budgets at one
+    reachable count share a job) and the rows that reuse another row's runs, ``{row key: {**job,
+    "runs_of": job key}}``: a family sized to the parameter budget whose nearest size is its
+    default (the same connector, so the same runs). Variants: ``""`` (each family's default size,
+    the main table), ``"params ≈ P"`` (sized to P connector parameters) and the encoder-side ones
+    (``mlp`` on all patches of a smaller image or larger patches)."""
     widths = {} if args.native_widths else {"qformer": {"width": in_dim}, "c_abstractor": {"hidden": in_dim}}
     plan = [] if args.no_blind else [(BLIND, 0, "", 1, 1, "no image")]
-    jobs = {}
+    jobs, same = {}, {}
     for family in args.families:
         for b in args.budgets:
             setting, tokens, note = connectors.resolve(family, b, grid, args.max_ratio)
@@ -112,9 +114,15 @@ def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, 
             setting, tokens, note = connectors.resolve(family, args.param_tokens, grid, args.max_ratio)
             if setting is None or family not in connectors.SIZE_KNOBS:
                 continue
-            cfg, _ = connectors.size_to({"name": family, "budget": setting}, args.param_budget, in_dim, lm_width, grid)
+            cfg, count = connectors.size_to({"name": family, "budget": setting}, args.param_budget, in_dim, lm_width,
+                                            grid)
             plan.append((family, args.param_tokens, variant, setting, tokens, note))
-            jobs[(family, tokens, variant)] = {"connector": cfg, "view": ""}
+            default = jobs.get((family, tokens, ""))
+            # Only the size knob differs and counts grow with it: an equal count is the default's own size.
+            if default and connectors.num_params(default["connector"], in_dim, lm_width, grid) == count:
+                same[(family, tokens, variant)] = {"connector": cfg, "view": "", "runs_of": (family, tokens, "")}
+            else:
+                jobs[(family, tokens, variant)] = {"connector": cfg, "view": ""}
     if enc and "mlp" not in args.families:
         args.parser.error("the encoder-side rows (--encoder_budgets) use the mlp connector at its tuned settings; add "
                           "mlp to --families or pass --encoder_budgets ''.")
@@ -122,7 +130,7 @@ def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, 
         for variant, (view, *_rest) in views.items():
             plan.append(("mlp", tokens, variant, "all", tokens, ""))
             jobs[("mlp", tokens, variant)] = {"connector": {"name": "mlp", "budget": "all"}, "view": "@" + view}
-    return plan, jobs
+    return plan, jobs, same
 
 
 def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
@@ -177,7 +185,7 @@ def main(argv=None) -> pathlib.Path:
           f"{len(val['ids'])} / {len(test['ids'])} questions ({time.perf_counter() - t0:.0f} s)")
 
     lm_cfg = dict(vocab_size=tokenizer.vocab_size, **args.lm)
-    plan, jobs = plan_jobs(args, grid, in_dim, lm_cfg["width"], enc)
+    plan, jobs, same = plan_jobs(args, grid, in_dim, lm_cfg["width"], enc)
     print(f"{len(jobs)} jobs × {len(args.seeds)} seeds, {'≤ ' if args.patience else ''}{args.steps} joint steps "
           f"each; unreachable: {[(f, b) for f, b, _, s, _, _ in plan if s is None]}")
     train_plan = {k: getattr(args, k) for k in ("batch_size", "eval_every", "patience", "min_delta", "curve_questions")}
@@ -276,7 +284,7 @@ def main(argv=None) -> pathlib.Path:
         if setting is None:
             rows.append({**base, "seed": "", "status": "unreachable"})
             continue
-        key = (family, tokens, variant)
+        key = same.get((family, tokens, variant), {}).get("runs_of", (family, tokens, variant))
         if not results.get(key):  # --interim: a cell with no finished seed yet
             rows.append({**base, "note": "no seed finished yet", "seed": "", "status": "pending"})
         for seed in [seed for seed in args.seeds if seed in results.get(key, {})]:
@@ -301,7 +309,7 @@ def main(argv=None) -> pathlib.Path:
              "chosen_given": args.chosen is not None, "tuning": tuning,
              "stage0_steps": args.stage0_steps, "stage0_final_loss": stage0_loss, "stage1_steps": args.stage1_steps,
              "seeds": args.seeds, "param_budget": args.param_budget, "param_tokens": args.param_tokens,
-             "connectors": {"|".join(map(str, k)): v for k, v in jobs.items()}, "tokenizer": args.tokenizer,
+             "connectors": {"|".join(map(str, k)): v for k, v in {**jobs, **same}.items()}, "tokenizer": args.tokenizer,
              "vocab_size": tokenizer.vocab_size, "max_len": max_len, "train_images": len(train["patches"]),
              "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
              "test_questions": len(test["ids"]), "workers": args.workers,

@@ -794,6 +794,24 @@ def test_jobs_run_longest_first_by_flops_times_their_familys_measured_speed(tb):
     assert order[0] == ("blind", 1, "") and order[1:] == tb.longest_first(jobs, mflops, tuned, {})
 
 
+def test_a_family_whose_nearest_size_is_its_default_reuses_the_default_runs(tb):
+    """Sizing to a parameter budget plans a job per family, except where the nearest size is the
+    family's default: then the row reads the default job's runs instead of training the same
+    connector again (Perceiver at 16 tokens on an 8 × 8 grid is depth 2 either way)."""
+    grid, in_dim, width = (8, 8), 128, 64
+    default = connectors.num_params({"name": "perceiver", "budget": 16}, in_dim, width, grid)
+    args = tb.parse_args(["--families", "perceiver,pool", "--budgets", "16", "--param_budget", str(default),
+                          "--param_tokens", "16", "--encoder_budgets", ""])
+    plan, jobs, same = tb.plan_jobs(args, grid, in_dim, width, {})
+    variant = f"params ≈ {default:,}"
+    assert ("perceiver", 16, variant, 16, 16, "") in plan and ("perceiver", 16, variant) not in jobs
+    assert same[("perceiver", 16, variant)]["runs_of"] == ("perceiver", 16, "")
+    assert same[("perceiver", 16, variant)]["connector"]["depth"] == 2
+    pool = jobs[("pool", 16, variant)]["connector"]  # pool's default (no hidden layer) is far smaller: sized
+    assert pool["hidden"] > 0 and ("pool", 16, variant) not in same
+    assert sorted(jobs) == sorted([("blind", 1, ""), ("perceiver", 16, ""), ("pool", 16, ""), ("pool", 16, variant)])
+
+
 def test_the_equal_parameter_table_pairs_each_sized_row_with_its_default_size(tb):
     """A family sized to the parameter budget is compared, paired by seed, with its default-size row;
     a family whose nearest size is its default (Perceiver at 16 tokens: depth 2 either way) is named
