@@ -24,13 +24,14 @@ from token_budget_report import (
 )
 
 
-def _pm(s: dict, key: str) -> str:
+def mean_ci(s: dict, key: str) -> str:
     """Mean ± 95% CI half-width in points; the mean alone where one seed gives no interval (--interim)."""
     ci = s[key + "_ci"]
     return f"{100 * s[key]:.1f}" + ("" if ci != ci else f" ± {100 * ci:.1f}")
 
 
-def _p(test) -> str:
+def diff_p(test) -> str:
+    """A paired test ``(mean difference, p)`` as ``+d.d (p=...)`` in points; blank without one."""
     return "" if test is None else f"{100 * test[0]:+.1f} (p={test[1]:.2g})"
 
 
@@ -93,11 +94,11 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
         tokens = f"{s['tokens']}" + (f" ({s['note']})" if s["note"] else "")
         lines.append(
             f"| {s['family']} | {s['budget']} | {tokens} | {s['lr']:g}/{s['warmup']} | "
-            f"{s['best_step']:.0f}/{s['steps_trained']:.0f} | {_pm(s, 'accuracy')}"
+            f"{s['best_step']:.0f}/{s['steps_trained']:.0f} | {mean_ci(s, 'accuracy')}"
             + (f" ({s['seeds']} of {len(setup['seeds'])} seeds)" if interim and s["seeds"] < len(setup["seeds"])
                else "")
-            + f" | {_p(s['vs_blind'])} | "
-            + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
+            + f" | {diff_p(s['vs_blind'])} | "
+            + " | ".join(mean_ci(s, f"acc_{k}") for k in KINDS)
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{_ms(s, 'train_ms')} | {_ms(s, 'infer_ms')} |")
     lines += ["", *spread_lines(summary), "", *param_lines(summary, setup), "", *encoder_lines(summary), "",
@@ -201,9 +202,9 @@ def param_lines(summary: list[dict], setup: dict) -> list[str]:
         cfg = knobs.get(s["family"], {})
         size = ", ".join(f"{k}={v}" for k, v in cfg.items() if k not in ("name", "budget"))
         base = default.get((s["family"], s["tokens"]))
-        lines.append(f"| {s['family']} | {s['tokens']} | {size} | {s['connector_params']:,} | {_pm(s, 'accuracy')} | "
-                     f"{vs_default(s, base)} | " + " | ".join(_pm(s, f"acc_{k}") for k in KINDS)
-                     + " |")
+        lines.append(f"| {s['family']} | {s['tokens']} | {size} | {s['connector_params']:,} | "
+                     f"{mean_ci(s, 'accuracy')} | {vs_default(s, base)} | "
+                     + " | ".join(mean_ci(s, f"acc_{k}") for k in KINDS) + " |")
     acc = {s["family"]: 100 * s["accuracy"] for s in sized}
     best, worst = max(acc, key=acc.get), min(acc, key=acc.get)
     test = paired_vs(*(next(s for s in sized if s["family"] == f) for f in (best, worst)))
@@ -217,7 +218,7 @@ def vs_default(s: dict, base: dict | None) -> str:
     size is the default itself (the same connector, so the same runs), says so."""
     if base is not None and base["connector_params"] == s["connector_params"]:
         return "its default size"
-    return _p(paired_vs(s, base) if base else None)
+    return diff_p(paired_vs(s, base) if base else None)
 
 
 def encoder_lines(summary: list[dict]) -> list[str]:
@@ -236,9 +237,9 @@ def encoder_lines(summary: list[dict]) -> list[str]:
         best = max(side, key=lambda s: s["accuracy"]) if side else None
         for s in [s for s in enc if s["tokens"] == tokens] + sorted(side, key=lambda s: -s["accuracy"]):
             how = f"encoder: {s['variant']}" if s in enc else f"connector: {s['family']}"
-            vs = _p(paired_vs(s, best)) if s in enc and best is not None else ""
-            lines.append(f"| {tokens} | {how} | {_pm(s, 'accuracy')} | {vs} | "
-                         + " | ".join(_pm(s, f"acc_{k}") for k in KINDS) + " |")
+            vs = diff_p(paired_vs(s, best)) if s in enc and best is not None else ""
+            lines.append(f"| {tokens} | {how} | {mean_ci(s, 'accuracy')} | {vs} | "
+                         + " | ".join(mean_ci(s, f"acc_{k}") for k in KINDS) + " |")
     return lines
 
 

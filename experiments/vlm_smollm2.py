@@ -260,7 +260,8 @@ def frozen_report(rows: list[dict], chosen: dict, args, path: pathlib.Path) -> N
                   "| family | tokens | lr | seeds | all | " + " | ".join(KINDS) + " | vs blind |",
                   "|---|---:|---:|---:|" + "---:|" * (len(KINDS) + 2)]
         for x in summary:
-            cells = [tables._pm(x, "accuracy"), *(tables._pm(x, f"acc_{k}") for k in KINDS), tables._p(x["vs_blind"])]
+            cells = [tables.mean_ci(x, "accuracy"), *(tables.mean_ci(x, f"acc_{k}") for k in KINDS),
+                     tables.diff_p(x["vs_blind"])]
             lines.append(f"| {x['family']} | {x['tokens']} | {float(x['lr']):g} | {x['seeds']} | " + " | ".join(cells)
                          + " |")
         lines += ["", *tables.spread_lines(summary), "", *tables.claim_lines(summary)]

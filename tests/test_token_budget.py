@@ -284,7 +284,7 @@ def test_tables_show_95_percent_intervals_and_seed_paired_tests_against_blind(tb
     assert f"| {stats.ttest_rel(pool, [0.45, 0.47, 0.48]).pvalue:.2g} |" in spread
     # One seed (an --interim cell) has no interval: its mean is shown alone, not "± nan".
     one = tb.report.summarise(rows[3:4])[0]
-    assert tb.tables._pm(one, "accuracy") == "50.0" and tb.tables._pm(summary["pool"], "accuracy") == (
+    assert tb.tables.mean_ci(one, "accuracy") == "50.0" and tb.tables.mean_ci(summary["pool"], "accuracy") == (
         f"51.3 ± {100 * summary['pool']['accuracy_ci']:.1f}")
 
 
