@@ -795,6 +795,19 @@ def test_jobs_run_longest_first_by_flops_times_their_familys_measured_speed(tb):
     assert order[0] == ("blind", 1, "") and order[1:] == tb.longest_first(jobs, mflops, tuned, {})
 
 
+def test_a_family_has_one_colour_in_every_plot(tb):
+    """The plots colour a family the same whichever families a sweep ran, the ten apart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    every = tb.plots.colours(plt, [*tb.plots.ORDER, "my_connector"])
+    assert len(set(every.values())) == len(every) == 11
+    some = tb.plots.colours(plt, ["qformer", "my_connector", "pool"])
+    assert some == {f: every[f] for f in some}
+
+
 def test_a_family_whose_nearest_size_is_its_default_reuses_the_default_runs(tb):
     """Sizing to a parameter budget plans a job per family, except where the nearest size is the
     family's default: then the row reads the default job's runs instead of training the same
