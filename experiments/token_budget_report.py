@@ -152,13 +152,15 @@ def factor_test(summary: list[dict]) -> dict | None:
 
 def learned(summary: list[dict]) -> dict | None:
     """Per cell (not blind) and spatial kind, the seeds that learn the kind: test accuracy at least
-    ``LEARNED_MARGIN`` above the blind cell's mean on it. None until the blind cell has a seed."""
+    ``LEARNED_MARGIN`` above the blind cell's mean on it. None until the blind cell has a seed. A
+    cell is a job: two requested budgets that reach one token count share its runs, counted once."""
     blind = next((s for s in ok_rows(summary) if s["family"] == BLIND), None)
     if blind is None:
         return None
     bar = {k: blind[f"acc_{k}"] + LEARNED_MARGIN for k in SPATIAL}
+    cells = {(s["family"], s["tokens"], s["variant"]): s for s in ok_rows(summary) if s["family"] != BLIND}
     return {"bar": bar, "cells": [(s, {k: sum(acc[k] >= bar[k] for acc in s["kinds_by_seed"].values())
-                                       for k in SPATIAL}) for s in ok_rows(summary) if s["family"] != BLIND]}
+                                       for k in SPATIAL}) for s in cells.values()]}
 
 
 def write_csv(rows: list[dict], path: pathlib.Path) -> None:

@@ -538,7 +538,9 @@ def test_seed_outcomes_count_the_seeds_that_learn_a_kind_and_late_best_checks(tb
     rows = [row("blind", k, c) for k, c in enumerate((0.17, 0.19, 0.18))]  # blind mean 18% → bar 28%
     rows += [row("c_abstractor", k, c, b) for k, (c, b) in enumerate(((0.62, 1000), (0.279, 750), (0.29, 800)))]
     rows += [row("perceiver", k, c, late=g) for k, (c, g) in enumerate(((0.75, 0.02), (0.74, 0.04), (0.18, 0.0)))]
+    rows += [dict(r, budget="all") for r in rows if r["family"] == "perceiver"]  # two budgets, one count: one run
     got = tb.report.learned(tb.report.summarise(rows))
+    assert len(got["cells"]) == 2  # a run is counted once, whichever budgets reached its token count
     assert got["bar"]["color_at"] == pytest.approx(0.28) and got["bar"]["shape_at"] == pytest.approx(0.60)
     counts = {s["family"]: n for s, n in got["cells"]}
     assert counts == {"c_abstractor": {"color_at": 2, "shape_at": 0, "relative": 0},
