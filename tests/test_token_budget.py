@@ -186,36 +186,30 @@ def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run, load_
     assert f"| all at {plan['max_steps']:,} | all at {2 * plan['max_steps']:,} |" in md and "| pool | 4 | 2 |" in md
 
 
-def test_the_image_reaches_the_lm(tmp_path, clip_smoke_run):
+def test_the_image_reaches_the_lm(tmp_path):
     """With a tower whose features tell images apart, a connector beats blind: it fits the training
     questions better and answers an image-dependent kind better on the test questions. The
     session's 4-step smoke CLIP cannot show this (its patch features vary across images by 5% of
-    their size; the demo tower's by 93%), so this test trains the same smoke CLIP for 60 steps
-    (31%) and runs one connector and blind at a 2-layer LM's scale for 400 steps."""
-    from vitmm import config_args
-    from vitmm.train import trainer
-
-    config = config_args.load(ROOT / "configs/clip_scenes.py", "smoke", total_steps=60,
-                              **{"input.data_dir": clip_smoke_run.data_dir})
-    with config.unlocked():
-        config.evals = type(config.evals)()
-        config.checkpoint_every = 60
-    trainer.train(config, tmp_path / "tower")
+    their size; the demo tower's by 93%), so this sweep reads the tower the token-budget results
+    pin (``results/token_budget/tower``, the demo's) on a 256-image build of its 64-px scenes and
+    runs pool at 4 tokens and blind at a 2-layer LM's scale for 200 steps (at 200 steps pool's
+    training loss sat 0.11 under blind's and it gained 34 points on colour-at-location; at 400,
+    0.20 and 60)."""
     env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments/token_budget.py"), "--smoke", "--workers", "1", "--out",
-         str(tmp_path / "tb"), "--tower", str(tmp_path / "tower"), "--data_dir", clip_smoke_run.data_dir,
-         "--families", "pool", "--budgets", "all", "--steps", "400", "--eval_every", "100", "--patience", "100",
-         "--lr", "1e-3", "--param_budget", "0", "--encoder_budgets", "", "--seeds", "0", "--lm_width", "64",
-         "--lm_depth", "2", "--batch_size", "32"],
+         str(tmp_path / "tb"), "--tower", str(ROOT / "results/token_budget/tower"), "--data",
+         "scenes/easy_64_256_64_64_s0", "--data_dir", str(tmp_path / "tfds"), "--families", "pool", "--budgets", "4",
+         "--steps", "200", "--eval_every", "50", "--patience", "100", "--lr", "1e-3", "--param_budget", "0",
+         "--encoder_budgets", "", "--seeds", "0", "--lm_width", "64", "--lm_depth", "2", "--batch_size", "32"],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["family"]: r for r in csv.DictReader(open(tmp_path / "tb/runs.csv"))}
     pool, blind = rows["pool"], rows["blind"]
-    assert float(pool["final_loss"]) < float(blind["final_loss"]) - 0.02, (pool["final_loss"], blind["final_loss"])
+    assert float(pool["final_loss"]) < float(blind["final_loss"]) - 0.05, (pool["final_loss"], blind["final_loss"])
     gains = {k: float(pool[f"acc_{k}"]) - float(blind[f"acc_{k}"]) for k in ("exists", "count", "color_at",
                                                                               "shape_at", "relative")}
-    assert max(gains.values()) >= 0.10, gains
+    assert max(gains.values()) >= 0.15, gains
 
 
 def test_stage0_pretraining_learns_the_questions_text(tb):
