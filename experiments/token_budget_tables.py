@@ -289,6 +289,22 @@ def claim_lines(summary: list[dict]) -> list[str]:
                                             for name in ("budget", "family", "family × budget")))
     lines.append(f"- More tokens help fine detail more: (gain on spatial kinds − gain on global kinds), fewest to most "
                  f"tokens, mean over families = {fmt(detail_test(summary))}")
+    return lines + honeybee_kind_lines(summary, counts)
+
+
+def honeybee_kind_lines(summary: list[dict], counts: list[int]) -> list[str]:
+    """Honeybee's difference kind by kind, to read the grouped tests (a kind no family learns pulls
+    its group's difference towards zero); unadjusted p, not claims of their own."""
+    cells = {t: [group_test(summary, t, (k,)) for k in KINDS] for t in counts}
+    cells = {t: tests for t, tests in cells.items() if any(x is not None for x in tests)}
+    if not cells:
+        return []
+    lines = ["", "Honeybee kind by kind: locality-preserving − learned-query, points (mean over seeds ± 95% CI, p of a "
+             "t-test over seeds, unadjusted: to read the grouped tests above, not claims of their own):", "",
+             f"| tokens | {' | '.join(KINDS)} |", "|---:|" + "---:|" * len(KINDS)]
+    for t, tests in cells.items():
+        lines.append(f"| {t} | " + " | ".join("" if x is None else f"{100 * x[0]:+.1f} ± {100 * x[1]:.1f} "
+                                              f"(p={x[2]:.2g})" for x in tests) + " |")
     return lines
 
 

@@ -512,6 +512,11 @@ def test_claim_tests_on_known_numbers(tb):
           for g, kinds in (("spatial", tb.report.SPATIAL), ("global", tb.report.GLOBAL))}
     adjusted = dict(zip(ps, tb.sweep.holm(list(ps.values())), strict=True))
     assert f"Holm p={adjusted[(16, 'spatial')]:.2g}" in next(x for x in lines.splitlines() if "16 tokens, spatial" in x)
+    # Kind by kind, to read the groups: each spatial kind here carries the whole spatial difference.
+    row16 = next(x for x in lines.splitlines() if x.startswith("| 16 | "))
+    p16 = stats.ttest_1samp(diff, 0).pvalue
+    cell = f"{100 * diff.mean():+.1f} ± {100 * tb.sweep.ci95(diff):.1f} (p={p16:.2g})"
+    assert row16.count(cell) == len(tb.report.SPATIAL) and "| -1.2 ± " in row16
 
 
 def test_seed_outcomes_count_the_seeds_that_learn_a_kind_and_late_best_checks(tb):
