@@ -4,6 +4,7 @@ import csv
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -848,3 +849,33 @@ def test_the_equal_parameter_table_pairs_each_sized_row_with_its_default_size(tb
     assert pool.startswith("| pool | 16 | hidden=520 | 99,000 | 61.0 ± ") and f"| +9.7 (p={p:.2g}) |" in pool
     assert "| perceiver | 16 | depth=2 | 111,552 | 70.0 ± " in lines[-3] and "| its default size |" in lines[-3]
     assert lines[-1].startswith("Spread at equal parameters: perceiver 70.0 − pool 61.0 = 9.0 points")
+
+
+def cited_numbers(text: str) -> list[str]:
+    """The numbers a text states, as written (signs kept; "−" read as "-"; no digits inside words)."""
+    text = text.replace("−", "-")
+    return [m.rstrip(",") for m in re.findall(r"(?<![\w.,])[-+]?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?", text)]
+
+
+def test_cited_numbers_reads_signs_exponents_and_thousands_but_not_names():
+    text = "SmolLM2 at 4,327,744 params: +4.1 (p=2.6e-05), −3.5 and 0.3%; seeds 0-2 on 8×8 (MM1)"
+    assert cited_numbers(text) == ["4,327,744", "+4.1", "2.6e-05", "-3.5", "0.3", "0", "2", "8", "8"]
+
+
+def test_every_number_in_the_token_budget_discussion_is_in_a_committed_table():
+    """The README's discussion of version 2 (and its line in the Results table) cites only numbers
+    printed by the experiments' reports: the main stage, the longer horizon and the frozen-SmolLM2
+    subset, whichever are committed. A number typed by hand, rounded differently or left over from
+    an earlier run fails here."""
+    out = ROOT / "results/token_budget"
+    sources = [out / "token_budget.md", out / "horizon/horizon.md", ROOT / "results/vlm_smollm2/frozen/frozen.md"]
+    printed = cited_numbers("\n".join(p.read_text() for p in sources if p.exists()))
+    printed = set(printed) | {n.lstrip("+-") for n in printed}  # "loses 5.1" cites a "-5.1"
+    readme = (out / "README.md").read_text()
+    discussion = re.search(r"^## What the numbers say\n(.*?)^## ", readme, re.S | re.M).group(1)
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| token-budget sweep v2"))
+    cited = cited_numbers(discussion) + cited_numbers(row.split("|")[2])
+    assert len(cited) > 100
+    missing = [n for n in cited if n not in printed]
+    assert not missing, f"numbers in the discussion that no committed table prints: {missing}"
