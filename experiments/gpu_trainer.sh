@@ -3,6 +3,7 @@
 #   bash experiments/gpu_carry.sh                          # here, once: .whl/ and .gpu_data/
 #   run(command="bash experiments/gpu_trainer.sh", carry=[".whl", ".gpu_data"], timeout_s=540)
 #   TINY_DATA=DIR bash experiments/gpu_trainer.sh --tiny   # here, on the CPU: every step at smoke scale
+#   DEMO_S, LOOP_S, RESUME_S: each step's time limit in seconds (default 200, 300, 240)
 # Steps (each one's failure is logged and the next still runs), results in $OUT/gpu_trainer/:
 #   versions.txt       python, jax and the packages, the devices
 #   demo.json          `make demo`'s config (configs/clip_scenes.py) trained on the GPU: wall time and
@@ -48,7 +49,7 @@ cat "$R/versions.txt"
 
 step "demo config"
 t0=$(date +%s.%N)
-timeout 200 $PY -m vitmm.train --config "configs/clip_scenes.py$DEMO" --workdir "$R/demo" \
+timeout ${DEMO_S:-200} $PY -m vitmm.train --config "configs/clip_scenes.py$DEMO" --workdir "$R/demo" \
     --config.input.data_dir="$DATA" || echo "FAILED: demo config"
 t1=$(date +%s.%N)
 $PY - "$R" "$t0" "$t1" <<'EOF' || echo "FAILED: demo.json"
@@ -65,11 +66,11 @@ print(json.dumps(out, indent=1))
 EOF
 
 step "loop against the bare step"
-timeout 300 $PY experiments/loop_overhead.py --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
+timeout ${LOOP_S:-300} $PY experiments/loop_overhead.py --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
     --set input.data_dir="$DATA" --out "$R/loop_overhead.json" || echo "FAILED: loop_overhead"
 
 step "resume"
-timeout 240 $PY - "$R" "configs/clip_scenes.py$RESUME" "$DATA" $HALF <<'EOF' || echo "FAILED: resume"
+timeout ${RESUME_S:-240} $PY - "$R" "configs/clip_scenes.py$RESUME" "$DATA" $HALF <<'EOF' || echo "FAILED: resume"
 import json, pathlib, sys
 import numpy as np
 from vitmm import config_args
