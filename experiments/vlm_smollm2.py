@@ -18,8 +18,9 @@ the best of ``--lrs`` on the validation questions at ``--tune_budget`` tokens an
 (the tuning rows); blind uses pool's. The grid is scored on ``--test_questions`` test questions,
 greedy decoding; ``frozen.md`` has the means with 95% CIs over seeds and t-tests paired by seed
 (the token-budget report's spread and claim tests). The tower is the token-budget sweep's
-(``results/token_budget/tower``) unless ``--vision`` says otherwise. A finished run's checkpoint
-(the frozen LM with it: 0.5 GB) is deleted once its row is written.
+(``results/token_budget/tower``) unless ``--vision`` says otherwise. A run checkpoints every
+``--checkpoint_every`` steps (a run killed mid-way resumes there; checkpoints do not change its
+numbers) and its checkpoints (the frozen LM with them: 0.5 GB each) are deleted once its row is written.
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ def frozen_specs(args, chosen: dict | None) -> list[dict]:
                     seed=seed, lr=lr, split=split,
                     config=f"{smol}:stage=1,connector={connector},budget={budget},steps={args.steps}"
                            f"{',blind=True' if blind else ''}{extra}",
-                    overrides=[f"--config.optim.lr={lr}", f"--config.seed={seed}", *test])
+                    overrides=[f"--config.optim.lr={lr}", f"--config.seed={seed}",
+                               f"--config.checkpoint_every={args.checkpoint_every}", *test])
 
     if chosen is None:
         return [spec(f"tune_{f}_{args.tune_budget}_lr{lr:g}", f, args.tune_budget, args.seeds[0], lr, "validation")
@@ -317,6 +319,8 @@ def main(argv=None):
     frozen.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="the tuning grid (one value: no tuning)")
     frozen.add_argument("--tune_budget", type=int, default=16)
     frozen.add_argument("--test_questions", type=int, default=1024)
+    frozen.add_argument("--checkpoint_every", type=int, default=50,
+                        help="steps between a run's checkpoints: a run killed mid-way resumes from the last one")
     args = parser.parse_args(argv)
     overrides = [f"--config.init.{k}={v}" for k, v in (("vision", args.vision), ("lm", args.lm)) if v]
     if args.data_dir:

@@ -332,7 +332,8 @@ def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resume
         tmp_path, data_dir, clip_smoke_run, capsys, load_script):
     """``vlm_smollm2.py --frozen`` on a converted tiny GGUF: the lr chosen per family on validation
     is the one the grid runs with, on the test split; every run is a row (then its checkpoint is
-    deleted), blind sees blank images, and a rerun trains nothing."""
+    deleted), blind sees blank images, runs checkpoint every ``--checkpoint_every`` steps, and a
+    rerun trains nothing."""
     from vitmm.interop import __main__ as cli
 
     fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
@@ -341,7 +342,7 @@ def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resume
     args = ["--frozen", "--smoke", "--families", "pool", "--budgets", "4", "--seeds", "0,1", "--lrs", "1e-3,3e-3",
             "--tune_budget", "4", "--test_questions", "8", "--vision", str(clip_smoke_run.workdir), "--lm",
             str(tmp_path / "lm"), "--out", str(tmp_path / "out"), "--workdirs", str(tmp_path / "w"),
-            "--data_dir", data_dir]
+            "--data_dir", data_dir, "--checkpoint_every", "2"]
     script.main([*args, "--steps", "4"])
     rows = list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))
     assert [r["run"] for r in rows] == ["tune_pool_4_lr0.001", "tune_pool_4_lr0.003", "pool_4_s0", "pool_4_s1",
@@ -354,6 +355,7 @@ def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resume
     assert not any((tmp_path / "w" / r["run"] / "checkpoints").exists() for r in rows)
     blind_config = json.loads((tmp_path / "w/blind_4_s1/config.json").read_text())
     assert "|blank|" in blind_config["input"]["pp"] and blind_config["seed"] == 1
+    assert blind_config["checkpoint_every"] == 2  # a run killed mid-way resumes from step 2
     report = (tmp_path / "out/frozen.md").read_text()
     assert "| pool | 4 |" in report and "| blind | 4 |" in report and "Spread across connectors" in report
     capsys.readouterr()
