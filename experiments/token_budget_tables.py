@@ -101,7 +101,7 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
             + " | ".join(mean_ci(s, f"acc_{k}") for k in KINDS)
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{_ms(s, 'train_ms')} | {_ms(s, 'infer_ms')} |")
-    lines += ["", *spread_lines(summary), "", *param_lines(summary, setup), "", *encoder_lines(summary), "",
+    lines += ["", *spread_lines(summary), "", *param_lines(summary, setup), "", *encoder_lines(summary, setup), "",
               *factor_lines(summary), "", *claim_lines(summary), "", *seed_lines(summary), "", *tuning_lines(setup)]
     return "\n".join(lines) + "\n"
 
@@ -221,25 +221,46 @@ def vs_default(s: dict, base: dict | None) -> str:
     return diff_p(paired_vs(s, base) if base else None)
 
 
-def encoder_lines(summary: list[dict]) -> list[str]:
+def tower_mflops(setup: dict, variant: str) -> float:
+    """The tower's forward MFLOP per image for a row: at the full image and patch, or at an
+    encoder-side view (``"image 32 px"``: a smaller image; ``"patch 16"``: larger patches) —
+    the analytic ViT count (``vit_tools.forward_flops``), which the connector and LM columns leave out."""
+    from vitmm.models.vit import Arch
+    from vitmm.models.vit_tools import forward_flops
+
+    cfg, size = setup["tower_config"], int(setup["image_size"])
+    patch = int(cfg["patch_size"])
+    if variant.startswith("image "):
+        size = int(variant.split()[1])
+    elif variant.startswith("patch "):
+        patch = int(variant.split()[1])
+    arch = Arch(cfg["width"], cfg["depth"], cfg["mlp_dim"], cfg["num_heads"], (patch, patch))
+    return forward_flops(arch, (size, size), num_prefix_tokens=int(bool(cfg.get("class_token", True)))) / 1e6
+
+
+def encoder_lines(summary: list[dict], setup: dict) -> list[str]:
     """Encoder-side against connector-side budget at equal LM tokens: ``mlp`` on every patch of a
-    smaller image or of larger patches, against each connector compressing the full grid."""
+    smaller image or of larger patches, against each connector compressing the full grid; with the
+    whole forward's cost, since the encoder side saves in the tower what the others save in the LM."""
     enc = [s for s in ok_rows(summary) if s["variant"].startswith(("image", "patch"))]
     if not enc:
         return []
     lines = ["Encoder side against connector side at equal LM tokens (the encoder-side rows: `mlp` on all patches "
              "of a smaller image, sin-cos positions recomputed, or of larger patches, the patch kernel PI-resized; "
-             "p: paired by seed against the best connector-side row):", "",
-             f"| tokens | how | all | vs best connector side | {' | '.join(KINDS)} |",
-             "|---:|---|---:|---:|" + "---:|" * len(KINDS)]
+             "p: paired by seed against the best connector-side row; forward MFLOP per example: the tower's "
+             "(analytic ViT count), and tower + connector + LM):", "",
+             f"| tokens | how | all | vs best connector side | {' | '.join(KINDS)} | tower MFLOP | total MFLOP |",
+             "|---:|---|---:|---:|" + "---:|" * (len(KINDS) + 2)]
     for tokens in sorted({s["tokens"] for s in enc}):
         side = [s for s in ok_rows(summary, "") if s["tokens"] == tokens and s["family"] != BLIND]
         best = max(side, key=lambda s: s["accuracy"]) if side else None
         for s in [s for s in enc if s["tokens"] == tokens] + sorted(side, key=lambda s: -s["accuracy"]):
             how = f"encoder: {s['variant']}" if s in enc else f"connector: {s['family']}"
             vs = diff_p(paired_vs(s, best)) if s in enc and best is not None else ""
+            tower = tower_mflops(setup, s["variant"])
+            total = tower + float(s["connector_mflops"]) + float(s["lm_mflops"])
             lines.append(f"| {tokens} | {how} | {mean_ci(s, 'accuracy')} | {vs} | "
-                         + " | ".join(mean_ci(s, f"acc_{k}") for k in KINDS) + " |")
+                         + " | ".join(mean_ci(s, f"acc_{k}") for k in KINDS) + f" | {tower:.1f} | {total:.1f} |")
     return lines
 
 

@@ -482,6 +482,34 @@ def test_encoder_views_reach_the_budget_by_a_smaller_image_or_larger_patches(tb)
             assert out["patch_tokens"].shape == (2, tokens, 16)  # the learned table resampled to the grid
 
 
+def test_the_encoder_table_counts_each_views_tower_flops_as_xla_does(tb, load_script):
+    """The encoder-side table's tower column, read from a row's variant name, is within 3% of XLA's
+    count of that view's own forward (the analytic count leaves out norms and activations), at the
+    sweep's tower size: the full grid, a smaller image and larger patches."""
+    import jax
+    import numpy as np
+
+    from vitmm.models.vit import ViT
+
+    tables = load_script("experiments/token_budget_tables.py")
+    cfg = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap", class_token=False,
+               posemb="sincos2d")
+    setup = dict(tower_config=cfg, image_size=64)
+    params = ViT(**cfg).init(jax.random.key(0), np.zeros((1, 64, 64, 3), np.float32))["params"]
+    views = {"": ("full", ViT(**cfg), params, 64)}
+    for named in tb.tower_lib.encoder_views(cfg, params, 64, (8, 8), [16, 4]).values():
+        views.update(named)
+    assert len(views) == 5
+    counted = {}
+    for variant, (_, tower, p, size) in views.items():
+        x = np.zeros((1, size, size, 3), np.float32)
+        cost = jax.jit(lambda p, x, tower=tower: tower.apply({"params": p}, x)).lower(p, x).compile().cost_analysis()
+        xla = (cost[0] if isinstance(cost, list) else cost)["flops"] / 1e6
+        counted[variant] = tables.tower_mflops(setup, variant)
+        assert abs(counted[variant] / xla - 1) < 0.03, (variant, counted[variant], xla)
+    assert counted[""] > 3.5 * max(v for k, v in counted.items() if k)  # a quarter of the tokens or fewer
+
+
 def test_claim_tests_on_known_numbers(tb):
     """Honeybee's grouped comparison and the fine-detail gain, on rows whose answers are known."""
     import numpy as np
