@@ -20,7 +20,7 @@ greedy decoding; ``frozen.md`` has the means with 95% CIs over seeds and t-tests
 (the token-budget report's spread and claim tests). The tower is the token-budget sweep's
 (``results/token_budget/tower``) unless ``--vision`` says otherwise. A run checkpoints every
 ``--checkpoint_every`` steps (a run killed mid-way resumes there; checkpoints do not change its
-numbers) and its checkpoints (the frozen LM with them: 0.5 GB each) are deleted once its row is written.
+numbers) and its checkpoints (the frozen LM with them: ~0.35 GB each) are deleted once its row is written.
 """
 
 from __future__ import annotations
