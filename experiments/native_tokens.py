@@ -72,11 +72,11 @@ PRESETS = {
                     min_delta=0.005, curve_questions=2000, stage0_steps=1000, stage1_steps=200, stage0_lr=3e-3,
                     warmup=25, tune_lrs="3e-4,1e-3,3e-3", budgets="16,36,64", seeds="0,1,2,3,4,5,6,7,8,9",
                     workers=2, train_images=10_000, val_images=1_000, test_images=1_000, difficulty="easy", min_side=32,
-                    max_side=160, max_aspect=3.0, wide=2.0),
+                    max_side=160, max_aspect=3.0, wide=2.0, eval_batch=run_lib.EVAL_BATCH),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=16, batch_size=16, eval_every=8, patience=2,
                   min_delta=0.005, curve_questions=64, stage0_steps=40, stage1_steps=4, stage0_lr=3e-3, warmup=2,
                   tune_lrs="1e-2", budgets="16", seeds="0,1", workers=1, train_images=64, val_images=24,
-                  test_images=24, difficulty="easy", min_side=16, max_side=64, max_aspect=3.0, wide=2.0),
+                  test_images=24, difficulty="easy", min_side=16, max_side=64, max_aspect=3.0, wide=2.0, eval_batch=64),
 }
 
 
@@ -153,7 +153,8 @@ def cell_job(key, arrays, context, progress) -> dict:
         result = run_lib.train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
                                         progress=progress,
                                         snapshot=run_lib.snapshot_path(c, key, seed, c["chosen"][path]))
-        return {**result, **run_lib.time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view)}
+        return {**result, **run_lib.time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view,
+                                               eval_batch=c["plan"].get("eval_batch", run_lib.EVAL_BATCH))}
 
     return run_lib.run_seeds(key, c, progress, one)
 
@@ -295,8 +296,8 @@ def main(argv=None) -> pathlib.Path:
                         args.difficulty, args.train_images, args.val_images, args.test_images, args.min_side,
                         args.max_side, args.max_aspect], max_len=max_len)
     context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, in_dim=int(train[f"patches@square{args.budgets[0]}"].shape[-1]),
-                   max_len=max_len, plan=plan, seeds=args.seeds, stage0={}, stage1_steps=args.stage1_steps,
-                   warmup=args.warmup, views=views)
+                   max_len=max_len, plan={**plan, "eval_batch": args.eval_batch}, seeds=args.seeds, stage0={},
+                   stage1_steps=args.stage1_steps, warmup=args.warmup, views=views)  # eval_batch: speed, not settings
     arrays = {"train": train, "val": val, "test": test}
     context["snapshots"] = (str(out / "snapshots"), sweep.signature(settings))  # a killed run resumes mid-way
 

@@ -207,6 +207,7 @@ def main(argv=None) -> pathlib.Path:
     context["views"] = {k.removeprefix("grid"): v for k, v in context["views"].items()}
     arrays = {name: {k: v for k, v in split.items() if not k.startswith("grid")} for name, split in splits.items()}
     context["snapshots"] = (str(out / "snapshots"), sweep.signature({**settings, "plan": train_plan}))  # resume
+    context["plan"] = {**train_plan, "eval_batch": args.eval_batch}  # a setting of speed, left out of the signatures
     stage0_loss = {}
 
     def ensure_stage0():  # trained the first time some run needs it

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from token_budget_report import BLIND  # a sibling module: experiments/ is on sys.path
+from token_budget_report import BLIND  # sibling modules: experiments/ is on sys.path
+from token_budget_run import EVAL_BATCH
 
 from vitmm.models import connectors
 
@@ -22,13 +23,13 @@ PRESETS = {
                     schedule="cosine", stage0_steps=1000, stage1_steps=200, tune_lrs="1e-4,3e-4,1e-3,3e-3",
                     tune_warmups="25,250", tune_extend=2, tune_budget=16, train_images=10_000, val_images=1_000,
                     seeds="0,1,2,3,4", families=",".join(FAMILIES), budgets=",".join(BUDGETS),
-                    param_budget=100_000, param_tokens=16, encoder_budgets="16,4"),
+                    param_budget=100_000, param_tokens=16, encoder_budgets="16,4", eval_batch=EVAL_BATCH),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=24, batch_size=16, lr=3e-3, workers=1,
                   eval_every=8, patience=0, min_delta=0.005, min_steps=0, curve_questions=64,
                   schedule="cosine", stage0_steps=100, stage1_steps=6, tune_lrs="1e-2", tune_warmups="2,8",
                   tune_extend=0, tune_budget=4, train_images=128, val_images=32, seeds="0,1",
                   families="mlp,pool,patch_merger", budgets="4,9,all", param_budget=20_000, param_tokens=4,
-                  encoder_budgets="4"),
+                  encoder_budgets="4", eval_batch=64),
 }
 
 
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     add("--min_steps", type=int, default=None, help="joint steps before a run may stop early (with "
         "--patience; runs can sit on an early plateau until step ~5,000)")
     add("--curve_questions", type=int, default=None, help="validation questions scored at each evaluation")
+    add("--eval_batch", type=int, default=None, help="questions per scoring call, the last one padded (speed only: "
+        "the smoke preset's splits hold a few hundred)")
     add("--lr", type=float, default=None, help="one learning rate for every family (no tuning); default: each "
         "family's best of --tune_lrs on the validation split")
     add("--chosen", default=None, help="each family's lr/warmup, no tuning: e.g. 'pool=3e-4/25,blind=1e-3/25' (a "

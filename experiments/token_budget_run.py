@@ -22,6 +22,7 @@ from vitmm.train import optim
 from vitmm.train import step as step_lib
 
 BLIND, KINDS = report.BLIND, report.KINDS
+EVAL_BATCH = 500  # questions a scoring call takes (the last batch padded): one compiled shape
 
 
 class Run:
@@ -118,7 +119,8 @@ def _batch(split: dict, index: np.ndarray, view: str = ""):
     return (*per_image, jnp.asarray(split["ids"][index]), jnp.asarray(split["answer_mask"][index]))
 
 
-def evaluate(run: Run, params, split: dict, view: str = "", limit: int | None = None, eval_batch: int = 500) -> dict:
+def evaluate(run: Run, params, split: dict, view: str = "", limit: int | None = None,
+             eval_batch: int = EVAL_BATCH) -> dict:
     """Exact match on the first ``limit`` questions of ``split`` (all by default): overall, per
     kind and on each subset a boolean per-question array ``split["in_NAME"]`` marks (``acc_NAME``)."""
     n = len(split["ids"]) if limit is None else min(limit, len(split["ids"]))
@@ -144,15 +146,16 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
     """Stage 1, then joint steps until validation accuracy plateaus; the result on ``final``.
 
     ``plan``: ``max_steps``, ``batch_size``, ``eval_every``, ``patience``, ``min_delta``,
-    ``curve_questions`` and optionally ``min_steps``. Every ``eval_every`` joint steps (and before
-    the first) the model is scored on the first ``curve_questions`` of ``val``; training stops when
-    the best score has not risen by ``min_delta`` for ``patience`` evaluations (0: never), but not before
+    ``curve_questions`` and optionally ``min_steps`` and ``eval_batch`` (questions per scoring call:
+    a setting of speed, not of the result). Every ``eval_every`` joint steps (and before the first)
+    the model is scored on the first ``curve_questions`` of ``val``; training stops when the best
+    score has not risen by ``min_delta`` for ``patience`` evaluations (0: never), but not before
     ``min_steps`` (a run sitting on an early plateau is not a run that has converged), or at
-    ``max_steps``. The parameters of the
-    best evaluation are scored on ``final`` (the test split; the full validation split when
-    tuning). Returns accuracy per kind, the learning curve ``[[step, accuracy], ...]``, the best
-    step, the steps trained, the mean training loss of the last 20 steps and ``wall_s``, the run's
-    seconds (across sittings when it resumed; the machine shared by the sweep's workers).
+    ``max_steps``. The parameters of the best evaluation are scored on ``final`` (the test split;
+    the full validation split when tuning). Returns accuracy per kind, the learning curve
+    ``[[step, accuracy], ...]``, the best step, the steps trained, the mean training loss of the
+    last 20 steps and ``wall_s``, the run's seconds (across sittings when it resumed; the machine
+    shared by the sweep's workers).
 
     With ``snapshot`` (a file path) the whole state of the run (parameters, optimizer moments,
     the best parameters so far, the curve, the losses and the data order's generator) is written
@@ -185,8 +188,10 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
                 progress.update(1)
         opt_state = run.tx.init(params)
 
+    eval_batch = plan.get("eval_batch", EVAL_BATCH)
+
     def curve_point():
-        return evaluate(run, params, val, view, plan["curve_questions"])["accuracy"]
+        return evaluate(run, params, val, view, plan["curve_questions"], eval_batch)["accuracy"]
 
     curve, losses, pending = ([[0, curve_point()]], [], []) if state is None else (state["curve"], state["losses"], [])
 
@@ -227,7 +232,7 @@ def train_and_eval(run: Run, seed: int, train: dict, val: dict, final: dict, pla
                 saved_at = time.monotonic()
     if progress is not None:
         progress.update(plan["max_steps"] - step)  # the bar counts every run at its longest
-    result = evaluate(run, best_params, final, view)
+    result = evaluate(run, best_params, final, view, eval_batch=eval_batch)
     if snapshot is not None:
         snapshot.unlink(missing_ok=True)
     return {**result, "best_step": best_step, "steps_trained": step, "min_steps": plan.get("min_steps", 0),
@@ -276,7 +281,7 @@ def _load_snapshot(path: pathlib.Path | None) -> dict | None:
 
 
 def time_steps(run: Run, train: dict, test: dict, batch_size: int, view: str = "", steps: int = 20,
-               eval_batch: int = 500) -> dict:
+               eval_batch: int = EVAL_BATCH) -> dict:
     """Seconds per training step and per scoring batch after compilation (medians of ``steps``
     and of 5 batches), from fresh parameters: the cost, not the result, of a run."""
     params, opt_state = run.init(0)
@@ -320,7 +325,8 @@ def job(key, arrays: dict, context: dict, progress) -> dict:
     def one(seed):
         result = train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
                                 progress=progress, snapshot=snapshot_path(c, key, seed, lr, warmup))
-        return {**result, **time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view)}
+        return {**result, **time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view,
+                                       eval_batch=c["plan"].get("eval_batch", EVAL_BATCH))}
 
     return run_seeds(key, c, progress, one)
 
