@@ -290,6 +290,15 @@ def run_frozen(args, overrides: list[str]) -> None:
             shutil.rmtree(workdirs / spec["run"] / "checkpoints", ignore_errors=True)
             print(row, flush=True)
 
+    if args.interim:  # train nothing: the report of the runs finished so far, beside the final one
+        done = rows()
+        tuned = {r["family"] for r in done if r["run"].startswith("tune_")}
+        chosen = choose_lrs(done, args.families) if len(args.lrs) > 1 else {f: args.lrs[0] for f in args.families}
+        (out / "interim").mkdir(exist_ok=True)
+        frozen_report(done, chosen if tuned >= set(args.families) or len(args.lrs) == 1 else {}, args,
+                      out / "interim/frozen.md")
+        print(f"wrote {out / 'interim/frozen.md'} from {len(done)} finished runs")
+        return
     chosen = {f: args.lrs[0] for f in args.families}
     if len(args.lrs) > 1:
         run_all(frozen_specs(args, None))
@@ -321,6 +330,8 @@ def main(argv=None):
     frozen.add_argument("--test_questions", type=int, default=1024)
     frozen.add_argument("--checkpoint_every", type=int, default=50,
                         help="steps between a run's checkpoints: a run killed mid-way resumes from the last one")
+    frozen.add_argument("--interim", action="store_true", help="train nothing: the report of the runs finished so "
+                        "far (a sitting may be running) in OUT/interim/frozen.md")
     args = parser.parse_args(argv)
     overrides = [f"--config.init.{k}={v}" for k, v in (("vision", args.vision), ("lm", args.lm)) if v]
     if args.data_dir:

@@ -332,8 +332,8 @@ def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resume
         tmp_path, data_dir, clip_smoke_run, capsys, load_script):
     """``vlm_smollm2.py --frozen`` on a converted tiny GGUF: the lr chosen per family on validation
     is the one the grid runs with, on the test split; every run is a row (then its checkpoint is
-    deleted), blind sees blank images, runs checkpoint every ``--checkpoint_every`` steps, and a
-    rerun trains nothing."""
+    deleted), blind sees blank images, runs checkpoint every ``--checkpoint_every`` steps, a
+    rerun trains nothing and ``--interim`` reports the runs finished so far."""
     from vitmm.interop import __main__ as cli
 
     fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
@@ -361,6 +361,14 @@ def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resume
     capsys.readouterr()
     script.main([*args, "--steps", "4"])
     assert capsys.readouterr().out.count("done, skipped") == 6
+    # --interim trains nothing: the report of the runs finished so far (here tuning and one seed).
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "runs.csv").write_text("".join((tmp_path / "out/runs.csv").open().readlines()[:4]))
+    script.main([*args, "--steps", "4", "--out", str(part), "--interim"])
+    interim = (part / "interim/frozen.md").read_text()
+    assert f"| pool | 4 | {chosen:g} | 1 |" in interim and "| blind |" not in interim and "**" in interim
+    assert sorted(p.name for p in part.iterdir()) == ["interim", "runs.csv"]
 
 
 def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):
