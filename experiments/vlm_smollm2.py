@@ -292,11 +292,13 @@ def run_frozen(args, overrides: list[str]) -> None:
 
     if args.interim:  # train nothing: the report of the runs finished so far, beside the final one
         done = rows()
-        tuned = {r["family"] for r in done if r["run"].startswith("tune_")}
-        chosen = choose_lrs(done, args.families) if len(args.lrs) > 1 else {f: args.lrs[0] for f in args.families}
+        tuned = {(r["family"], float(r["lr"])) for r in done if r["run"].startswith("tune_")}
+        chosen = {f: args.lrs[0] for f in args.families}  # one lr: nothing to tune
+        if len(args.lrs) > 1:  # the lrs show as chosen only once every family has tried every lr
+            complete = tuned >= {(f, lr) for f in args.families for lr in args.lrs}
+            chosen = choose_lrs(done, args.families) if complete else {}
         (out / "interim").mkdir(exist_ok=True)
-        frozen_report(done, chosen if tuned >= set(args.families) or len(args.lrs) == 1 else {}, args,
-                      out / "interim/frozen.md")
+        frozen_report(done, chosen, args, out / "interim/frozen.md")
         print(f"wrote {out / 'interim/frozen.md'} from {len(done)} finished runs")
         return
     chosen = {f: args.lrs[0] for f in args.families}

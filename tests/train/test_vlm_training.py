@@ -369,6 +369,10 @@ def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resume
     interim = (part / "interim/frozen.md").read_text()
     assert f"| pool | 4 | {chosen:g} | 1 |" in interim and "| blind |" not in interim and "**" in interim
     assert sorted(p.name for p in part.iterdir()) == ["interim", "runs.csv"]
+    # With one lr of the tuning grid still running, no lr shows as chosen.
+    (part / "runs.csv").write_text("".join((tmp_path / "out/runs.csv").open().readlines()[:2]))
+    script.main([*args, "--steps", "4", "--out", str(part), "--interim"])
+    assert "**" not in (part / "interim/frozen.md").read_text()
 
 
 def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):
