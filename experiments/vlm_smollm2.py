@@ -290,18 +290,17 @@ def run_frozen(args, overrides: list[str]) -> None:
             shutil.rmtree(workdirs / spec["run"] / "checkpoints", ignore_errors=True)
             print(row, flush=True)
 
+    chosen = {f: args.lrs[0] for f in args.families}  # one lr: nothing to tune
     if args.interim:  # train nothing: the report of the runs finished so far, beside the final one
         done = rows()
-        tuned = {(r["family"], float(r["lr"])) for r in done if r["run"].startswith("tune_")}
-        chosen = {f: args.lrs[0] for f in args.families}  # one lr: nothing to tune
         if len(args.lrs) > 1:  # the lrs show as chosen only once every family has tried every lr
+            tuned = {(r["family"], float(r["lr"])) for r in done if r["run"].startswith("tune_")}
             complete = tuned >= {(f, lr) for f in args.families for lr in args.lrs}
             chosen = choose_lrs(done, args.families) if complete else {}
         (out / "interim").mkdir(exist_ok=True)
         frozen_report(done, chosen, args, out / "interim/frozen.md")
         print(f"wrote {out / 'interim/frozen.md'} from {len(done)} finished runs")
         return
-    chosen = {f: args.lrs[0] for f in args.families}
     if len(args.lrs) > 1:
         run_all(frozen_specs(args, None))
         chosen = choose_lrs(rows(), args.families)
