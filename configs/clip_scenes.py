@@ -62,6 +62,7 @@ def get_config(arg=None):
         fast = dict(dtype_mm="bfloat16", attn_impl=arg.attn)
         c.batch_size = arg.batch
         c.input.image_size, c.input.num_threads = 224, 16
+        c.input.prefetch = 16  # grain runs no more reader threads than batches it may hold ahead
         c.model.image = dict(variant="B/16", pool="gap", class_token=False, posemb="sincos2d", **fast)
         c.model.text = dict(c.model.text.to_dict(), width=512, depth=12, mlp_dim=2048, num_heads=8, dtype_mm="bfloat16")
         c.model.embed_dim = 512

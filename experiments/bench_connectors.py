@@ -91,18 +91,18 @@ def stage1_step(cfg: dict, lm_cfg: dict, features, grid, text_tokens: int, answe
     at = jnp.broadcast_to(jnp.arange(m + text_tokens - answer_tokens, m + text_tokens), (batch, answer_tokens))
     tx = optax.adamw(1e-4)
 
-    def loss(c, f):
+    def loss(c, f, lm):
         x = jnp.concatenate([connector.apply(c, f, grid), text], axis=1)
-        logits = model.apply(lm_params, embeds=x, logits_at=at)
+        logits = model.apply(lm, embeds=x, logits_at=at)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     @jax.jit
-    def step(c, opt, f):
-        grads = jax.grad(loss)(c, f)
+    def step(c, opt, f, lm):  # the LM's weights an argument: closed over, XLA folds them as constants
+        grads = jax.grad(loss)(c, f, lm)
         updates, opt = tx.update(grads, opt, c)
         return optax.apply_updates(c, updates), opt
 
-    return timed(step, c_params, tx.init(c_params), features, repeats=repeats)
+    return timed(step, c_params, tx.init(c_params), features, lm_params, repeats=repeats)
 
 
 def run(args) -> list[dict]:

@@ -21,16 +21,18 @@ PY=python3
 if [ "$tiny" = --tiny ]; then
     PY=.venv/bin/python
     CONNECTORS=(--tiny) PROFILE=(--tiny --cases "ViT-B/16 cudnn")
-    DEMO_S=300 LOOP_S=300 RESUME_S=300
+    DEMO_S=300 LOOP_S=300 RESUME_S=300 PARTS=${PARTS:-demo loop resume}
 else
     CONNECTORS=(--lms smollm2_135m) PROFILE=(--cases "ViT-B/16 cudnn" --no_agreement)
     DEMO_S=${DEMO_S:-150} LOOP_S=${LOOP_S:-150} RESUME_S=${RESUME_S:-120}
+    # the demo config and the resume check ran on 2026-12-04 (results/gpu_trainer/): the loop's ratio remains
+    PARTS=${PARTS:-loop}
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 
 echo "=== part 1: the trainer ($(date -u +%H:%M:%S), $(left) s left)"
-OUT=$W DEMO_S=$DEMO_S LOOP_S=$LOOP_S RESUME_S=$RESUME_S timeout "$(left)" bash experiments/gpu_trainer.sh $tiny \
+OUT=$W DEMO_S=$DEMO_S LOOP_S=$LOOP_S RESUME_S=$RESUME_S PARTS=$PARTS timeout "$(left)" bash experiments/gpu_trainer.sh $tiny \
     || echo "FAILED or cut off: gpu_trainer.sh"
 pack
 

@@ -4,13 +4,15 @@
 #   run(command="bash experiments/gpu_trainer.sh", carry=[".whl", ".gpu_data"], timeout_s=540)
 #   TINY_DATA=DIR bash experiments/gpu_trainer.sh --tiny   # here, on the CPU: every step at smoke scale
 #   DEMO_S, LOOP_S, RESUME_S: each step's time limit in seconds (default 200, 300, 240)
+#   PARTS: the steps to run (default "demo loop resume"; the versions always)
 # Steps (each one's failure is logged and the next still runs), results in $OUT/gpu_trainer/:
 #   versions.txt       python, jax and the packages, the devices
 #   demo.json          `make demo`'s config (configs/clip_scenes.py) trained on the GPU: wall time and
 #                      its evaluations, against the CPU's 0.602 zero-shot (results/demo/README.md)
 #   loop_overhead.json the whole loop's img/s against the bare compiled step, CLIP-B/16 scale
 #                      (configs/clip_scenes.py:scale=b16: bf16, cuDNN attention, 16 reader threads)
-#   resume.json        60 steps straight against 30 + a resumed 30: the same losses and parameters?
+#   resume_*.json      experiments/resume_check.py: 60 steps straight, again, and 30 + a resumed 30, step by
+#                      step; as XLA runs by default and with --xla_gpu_deterministic_ops=true
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tiny=0
@@ -21,9 +23,9 @@ exec > >(tee -a "$R/log.txt") 2>&1
 PY=python3
 if [ $tiny = 1 ]; then
     PY=.venv/bin/python DATA=${TINY_DATA:?TINY_DATA=a smoke tfds data_dir (the tests build one)}
-    DEMO=":smoke" B16=":scale=b16,smoke,attn=xla" RESUME=":smoke" HALF=4 STEPS=30 LOG=5
+    DEMO=":smoke" B16=":scale=b16,smoke,attn=xla" RESUME=":smoke" HALF=4 STEPS=30 LOG=5 DETERMINISTIC=--xla_cpu_enable_fast_math=false
 else
-    DATA=$PWD/.gpu_data DEMO="" B16=":scale=b16" RESUME="" HALF=30 STEPS=300 LOG=20
+    DATA=$PWD/.gpu_data DEMO="" B16=":scale=b16" RESUME="" HALF=30 STEPS=120 LOG=10 DETERMINISTIC=--xla_gpu_deterministic_ops=true
     if [ -d .whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || echo "FAILED: installing the carried wheels"
@@ -31,7 +33,9 @@ else
     fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+PARTS=${PARTS:-demo loop resume}
 step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
+wanted() { [[ " $PARTS " == *" $1 "* ]] || { echo "=== $1: not in PARTS"; false; }; }
 
 step versions
 $PY - > "$R/versions.txt" <<'EOF' || echo "FAILED: versions"
@@ -47,6 +51,7 @@ print("devices", jax.devices())
 EOF
 cat "$R/versions.txt"
 
+if wanted demo; then
 step "demo config"
 t0=$(date +%s.%N)
 timeout ${DEMO_S:-200} $PY -m vitmm.train --config "configs/clip_scenes.py$DEMO" --workdir "$R/demo" \
@@ -64,34 +69,21 @@ out = dict(wall_s=float(sys.argv[3]) - float(sys.argv[2]), steps=max(row["step"]
 (r / "demo.json").write_text(json.dumps(out, indent=1))
 print(json.dumps(out, indent=1))
 EOF
+fi
 
+if wanted loop; then
 step "loop against the bare step"
 timeout ${LOOP_S:-300} $PY experiments/loop_overhead.py --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
     --set input.data_dir="$DATA" --out "$R/loop_overhead.json" || echo "FAILED: loop_overhead"
+fi
 
-step "resume"
-timeout ${RESUME_S:-240} $PY - "$R" "configs/clip_scenes.py$RESUME" "$DATA" $HALF <<'EOF' || echo "FAILED: resume"
-import json, pathlib, sys
-import numpy as np
-from vitmm import config_args
-from vitmm.train import trainer
-r, spec, data, half = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
-path, _, arg = spec.partition(":")
-config = config_args.load(path, arg, **{"input.data_dir": data})
-with config.unlocked():
-    config.evals = type(config.evals)()
-    config.log_every, config.total_steps = 1, 2 * half
-straight = trainer.train(config, r / "straight")
-trainer.train(config, r / "split", stop_at=half)
-resumed = trainer.train(config, r / "split")
-loss = lambda s: [h["loss"] for h in s["history"] if h["step"] > half]
-a, b = np.array(loss(straight)), np.array(loss(resumed))
-assert len(a) == len(b) == half, (len(a), len(b), half)
-out = dict(steps=config.total_steps, stopped_at=half, losses_after_stop_equal=bool(np.array_equal(a, b)),
-           max_loss_difference=float(np.abs(a - b).max()),
-           param_checksums=[straight["param_checksum"], resumed["param_checksum"]])
-(r / "resume.json").write_text(json.dumps(out, indent=1))
-print(json.dumps(out, indent=1))
-EOF
-rm -rf "$R/demo/checkpoints" "$R/straight" "$R/split"
+if wanted resume; then
+step "resume"  # as the GPU runs by default (not repeatable run to run), then with deterministic kernels
+timeout ${RESUME_S:-240} $PY experiments/resume_check.py --config "configs/clip_scenes.py$RESUME" --half $HALF --repeat \
+    --set input.data_dir="$DATA" --out "$R/resume_default.json" || echo "FAILED: resume (default)"
+XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$DETERMINISTIC" timeout ${RESUME_S:-240} $PY experiments/resume_check.py \
+    --config "configs/clip_scenes.py$RESUME" --half $HALF --repeat --set input.data_dir="$DATA" \
+    --out "$R/resume_deterministic.json" || echo "FAILED: resume (deterministic)"
+fi
+rm -rf "$R/demo/checkpoints"
 step done

@@ -80,17 +80,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--log_every", type=int, default=10)
     parser.add_argument("--skip", type=int, default=2, help="logged intervals left out (compilation, warm-up)")
     parser.add_argument("--bare_steps", type=int, default=None, help="steps per bare timing (default --steps / 3)")
+    parser.add_argument("--bare_only", action="store_true", help="time the bare step alone (no loop, no ratio)")
     parser.add_argument("--out", default=None, help="a JSON file for the result")
     args = parser.parse_args(argv)
     if args.steps // args.log_every <= args.skip:
         raise SystemExit(f"--steps {args.steps} / --log_every {args.log_every} logs too few intervals to leave out "
                          f"--skip {args.skip}; run more steps.")
     config = load_config(args.config, args.set, args.steps, args.log_every)
-    loop = loop_speed(config, args.skip)
+    loop = None if args.bare_only else loop_speed(config, args.skip)
     bare = bare_speed(config, args.bare_steps or max(args.steps // 3, 1))
     result = {"config": args.config, "set": args.set, "batch_size": config.batch_size, "steps": args.steps,
               "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "loop": loop, "bare": bare,
-              "ratio": loop["img_per_s"] / bare["img_per_s"]}
+              "ratio": loop and loop["img_per_s"] / bare["img_per_s"]}
     print(json.dumps(result, indent=1))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
