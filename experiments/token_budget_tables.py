@@ -300,8 +300,10 @@ def claim_lines(summary: list[dict]) -> list[str]:
                                     ("global kinds (" + ", ".join(GLOBAL) + ")", GLOBAL))
                 if (test := group_test(summary, tokens, kinds)) is not None]
     for (tokens, name, test), p in zip(honeybee, sweep.holm([t[2] for _, _, t in honeybee]), strict=True):
-        lines.append(f"- Honeybee, {tokens} tokens, {name}: locality-preserving ({', '.join(LOCALITY)}) − "
-                     f"learned-query ({', '.join(LEARNED_QUERY)}) = {fmt(test)}, Holm p={p:.2g}")
+        present = {s["family"] for s in ok_rows(summary, "") if s["tokens"] == tokens}  # the groups as tested
+        loc, query = ([f for f in group if f in present] for group in (LOCALITY, LEARNED_QUERY))
+        lines.append(f"- Honeybee, {tokens} tokens, {name}: locality-preserving ({', '.join(loc)}) − "
+                     f"learned-query ({', '.join(query)}) = {fmt(test)}, Holm p={p:.2g}")
     test = factor_test(summary)
     if test is not None:
         src = test["sources"]

@@ -554,6 +554,7 @@ def test_claim_tests_on_known_numbers(tb):
     assert mean == pytest.approx(detail.mean()) and p == pytest.approx(stats.ttest_1samp(detail, 0).pvalue)
     lines = "\n".join(tb.tables.claim_lines(summary))
     assert "Honeybee, 16 tokens, spatial kinds" in lines and f"{100 * diff.mean():+.1f}" in lines
+    assert "locality-preserving (pool) − learned-query (perceiver) = " in lines  # the families tested, no others
     # Four Honeybee tests (two counts × two groups of kinds): each line also shows its Holm-adjusted p.
     ps = {(t, g): tb.report.group_test(summary, t, kinds)[2] for t in (4, 16)
           for g, kinds in (("spatial", tb.report.SPATIAL), ("global", tb.report.GLOBAL))}
