@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--bare_only", action="store_true", help="time the bare step alone (no loop, no ratio)")
     parser.add_argument("--out", default=None, help="a JSON file for the result")
     args = parser.parse_args(argv)
-    if args.steps // args.log_every <= args.skip:
+    if not args.bare_only and args.steps // args.log_every <= args.skip:
         raise SystemExit(f"--steps {args.steps} / --log_every {args.log_every} logs too few intervals to leave out "
                          f"--skip {args.skip}; run more steps.")
     config = load_config(args.config, args.set, args.steps, args.log_every)
@@ -92,9 +92,14 @@ def main(argv=None) -> dict:
     result = {"config": args.config, "set": args.set, "batch_size": config.batch_size, "steps": args.steps,
               "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "loop": loop, "bare": bare,
               "ratio": loop and loop["img_per_s"] / bare["img_per_s"]}
+    return report(result, args.out)
+
+
+def report(result: dict, out: str | None) -> dict:
+    """Prints ``result`` as JSON and writes it to ``out`` when given (resume_check.py's too)."""
     print(json.dumps(result, indent=1))
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if out:
+        pathlib.Path(out).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 

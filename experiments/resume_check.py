@@ -16,7 +16,6 @@ parameter checksum.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
@@ -25,7 +24,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.loop_overhead import load_config  # noqa: E402
+from experiments.loop_overhead import load_config, report  # noqa: E402
 from vitmm.train import trainer  # noqa: E402
 
 
@@ -66,10 +65,7 @@ def main(argv=None) -> dict:
         out["param_checksums"]["repeat"] = again["param_checksum"]
     out["resume_exact"] = out["resumed_before_stop"]["first_differing_step"] is None and \
         out["resumed_after_stop"]["first_differing_step"] is None
-    print(json.dumps(out, indent=1))
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return report(out, args.out)
 
 
 if __name__ == "__main__":

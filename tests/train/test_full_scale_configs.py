@@ -88,7 +88,7 @@ def test_loop_overhead_times_the_loop_and_its_bare_step(load_script, clip_smoke_
     with pytest.raises(SystemExit, match="too few intervals"):
         script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4", "--log_every", "2",
                      "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
-    bare = script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4", "--log_every", "1",
+    bare = script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4", "--log_every", "2",
                         "--bare_only", "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
     assert bare["loop"] is None and bare["ratio"] is None and bare["bare"]["img_per_s"] > 0
 
