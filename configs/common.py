@@ -55,6 +55,26 @@ def train_input(data: str, *, image_size: int, keys: tuple, pp: str, num_threads
                                           prefetch=8, device_prefetch=2))
 
 
+def raw_input(**more) -> dict:
+    """The raw-data keys of ``config.input`` or an evaluator's ``data`` (``vitmm.data.formats``),
+    named as open_clip's and LLaVA's flags; a run reads the one of ``wds``, ``csv``, ``parquet``,
+    ``data_path`` and ``mixture`` that is set."""
+    return dict(
+        wds=config_dict.placeholder(str),  # tar shards: 'shards/{00000..00099}.tar' (several joined by ::)
+        csv=config_dict.placeholder(str),  # a CSV/TSV of image paths and captions
+        csv_img_key="filepath", csv_caption_key="title",
+        csv_separator=config_dict.placeholder(str),  # default: tab for .tsv, else comma
+        parquet=config_dict.placeholder(str),  # Hugging Face parquet files (glob or brace pattern)
+        parquet_image_key=config_dict.placeholder(str), parquet_text_key=config_dict.placeholder(str),
+        data_path=config_dict.placeholder(str),  # LLaVA JSON / JSONL
+        image_folder=config_dict.placeholder(str),  # where the JSON's (or CSV's) image paths start
+        mixture=config_dict.placeholder(list),  # [dict(data_path=..., sampling='first:1000', weight=...), ...]
+        sampling="all",  # LLaVA-NeXT's subsampling: all, first:N, end:N, random:N, random:P%
+        max_skipped_share=0.01,  # stop when more of the examples read are bad than this
+        **more,
+    )
+
+
 def smoke(c: ml_collections.ConfigDict, steps: int = 4, batch_size: int = 16) -> ml_collections.ConfigDict:
     """The same run shrunk to seconds on a small scenes build at 32 px (tests execute it)."""
     c.input.data.name = SMOKE_DATA

@@ -124,3 +124,165 @@ def _qa_chat(max_len, question_key, answer_key, tokenizer, system):
         return ex
 
     return fn
+
+
+# ----------------------------------------------------------------------------------------------
+#                                    Multi-turn conversations
+# ----------------------------------------------------------------------------------------------
+OVERFLOWS = ("truncate_turns", "skip")
+
+
+def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="truncate_turns", max_answer=None,
+                        separator=" "):
+    """A LLaVA-style conversation (``conversations``: ``[{"from": "human" | "gpt" | "system",
+    "value"}]``) as one VLM sequence: ``ids`` (int32 ``[max_len]``, PAD after), ``answer_mask`` (1 on
+    every assistant turn's tokens up to and including its EOS), ``prompt_len`` (the tokens before the
+    first answer), ``image_pos`` (where ``<image>`` stood; 1 for a text-only example, whose visual
+    tokens the VLM masks out through ``has_image``).
+
+    ``template``: ``"chat"`` renders the turns with the LM's chat template (a system turn kept), as
+    transformers' ``apply_chat_template`` does; ``"plain"``: ``[BOS] (system\\n) user separator
+    answer [EOS] user separator answer [EOS] …``; ``"auto"``: chat when the tokenizer has a template.
+
+    ``overflow`` (a sequence longer than ``max_len`` text tokens, or with more than ``max_answer``
+    answer tokens): ``"truncate_turns"`` drops whole user/assistant exchanges from the end until it
+    fits (``_truncated`` counts the dropped ones) and skips the example (``too_long``) when even the
+    first does not fit or the image's turn would go; ``"skip"`` skips it. The visual tokens are
+    never cut and an answer is never cut short.
+
+    Bad conversations (empty, unknown roles, turns that do not alternate, a number of ``<image>``
+    tags other than ``num_images``) raise ``skips.BadExample``.
+    """
+    from vitmm.data.skips import BadExample
+
+    tokenizer = tokenizer or tok_lib.ByteTokenizer()
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"conversation_tokens overflow={overflow!r}; choose one of {OVERFLOWS}.")
+    if template not in ("auto", "chat", "plain"):
+        raise ValueError(f"conversation_tokens template={template!r}; choose 'auto', 'chat' or 'plain'.")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if template == "chat" and not has_template:
+        raise ValueError("conversation_tokens(template='chat') needs a tokenizer with a chat template: set init.lm to "
+                         "a converted LM (`python -m vitmm.interop --from hf|gguf`).")
+    render = _chat_segments if (template == "chat" or (template == "auto" and has_template)) else _plain_segments
+
+    def fn(ex, rng):
+        messages = conversation_messages(ex["conversations"])
+        num_images = int(ex.get("num_images", 0))
+        tags = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+        if tags != num_images:
+            raise BadExample("image_tag_mismatch", f"{tags} {IMAGE_PLACEHOLDER} tag(s) for {num_images} image(s)")
+        if any(IMAGE_PLACEHOLDER in m["content"] for m in messages if m["role"] != "user"):
+            raise BadExample("image_tag_mismatch", f"an {IMAGE_PLACEHOLDER} tag outside a user turn")
+        head = 1 if messages[0]["role"] == "system" else 0
+        exchanges = keep = (len(messages) - head) // 2
+        while True:
+            kept = messages[: head + 2 * keep]
+            ids, mask, image_at = _assemble(render(kept, tokenizer, separator), tokenizer)
+            if len(ids) <= max_len and (max_answer is None or sum(mask) <= max_answer):
+                break
+            keep -= 1
+            if overflow == "skip" or keep == 0 or \
+                    sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages[: head + 2 * keep]) < tags:
+                raise BadExample("too_long", f"{len(ids)} text tokens with max_len={max_len}"
+                                 + (f", {sum(mask)} answer tokens with max_answer={max_answer}" if max_answer else ""))
+        out = np.full(max_len, tokenizer.pad_id, np.int32)
+        out[: len(ids)] = ids
+        answer = np.zeros(max_len, np.float32)
+        answer[: len(mask)] = mask
+        ex["ids"], ex["answer_mask"] = out, answer
+        ex["prompt_len"] = np.int32(mask.index(1))
+        ex["image_pos"] = np.int32(image_at if image_at is not None else 1)
+        ex["has_image"] = np.bool_(image_at is not None)
+        ex["_truncated"] = exchanges - keep
+        return ex
+
+    return fn
+
+
+def conversation_messages(turns) -> list[dict]:
+    """``[{"role", "content"}]`` from LLaVA's turns, checked: an optional system turn, then user and
+    assistant alternating, starting with the user and ending with the assistant."""
+    from vitmm.data.skips import BadExample
+
+    if not isinstance(turns, list) or not turns:
+        raise BadExample("empty_conversation")
+    messages = []
+    for turn in turns:
+        role = ROLES.get(turn.get("from", turn.get("role")) if isinstance(turn, dict) else None)
+        content = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+        if role is None or not isinstance(content, str):
+            raise BadExample("unknown_role", f"turn {turn!r}"[:120])
+        messages.append({"role": role, "content": content})
+    roles = [m["role"] for m in messages]
+    body = roles[1:] if roles[0] == "system" else roles
+    if not body or len(body) % 2 or any(r != ("user", "assistant")[i % 2] for i, r in enumerate(body)):
+        raise BadExample("turns_not_alternating", "/".join(roles))
+    return messages
+
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _chat_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
+    """``[(kind, text)]``, kind ``text`` or ``answer``, whose concatenation is the chat template's
+    rendering of ``messages``; each answer segment runs from the end of the generation prompt to the
+    end of that assistant turn."""
+    del separator
+    full = tokenizer.chat(messages)
+    segments, at = [], 0
+    for j, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = tokenizer.chat(messages[:j], add_generation_prompt=True)
+        upto = tokenizer.chat(messages[: j + 1])
+        if not (full.startswith(upto) and upto.startswith(prompt) and len(prompt) >= at):
+            raise ValueError("conversation_tokens: the chat template must render each prefix of a conversation as a "
+                             f"prefix of the whole; got {prompt!r} then {upto!r}.")
+        segments += [("text", full[at:len(prompt)]), ("answer", full[len(prompt):len(upto)])]
+        at = len(upto)
+    segments.append(("text", full[at:]))
+    return segments
+
+
+def _plain_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
+    segments = [("bos", "")]
+    for message in messages:
+        if message["role"] == "system":
+            segments.append(("text", message["content"] + "\n"))
+        elif message["role"] == "user":
+            segments.append(("text", message["content"] + separator))
+        else:
+            segments.append(("answer_eos", message["content"]))
+    return segments
+
+
+def _assemble(segments, tokenizer) -> tuple[list[int], list[int], int | None]:
+    """Token ids, the answer mask and the image's token index from ``segments``; ``<image>`` in a
+    text segment splits it (no token for the tag itself: the visual tokens go there)."""
+    ids, mask, image_at = [], [], None
+    for kind, text in segments:
+        if kind == "bos":
+            ids.append(tokenizer.bos_id)
+            mask.append(0)
+            continue
+        if kind == "text":
+            for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+                if i:
+                    image_at = len(ids)
+                piece_ids = tokenizer.encode(piece) if piece else []
+                ids += piece_ids
+                mask += [0] * len(piece_ids)
+            continue
+        answer = tokenizer.encode(text) if text else []
+        if kind == "answer_eos":
+            answer.append(tokenizer.eos_id)
+        if tokenizer.eos_id not in answer:
+            raise ValueError(f"conversation_tokens: the assistant's turn {text!r} has no EOS (id {tokenizer.eos_id}) "
+                             "to stop at; convert the LM with its end-of-turn token as EOS.")
+        end = answer.index(tokenizer.eos_id) + 1
+        ids += answer
+        mask += [1] * end + [0] * (len(answer) - end)
+    if image_at == 0:
+        raise ValueError("conversation_tokens: the chat template puts no token before <image>.")
+    return ids, mask, image_at

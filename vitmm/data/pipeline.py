@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
-from vitmm.data import scenes_builder
+from vitmm.data import scenes_builder, skips
 
 DEFAULT_DATA_DIR = scenes_builder.DEFAULT_DATA_DIR
 SCENES = "scenes"
@@ -90,8 +90,13 @@ def get_source(name: str, split: str, data_dir: str | None = None,
 
 def source_for(data: dict, keys: tuple[str, ...] | None = None):
     """The source a data spec names (``name``, ``split``, ``data_dir``): a TFDS dataset
-    (``get_source``), or with ``scenes_any`` (``data.packing.SceneSource``'s settings) scenes at
+    (``get_source``), raw files (``data_path``, ``wds``, ``csv``, ``parquet``: ``data.formats``;
+    ``keys`` does not apply), or with ``scenes_any`` (``data.packing.SceneSource``'s settings) scenes at
     random sizes made on the fly, of ``split``."""
+    from vitmm.data import formats
+
+    if formats.raw_format(data):  # the user's files: LLaVA JSON, tar shards, CSV, parquet
+        return formats.source_from(data)
     if data.get("scenes_any"):
         from vitmm.data.packing import SceneSource
 
@@ -204,12 +209,17 @@ def _process_slot(process_index, process_count) -> tuple[int, int]:
 def train_iterator(
     source, pp_fn: Callable, global_batch_size: int, seed: int = 0, *,
     process_index: int | None = None, process_count: int | None = None,
-    num_epochs: int | None = None, num_threads: int = 8, prefetch: int = 32,
-) -> grain.DatasetIterator:
+    num_epochs: int | None = None, num_threads: int = 8, prefetch: int = 32, skip_bad: float | None = None,
+):
     """An endless (or ``num_epochs``) iterator of this process's training batches.
 
     The iterator's ``get_state()``/``set_state()`` restore the exact position: a resumed run sees
     the batches it would have seen. Batch size per process is ``global_batch_size / count``.
+
+    ``skip_bad`` (raw data, ``data.formats``): examples the source or ``pp_fn`` marks bad
+    (``skips.BadExample``) are skipped and counted, each batch filled with good ones, and the run
+    stops once the skipped share passes ``skip_bad`` (``skips.SkippingBatches``; the counts are part
+    of the state). ``prefetch`` then counts examples, not batches.
     """
     index, count = _process_slot(process_index, process_count)
     if global_batch_size % count:
@@ -218,7 +228,13 @@ def train_iterator(
     ds = grain.MapDataset.source(source)[index::count]
     if len(ds) < per_process:
         raise ValueError(f"This process holds {len(ds)} records, fewer than its batch of {per_process}.")
+    epoch = len(ds)
     ds = ds.shuffle(seed=seed).repeat(num_epochs)
+    if skip_bad is not None:
+        ds = ds.random_map(skips.guard(pp_fn), seed=seed)
+        options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=max(prefetch, per_process))
+        return skips.SkippingBatches(iter(ds.to_iter_dataset(options)), per_process, collate, max_share=skip_bad,
+                                     min_read=min(1000, epoch))
     ds = ds.random_map(pp_fn, seed=seed)
     ds = ds.batch(per_process, drop_remainder=True, batch_fn=collate)
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
@@ -236,7 +252,8 @@ class _PaddedIndex:
 
     def __getitem__(self, i):
         index = int(self._indices[i])
-        example = dict(self._source[index if index >= 0 else self._fill])
+        record = self._source[index if index >= 0 else self._fill]
+        example = {"_skipped": record} if isinstance(record, skips.Skipped) else dict(record)
         example["_mask"] = np.int32(index >= 0)
         example["_index"] = np.int64(index)
         return example
@@ -249,7 +266,8 @@ def eval_batches(
     """Every record exactly once, as padded batches of ``batch_size`` per process.
 
     Records are split into contiguous shards, one per process; all processes yield the same
-    number of batches (collectives need that), padding with ``_mask = 0``. ``_index`` is the
+    number of batches (collectives need that), padding with ``_mask = 0``. A bad record of raw
+    data (``skips.BadExample``) is masked out the same way. ``_index`` is the
     record's index in the split (-1 for padding).
     """
     index, count = _process_slot(process_index, process_count)
@@ -259,13 +277,34 @@ def eval_batches(
     mine[: len(shards[index])] = shards[index]
     ds = grain.MapDataset.source(_PaddedIndex(source, mine, fill=0))
 
+    guarded, stand_in = skips.guard(pp_fn), {}
+
     def pp_keep_mask(example, rng):  # the mask and index survive any keep(...) in the pp
-        out = pp_fn(example, rng)
-        out["_mask"], out["_index"] = example["_mask"], example["_index"]
+        out = example["_skipped"] if "_skipped" in example else guarded(example, rng)
+        mask = example["_mask"]
+        if isinstance(out, skips.Skipped):  # a bad record (raw data): a good one's arrays, masked out
+            if "out" not in stand_in:
+                stand_in["out"] = _first_good(source, pp_fn)
+            out, mask = dict(stand_in["out"]), np.int32(0)
+        out["_mask"], out["_index"] = mask, example["_index"]
+        out.pop("_id", None)
+        out.pop("_truncated", None)
         return out
 
     ds = ds.random_map(pp_keep_mask, seed=seed).batch(batch_size, batch_fn=collate)
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=16)))
+
+
+def _first_good(source, pp_fn) -> dict:
+    """The preprocessed first record that is not bad (the stand-in for bad ones in evaluation)."""
+    guarded = skips.guard(pp_fn)
+    for index in range(len(source)):
+        record = source[index]
+        out = record if isinstance(record, skips.Skipped) else guarded(dict(record), np.random.default_rng(0))
+        if not isinstance(out, skips.Skipped):
+            return out
+    raise ValueError(f"Every one of the {len(source)} evaluation records is bad; check them with "
+                     "`python -m vitmm.data check`.")
 
 
 # ----------------------------------------------------------------------------------------------

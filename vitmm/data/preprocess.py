@@ -8,7 +8,10 @@ draws the same augmentations).
 Ops (all work on numpy, per example):
   * ``decode``: text bytes (and lists of them) → str; images to uint8 RGB ``[H, W, 3]``. Grayscale
     (``[H, W]`` or ``[H, W, 1]``) is repeated to three channels; RGBA drops its alpha channel,
-    as PIL's ``convert("RGB")`` and the Hugging Face/open_clip processors do.
+    as PIL's ``convert("RGB")`` and the Hugging Face/open_clip processors do. Encoded image
+    files (the raw readers of ``data.formats``) are decoded (``data.images``: EXIF orientation,
+    CMYK, palette); a conversation's ``images`` list becomes ``image``, ``num_images`` and
+    ``has_image``. ``pad_to_square(fill)``: LLaVA's pad to a square with the mean colour.
   * ``resize(size)``, ``center_crop(size)``, ``random_resized_crop(size, scale, ratio)``;
     ``naflex(max_num_patches, patch)`` (aspect kept, the grid within a patch budget) and
     ``letterbox(size)`` (aspect kept, padded to a square) for images of many shapes;
@@ -27,6 +30,9 @@ Ops (all work on numpy, per example):
     for the VLM (``chat=True``: in the LM's chat template, ``image_pos`` where ``<image>`` stood),
     with the answer mask and the prompt length; an answer longer than ``max_answer`` tokens is an
     error.
+  * ``conversation_tokens(max_len, overflow="truncate_turns")``: a LLaVA-style multi-turn
+    conversation in the LM's chat template, the loss on every assistant turn, the visual tokens
+    where ``<image>`` stood (``data/ops_text.py``).
   * ``choose(keys, out_keys)``: one random entry, at the same index, from parallel lists
     (e.g. a question with its answer; ``"captions/text"`` reaches into nested features).
   * ``keep(*keys)`` / ``drop(*keys)``.
@@ -41,8 +47,11 @@ from collections.abc import Callable
 import numpy as np
 from PIL import Image
 
+from vitmm.data import images as images_lib
 from vitmm.data import ops_text
+from vitmm.data.images import decode_image
 from vitmm.data.scenes import swap_left_right
+from vitmm.data.skips import BadExample
 
 _OPS: dict[str, Callable[..., Callable]] = {}
 _TEXT_DEFAULT = ("caption", "captions", "questions", "question", "answers", "answer", "text")
@@ -147,12 +156,37 @@ def get_path(example: dict, key: str):
 
 
 @register("decode")
-def decode(image_key="image"):
+def decode(image_key="image", max_images=1, draft=None):
+    """Text bytes → str; the image (an array, or encoded bytes from a raw reader) → uint8 RGB.
+    A raw conversation's ``images`` list (0 to ``max_images`` of them) becomes ``image`` (a 1×1
+    black stand-in when there is none), ``num_images`` and ``has_image``; ``draft``: see
+    ``images.decode_image``."""
+
     def fn(ex, rng):
         del rng
-        ex = {key: _decode_text(value) for key, value in ex.items()}
+        images = ex.pop("images", None)
+        ex = {key: value if key == image_key else _decode_text(value) for key, value in ex.items()}
+        if images is not None:
+            if len(images) > max_images:
+                raise BadExample("too_many_images", f"{len(images)} images; this model takes at most {max_images}")
+            ex[image_key] = images[0] if images else np.zeros((1, 1, 3), np.uint8)
+            ex["num_images"], ex["has_image"] = np.int32(len(images)), np.bool_(len(images) > 0)
         if image_key in ex:
-            ex[image_key] = to_rgb(ex[image_key])
+            value = ex[image_key]
+            ex[image_key] = decode_image(value, draft) if isinstance(value, bytes) else to_rgb(value)
+        return ex
+
+    return fn
+
+
+@register("pad_to_square")
+def pad_to_square(fill=(0.5, 0.5, 0.5), key="image"):
+    """LLaVA's pad-to-square (``expand2square``): the image centred on a square of its longer side
+    filled with ``fill`` (in [0, 1], LLaVA passes the tower's mean: ``pad_to_square({image_mean})``)."""
+    color = tuple(int(x * 255) for x in fill)
+
+    def fn(ex, rng):
+        ex[key] = images_lib.pad_to_square(ex[key], color)
         return ex
 
     return fn
@@ -355,11 +389,12 @@ def choose(keys=("questions", "answers", "question_kinds"), out_keys=("question"
 
 @register("keep")
 def keep(*keys):
+    """Only ``keys`` (and the bookkeeping fields whose names start with ``_``, e.g. ``_id``)."""
     def fn(ex, rng):
         missing = [k for k in keys if k not in ex]
         if missing:
             raise KeyError(f"keep{keys}: the example has no {missing}; it has {sorted(ex)}.")
-        return {k: ex[k] for k in keys}
+        return {k: v for k, v in ex.items() if k in keys or k.startswith("_")}
 
     return fn
 
@@ -374,3 +409,4 @@ def drop(*keys):
 
 tokenize = register("tokenize", takes_tokenizer=True)(ops_text.tokenize)
 qa_tokens = register("qa_tokens", takes_tokenizer=True)(ops_text.qa_tokens)
+conversation_tokens = register("conversation_tokens", takes_tokenizer=True)(ops_text.conversation_tokens)

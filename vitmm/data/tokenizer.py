@@ -9,6 +9,7 @@ length and truncates explicitly, telling the caller whether it did.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import re
 
@@ -132,6 +133,12 @@ class HFTokenizer:
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, **variables) -> str:
     """A Jinja chat template rendered as transformers renders it (sandboxed, ``trim_blocks`` and
     ``lstrip_blocks``, loop controls, ``raise_exception``; ``variables`` such as ``bos_token``)."""
+    return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    """A template compiled once (rendering a conversation renders it once per assistant turn)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -140,8 +147,7 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **variables)
+    return env.from_string(template)
 
 
 def get_tokenizer(path: str | None = None, **special_ids):

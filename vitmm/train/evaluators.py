@@ -36,12 +36,16 @@ class _Embeddings:
     """Embeds an evaluation split once per set of parameters; shared by the evaluators."""
 
     def __init__(self, embed_images, embed_texts, data: dict, max_len: int, tokenizer, batch_size: int,
-                 num_examples: int | None, image_size: int, native: dict | None = None):
+                 num_examples: int | None, image_size: int, native: dict | None = None, padding: str = "pad"):
         self._embed_images, self._embed_texts = embed_images, embed_texts
         self.tokenizer, self.max_len, self.batch_size = tokenizer, max_len, batch_size
+        self.padding = padding  # "eos" for a text tower pooled at its last position (SigLIP), as it trained
         # data: name, split, data_dir (or scenes_any); keys to read (default image, caption,
         # label) and the ops that turn a record into one "caption" (default: it already has one).
-        keys = tuple(data.get("keys") or ("image", "caption", "label"))
+        from vitmm.data import formats
+
+        raw = formats.raw_format(data)  # image-caption pairs of the user's files: no labels
+        keys = tuple(data.get("keys") or (("image", "caption") if raw else ("image", "caption", "label")))
         self.source = source = pipeline.source_for(data, keys)
         self.num_examples = min(num_examples or len(source), len(source))
         label = "'label'" if "label" in keys else ""
@@ -50,7 +54,7 @@ class _Embeddings:
                 else f"resize({image_size})")
         self._pp = preprocess.parse(
             f"{data.get('pp') or 'decode'}|{size}|value_range(-1, 1)|"
-            f"tokenize('caption', {max_len})|keep('image', 'caption_tokens', {label})", tokenizer)
+            f"tokenize('caption', {max_len}, padding={padding!r})|keep('image', 'caption_tokens', {label})", tokenizer)
         self.has_labels = "label" in keys
         self._params, self._value = None, None
 
@@ -96,7 +100,7 @@ class _Embeddings:
         self._params, self._value = None, None
 
     def texts(self, params, strings) -> np.ndarray:
-        ids = np.stack([tok_lib.tokenize(self.tokenizer, s, self.max_len).ids for s in strings])
+        ids = np.stack([tok_lib.tokenize(self.tokenizer, s, self.max_len, padding=self.padding).ids for s in strings])
         return np.asarray(self._embed_texts(params, ids))
 
 
@@ -229,11 +233,11 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
                 raise ValueError(f"{name}: native (NaFlex) evaluation needs square patches, the tower has {patch}.")
             native = {**dict(native), "patch_size": patch, "class_token": tower.class_token,
                       "num_registers": tower.num_registers}
-        key = (data.get("name"), data["split"], str(data.get("scenes_any")), cfg.get("num_examples"), str(native))
+        key = (str(sorted(data.items())), cfg.get("num_examples"), str(native))
         if key not in caches:
             caches[key] = _Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
                                       cfg.pop("embed_batch_size", 256), cfg.get("num_examples"),
-                                      image_size, native)
+                                      image_size, native, padding=text_padding(model))
         cfg.pop("every", None)
         cfg.pop("num_examples", None)
         cfg.pop("embed_batch_size", None)
@@ -245,6 +249,12 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
             cfg.setdefault("fill", fill)
         evaluators[name] = TYPES[kind](caches[key], **cfg)
     return evaluators
+
+
+def text_padding(model) -> str:
+    """How captions are padded for ``model``'s text tower: sticky EOS when it pools the last
+    position (SigLIP; a PAD there would be what it embeds), else PAD."""
+    return "eos" if (model.text or {}).get("pool") == "last" else "pad"
 
 
 def _at(region: str) -> str:

@@ -183,10 +183,14 @@ class VLMTask:
             at = jnp.argsort(mask <= 0, axis=1, stable=True)[:, : self.config.model.loss_positions]
             targets, mask = jnp.take_along_axis(targets, at, 1), jnp.take_along_axis(mask, at, 1)
         # AnyRes views made on the host (the `anyres` op): each image's layout, its padding masked
+        visual_mask = batch.get("visual_mask")
+        if "has_image" in batch:  # text-only examples among image ones (conversations): no visual tokens shown
+            m = visual_mask.shape[1] if visual_mask is not None else self.num_visual
+            shown = jnp.broadcast_to(jnp.asarray(batch["has_image"], bool)[:, None], (batch["ids"].shape[0], m))
+            visual_mask = shown if visual_mask is None else shown & visual_mask
         logits = self._apply(params, batch["image"], batch["ids"], prompt_len=batch["prompt_len"],
                              prefix_lm=self.config.model.prefix_lm, image_pos=image_pos, rng=rng,
-                             visual_mask=batch.get("visual_mask"), layout=batch.get("anyres_layout"),
-                             text_logits_at=at)
+                             visual_mask=visual_mask, layout=batch.get("anyres_layout"), text_logits_at=at)
         if at is None:
             logits = vlm.text_logits(logits, logits.shape[1] - batch["ids"].shape[1], image_pos)[:, :-1]
         loss, acc = losses.lm_loss(logits, targets, mask)
@@ -333,11 +337,16 @@ def _check_budget(connector: dict, vision: dict, image_size) -> None:
 
 def _evals_config(config) -> dict:
     """``config.evals`` as plain dicts, each evaluator's ``data_dir`` defaulting to the training
-    input's (one setting points a run and all its evaluators at a TFDS folder)."""
+    input's (one setting points a run and all its evaluators at a TFDS folder); an evaluator whose
+    data names no dataset and no raw files is left out."""
+    from vitmm.data import formats
+
     out = {}
     for name, cfg in (config.get("evals") or {}).items():
         cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
         cfg["data"] = dict(cfg.get("data") or {})
+        if not (cfg["data"].get("name") or cfg["data"].get("scenes_any") or formats.raw_format(cfg["data"])):
+            continue  # raw data for this evaluator not given (e.g. no held-out shards): it does not run
         if not cfg["data"].get("data_dir"):
             cfg["data"]["data_dir"] = config.input.get("data_dir")
         out[name] = cfg

@@ -23,7 +23,7 @@ import optax
 from tqdm import tqdm
 
 from vitmm import checkpoint as ckpt_lib
-from vitmm.data import pipeline, preprocess
+from vitmm.data import formats, pipeline, preprocess, skips
 from vitmm.train import optim, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
@@ -115,6 +115,10 @@ def _input(config, tokenizer, par: Parallel):
     pp = preprocess.parse(tasks.pp_string(config), tokenizer)
     if inp.get("packing"):
         host = _packed_input(config, pp)
+    elif formats.raw_format(inp):  # the user's files (LLaVA JSON, tar shards, CSV, parquet, a mixture)
+        host = pipeline.train_iterator(formats.source_from(inp, config.seed), pp, config.batch_size, seed=config.seed,
+                                       num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8),
+                                       skip_bad=inp.get("max_skipped_share", 0.01))
     else:
         source = pipeline.source_for(_data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
         host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
@@ -317,6 +321,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
     progress = tqdm(total=total, initial=start, desc="train", unit="step", disable=not is_main,
                     dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
     history, evals, last_log = [], {}, (time.perf_counter(), start)
+    skipped = _data_counts(data.get_state(), None, False)  # bad examples skipped so far (raw data)
     metrics = None
     try:
         for step in range(start + 1, total + 1):
@@ -332,6 +337,8 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
                 now = time.perf_counter()
                 host = {k: float(v) for k, v in par.first(metrics).items()}
                 host["img_per_s"] = (step - last_log[1]) * config.batch_size / max(now - last_log[0], 1e-9)
+                skipped = _data_counts(data.get_state(), skipped, is_main)
+                host.update(skips.metrics(data.get_state()))
                 last_log = (now, step)
                 history.append({"step": step, **host})
                 writer.write(step, host)
@@ -369,6 +376,17 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
     checksum = float(sum(np.asarray(x, np.float64).sum() for x in jax.tree.leaves(params)))
     return dict(history=history, evals=evals, final_step=int(to_host(par.host_state(state)["step"])),
                 workdir=str(workdir), checkpoints=checkpointer.all_steps(), param_checksum=checksum)
+
+
+def _data_counts(data_state, shown: int | None, is_main: bool) -> int | None:
+    """The skipped examples so far (raw data); prints the counts and first ids when they grew."""
+    counts = data_state.get("counts") if isinstance(data_state, dict) else None
+    if not counts:
+        return None
+    total = sum(counts["skipped"].values())
+    if is_main and shown is not None and total > shown:
+        tqdm.write(f"data: {skips.report(counts)}")
+    return total
 
 
 def _save(checkpointer, step: int, state, data_state, config) -> None:

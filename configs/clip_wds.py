@@ -1,0 +1,90 @@
+"""CLIP or SigLIP on your own image–text pairs: webdataset tar shards (img2dataset's layout), a
+CSV/TSV of image paths and captions, or Hugging Face parquet files.
+
+    python -m vitmm.data examples --format wds --out /tmp/pairs --num 2048     # or your own shards
+    python -m vitmm.data check --wds '/tmp/pairs/{00000..00020}.tar'
+    python -m vitmm.train --config configs/clip_wds.py --workdir workdirs/clip_wds \\
+        --config.input.wds='/tmp/pairs/{00000..00020}.tar'
+    python -m vitmm.train --config configs/clip_wds.py:loss=sigmoid --workdir workdirs/siglip_csv \\
+        --config.input.csv=train.csv --config.input.csv_img_key=filepath --config.input.csv_caption_key=title
+    python -m vitmm.train --config configs/clip_wds.py:smoke --workdir /tmp/clip_wds_smoke --config.input.wds=...
+
+Args: ``loss`` (``softmax``: CLIP; ``sigmoid``: SigLIP), ``steps``, ``scale`` (``demo``: the
+scenes-sized towers at 64 px, trains on a CPU; ``b16``: OpenAI CLIP-B/16-sized towers at 224 px in
+bfloat16, the GPU run), ``smoke``. Set exactly one of ``input.wds``, ``input.csv`` or
+``input.parquet`` (or ``input.mixture``); ``evals.retrieval.data`` takes the same keys for held-out
+pairs (no evaluation when unset).
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from configs import common
+from vitmm.config_args import parse_arg
+
+
+def get_config(arg=None):
+    arg = parse_arg(arg, loss="softmax", steps=1000, scale="demo", smoke=False)
+    if arg.loss not in ("softmax", "sigmoid"):
+        raise ValueError(f"loss={arg.loss!r}: choose softmax (CLIP) or sigmoid (SigLIP).")
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.total_steps = arg.steps
+    c.batch_size = 128  # image-caption pairs per step: each pair's negatives are the rest of the batch
+    c.parallel = "jit"
+    c.fsdp = False
+    c.loss = arg.loss
+    c.max_temperature = 100.0
+    c.tokenizer = config_dict.placeholder(str)  # a local tokenizer.json; default: bytes
+    c.log_every = 10
+    c.eval_every = c.checkpoint_every = max(arg.steps // 4, 1)
+    c.keep_checkpoints = 2
+    c.allow_config_change = False
+    c.sync_every = 8
+
+    # open_clip's training transform: a random crop of 90-100% of the image, then resize.
+    pp = ("decode|random_resized_crop({image_size}, scale=(0.9, 1.0))|value_range(-1, 1)|"
+          "tokenize('caption', {max_len}, padding=" + ("'eos'" if arg.loss == "sigmoid" else "'pad'")
+          + ")|keep('image', 'caption_tokens')")
+    c.input = ml_collections.ConfigDict(dict(
+        common.raw_input(), image_size=64, pp=pp, num_threads=2, prefetch=64, device_prefetch=2))
+
+    c.model = ml_collections.ConfigDict()
+    c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
+                         class_token=False, posemb="sincos2d")
+    c.model.text = dict(vocab_size=259, max_len=64, width=128, depth=2, mlp_dim=512, num_heads=4, causal=True,
+                        pool="eot" if arg.loss == "softmax" else "last")
+    c.model.embed_dim = 128
+    c.model.temperature_init = 1 / 0.07 if arg.loss == "softmax" else 10.0
+    c.model.bias_init = config_dict.placeholder(float) if arg.loss == "softmax" else -10.0
+
+    c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps // 20, 1), weight_decay=0.1)
+    c.init = common.init()
+
+    # Held-out pairs in any raw format (e.g. retrieval.data.wds='val/{00000..00001}.tar').
+    c.evals = ml_collections.ConfigDict()
+    c.evals.retrieval = dict(type="retrieval", data=dict(common.raw_input(), split="validation"), num_examples=1000)
+
+    if arg.scale == "b16":
+        c.batch_size, c.input.image_size, c.input.num_threads = 256, 224, 16
+        c.model.image = dict(variant="B/16", pool="gap", class_token=False, posemb="sincos2d", dtype_mm="bfloat16",
+                             attn_impl="cudnn")
+        c.model.text = dict(c.model.text.to_dict(), width=512, depth=12, mlp_dim=2048, num_heads=8,
+                            dtype_mm="bfloat16")
+        c.model.embed_dim = 512
+        c.optim.lr = 5e-4
+    elif arg.scale != "demo":
+        raise ValueError(f"scale={arg.scale!r}: choose demo or b16.")
+
+    c.multihost = common.multihost()
+    if arg.smoke:
+        c.total_steps, c.batch_size = 4, 8
+        c.log_every, c.eval_every, c.checkpoint_every = 2, 4, 4
+        c.input.image_size, c.input.num_threads = 32, 1
+        c.optim.warmup_steps = 1
+        c.evals.retrieval.num_examples = 16
+        if arg.scale == "b16":
+            c.model.image.depth = c.model.text.depth = 1
+            c.model.image.attn_impl = "xla"
+    c.lock()
+    return c

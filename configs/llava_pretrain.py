@@ -1,0 +1,89 @@
+"""LLaVA stage 1 on your own data: a pretrained tower and LM, the connector trained on image–caption
+conversations (LLaVA's ``blip_laion_cc_sbu_558k.json`` layout), tower and LM frozen.
+
+    make demo                                                        # a tower: workdirs/clip_scenes
+    python -m vitmm.data examples --format llava --out /tmp/llava_demo --num 2000   # or your LLaVA folder
+    python -m vitmm.train --config configs/llava_pretrain.py --workdir workdirs/llava_s1 \\
+        --config.input.data_path=/tmp/llava_demo/data.json --config.input.image_folder=/tmp/llava_demo \\
+        --config.init.vision=workdirs/clip_scenes --config.init.lm=workdirs/smollm2
+    python -m vitmm.train --config configs/llava_pretrain.py:smoke --workdir /tmp/llava_s1_smoke \\
+        --config.input.data_path=/tmp/llava_demo/data.json
+
+Each example is rendered with the LM's chat template (``init.lm``'s; without one, plain
+``[BOS] question answer [EOS]`` turns), the loss on every assistant turn, the visual tokens where
+``<image>`` stands; text-only examples train the LM part alone. Images are padded to a square with
+the tower's mean colour and resized, as LLaVA-1.5 does. A conversation longer than ``model.max_len``
+text tokens loses whole exchanges from its end (``conversation_tokens``' ``overflow``), and an
+example that cannot be used is skipped and counted (``input.max_skipped_share``).
+
+Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``; LLaVA-1.5's is ``mlp``),
+``budget`` (visual tokens, or ``all``), ``steps``, ``batch``, ``smoke``. ``input.mixture`` takes
+several sources (LLaVA-NeXT's list with ``sampling`` rules, or ``weight`` per source).
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from configs import common
+from vitmm.config_args import parse_arg
+
+TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap", class_token=False,
+             posemb="sincos2d")  # a run without init.vision (smoke tests): configs/clip_scenes.py's tower
+KEEP = "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image')"
+
+
+def get_config(arg=None):
+    arg = parse_arg(arg, connector="mlp", budget="all", steps=1000, batch=32, smoke=False)
+    c = ml_collections.ConfigDict()
+    c.task = "vlm"
+    c.seed = 0
+    c.total_steps = arg.steps
+    c.batch_size = arg.batch  # conversations per step (LLaVA-1.5: 256 in stage 1, 128 in stage 2)
+    c.parallel = "jit"
+    c.fsdp = False
+    c.tokenizer = config_dict.placeholder(str)  # default: init.lm's, else bytes
+    c.log_every = 10
+    c.eval_every = c.checkpoint_every = max(arg.steps // 4, 1)
+    c.keep_checkpoints = 2
+    c.allow_config_change = False
+    c.sync_every = 8
+
+    pp = ("decode|pad_to_square({image_mean})|resize({image_size})|normalize({image_mean}, {image_std})|"
+          f"conversation_tokens({{max_len}}, overflow='truncate_turns')|{KEEP}")
+    c.input = ml_collections.ConfigDict(common.raw_input(image_size=64, pp=pp, num_threads=2, prefetch=64,
+                                                         device_prefetch=2))
+    c.input.image_mean = config_dict.placeholder(tuple)  # default: what init.vision records, else 0.5
+    c.input.image_std = config_dict.placeholder(tuple)
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vision = TOWER
+    c.model.connector = dict(name=arg.connector, budget=arg.budget if arg.budget == "all" else int(arg.budget))
+    c.model.lm = dict(vocab_size=259, width=128, depth=4, num_heads=4)  # without init.lm: bytes, from scratch
+    c.model.vision_layer = -2  # LLaVA's: the second-to-last block, HF's hidden_states[-2]
+    c.model.use_cls = False
+    c.model.prefix_lm = False
+    c.model.mrope = False
+    c.model.anyres = None
+    c.model.max_len = 384  # text tokens of a conversation (LLaVA-1.5: 2048)
+    c.model.loss_positions = config_dict.placeholder(int)  # None: the LM's head on every position
+
+    c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=0.0, dropout=0.05,
+                                            targets=(r"language/block_\d+/attn/(q|k|v|o)",)))
+    c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps * 3 // 100, 1), weight_decay=0.0,
+                           freeze=(r"tower/.*", r"language/.*"))  # stage 1: the connector alone
+    c.init = common.init(vision=config_dict.placeholder(str),  # a vitmm.train CLIP workdir or vitmm.interop folder
+                         lm=config_dict.placeholder(str),  # a `python -m vitmm.interop --from hf|gguf` LM folder
+                         allow_random_tower=False)
+    c.evals = ml_collections.ConfigDict()  # LLaVA data has no held-out answers to score; see the README
+
+    c.multihost = common.multihost()
+    if arg.smoke:
+        c.total_steps, c.batch_size = 4, 4
+        c.log_every, c.eval_every, c.checkpoint_every = 2, 4, 4
+        c.input.image_size, c.input.num_threads = 32, 1
+        c.model.lm.update(dict(width=32, depth=1))
+        c.model.max_len = 256
+        c.optim.warmup_steps = 1
+        c.init.allow_random_tower = True
+    c.lock()
+    return c

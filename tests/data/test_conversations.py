@@ -1,0 +1,147 @@
+"""Multi-turn conversations as one VLM sequence: token ids and the assistant-turn mask against
+transformers' ``apply_chat_template`` outputs (stored in ``tests/fixtures/data/conversations.json``
+by ``make_conversations.py``), the plain layout, the truncation rule and the bad cases; and a
+text-only example through the VLM equals the LM alone."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.data import preprocess, skips
+from vitmm.data import tokenizer as tok_lib
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
+HF = json.loads((FIXTURES / "data/conversations.json").read_text())
+LLAVA_ROLES = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    """The tiny GGUF's tokenizer, converted as `python -m vitmm.interop --from gguf` does."""
+    from vitmm.interop import gguf_lm
+
+    _, _, tokenizer, _ = gguf_lm.load(FIXTURES / "interop/gguf_llama/tiny.gguf")
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(tokenizer.to_str())
+    return tok_lib.get_tokenizer(str(path), bos_id=HF["bos_id"], eos_id=HF["eos_id"], pad_id=HF["pad_id"])
+
+
+def _llava(messages):
+    return [{"from": LLAVA_ROLES[m["role"]], "value": m["content"]} for m in messages]
+
+
+@pytest.mark.parametrize("case", HF["cases"], ids=lambda c: f"{c['template']}-{len(c['messages'])}-{len(c['text'])}")
+def test_conversations_tokenize_as_transformers_with_the_image_where_its_token_was(case, tiny_tokenizer):
+    tiny_tokenizer.chat_template = HF["templates"][case["template"]]
+    reference, mask = np.array(case["input_ids"]), np.array(case["assistant_masks"])
+    image = reference == HF["image_token_id"]
+    fn = preprocess.parse("conversation_tokens(256)", tiny_tokenizer)
+    ex = fn({"conversations": _llava(case["messages"]), "num_images": int(image.sum())}, None)
+    n = int((~image).sum())
+    np.testing.assert_array_equal(ex["ids"][:n], reference[~image])
+    np.testing.assert_array_equal(ex["answer_mask"][:n], mask[~image])  # every assistant turn, with its EOS
+    assert (ex["ids"][n:] == HF["pad_id"]).all() and ex["answer_mask"][n:].sum() == 0
+    assert bool(ex["has_image"]) == bool(image.any())
+    if image.any():
+        assert int(ex["image_pos"]) == int(np.argmax(image))  # the visual tokens go where <image> stood
+    assert int(ex["prompt_len"]) == int(np.argmax(mask[~image]))  # the tokens before the first answer
+    assert ex["_truncated"] == 0
+
+
+def _scene_conversation(exchanges: int, image: bool = True):
+    turns = []
+    for i in range(exchanges):
+        question = ("<image>\n" if image and i == 0 else "") + f"question {i}?"
+        turns += [{"from": "human", "value": question}, {"from": "gpt", "value": f"answer number {i}"}]
+    return turns
+
+
+def test_plain_layout_puts_bos_then_turns_with_eos_after_each_answer():
+    tok = tok_lib.ByteTokenizer()
+    fn = preprocess.parse("conversation_tokens(96)")
+    turns = [{"from": "system", "value": "Be brief."}] + _scene_conversation(2)
+    ex = fn({"conversations": turns, "num_images": 1}, None)
+    expected = ([tok.bos_id] + tok.encode("Be brief.\n") + tok.encode("\nquestion 0? ") + tok.encode("answer number 0")
+                + [tok.eos_id] + tok.encode("question 1? ") + tok.encode("answer number 1") + [tok.eos_id])
+    n = len(expected)
+    assert ex["ids"][:n].tolist() == expected and (ex["ids"][n:] == tok.pad_id).all()
+    assert int(ex["image_pos"]) == 1 + len("Be brief.\n")  # the <image> tag itself has no token
+    answer = tok.decode(ex["ids"][ex["answer_mask"] > 0])
+    assert answer == "answer number 0answer number 1" and ex["answer_mask"].sum() == 2 * (15 + 1)
+
+
+def test_too_long_conversations_lose_whole_exchanges_from_the_end_or_are_skipped():
+    turns = _scene_conversation(3)
+    full = preprocess.parse("conversation_tokens(200)")({"conversations": turns, "num_images": 1}, None)
+    length = int((full["ids"] != 0).sum())
+    cut = preprocess.parse(f"conversation_tokens({length - 1})")({"conversations": turns, "num_images": 1}, None)
+    assert cut["_truncated"] == 1
+    last = len("question 2? ") + len("answer number 2") + 1  # the third exchange, EOS included
+    assert int((cut["ids"] != 0).sum()) == length - last
+    np.testing.assert_array_equal(cut["ids"][:length - last], full["ids"][:length - last])  # two exchanges, intact
+    assert tok_lib.ByteTokenizer().decode(cut["ids"][cut["answer_mask"] > 0]) == "answer number 0answer number 1"
+    with pytest.raises(skips.BadExample, match="too_long"):
+        preprocess.parse(f"conversation_tokens({length - 1}, overflow='skip')")(
+            {"conversations": turns, "num_images": 1}, None)
+    with pytest.raises(skips.BadExample, match="too_long"):  # not even the first exchange fits
+        preprocess.parse("conversation_tokens(20)")({"conversations": turns, "num_images": 1}, None)
+    # The image's turn is never dropped: an image in the last exchange cannot be truncated away.
+    late = _scene_conversation(3, image=False)
+    late[4]["value"] = "<image>\n" + late[4]["value"]
+    with pytest.raises(skips.BadExample, match="too_long"):
+        preprocess.parse(f"conversation_tokens({length - 1})")({"conversations": late, "num_images": 1}, None)
+    capped = preprocess.parse("conversation_tokens(200, max_answer=32)")(
+        {"conversations": turns, "num_images": 1}, None)
+    assert capped["_truncated"] == 1 and capped["answer_mask"].sum() == 32
+
+
+@pytest.mark.parametrize("turns, images, reason", [
+    ([], 0, "empty_conversation"),
+    ([{"from": "gpt", "value": "a"}], 0, "turns_not_alternating"),
+    ([{"from": "human", "value": "q"}], 0, "turns_not_alternating"),
+    ([{"from": "human", "value": "<image> q"}, {"from": "gpt", "value": "a"}], 0, "image_tag_mismatch"),
+    ([{"from": "human", "value": "q"}, {"from": "gpt", "value": "<image>"}], 1, "image_tag_mismatch"),
+    ([{"from": "narrator", "value": "q"}, {"from": "gpt", "value": "a"}], 0, "unknown_role"),
+    ([{"from": "human", "value": None}, {"from": "gpt", "value": "a"}], 0, "unknown_role"),
+])
+def test_bad_conversations_are_bad_examples(turns, images, reason):
+    with pytest.raises(skips.BadExample, match=reason):
+        preprocess.parse("conversation_tokens(64)")({"conversations": turns, "num_images": images}, None)
+
+
+def test_conversation_settings_fail_clearly():
+    with pytest.raises(ValueError, match="overflow='cut'; choose one of"):
+        preprocess.parse("conversation_tokens(64, overflow='cut')")
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        preprocess.parse("conversation_tokens(64, template='chat')")
+
+
+def test_a_text_only_example_through_the_vlm_is_the_lm_alone():
+    """``has_image=False``: the visual tokens are masked out of attention and positions, so every
+    text logit equals the LM's on the text alone (float32, 1e-5)."""
+    from vitmm.models import lm as lm_lib
+    from vitmm.models import vlm as vlm_lib
+
+    vision = dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=8, pool="gap", class_token=False,
+                  posemb="sincos2d")
+    lm_kw = dict(vocab_size=259, width=32, depth=2, num_heads=2)
+    model = vlm_lib.VLM(vision, {"name": "pool", "budget": 4}, lm_kw)
+    ex = preprocess.parse("conversation_tokens(48)")({"conversations": _scene_conversation(1, image=False)}, None)
+    ids = jnp.asarray(ex["ids"])[None]
+    images = jnp.ones((1, 16, 16, 3))
+    variables = model.init(jax.random.key(0), images, ids)
+    m = 4
+    logits = model.apply(variables, images, ids, image_pos=ex["image_pos"][None],
+                         visual_mask=jnp.zeros((1, m), bool))
+    text = vlm_lib.text_logits(logits, m, ex["image_pos"][None])
+    alone = lm_lib.LM(**lm_kw).apply({"params": variables["params"]["language"]}, ids)
+    n = int((ex["ids"] != 0).sum())
+    # Position image_pos - 1 (BOS) is predicted by the last visual row, which is padding here; every
+    # other text position sees exactly what the LM alone sees.
+    rows = [i for i in range(n - 1) if i != int(ex["image_pos"]) - 1]
+    np.testing.assert_allclose(np.asarray(text[0, rows]), np.asarray(alone[0, rows]), atol=1e-5, rtol=0)
+    assert ex["answer_mask"][int(ex["image_pos"])] == 0  # that position never carries the loss

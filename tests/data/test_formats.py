@@ -1,0 +1,306 @@
+"""Raw data as researchers have it: each reader on files the tests write (scenes as JPEG, PNG and
+WebP in LLaVA folders, tar shards, CSV/TSV and parquet), images as PIL would give them, every bad
+case skipped and named, and exact resume on shards and a mixture."""
+
+import io
+import json
+import pickle
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitmm.data import examples, formats, pipeline, preprocess, scenes, skips
+from vitmm.data.__main__ import main as data_main
+from vitmm.data.images import decode_image, pad_to_square
+
+
+def _png(image) -> bytes:
+    return examples.encode(np.asarray(image), "png")
+
+
+# ----------------------------------------------------------------------------------------------
+#                                            Readers
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("jsonl", [False, True])
+def test_llava_reader_gives_each_conversation_with_its_image_bytes_and_text_only_ones(tmp_path, jsonl):
+    path = examples.write_llava(tmp_path, 10, resolution=32, exts=("png", "jpg", "webp"), text_only_every=5,
+                                jsonl=jsonl)
+    source = formats.LlavaSource(path, tmp_path)
+    assert len(source) == 10
+    ex = source[0]
+    assert ex["_id"] == "000000" and len(ex["images"]) == 1
+    np.testing.assert_array_equal(decode_image(ex["images"][0]), scenes.generate("easy", 32, 0)["image"])  # PNG
+    assert ex["conversations"][0] == {"from": "human", "value": "<image>\nDescribe the image."}
+    text_only = source[4]
+    assert text_only["images"] == [] and text_only["_id"] == "text000004"
+    webp = decode_image(source[2]["images"][0]).astype(int)  # lossy formats: close to the scene
+    assert np.abs(webp - scenes.generate("easy", 32, 2)["image"]).mean() < 6
+
+
+def test_wds_reader_reads_img2dataset_shards_through_a_brace_pattern(tmp_path):
+    pattern = examples.write_wds(tmp_path, 25, per_shard=10, resolution=32, exts=("png",))
+    assert pattern.endswith("{00000..00002}.tar")
+    source = formats.WdsSource(pattern)
+    assert len(source) == 25
+    ex = source[13]  # the 4th of the second shard
+    assert ex["_id"] == "00001.tar/000010013"
+    assert ex["caption"] == scenes.generate("easy", 32, 13)["caption"]
+    np.testing.assert_array_equal(decode_image(ex["image"]), scenes.generate("easy", 32, 13)["image"])
+    assert pickle.loads(pickle.dumps(source))[13]["image"] == ex["image"]  # for worker processes
+    with pytest.raises(FileNotFoundError, match=r"1 of 4 shards do not exist \(first: .*00003.tar\)"):
+        formats.WdsSource(pattern.replace("00002", "00003"))
+
+
+def test_wds_caption_falls_back_to_the_json_and_keys_follow_webdataset(tmp_path):
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        for name, data in (("dir/x.y.png", _png(np.zeros((4, 4, 3), np.uint8))),
+                           ("dir/x.y.json", b'{"caption": "a black square"}')):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    ex = formats.WdsSource(str(tmp_path / "a.tar"))[0]
+    assert ex["_id"] == "a.tar/dir/x" and ex["caption"] == "a black square"
+    assert formats._split_key("dir/x.y.PNG") == ("dir/x", "y.png")
+
+
+@pytest.mark.parametrize("separator", [",", "\t"])
+def test_csv_reader_reads_open_clip_columns(tmp_path, separator):
+    path = examples.write_csv(tmp_path, 6, resolution=32, separator=separator)
+    source = formats.CsvSource(path)
+    assert len(source) == 6 and source[3]["caption"] == scenes.generate("easy", 32, 3)["caption"]
+    assert source[3]["_id"] == f"{path.name}:5"
+    with pytest.raises(ValueError, match=r"no column\(s\) \['url'\].*set input.csv_img_key"):
+        formats.CsvSource(path, img_key="url")
+
+
+def test_parquet_reader_reads_hf_image_structs_and_chat_messages(tmp_path):
+    path = examples.write_parquet(tmp_path / "caps", 7, resolution=32, row_group_size=3)
+    source = formats.ParquetSource(str(path))
+    assert len(source) == 7 and source.image_key == "image" and source.text_key == "caption"
+    assert source[5]["caption"] == scenes.generate("easy", 32, 5)["caption"]  # the second row group
+    assert abs(decode_image(source[5]["image"]).astype(int) - scenes.generate("easy", 32, 5)["image"]).mean() < 6
+    chat = formats.ParquetSource(str(examples.write_parquet(tmp_path / "chat", 3, resolution=32, messages=True)))
+    ex = chat[1]
+    assert len(ex["images"]) == 1
+    scene = scenes.generate("easy", 32, 1)
+    assert ex["conversations"] == [{"from": "user", "value": "<image>\n" + scene["questions"][0]},
+                                   {"from": "assistant", "value": scene["answers"][0]}]
+    assert pickle.loads(pickle.dumps(source))[5]["caption"] == source[5]["caption"]  # for worker processes
+    assert formats._as_conversations([{"user": "q", "assistant": "a", "source": "x"}]) == [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]  # the_cauldron's texts
+
+
+def test_mixture_sampling_rules_and_weights_are_deterministic(tmp_path):
+    a = examples.write_llava(tmp_path / "a", 10, resolution=16)
+    b = examples.write_llava(tmp_path / "b", 6, resolution=16, text_only_every=1)  # ids text000000, ...
+    assert formats.subsample(10, "first:3").tolist() == [0, 1, 2]
+    assert formats.subsample(10, "end:2").tolist() == [8, 9]
+    assert formats.subsample(10, "random:50%").tolist() == formats.subsample(10, "random:5").tolist()
+    with pytest.raises(ValueError, match="sampling='some'"):
+        formats.subsample(10, "some")
+    concat = formats.source_from({"mixture": [dict(data_path=str(a), sampling="first:4"),
+                                              dict(data_path=str(b), sampling="end:2")]})
+    assert [concat[i]["_id"] for i in range(len(concat))] == ["000000", "000001", "000002", "000003",
+                                                              "text000004", "text000005"]
+    mixture = {"mixture": [dict(data_path=str(a), weight=3.0), dict(data_path=str(b), weight=1.0)]}
+    ids = [formats.source_from(mixture)[i]["_id"] for i in range(40)]
+    assert ids == [formats.source_from(mixture)[i]["_id"] for i in range(40)]  # rebuilt: the same stream
+    assert sum(i.startswith("text") for i in ids) == 10  # one in four from the second source
+    assert sum(i.startswith("text") for i in ids[:20]) == 5  # in every stretch, not just overall
+    with pytest.raises(ValueError, match="give every entry a positive weight, or none"):
+        formats.source_from({"mixture": [dict(data_path=str(a), weight=1.0), dict(data_path=str(b))]})
+    with pytest.raises(ValueError, match="set only one of"):
+        formats.source_from({"data_path": str(a), "wds": "x.tar"})
+
+
+# ----------------------------------------------------------------------------------------------
+#                                            Images
+# ----------------------------------------------------------------------------------------------
+def test_images_decode_as_pil_converts_them_with_exif_orientation_applied():
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (6, 10, 3), dtype=np.uint8)
+    assert decode_image(_png(rgb)).tobytes() == rgb.tobytes()
+    grey = rgb[..., 0]
+    np.testing.assert_array_equal(decode_image(_png(grey)), np.repeat(grey[..., None], 3, -1))
+    rgba = np.concatenate([rgb, rng.integers(0, 256, (6, 10, 1), dtype=np.uint8)], -1)
+    np.testing.assert_array_equal(decode_image(_png(rgba)), rgb)  # alpha dropped, as convert("RGB")
+    buf = io.BytesIO()
+    Image.fromarray(rgb).convert("CMYK").save(buf, "JPEG", quality=100)
+    cmyk = buf.getvalue()
+    np.testing.assert_array_equal(decode_image(cmyk), np.asarray(Image.open(io.BytesIO(cmyk)).convert("RGB")))
+    # EXIF orientation 6: the stored pixels are turned 90 degrees clockwise for display.
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "PNG", exif=exif.tobytes())
+    assert decode_image(buf.getvalue()).shape == (10, 6, 3)
+    np.testing.assert_array_equal(decode_image(buf.getvalue()), np.rot90(rgb, -1))
+    sixteen = io.BytesIO()
+    Image.fromarray(np.arange(12, dtype=np.uint16).reshape(3, 4) * 4000).save(sixteen, "PNG")
+    assert decode_image(sixteen.getvalue())[..., 0].max() == 255  # scaled, not clipped to white
+    with pytest.raises(skips.BadExample, match="image_unreadable"):
+        decode_image(b"not an image")
+    with pytest.raises(skips.BadExample, match="image_unreadable"):
+        decode_image(examples.encode(rgb, "jpg")[:200])  # a truncated JPEG
+
+
+def test_pad_to_square_matches_llavas_expand2square():
+    image = np.random.default_rng(1).integers(0, 256, (5, 9, 3), dtype=np.uint8)
+    fill = tuple(int(x * 255) for x in (0.48145466, 0.4578275, 0.40821073))
+    pil = Image.fromarray(image)
+    reference = Image.new("RGB", (9, 9), fill)  # LLaVA's expand2square, written with PIL
+    reference.paste(pil, (0, (9 - 5) // 2))
+    np.testing.assert_array_equal(pad_to_square(image, fill), np.asarray(reference))
+    op = preprocess.parse("pad_to_square((0.48145466, 0.4578275, 0.40821073))")
+    np.testing.assert_array_equal(op({"image": image.transpose(1, 0, 2)}, None)["image"],
+                                  np.asarray(reference).transpose(1, 0, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+#                                           Bad data
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def broken_llava(tmp_path):
+    """A LLaVA folder with one example of every bad kind after 8 good ones."""
+    path = examples.write_llava(tmp_path, 8, resolution=16)
+    records = json.loads(path.read_text())
+    (tmp_path / "images/corrupt.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    good_image = records[0]["image"]
+    records += [
+        {"id": "missing", "image": "images/nope.jpg", "conversations": records[0]["conversations"]},
+        {"id": "corrupt", "image": "images/corrupt.jpg", "conversations": records[0]["conversations"]},
+        {"id": "empty", "image": good_image, "conversations": []},
+        {"id": "twice", "image": good_image, "conversations": [{"from": "human", "value": "<image>\nq"},
+                                                               {"from": "human", "value": "q"}]},
+        {"id": "no_tag", "image": good_image, "conversations": [{"from": "human", "value": "q"},
+                                                                {"from": "gpt", "value": "a"}]},
+        {"id": "robot", "conversations": [{"from": "robot", "value": "q"}, {"from": "gpt", "value": "a"}]},
+    ]
+    path.write_text(json.dumps(records))
+    return path
+
+
+BAD = {"missing": "image_missing", "corrupt": "image_unreadable", "empty": "empty_conversation",
+       "twice": "turns_not_alternating", "no_tag": "image_tag_mismatch", "robot": "unknown_role"}
+
+
+def test_check_names_every_bad_example_by_id_and_reason(broken_llava, tmp_path, capsys):
+    assert data_main(["check", "--data_path", str(broken_llava), "--image_folder", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    for example_id, reason in BAD.items():
+        assert f"bad: {example_id}: {reason}" in out
+    assert out.strip().splitlines()[-1].startswith("8 good, 6 bad (empty_conversation 1, image_missing 1")
+    good = examples.write_llava(tmp_path / "ok", 3, resolution=16)
+    assert data_main(["check", "--data_path", str(good)]) == 0
+    assert data_main(["check", "--data_path", str(tmp_path / "none.json")]) == 2
+
+
+def test_check_names_a_truncated_shard_bad_jsonl_lines_and_missing_captions(tmp_path, capsys):
+    pattern = examples.write_wds(tmp_path / "wds", 6, per_shard=6, resolution=16)
+    shard = tmp_path / "wds/00000.tar"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 10240 - 700])  # the end-of-archive blocks and part of the last member
+    assert data_main(["check", "--wds", pattern]) == 1
+    out = capsys.readouterr().out
+    assert "shard_truncated" in out and out.strip().endswith("of 6.")
+    jsonl = examples.write_llava(tmp_path / "j", 3, resolution=16, jsonl=True)
+    jsonl.write_text(jsonl.read_text() + "{not json\n")
+    csv_path = examples.write_csv(tmp_path / "c", 3, resolution=16)
+    csv_path.write_text(csv_path.read_text() + "images/000000.jpg,\n")
+    assert data_main(["check", "--data_path", str(jsonl)]) == 1
+    assert data_main(["check", "--csv", str(csv_path)]) == 1
+    out = capsys.readouterr().out
+    assert "bad: data.jsonl:line4: bad_record" in out and "bad: data.csv:5: caption_missing" in out
+
+
+LLAVA_PP = ("decode|pad_to_square()|resize(16)|value_range(-1, 1)|conversation_tokens(160)|"
+            "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image')")
+
+
+def test_training_skips_and_counts_bad_examples_then_stops_past_the_limit(broken_llava, tmp_path):
+    source = formats.LlavaSource(broken_llava, tmp_path)
+    pp = preprocess.parse(LLAVA_PP)
+    it = pipeline.train_iterator(source, pp, 4, seed=0, num_threads=1, skip_bad=1.0)
+    batches = [next(it) for _ in range(6)]
+    assert all(b["ids"].shape == (4, 160) and "_id" not in b for b in batches)
+    counts = it.get_state()["counts"]
+    assert counts["read"] >= 24 and sum(counts["skipped"].values()) == counts["read"] - 24
+    # 24 good examples are three epochs of 8 good and 6 bad: every bad one seen two or three times.
+    assert set(counts["skipped"]) == set(BAD.values()) and set(counts["skipped"].values()) <= {2, 3}
+    assert counts["read"] <= 3 * 14 and counts["first"]["image_missing"] == ["missing"]
+    metrics = skips.metrics(it.get_state())
+    assert metrics["data/skipped"] == sum(counts["skipped"].values())
+    strict = pipeline.train_iterator(source, pp, 4, seed=0, num_threads=1, skip_bad=0.01)
+    with pytest.raises(skips.TooManySkipped, match=r"Too much bad data: read \d+, skipped \d+ \(\d+\.\d\d%\): .*"
+                                                   r"image_missing \d \(e.g. missing\).*python -m vitmm.data check"):
+        for _ in range(4):
+            next(strict)
+
+
+def test_evaluation_masks_bad_records_out(broken_llava, tmp_path):
+    source = formats.LlavaSource(broken_llava, tmp_path)
+    batches = list(pipeline.eval_batches(source, preprocess.parse(LLAVA_PP), 5, process_index=0, process_count=1,
+                                         num_threads=1))
+    mask = np.concatenate([b["_mask"] for b in batches])
+    assert mask.tolist() == [1] * 8 + [0] * 6 + [0]  # 8 good, 6 bad, 1 padding
+
+
+# ----------------------------------------------------------------------------------------------
+#                                        Sharding and resume
+# ----------------------------------------------------------------------------------------------
+def _ids(batch):
+    return batch["caption_tokens"][:, :12].tolist()
+
+
+def _resumes_exactly(source, pp, batch=4, seen=3, more=4):
+    full = pipeline.train_iterator(source, pp, batch, seed=3, num_threads=2, prefetch=6, skip_bad=0.5)
+    reference = [_ids(next(full)) for _ in range(seen + more)]
+    first = pipeline.train_iterator(source, pp, batch, seed=3, num_threads=2, prefetch=6, skip_bad=0.5)
+    for _ in range(seen):
+        next(first)
+    state = json.loads(json.dumps(first.get_state()))  # as a checkpoint stores it
+    resumed = pipeline.train_iterator(source, pp, batch, seed=3, num_threads=2, prefetch=6, skip_bad=0.5)
+    resumed.set_state(state)
+    assert [_ids(next(resumed)) for _ in range(more)] == reference[seen:]
+    assert resumed.get_state()["counts"] == full.get_state()["counts"]
+
+
+CLIP_PP = "decode|random_resized_crop(16)|value_range(-1, 1)|tokenize('caption', 32)|keep('image', 'caption_tokens')"
+
+
+def test_shards_resume_exactly_with_a_truncated_shard_counted(tmp_path):
+    pattern = examples.write_wds(tmp_path, 20, per_shard=7, resolution=16)
+    last = tmp_path / "00002.tar"
+    last.write_bytes(last.read_bytes()[:-10240 - 600])
+    source = formats.WdsSource(pattern)
+    _resumes_exactly(source, preprocess.parse(CLIP_PP))
+
+
+def test_a_weighted_mixture_resumes_exactly(tmp_path):
+    csv_source = dict(csv=str(examples.write_csv(tmp_path / "c", 9, resolution=16)), weight=1.0)
+    pq_source = dict(parquet=str(examples.write_parquet(tmp_path / "p", 8, resolution=16, row_group_size=3)),
+                     weight=2.0)
+    _resumes_exactly(formats.source_from({"mixture": [csv_source, pq_source]}), preprocess.parse(CLIP_PP))
+
+
+def test_processes_read_disjoint_examples(tmp_path):
+    source = formats.CsvSource(examples.write_csv(tmp_path, 12, resolution=16))
+    pp = preprocess.parse("decode|tokenize('caption', 64)|keep('caption_tokens')")
+    seen = []
+    for index in range(2):
+        it = pipeline.train_iterator(source, pp, 4, seed=0, process_index=index, process_count=2, num_threads=1,
+                                     skip_bad=0.0, num_epochs=1)
+        seen.append({tuple(row) for _ in range(3) for row in next(it)["caption_tokens"].tolist()})
+    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 12
+
+
+def test_examples_command_writes_each_format(tmp_path):
+    for fmt in examples.FORMATS:
+        out = subprocess.run([sys.executable, "-m", "vitmm.data", "examples", "--format", fmt, "--out",
+                              str(tmp_path / fmt), "--num", "3", "--resolution", "16"],
+                             capture_output=True, text=True, check=True).stdout
+        assert out.startswith(f"wrote 3 {fmt} examples: ")

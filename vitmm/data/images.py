@@ -1,0 +1,63 @@
+"""Image files as researchers have them (JPEG, PNG, WebP, ...) → uint8 RGB ``[H, W, 3]``.
+
+EXIF orientation is applied (a phone's portrait photo stands up); greyscale, palette, alpha,
+CMYK and 16-bit images become RGB the way PIL's ``convert("RGB")`` does it, which is what
+LLaVA's, open_clip's and Hugging Face's processors call (alpha is dropped, not blended).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from vitmm.data.skips import BadExample
+
+
+def decode_image(data: bytes, draft: int | None = None) -> np.ndarray:
+    """uint8 RGB ``[H, W, 3]`` from encoded bytes; ``BadExample("image_unreadable")`` if they
+    do not decode. ``draft``: a JPEG may be decoded at a reduced scale (1/2, 1/4, 1/8) as long as
+    both sides stay at least ``draft`` pixels (libjpeg's DCT scaling: much faster for large photos
+    that are resized down anyway)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. PIL's palette-transparency note; the pixels are what count
+            image = Image.open(io.BytesIO(data))
+            if draft and image.format == "JPEG":
+                image.draft("RGB", (draft, draft))
+            image = ImageOps.exif_transpose(image)
+            return np.asarray(_to_rgb(image))
+    except BadExample:
+        raise
+    except Image.UnidentifiedImageError:
+        raise BadExample("image_unreadable", f"not an image file PIL can read ({data[:8]!r}…)") from None
+    except Exception as err:  # noqa: BLE001 - PIL raises many kinds (OSError, SyntaxError, ValueError, bombs)
+        raise BadExample("image_unreadable", f"{type(err).__name__}: {err}") from None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # high bit depth: scaled to 8 bits, not clipped
+        values = np.asarray(image, np.float64)
+        top = values.max() or 1.0
+        return Image.fromarray(np.round(values * (255.0 / top)).astype(np.uint8)).convert("RGB")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    return image.convert("RGB")
+
+
+def pad_to_square(image: np.ndarray, fill) -> np.ndarray:
+    """LLaVA's ``expand2square``: the image centred on a square of its longer side, filled with
+    ``fill`` (uint8 RGB, LLaVA uses the tower's mean colour)."""
+    h, w = image.shape[:2]
+    if h == w:
+        return image
+    side = max(h, w)
+    out = np.empty((side, side, image.shape[2]), image.dtype)
+    out[:] = np.asarray(fill, image.dtype)
+    top, left = (side - h) // 2, (side - w) // 2
+    out[top:top + h, left:left + w] = image
+    return out

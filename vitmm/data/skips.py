@@ -1,0 +1,157 @@
+"""Bad examples in raw data: skipped, counted by reason, and a stop when there are too many.
+
+A reader or a preprocessing op that meets an example it cannot use (a missing or undecodable
+image, an empty conversation, ...) raises ``BadExample(reason, detail)``; ``guard`` turns that
+into a ``Skipped`` marker, and ``SkippingBatches`` fills each batch with good examples only,
+counting the rest. The counts and the first few ids per reason are part of the iterator's state,
+so they are saved with every checkpoint and a resumed run continues them exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+REASONS = {
+    "image_missing": "the image file does not exist",
+    "image_unreadable": "the image cannot be decoded",
+    "empty_conversation": "the conversation has no turns",
+    "turns_not_alternating": "the turns are not user/assistant pairs after an optional system turn",
+    "unknown_role": "a turn's 'from' is not human, gpt or system",
+    "image_tag_mismatch": "the number of <image> tags differs from the number of images",
+    "too_many_images": "more images than the model takes per example",
+    "too_long": "even the first exchange does not fit model.max_len",
+    "caption_missing": "no caption (no .txt, or an empty caption)",
+    "shard_truncated": "the tar shard ends inside this example",
+    "bad_record": "the record is not valid JSON or lacks a required field",
+}
+SHOW_IDS = 5  # ids kept per reason (for the log and the stop message)
+
+
+class BadExample(Exception):
+    """An example that cannot be used: skipped and counted under ``reason`` (a key of ``REASONS``)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        if reason not in REASONS:
+            raise ValueError(f"Unknown skip reason {reason!r}; add it to vitmm.data.skips.REASONS.")
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """What a skipped example becomes in the stream."""
+
+    reason: str
+    id: str
+    detail: str = ""
+
+
+def example_id(example) -> str:
+    return str(example.get("_id", "?")) if isinstance(example, dict) else "?"
+
+
+def guard(fn: Callable) -> Callable:
+    """``fn(example, rng)`` (e.g. a parsed pp) that passes ``Skipped`` through and turns a
+    ``BadExample`` into one; any other error is a bug and propagates."""
+
+    def guarded(example, rng):
+        if isinstance(example, Skipped):
+            return example
+        try:
+            return fn(example, rng)
+        except BadExample as bad:
+            return Skipped(bad.reason, example_id(example), bad.detail)
+
+    return guarded
+
+
+class TooManySkipped(ValueError):
+    pass
+
+
+def report(state: dict) -> str:
+    """``read N, skipped K (p%): reason k (first ids: ...), ...`` for an iterator state."""
+    read, counts = state["read"], state["skipped"]
+    total = sum(counts.values())
+    parts = [f"{reason} {n} (e.g. {', '.join(state['first'].get(reason, []))})" for reason, n in sorted(counts.items())]
+    share = f"read {read}, skipped {total} ({100 * total / max(read, 1):.2f}%)"
+    return share + (": " + "; ".join(parts) if parts else "")
+
+
+class SkippingBatches:
+    """Batches of ``batch_size`` good examples from an iterator of examples and ``Skipped``.
+
+    ``max_share``: the run stops (``TooManySkipped``) when the skipped share of the examples read
+    passes it, judged once ``min_read`` examples have been read (fewer would make one bad example
+    among the first few a stop). ``get_state``/``set_state`` cover the examples' iterator and the
+    counts; the state is JSON.
+    """
+
+    def __init__(self, examples, batch_size: int, collate: Callable, max_share: float = 0.01,
+                 min_read: int = 1000):
+        if not 0 <= max_share <= 1:
+            raise ValueError(f"input.max_skipped_share={max_share!r}: must be a fraction in [0, 1].")
+        self._it, self._batch_size, self._collate = examples, batch_size, collate
+        self.max_share, self.min_read = max_share, min_read
+        self._counts = self._fresh()
+
+    @staticmethod
+    def _fresh() -> dict:
+        return {"read": 0, "truncated": 0, "skipped": {}, "first": {}}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        good, c = [], self._counts
+        while len(good) < self._batch_size:
+            example = next(self._it)
+            c["read"] += 1
+            if isinstance(example, Skipped):
+                c["skipped"][example.reason] = c["skipped"].get(example.reason, 0) + 1
+                first = c["first"].setdefault(example.reason, [])
+                if len(first) < SHOW_IDS and example.id not in first:
+                    first.append(example.id)
+                continue
+            c["truncated"] += int(example.pop("_truncated", 0))
+            example.pop("_id", None)
+            good.append(example)
+        skipped = sum(c["skipped"].values())
+        if c["read"] >= self.min_read and skipped > self.max_share * c["read"]:
+            raise TooManySkipped(
+                f"Too much bad data: {report(c)}, more than input.max_skipped_share={self.max_share}. "
+                "List every bad example with `python -m vitmm.data check` and fix or drop them, or raise "
+                "input.max_skipped_share.")
+        return self._collate(good)
+
+    def get_state(self) -> dict:
+        return {"examples": self._it.get_state(), "counts": _copy(self._counts)}
+
+    def set_state(self, state: dict) -> None:
+        self._it.set_state(state["examples"])
+        self._counts = _copy(state["counts"])
+
+    def counts(self) -> dict:
+        return _copy(self._counts)
+
+
+def _copy(counts: dict) -> dict:
+    return {"read": int(counts["read"]), "truncated": int(counts.get("truncated", 0)),
+            "skipped": {k: int(v) for k, v in counts["skipped"].items()},
+            "first": {k: list(v) for k, v in counts["first"].items()}}
+
+
+def metrics(state) -> dict:
+    """The numbers a log step writes (``data/read``, ``data/skipped``, ``data/skipped/<reason>``,
+    ``data/truncated``) from a ``SkippingBatches`` state (possibly nested under a device iterator's);
+    ``{}`` for another iterator's state."""
+    counts = state.get("counts") if isinstance(state, dict) else None
+    if not counts:
+        return {}
+    out = {"data/read": counts["read"], "data/skipped": sum(counts["skipped"].values()),
+           "data/truncated": counts.get("truncated", 0)}
+    out.update({f"data/skipped/{reason}": n for reason, n in counts["skipped"].items()})
+    return {k: np.float64(v) for k, v in out.items()}
