@@ -49,7 +49,7 @@ def get_config(arg=None):
     c.sync_every = 8
 
     pp = ("decode|pad_to_square({image_mean})|resize({image_size})|normalize({image_mean}, {image_std})|"
-          f"conversation_tokens({{max_len}}, overflow='truncate_turns')|{KEEP}")
+          f"conversation_tokens({{max_len}}, overflow='truncate_turns', max_answer={{loss_positions}})|{KEEP}")
     c.input = ml_collections.ConfigDict(common.raw_input(image_size=64, pp=pp, num_threads=2, prefetch=64,
                                                          device_prefetch=2))
     c.input.image_mean = config_dict.placeholder(tuple)  # default: what init.vision records, else 0.5
@@ -65,7 +65,9 @@ def get_config(arg=None):
     c.model.mrope = False
     c.model.anyres = None
     c.model.max_len = 384  # text tokens of a conversation (LLaVA-1.5: 2048)
-    c.model.loss_positions = config_dict.placeholder(int)  # None: the LM's head on every position
+    # K: the LM's head on each conversation's first K answer tokens only (exchanges past K are
+    # truncated like overlong ones); None: on every position. Saves most of a large vocabulary's cost.
+    c.model.loss_positions = config_dict.placeholder(int)
 
     c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=0.0, dropout=0.05,
                                             targets=(r"language/block_\d+/attn/(q|k|v|o)",)))
@@ -74,7 +76,9 @@ def get_config(arg=None):
     c.init = common.init(vision=config_dict.placeholder(str),  # a vitmm.train CLIP workdir or vitmm.interop folder
                          lm=config_dict.placeholder(str),  # a `python -m vitmm.interop --from hf|gguf` LM folder
                          allow_random_tower=False)
-    c.evals = ml_collections.ConfigDict()  # LLaVA data has no held-out answers to score; see the README
+    # Held-out conversations (e.g. --config.evals.val.data.data_path=val.json): the answer-token loss.
+    c.evals = ml_collections.ConfigDict()
+    c.evals.val = dict(type="val_loss", data=common.raw_input(split="validation"), num_examples=500, batch_size=16)
 
     c.multihost = common.multihost()
     if arg.smoke:
@@ -84,6 +88,7 @@ def get_config(arg=None):
         c.model.lm.update(dict(width=32, depth=1))
         c.model.max_len = 256
         c.optim.warmup_steps = 1
+        c.evals.val.update(num_examples=8, batch_size=4)
         c.init.allow_random_tower = True
     c.lock()
     return c

@@ -31,8 +31,12 @@ def _llava(config: str, folder, **overrides):
 
 
 def test_llava_stages_train_resume_exactly_count_bad_examples_and_chat(tmp_path, llava_folder, capsys):
-    stage1 = trainer.train(_llava("llava_pretrain", llava_folder, log_every=1), tmp_path / "s1")
+    held_out = {"evals.val.data.data_path": str(llava_folder / "data.json"), "evals.val.num_examples": 25}
+    stage1 = trainer.train(_llava("llava_pretrain", llava_folder, log_every=1, **held_out), tmp_path / "s1")
+    assert stage1["evals"]["val/examples"] == 24 and stage1["evals"]["val/skipped"] == 1  # the lost image
+    assert np.isfinite(stage1["evals"]["val/loss"]) and 0 <= stage1["evals"]["val/token_acc"] <= 1
     rows = [json.loads(line) for line in (tmp_path / "s1/metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "loss" in row]  # the training rows (evaluations have their own)
     assert rows[-1]["data/read"] >= 16 and rows[-1]["data/read"] == 16 + rows[-1]["data/skipped"]
     assert rows[-1].get("data/skipped/image_missing", 0) == rows[-1]["data/skipped"]
     assert np.isfinite(stage1["history"][-1]["loss"])

@@ -336,3 +336,43 @@ class QAAccuracy:
 
     def clear(self) -> None:  # nothing cached between rounds
         pass
+
+
+class VLMValLoss:
+    """The VLM's answer-token loss and accuracy on held-out examples (e.g. conversations in any raw
+    format), weighted by answer tokens; bad records are masked out and counted (``skipped``).
+
+    ``cfg``: ``data`` (a raw-data spec or a dataset), ``pp`` (default: the training pp),
+    ``num_examples``, ``batch_size``. ``loss_fn(params, batch, rng)`` is the task's training loss.
+    """
+
+    def __init__(self, loss_fn, cfg: dict, tokenizer):
+        source = pipeline.source_for(dict(cfg["data"]))
+        self.source = _Prefix(source, min(cfg.get("num_examples") or len(source), len(source)))
+        self.batch_size = cfg.get("batch_size", 32)
+        self._pp = preprocess.parse(cfg["pp"], tokenizer)
+
+        def sums(params, batch):
+            mask = batch["answer_mask"] * batch["_mask"][:, None].astype(batch["answer_mask"].dtype)
+            loss, acc = loss_fn(params, {**batch, "answer_mask": mask}, None)
+            tokens = mask[:, 1:].sum()
+            return loss * tokens, acc["token_acc"] * tokens, tokens
+
+        self._sums = jax.jit(sums)
+
+    def run(self, params, **_) -> dict:
+        loss = acc = tokens = 0.0
+        kept = 0
+        for batch in pipeline.eval_batches(self.source, self._pp, self.batch_size, process_index=0, process_count=1,
+                                           num_threads=1):
+            numeric = {k: v for k, v in batch.items() if isinstance(v, np.ndarray) and v.dtype.kind in "biuf"}
+            sums = [float(x) for x in self._sums(params, numeric)]
+            loss, acc, tokens = loss + sums[0], acc + sums[1], tokens + sums[2]
+            kept += int(batch["_mask"].sum())
+        if tokens == 0:
+            raise ValueError("val_loss: no answer tokens in the held-out examples (all bad, or none given).")
+        return {"loss": loss / tokens, "token_acc": acc / tokens, "examples": kept,
+                "skipped": len(self.source) - kept}
+
+    def clear(self) -> None:
+        pass

@@ -206,6 +206,10 @@ class VLMTask:
         c = self.config
         evals = {}
         for name, cfg in _evals_config(c).items():
+            if cfg.get("type") == "val_loss":  # held-out answer loss, with the training preprocessing by default
+                cfg["pp"] = pp_string(c, cfg.get("pp") or c.input.pp)
+                evals[name] = eval_lib.VLMValLoss(self.loss_fn, cfg, self.tokenizer)
+                continue
             cfg["pp"] = pp_string(c, cfg.get("pp") or eval_lib.QAAccuracy.PP)
             evals[name] = eval_lib.QAAccuracy(self.model, cfg, self.tokenizer, c.model.prefix_lm)
         return evals
