@@ -322,3 +322,16 @@ def test_the_llava_pipeline_reads_hf_chat_parquet(tmp_path):
     batch = next(it)
     assert batch["has_image"].all() and batch["image"].shape == (3, 16, 16, 3)
     assert (batch["answer_mask"].sum(1) > 1).all() and it.get_state()["counts"]["read"] == 3
+
+
+def test_a_llava_next_yaml_concatenates_its_files_with_their_sampling_rules(tmp_path):
+    examples.write_llava(tmp_path / "a", 10, resolution=16)
+    examples.write_llava(tmp_path / "b", 6, resolution=16, text_only_every=1)
+    (tmp_path / "mix.yaml").write_text("datasets:\n  - json_path: a/data.json\n    sampling_strategy: end:3\n"
+                                       "  - json_path: b/data.json\n")
+    source = formats.source_from({"data_path": str(tmp_path / "mix.yaml"), "image_folder": str(tmp_path / "a")})
+    assert [source[i]["_id"] for i in range(len(source))] == ["000007", "000008", "000009"] + [
+        f"text{i:06d}" for i in range(6)]
+    (tmp_path / "bad.yaml").write_text("datasets: [a.json]\n")
+    with pytest.raises(ValueError, match="a list of entries with json_path"):
+        formats.source_from({"data_path": str(tmp_path / "bad.yaml")})

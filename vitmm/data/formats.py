@@ -10,8 +10,9 @@
   ``--csv-caption-key``).
 * ``ParquetSource``: Hugging Face datasets' parquet files (an image column of ``{"bytes", "path"}``
   structs or raw bytes, or a list of them; a text, caption or messages column), read with pyarrow.
-* ``Mixture``: several sources, concatenated or interleaved by weight, each subsampled by
-  LLaVA-NeXT's rules (``all``, ``first:N``, ``end:N``, ``random:N`` or ``random:P%``).
+* Mixtures: several sources, concatenated or interleaved by weight, each subsampled by
+  LLaVA-NeXT's rules (``all``, ``first:N``, ``end:N``, ``random:N`` or ``random:P%``); a
+  ``data_path`` ending in ``.yaml`` is LLaVA-NeXT's list of JSON files with those rules.
 
 Each is a sequence of examples: every index returns a dict with ``_id`` and, depending on the
 format, ``image`` (encoded bytes), ``images`` (a list of them), ``caption`` or ``conversations``;
@@ -480,6 +481,9 @@ def source_from(inp, seed: int = 0):
     share repeats)."""
     get = inp.get
     kind = raw_format(inp)
+    if kind == "data_path" and str(get("data_path")).endswith((".yaml", ".yml")):
+        return Concat([source_from(e, seed + i) for i, e in enumerate(llava_next_yaml(get("data_path"),
+                                                                                      get("image_folder")))])
     if kind == "data_path":
         source = LlavaSource(get("data_path"), get("image_folder"))
     elif kind == "wds":
@@ -496,6 +500,23 @@ def source_from(inp, seed: int = 0):
     if get("sampling") and get("sampling") != "all":
         source = Subset(source, subsample(len(source), get("sampling"), seed))
     return source
+
+
+def llava_next_yaml(path, image_folder=None) -> list[dict]:
+    """The mixture entries of LLaVA-NeXT's ``--data_path`` YAML (``datasets: [{json_path,
+    sampling_strategy}]``; relative paths from the YAML's folder, one image folder for all)."""
+    import yaml
+
+    path = _path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input.data_path={str(path)!r}: no such file (a LLaVA-NeXT YAML).")
+    spec = yaml.safe_load(path.read_text()) or {}
+    datasets = spec.get("datasets") if isinstance(spec, dict) else None
+    if not isinstance(datasets, list) or not all(isinstance(d, dict) and d.get("json_path") for d in datasets):
+        raise ValueError(f"{path}: a LLaVA-NeXT data YAML holds 'datasets:', a list of entries with json_path "
+                         "(and optionally sampling_strategy).")
+    return [dict(data_path=str(path.parent / _path(d["json_path"])), image_folder=image_folder,
+                 sampling=d.get("sampling_strategy") or "all") for d in datasets]
 
 
 def _mixture(entries, seed: int):
