@@ -70,3 +70,9 @@ def test_clip_trains_on_tar_shards_and_evaluates_on_a_csv(tmp_path):
     evals = summary["evals"]
     assert 0 <= evals["retrieval/i2t_r1"] <= evals["retrieval/i2t_r5"] <= 1
     assert evals["retrieval/chance_r1"] < 0.2  # 16 held-out pairs, scored
+
+
+def test_a_raw_data_config_without_its_data_stops_in_one_line_before_writing(tmp_path):
+    with pytest.raises(ValueError, match="names no training data: set one of --config.input.data_path"):
+        trainer.train(load("configs/llava_pretrain.py", "smoke"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -217,6 +217,10 @@ def validate(config) -> None:
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % accum:
         raise ValueError(f"config.optim.accum_steps={accum!r}: must be a positive integer dividing "
                          f"batch_size={config.batch_size}.")
+    inp = config.input
+    if not formats.raw_format(inp) and "data" not in inp and not inp.get("scenes_any"):
+        raise ValueError("The run names no training data: set one of --config.input.data_path (LLaVA JSON/JSONL/YAML, "
+                         "with input.image_folder), input.wds, input.csv, input.parquet or input.mixture.")
     if config.batch_size % jax.device_count():
         raise ValueError(f"batch_size={config.batch_size} does not split over {jax.device_count()} devices; "
                          f"use a multiple of {jax.device_count()}.")
