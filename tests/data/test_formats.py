@@ -335,3 +335,24 @@ def test_a_llava_next_yaml_concatenates_its_files_with_their_sampling_rules(tmp_
     (tmp_path / "bad.yaml").write_text("datasets: [a.json]\n")
     with pytest.raises(ValueError, match="a list of entries with json_path"):
         formats.source_from({"data_path": str(tmp_path / "bad.yaml")})
+
+
+def test_each_process_gets_its_own_iterator_state_back():
+    states = [{"examples": {"next_index": 7}, "counts": {"read": 7}}, {"examples": {"next_index": 9}, "counts": {}}]
+    mine = 0
+
+    def allgather(x):  # what process_allgather returns on process `mine` of two: every process's array, stacked
+        x = np.asarray(x)
+        other = np.frombuffer(json.dumps(states[1]).encode(), np.uint8) if x.ndim else np.int32(
+            len(json.dumps(states[1]).encode()))
+        if x.ndim:
+            width = max(len(x), len(other))
+            x, other = np.pad(x, (0, width - len(x))), np.pad(other, (0, width - len(other)))
+        return np.stack([x, other])
+
+    saved = pipeline.gather_states(states[mine], allgather)
+    saved = json.loads(json.dumps(saved))  # through the checkpoint's JSON
+    assert [pipeline.own_state(saved, i, 2) for i in range(2)] == states
+    assert pipeline.own_state({"next_index": 3}, 1, 2) == {"next_index": 3}  # one state for everyone, as before
+    with pytest.raises(ValueError, match="saved by 2 processes; this run has 4. Resume with 2 processes"):
+        pipeline.own_state(saved, 0, 4)

@@ -15,6 +15,7 @@ example is lost or counted twice.
 from __future__ import annotations
 
 import collections
+import json
 import math
 import pathlib
 from collections.abc import Callable, Iterator
@@ -305,6 +306,42 @@ def _first_good(source, pp_fn) -> dict:
             return out
     raise ValueError(f"Every one of the {len(source)} evaluation records is bad; check them with "
                      "`python -m vitmm.data check`.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Iterator states of several processes.
+# ----------------------------------------------------------------------------------------------
+def gather_states(state, allgather=None) -> dict:
+    """Every process's iterator state, for one checkpoint written by the first process.
+
+    Processes that skip bad examples read different numbers of records, so their states differ
+    and each must get its own back (``own_state``). ``allgather(array)`` stacks an array from every
+    process (default: ``multihost_utils.process_allgather``); with one process the state is kept
+    as it is."""
+    if allgather is None:
+        if jax.process_count() == 1:
+            return state
+        from jax.experimental import multihost_utils
+
+        allgather = multihost_utils.process_allgather
+    blob = np.frombuffer(json.dumps(state).encode(), np.uint8)
+    lengths = np.asarray(allgather(np.int32(len(blob)))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(blob)] = blob
+    rows = np.asarray(allgather(padded))
+    return {"per_process": [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths, strict=True)]}
+
+
+def own_state(state, process_index: int | None = None, process_count: int | None = None):
+    """This process's part of a ``gather_states`` state (any other state is everyone's)."""
+    if not (isinstance(state, dict) and "per_process" in state):
+        return state
+    index, count = _process_slot(process_index, process_count)
+    states = state["per_process"]
+    if len(states) != count:
+        raise ValueError(f"The checkpoint's data position was saved by {len(states)} processes; this run has {count}. "
+                         f"Resume with {len(states)} processes (each reads its own slice of the data).")
+    return states[index]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -307,7 +307,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
         changes = workdir_lib.check_config_change(json.loads(saved) if isinstance(saved, str) else saved, config,
                                                   checkpointer.directory)
         state = restored
-        data.set_state(data_state)
+        data.set_state(pipeline.own_state(data_state))
         if is_main:
             print(f"Resumed from step {start} in {checkpointer.directory}", flush=True)
             if changes:
@@ -349,7 +349,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
                 shown = {k: f"{host[k]:.3g}" for k in ("loss",) + task.aux_names[:1]}
                 progress.set_postfix(**shown, img_s=f"{host['img_per_s']:.0f}", refresh=False)
             if at_ckpt:  # before evaluating: a failing evaluator never costs the checkpoint
-                _save(checkpointer, step, par.host_state(state), data.get_state(), config)
+                _save(checkpointer, step, par.host_state(state), pipeline.gather_states(data.get_state()), config)
             checkpointer.check_saves(step)
             if at_eval:
                 host_metrics = par.first(metrics)
