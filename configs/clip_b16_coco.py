@@ -42,7 +42,8 @@ def get_config(arg=None):
 
     pp = (f"{CHOOSE_CAPTION}|random_resized_crop({{image_size}}, scale=(0.9, 1.0))|value_range(-1, 1)|"
           "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
-    c.input = common.train_input(arg.data, image_size=224, keys=("image", "captions"), pp=pp, num_threads=16)
+    c.input = common.train_input(arg.data, image_size=224, keys=("image", "captions"), pp=pp, num_threads=2,
+                                 workers=-1)  # one reader process per spare core, 2 threads each
 
     fast = dict(dtype_mm="bfloat16", scan=True, remat_policy="nothing_saveable", norm_eps=1e-5)
     c.model = ml_collections.ConfigDict()

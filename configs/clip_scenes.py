@@ -61,7 +61,8 @@ def get_config(arg=None):
     if arg.scale == "b16":
         fast = dict(dtype_mm="bfloat16", attn_impl=arg.attn)
         c.batch_size = arg.batch
-        c.input.image_size, c.input.num_threads = 224, 16
+        c.input.image_size = 224
+        c.input.workers, c.input.num_threads = -1, 2  # one reader process per spare core, 2 threads each
         c.input.prefetch = 16  # grain runs no more reader threads than batches it may hold ahead
         c.model.image = dict(variant="B/16", pool="gap", class_token=False, posemb="sincos2d", **fast)
         c.model.text = dict(c.model.text.to_dict(), width=512, depth=12, mlp_dim=2048, num_heads=8, dtype_mm="bfloat16")
@@ -75,5 +76,6 @@ def get_config(arg=None):
         common.smoke(c)
         if arg.scale == "b16":
             c.model.image.depth = c.model.text.depth = 1
+            c.input.workers, c.input.num_threads = 0, 1
     c.lock()
     return c

@@ -66,7 +66,8 @@ def get_config(arg=None):
     c.evals.retrieval = dict(type="retrieval", data=dict(common.raw_input(), split="validation"), num_examples=1000)
 
     if arg.scale == "b16":
-        c.batch_size, c.input.image_size, c.input.num_threads = 256, 224, 16
+        c.batch_size, c.input.image_size = 256, 224
+        c.input.workers, c.input.num_threads = -1, 2  # one reader process per spare core, 2 threads each
         c.model.image = dict(variant="B/16", pool="gap", class_token=False, posemb="sincos2d", dtype_mm="bfloat16",
                              attn_impl="cudnn")
         c.model.text = dict(c.model.text.to_dict(), width=512, depth=12, mlp_dim=2048, num_heads=8,
@@ -80,7 +81,7 @@ def get_config(arg=None):
     if arg.smoke:
         c.total_steps, c.batch_size = 4, 8
         c.log_every, c.eval_every, c.checkpoint_every = 2, 4, 4
-        c.input.image_size, c.input.num_threads = 32, 1
+        c.input.image_size, c.input.num_threads, c.input.workers = 32, 1, 0
         c.optim.warmup_steps = 1
         c.evals.retrieval.num_examples = 16
         if arg.scale == "b16":

@@ -46,13 +46,14 @@ def data_spec(name: str, split: str, **more) -> ml_collections.ConfigDict:
 
 
 def train_input(data: str, *, image_size: int, keys: tuple, pp: str, num_threads: int = 1,
-          split: str = "train") -> ml_collections.ConfigDict:
+          split: str = "train", workers: int = 0) -> ml_collections.ConfigDict:
     """The training input: dataset and split, ``data_dir`` (default ``~/tensorflow_datasets``; the
     evaluators' default too), the image size that fills ``{image_size}`` in the ``pp`` template,
-    the features read, reader threads, and batches prefetched on the host (8) and devices (2)."""
+    the features read, reader threads (per worker process; ``workers``: 0 reads in the trainer's
+    process, -1 in one process per spare core), and batches prefetched on the host (8) and devices (2)."""
     return ml_collections.ConfigDict(dict(data=data_spec(data, split), data_dir=config_dict.placeholder(str),
                                           image_size=image_size, keys=tuple(keys), pp=pp, num_threads=num_threads,
-                                          prefetch=8, device_prefetch=2))
+                                          workers=workers, prefetch=8, device_prefetch=2))
 
 
 def raw_input(**more) -> dict:
@@ -71,6 +72,7 @@ def raw_input(**more) -> dict:
         mixture=config_dict.placeholder(list),  # [dict(data_path=..., sampling='first:1000', weight=...), ...]
         sampling="all",  # LLaVA-NeXT's subsampling: all, first:N, end:N, random:N, random:P%
         max_skipped_share=0.01,  # stop when more of the examples read are bad than this
+        workers=0,  # input worker processes (0: threads in the trainer's process; -1: one per spare core)
         **more,
     )
 
@@ -79,6 +81,7 @@ def smoke(c: ml_collections.ConfigDict, steps: int = 4, batch_size: int = 16) ->
     """The same run shrunk to seconds on a small scenes build at 32 px (tests execute it)."""
     c.input.data.name = SMOKE_DATA
     c.input.image_size = 32
+    c.input.workers = 0
     c.total_steps, c.batch_size = steps, batch_size
     c.log_every, c.eval_every, c.checkpoint_every = 2, steps, steps
     c.optim.warmup_steps = 1
@@ -96,7 +99,7 @@ def smoke_full_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.model.image.depth = 1
     c.model.text.depth = 1
     c.input.image_size = 32
-    c.input.num_threads = 1
+    c.input.num_threads, c.input.workers = 1, 0
     c.optim.warmup_steps = 1
     for ev in c.evals.values():
         ev.num_examples = 16

@@ -3,6 +3,7 @@ LLaVA folder (text-only and bad examples mixed in) resuming exactly, `vitmm.chat
 and CLIP on tar shards evaluated on a CSV."""
 
 import json
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -61,12 +62,19 @@ def test_llava_stages_train_resume_exactly_count_bad_examples_and_chat(tmp_path,
         chat.load(tmp_path / "s2").ask(np.zeros((4, 4)), "?")
 
 
-def test_clip_trains_on_tar_shards_and_evaluates_on_a_csv(tmp_path):
+def test_clip_trains_on_tar_shards_in_worker_processes_resumes_and_evaluates_on_a_csv(tmp_path):
+    """Reading in 2 worker processes, stopped at step 2 and resumed, the run ends where a run
+    reading in the trainer's process ends."""
     pattern = examples.write_wds(tmp_path / "shards", 24, per_shard=10, resolution=32)
     val = examples.write_csv(tmp_path / "val", 16, resolution=32, split="validation")
     config = load("configs/clip_wds.py", "smoke", **{"input.wds": pattern, "evals.retrieval.data.csv": str(val)})
+    straight = trainer.train(config, tmp_path / "straight")
+    with config.unlocked():
+        config.input.workers = 2
+    assert trainer.train(config, tmp_path / "run", stop_at=2)["final_step"] == 2
     summary = trainer.train(config, tmp_path / "run")
-    assert summary["final_step"] == 4
+    assert summary["final_step"] == 4 and not multiprocessing.active_children()
+    assert summary["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
     evals = summary["evals"]
     assert 0 <= evals["retrieval/i2t_r1"] <= evals["retrieval/i2t_r5"] <= 1
     assert evals["retrieval/chance_r1"] < 0.2  # 16 held-out pairs, scored

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import pathlib
 from collections.abc import Callable, Iterator
 
@@ -211,6 +212,7 @@ def train_iterator(
     source, pp_fn: Callable, global_batch_size: int, seed: int = 0, *,
     process_index: int | None = None, process_count: int | None = None,
     num_epochs: int | None = None, num_threads: int = 8, prefetch: int = 32, skip_bad: float | None = None,
+    workers: int = 0,
 ):
     """An endless (or ``num_epochs``) iterator of this process's training batches.
 
@@ -221,10 +223,19 @@ def train_iterator(
     (``skips.BadExample``) are skipped and counted, each batch filled with good ones, and the run
     stops once the skipped share passes ``skip_bad`` (``skips.SkippingBatches``; the counts are part
     of the state). ``prefetch`` then counts examples, not batches.
+
+    ``workers > 0``: reading and preprocessing run in that many worker processes (grain's
+    ``mp_prefetch``; ``-1``: ``auto_workers()``), each with ``num_threads`` threads, out of reach of
+    the trainer's GIL. Worker ``w`` prepares batches (raw data: examples) ``w, w + workers, …`` of the
+    same stream, so the batches are the same as without workers; a resumed run must use the same
+    number. ``close()`` stops the workers; they also exit when the trainer dies (even by SIGKILL).
     """
     index, count = _process_slot(process_index, process_count)
     if global_batch_size % count:
         raise ValueError(f"Global batch {global_batch_size} does not split over {count} processes.")
+    workers = auto_workers() if workers == -1 else workers
+    if not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"input.workers={workers!r}: a number of worker processes (0: none, -1: one per spare core).")
     per_process = global_batch_size // count
     ds = grain.MapDataset.source(source)[index::count]
     if len(ds) < per_process:
@@ -234,12 +245,99 @@ def train_iterator(
     if skip_bad is not None:
         ds = ds.random_map(skips.guard(pp_fn), seed=seed)
         options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=max(prefetch, per_process))
-        return skips.SkippingBatches(iter(ds.to_iter_dataset(options)), per_process, collate, max_share=skip_bad,
-                                     min_read=min(1000, epoch))
+        examples = _in_workers(ds.to_iter_dataset(options), workers, per_process)
+        return skips.SkippingBatches(examples, per_process, collate, max_share=skip_bad, min_read=min(1000, epoch))
     ds = ds.random_map(pp_fn, seed=seed)
     ds = ds.batch(per_process, drop_remainder=True, batch_fn=collate)
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-    return iter(ds.to_iter_dataset(options))
+    return _in_workers(ds.to_iter_dataset(options), workers, 2)
+
+
+def auto_workers() -> int:
+    """Worker processes that fit the host: one per core beyond the two the trainer keeps (its
+    Python loop and the device's host threads), at most 16."""
+    return max(1, min(16, (os.cpu_count() or 1) - 2))
+
+
+def _in_workers(ds, workers: int, buffer: int):
+    """``iter(ds)``, or its elements prepared in ``workers`` processes (``WorkerIterator``)."""
+    if not workers:
+        return _NoWorkers(iter(ds))
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; a library caller has not parsed any
+        flags.FLAGS.mark_as_parsed()
+    options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer)
+    return WorkerIterator(iter(ds.mp_prefetch(options, worker_init_fn=_exit_with_parent)), workers)
+
+
+def _exit_with_parent(worker_index: int, worker_count: int) -> None:
+    """In each worker: SIGTERM and SIGINT are left to the trainer (a launcher that signals the whole
+    process group must not take the input away while the trainer saves its checkpoint; the trainer
+    stops its workers), and a thread ends the worker once its parent is gone, so a SIGKILLed trainer
+    leaves no worker behind (the resource tracker then frees their shared memory)."""
+    import signal
+    import threading
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="vitmm-exit-with-parent").start()
+
+
+class _NoWorkers:
+    """grain's iterator as it is (its state unchanged), refusing a state saved with workers."""
+
+    def __init__(self, iterator):
+        self._it = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def get_state(self):
+        return self._it.get_state()
+
+    def set_state(self, state) -> None:
+        if isinstance(state, dict) and "workers" in state:
+            raise ValueError(f"The checkpoint's data position was saved with input.workers={state['workers']}; this "
+                             f"run has none. Resume with input.workers={state['workers']}.")
+        self._it.set_state(state)
+
+
+class WorkerIterator:
+    """grain's multiprocess iterator with a checked state and ``close()``."""
+
+    def __init__(self, iterator, workers: int):
+        self._it, self.workers = iterator, workers
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def get_state(self) -> dict:
+        return {"workers": self.workers, "grain": self._it.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        saved = state.get("workers") if isinstance(state, dict) else None
+        if saved != self.workers:
+            raise ValueError(f"The checkpoint's data position was saved with input.workers={saved or 0}; this run has "
+                             f"{self.workers}. Resume with input.workers={saved or 0}.")
+        self._it.set_state(state["grain"])
+
+    def close(self) -> None:
+        self._it.close()
 
 
 class _PaddedIndex:
@@ -404,3 +502,14 @@ class DeviceIterator:
         self._queue.clear()
         self._it.set_state(state)
         self._state = state
+
+    def close(self) -> None:
+        """Stops the host iterator's worker processes, if it has any."""
+        self._queue.clear()
+        close(self._it)
+
+
+def close(iterator) -> None:
+    """``iterator.close()`` where it has one (worker processes to stop)."""
+    if hasattr(iterator, "close"):
+        iterator.close()

@@ -134,6 +134,10 @@ class SkippingBatches:
         self._it.set_state(state["examples"])
         self._counts = _copy(state["counts"])
 
+    def close(self) -> None:
+        if hasattr(self._it, "close"):
+            self._it.close()
+
     def counts(self) -> dict:
         return _copy(self._counts)
 

@@ -7,6 +7,7 @@ another run, or resumed from this workdir) → loop (step, log, evaluate, checkp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -118,11 +119,12 @@ def _input(config, tokenizer, par: Parallel):
     elif formats.raw_format(inp):  # the user's files (LLaVA JSON, tar shards, CSV, parquet, a mixture)
         host = pipeline.train_iterator(formats.source_from(inp, config.seed), pp, config.batch_size, seed=config.seed,
                                        num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8),
-                                       skip_bad=inp.get("max_skipped_share", 0.01))
+                                       skip_bad=inp.get("max_skipped_share", 0.01), workers=inp.get("workers", 0))
     else:
         source = pipeline.source_for(_data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
         host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
-                                       num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8))
+                                       num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8),
+                                       workers=inp.get("workers", 0))
     return pipeline.DeviceIterator(host, size=inp.get("device_prefetch", 2), put=par.put_batch)
 
 
@@ -242,8 +244,8 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> di
     if is_main:
         lock.acquire()
     try:
-        with _StopRequests() as stop:
-            return _train(config, workdir, stop_at, is_main, stop)
+        with _StopRequests() as stop, contextlib.ExitStack() as cleanup:
+            return _train(config, workdir, stop_at, is_main, stop, cleanup)
     finally:
         lock.release()
 
@@ -294,10 +296,11 @@ def build(config) -> Setup:
     return Setup(par, tokenizer, task, tx, lr_schedule, state, config)
 
 
-def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopRequests) -> dict:
+def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopRequests, cleanup) -> dict:
     setup = build(config)
     par, tokenizer, task, state = setup.par, setup.tokenizer, setup.task, setup.state
     data = _input(config, tokenizer, par)
+    cleanup.callback(pipeline.close, data)  # input worker processes stop however the run ends
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
     start = 0
     if checkpointer.all_steps() or checkpointer.step_folders():  # an unreadable one must not mean a fresh start

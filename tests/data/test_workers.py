@@ -1,0 +1,101 @@
+"""Input worker processes (``input.workers``): the same batches as without them, exact resume, a
+clear refusal to resume with another number, errors that reach the trainer, and no process or
+shared memory left behind after ``close()`` or a SIGKILL of the trainer."""
+
+import json
+import multiprocessing
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from vitmm.data import examples, formats, pipeline, preprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PP = "decode|random_resized_crop(16)|value_range(-1, 1)|tokenize('caption', 32)|keep('image', 'caption_tokens')"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return formats.WdsSource(examples.write_wds(tmp_path_factory.mktemp("wds"), 40, per_shard=15, resolution=16))
+
+
+def _take(it, n):
+    return [np.concatenate([b["caption_tokens"][:, :8], (b["image"][:, :2, 0, 0] * 100).astype(np.int32)], 1).tolist()
+            for b in (next(it) for _ in range(n))]
+
+
+@pytest.mark.parametrize("skip_bad", [None, 0.5], ids=["batches", "examples"])
+def test_workers_give_the_same_batches_and_resume_exactly(shards, skip_bad):
+    pp = preprocess.parse(PP)
+    reference = _take(pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, skip_bad=skip_bad), 9)
+    it = pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, skip_bad=skip_bad, workers=2)
+    try:
+        assert _take(it, 2) == reference[:2]
+        for worker in multiprocessing.active_children():  # a launcher's SIGTERM to the process group:
+            os.kill(worker.pid, signal.SIGTERM)  # the workers leave stopping to the trainer
+        assert _take(it, 5) == reference[2:7]  # past what the workers had prepared before the signal
+        state = json.loads(json.dumps(it.get_state()))  # as a checkpoint stores it
+    finally:
+        it.close()
+    resumed = pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, skip_bad=skip_bad, workers=2)
+    try:
+        resumed.set_state(state)
+        assert _take(resumed, 2) == reference[7:]
+    finally:
+        resumed.close()
+    assert not multiprocessing.active_children()
+    with pytest.raises(ValueError, match="saved with input.workers=2; this run has none. Resume with input.workers=2"):
+        pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, skip_bad=skip_bad).set_state(state)
+
+
+def test_an_error_in_a_worker_reaches_the_trainer(shards):
+    def broken(example, rng):
+        raise ZeroDivisionError("a bug in the preprocessing")
+
+    it = pipeline.train_iterator(shards, broken, 4, seed=0, num_threads=1, workers=1)
+    try:
+        with pytest.raises(Exception, match="a bug in the preprocessing"):
+            next(it)
+    finally:
+        it.close()
+    with pytest.raises(ValueError, match=r"input.workers=-3: a number of worker processes"):
+        pipeline.train_iterator(shards, broken, 4, workers=-3)
+
+
+def test_a_sigkilled_trainer_leaves_no_worker_and_no_shared_memory(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(f"""
+        import multiprocessing, time
+        from vitmm.data import examples, formats, pipeline, preprocess
+        if __name__ == "__main__":
+            source = formats.WdsSource(examples.write_wds({str(tmp_path)!r}, 24, resolution=16))
+            it = pipeline.train_iterator(source, preprocess.parse({PP!r}), 4, num_threads=1, skip_bad=0.5, workers=2)
+            next(it)
+            print("WORKERS", *[p.pid for p in multiprocessing.active_children()], flush=True)
+            time.sleep(120)
+        """))
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = proc.stdout.readline()
+        workers = [int(p) for p in line.split()[1:]]
+        assert line.startswith("WORKERS") and len(workers) == 2
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in workers):
+        time.sleep(0.2)
+    assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+    while time.time() < deadline and set(os.listdir("/dev/shm")) - shm_before:
+        time.sleep(0.2)
+    leaked = [name for name in set(os.listdir("/dev/shm")) - shm_before if os.path.exists(f"/dev/shm/{name}")]
+    assert not leaked
