@@ -42,6 +42,7 @@ def get_config(arg=None):
           "tokenize('caption', {max_len}, padding='eos')|keep('image', 'caption_tokens')")
     c.input = common.train_input(arg.data, image_size=224, keys=("image", "captions"), pp=pp, num_threads=2,
                                  workers=-1)  # one reader process per spare core, 2 threads each
+    c.input.device_normalize = True  # uint8 to the GPU: a quarter of the bytes, the cast fused into the stem
 
     fast = dict(dtype_mm="bfloat16", scan=True, remat_policy="nothing_saveable")
     c.model = ml_collections.ConfigDict()

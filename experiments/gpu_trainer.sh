@@ -10,7 +10,9 @@
 #   demo.json          `make demo`'s config (configs/clip_scenes.py) trained on the GPU: wall time and
 #                      its evaluations, against the CPU's 0.602 zero-shot (results/demo/README.md)
 #   loop_overhead.json the whole loop's img/s against the bare compiled step, CLIP-B/16 scale
-#                      (configs/clip_scenes.py:scale=b16: bf16, cuDNN attention, 16 reader threads)
+#                      (configs/clip_scenes.py:scale=b16: bf16, cuDNN attention, reader processes
+#                      (input.workers=-1), uint8 images normalised on the GPU);
+#   loop_threads.json  the same with the earlier input: 16 reader threads in the trainer, float32 images
 #   resume_*.json      experiments/resume_check.py: 60 steps straight, again, and 30 + a resumed 30, step by
 #                      step; as XLA runs by default and with --xla_gpu_deterministic_ops=true
 set -uo pipefail
@@ -75,6 +77,9 @@ if wanted loop; then
 step "loop against the bare step"
 timeout ${LOOP_S:-300} $PY experiments/loop_overhead.py --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
     --set input.data_dir="$DATA" --out "$R/loop_overhead.json" || echo "FAILED: loop_overhead"
+timeout ${LOOP_S:-300} $PY experiments/loop_overhead.py --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
+    --set input.data_dir="$DATA" --set input.workers=0 --set input.num_threads=16 --set input.device_normalize=False \
+    --out "$R/loop_threads.json" || echo "FAILED: loop_threads"
 fi
 
 if wanted resume; then

@@ -298,3 +298,24 @@ def test_native_eval_scores_a_tower_on_squares_and_at_native_sizes(tmp_path, cli
     assert "| zero-shot squares | zero-shot native |" in table and "| 64-px squares |" in table
     row = next(csv.DictReader(open(out / "native_eval.csv")))
     assert 0 <= float(row["zeroshot_native/accuracy"]) <= 1 and float(row["val_native/loss"]) > 0
+
+
+def test_uint8_batches_normalised_on_the_device_train_as_the_host_normalised_ones(tmp_path, clip_smoke_run):
+    """``input.device_normalize``: the host sends uint8 images, the step applies the pp's
+    ``value_range``; the run ends where the session's host-normalised run ends (float32, 1e-6)."""
+    from vitmm.train import tasks
+
+    c = smoke_config(clip_smoke_run.data_dir, evals=False, **{"input.device_normalize": True})
+    host_pp, (scale, offset) = tasks.host_pp_and_device_affine(c)
+    assert "value_range" not in host_pp and scale == pytest.approx([2 / 255] * 3) and offset.tolist() == [-1] * 3
+    batch = next(trainer._input(c, tasks.tokenizer_for(c), trainer.Parallel("jit")))
+    assert batch["image"].dtype == np.uint8
+    summary = trainer.train(c, tmp_path)
+    straight = clip_smoke_run.summary
+    np.testing.assert_allclose([h["loss"] for h in summary["history"]], [h["loss"] for h in straight["history"]],
+                               rtol=1e-6)
+    assert summary["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
+    blind = smoke_config(clip_smoke_run.data_dir, **{"input.device_normalize": True,
+                                                     "input.pp": "decode|value_range(-1, 1)|blank|keep('image')"})
+    with pytest.raises(ValueError, match="does not end its image work with value_range or normalize"):
+        tasks.host_pp_and_device_affine(blind)

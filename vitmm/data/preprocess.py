@@ -108,6 +108,34 @@ def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], di
     return apply
 
 
+# Ops that read or write the image (after which a value mapping cannot move to the device).
+_IMAGE_OPS = {"decode", "resize", "naflex", "letterbox", "anyres", "center_crop", "random_resized_crop", "flip_lr",
+              "value_range", "normalize", "blank", "pad_to_square"}
+
+
+def split_image_affine(spec: str) -> tuple[str, tuple | None]:
+    """``(host spec, (scale, offset))``: the pp without its final ``value_range``/``normalize`` of
+    ``image`` and that map as per-channel float32 ``image * scale + offset``, for a device to apply
+    to uint8 batches (a quarter of the bytes to move, and the cast fused into the first layer).
+    ``(spec, None)`` when the pp has no such op or an image op follows it (e.g. ``blank``)."""
+    ops = [t for t in spec.split("|") if t.strip()]
+    for i in range(len(ops) - 1, -1, -1):
+        name, args, kwargs = _parse_op(ops[i])
+        if name not in _IMAGE_OPS:
+            continue
+        if name not in ("value_range", "normalize") or kwargs.get("key", "image") != "image":
+            return spec, None
+        if name == "value_range":
+            lo, hi = (list(args) + [kwargs.get("lo", -1.0), kwargs.get("hi", 1.0)][len(args):])[:2]
+            scale, offset = np.full(3, (hi - lo) / 255.0, np.float32), np.full(3, lo, np.float32)
+        else:
+            mean, std = (list(args) + [kwargs.get("mean", (0.5,) * 3), kwargs.get("std", (0.5,) * 3)][len(args):])[:2]
+            mean, std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+            scale, offset = np.float32(1.0) / (np.float32(255.0) * std), -mean / std
+        return "|".join(ops[:i] + ops[i + 1:]), (scale, offset)
+    return spec, None
+
+
 # ----------------------------------------------------------------------------------------------
 def to_rgb(image: np.ndarray) -> np.ndarray:
     """uint8 RGB ``[H, W, 3]`` from grayscale ``[H, W]``/``[H, W, 1]``, RGB or RGBA."""

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
+from vitmm.data import preprocess
 from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
 from vitmm.models import packing, two_towers, vlm
@@ -304,6 +305,22 @@ def pp_string(config, template: str | None = None) -> str:
         raise ValueError(f"The pp template {template!r} names the field {err}; a pp template may use "
                          f"{{image_size}}, {{max_len}}, {{image_mean}}, {{image_std}}, {{max_num_patches}}, "
                          "{patch_size}, {loss_positions} and {anyres} only.") from None
+
+
+def host_pp_and_device_affine(config) -> tuple[str, tuple | None]:
+    """The training pp the host runs, and the per-channel ``(scale, offset)`` the device applies to
+    the uint8 images (``input.device_normalize``; else None and the pp as it is)."""
+    spec = pp_string(config)
+    if not config.input.get("device_normalize"):
+        return spec, None
+    if config.input.get("packing"):
+        raise ValueError("input.device_normalize works on image batches, not packed patches (input.packing); "
+                         "set it to False.")
+    host, affine = preprocess.split_image_affine(spec)
+    if affine is None:
+        raise ValueError(f"input.device_normalize=True, but the pp {spec!r} does not end its image work with "
+                         "value_range or normalize (e.g. blank comes after it); set it to False.")
+    return host, affine
 
 
 def _anyres_op(config) -> str:

@@ -45,8 +45,11 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
     """
     accum = config.optim.get("accum_steps", 1)
     names = BASE_METRICS + task.aux_names
+    _, affine = tasks.host_pp_and_device_affine(config)  # uint8 images from the host: normalised here
 
     def step(state, batch):
+        if affine is not None:
+            batch = dict(batch, image=batch["image"].astype(jnp.float32) * affine[0] + affine[1])
         rng = par.device_rng(jax.random.fold_in(state["rng"], state["step"]))
         trainable = optim.trainable_mask(config.optim, state["params"])  # frozen parts get no gradient
         loss, aux, grads = step_lib.loss_and_grads(task.loss_fn, state["params"], batch, rng, accum, trainable)
@@ -113,7 +116,7 @@ def maybe_initialize_distributed(config) -> None:
 
 def _input(config, tokenizer, par: Parallel):
     inp = config.input
-    pp = preprocess.parse(tasks.pp_string(config), tokenizer)
+    pp = preprocess.parse(tasks.host_pp_and_device_affine(config)[0], tokenizer)
     if inp.get("packing"):
         host = _packed_input(config, pp)
     elif formats.raw_format(inp):  # the user's files (LLaVA JSON, tar shards, CSV, parquet, a mixture)
