@@ -48,25 +48,75 @@ class Chat:
         self._pp = preprocess.parse(tasks.pp_string(self.config, qa.replace("choose|", "")), self.tokenizer)
         self._decoder = decode.GreedyDecoder(self.task.model)
 
-    def _example(self, image: np.ndarray, question: str) -> dict:
-        if not self._conversation:
-            return self._pp({"image": image, "question": question, "answer": ""}, np.random.default_rng(0))
-        turns = [{"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": ""}]
-        return self._pp({"images": [image], "conversations": turns}, np.random.default_rng(0))
+    max_images = 1  # images one prompt may hold (the VLM places one image per sequence)
+
+    def prepare(self, images: list, turns: list[dict]) -> dict:
+        """The preprocessed prompt for LLaVA-style ``turns`` (``{"from", "value"}``, ``<image>``
+        where each of ``images``, uint8 ``[H, W, 3]``, goes) ending with a user turn: the run's own
+        pp and prompt format. ``ValueError`` for what this run cannot take."""
+        if not turns or turns[-1]["from"] != "human":
+            raise ValueError("The conversation must end with a user turn.")
+        if len(images) > self.max_images:
+            raise ValueError(f"{len(images)} images; this model takes at most {self.max_images}.")
+        for image in images:
+            _check_image(image)
+        tags = sum(t["value"].count("<image>") for t in turns)
+        if tags != len(images):
+            raise ValueError(f"{tags} <image> tag(s) in the text for {len(images)} image(s).")
+        rng = np.random.default_rng(0)
+        if self._conversation:
+            from vitmm.data.skips import BadExample
+
+            try:
+                return self._pp({"images": list(images), "conversations": [*turns, {"from": "gpt", "value": ""}]},
+                                rng)
+            except BadExample as bad:
+                raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
+        users = [t for t in turns if t["from"] == "human"]
+        if len(users) != 1 or len(images) != 1 or len(turns) != 1 + sum(t["from"] == "system" for t in turns):
+            raise ValueError("This model was trained on single questions about one image: send one user message with "
+                             "one image (its system prompt is the run's own).")
+        question = users[0]["value"].replace("<image>", "").strip()
+        return self._pp({"image": images[0], "question": question, "answer": ""}, rng)
+
+    def num_prompt_tokens(self, example: dict) -> int:
+        """The prompt's text tokens and the visual tokens the LM sees."""
+        shown = int(example.get("has_image", True))
+        return int(example["prompt_len"]) + shown * self._num_visual(example["image"])
+
+    def _num_visual(self, image) -> int:
+        from vitmm.models.vlm import VLM
+
+        return int(self.task.model.apply({"params": self.params}, tuple(image.shape[:2]),
+                                         method=VLM.num_visual_tokens))
+
+    def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0):
+        """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
+        n = int(example["prompt_len"])
+        visual_mask = None
+        if not example.get("has_image", True):  # a text-only prompt: the visual tokens masked out
+            visual_mask = np.zeros((1, self._num_visual(example["image"])), bool)
+        eos = self.tokenizer.eos_id
+        for row in self._decoder.stream({"params": self.params}, example["image"][None], example["ids"][None, :n],
+                                        np.array([n]), max_new_tokens, eos, bool(self.config.model.get("prefix_lm")),
+                                        np.array([example["image_pos"]]), visual_mask, None, temperature, top_p, seed):
+            yield int(row[0])
+            if int(row[0]) == eos:
+                return
 
     def ask(self, image: np.ndarray, question: str, max_new_tokens: int = 16) -> str:
         """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]``)."""
-        image = np.asarray(image)
-        if image.dtype != np.uint8 or not (image.ndim == 2 or (image.ndim == 3 and image.shape[-1] in (1, 3, 4))):
-            raise ValueError(f"ask: the image must be uint8 [H, W, 3] (or [H, W], 1 or 4 channels); got {image.dtype} "
-                             f"{image.shape}. Read a file with vitmm.data.images.decode_image(path.read_bytes()).")
-        ex = self._example(image, question)
-        n = int(ex["prompt_len"])
-        out = self._decoder({"params": self.params}, ex["image"][None], ex["ids"][None, :n],
-                            np.array([n]), max_new_tokens, self.tokenizer.eos_id,
-                            bool(self.config.model.get("prefix_lm")), np.array([ex["image_pos"]]))[0].tolist()
+        example = self.prepare([np.asarray(image)], [{"from": "human", "value": f"<image>\n{question}"}])
         eos = self.tokenizer.eos_id
-        return self.tokenizer.decode(out[: out.index(eos)] if eos in out else out)
+        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
+
+
+def _check_image(image) -> None:
+    image = np.asarray(image)
+    if image.dtype != np.uint8 or not (image.ndim == 2 or (image.ndim == 3 and image.shape[-1] in (1, 3, 4))):
+        raise ValueError(f"ask: the image must be uint8 [H, W, 3] (or [H, W], 1 or 4 channels); got {image.dtype} "
+                         f"{image.shape}. Read a file with vitmm.data.images.decode_image(path.read_bytes()).")
 
 
 def load(workdir, step: int | None = None) -> Chat:

@@ -54,21 +54,33 @@ class GreedyDecoder:
             return model.apply(variables, images, ids, prompt_len, cache, image_pos, prefix_lm, visual_mask, layout,
                                method=VLM.prefill)
 
-        def step(variables, token, position, cache):
+        def step(variables, token, position, cache, key, temperature, top_p):
             logits, cache = model.apply(variables, token, position, cache, method=VLM.step)
-            return logits.argmax(-1).astype(jnp.int32), cache
+            return sample(logits, key, temperature, top_p), cache
 
         self._prefill = jax.jit(prefill, static_argnames=("prefix_lm",))
-        self._step = jax.jit(step, donate_argnums=(3,))
+        self._step = jax.jit(step, donate_argnums=(3,), static_argnames=("temperature", "top_p"))
 
     def __call__(self, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray, max_new_tokens: int,
-                 eos_id: int, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None) -> np.ndarray:
+                 eos_id: int, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> np.ndarray:
         """Answers ``[B, max_new_tokens]`` (EOS, then padding with EOS) after each prompt.
 
         ``prompt_ids: [B, L]`` holds each prompt (BOS included) left-aligned, ``prompt_len`` their
         lengths; whatever follows a prompt in its row is ignored. ``image_pos``, ``visual_mask``
         (images with different token counts) and ``layout`` (AnyRes views) as in ``VLM``.
+        ``temperature`` 0: greedy; else sampled (``sample``: ``top_p``, from ``seed``).
         """
+        out = np.full((prompt_ids.shape[0], max_new_tokens), eos_id, np.int32)
+        for i, now in enumerate(self.stream(variables, images, prompt_ids, prompt_len, max_new_tokens, eos_id,
+                                            prefix_lm, image_pos, visual_mask, layout, temperature, top_p, seed)):
+            out[:, i] = now
+        return out
+
+    def stream(self, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray, max_new_tokens: int,
+               eos_id: int, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+        """``__call__``'s tokens one step at a time: ``[B]`` arrays (a finished row repeats EOS)."""
         b, length = prompt_ids.shape
         num_visual = (self.model.apply(variables, images.shape[1:3], method=VLM.num_visual_tokens) if layout is None
                       else np.shape(layout)[1])
@@ -80,27 +92,36 @@ class GreedyDecoder:
                                       prefix_lm, optional(visual_mask), optional(layout))
         shown = num_visual if visual_mask is None else jnp.asarray(np.asarray(visual_mask).sum(-1), jnp.int32)
         state = {"cache": cache, "position": prompt_len + shown}
+        key, temperature, top_p = jax.random.key(seed), float(temperature), float(top_p)
 
         def step(now, i):
-            token, state["cache"] = self._step(variables, jnp.asarray(now), state["position"] + i, state["cache"])
+            token, state["cache"] = self._step(variables, jnp.asarray(now), state["position"] + i, state["cache"],
+                                               jax.random.fold_in(key, i + 1), temperature, top_p)
             return token
 
-        return until_eos(logits.argmax(-1).astype(jnp.int32), max_new_tokens, eos_id, step)
+        first = sample(logits, jax.random.fold_in(key, 0), temperature, top_p)
+        yield from stream_until_eos(first, max_new_tokens, eos_id, step)
+
+
+def stream_until_eos(first, max_new_tokens: int, eos_id: int, step):
+    """Yields ``[B]`` tokens: ``first``, then ``step(previous [B], i)`` for the one after the
+    ``i``-th; a row keeps EOS once it has produced one, and it stops when every row has (or the
+    budget is spent)."""
+    done, token = np.zeros(first.shape[0], bool), first
+    for i in range(max_new_tokens):
+        now = np.where(done, eos_id, np.asarray(token)).astype(np.int32)
+        yield now
+        done |= now == eos_id
+        if done.all() or i == max_new_tokens - 1:
+            return
+        token = step(now, i)
 
 
 def until_eos(first, max_new_tokens: int, eos_id: int, step) -> np.ndarray:
-    """Tokens ``[B, max_new_tokens]``: ``first [B]``, then ``step(previous [B], i)`` for the one
-    after the ``i``-th; a row keeps EOS once it has produced one, and the loop stops when every row
-    has (or the budget is spent)."""
+    """``stream_until_eos``'s tokens as ``[B, max_new_tokens]``, EOS-padded."""
     out = np.full((first.shape[0], max_new_tokens), eos_id, np.int32)
-    done, token = np.zeros(first.shape[0], bool), first
-    for i in range(max_new_tokens):
-        now = np.where(done, eos_id, np.asarray(token))
+    for i, now in enumerate(stream_until_eos(first, max_new_tokens, eos_id, step)):
         out[:, i] = now
-        done |= now == eos_id
-        if done.all() or i == max_new_tokens - 1:
-            break
-        token = step(now, i)
     return out
 
 

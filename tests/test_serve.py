@@ -1,0 +1,202 @@
+"""`vitmm.serve`: the OpenAI Chat Completions API over a trained VLM workdir, asked with the real
+`openai` client (and raw HTTP for malformed requests) on a server the test starts on a free port."""
+
+import base64
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from vitmm import serve
+from vitmm.config_args import load
+from vitmm.data import examples, scenes
+from vitmm.train import trainer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A LLaVA-style smoke VLM (text-only examples mixed in) served on 127.0.0.1."""
+    import uvicorn
+
+    root = tmp_path_factory.mktemp("serve")
+    examples.write_llava(root / "data", 16, resolution=32, text_only_every=4)
+    config = load("configs/llava_pretrain.py", "smoke", **{"input.data_path": str(root / "data/data.json")})
+    trainer.train(config, root / "vlm_smoke")
+    engine = serve.Engine(root / "vlm_smoke", allow_local_files=root / "data")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(serve.make_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert uv.started
+    yield dict(url=f"http://127.0.0.1:{port}", engine=engine, root=root)
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _http(url: str, body: bytes | None = None) -> tuple[int, dict]:
+    """``(status, JSON body)`` of a raw GET (or POST of ``body``)."""
+    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+
+
+def _data_url(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(examples.encode(image, "png")).decode()
+
+
+def _ask(image, question):
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+                                         {"type": "text", "text": question}]}]
+
+
+IMAGE = scenes.generate("easy", 32, 3)["image"]
+
+
+def test_the_openai_client_gets_what_vitmm_chat_answers_with_usage(server):
+    reply = _client(server).chat.completions.create(model="vlm_smoke", messages=_ask(IMAGE, "Describe the image."),
+                                                    max_tokens=6, temperature=0)
+    assert reply.choices[0].message.content == server["engine"].chat.ask(IMAGE, "Describe the image.", 6)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.model == "vlm_smoke"
+    example = server["engine"].chat.prepare([IMAGE], [{"from": "human", "value": "<image>\nDescribe the image."}])
+    visual = server["engine"].chat._num_visual(example["image"])
+    assert reply.usage.prompt_tokens == int(example["prompt_len"]) + visual
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert 1 <= reply.usage.completion_tokens <= 6
+
+
+def test_streaming_gives_the_same_text_and_usage_last(server):
+    client = _client(server)
+    kwargs = dict(model="vlm_smoke", messages=_ask(IMAGE, "What is there?"), max_tokens=8, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_text_only_multi_turn_seeded_sampling_and_stop_strings(server):
+    client = _client(server)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Spell 'red'."},
+                {"role": "assistant", "content": "r e d"}, {"role": "user", "content": "And 'blue'?"}]
+    greedy = client.chat.completions.create(model="vlm_smoke", messages=messages, max_tokens=8, temperature=0)
+    assert isinstance(greedy.choices[0].message.content, str)
+    sampled = [client.chat.completions.create(model="vlm_smoke", messages=messages, max_tokens=8, temperature=1.0,
+                                              top_p=0.9, seed=7).choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1]  # the same seed, the same draw
+    text = client.chat.completions.create(model="vlm_smoke", messages=_ask(IMAGE, "?"), max_tokens=8,
+                                          temperature=0).choices[0].message.content
+    if len(text) >= 2:
+        stop = text[1]
+        cut = client.chat.completions.create(model="vlm_smoke", messages=_ask(IMAGE, "?"), max_tokens=8,
+                                             temperature=0, stop=[stop])
+        assert cut.choices[0].message.content == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_a_local_file_under_the_allowed_folder(server):
+    assert [m.id for m in _client(server).models.list()] == ["vlm_smoke"]
+    assert _http(server["url"] + "/health") == (200, {"status": "ok", "model": "vlm_smoke"})
+    path = server["root"] / "data/images/000000.jpg"
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{path}"}},
+                                             {"type": "text", "text": "?"}]}]
+    reply = _client(server).chat.completions.create(model="vlm_smoke", messages=messages, max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens >= 1
+
+
+PNG = _data_url(IMAGE)
+BAD = [
+    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ("no messages", {"model": "vlm_smoke", "messages": []}, 400, "'messages' must be a non-empty list"),
+    ("bad role", {"model": "vlm_smoke", "messages": [{"role": "robot", "content": "hi"}]}, 400, "role must be"),
+    ("bad base64", {"model": "vlm_smoke", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]}, 400, "not valid base64"),
+    ("not an image", {"model": "vlm_smoke", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"hello").decode()}}]}]},
+     400, "cannot be decoded"),
+    ("remote url", {"model": "vlm_smoke", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}}]}]}, 400, "not fetched"),
+    ("outside the allowed folder", {"model": "vlm_smoke", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}]}, 403, "outside --allow_local_files"),
+    ("two images", {"model": "vlm_smoke", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": PNG}}, {"type": "image_url", "image_url": {"url": PNG}}]}]},
+     400, "at most 1"),
+    ("max_tokens 0", {"model": "vlm_smoke", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+     400, "'max_tokens' must be an integer in [1, 4096]"),
+    ("temperature 3", {"model": "vlm_smoke", "messages": [{"role": "user", "content": "hi"}], "temperature": 3},
+     400, "'temperature' must be a number"),
+    ("ends with the assistant", {"model": "vlm_smoke", "messages": [{"role": "assistant", "content": "hi"}]},
+     400, "must end with a user turn"),
+]
+
+
+@pytest.mark.parametrize("body, status, message", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors_and_the_server_carries_on(server, body, status, message):
+    code, reply = _http(server["url"] + "/v1/chat/completions", json.dumps(body).encode())
+    assert code == status
+    assert message in reply["error"]["message"] and reply["error"]["type"] == "invalid_request_error"
+    assert _http(server["url"] + "/health")[0] == 200
+
+
+def test_malformed_json_and_the_openai_clients_exception(server):
+    code, reply = _http(server["url"] + "/v1/chat/completions", b"{not json")
+    assert code == 400 and "not valid JSON" in reply["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        _client(server).chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
+    assert _http(server["url"] + "/v1/nothing")[1]["error"]["code"] == "not_found"
+
+
+def test_sigterm_answers_the_request_in_flight_then_exits_0(server):
+    """``python -m vitmm.serve`` itself: a request sent just before SIGTERM is answered, then the
+    server exits with status 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "vitmm.serve", "--workdir", str(server["root"] / "vlm_smoke"),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(serve.__file__).rsplit("/vitmm/", 1)[0]})
+    try:
+        assert proc.stdout.readline().startswith("serving 'vlm_smoke'")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if _http(url + "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        body = {"model": "vlm_smoke", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32,
+                "temperature": 0}
+        answer = {}
+        thread = threading.Thread(target=lambda: answer.update(
+            result=_http(url + "/v1/chat/completions", json.dumps(body).encode())))
+        thread.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+        assert answer["result"][0] == 200 and answer["result"][1]["usage"]["completion_tokens"] >= 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()

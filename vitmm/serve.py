@@ -1,0 +1,320 @@
+"""Serve a trained VLM with the OpenAI Chat Completions API (FastAPI on uvicorn).
+
+    python -m vitmm.serve --workdir workdirs/llava_s2 [--host 127.0.0.1] [--port 8000] \\
+        [--model_name NAME] [--allow_local_files ROOT]
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    reply = client.chat.completions.create(model="llava_s2", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,..."}},
+        {"type": "text", "text": "Describe the image."}]}])
+
+Endpoints: ``POST /v1/chat/completions`` (``messages`` with string content or ``text`` and
+``image_url`` parts; ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
+``stop``, ``stream``; ``usage`` in every response, streamed as server-sent events with a last
+usage chunk), ``GET /v1/models`` (the model id: the workdir's name unless ``--model_name``) and
+``GET /health``. The run's own preprocessing, prompt format and chat template, merged LoRA and the
+KV-cache decoder answer (``vitmm.chat.Chat``). Images come as base64 ``data:`` URLs; local paths
+only under ``--allow_local_files``; remote URLs are refused (nothing is fetched). A bad request gets
+OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status and
+the server carries on; SIGTERM lets in-flight requests finish, then exits 0. Requests are answered
+one at a time.
+"""
+
+import argparse
+import base64
+import binascii
+import json
+import pathlib
+import signal
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+
+MAX_TOKENS = 4096  # the most tokens a request may ask for
+MAX_IMAGE_BYTES = 20 * 2**20
+MAX_IMAGE_PIXELS = 40_000_000
+
+
+class RequestError(Exception):
+    """A request the server refuses: OpenAI's error body with ``status``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class Engine:
+    """A VLM workdir behind the API: request checks, prompts, generation (one request at a time)."""
+
+    def __init__(self, workdir, model_name: str | None = None, allow_local_files=None):
+        from vitmm import chat
+
+        self.chat = chat.load(workdir)
+        self.model_name = model_name or pathlib.Path(workdir).expanduser().resolve().name
+        self.local_root = pathlib.Path(allow_local_files).expanduser().resolve() if allow_local_files else None
+        self.created = int(time.time())
+        self._lock = threading.Lock()
+
+    # --- requests ----------------------------------------------------------------------------
+    def parse(self, body) -> dict:
+        """The checked request: ``images``, ``turns`` (LLaVA's), and the sampling settings."""
+        if not isinstance(body, dict):
+            raise RequestError("The request body must be a JSON object.")
+        if body.get("model") != self.model_name:
+            raise RequestError(f"The model {body.get('model')!r} does not exist; this server has {self.model_name!r}.",
+                               404, "model", "model_not_found")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list.", param="messages")
+        images, turns = [], []
+        for i, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in ("system", "user", "assistant", "developer"):
+                raise RequestError(f"messages[{i}].role must be system, user or assistant; got {role!r}.",
+                                   param=f"messages[{i}].role")
+            text = self._content(message.get("content"), i, images)
+            turns.append({"from": {"user": "human", "assistant": "gpt"}.get(role, "system"), "value": text})
+        limit = self.chat.max_images
+        if len(images) > limit:
+            raise RequestError(f"{len(images)} images; this model takes at most {limit} per request.",
+                               param="messages")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 256))
+        temperature, top_p = body.get("temperature", 1.0), body.get("top_p", 1.0)
+        temperature = 1.0 if temperature is None else temperature
+        top_p = 1.0 if top_p is None else top_p
+        _check_number("max_tokens", max_tokens, 1, MAX_TOKENS, integer=True)
+        _check_number("temperature", temperature, 0.0, 2.0)
+        _check_number("top_p", top_p, 0.0, 1.0, low_open=True)
+        seed = body.get("seed") if body.get("seed") is not None else 0
+        _check_number("seed", seed, 0, 2**31 - 1, integer=True)
+        if body.get("n", 1) not in (1, None):
+            raise RequestError("Only n=1 is supported.", param="n")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise RequestError("'stop' must be a string or a list of at most 4 non-empty strings.", param="stop")
+        try:
+            example = self.chat.prepare(images, turns)
+        except ValueError as err:
+            raise RequestError(str(err), param="messages") from None
+        return dict(example=example, max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
+                    seed=int(seed), stop=stop, stream=bool(body.get("stream", False)))
+
+    def _content(self, content, i: int, images: list) -> str:
+        if isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise RequestError(f"messages[{i}].content must be a string or a list of parts.",
+                               param=f"messages[{i}].content")
+        text = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                text.append(part["text"])
+            elif kind == "image_url":
+                url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                images.append(self._image(url, i))
+                text.append("<image>\n")
+            else:
+                raise RequestError(f"messages[{i}].content has a part of type {kind!r}; use text or image_url.",
+                                   param=f"messages[{i}].content")
+        return "".join(text)
+
+    def _image(self, url, i: int) -> np.ndarray:
+        from vitmm.data.images import decode_image
+        from vitmm.data.skips import BadExample
+
+        param = f"messages[{i}].content"
+        if not isinstance(url, str) or not url:
+            raise RequestError("An image_url part needs a url.", param=param)
+        if url.startswith("data:"):
+            header, _, payload = url.partition(",")
+            if ";base64" not in header:
+                raise RequestError("An image data URL must be base64 (data:image/...;base64,...).", param=param)
+            try:
+                data = base64.b64decode(payload, validate=True)
+            except (binascii.Error, ValueError):
+                raise RequestError("The image data URL is not valid base64.", param=param) from None
+        elif url.startswith(("http://", "https://")):
+            raise RequestError("Remote image URLs are not fetched; send the image as a base64 data URL.", param=param)
+        else:
+            data = self._local_file(url.removeprefix("file://"), param)
+        if len(data) > MAX_IMAGE_BYTES:
+            raise RequestError(f"The image is {len(data):,} bytes, more than {MAX_IMAGE_BYTES:,}.", 413, param)
+        try:
+            image = decode_image(data)
+        except BadExample as bad:
+            raise RequestError(f"The image cannot be decoded ({bad.detail or bad.reason}).", param=param) from None
+        if image.shape[0] * image.shape[1] > MAX_IMAGE_PIXELS:
+            raise RequestError(f"The image is {image.shape[1]}x{image.shape[0]}, more than {MAX_IMAGE_PIXELS:,} "
+                               "pixels.", 413, param)
+        return image
+
+    def _local_file(self, path: str, param: str) -> bytes:
+        if self.local_root is None:
+            raise RequestError("Local image paths are refused; start the server with --allow_local_files ROOT, or "
+                               "send the image as a base64 data URL.", param=param)
+        resolved = pathlib.Path(path).expanduser().resolve()
+        if not resolved.is_relative_to(self.local_root):
+            raise RequestError(f"{path} is outside --allow_local_files {self.local_root}.", 403, param)
+        try:
+            return resolved.read_bytes()
+        except OSError:
+            raise RequestError(f"Cannot read {path}.", param=param) from None
+
+    # --- generation --------------------------------------------------------------------------
+    def completion(self, request: dict):
+        """Yields ``(text delta, None)`` pieces, then ``("", (finish_reason, usage))``. A stop string
+        ends the text before it; text that could still become one is held back until it cannot."""
+        tokenizer = self.chat.tokenizer
+        stops = request["stop"]
+        hold = max((len(s) for s in stops), default=1) - 1
+        with self._lock:
+            prompt = self.chat.num_prompt_tokens(request["example"])
+            tokens, shown, finish, text = [], "", "length", ""
+            for token in self.chat.generate(request["example"], request["max_tokens"], request["temperature"],
+                                            request["top_p"], request["seed"]):
+                if token == tokenizer.eos_id:
+                    finish = "stop"
+                    break
+                tokens.append(token)
+                text = tokenizer.decode(tokens)
+                cut = min((text.find(s) for s in stops if s in text), default=-1)
+                if cut >= 0:
+                    text, finish = text[:cut], "stop"
+                    break
+                ready = len(text) - hold
+                if text.endswith("\ufffd"):  # half a character: wait for the rest
+                    ready = min(ready, len(text) - 1)
+                if ready > len(shown):
+                    yield text[len(shown):ready], None
+                    shown = text[:ready]
+            if len(text) > len(shown):
+                yield text[len(shown):], None
+            usage = {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
+            yield "", (finish, usage)
+
+
+def _check_number(name, value, low, high, integer=False, low_open=False):
+    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok or value > high or value < low or (low_open and value == low):
+        raise RequestError(f"'{name}' must be {'an integer' if integer else 'a number'} in "
+                           f"{'(' if low_open else '['}{low}, {high}]; got {value!r}.", param=name)
+
+
+# ----------------------------------------------------------------------------------------------
+#                                             The app
+# ----------------------------------------------------------------------------------------------
+def make_app(engine: Engine):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="vitmm", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestError)
+    async def refused(request, err: RequestError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, err: HTTPException):
+        code = "not_found" if err.status_code == 404 else None
+        return JSONResponse(RequestError(str(err.detail), err.status_code, code=code).body(),
+                            status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def failed(request, err: Exception):
+        body = RequestError(f"The server failed on this request: {type(err).__name__}: {err}", 500,
+                            kind="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.model_name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": engine.created,
+                                            "owned_by": "vitmm"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        from starlette.concurrency import run_in_threadpool
+
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise RequestError(f"The request body is not valid JSON ({err}).") from None
+        parsed = await run_in_threadpool(engine.parse, body)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
+        if parsed["stream"]:
+            return StreamingResponse(_events(engine, parsed, head), media_type="text/event-stream")
+        pieces = await run_in_threadpool(lambda: list(engine.completion(parsed)))
+        text = "".join(piece for piece, _ in pieces)
+        finish, usage = pieces[-1][1]
+        return {**head, "object": "chat.completion", "usage": usage, "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+            "logprobs": None}]}
+
+    return app
+
+
+def _events(engine: Engine, parsed: dict, head: dict):
+    """Server-sent events: a role chunk, content deltas, a finish chunk, a usage chunk, [DONE]."""
+    def chunk(delta=None, finish=None, usage=None):
+        body = {**head, "object": "chat.completion.chunk",
+                "choices": [] if usage else [{"index": 0, "delta": delta or {}, "finish_reason": finish,
+                                              "logprobs": None}]}
+        if usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    for piece, end in engine.completion(parsed):
+        if end is None:
+            yield chunk({"content": piece})
+        else:
+            yield chunk(finish=end[0])
+            yield chunk(usage=end[1])
+    yield "data: [DONE]\n\n"
+
+
+def main(argv=None) -> int:
+    from vitmm import xla_flags
+
+    xla_flags.use_vitmm_defaults()
+    parser = argparse.ArgumentParser(prog="python -m vitmm.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True, help="a `python -m vitmm.train` VLM workdir")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model_name", default=None, help="the model id (default: the workdir's name)")
+    parser.add_argument("--allow_local_files", default=None, help="image paths under this folder are allowed")
+    args = parser.parse_args(argv)
+    try:
+        engine = Engine(args.workdir, args.model_name, args.allow_local_files)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"python -m vitmm.serve: {err}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    # uvicorn stops on SIGTERM/SIGINT once in-flight requests are answered, then raises the signal
+    # again for the handler that was there before: with these, the server then exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    print(f"serving {engine.model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(make_app(engine), host=args.host, port=args.port, log_level="warning")
+    print("stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
