@@ -200,3 +200,32 @@ def test_sigterm_answers_the_request_in_flight_then_exits_0(server):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_concurrent_requests_are_decoded_together_and_answered_as_alone(server):
+    """Six greedy requests at once (with and without images, different lengths and budgets) share
+    decodes, and each gets exactly the answer it gets alone."""
+    client = _client(server)
+    requests = [dict(messages=_ask(scenes.generate("easy", 32, i)["image"], "Describe it." + "?" * i),
+                     max_tokens=4 + i) for i in range(4)]
+    requests += [dict(messages=[{"role": "user", "content": "Spell 'blue'" + "!" * i}], max_tokens=6) for i in range(2)]
+    alone = [client.chat.completions.create(model="vlm_smoke", temperature=0, **r).choices[0].message.content
+             for r in requests]
+    batcher = server["engine"].batcher
+    batcher.window, seen = 0.5, len(batcher.batch_sizes)
+    try:
+        answers = [None] * len(requests)
+
+        def ask(i):
+            answers[i] = client.chat.completions.create(model="vlm_smoke", temperature=0,
+                                                        **requests[i]).choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        batcher.window = 0.005
+    assert answers == alone
+    assert max(batcher.batch_sizes[seen:]) > 1 and sum(batcher.batch_sizes[seen:]) == len(requests)

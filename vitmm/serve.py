@@ -17,8 +17,8 @@ usage chunk), ``GET /v1/models`` (the model id: the workdir's name unless ``--mo
 KV-cache decoder answer (``vitmm.chat.Chat``). Images come as base64 ``data:`` URLs; local paths
 only under ``--allow_local_files``; remote URLs are refused (nothing is fetched). A bad request gets
 OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status and
-the server carries on; SIGTERM lets in-flight requests finish, then exits 0. Requests are answered
-one at a time.
+the server carries on; SIGTERM lets in-flight requests finish, then exits 0. Concurrent greedy
+requests are decoded together (``Batcher``), each answered as it would be alone.
 """
 
 import argparse
@@ -26,6 +26,7 @@ import base64
 import binascii
 import json
 import pathlib
+import queue
 import signal
 import sys
 import threading
@@ -54,14 +55,15 @@ class RequestError(Exception):
 class Engine:
     """A VLM workdir behind the API: request checks, prompts, generation (one request at a time)."""
 
-    def __init__(self, workdir, model_name: str | None = None, allow_local_files=None):
+    def __init__(self, workdir, model_name: str | None = None, allow_local_files=None, max_batch: int = 8,
+                 window_ms: float = 5.0):
         from vitmm import chat
 
         self.chat = chat.load(workdir)
         self.model_name = model_name or pathlib.Path(workdir).expanduser().resolve().name
         self.local_root = pathlib.Path(allow_local_files).expanduser().resolve() if allow_local_files else None
         self.created = int(time.time())
-        self._lock = threading.Lock()
+        self.batcher = Batcher(self.chat, max_batch, window_ms / 1000)
 
     # --- requests ----------------------------------------------------------------------------
     def parse(self, body) -> dict:
@@ -174,33 +176,106 @@ class Engine:
     def completion(self, request: dict):
         """Yields ``(text delta, None)`` pieces, then ``("", (finish_reason, usage))``. A stop string
         ends the text before it; text that could still become one is held back until it cannot."""
-        tokenizer = self.chat.tokenizer
-        stops = request["stop"]
+        tokenizer, stops = self.chat.tokenizer, request["stop"]
         hold = max((len(s) for s in stops), default=1) - 1
-        with self._lock:
-            prompt = self.chat.num_prompt_tokens(request["example"])
-            tokens, shown, finish, text = [], "", "length", ""
-            for token in self.chat.generate(request["example"], request["max_tokens"], request["temperature"],
-                                            request["top_p"], request["seed"]):
-                if token == tokenizer.eos_id:
-                    finish = "stop"
+        prompt = self.chat.num_prompt_tokens(request["example"])
+        tokens, shown, finish, text = [], "", "length", ""
+        for token in self.batcher.submit(request):
+            if token == tokenizer.eos_id:
+                finish = "stop"
+                break
+            tokens.append(token)
+            text = tokenizer.decode(tokens)
+            cut = min((text.find(s) for s in stops if s in text), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+                break
+            ready = len(text) - hold
+            if text.endswith("\ufffd"):  # half a character: wait for the rest
+                ready = min(ready, len(text) - 1)
+            if ready > len(shown):
+                yield text[len(shown):ready], None
+                shown = text[:ready]
+        if len(text) > len(shown):
+            yield text[len(shown):], None
+        usage = {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
+        yield "", (finish, usage)
+
+
+class Batcher:
+    """Concurrent requests decoded together: the first request waits ``window`` seconds for others
+    (up to ``max_batch``), then one KV-cache decode serves them all, each request's tokens handed
+    to it as they come. Greedy requests (temperature 0) share a batch, and their answers are those
+    of one request at a time (tested); a sampled request decodes alone, so its seed alone decides
+    its draw. One thread does all device work, so requests never interleave on the device."""
+
+    def __init__(self, chat, max_batch: int = 8, window: float = 0.005):
+        self.chat, self.max_batch, self.window = chat, max_batch, window
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = None
+        self.batch_sizes: list[int] = []  # every decode's batch, for tests and the load test
+
+    def submit(self, request: dict):
+        """Yields the request's token ids (EOS last if the answer ends within ``max_tokens``)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="vitmm-serve-decoder")
+            self._thread.start()
+        tokens: queue.Queue = queue.Queue()
+        self._queue.put((request, tokens))
+        while True:
+            token = tokens.get()
+            if isinstance(token, BaseException):
+                raise token
+            if token is None:
+                return
+            yield token
+
+    def _loop(self):
+        while True:
+            batch = [self._queue.get()]
+            deadline = time.monotonic() + self.window
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
                     break
-                tokens.append(token)
-                text = tokenizer.decode(tokens)
-                cut = min((text.find(s) for s in stops if s in text), default=-1)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-                    break
-                ready = len(text) - hold
-                if text.endswith("\ufffd"):  # half a character: wait for the rest
-                    ready = min(ready, len(text) - 1)
-                if ready > len(shown):
-                    yield text[len(shown):ready], None
-                    shown = text[:ready]
-            if len(text) > len(shown):
-                yield text[len(shown):], None
-            usage = {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
-            yield "", (finish, usage)
+            greedy = [item for item in batch if item[0]["temperature"] == 0]
+            groups = ([greedy] if greedy else []) + [[item] for item in batch if item[0]["temperature"] != 0]
+            for group in groups:
+                try:
+                    self._decode(group)
+                except Exception as err:  # noqa: BLE001 - every waiting request gets the error
+                    for _, tokens in group:
+                        tokens.put(err)
+
+    def _decode(self, group):
+        chat, eos = self.chat, self.chat.tokenizer.eos_id
+        examples = [request["example"] for request, _ in group]
+        lengths = np.array([int(ex["prompt_len"]) for ex in examples])
+        ids = np.full((len(group), int(lengths.max())), chat.tokenizer.pad_id, np.int32)
+        for row, ex in enumerate(examples):
+            ids[row, : lengths[row]] = ex["ids"][: lengths[row]]
+        images = np.stack([ex["image"] for ex in examples])
+        shown = np.array([bool(ex.get("has_image", True)) for ex in examples])
+        visual_mask = None
+        if not shown.all():  # text-only prompts among them: their visual tokens masked out
+            visual_mask = np.repeat(shown[:, None], chat._num_visual(examples[0]["image"]), axis=1)
+        first = group[0][0]
+        budget = [request["max_tokens"] for request, _ in group]
+        open_rows = set(range(len(group)))
+        self.batch_sizes.append(len(group))
+        for step, row_tokens in enumerate(chat._decoder.stream(
+                {"params": chat.params}, images, ids, lengths, max(budget), eos,
+                bool(chat.config.model.get("prefix_lm")), np.array([ex["image_pos"] for ex in examples]),
+                visual_mask, None, first["temperature"], first["top_p"], first["seed"])):
+            for row in list(open_rows):
+                token = int(row_tokens[row])
+                group[row][1].put(token)
+                if token == eos or step + 1 == budget[row]:
+                    group[row][1].put(None)
+                    open_rows.discard(row)
+        for row in open_rows:
+            group[row][1].put(None)
 
 
 def _check_number(name, value, low, high, integer=False, low_open=False):
