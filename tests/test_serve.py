@@ -229,3 +229,11 @@ def test_concurrent_requests_are_decoded_together_and_answered_as_alone(server):
         batcher.window = 0.005
     assert answers == alone
     assert max(batcher.batch_sizes[seen:]) > 1 and sum(batcher.batch_sizes[seen:]) == len(requests)
+
+
+def test_the_load_test_runs_and_reports_both_ways(server, tmp_path, load_script):
+    result = load_script("experiments/bench_serve.py").main([
+        "--workdir", str(server["root"] / "vlm_smoke"), "--requests", "4", "--clients", "2", "--max_tokens", "2",
+        "--warmup", "1", "--out", str(tmp_path)])
+    assert result["same_answers"] and result["one_client"]["tokens"] == result["concurrent"]["tokens"]
+    assert result["batch_sizes"]["decodes"] >= 1 and (tmp_path / "bench_serve.md").is_file()

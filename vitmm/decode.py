@@ -79,12 +79,13 @@ class GreedyDecoder:
 
     def stream(self, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray, max_new_tokens: int,
                eos_id: int, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None,
-               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
-        """``__call__``'s tokens one step at a time: ``[B]`` arrays (a finished row repeats EOS)."""
+               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, cache_len: int | None = None):
+        """``__call__``'s tokens one step at a time: ``[B]`` arrays (a finished row repeats EOS).
+        ``cache_len``: a longer KV cache than needed (a server rounds shapes up so that few compile)."""
         b, length = prompt_ids.shape
         num_visual = (self.model.apply(variables, images.shape[1:3], method=VLM.num_visual_tokens) if layout is None
                       else np.shape(layout)[1])
-        cache = lm_lib.init_cache(self.model.lm, b, length + num_visual + max_new_tokens)
+        cache = lm_lib.init_cache(self.model.lm, b, max(cache_len or 0, length + num_visual + max_new_tokens))
         prompt_len = jnp.asarray(np.asarray(prompt_len), jnp.int32)
         optional = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
         logits, cache = self._prefill(variables, images, jnp.asarray(prompt_ids), prompt_len, cache,

@@ -249,25 +249,32 @@ class Batcher:
                         tokens.put(err)
 
     def _decode(self, group):
+        """One decode for ``group``. Shapes are rounded up (rows to a power of two, filled with copies
+        of the first; prompt columns to a multiple of 32; the cache to one of 64) so that a server
+        compiles a handful of programs, not one per mix of requests."""
         chat, eos = self.chat, self.chat.tokenizer.eos_id
+        rows = 1 << (len(group) - 1).bit_length()
         examples = [request["example"] for request, _ in group]
+        examples += examples[:1] * (rows - len(examples))
         lengths = np.array([int(ex["prompt_len"]) for ex in examples])
-        ids = np.full((len(group), int(lengths.max())), chat.tokenizer.pad_id, np.int32)
+        ids = np.full((rows, -(-int(lengths.max()) // 32) * 32), chat.tokenizer.pad_id, np.int32)
         for row, ex in enumerate(examples):
             ids[row, : lengths[row]] = ex["ids"][: lengths[row]]
         images = np.stack([ex["image"] for ex in examples])
         shown = np.array([bool(ex.get("has_image", True)) for ex in examples])
+        num_visual = chat._num_visual(examples[0]["image"])
         visual_mask = None
         if not shown.all():  # text-only prompts among them: their visual tokens masked out
-            visual_mask = np.repeat(shown[:, None], chat._num_visual(examples[0]["image"]), axis=1)
+            visual_mask = np.repeat(shown[:, None], num_visual, axis=1)
         first = group[0][0]
         budget = [request["max_tokens"] for request, _ in group]
         open_rows = set(range(len(group)))
         self.batch_sizes.append(len(group))
+        cache_len = -(-(ids.shape[1] + num_visual + max(budget)) // 64) * 64
         for step, row_tokens in enumerate(chat._decoder.stream(
                 {"params": chat.params}, images, ids, lengths, max(budget), eos,
                 bool(chat.config.model.get("prefix_lm")), np.array([ex["image_pos"] for ex in examples]),
-                visual_mask, None, first["temperature"], first["top_p"], first["seed"])):
+                visual_mask, None, first["temperature"], first["top_p"], first["seed"], cache_len)):
             for row in list(open_rows):
                 token = int(row_tokens[row])
                 group[row][1].put(token)
