@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from vitmm.data import examples, formats, pipeline, preprocess
+from vitmm.data import examples, formats, pipeline, preprocess, skips
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PP = "decode|random_resized_crop(16)|value_range(-1, 1)|tokenize('caption', 32)|keep('image', 'caption_tokens')"
@@ -31,10 +31,19 @@ def _take(it, n):
             for b in (next(it) for _ in range(n))]
 
 
-@pytest.mark.parametrize("skip_bad", [None, 0.5], ids=["batches", "examples"])
-def test_workers_give_the_same_batches_and_resume_exactly(shards, skip_bad):
+@pytest.mark.parametrize("skip_bad", [None, 0.5], ids=["tfds-style", "raw-data"])
+def test_workers_give_the_same_batches_every_time_and_resume_exactly(shards, skip_bad):
+    """Without skipping, the batches are those of the trainer's own threads; raw data (skipping)
+    is batched inside each worker, so its batches are those of any run with as many workers."""
     pp = preprocess.parse(PP)
-    reference = _take(pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, skip_bad=skip_bad), 9)
+    if skip_bad is None:
+        reference = _take(pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1), 9)
+    else:
+        first = pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, skip_bad=skip_bad, workers=2)
+        try:
+            reference = _take(first, 9)
+        finally:
+            first.close()
     it = pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, skip_bad=skip_bad, workers=2)
     try:
         assert _take(it, 2) == reference[:2]
@@ -55,6 +64,23 @@ def test_workers_give_the_same_batches_and_resume_exactly(shards, skip_bad):
         pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, skip_bad=skip_bad).set_state(state)
 
 
+def test_bad_examples_are_counted_over_all_workers(tmp_path):
+    pattern = examples.write_wds(tmp_path, 12, per_shard=12, resolution=16)
+    shard = tmp_path / "00000.tar"
+    shard.write_bytes(shard.read_bytes()[: -10240 - 600])  # the last example cut off: 1 bad in 12
+    source = formats.WdsSource(pattern)
+    it = pipeline.train_iterator(source, preprocess.parse(PP), 4, seed=0, num_threads=1, skip_bad=0.5, workers=2)
+    try:
+        for _ in range(6):  # 24 good examples: two epochs of 11 good and more
+            next(it)
+        counts = skips.total_counts(it.get_state())
+    finally:
+        it.close()
+    assert counts["skipped"] == {"shard_truncated": counts["read"] - 24} and counts["read"] >= 26
+    assert counts["first"]["shard_truncated"][0] == "00000.tar/000000011"
+    assert skips.metrics(it.get_state())["data/skipped"] == counts["read"] - 24
+
+
 def test_an_error_in_a_worker_reaches_the_trainer(shards):
     def broken(example, rng):
         raise ZeroDivisionError("a bug in the preprocessing")
@@ -73,7 +99,7 @@ def test_a_sigkilled_trainer_leaves_no_worker_and_no_shared_memory(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(textwrap.dedent(f"""
         import multiprocessing, time
-        from vitmm.data import examples, formats, pipeline, preprocess
+        from vitmm.data import examples, formats, pipeline, preprocess, skips
         if __name__ == "__main__":
             source = formats.WdsSource(examples.write_wds({str(tmp_path)!r}, 24, resolution=16))
             it = pipeline.train_iterator(source, preprocess.parse({PP!r}), 4, num_threads=1, skip_bad=0.5, workers=2)

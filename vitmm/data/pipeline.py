@@ -226,9 +226,11 @@ def train_iterator(
 
     ``workers > 0``: reading and preprocessing run in that many worker processes (grain's
     ``mp_prefetch``; ``-1``: ``auto_workers()``), each with ``num_threads`` threads, out of reach of
-    the trainer's GIL. Worker ``w`` prepares batches (raw data: examples) ``w, w + workers, …`` of the
-    same stream, so the batches are the same as without workers; a resumed run must use the same
-    number. ``close()`` stops the workers; they also exit when the trainer dies (even by SIGKILL).
+    the trainer's GIL. Worker ``w`` prepares batches ``w, w + workers, …`` of the same stream, so the
+    batches are the same as without workers. With ``skip_bad`` each worker batches the good examples
+    of every ``workers``-th record itself (its own counts and limit), so the batches depend on the
+    number of workers. A resumed run must use the same number. ``close()`` stops the workers; they
+    also exit when the trainer dies (even by SIGKILL).
     """
     index, count = _process_slot(process_index, process_count)
     if global_batch_size % count:
@@ -245,12 +247,42 @@ def train_iterator(
     if skip_bad is not None:
         ds = ds.random_map(skips.guard(pp_fn), seed=seed)
         options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=max(prefetch, per_process))
-        examples = _in_workers(ds.to_iter_dataset(options), workers, per_process)
-        return skips.SkippingBatches(examples, per_process, collate, max_share=skip_bad, min_read=min(1000, epoch))
+        if workers:  # each worker batches the good examples of its share itself: batches, not examples, travel
+            batched = _SkippingBatchesDataset(ds.to_iter_dataset(options), per_process, skip_bad,
+                                              min(1000, max(1, epoch // workers)))
+            return _in_workers(batched, workers, 2)
+        return skips.SkippingBatches(_NoWorkers(iter(ds.to_iter_dataset(options))), per_process, collate,
+                                     max_share=skip_bad, min_read=min(1000, epoch))
     ds = ds.random_map(pp_fn, seed=seed)
     ds = ds.batch(per_process, drop_remainder=True, batch_fn=collate)
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
     return _in_workers(ds.to_iter_dataset(options), workers, 2)
+
+
+class _SkippingBatchesDataset(grain.IterDataset):
+    """``skips.SkippingBatches`` as a grain transformation, so that it runs inside each worker."""
+
+    def __init__(self, parent, batch_size: int, max_share: float, min_read: int):
+        super().__init__(parent)
+        self._settings = (batch_size, max_share, min_read)
+
+    def __iter__(self):
+        return _SkippingBatchesIterator(self._parent.__iter__(), *self._settings)
+
+
+class _SkippingBatchesIterator(grain.DatasetIterator):
+    def __init__(self, parent, batch_size: int, max_share: float, min_read: int):
+        super().__init__(parent)
+        self._batches = skips.SkippingBatches(parent, batch_size, collate, max_share=max_share, min_read=min_read)
+
+    def __next__(self):
+        return next(self._batches)
+
+    def get_state(self) -> dict:
+        return self._batches.get_state()
+
+    def set_state(self, state) -> None:
+        self._batches.set_state(state)
 
 
 def auto_workers() -> int:

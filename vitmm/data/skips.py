@@ -131,6 +131,10 @@ class SkippingBatches:
         return {"examples": self._it.get_state(), "counts": _copy(self._counts)}
 
     def set_state(self, state: dict) -> None:
+        if "examples" not in state:  # saved by another input (e.g. with worker processes): the reader says why
+            self._it.set_state(state)
+            raise ValueError(f"The checkpoint's data position ({sorted(state)}) is not this input's; resume with the "
+                             "input settings it was saved with.")
         self._it.set_state(state["examples"])
         self._counts = _copy(state["counts"])
 
@@ -148,11 +152,41 @@ def _copy(counts: dict) -> dict:
             "first": {k: list(v) for k, v in counts["first"].items()}}
 
 
+def total_counts(state) -> dict | None:
+    """The counts of a ``SkippingBatches`` state, summed over every one nested in it (one per input
+    worker process); None for another iterator's state."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("counts"), dict) and "read" in node["counts"]:
+                found.append(node["counts"])
+            else:
+                for value in node.values():
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(state)
+    if not found:
+        return None
+    total = SkippingBatches._fresh()
+    for counts in found:
+        total["read"] += counts["read"]
+        total["truncated"] += counts.get("truncated", 0)
+        for reason, n in counts["skipped"].items():
+            total["skipped"][reason] = total["skipped"].get(reason, 0) + n
+        for reason, ids in counts["first"].items():
+            total["first"][reason] = (total["first"].get(reason, []) + list(ids))[:SHOW_IDS]
+    return total
+
+
 def metrics(state) -> dict:
     """The numbers a log step writes (``data/read``, ``data/skipped``, ``data/skipped/<reason>``,
-    ``data/truncated``) from a ``SkippingBatches`` state (possibly nested under a device iterator's);
+    ``data/truncated``) from a ``SkippingBatches`` state (or several, one per worker process);
     ``{}`` for another iterator's state."""
-    counts = state.get("counts") if isinstance(state, dict) else None
+    counts = total_counts(state)
     if not counts:
         return {}
     out = {"data/read": counts["read"], "data/skipped": sum(counts["skipped"].values()),

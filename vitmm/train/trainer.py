@@ -390,7 +390,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
 
 def _data_counts(data_state, shown: int | None, is_main: bool) -> int | None:
     """The skipped examples so far (raw data); prints the counts and first ids when they grew."""
-    counts = data_state.get("counts") if isinstance(data_state, dict) else None
+    counts = skips.total_counts(data_state)
     if not counts:
         return None
     total = sum(counts["skipped"].values())
