@@ -118,10 +118,20 @@ def test_a_sigkilled_trainer_leaves_no_worker_and_no_shared_memory(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     deadline = time.time() + 20
-    while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in workers):
+    while time.time() < deadline and any(_running(pid) for pid in workers):
         time.sleep(0.2)
-    assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+    assert not [pid for pid in workers if _running(pid)]
     while time.time() < deadline and set(os.listdir("/dev/shm")) - shm_before:
         time.sleep(0.2)
     leaked = [name for name in set(os.listdir("/dev/shm")) - shm_before if os.path.exists(f"/dev/shm/{name}")]
     assert not leaked
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process: an exited one whose new parent (the container's first
+    process) has not reaped it yet is a zombie, listed in /proc but gone."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -308,16 +308,19 @@ def _exit_with_parent(worker_index: int, worker_count: int) -> None:
     process group must not take the input away while the trainer saves its checkpoint; the trainer
     stops its workers), and a thread ends the worker once its parent is gone, so a SIGKILLed trainer
     leaves no worker behind (the resource tracker then frees their shared memory)."""
+    import multiprocessing
     import signal
     import threading
     import time
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
+    # The trainer's pid as spawning recorded it: it may have died before this worker got here.
+    parent = multiprocessing.parent_process()
+    parent_pid = parent.pid if parent is not None else os.getppid()
 
     def watch():
-        while os.getppid() == parent:
+        while os.getppid() == parent_pid:
             time.sleep(0.5)
         os._exit(0)
 
