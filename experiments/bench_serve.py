@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import platform
-import socket
 import statistics
 import threading
 import time
@@ -77,7 +76,6 @@ def _phase(client, model: str, messages: list, clients: int, max_tokens: int) ->
 
 def main(argv=None) -> dict:
     import openai
-    import uvicorn
 
     from vitmm import serve
 
@@ -91,16 +89,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     engine = serve.Engine(args.workdir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(serve.make_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    url, stop = serve.start_in_thread(engine)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         messages = _requests(args.requests)
         _phase(client, engine.model_name, messages[: args.warmup], 1, args.max_tokens)
         # Warm the batched shapes too: one concurrent round of the clients' size.
@@ -111,8 +102,7 @@ def main(argv=None) -> dict:
         together = _phase(client, engine.model_name, messages, args.clients, args.max_tokens)
         sizes = list(engine.batcher.batch_sizes)
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        stop()
     same = alone.pop("answers") == together.pop("answers")
     result = dict(date=str(datetime.date.today()), machine=f"{platform.machine()}, {os.cpu_count()} cores",
                   workdir=str(args.workdir), requests=args.requests, max_tokens=args.max_tokens, one_client=alone,

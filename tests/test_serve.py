@@ -21,26 +21,14 @@ from vitmm.train import trainer
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A LLaVA-style smoke VLM (text-only examples mixed in) served on 127.0.0.1."""
-    import uvicorn
-
     root = tmp_path_factory.mktemp("serve")
     examples.write_llava(root / "data", 16, resolution=32, text_only_every=4)
     config = load("configs/llava_pretrain.py", "smoke", **{"input.data_path": str(root / "data/data.json")})
     trainer.train(config, root / "vlm_smoke")
     engine = serve.Engine(root / "vlm_smoke", allow_local_files=root / "data")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(serve.make_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert uv.started
-    yield dict(url=f"http://127.0.0.1:{port}", engine=engine, root=root)
-    uv.should_exit = True
-    thread.join(timeout=10)
+    url, stop = serve.start_in_thread(engine)
+    yield dict(url=url, engine=engine, root=root)
+    stop()
 
 
 def _http(url: str, body: bytes | None = None) -> tuple[int, dict]:

@@ -369,6 +369,32 @@ def _events(engine: Engine, parsed: dict, head: dict):
     yield "data: [DONE]\n\n"
 
 
+def start_in_thread(engine: Engine, host: str = "127.0.0.1"):
+    """Serves ``engine`` on a free port from a background thread (tests, load tests):
+    ``(base URL, stop())``."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(engine), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError(f"The server did not start on {host}:{port}.")
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    return f"http://{host}:{port}", stop
+
+
 def main(argv=None) -> int:
     from vitmm import xla_flags
 

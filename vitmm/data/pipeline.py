@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
 import pathlib
 from collections.abc import Callable, Iterator
 
@@ -27,6 +26,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from vitmm.data import scenes_builder, skips
+from vitmm.data import workers as workers_lib
 
 DEFAULT_DATA_DIR = scenes_builder.DEFAULT_DATA_DIR
 SCENES = "scenes"
@@ -225,7 +225,7 @@ def train_iterator(
     of the state). ``prefetch`` then counts examples, not batches.
 
     ``workers > 0``: reading and preprocessing run in that many worker processes (grain's
-    ``mp_prefetch``; ``-1``: ``auto_workers()``), each with ``num_threads`` threads, out of reach of
+    ``mp_prefetch``; ``-1``: ``workers.auto_workers()``), each with ``num_threads`` threads, out of reach of
     the trainer's GIL. Worker ``w`` prepares batches ``w, w + workers, …`` of the same stream, so the
     batches are the same as without workers. With ``skip_bad`` each worker batches the good examples
     of every ``workers``-th record itself (its own counts and limit), so the batches depend on the
@@ -235,7 +235,7 @@ def train_iterator(
     index, count = _process_slot(process_index, process_count)
     if global_batch_size % count:
         raise ValueError(f"Global batch {global_batch_size} does not split over {count} processes.")
-    workers = auto_workers() if workers == -1 else workers
+    workers = workers_lib.auto_workers() if workers == -1 else workers
     if not isinstance(workers, int) or workers < 0:
         raise ValueError(f"input.workers={workers!r}: a number of worker processes (0: none, -1: one per spare core).")
     per_process = global_batch_size // count
@@ -248,131 +248,15 @@ def train_iterator(
         ds = ds.random_map(skips.guard(pp_fn), seed=seed)
         options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=max(prefetch, per_process))
         if workers:  # each worker batches the good examples of its share itself: batches, not examples, travel
-            batched = _SkippingBatchesDataset(ds.to_iter_dataset(options), per_process, skip_bad,
-                                              min(1000, max(1, epoch // workers)))
-            return _in_workers(batched, workers, 2)
-        return skips.SkippingBatches(_NoWorkers(iter(ds.to_iter_dataset(options))), per_process, collate,
+            batched = workers_lib.SkippingBatchesDataset(ds.to_iter_dataset(options), per_process, collate, skip_bad,
+                                                         min(1000, max(1, epoch // workers)))
+            return workers_lib.in_workers(batched, workers, 2)
+        return skips.SkippingBatches(workers_lib.NoWorkers(iter(ds.to_iter_dataset(options))), per_process, collate,
                                      max_share=skip_bad, min_read=min(1000, epoch))
     ds = ds.random_map(pp_fn, seed=seed)
     ds = ds.batch(per_process, drop_remainder=True, batch_fn=collate)
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-    return _in_workers(ds.to_iter_dataset(options), workers, 2)
-
-
-class _SkippingBatchesDataset(grain.IterDataset):
-    """``skips.SkippingBatches`` as a grain transformation, so that it runs inside each worker."""
-
-    def __init__(self, parent, batch_size: int, max_share: float, min_read: int):
-        super().__init__(parent)
-        self._settings = (batch_size, max_share, min_read)
-
-    def __iter__(self):
-        return _SkippingBatchesIterator(self._parent.__iter__(), *self._settings)
-
-
-class _SkippingBatchesIterator(grain.DatasetIterator):
-    def __init__(self, parent, batch_size: int, max_share: float, min_read: int):
-        super().__init__(parent)
-        self._batches = skips.SkippingBatches(parent, batch_size, collate, max_share=max_share, min_read=min_read)
-
-    def __next__(self):
-        return next(self._batches)
-
-    def get_state(self) -> dict:
-        return self._batches.get_state()
-
-    def set_state(self, state) -> None:
-        self._batches.set_state(state)
-
-
-def auto_workers() -> int:
-    """Worker processes that fit the host: one per core beyond the two the trainer keeps (its
-    Python loop and the device's host threads), at most 16."""
-    return max(1, min(16, (os.cpu_count() or 1) - 2))
-
-
-def _in_workers(ds, workers: int, buffer: int):
-    """``iter(ds)``, or its elements prepared in ``workers`` processes (``WorkerIterator``)."""
-    if not workers:
-        return _NoWorkers(iter(ds))
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; a library caller has not parsed any
-        flags.FLAGS.mark_as_parsed()
-    options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer)
-    return WorkerIterator(iter(ds.mp_prefetch(options, worker_init_fn=_exit_with_parent)), workers)
-
-
-def _exit_with_parent(worker_index: int, worker_count: int) -> None:
-    """In each worker: SIGTERM and SIGINT are left to the trainer (a launcher that signals the whole
-    process group must not take the input away while the trainer saves its checkpoint; the trainer
-    stops its workers), and a thread ends the worker once its parent is gone, so a SIGKILLed trainer
-    leaves no worker behind (the resource tracker then frees their shared memory)."""
-    import multiprocessing
-    import signal
-    import threading
-    import time
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The trainer's pid as spawning recorded it: it may have died before this worker got here.
-    parent = multiprocessing.parent_process()
-    parent_pid = parent.pid if parent is not None else os.getppid()
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="vitmm-exit-with-parent").start()
-
-
-class _NoWorkers:
-    """grain's iterator as it is (its state unchanged), refusing a state saved with workers."""
-
-    def __init__(self, iterator):
-        self._it = iterator
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self._it)
-
-    def get_state(self):
-        return self._it.get_state()
-
-    def set_state(self, state) -> None:
-        if isinstance(state, dict) and "workers" in state:
-            raise ValueError(f"The checkpoint's data position was saved with input.workers={state['workers']}; this "
-                             f"run has none. Resume with input.workers={state['workers']}.")
-        self._it.set_state(state)
-
-
-class WorkerIterator:
-    """grain's multiprocess iterator with a checked state and ``close()``."""
-
-    def __init__(self, iterator, workers: int):
-        self._it, self.workers = iterator, workers
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self._it)
-
-    def get_state(self) -> dict:
-        return {"workers": self.workers, "grain": self._it.get_state()}
-
-    def set_state(self, state: dict) -> None:
-        saved = state.get("workers") if isinstance(state, dict) else None
-        if saved != self.workers:
-            raise ValueError(f"The checkpoint's data position was saved with input.workers={saved or 0}; this run has "
-                             f"{self.workers}. Resume with input.workers={saved or 0}.")
-        self._it.set_state(state["grain"])
-
-    def close(self) -> None:
-        self._it.close()
+    return workers_lib.in_workers(ds.to_iter_dataset(options), workers, 2)
 
 
 class _PaddedIndex:

@@ -1,0 +1,127 @@
+"""Input worker processes (``input.workers``): grain's ``mp_prefetch`` with a checked state,
+``close()``, workers that leave SIGTERM to the trainer and exit when it dies, and bad-example
+skipping that runs inside each worker (``SkippingBatchesDataset``)."""
+
+from __future__ import annotations
+
+import os
+
+import grain
+
+from vitmm.data import skips
+
+
+class SkippingBatchesDataset(grain.IterDataset):
+    """``skips.SkippingBatches`` as a grain transformation, so that it runs inside each worker."""
+
+    def __init__(self, parent, batch_size: int, collate, max_share: float, min_read: int):
+        super().__init__(parent)
+        self._settings = (batch_size, collate, max_share, min_read)
+
+    def __iter__(self):
+        return _SkippingBatchesIterator(self._parent.__iter__(), *self._settings)
+
+
+class _SkippingBatchesIterator(grain.DatasetIterator):
+    def __init__(self, parent, batch_size: int, collate, max_share: float, min_read: int):
+        super().__init__(parent)
+        self._batches = skips.SkippingBatches(parent, batch_size, collate, max_share=max_share, min_read=min_read)
+
+    def __next__(self):
+        return next(self._batches)
+
+    def get_state(self) -> dict:
+        return self._batches.get_state()
+
+    def set_state(self, state) -> None:
+        self._batches.set_state(state)
+
+
+def auto_workers() -> int:
+    """Worker processes that fit the host: one per core beyond the two the trainer keeps (its
+    Python loop and the device's host threads), at most 16."""
+    return max(1, min(16, (os.cpu_count() or 1) - 2))
+
+
+def in_workers(ds, workers: int, buffer: int):
+    """``iter(ds)``, or its elements prepared in ``workers`` processes (``WorkerIterator``)."""
+    if not workers:
+        return NoWorkers(iter(ds))
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; a library caller has not parsed any
+        flags.FLAGS.mark_as_parsed()
+    options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer)
+    return WorkerIterator(iter(ds.mp_prefetch(options, worker_init_fn=_exit_with_parent)), workers)
+
+
+def _exit_with_parent(worker_index: int, worker_count: int) -> None:
+    """In each worker: SIGTERM and SIGINT are left to the trainer (a launcher that signals the whole
+    process group must not take the input away while the trainer saves its checkpoint; the trainer
+    stops its workers), and a thread ends the worker once its parent is gone, so a SIGKILLed trainer
+    leaves no worker behind (the resource tracker then frees their shared memory)."""
+    import multiprocessing
+    import signal
+    import threading
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The trainer's pid as spawning recorded it: it may have died before this worker got here.
+    parent = multiprocessing.parent_process()
+    parent_pid = parent.pid if parent is not None else os.getppid()
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="vitmm-exit-with-parent").start()
+
+
+class NoWorkers:
+    """grain's iterator as it is (its state unchanged), refusing a state saved with workers."""
+
+    def __init__(self, iterator):
+        self._it = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def get_state(self):
+        return self._it.get_state()
+
+    def set_state(self, state) -> None:
+        if isinstance(state, dict) and "workers" in state:
+            raise ValueError(f"The checkpoint's data position was saved with input.workers={state['workers']}; this "
+                             f"run has none. Resume with input.workers={state['workers']}.")
+        self._it.set_state(state)
+
+
+class WorkerIterator:
+    """grain's multiprocess iterator with a checked state and ``close()``."""
+
+    def __init__(self, iterator, workers: int):
+        self._it, self.workers = iterator, workers
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def get_state(self) -> dict:
+        return {"workers": self.workers, "grain": self._it.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        saved = state.get("workers") if isinstance(state, dict) else None
+        if saved != self.workers:
+            raise ValueError(f"The checkpoint's data position was saved with input.workers={saved or 0}; this run has "
+                             f"{self.workers}. Resume with input.workers={saved or 0}.")
+        self._it.set_state(state["grain"])
+
+    def close(self) -> None:
+        self._it.close()
