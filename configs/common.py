@@ -15,15 +15,16 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
+from vitmm.train import optim as optim_lib
+
 SMOKE_DATA = "scenes/easy_32_256_64_64_s0"  # a scenes build made in about a second
 
 
 def optim(*, lr: float, warmup_steps: int, weight_decay: float, freeze=(), **more) -> ml_collections.ConfigDict:
-    """AdamW, linear warmup then cosine decay to ``end_factor``·lr (``vitmm.train.optim.schedule``);
-    b1/b2/eps as CLIP (0.9, 0.98, 1e-6), gradients clipped at global norm 1."""
-    return ml_collections.ConfigDict(dict(lr=lr, warmup_steps=warmup_steps, end_factor=0.0, weight_decay=weight_decay,
-                                          b1=0.9, b2=0.98, eps=1e-6, clip_norm=1.0, freeze=tuple(freeze),
-                                          accum_steps=1, **more))
+    """AdamW, linear warmup then cosine decay to ``end_factor``·lr, b1/b2/eps as CLIP (0.9, 0.98,
+    1e-6), gradients clipped at global norm 1: ``vitmm.train.optim.config``'s defaults."""
+    return optim_lib.config(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, freeze=freeze,
+                            accum_steps=1, **more)
 
 
 def init(**more) -> ml_collections.ConfigDict:

@@ -22,7 +22,6 @@
   train step (the trainer's resume test alone compiles it three times: 78 s without the cache,
   53 s cold, 33 s warm). Programs are keyed by their HLO, options and the JAX version, so a hit
   is the same executable. ``VITMM_TEST_XLA_CACHE=`` (empty) turns it off.
-* ``load_script``: imports a script by its path (experiments/ and configs/ are not packages).
 * ``clip_smoke_run`` (and ``siglip_chunked_smoke_run``): one trained smoke run for the session,
   for the tests that need a trained CLIP (initialising from it, a VLM tower, the token-budget
   sweep) or a reference run to compare against (pmap vs jit, resuming) rather than a run of
@@ -32,11 +31,9 @@
 
 import dataclasses
 import fcntl
-import importlib.util
 import json
 import os
 import pathlib
-import sys
 import tempfile
 
 import pytest
@@ -62,23 +59,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def load_script():
-    """``load_script("experiments/token_budget.py")``: the script as a fresh module, registered
-    in ``sys.modules`` under its file name (flax modules, being dataclasses, look their module up
-    there). Scripts that import siblings put their folder on ``sys.path`` themselves."""
-
-    def load(relative_path: str):
-        path = ROOT / relative_path
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module
-        spec.loader.exec_module(module)
-        return module
-
-    return load
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,5 @@
 """Configs parse and build; the front-end demo and the token-count experiment run."""
 
-import csv
-import json
 import pathlib
 import subprocess
 import sys
@@ -102,15 +100,6 @@ def test_demo_command_line_with_overrides_and_typo():
     assert "num_registrs" in bad.stderr
 
 
-def test_token_count_experiment_writes_tables(tmp_path, load_script):
-    module = load_script("experiments/token_counts.py")
-    out = module.main(["--out", str(tmp_path)])
-    csv_text = (out / "token_counts.csv").read_text().splitlines()
-    assert csv_text[0].startswith("variant,resolution,patch")
-    assert len(csv_text) == 1 + len(module.VARIANTS) * len(module.RESOLUTIONS) * len(module.PATCHES)
-    assert "| B/16 | 224 | 197 | 38,809 | 35.1 |" in (out / "token_counts.md").read_text()
-
-
 def test_every_readme_model_example_builds():
     """vitmm/models/README.md shows a constructor per ViT option; each must build as written."""
     import re
@@ -134,123 +123,6 @@ def test_load_applies_dotted_overrides_and_rejects_unknown_keys():
     assert config.model.num_registers == 3 and config.model.variant == "Ti/16"
     with pytest.raises(KeyError, match="model.num_registrs"):
         config_args.load(ROOT / "configs/frontend_demo.py", None, **{"model.num_registrs": 3})
-
-
-def test_benchmark_script_runs_and_writes_its_tables(tmp_path):
-    """The vitmm side of experiments/benchmark.py on a tiny ViT and a tiny CLIP pair (the PyTorch side
-    needs torch)."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "bench"
-    args = ["--variants", "mu/16", "--batch", "2", "--res", "64", "--warmup", "0", "--repeats", "1", "--no_torch",
-            "--pair", "mu/16", "--pair_text_width", "64", "--pair_text_depth", "1", "--pair_text_len", "16",
-            "--pair_vocab", "100", "--pair_embed_dim", "32"]
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments/benchmark.py"), *args, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = list(csv.DictReader(open(out / "benchmark.csv")))
-    assert [(r["task"], r["variant"], r["mode"]) for r in rows] == [
-        ("vit", "mu/16", "train"), ("vit", "mu/16", "infer"), ("pair", "mu/16", "train"), ("pair", "mu/16", "infer")]
-    for r in rows:
-        assert float(r["images_s"]) > 0 and float(r["matmul_gflops"]) > 0 and float(r["compile_s"]) > 0
-        # XLA's own count agrees with the analytic formula, which leaves out norms, softmax, the
-        # 1000-class head and the optimizer (up to ~15% of these tiny models, ~1% of ViT-S/16).
-        assert abs(float(r["xla_vs_analytic"]) - 1) < 0.2, r
-        assert "glibc.malloc.hugetlb=1" in r["glibc_tunables"] and float(r["minor_faults_per_step"]) >= 0
-    # The pair's analytic count is the image tower's plus the text tower's (1 layer, 16 tokens, width 64).
-    assert float(rows[2]["analytic_gflop_per_image"]) == pytest.approx(
-        float(rows[0]["analytic_gflop_per_image"]) + (24 * 16 * 64**2 + 4 * 16**2 * 64) / 1e9, rel=1e-9)
-    markdown = (out / "benchmark.md").read_text()
-    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in markdown
-    assert "| ViT-mu/16 | train | vitmm |" in markdown and "| CLIP mu/16 + text (pairs) | infer | vitmm |" in markdown
-
-
-def test_benchmark_scaling_table_sets_measured_next_to_predicted_ratios(tmp_path, monkeypatch, load_script):
-    """The scaling mode's bookkeeping, with the timed worker replaced by a clock that is exactly
-    proportional to the analytic FLOPs: every measured ratio must then equal its prediction."""
-    bench = load_script("experiments/benchmark.py")
-    fake = lambda python, kind, spec, threads, tunables: {"step_s": bench.analytic_gflop(spec["variant"], spec["res"])}  # noqa: E731
-    monkeypatch.setattr(bench, "_run_worker", fake)
-    out = bench.main(["--scaling", "Ti", "--out", str(tmp_path)])
-    rows = list(csv.DictReader(open(out / "scaling.csv")))
-    assert [(r["variant"], int(r["res"]), int(r["tokens"])) for r in rows[::2]] == [
-        ("Ti/32", 224, 49), ("Ti/16", 224, 196), ("Ti/8", 224, 784), ("Ti/16", 448, 784)]
-    for r in rows:
-        assert float(r["measured_ratio"]) == pytest.approx(float(r["predicted_ratio"]), rel=1e-9)
-    by = {(r["variant"], r["res"], r["mode"]): float(r["predicted_ratio"]) for r in rows}
-    assert by[("Ti/16", "224", "infer")] == 1.0
-    # Same tokens: the same encoder FLOPs; only the patch projection (4x the pixels at 448) differs.
-    assert by[("Ti/8", "224", "infer")] == pytest.approx(by[("Ti/16", "448", "infer")], rel=0.03)
-    assert by[("Ti/8", "224", "infer")] > 4  # 4x tokens: linear terms 4x, attention 16x
-    assert "| Ti/8 | 224 | 784 |" in (out / "scaling.md").read_text()
-
-
-def test_benchmark_rounds_take_turns_and_report_the_median_paired_ratio(tmp_path, monkeypatch, load_script):
-    """``--rounds 3``: each round runs vitmm then the reference; a row's time is the median over
-    rounds and its ratio the median of the rounds' paired ratios, with their range."""
-    bench = load_script("experiments/benchmark.py")
-    calls = []
-    times = {"jax": [1.0, 2.0, 1.0], "torch": [1.5, 2.0, 3.0]}  # paired ratios 1.5, 1.0, 3.0 per mode
-
-    def fake(python, kind, spec, threads, tunables):
-        calls.append(kind)
-        assert tunables == bench.HUGE_PAGES  # the same allocator setting for both frameworks
-        n = sum(c == kind for c in calls) - 1
-        return {"framework": kind, "task": spec["task"], "variant": spec["variant"], "mode": spec["mode"],
-                "step_s": times[kind][n % 3], "matmul_gflops": 100.0, "peak_rss_mb": 10.0 + n}
-
-    monkeypatch.setattr(bench, "_run_worker", fake)
-    out = bench.main(["--variants", "Ti/16", "--pair", "", "--rounds", "3", "--out", str(tmp_path)])
-    assert calls == ["jax", "torch"] * 6  # turns, for train then infer
-    rows = list(csv.DictReader(open(out / "benchmark.csv")))
-    ref = rows[1]
-    assert float(rows[0]["step_s"]) == 1.0 and float(ref["step_s"]) == 2.0
-    assert float(ref["ratio"]) == 1.5 and float(ref["ratio_min"]) == 1.0 and float(ref["ratio_max"]) == 3.0
-    assert float(ref["peak_rss_mb"]) == 12.0
-    assert "1.50× (1.00–3.00)" in (out / "benchmark.md").read_text()
-
-
-@pytest.fixture
-def bench_gpu(load_script):
-    return load_script("experiments/bench_gpu.py")
-
-
-def test_bench_gpu_tiny_runs_every_case_and_profiles_it(tmp_path, bench_gpu):
-    """experiments/bench_gpu.py end to end at --tiny size on the CPU: every case times, its
-    profile attributes the step's ops, and the tables are written."""
-    out = tmp_path / "bench_gpu.json"
-    results = bench_gpu.main(["--tiny", "--profile", "--steps", "2", "--repeats", "1", "--out", str(out)])
-    assert set(results) == {"agreement", *(c[0] for c in bench_gpu.CASES)}
-    # bf16 against float32 on the same tokens: close, not equal (cuDNN is absent on a CPU)
-    assert 1e-4 < results["agreement"]["xla_bf16"]["rel"] < 0.02
-    assert 1e-4 < results["agreement"]["xla_bf16_residual_bf16"]["rel"] < 0.03
-    assert "error" in results["agreement"]["cudnn_bf16"] or results["agreement"]["cudnn_bf16"]["rel"] < 0.02
-    for name, r in results.items():
-        if name == "agreement":
-            continue
-        assert "error" not in r, (name, r)
-        assert r["step_s"] > 0 and r["flops"] > 0 and r["batch"] == 2
-        assert r["profile"]["unknown_ops"] == 0 and r["profile"]["by_kind"]["matmul"] > 0
-    assert json.loads(out.read_text()).keys() == results.keys()
-    profile = (tmp_path / "profile.md").read_text()
-    assert profile.count("## ") == len(results) - 1 and "| forward | encoder/block_*/mlp/fc1 |" in profile
-
-
-def test_bench_gpu_sweep_runs_each_setting_in_its_own_process(tmp_path, monkeypatch, bench_gpu):
-    """The sweep hands each setting's XLA flags and arguments to a fresh process: a flag XLA does
-    not know fails that setting alone, and speed-ups are against the baseline runs."""
-    bench = bench_gpu
-    monkeypatch.setattr(bench, "SWEEP", [("baseline", "", []), ("bogus flag", "--xla_no_such_flag_anywhere=1", []),
-                                         ("tanh GELU", "", ["--act", "gelu_tanh", "--dtype_residual", "bfloat16"])])
-    out = tmp_path / "sweep.json"
-    rows = bench.main(["--tiny", "--sweep", "--steps", "1", "--repeats", "1", "--out", str(out)])["sweep"]
-    assert [r["setting"] for r in rows] == ["baseline", "bogus flag", "tanh GELU"]
-    assert rows[0]["speedup"] == pytest.approx(1.0) and rows[2]["step_ms"] > 0 and "speedup" in rows[2]
-    assert "error" in rows[1] and "step_ms" not in rows[1]
-    markdown = out.with_suffix(".md").read_text()
-    assert "| tanh GELU | `` | `--act gelu_tanh --dtype_residual bfloat16` |" in markdown
-    assert "| bogus flag |" in markdown
 
 
 def test_one_image_size_override_reaches_training_and_evaluation(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 `openai` client (and raw HTTP for malformed requests) on a server the test starts on a free port."""
 
 import base64
+import importlib
 import json
 import socket
 import threading
@@ -219,8 +220,8 @@ def test_concurrent_requests_are_decoded_together_and_answered_as_alone(server):
     assert max(batcher.batch_sizes[seen:]) > 1 and sum(batcher.batch_sizes[seen:]) == len(requests)
 
 
-def test_the_load_test_runs_and_reports_both_ways(server, tmp_path, load_script):
-    result = load_script("experiments/bench_serve.py").main([
+def test_the_load_test_runs_and_reports_both_ways(server, tmp_path):
+    result = importlib.import_module("experiments.bench.serve").main([
         "--workdir", str(server["root"] / "vlm_smoke"), "--requests", "4", "--clients", "2", "--max_tokens", "2",
         "--warmup", "1", "--out", str(tmp_path)])
     assert result["same_answers"] and result["one_client"]["tokens"] == result["concurrent"]["tokens"]

@@ -48,6 +48,6 @@ def test_every_entry_point_applies_them():
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    for path in ("vitmm/train/__main__.py", "vitmm/demo.py", "experiments/token_budget.py",
-                 "experiments/bench_input.py", "experiments/bench_workers.py"):
+    for path in ("vitmm/train/__main__.py", "vitmm/demo.py", "experiments/token_budget/__main__.py",
+                 "experiments/bench/input.py", "experiments/bench/workers.py"):
         assert "xla_flags.use_vitmm_defaults()" in (root / path).read_text(), path

@@ -306,17 +306,6 @@ def test_examples_command_writes_each_format(tmp_path):
         assert out.startswith(f"wrote 3 {fmt} examples: ")
 
 
-def test_reader_benchmark_times_every_format_and_writes_its_tables(tmp_path, load_script):
-    script = load_script("experiments/bench_readers.py")
-    rows = script.main(["--num", "8", "--resolution", "32", "--batch", "4", "--batches", "1", "--repeats", "2",
-                        "--threads", "1", "--workers", "0", "--out", str(tmp_path)])
-    assert [(r["format"], r["decode"]) for r in rows] == [("scenes", "full")] + [
-        (f, d) for f in examples.FORMATS for d in ("full", "draft")]
-    assert all(r["low"] <= r["median"] <= r["high"] and r["cores_per_gpu"] > 0 for r in rows)
-    assert (tmp_path / "bench_readers.csv").is_file()
-    assert "| wds | full | float32 | 1 | 0 |" in (tmp_path / "bench_readers.md").read_text()
-
-
 def test_the_llava_pipeline_reads_hf_chat_parquet(tmp_path):
     source = formats.ParquetSource(str(examples.write_parquet(tmp_path, 6, resolution=16, messages=True)))
     it = pipeline.train_iterator(source, preprocess.parse(LLAVA_PP), 3, seed=0, num_threads=1, skip_bad=0.0)

@@ -1,5 +1,7 @@
 """The grain pipeline: sources, sharding, shuffling, exact resume, padded evaluation, devices."""
 
+import importlib
+
 import jax
 import numpy as np
 import pytest
@@ -166,8 +168,8 @@ def test_key_source_decodes_only_what_is_asked_and_equals_full_decode(data_dir, 
         assert sorted(mocked[0]) == ["image"]
 
 
-def test_input_benchmark_runs(tmp_path, data_dir, small_name, load_script):
-    module = load_script("experiments/bench_input.py")
+def test_input_benchmark_runs(tmp_path, data_dir, small_name):
+    module = importlib.import_module("experiments.bench.input")
     result = module.main(["--data", f"scenes/{small_name}", "--data_dir", data_dir, "--batch", "8",
                           "--batches", "2", "--steps", "1", "--repeats", "1", "--out", str(tmp_path)])
     assert result["input_examples_per_s"] > 0 and result["step_examples_per_s"] > 0

@@ -1,6 +1,7 @@
 """Connectors: the token count every family reports equals the shape it produces, for every
 budget; unreachable budgets raise; merges, pooling and positions do what they claim."""
 
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -273,20 +274,3 @@ def test_size_to_picks_the_nearest_count_and_keeps_the_tokens():
                 assert abs(np.log(n / 50_000)) >= abs(np.log(count / 50_000))
     with pytest.raises(ValueError, match="'linear' has no size knob"):
         C.size_to({"name": "linear", "budget": "all"}, 50_000, in_dim, out_dim, grid)
-
-
-def test_bench_connectors_tiny_reports_cost_and_time_per_reachable_cell(load_script, tmp_path):
-    """``experiments/bench_connectors.py --tiny`` (what a GPU run does at real sizes): per reachable
-    (family, tokens) the connector's parameters, FLOPs and time, the LM prefill's FLOPs and time,
-    the stage-1 step's time for the step families; an unreachable budget is listed as such."""
-    script = load_script("experiments/bench_connectors.py")
-    rows = script.main(["--tiny", "--families", "pool,mlp", "--step_families", "pool", "--out",
-                        str(tmp_path / "bc.json")])
-    tower, cells = rows[0], {(r["family"], r["budget"]): r for r in rows[1:]}
-    assert tower["grid"] == [4, 4] and tower["forward_ms"] > 0
-    assert "unreachable" in cells[("mlp", 4)]["note"] and cells[("mlp", 16)]["tokens"] == 16
-    pool4, pool16 = cells[("pool", 4)], cells[("pool", 16)]
-    assert pool4["tokens"] == 4 and pool4["connector_params"] > 0 and pool4["connector_ms"] > 0
-    assert 0 < pool4["tiny"]["lm_gflops"] < pool16["tiny"]["lm_gflops"]  # prefill grows with the visual tokens
-    assert pool16["tiny"]["stage1_step_ms"] > 0 and "stage1_step_ms" not in cells[("mlp", 16)]["tiny"]
-    assert "| pool | 4 |" in (tmp_path / "bc.md").read_text()

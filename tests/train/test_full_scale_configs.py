@@ -75,37 +75,6 @@ def test_full_size_models_build(name, expected_millions):
     assert _config("clip_scenes", "scale=b16").model.image.attn_impl == "cudnn"  # its default
 
 
-def test_loop_overhead_times_the_loop_and_its_bare_step(load_script, clip_smoke_run):
-    """``experiments/loop_overhead.py``: the trainer's logged speed after the skipped intervals and
-    the same compiled step alone (``trainer.build``)."""
-    script = load_script("experiments/loop_overhead.py")
-    # 4 steps, the smoke's own: the step compiles to the program the session's smoke run cached.
-    out = script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4",
-                       "--log_every", "1", "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
-    assert out["loop"]["intervals"] == 2 and out["batch_size"] == 16
-    assert out["loop"]["img_per_s"] > 0 and out["bare"]["img_per_s"] > 0
-    assert out["ratio"] == out["loop"]["img_per_s"] / out["bare"]["img_per_s"] and 0.2 < out["ratio"] < 2
-    with pytest.raises(SystemExit, match="too few intervals"):
-        script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4", "--log_every", "2",
-                     "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
-    bare = script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4", "--log_every", "2",
-                        "--bare_only", "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
-    assert bare["loop"] is None and bare["ratio"] is None and bare["bare"]["img_per_s"] > 0
-
-
-def test_resume_check_compares_a_resumed_run_step_by_step(load_script, clip_smoke_run):
-    """``experiments/resume_check.py`` (on a GPU it separated nondeterminism from the resume): on
-    this CPU the resumed and the repeated runs equal the straight one at every step."""
-    script = load_script("experiments/resume_check.py")
-    out = script.main(["--config", "configs/clip_scenes.py:smoke", "--half", "2", "--repeat",
-                       "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
-    assert out["resume_exact"] and out["steps"] == 4 and out["stopped_at"] == 2
-    assert out["repeat"] == {"max_loss_difference": 0.0, "first_differing_step": None}
-    assert len(set(out["param_checksums"].values())) == 1
-    a, b = {1: 1.0, 2: 2.0, 3: 3.0}, {1: 1.0, 2: 2.5, 3: 2.0}
-    assert script.compare(a, b, range(1, 4)) == {"max_loss_difference": 1.0, "first_differing_step": 2}
-
-
 @pytest.mark.parametrize("name", ["clip_b16_coco", "siglip_b16"])
 def test_smoke_step_on_coco_shaped_data(tmp_path, fake_coco, name):
     c = _config(name, "smoke")

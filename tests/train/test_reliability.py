@@ -1,6 +1,7 @@
 """What a run survives: preemption, a second writer, corrupt checkpoints, failed saves, an
 evaluator that fails, resumed logs, config changes, and bad input that fails in one line."""
 
+import importlib
 import json
 import os
 import pathlib
@@ -314,8 +315,8 @@ def test_resuming_on_fewer_devices_continues_the_same_global_data_order(tmp_path
                                rtol=1e-5)
 
 
-def test_a_loop_of_sigkill_and_sigterm_ends_where_an_uninterrupted_run_ends(tmp_path, data_dir, load_script):
-    loop = load_script("experiments/preemption_loop.py")
+def test_a_loop_of_sigkill_and_sigterm_ends_where_an_uninterrupted_run_ends(tmp_path, data_dir):
+    loop = importlib.import_module("experiments.reliability.preemption_loop")
     result = loop.main(["--steps", "12", "--checkpoint_every", "4", "--kills", "2", "--data_dir", data_dir,
                         "--out", str(tmp_path)])
     assert [r["signal"] for r in result["interruptions"]] == ["SIGKILL", "SIGTERM"]

@@ -1,6 +1,7 @@
 """VLM training through the same loop: stages freeze what they should, the tower comes from a
 CLIP run of `vitmm.train`, and the QA evaluator reports accuracy per question kind."""
 
+import importlib
 import json
 import pathlib
 
@@ -313,8 +314,8 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
 
 
 def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_rerun(
-        tmp_path, data_dir, capsys, load_script):
-    script = load_script("experiments/vlm_smollm2.py")
+        tmp_path, data_dir, capsys):
+    script = importlib.import_module("experiments.vlm_smollm2.study")
     args = ["--smoke", "--only", "scratch_lm_same_examples", "--out", str(tmp_path / "out"), "--workdirs",
             str(tmp_path / "w"), "--data_dir", data_dir]
     script.main(args)
@@ -329,7 +330,7 @@ def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_
 
 
 def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resumes(
-        tmp_path, data_dir, clip_smoke_run, capsys, load_script):
+        tmp_path, data_dir, clip_smoke_run, capsys):
     """``vlm_smollm2.py --frozen`` on a converted tiny GGUF: the lr chosen per family on validation
     is the one the grid runs with, on the test split; every run is a row (then its checkpoint is
     deleted), blind sees blank images, runs checkpoint every ``--checkpoint_every`` steps, a
@@ -338,7 +339,7 @@ def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resume
 
     fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
     cli.main(["--from", "gguf", "--src", str(fixtures / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "lm")])
-    script = load_script("experiments/vlm_smollm2.py")
+    script = importlib.import_module("experiments.vlm_smollm2.study")
     args = ["--frozen", "--smoke", "--families", "pool", "--budgets", "4", "--seeds", "0,1", "--lrs", "1e-3,3e-3",
             "--tune_budget", "4", "--test_questions", "8", "--vision", str(clip_smoke_run.workdir), "--lm",
             str(tmp_path / "lm"), "--out", str(tmp_path / "out"), "--workdirs", str(tmp_path / "w"),

@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 
 import jax
+import ml_collections
 import optax
 from flax import traverse_util
 
@@ -26,6 +27,17 @@ def regex_mask(params, patterns: Sequence[str]):
     flat = traverse_util.flatten_dict(params)
     mask = {k: any(c.fullmatch("/".join(k)) for c in compiled) for k in flat}
     return traverse_util.unflatten_dict(mask)
+
+
+def config(*, lr: float, warmup_steps: int, weight_decay: float = 0.0, end_factor: float = 0.0, b1: float = 0.9,
+           b2: float = 0.98, eps: float = 1e-6, clip_norm: float = 1.0, freeze=(), **more) -> ml_collections.ConfigDict:
+    """The settings ``make_optimizer`` reads, with vitmm's defaults: AdamW with CLIP's b1/b2/eps
+    (0.9, 0.98, 1e-6), gradients clipped at global norm 1, a linear warmup then a cosine decay to
+    ``end_factor``·lr at ``total_steps`` (in ``more``, or set by the trainer from the run's length).
+    Every caller builds its optimizer settings here: configs, studies and tests."""
+    return ml_collections.ConfigDict(dict(lr=lr, warmup_steps=warmup_steps, end_factor=end_factor,
+                                          weight_decay=weight_decay, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
+                                          freeze=tuple(freeze), **more))
 
 
 def schedule(cfg) -> optax.Schedule:

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 27 in one device call that ends by itself inside its limit: the trainer on the GPU (part 1),
+# the connectors at real sizes (part 3), then the ViT-B/16 profile (part 2) while time is left.
+#   bash experiments/gpu/carry.sh                                   # here, once
+#   run(command="BUDGET_S=560 bash experiments/gpu/session.sh", carry=[".whl", ".gpu_data"], timeout_s=590)
+#   TINY_DATA=DIR bash experiments/gpu/session.sh --tiny            # here, on the CPU: every step at smoke scale
+# Each step gets what is left of BUDGET_S (seconds, default 560) and is cut off before it runs over; a
+# failing step is logged and the next runs. Everything is packed into $OUT/gpu_session.tgz (the device
+# tool brings back at most 8 files), with the log beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+tiny=${1:-}
+FINAL=${OUT:-/tmp/gpu_session_out}
+W=$(mktemp -d /tmp/gpu_session.XXXX)
+mkdir -p "$FINAL"
+exec > >(tee -a "$FINAL/log.txt") 2>&1
+start=$(date +%s) budget=${BUDGET_S:-560}
+left() { echo $(( budget - ($(date +%s) - start) - 15 )); }
+pack() { tar czf "$FINAL/gpu_session.tgz" -C "$W" . && echo "packed $(du -h "$FINAL/gpu_session.tgz" | cut -f1)"; }
+PY=python3
+if [ "$tiny" = --tiny ]; then
+    PY=.venv/bin/python
+    CONNECTORS=(--tiny) PROFILE=(--tiny --cases "ViT-B/16 cudnn")
+    DEMO_S=300 LOOP_S=300 RESUME_S=300 PARTS=${PARTS:-demo loop resume}
+else
+    CONNECTORS=(--lms smollm2_135m) PROFILE=(--cases "ViT-B/16 cudnn" --no_agreement)
+    DEMO_S=${DEMO_S:-150} LOOP_S=${LOOP_S:-150} RESUME_S=${RESUME_S:-120}
+    # the demo config and the resume check ran on 2026-12-04 (results/gpu_trainer/): the loop's ratio remains
+    PARTS=${PARTS:-loop}
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+
+echo "=== part 1: the trainer ($(date -u +%H:%M:%S), $(left) s left)"
+OUT=$W DEMO_S=$DEMO_S LOOP_S=$LOOP_S RESUME_S=$RESUME_S PARTS=$PARTS timeout "$(left)" bash experiments/gpu/trainer.sh $tiny \
+    || echo "FAILED or cut off: gpu_trainer.sh"
+pack
+
+echo "=== part 3: connectors at real sizes ($(date -u +%H:%M:%S), $(left) s left)"
+if [ "$(left)" -gt 60 ]; then
+    timeout "$(left)" $PY -m experiments.bench.connectors "${CONNECTORS[@]}" --out "$W/bench_connectors.json" \
+        > "$W/bench_connectors.log" 2>&1 || echo "FAILED or cut off: bench_connectors (its rows so far are in its log)"
+    grep -c '"family"' "$W/bench_connectors.log" | sed 's/^/connector rows: /'
+    pack
+fi
+
+echo "=== part 2: ViT-B/16 profile ($(date -u +%H:%M:%S), $(left) s left)"
+if [ "$(left)" -gt 60 ]; then
+    timeout "$(left)" $PY -m experiments.gpu.bench "${PROFILE[@]}" --profile --out "$W/bench_gpu.json" \
+        > "$W/bench_gpu.log" 2>&1 || echo "FAILED or cut off: bench_gpu --profile"
+    tail -5 "$W/bench_gpu.log"
+    pack
+fi
+echo "=== done ($(date -u +%H:%M:%S), $(( $(date +%s) - start )) s)"

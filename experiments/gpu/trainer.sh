@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Issue 27, part 1: `python -m vitmm.train` itself on a GPU, in one device call of ~5 minutes.
+#   bash experiments/gpu/carry.sh                          # here, once: .whl/ and .gpu_data/
+#   run(command="bash experiments/gpu/trainer.sh", carry=[".whl", ".gpu_data"], timeout_s=540)
+#   TINY_DATA=DIR bash experiments/gpu/trainer.sh --tiny   # here, on the CPU: every step at smoke scale
+#   DEMO_S, LOOP_S, RESUME_S: each step's time limit in seconds (default 200, 300, 240)
+#   PARTS: the steps to run (default "demo loop resume"; the versions always)
+# Steps (each one's failure is logged and the next still runs), results in $OUT/gpu_trainer/:
+#   versions.txt       python, jax and the packages, the devices
+#   demo.json          `make demo`'s config (configs/clip_scenes.py) trained on the GPU: wall time and
+#                      its evaluations, against the CPU's 0.602 zero-shot (results/demo/README.md)
+#   loop_overhead.json the whole loop's img/s against the bare compiled step, CLIP-B/16 scale
+#                      (configs/clip_scenes.py:scale=b16: bf16, cuDNN attention, reader processes
+#                      (input.workers=-1), uint8 images normalised on the GPU);
+#   loop_threads.json  the same with the earlier input: 16 reader threads in the trainer, float32 images
+#   resume_*.json      experiments/reliability/resume_check.py: 60 steps straight, again, and 30 + a resumed 30, step by
+#                      step; as XLA runs by default and with --xla_gpu_deterministic_ops=true
+set -uo pipefail
+cd "$(dirname "$0")/.."
+tiny=0
+[ "${1:-}" = "--tiny" ] && tiny=1
+R=${OUT:-/tmp/gpu_trainer_out}/gpu_trainer
+mkdir -p "$R"
+exec > >(tee -a "$R/log.txt") 2>&1
+PY=python3
+if [ $tiny = 1 ]; then
+    PY=.venv/bin/python DATA=${TINY_DATA:?TINY_DATA=a smoke tfds data_dir (the tests build one)}
+    DEMO=":smoke" B16=":scale=b16,smoke,attn=xla" RESUME=":smoke" HALF=4 STEPS=30 LOG=5 DETERMINISTIC=--xla_cpu_enable_fast_math=false
+else
+    DATA=$PWD/.gpu_data DEMO="" B16=":scale=b16" RESUME="" HALF=30 STEPS=120 LOG=10 DETERMINISTIC=--xla_gpu_deterministic_ops=true
+    if [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || echo "FAILED: installing the carried wheels"
+        export PYTHONPATH=/tmp/site
+    fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+PARTS=${PARTS:-demo loop resume}
+step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
+wanted() { [[ " $PARTS " == *" $1 "* ]] || { echo "=== $1: not in PARTS"; false; }; }
+
+step versions
+$PY - > "$R/versions.txt" <<'EOF' || echo "FAILED: versions"
+import importlib.metadata as md, sys, jax
+print("python", sys.version.split()[0])
+for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorflow-datasets", "array-record",
+             "ml-collections", "numpy", "protobuf"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+print("devices", jax.devices())
+EOF
+cat "$R/versions.txt"
+
+if wanted demo; then
+step "demo config"
+t0=$(date +%s.%N)
+timeout ${DEMO_S:-200} $PY -m vitmm.train --config "configs/clip_scenes.py$DEMO" --workdir "$R/demo" \
+    --config.input.data_dir="$DATA" || echo "FAILED: demo config"
+t1=$(date +%s.%N)
+$PY - "$R" "$t0" "$t1" <<'EOF' || echo "FAILED: demo.json"
+import json, pathlib, sys
+r = pathlib.Path(sys.argv[1])
+rows = [json.loads(x) for x in (r / "demo/metrics.jsonl").read_text().splitlines() if x.strip()]
+evals = {k: v for row in rows for k, v in row.items() if "/" in k}
+speeds = sorted(row["img_per_s"] for row in rows if "img_per_s" in row)
+out = dict(wall_s=float(sys.argv[3]) - float(sys.argv[2]), steps=max(row["step"] for row in rows),
+           median_img_per_s=speeds[len(speeds) // 2] if speeds else None, last_evals=evals,
+           cpu_reference={"zeroshot/accuracy": 0.602, "source": "results/demo/README.md"})
+(r / "demo.json").write_text(json.dumps(out, indent=1))
+print(json.dumps(out, indent=1))
+EOF
+fi
+
+if wanted loop; then
+step "loop against the bare step"
+timeout ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
+    --set input.data_dir="$DATA" --out "$R/loop_overhead.json" || echo "FAILED: loop_overhead"
+timeout ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
+    --set input.data_dir="$DATA" --set input.workers=0 --set input.num_threads=16 --set input.device_normalize=False \
+    --out "$R/loop_threads.json" || echo "FAILED: loop_threads"
+fi
+
+if wanted resume; then
+step "resume"  # as the GPU runs by default (not repeatable run to run), then with deterministic kernels
+timeout ${RESUME_S:-240} $PY -m experiments.reliability.resume_check --config "configs/clip_scenes.py$RESUME" --half $HALF --repeat \
+    --set input.data_dir="$DATA" --out "$R/resume_default.json" || echo "FAILED: resume (default)"
+XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$DETERMINISTIC" timeout ${RESUME_S:-240} $PY -m experiments.reliability.resume_check \
+    --config "configs/clip_scenes.py$RESUME" --half $HALF --repeat --set input.data_dir="$DATA" \
+    --out "$R/resume_deterministic.json" || echo "FAILED: resume (deterministic)"
+fi
+rm -rf "$R/demo/checkpoints"
+step done

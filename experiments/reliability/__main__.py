@@ -1,0 +1,3 @@
+from experiments.common import dispatch
+
+dispatch.main("experiments.reliability")

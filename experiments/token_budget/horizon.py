@@ -1,0 +1,134 @@
+"""Had the token-budget sweep's runs levelled off? Some of its cells again, trained longer.
+
+    python -m experiments.token_budget.horizon          # pool, perceiver, qformer at 16 tokens, seeds 0-2, 2x steps
+    python -m experiments.token_budget.horizon --families pool --budget 4 --seeds 0,1 --factor 4
+
+Each run repeats a main-stage run of a finished sweep (``--main``, default ``results/token_budget``)
+with everything the same (tower, data, stage-0 LM and stage 1 per seed, the family's chosen lr and
+warmup from the sweep's ``setup.json``) except the joint phase: ``--factor`` times the steps, the
+cosine decay stretched to the new end. Options after the script's own (e.g. ``--smoke --tower T
+--data_dir D``) go to the sweep (``python -m experiments.token_budget``) and must be those the
+sweep ran with; the runs' settings are checked against the sweep's before anything is compared.
+The runs themselves are a token-budget sweep in ``--out`` (resumable the same way);
+``horizon.md`` there compares each cell at the two horizons, paired by seed: if the sweep's runs
+had levelled off, the longer runs gain ~0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+from experiments.token_budget import sweep as tb
+from vitmm.study import stats
+
+# What must be equal for a run at the longer horizon to pair with the sweep's run of the same seed.
+SAME = ("tower_fingerprint", "data", "lm", "stage0_lr", "stage0_steps", "stage1_steps", "train_questions",
+        "val_questions", "test_questions", "max_len", "tokenizer")
+PLAN_SAME = ("batch_size", "eval_every", "curve_questions", "schedule", "patience")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--main", default="results/token_budget", help="the finished sweep (its setup.json and runs.csv)")
+    add("--out", default="results/token_budget/horizon", help="output folder")
+    add("--families", default="pool,perceiver,qformer", help="comma-separated connector names")
+    add("--budget", type=int, default=16, help="visual tokens (each family at its nearest reachable count)")
+    add("--seeds", default="0,1,2", help="comma-separated seeds (of those the sweep ran)")
+    add("--factor", type=int, default=2, help="joint steps: this many times the sweep's")
+    add("--workers", type=int, default=None, help="as token_budget.py's")
+    args, passthrough = parser.parse_known_args(argv)
+    args.parser = parser
+    return args, passthrough
+
+
+def differences(main: dict, long: dict) -> list[str]:
+    """The settings (``SAME``, the plan's ``PLAN_SAME``) in which two setup.json records differ."""
+    out = [k for k in SAME if main.get(k) != long.get(k)]
+    losses = [main.get("stage0_final_loss", {}), long.get("stage0_final_loss", {})]  # the same LM per seed
+    out += [f"stage0_final_loss[{k}]" for k in sorted(set(losses[0]) & set(losses[1])) if losses[0][k] != losses[1][k]]
+    return out + [f"plan.{k}" for k in PLAN_SAME if main["plan"].get(k) != long["plan"].get(k)]
+
+
+def by_seed(rows: list[dict], family: str, tokens, key: str) -> dict:
+    """``{seed: float(row[key])}`` of a cell's finished main-table runs."""
+    return {int(r["seed"]): float(r[key]) for r in rows if r["status"] == "ok" and r["variant"] == ""
+            and r["family"] == family and str(r["tokens"]) == str(tokens)}
+
+
+def _pm(values) -> str:
+    values = 100 * np.asarray(values)
+    return f"{values.mean():.1f} ± {stats.ci95(values):.1f}"
+
+
+def compare(main_rows: list[dict], long_rows: list[dict], steps: tuple[int, int]) -> list[str]:
+    """``horizon.md``'s table: per cell, accuracy at both horizons and the gain paired by seed."""
+    lines = [f"Each cell at {steps[0]:,} joint steps (the sweep's runs) and at {steps[1]:,} (the same runs, the "
+             "cosine stretched), test exact match in %, mean ± 95% CI over the seeds both ran; gains: paired by "
+             "seed (p: t-test on the overall gain); learn color_at: seeds at least "
+             f"{100 * tb.report.LEARNED_MARGIN:g} points above the sweep's blind on colour-at-location.", "",
+             f"| connector | tokens | seeds | all at {steps[0]:,} | all at {steps[1]:,} | gain | p | color_at gain | "
+             "shape_at gain | learn color_at |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    blind = [float(r["acc_color_at"]) for r in main_rows if r["family"] == tb.BLIND and r["status"] == "ok"]
+    bar = np.mean(blind) + tb.report.LEARNED_MARGIN if blind else None
+    for family, tokens in dict.fromkeys((r["family"], r["tokens"]) for r in long_rows if r["status"] == "ok"):
+        cell = {key: [by_seed(rows, family, tokens, key) for rows in (main_rows, long_rows)]
+                for key in ("accuracy", "acc_color_at", "acc_shape_at")}
+        seeds = sorted(set(cell["accuracy"][0]) & set(cell["accuracy"][1]))
+        if len(seeds) < 2:
+            lines.append(f"| {family} | {tokens} | {len(seeds)} | too few seeds in both |" + " |" * 6)
+            continue
+        gain = {key: stats.one_sample([b[k] - a[k] for k in seeds]) for key, (a, b) in cell.items()}
+        shown = {key: f"{100 * g[0]:+.1f} ± {100 * g[1]:.1f}" for key, g in gain.items()}
+        short, long = cell["accuracy"]
+        learn = "" if bar is None else " → ".join(str(sum(c[k] >= bar for k in seeds)) for c in cell["acc_color_at"])
+        lines.append(f"| {family} | {tokens} | {len(seeds)} | {_pm([short[k] for k in seeds])} | "
+                     f"{_pm([long[k] for k in seeds])} | {shown['accuracy']} | {gain['accuracy'][2]:.2g} | "
+                     f"{shown['acc_color_at']} | {shown['acc_shape_at']} | {learn} |")
+    return lines
+
+
+def main(argv=None) -> pathlib.Path:
+    args, passthrough = parse_args(argv)
+    main_dir, out = pathlib.Path(args.main), pathlib.Path(args.out)
+    if not (main_dir / "setup.json").is_file() or not (main_dir / "runs.csv").is_file():
+        args.parser.error(f"{main_dir} holds no finished sweep (no setup.json / runs.csv); run "
+                          "python -m experiments.token_budget to its end first.")
+    setup = json.loads((main_dir / "setup.json").read_text())
+    chosen = setup["chosen"]
+    families = [f for f in args.families.split(",") if f]
+    missing = [f for f in families if f not in chosen]
+    if missing:
+        args.parser.error(f"the sweep in {main_dir} has no chosen lr/warmup for {missing}; it ran {sorted(chosen)}.")
+    steps = setup["plan"]["max_steps"]
+    tower = ["--tower", str(main_dir / "tower")] if "--tower" not in passthrough else []
+    tb.main([*passthrough, *tower, "--out", str(out), "--families", ",".join(families), "--budgets",
+             str(args.budget), "--seeds", args.seeds, "--steps", str(args.factor * steps), "--param_budget", "0",
+             "--encoder_budgets", "", "--no_blind",
+             "--chosen", ",".join(f"{f}={chosen[f][0]:g}/{chosen[f][1]}" for f in families),
+             *(["--workers", str(args.workers)] if args.workers else [])])
+    long_setup = json.loads((out / "setup.json").read_text())
+    differ = differences(setup, long_setup)
+    if differ:
+        sys.exit(f"the runs in {out} differ from the sweep in {main_dir} in {differ}: pass token_budget.py the "
+                 "options the sweep ran with (its setup.json 'command'); nothing compared.")
+    main_rows, long_rows = (list(csv.DictReader(open(d / "runs.csv"))) for d in (main_dir, out))
+    lines = [f"# Longer training: {', '.join(families)} at {args.budget} tokens ({time.strftime('%Y-%m-%d')})", "",
+             f"`python -m experiments.token_budget.horizon {' '.join(argv if argv is not None else sys.argv[1:])}`"
+             f" (the runs' own tables: `token_budget.md` here).", "",
+             *compare(main_rows, long_rows, (steps, args.factor * steps))]
+    (out / "horizon.md").write_text("\n".join(lines) + "\n")
+    print((out / "horizon.md").read_text())
+    return out
+
+
+if __name__ == "__main__":
+    tb.xla_flags.use_vitmm_defaults()
+    main()

@@ -1,0 +1,144 @@
+"""The token-budget sweep's numbers: mean ± 95% CI over seeds per (connector, budget, variant),
+paired tests against blind, and the tests of the claims (Honeybee's groups, more tokens for fine
+detail, budget against connector as an analysis of variance, the seeds that learn a kind).
+``tables`` writes them as Markdown."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from experiments.common.feature_vlm import BLIND
+from vitmm.data import scenes
+from vitmm.study import stats
+
+KINDS = scenes.QUESTION_KINDS
+
+
+SPATIAL, GLOBAL = ("color_at", "shape_at", "relative"), ("exists", "count")
+LOCALITY = ("pool", "pixel_shuffle", "patch_merger", "c_abstractor", "ldp")  # Honeybee's locality-preserving
+LEARNED_QUERY = ("qwen_resampler", "perceiver", "qformer")  # learned queries attending to all patches
+# A seed "learns" a kind when its test accuracy on it is this far above the blind cell's mean on that
+# kind. Fixed (session 27) after seeing that colour-at-location is bimodal over seeds (~18% or 50-77%)
+# and before the blind cell or most families had finished; ~8 binomial standard errors at ~1,000 questions.
+LEARNED_MARGIN = 0.10
+LATE = 0.75  # "late in training": past this share of the steps trained
+
+
+def late_gain(curve: list) -> float:
+    """Validation accuracy at the last check minus at the last check at or before ``LATE`` of the
+    steps: what the final quarter of training still added (a run at its plateau adds ~0)."""
+    end = curve[-1][0]
+    return float(curve[-1][1] - [acc for step, acc in curve if step <= LATE * end][-1])
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Mean, std and 95% CI over seeds per (family, requested budget, variant)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["family"], r["budget"], r.get("variant", "")), []).append(r)
+    out = []
+    for rs in groups.values():
+        first = rs[0]
+        s = {k: first.get(k) for k in ("family", "budget", "tokens", "note", "lr", "warmup", "connector_params",
+                                       "connector_mflops", "lm_mflops")}
+        s["variant"] = first.get("variant", "")
+        s["seeds"] = sum(r["status"] == "ok" for r in rs)
+        ok = [r for r in rs if r["status"] == "ok"]
+        for key in ("train_ms", "infer_ms"):  # cost: the median over seeds and its range
+            values = [float(r[key]) for r in ok if r.get(key) not in (None, "")]
+            s[key] = float(np.median(values)) if values else float("nan")
+            s[key + "_range"] = (min(values), max(values)) if values else None
+        for key in ("accuracy", *(f"acc_{k}" for k in KINDS), "best_step", "steps_trained", "late_gain"):
+            values = np.array([r[key] for r in ok if r.get(key) is not None], float)
+            s[key] = float(values.mean()) if len(values) else float("nan")
+            s[key + "_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+            s[key + "_ci"] = stats.ci95(values)
+        s["by_seed"] = {int(r["seed"]): float(r["accuracy"]) for r in ok}
+        s["kinds_by_seed"] = {int(r["seed"]): {k: float(r[f"acc_{k}"]) for k in KINDS} for r in ok}
+        s["late_best"] = sum(float(r["best_step"]) > LATE * float(r["steps_trained"]) for r in ok
+                             if r.get("best_step") is not None)
+        s["status"] = first["status"]
+        out.append(s)
+    blind = next((s for s in out if s["family"] == BLIND and s["status"] == "ok"), None)
+    for s in out:
+        s["vs_blind"] = paired_vs(s, blind) if blind is not None and s is not blind and s["status"] == "ok" else None
+    return out
+
+
+def paired_vs(s: dict, base: dict) -> tuple[float, float] | None:
+    """``(mean difference, two-sided p)`` of a paired t-test over the seeds both cells ran (the data
+    order is the same per seed, so the seeds pair); None with fewer than two shared seeds."""
+    return stats.paired(s["by_seed"], base["by_seed"])
+
+
+def ok_rows(summary, variant=None):
+    return [s for s in summary if s["status"] == "ok" and (variant is None or s["variant"] == variant)]
+
+
+def _kind_mean(s: dict, seed: int, kinds) -> float:
+    return float(np.mean([s["kinds_by_seed"][seed][k] for k in kinds]))
+
+
+def group_test(summary: list[dict], tokens: int, kinds) -> tuple[float, float, float] | None:
+    """Honeybee's claim at ``tokens``: per seed, the mean accuracy on ``kinds`` of the
+    locality-preserving families minus that of the learned-query families; the mean over seeds
+    with its CI and the p of a t-test (paired by seed)."""
+    rows = {s["family"]: s for s in ok_rows(summary, "") if s["tokens"] == tokens}
+    loc, query = [rows[f] for f in LOCALITY if f in rows], [rows[f] for f in LEARNED_QUERY if f in rows]
+    if not loc or not query:
+        return None
+    seeds = sorted(set.intersection(*(set(s["kinds_by_seed"]) for s in loc + query)))
+    return stats.one_sample([np.mean([_kind_mean(s, k, kinds) for s in loc])
+                        - np.mean([_kind_mean(s, k, kinds) for s in query]) for k in seeds])
+
+
+def detail_test(summary: list[dict]) -> tuple[float, float, float] | None:
+    """"More tokens help fine-detail kinds more": per seed, the mean over families of (gain on the
+    spatial kinds − gain on the global kinds) from each family's fewest to its most tokens."""
+    by_family: dict[str, dict[int, dict]] = {}
+    for s in ok_rows(summary, ""):
+        if s["family"] != BLIND:
+            by_family.setdefault(s["family"], {})[int(s["tokens"])] = s
+    pairs = [(c[min(c)], c[max(c)]) for c in by_family.values() if len(c) > 1]
+    if not pairs:
+        return None
+    seeds = sorted(set.intersection(*(set(s["kinds_by_seed"]) for pair in pairs for s in pair)))
+    return stats.one_sample([np.mean([(_kind_mean(hi, k, SPATIAL) - _kind_mean(lo, k, SPATIAL))
+                                 - (_kind_mean(hi, k, GLOBAL) - _kind_mean(lo, k, GLOBAL)) for lo, hi in pairs])
+                        for k in seeds])
+
+
+def factor_test(summary: list[dict]) -> dict | None:
+    """MM1's and TokenPacker's question, budget or connector, as a two-way analysis of variance
+    with seeds as blocks (a seed shares its data order and stage-0 LM across cells) on the balanced
+    part of the main table: the families that ran at every requested budget, over the seeds all of
+    them ran. Returns each source's sum of squares, degrees of freedom, share of the total (η²), F
+    and p against the residual (family × budget is tested as well, so a budget effect that differs
+    by family shows), and the range of the budget and family marginal means in points."""
+    cells = {(s["family"], str(s["budget"])): s for s in ok_rows(summary, "") if s["family"] != BLIND}
+    budgets = sorted({b for _, b in cells}, key=lambda b: (not b.isdigit(), int(b) if b.isdigit() else 0))
+    families = [f for f in dict.fromkeys(f for f, _ in cells) if all((f, b) in cells for b in budgets)]
+    if len(families) < 2 or len(budgets) < 2:
+        return None
+    seeds = sorted(set.intersection(*(set(cells[(f, b)]["by_seed"]) for f in families for b in budgets)))
+    if len(seeds) < 2:
+        return None
+    y = np.array([[[cells[(f, b)]["by_seed"][k] for k in seeds] for b in budgets] for f in families]) * 100
+    anova = stats.anova_blocked(y, ("family", "budget"))
+    return {"families": families, "budgets": budgets, "seeds": seeds,
+            "budget_means": dict(zip(budgets, anova["means"]["budget"], strict=True)),
+            "family_means": dict(zip(families, anova["means"]["family"], strict=True)), "sources": anova["sources"]}
+
+
+def learned(summary: list[dict]) -> dict | None:
+    """Per cell (not blind) and spatial kind, the seeds that learn the kind: test accuracy at least
+    ``LEARNED_MARGIN`` above the blind cell's mean on it. None until the blind cell has a seed. A
+    cell is a job: two requested budgets that reach one token count share its runs, counted once."""
+    blind = next((s for s in ok_rows(summary) if s["family"] == BLIND), None)
+    if blind is None:
+        return None
+    bar = {k: blind[f"acc_{k}"] + LEARNED_MARGIN for k in SPATIAL}
+    cells = {(s["family"], s["tokens"], s["variant"]): s for s in ok_rows(summary) if s["family"] != BLIND}
+    return {"bar": bar, "cells": [(s, {k: sum(acc[k] >= bar[k] for acc in s["kinds_by_seed"].values())
+                                       for k in SPATIAL}) for s in cells.values()]}
+

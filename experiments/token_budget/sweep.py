@@ -1,0 +1,332 @@
+"""The token-budget experiment: connectors × visual-token budgets × seeds on scenes questions.
+
+    python -m experiments.token_budget                        # the default sweep (results/token_budget/)
+    python -m experiments.token_budget --smoke --out /tmp/tb  # about a minute; the tests run it
+    python -m experiments.token_budget --families pool,perceiver --budgets 4,16 --seeds 0,1,2
+    python -m experiments.token_budget --interim              # the tables so far, while it runs
+
+One frozen CLIP image tower encodes every image once; all runs of the sweep read those features.
+It is part of the results: ``OUT/tower`` (the image tower's parameters and the CLIP config, 3 MB),
+taken from ``workdirs/clip_scenes`` (which ``make demo`` writes, and this script trains first
+when it is missing) the first time, and read from there by every later sitting, so that a sweep
+spanning several machines runs on one tower (the same config trained on another machine gives
+another tower: zero-shot 0.630 against 0.602). ``--tower`` takes any ``vitmm.train`` workdir
+instead. Stage 0 trains
+the small Llama-style LM (word tokens) on the training questions' text alone, once per seed
+(``--stage0_steps``), so that connector training starts from an LM that answers in the right
+format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen: LLaVA's
+stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the connector and
+the LM together on (image, question, answer) triples — LLaVA's stage 2 with the tower frozen —
+for ``--steps`` steps: a linear warmup, then a cosine decay to zero (``--schedule cosine``; a
+constant rate with early stopping, ``--schedule constant --patience N``, made the score depend on
+when a run happened to stop: ``results/token_budget/v2_constant/README.md``). The exact match on
+``--curve_questions`` validation questions is checked every ``--eval_every`` steps (the learning
+curves) and the best check's parameters are scored per question kind on the test questions. Each
+family's learning rate and warmup are chosen first on the validation split at ``--tune_budget``
+tokens and the first seed: the best of ``--tune_lrs`` at the first of ``--tune_warmups`` (a best
+rate at an edge of the grid tries the next one past it, up to ``--tune_extend`` more), then the
+other warmups at that rate (``tuning.jsonl``; ``--lr`` skips tuning). Exact match is computed
+teacher-forced in one forward pass, which equals greedy decoding's exact match
+(``vitmm.decode.answer_scores``).
+
+Two more comparisons share the sweep: at equal parameters (``--param_budget`` connector
+parameters at ``--param_tokens`` tokens, each family's size knob set by ``connectors.size_to``),
+and the encoder-side budget (``--encoder_budgets``): ``mlp`` on every patch of a smaller image
+(sin-cos positions recomputed) or of larger patches (the patch kernel PI-resized, FlexiViT's
+rule), against connectors compressing the full grid to the same count.
+
+Budgets are visual tokens handed to the LM. A family whose knob cannot hit a budget exactly runs
+at its nearest reachable count (within a factor ``--max_ratio``) and the tables record the
+actual count; a budget it cannot approach is listed as unreachable, with what it can reach. A
+``blind`` baseline (the same stage-0 LM, fine-tuned with a visual token carrying no image) measures what the questions
+alone give away. The two families with a hidden width of their own (``qformer`` 256,
+``c_abstractor`` 256 by default) run at the tower's width instead, so that no connector is wider
+than what it reads: at 256 their training step cost 6–11× the others' and would take the sweep past its hour
+(``--native_widths`` keeps the defaults).
+
+Writes to ``--out``: ``cells.jsonl`` (each finished job, all its seeds, as it finishes: a rerun
+with the same settings skips it, so a sweep can span several sittings; ``seeds.jsonl`` keeps each
+finished seed of the jobs still running, which a rerun does not train again; a rerun with more
+``--seeds`` trains only the new ones), ``tuning.jsonl``,
+``runs.csv`` (one row per run and seed: lr, warmup, steps, tokens, parameters, FLOPs, ms per
+example, per-kind accuracy), ``curves.json`` (validation accuracy per check of every run),
+``token_budget.md`` (the tables, with 95% CIs over seeds and paired tests, and the claims'
+tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``, ``learning_curves.png``,
+``encoder_vs_connector.png`` and ``setup.json`` (tower, data, model, training and tuning settings).
+``--interim`` trains nothing and writes the same files to ``OUT/interim/`` from the seeds finished so
+far (it encodes the features to check the settings, about two minutes for the default sweep).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+
+import jax
+import numpy as np
+
+from experiments.common import feature_vlm, qa_features
+from experiments.common import tower as tower_lib
+from experiments.token_budget import jobs as cell_jobs
+from experiments.token_budget import plots, report, tables, tune
+from experiments.token_budget.args import parse_args
+from experiments.token_budget.views import encoder_views
+from vitmm import checkpoint as ckpt_lib
+from vitmm import xla_flags
+from vitmm.models import connectors
+from vitmm.models.vit import ViT
+from vitmm.study import outputs, store
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BLIND, KINDS = report.BLIND, report.KINDS
+
+
+def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, dict, dict]:
+    """The rows of the tables ``(family, requested budget, variant, setting, tokens, note)``, the
+    jobs ``{(family, tokens, variant): {"connector": cfg, "view": name}}`` (two budgets at one
+    reachable count share a job) and the rows that reuse another row's runs, ``{row key: {**job,
+    "runs_of": job key}}``: a family sized to the parameter budget whose nearest size is its
+    default (the same connector, so the same runs). Variants: ``""`` (each family's default size,
+    the main table), ``"params ≈ P"`` (sized to P connector parameters) and the encoder-side ones
+    (``mlp`` on all patches of a smaller image or larger patches)."""
+    widths = {} if args.native_widths else {"qformer": {"width": in_dim}, "c_abstractor": {"hidden": in_dim}}
+    plan = [] if args.no_blind else [(BLIND, 0, "", 1, 1, "no image")]
+    jobs, same = {}, {}
+    for family in args.families:
+        for b in args.budgets:
+            setting, tokens, note = connectors.resolve(family, b, grid, args.max_ratio)
+            plan.append((family, b, "", setting, tokens, note))
+    for family, _, variant, setting, tokens, _ in plan:
+        if setting is not None:
+            jobs.setdefault((family, tokens, variant), {
+                "connector": {"name": "pool" if family == BLIND else family, "budget": setting,
+                              **widths.get(family, {})}, "view": ""})
+    if args.param_budget:
+        variant = f"params ≈ {args.param_budget:,}"
+        for family in args.families:
+            setting, tokens, note = connectors.resolve(family, args.param_tokens, grid, args.max_ratio)
+            if setting is None or family not in connectors.SIZE_KNOBS:
+                continue
+            cfg, count = connectors.size_to({"name": family, "budget": setting}, args.param_budget, in_dim, lm_width,
+                                            grid)
+            plan.append((family, args.param_tokens, variant, setting, tokens, note))
+            default = jobs.get((family, tokens, ""))
+            # Only the size knob differs and counts grow with it: an equal count is the default's own size.
+            if default and connectors.num_params(default["connector"], in_dim, lm_width, grid) == count:
+                same[(family, tokens, variant)] = {"connector": cfg, "view": "", "runs_of": (family, tokens, "")}
+            else:
+                jobs[(family, tokens, variant)] = {"connector": cfg, "view": ""}
+    if enc and "mlp" not in args.families:
+        args.parser.error("the encoder-side rows (--encoder_budgets) use the mlp connector at its tuned settings; add "
+                          "mlp to --families or pass --encoder_budgets ''.")
+    for tokens, views in enc.items():
+        for variant, (view, *_rest) in views.items():
+            plan.append(("mlp", tokens, variant, "all", tokens, ""))
+            jobs[("mlp", tokens, variant)] = {"connector": {"name": "mlp", "budget": "all"}, "view": "@" + view}
+    return plan, jobs, same
+
+
+def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
+    """The jobs by expected seconds, longest first, so that the sweep does not end on one worker
+    running a slow job while the other waits. Expected seconds: the job's forward MFLOPs per example
+    (``mflops[key]``, connector + LM) times its family's seconds per MFLOP in its tuning runs
+    (``tuned``; FLOPs alone miss how slow some layers run on a CPU: at 16 tokens C-Abstractor has 3.4x
+    pool's FLOPs per example and took 14x its seconds), times the seeds it has left to run. The
+    blind job goes first: every other row is compared with it, so ``--interim`` tables have their
+    baseline from the start, and as the cheapest job it would not balance the end anyway."""
+    rate = {}
+    for (family, tokens, _, _), by_seed in tuned.items():
+        if (family, tokens, "") in mflops:
+            rate.setdefault(family, []).extend(r["wall_s"] / mflops[(family, tokens, "")]
+                                               for r in by_seed.values() if "wall_s" in r)
+    known = [x for xs in rate.values() for x in xs]
+    default = float(np.median(known)) if known else 1.0
+    return sorted(jobs, key=lambda key: (key[0] != BLIND, -mflops[key] * float(np.mean(rate.get(key[0]) or [default]))
+                                         * seeds_left.get(key, 1)))
+
+
+def main(argv=None) -> pathlib.Path:
+    args = parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tower_dir = tower_lib.tower_dir(args.tower, out, args.smoke, args.data_dir)
+    clip_config = ckpt_lib.load_config(tower_dir)
+    tower_cfg = clip_config["model"]["image"]
+    image_size = clip_config["input"]["image_size"]
+    data = args.data or clip_config["input"].get("data", {}).get("name")
+    if data is None:  # e.g. a tower converted with python -m vitmm.interop
+        args.parser.error(f"{tower_dir} does not say what data it was trained on; pass --data (e.g. scenes/easy_224).")
+    tower = ViT(**tower_cfg)
+    tower_params = ckpt_lib.load_params(tower_dir)["img"]
+    tower_print = store.check_tower(out, tower_dir, tower_params)
+    grid = tower.grid((image_size, image_size))
+    enc = encoder_views(tower_cfg, tower_params, image_size, grid, args.encoder_budgets)
+    views = {name: (t, p, size) for vs in enc.values() for name, t, p, size in vs.values()}
+
+    t0 = time.perf_counter()
+    tokenizer, max_len = qa_features.make_tokenizer(args.tokenizer, data, args.data_dir)
+    splits = {}
+    for name, split, n in (("train", "train", args.train_images), ("val", "validation", args.val_images),
+                           ("test", "test", args.test_images or args.val_images)):
+        splits[name] = qa_features.encode_split(tower, tower_params, data, split, n, image_size, tokenizer, max_len,
+                                                args.data_dir, views=views)
+    train, val, test = splits["train"], splits["val"], splits["test"]
+    in_dim = train["patches"].shape[-1]
+    print(f"tower features: {len(train['patches'])} train / {len(val['patches'])} validation / {len(test['patches'])} "
+          f"test images, grid {grid}, {in_dim} channels, encoder-side views {sorted(views)}; {len(train['ids'])} / "
+          f"{len(val['ids'])} / {len(test['ids'])} questions ({time.perf_counter() - t0:.0f} s)")
+
+    lm_cfg = dict(vocab_size=tokenizer.vocab_size, **args.lm)
+    plan, jobs, same = plan_jobs(args, grid, in_dim, lm_cfg["width"], enc)
+    print(f"{len(jobs)} jobs × {len(args.seeds)} seeds, {'≤ ' if args.patience else ''}{args.steps} joint steps "
+          f"each; unreachable: {[(f, b) for f, b, _, s, _, _ in plan if s is None]}")
+    train_plan = {k: getattr(args, k) for k in ("batch_size", "eval_every", "patience", "min_delta", "curve_questions")}
+    train_plan["max_steps"] = args.steps
+    if args.schedule != "constant":  # results from before the option existed ran at a constant rate
+        train_plan["schedule"] = args.schedule
+    # Left out of the signature: a result stands under a higher floor when its run trained past it.
+    signed_plan, holds = dict(train_plan), feature_vlm.holds_under_min_steps(args.min_steps if args.patience else None)
+    train_plan["min_steps"] = args.min_steps
+    # A finished cell is reused only by a sweep with the same settings (everything but the cells
+    # and the seed list: a rerun with more seeds trains only the new ones).
+    settings = dict(tower=tower_print, data=data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.lr,
+                    stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
+                    train=len(train["ids"]), val=len(val["ids"]), test=len(test["ids"]), max_len=max_len,
+                    tokenizer=args.tokenizer)
+    context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, in_dim=in_dim, max_len=max_len, plan=train_plan,
+                   seeds=args.seeds, stage0={}, stage1_steps=args.stage1_steps, jobs=jobs, tune_seed=args.seeds[0],
+                   views={"": {"grid": grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}})
+    context["views"] = {k.removeprefix("grid"): v for k, v in context["views"].items()}
+    arrays = {name: {k: v for k, v in split.items() if not k.startswith("grid")} for name, split in splits.items()}
+    context["snapshots"] = (str(out / "snapshots"), store.signature({**settings, "plan": train_plan}))  # resume
+    context["plan"] = {**train_plan, "eval_batch": args.eval_batch}  # a setting of speed, left out of the signatures
+    stage0_loss = {}
+
+    def ensure_stage0():  # trained the first time some run needs it
+        for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
+            t0 = time.perf_counter()
+            context["stage0"][seed], stage0_loss[seed] = feature_vlm.pretrain_lm(
+                lm_cfg, train["ids"], tokenizer.pad_id, args.stage0_steps, args.batch_size, args.lr, seed)
+            print(f"stage 0, seed {seed}: {args.stage0_steps} LM steps on the questions' text, final loss "
+                  f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
+
+    def run_cells(fn, keys, path, signature, desc, seeds, steps_per_seed):
+        return store.run_cells(path, signature, keys, fn, arrays, context, args.workers, desc,
+                               len(seeds) * steps_per_seed, seeds, before=ensure_stage0, holds=holds)
+
+    # Tuning at one budget and one seed on validation: the lr grid at the first warmup, then the
+    # other warmups at the family's best lr.
+    tune_sig = store.signature({**settings, "tune_seed": args.seeds[0]})
+    run_steps = args.stage1_steps + args.steps
+    tune_at = {}
+    for family, tokens, variant in jobs:
+        if variant == "" and (family not in tune_at or abs(math.log(tokens / args.tune_budget))
+                              < abs(math.log(tune_at[family] / args.tune_budget))):
+            tune_at[family] = tokens
+    tuned, tuning = {}, args.chosen is None and (len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1)
+    if args.chosen is not None:
+        chosen = {f: args.chosen[f] for f in tune_at}
+    elif args.interim and tuning:
+        tuned = store.load_cells(out / "tuning.jsonl", tune_sig)
+        chosen = tune.choose(tuned)
+        if set(chosen) != set(tune_at):
+            args.parser.error(f"--interim: tuning has finished for {sorted(chosen)} only, so the main stage has no "
+                              f"runs yet; its {len(tuned)} runs are in {out / 'tuning.jsonl'}.")
+    elif tuning:
+        lrs, tuned = {f: list(args.tune_lrs) for f in tune_at}, {}
+        while True:  # the grid, then one more rate past an edge that wins, until none does
+            keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in lrs[f]]
+            tuned = run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
+                              "tuning (lr)", args.seeds[:1], run_steps)
+            extra = tune.extend_grid(tuned, lrs, args.tune_lrs, args.tune_extend, args.min_delta)
+            if not extra:
+                break
+            print(f"best rate at an edge of the grid: trying {extra}")
+            for f, x in extra.items():
+                lrs[f].append(x)
+        best_lr = {f: lr for f, (lr, _) in tune.choose(tuned).items()}
+        keys = [(f, t, best_lr[f], w) for f, t in tune_at.items() for w in args.tune_warmups[1:]]
+        tuned.update(run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
+                               "tuning (warmup)", args.seeds[:1], run_steps))
+        chosen = tune.choose(tuned)
+    else:
+        chosen = {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in tune_at}
+    context["chosen"] = chosen
+    print(f"(lr, warmup) per family (validation, seed {args.seeds[0]}, {len(tuned)} tuning runs): {chosen}")
+
+    cells_sig = store.signature({**settings, "chosen": chosen})
+    # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
+    context["seed_log"] = (str(out / "seeds.jsonl"), cells_sig)
+    context["seeds_done"] = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], cells_sig, holds)
+    costs = {key: cell_jobs.costs(None if key[0] == BLIND else job["connector"], lm_cfg, in_dim,
+                                context["views"][job["view"]]["grid"], key[1], max_len - 1)
+             for key, job in jobs.items()}
+    if args.interim:
+        results = {key: by_seed for key, by_seed in context["seeds_done"].items() if key in jobs}
+        print(f"interim: the seeds finished so far of {len(results)} of the {len(jobs)} jobs")
+        out = out / "interim"
+        out.mkdir(exist_ok=True)
+    else:
+        order = longest_first(jobs, {k: c["connector_mflops"] + c["lm_mflops"] for k, c in costs.items()}, tuned,
+                              {k: len(set(args.seeds) - set(context["seeds_done"].get(k, {}))) for k in jobs})
+        results = run_cells(cell_jobs.job, order, out / "cells.jsonl", cells_sig, "token budget", args.seeds, run_steps)
+
+    rows = []
+    for family, requested, variant, setting, tokens, note in plan:
+        base = {"family": family, "budget": requested, "variant": variant, "tokens": tokens, "note": note}
+        if setting is None:
+            rows.append({**base, "seed": "", "status": "unreachable"})
+            continue
+        key = same.get((family, tokens, variant), {}).get("runs_of", (family, tokens, variant))
+        if not results.get(key):  # --interim: a cell with no finished seed yet
+            rows.append({**base, "note": "no seed finished yet", "seed": "", "status": "pending"})
+        for seed in [seed for seed in args.seeds if seed in results.get(key, {})]:
+            res = {k: v for k, v in results[key][seed].items() if k != "curve"}
+            res["late_gain"] = report.late_gain(results[key][seed]["curve"])
+            rows.append({**base, "seed": seed, "status": "ok", "lr": chosen[family][0], "warmup": chosen[family][1],
+                         **costs[key], **res})
+    curves = {f"{f}|{t}|{v}|{seed}": res["curve"] for (f, t, v), by_seed in results.items()
+              for seed, res in by_seed.items()}
+
+    shown = tower_dir.resolve()
+    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # no machine paths in results
+    if not stage0_loss and (out / "setup.json").is_file():  # every cell was reused: so is stage 0's record
+        stage0_loss = json.loads((out / "setup.json").read_text()).get("stage0_final_loss", {})
+    tuning = {}  # {"family@tokens": {"lr/warmup": validation accuracy}}
+    for (family, tokens, x, w), res in sorted(tuned.items()):
+        tuning.setdefault(f"{family}@{tokens}", {})[f"{x:g}/{w}"] = res[args.seeds[0]]["accuracy"]
+    setup = {"tower": str(shown), "tower_fingerprint": tower_print, "tower_config": tower_cfg, "data": data,
+             "image_size": image_size, "grid": list(grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
+             "tune_lrs": args.tune_lrs, "tune_warmups": args.tune_warmups, "tune_budget": args.tune_budget,
+             "tune_seed": args.seeds[0], "chosen": {f: list(v) for f, v in chosen.items()},
+             "chosen_given": args.chosen is not None, "tuning": tuning,
+             "stage0_steps": args.stage0_steps, "stage0_final_loss": stage0_loss, "stage1_steps": args.stage1_steps,
+             "seeds": args.seeds, "param_budget": args.param_budget, "param_tokens": args.param_tokens,
+             "connectors": {"|".join(map(str, k)): v for k, v in {**jobs, **same}.items()}, "tokenizer": args.tokenizer,
+             "vocab_size": tokenizer.vocab_size, "max_len": max_len, "train_images": len(train["patches"]),
+             "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
+             "test_questions": len(test["ids"]), "workers": args.workers,
+             "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": outputs.command()}
+    if args.interim:
+        setup["interim"] = dict(runs=sum(len(set(by_seed) & set(args.seeds)) for by_seed in results.values()),
+                                of=len(jobs) * len(args.seeds))
+    timed = [r["wall_s"] for cells in (tuned, results) for by_seed in cells.values() for r in by_seed.values()
+             if "wall_s" in r]
+    setup.update(worker_hours=round(sum(timed) / 3600, 2), runs_timed=len(timed))
+    summary = report.summarise(rows)
+    outputs.write_rows(rows, out / "runs.csv")
+    (out / "curves.json").write_text(json.dumps(curves) + "\n")
+    (out / "token_budget.md").write_text(tables.to_markdown(summary, setup))
+    (out / "setup.json").write_text(json.dumps(setup, indent=1, default=str) + "\n")
+    plots.plot(summary, out, curves)
+    print((out / "token_budget.md").read_text())
+    print(f"wrote {out}/runs.csv, curves.json, token_budget.md, *.png, setup.json")
+    return out
+
+
+if __name__ == "__main__":
+    xla_flags.use_vitmm_defaults()  # before JAX opens a backend
+    main()

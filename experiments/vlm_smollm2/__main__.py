@@ -1,0 +1,3 @@
+from experiments.vlm_smollm2 import study
+
+study.main()

@@ -1,0 +1,26 @@
+"""`python -m experiments.gpu loop_overhead` on the session's smoke CLIP."""
+
+import importlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def test_loop_overhead_times_the_loop_and_its_bare_step(clip_smoke_run):
+    """``experiments/gpu/loop_overhead.py``: the trainer's logged speed after the skipped intervals and
+    the same compiled step alone (``trainer.build``)."""
+    script = importlib.import_module("experiments.gpu.loop_overhead")
+    # 4 steps, the smoke's own: the step compiles to the program the session's smoke run cached.
+    out = script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4",
+                       "--log_every", "1", "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
+    assert out["loop"]["intervals"] == 2 and out["batch_size"] == 16
+    assert out["loop"]["img_per_s"] > 0 and out["bare"]["img_per_s"] > 0
+    assert out["ratio"] == out["loop"]["img_per_s"] / out["bare"]["img_per_s"] and 0.2 < out["ratio"] < 2
+    with pytest.raises(SystemExit, match="too few intervals"):
+        script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4", "--log_every", "2",
+                     "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
+    bare = script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4", "--log_every", "2",
+                        "--bare_only", "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
+    assert bare["loop"] is None and bare["ratio"] is None and bare["bare"]["img_per_s"] > 0

@@ -1,0 +1,120 @@
+"""The square-vs-NaFlex-vs-AnyRes experiment: its AnyRes features equal the library's AnyRes VLM,
+its token counts are the paths' own, and a smoke run writes every output and resumes."""
+
+import csv
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.models import anyres
+from vitmm.models.vlm import VLM
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def nt():
+    from experiments.native import tokens
+
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def nf(nt):
+    return nt.features_lib
+
+
+TOWER = dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=8, class_token=False, pool="gap",
+             posemb="sincos2d")
+
+
+def test_feature_vlm_on_laid_out_features_equals_the_anyres_vlm(nt, nf):
+    """Tower features of AnyRes's views laid out by the experiment (newline slots flagged, a
+    batch left-padded and masked) give the text logits of ``VLM(anyres=…)`` on the images."""
+    settings = nf.anyres_settings(16, 8)  # tiles of 2x2 patches (16 px)
+    lm_cfg = dict(vocab_size=30, width=32, depth=1, num_heads=2)
+    model = VLM(TOWER, {"name": "mlp"}, lm_cfg, anyres=settings)
+    feature_model = nt.FeatureVLM(TOWER, {"name": "mlp"}, lm_cfg, anyres=settings)
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, 30, size=(2, 6)), jnp.int32)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 20, 44, 3)), ids[:1])
+    rng = np.random.default_rng(1)
+    images = [jnp.asarray(rng.uniform(-1, 1, size=(1, h, w, 3)), jnp.float32) for h, w in ((20, 44), (50, 18))]
+    laid, want = [], []
+    for b, image in enumerate(images):
+        views = anyres.views(image, settings["pinpoints"], settings["tile"])[0]
+        tiles = model.apply(variables, views, method=lambda m, x: m.features(x)[0])
+        laid.append(nf.anyres_layout(np.asarray(tiles), image.shape[1:3], settings))
+        n = model.apply(variables, image.shape[1:3], method=VLM.num_visual_tokens)
+        assert len(laid[-1][0]) == n
+        want.append(model.apply(variables, image, ids[b:b + 1])[0, n:])
+    batch = nf.left_pad(laid, max(len(f) for f, _ in laid))
+    m = batch["patches"].shape[1]
+    got = feature_model.apply(variables, None, ids, features=(batch["patches"], batch["newline"], (1, m)),
+                              visual_mask=batch["visual_mask"])
+    for b in range(2):
+        np.testing.assert_allclose(got[b, m:], want[b], atol=2e-5, rtol=1e-5)
+
+
+def test_anyres_views_cut_tiles_as_the_library_and_count_its_tokens(nf):
+    settings = nf.anyres_settings(16, 8)
+    tile = settings["tile"]
+    image = np.random.default_rng(0).integers(0, 256, size=(16, 48, 3), dtype=np.uint8)  # fits (16, 48) exactly
+    views = nf.anyres_views(image, settings)
+    want = anyres.views(jnp.asarray(image, jnp.float32)[None] / 127.5 - 1, settings["pinpoints"], tile)[0]
+    assert views.shape == want.shape == (4, tile, tile, 3)
+    np.testing.assert_allclose(views[1:], want[1:], atol=1e-5)  # no resize: the tiles are exact crops
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        hw = tuple(int(x) for x in rng.integers(8, 120, size=2))
+        n = len(nf.anyres_views(np.zeros((*hw, 3), np.uint8), settings))
+        g = math.isqrt(16 // 4)
+        feats, flags = nf.anyres_layout(np.zeros((n, g * g, 5), np.float32), hw, settings)
+        assert len(feats) == anyres.num_tokens(hw, settings["pinpoints"], tile, (g, g)), hw
+        tiles_r, tiles_c = anyres.plan(hw, settings["pinpoints"], tile)["tiles"]
+        rows, _ = anyres.unpadded(hw, (tiles_r * g, tiles_c * g))
+        assert flags.sum() == rows.stop - rows.start and flags[-1] and not flags[:g * g].any(), hw
+
+
+def test_budgets_must_be_four_squares(nf):
+    for bad in (8, 12, 2):
+        with pytest.raises(SystemExit, match=f"{bad} is not 4·k²"):
+            nf.check_budget(bad)
+    nf.check_budget(36)
+
+
+def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
+    out = tmp_path / "nt"
+    argv = ["--smoke", "--out", str(out), "--tower", str(clip_smoke_run.workdir)]
+    nt.main(argv)
+    rows = list(csv.DictReader(open(out / "runs.csv")))
+    setup = json.loads((out / "setup.json").read_text())
+    budgets = setup["budgets"]
+    cells = {(r["path"], int(r["budget"])) for r in rows}
+    assert cells == {(p, b) for p in nt.PATHS for b in budgets} | {("blind", budgets[-1])}
+    assert {r["seed"] for r in rows} == {"0", "1"}
+    for r in rows:
+        b, mean, top = int(r["budget"]), float(r["tokens_mean"]), int(r["tokens_max"])
+        assert 0.0 <= float(r["accuracy"]) <= 1.0 and float(r["train_ms"]) > 0
+        if r["path"] == "square":
+            assert mean == top == b
+        elif r["path"] == "naflex":
+            assert top <= b
+        elif r["path"] == "anyres":
+            assert top <= b + 3 * math.isqrt(b // 4)
+    table = (out / "native_tokens.md").read_text()
+    assert "| naflex − square | all |" in table and (out / "native_tokens.png").stat().st_size > 0
+    lines = (out / "cells.jsonl").read_text().splitlines()
+    assert len(lines) == len(cells)
+    # More seeds: only the new seed is trained (one seed-log line per cell), the others come back unchanged.
+    seed_log = (out / "seeds.jsonl").read_text().splitlines()
+    nt.main([*argv, "--seeds", "0,1,2"])
+    assert len((out / "seeds.jsonl").read_text().splitlines()) == len(seed_log) + len(cells)
+    more = list(csv.DictReader(open(out / "runs.csv")))
+    assert {r["seed"] for r in more} == {"0", "1", "2"}
+    accuracy = lambda rs: sorted((r["path"], r["budget"], r["seed"], r["accuracy"]) for r in rs if r["seed"] != "2")  # noqa: E731
+    assert accuracy(more) == accuracy(rows)

@@ -1,0 +1,44 @@
+"""``vitmm.study.stats``: each test on numbers whose answer is known by hand or by another method."""
+
+import numpy as np
+import pytest
+
+from vitmm.study import stats
+
+
+def test_holm_adjusts_each_p_by_its_rank_and_keeps_the_order():
+    """Holm's step-down on known numbers: 0.01 × 3, then max(0.03 × 2, that), then max(0.04 × 1, that)."""
+    assert stats.holm([0.04, 0.01, 0.03]) == pytest.approx([0.06, 0.03, 0.06])
+    assert stats.holm([0.5, 0.9]) == [1.0, 1.0] and stats.holm([]) == []
+
+
+def test_the_blocked_anova_splits_the_total_sum_of_squares_and_finds_a_planted_effect():
+    """On a 3 × 2 grid with 4 seeds: the sources' sums of squares add up to the total, the planted
+    effect of the second factor is found and is the largest share, and F and p agree with the ratio of
+    mean squares and scipy's F distribution."""
+    from scipy import stats as sp
+
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=(3, 2, 4)) + np.array([0.0, 3.0])[None, :, None]
+    out = stats.anova_blocked(y, ("family", "budget"))["sources"]
+    assert sum(s["ss"] for s in out.values()) == pytest.approx(((y - y.mean()) ** 2).sum())
+    assert out["budget"]["p"] < 1e-6 and max(out, key=lambda k: out[k]["eta2"]) == "budget"
+    ms_e = out["residual"]["ss"] / out["residual"]["df"]
+    f = out["budget"]["ss"] / out["budget"]["df"] / ms_e
+    assert out["budget"]["f"] == pytest.approx(f) and out["budget"]["p"] == pytest.approx(sp.f.sf(f, 1, 15))
+    assert [out[k]["df"] for k in ("budget", "family", "family × budget", "seed", "residual")] == [1, 2, 2, 3, 15]
+
+
+def test_intervals_and_paired_tests_against_scipy():
+    """ci95 is Student's t half-width; ``paired`` pairs only shared seeds; identical values give p 1."""
+    from scipy import stats as sp
+
+    v = [0.5, 0.7, 0.6, 0.9]
+    assert stats.ci95(v) == pytest.approx(sp.t.ppf(0.975, 3) * np.std(v, ddof=1) / 2)
+    assert np.isnan(stats.ci95([1.0]))
+    a, b = {0: 0.5, 1: 0.6, 2: 0.9, 7: 0.1}, {0: 0.4, 1: 0.6, 2: 0.7}
+    diff, p = stats.paired(a, b)
+    assert diff == pytest.approx(0.1) and p == pytest.approx(sp.ttest_rel([0.5, 0.6, 0.9], [0.4, 0.6, 0.7]).pvalue)
+    assert stats.paired({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0}) == (0.0, 1.0) and stats.paired({0: 1.0}, {0: 2.0}) is None
+    lo, hi = stats.wilson(0.5, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)

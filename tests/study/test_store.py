@@ -1,0 +1,65 @@
+"""``vitmm.study.store``: finished cells kept and found again, and results tied to their tower."""
+
+import json
+
+import pytest
+
+from vitmm.study import store
+
+
+def test_results_are_tied_to_the_tower_they_were_made_with(tmp_path):
+    """Signatures hold the tower's path, not its weights; a tower retrained elsewhere (same path,
+    other numbers) must not add its runs to results made with another."""
+    import numpy as np
+
+    params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": {"c": np.ones(2, np.float32)}}
+    first = store.check_tower(tmp_path, tmp_path / "tower", params)
+    assert json.loads((tmp_path / "tower.json").read_text())["fingerprint"] == first
+    assert store.check_tower(tmp_path, tmp_path / "tower", {k: v for k, v in params.items()}) == first
+    other = {**params, "a": params["a"] + np.float32(1e-6)}
+    assert store.fingerprint(other) != first
+    with pytest.raises(SystemExit, match=f"not the one the results in {tmp_path} were made with \\({first}"):
+        store.check_tower(tmp_path, tmp_path / "tower", other)
+    assert store.fingerprint({"a": params["a"].reshape(3, 2), "b": params["b"]}) != first  # shapes count
+
+
+def test_a_cell_is_finished_when_it_holds_every_requested_seed(tmp_path):
+    """Seeds are not part of a sweep's signature: asking for more seeds reopens a finished cell,
+    whose kept seeds (in the cells or the seed log) are not trained again."""
+    cells, log = tmp_path / "cells.jsonl", tmp_path / "seeds.jsonl"
+    store.save_cell(cells, "sig", ("mlp", 16, ""), {0: {"a": 0}, 1: {"a": 1}})
+    store.save_cell(cells, "other", ("pool", 16, ""), {0: {"a": 9}})
+    store.save_cell(log, "sig", ("mlp", 16, ""), {2: {"a": 2}})
+    keys = [("mlp", 16, ""), ("pool", 16, "")]
+    assert store.finished(cells, "sig", keys, [0, 1]) == {("mlp", 16, ""): {0: {"a": 0}, 1: {"a": 1}}}
+    assert store.finished(cells, "sig", keys, [1]) == {("mlp", 16, ""): {1: {"a": 1}}}
+    assert store.finished(cells, "sig", keys, [0, 1, 2]) == {}
+    assert store.seed_results([cells, log], "sig") == {("mlp", 16, ""): {0: {"a": 0}, 1: {"a": 1}, 2: {"a": 2}}}
+
+
+def _cell(key, arrays, context, progress):  # module-level: worker processes import it by name
+    progress.update(len(context["seeds"]))
+    return {seed: {"accuracy": float(arrays["data"]["x"][key[0]] + seed)} for seed in context["seeds"]}
+
+
+def test_run_cells_keeps_finished_cells_and_a_rerun_with_more_seeds_trains_only_those(tmp_path):
+    """The README's own-study recipe (experiments/README.md): cells computed once, appended as they
+    finish; the same call again computes nothing; more seeds compute only the new seeds' cells."""
+    import numpy as np
+
+    arrays, calls = {"data": {"x": np.arange(3.0)}}, []
+
+    def counted(key, arrays, context, progress):
+        calls.append((key, tuple(context["seeds"])))
+        return _cell(key, arrays, context, progress)
+
+    path, sig = tmp_path / "cells.jsonl", store.signature({"steps": 10})
+    first = store.run_cells(path, sig, [(0,), (1,)], counted, arrays, {"seeds": [0, 1]}, 1, "t", 2, seeds=[0, 1])
+    assert first == {(0,): {0: {"accuracy": 0.0}, 1: {"accuracy": 1.0}},
+                     (1,): {0: {"accuracy": 1.0}, 1: {"accuracy": 2.0}}}
+    again = store.run_cells(path, sig, [(0,), (1,)], counted, arrays, {"seeds": [0, 1]}, 1, "t", 2, seeds=[0, 1])
+    assert again == first and len(calls) == 2
+    store.run_cells(path, sig, [(0,), (1,), (2,)], counted, arrays, {"seeds": [0, 1]}, 1, "t", 2, seeds=[0, 1])
+    assert calls[2:] == [((2,), (0, 1))]  # only the new cell
+    other = store.run_cells(path, store.signature({"steps": 20}), [(0,)], counted, arrays, {"seeds": [0]}, 1, "t", 1)
+    assert other == {(0,): {0: {"accuracy": 0.0}}} and len(calls) == 4  # other settings: computed again

@@ -1,0 +1,100 @@
+"""The statistics studies report over seeds: 95% intervals of a mean, t-tests paired by seed
+(a seed shares its data order and initial models across the cells of a study, so seeds pair),
+one-sample tests of per-seed differences, Holm's correction across a report's tests, a two-way
+analysis of variance with seeds as blocks, and Wilson intervals and two-proportion tests for
+accuracies on one shared question set."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def ci95(values) -> float:
+    """Half-width of the 95% confidence interval of the mean (Student's t over seeds)."""
+    from scipy import stats
+
+    values = np.asarray(values, float)
+    if len(values) < 2:
+        return float("nan")
+    return float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values)))
+
+
+def paired(a: dict, b: dict) -> tuple[float, float] | None:
+    """``(mean difference, two-sided p)`` of a t-test paired over the seeds both ``{seed: value}``
+    dicts hold; None with fewer than two shared seeds."""
+    from scipy import stats
+
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    x, y = np.array([a[k] for k in seeds], float), np.array([b[k] for k in seeds], float)
+    diff = x - y
+    p = 1.0 if np.allclose(diff, diff[0]) and diff[0] == 0 else float(stats.ttest_rel(x, y).pvalue)
+    return float(diff.mean()), p
+
+
+def one_sample(values) -> tuple[float, float, float] | None:
+    """``(mean, 95% CI half-width, two-sided p of a one-sample t-test against 0)``."""
+    from scipy import stats
+
+    values = np.asarray(values, float)
+    if len(values) < 2:
+        return None
+    p = 1.0 if np.allclose(values, values[0]) and values[0] == 0 else float(stats.ttest_1samp(values, 0).pvalue)
+    return float(values.mean()), ci95(values), p
+
+
+def holm(ps: list[float]) -> list[float]:
+    """Holm's step-down adjustment of ``ps`` (one claim tested several times, e.g. at every token
+    count): the smallest p times n, the next times n - 1, ..., each at least the one before, at most
+    1. Controls the chance of any false positive among the n at the nominal level."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    adjusted, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def anova_blocked(y: np.ndarray, names: tuple[str, str] = ("a", "b")) -> dict:
+    """Two-way analysis of variance of ``y[a, b, seed]`` (a balanced grid, every cell with every
+    seed) with seeds as blocks: each source's sum of squares, degrees of freedom, share of the
+    total (η²), F and p against the residual. The interaction ``"a × b"`` is tested as well, so an
+    effect of ``b`` that differs by ``a`` shows. ``names`` labels the two factors."""
+    from scipy import stats
+
+    a, b = names
+    n_a, n_b, n_s = y.shape
+    grand = y.mean()
+    m_a, m_b, m_s, m_ab = y.mean((1, 2)), y.mean((0, 2)), y.mean((0, 1)), y.mean(2)
+    ss = {b: n_a * n_s * ((m_b - grand) ** 2).sum(), a: n_b * n_s * ((m_a - grand) ** 2).sum(),
+          f"{a} × {b}": n_s * ((m_ab - m_a[:, None] - m_b[None] + grand) ** 2).sum(),
+          "seed": n_a * n_b * ((m_s - grand) ** 2).sum()}
+    total = ((y - grand) ** 2).sum()
+    df = {b: n_b - 1, a: n_a - 1, f"{a} × {b}": (n_a - 1) * (n_b - 1), "seed": n_s - 1}
+    ss["residual"], df["residual"] = total - sum(ss.values()), (n_a * n_b - 1) * (n_s - 1)
+    ms_e = ss["residual"] / df["residual"]
+    sources = {}
+    for name in ss:
+        f_stat = ss[name] / df[name] / ms_e if name != "residual" and ms_e > 0 else None
+        p = None if f_stat is None else float(stats.f.sf(f_stat, df[name], df["residual"]))
+        eta2 = float(ss[name] / total) if total else 0.0
+        sources[name] = dict(ss=float(ss[name]), df=df[name], eta2=eta2, f=f_stat, p=p)
+    return {"sources": sources, "means": {a: m_a.tolist(), b: m_b.tolist()}}
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson interval of a proportion ``p`` measured on ``n`` questions."""
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def two_proportion_p(p1: float, p2: float, n: int) -> float:
+    """Two-sided p-value of a difference between two accuracies on ``n`` questions each (a pooled
+    z-test; conservative when both runs answer the same questions)."""
+    from scipy.stats import norm
+
+    pooled = (p1 + p2) / 2
+    se = np.sqrt(2 * pooled * (1 - pooled) / n)
+    return float(2 * norm.sf(abs(p1 - p2) / se)) if se > 0 else 1.0
