@@ -1,7 +1,16 @@
-"""``python -m experiments.token_budget``: the sweep on scenes features (``sweep.py``)."""
+"""``python -m experiments.token_budget``: the sweep on scenes features (``sweep.py``); with
+``--config FILE``, the study on any inputs that FILE names (``study.py``)."""
 
-from experiments.token_budget import sweep
+import sys
+
 from vitmm import xla_flags
 
 xla_flags.use_vitmm_defaults()  # before JAX opens a backend
-sweep.main()
+if any(a == "--config" or a.startswith("--config=") for a in sys.argv[1:]):
+    from experiments.token_budget import study
+
+    study.main()
+else:
+    from experiments.token_budget import sweep
+
+    sweep.main()

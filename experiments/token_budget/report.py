@@ -32,7 +32,8 @@ def late_gain(curve: list) -> float:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Mean, std and 95% CI over seeds per (family, requested budget, variant)."""
+    """Mean, std and 95% CI over seeds per (family, requested budget, variant); the question kinds
+    the rows carry (none, for a study whose metric has no kinds)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["family"], r["budget"], r.get("variant", "")), []).append(r)
@@ -48,13 +49,14 @@ def summarise(rows: list[dict]) -> list[dict]:
             values = [float(r[key]) for r in ok if r.get(key) not in (None, "")]
             s[key] = float(np.median(values)) if values else float("nan")
             s[key + "_range"] = (min(values), max(values)) if values else None
-        for key in ("accuracy", *(f"acc_{k}" for k in KINDS), "best_step", "steps_trained", "late_gain"):
+        kinds = [k for k in KINDS if f"acc_{k}" in first]
+        for key in ("accuracy", *(f"acc_{k}" for k in kinds), "best_step", "steps_trained", "late_gain"):
             values = np.array([r[key] for r in ok if r.get(key) is not None], float)
             s[key] = float(values.mean()) if len(values) else float("nan")
             s[key + "_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
             s[key + "_ci"] = stats.ci95(values)
         s["by_seed"] = {int(r["seed"]): float(r["accuracy"]) for r in ok}
-        s["kinds_by_seed"] = {int(r["seed"]): {k: float(r[f"acc_{k}"]) for k in KINDS} for r in ok}
+        s["kinds_by_seed"] = {int(r["seed"]): {k: float(r[f"acc_{k}"]) for k in kinds} for r in ok}
         s["late_best"] = sum(float(r["best_step"]) > LATE * float(r["steps_trained"]) for r in ok
                              if r.get("best_step") is not None)
         s["status"] = first["status"]

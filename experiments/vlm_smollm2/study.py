@@ -1,26 +1,16 @@
 """SmolLM2-135M-Instruct as a VLM's LM on the scenes questions, against a blind baseline and the
 from-scratch LM at the same connector and token budget (`configs/vlm_smollm2_scenes.py`).
 
-    python experiments/vlm_smollm2.py            # needs workdirs/clip_scenes (make demo) and workdirs/smollm2
-    python experiments/vlm_smollm2.py --smoke --vision DIR --lm DIR --data_dir DIR   # what the test runs
-    python experiments/vlm_smollm2.py --frozen   # the token-budget subset on the frozen LM (results/vlm_smollm2/frozen)
+    python -m experiments.vlm_smollm2            # needs workdirs/clip_scenes (make demo) and workdirs/smollm2
+    python -m experiments.vlm_smollm2 --smoke --vision DIR --lm DIR --data_dir DIR   # what the test runs
 
 Each run is a `python -m vitmm.train` process; its row (exact match per question kind, wall
 time, peak memory, training speed) is appended to ``runs.csv`` when it finishes, so a rerun
 skips finished runs (and the trainer resumes an interrupted one from its checkpoint).
 
-``--frozen``: the token-budget study's question on a real LM. SmolLM2 stays frozen and each run
-trains its connector alone (stage 1) for ``--steps`` steps of 16 examples: ``--families`` ×
-``--budgets`` × ``--seeds`` (the seed sets the initialisation and the data order, the same for
-every family, so seeds pair), and a ``blind`` row per seed (pool at the largest budget on blank
-images: what a learned soft prompt gets from the questions alone). Each family's learning rate is
-the best of ``--lrs`` on the validation questions at ``--tune_budget`` tokens and the first seed
-(the tuning rows); blind uses pool's. The grid is scored on ``--test_questions`` test questions,
-greedy decoding; ``frozen.md`` has the means with 95% CIs over seeds and t-tests paired by seed
-(the token-budget report's spread and claim tests). The tower is the token-budget sweep's
-(``results/token_budget/tower``) unless ``--vision`` says otherwise. A run checkpoints every
-``--checkpoint_every`` steps (a run killed mid-way resumes there; checkpoints do not change its
-numbers) and its checkpoints (the frozen LM with them: ~0.35 GB each) are deleted once its row is written.
+The token-budget study's question on this frozen LM (``results/vlm_smollm2/frozen``) is a config
+of that study: ``python -m experiments.token_budget --config
+experiments/token_budget/configs/smollm2_frozen.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +20,6 @@ import csv
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import time
@@ -166,175 +155,20 @@ def report(table: pathlib.Path, counts: dict, out: pathlib.Path) -> None:
     (out / "vlm_smollm2.md").write_text("\n".join(lines) + "\n")
 
 
-FROZEN_FIELDS = (*FIELDS, "family", "budget", "tokens", "seed", "lr", "split", "status", "variant")
-
-
-def frozen_specs(args, chosen: dict | None) -> list[dict]:
-    """The frozen-LM subset's runs: without ``chosen`` the tuning runs (every family at
-    ``tune_budget`` with every lr, the first seed, scored on validation); with ``chosen``
-    (``{family: lr}``) the grid and the blind rows, scored on the test split."""
-    smol, extra = "configs/vlm_smollm2_scenes.py", ",smoke" if args.smoke else ""
-
-    def spec(run, family, budget, seed, lr, split, blind=False):
-        connector = "pool" if blind else family
-        test = [f"--config.evals.qa.data.split={split}"] + (
-            [f"--config.evals.qa.num_examples={args.test_questions}"] if split == "test" else [])
-        return dict(run=run, lm="SmolLM2-135M (frozen)", family="blind" if blind else family, budget=budget,
-                    seed=seed, lr=lr, split=split,
-                    config=f"{smol}:stage=1,connector={connector},budget={budget},steps={args.steps}"
-                           f"{',blind=True' if blind else ''}{extra}",
-                    overrides=[f"--config.optim.lr={lr}", f"--config.seed={seed}",
-                               f"--config.checkpoint_every={args.checkpoint_every}", *test])
-
-    if chosen is None:
-        return [spec(f"tune_{f}_{args.tune_budget}_lr{lr:g}", f, args.tune_budget, args.seeds[0], lr, "validation")
-                for f in args.families for lr in args.lrs]
-    runs = [spec(f"{f}_{b}_s{seed}", f, b, seed, chosen[f], "test")
-            for seed in args.seeds for b in sorted(args.budgets, reverse=True) for f in args.families]
-    blind_lr = chosen.get("pool", chosen[args.families[0]])
-    return runs + [spec(f"blind_{max(args.budgets)}_s{seed}", None, max(args.budgets), seed, blind_lr, "test", True)
-                   for seed in args.seeds]
-
-
-def visual_tokens(workdir: pathlib.Path) -> int:
-    """The visual tokens the run's connector handed the LM (its config and the tower's grid)."""
-    import ml_collections
-
-    from vitmm.models import connectors
-    from vitmm.models.vit import ViT
-    from vitmm.train import tasks
-
-    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-    vision, _ = tasks.vlm_parts(config)
-    grid = tuple(ViT(**vision).grid((config.input.image_size, config.input.image_size)))
-    return int(connectors.num_visual_tokens(config.model.connector.to_dict(), grid))
-
-
-def choose_lrs(rows: list[dict], families) -> dict:
-    """``{family: lr}``: the best validation accuracy among the tuning rows (ties: the smaller lr)."""
-    best = {}
-    for r in rows:
-        key = (float(r["accuracy"]), -float(r["lr"]))
-        if r["run"].startswith("tune_") and r["family"] in families and key > best.get(r["family"], ((-1, 0), 0))[0]:
-            best[r["family"]] = (key, float(r["lr"]))
-    return {f: lr for f, (_, lr) in best.items()}
-
-
-def frozen_report(rows: list[dict], chosen: dict, args, path: pathlib.Path) -> None:
-    """``frozen.md``: the tuning grid, then the grid's means ± 95% CI over seeds per question kind
-    with the paired gain over blind, the spread across families against the gain from more
-    tokens, and Honeybee's and the fine-detail claims (``experiments/token_budget/tables.py``)."""
-    from experiments.token_budget import report as tbr
-    from experiments.token_budget import tables
-
-    tune = [r for r in rows if r["run"].startswith("tune_")]
-    lrs = sorted({float(r["lr"]) for r in tune})
-    batch = rows[0]["batch"] if rows else "?"
-    lines = [f"SmolLM2-135M-Instruct frozen; each run trains its connector alone for {args.steps} steps of {batch} "
-             "examples (stage 1), exact match of greedy answers.", "",
-             f"Learning rate per family: validation accuracy (%) at {args.tune_budget} tokens, seed {args.seeds[0]} "
-             "(the chosen one in bold):", "", "| family | " + " | ".join(f"{lr:g}" for lr in lrs) + " |",
-             "|---|" + "---:|" * len(lrs)]
-    for f in dict.fromkeys(r["family"] for r in tune):
-        acc = {float(r["lr"]): 100 * float(r["accuracy"]) for r in tune if r["family"] == f}
-        lines.append(f"| {f} | " + " | ".join(("**{:.1f}**" if chosen.get(f) == lr else "{:.1f}").format(acc[lr])
-                                              if lr in acc else "" for lr in lrs) + " |")
-    grid = [dict(r, seed=int(r["seed"]), tokens=int(r["tokens"]), budget=int(r["budget"]), variant="", status="ok",
-                 **{k: float(r[k]) for k in ("accuracy", *(f"acc_{k}" for k in KINDS))})
-            for r in rows if not r["run"].startswith("tune_")]
-    if grid:
-        summary = sorted(tbr.summarise(grid), key=lambda s: (s["family"] == tbr.BLIND, s["family"], s["tokens"]))
-        n = int(grid[0]["qa_examples"])
-        lines += ["", f"Test questions ({n}, the same for every run), mean ± 95% CI over seeds (%); "
-                  "vs blind: t-test paired by seed:", "",
-                  "| family | tokens | lr | seeds | all | " + " | ".join(KINDS) + " | vs blind |",
-                  "|---|---:|---:|---:|" + "---:|" * (len(KINDS) + 2)]
-        for x in summary:
-            cells = [tables.mean_ci(x, "accuracy"), *(tables.mean_ci(x, f"acc_{k}") for k in KINDS),
-                     tables.diff_p(x["vs_blind"])]
-            lines.append(f"| {x['family']} | {x['tokens']} | {float(x['lr']):g} | {x['seeds']} | " + " | ".join(cells)
-                         + " |")
-        lines += ["", *tables.spread_lines(summary), "", *tables.claim_lines(summary)]
-    path.write_text("\n".join(lines) + "\n")
-
-
-def run_frozen(args, overrides: list[str]) -> None:
-    out, workdirs = pathlib.Path(args.out), pathlib.Path(args.workdirs)
-    out.mkdir(parents=True, exist_ok=True)
-    table = out / "runs.csv"
-
-    def rows():
-        return list(csv.DictReader(table.open())) if table.is_file() else []
-
-    def run_all(specs):
-        for spec in specs:
-            if spec["run"] in {r["run"] for r in rows()}:
-                print(f"{spec['run']}: done, skipped", flush=True)
-                continue
-            row = run_one(spec, workdirs, overrides)
-            row.update({k: spec[k] for k in ("family", "budget", "seed", "lr", "split")},
-                       tokens=visual_tokens(workdirs / spec["run"]), status="ok", variant="")
-            append_row(table, FROZEN_FIELDS, row)
-            shutil.rmtree(workdirs / spec["run"] / "checkpoints", ignore_errors=True)
-            print(row, flush=True)
-
-    chosen = {f: args.lrs[0] for f in args.families}  # one lr: nothing to tune
-    if args.interim:  # train nothing: the report of the runs finished so far, beside the final one
-        done = rows()
-        if len(args.lrs) > 1:  # the lrs show as chosen only once every family has tried every lr
-            tuned = {(r["family"], float(r["lr"])) for r in done if r["run"].startswith("tune_")}
-            complete = tuned >= {(f, lr) for f in args.families for lr in args.lrs}
-            chosen = choose_lrs(done, args.families) if complete else {}
-        (out / "interim").mkdir(exist_ok=True)
-        frozen_report(done, chosen, args, out / "interim/frozen.md")
-        print(f"wrote {out / 'interim/frozen.md'} from {len(done)} finished runs")
-        return
-    if len(args.lrs) > 1:
-        run_all(frozen_specs(args, None))
-        chosen = choose_lrs(rows(), args.families)
-    print(f"learning rate per family: {chosen}", flush=True)
-    run_all(frozen_specs(args, chosen))
-    frozen_report(rows(), chosen, args, out / "frozen.md")
-    print(f"wrote {out / 'frozen.md'}")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="steps of each SmolLM2 stage (batch 16)")
     parser.add_argument("--out", default=str(ROOT / "results/vlm_smollm2"))
     parser.add_argument("--workdirs", default=str(ROOT / "workdirs/smol"))
-    parser.add_argument("--vision", default=None, help="the tower folder (default: the config's, make demo's; "
-                        "--frozen: the token-budget sweep's, results/token_budget/tower)")
+    parser.add_argument("--vision", default=None, help="the tower folder (default: the config's, make demo's)")
     parser.add_argument("--lm", default=None, help="the converted LM folder (default: the config's)")
     parser.add_argument("--data_dir", default=None)
     parser.add_argument("--only", default=None, help="comma-separated run names (default: all)")
     parser.add_argument("--smoke", action="store_true")
-    frozen = parser.add_argument_group("--frozen: the token-budget subset on the frozen LM")
-    frozen.add_argument("--frozen", action="store_true")
-    frozen.add_argument("--families", default="pool,c_abstractor,qwen_resampler")
-    frozen.add_argument("--budgets", default="4,16", help="visual tokens")
-    frozen.add_argument("--seeds", default="0,1,2")
-    frozen.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="the tuning grid (one value: no tuning)")
-    frozen.add_argument("--tune_budget", type=int, default=16)
-    frozen.add_argument("--test_questions", type=int, default=1024)
-    frozen.add_argument("--checkpoint_every", type=int, default=50,
-                        help="steps between a run's checkpoints: a run killed mid-way resumes from the last one")
-    frozen.add_argument("--interim", action="store_true", help="train nothing: the report of the runs finished so "
-                        "far (a sitting may be running) in OUT/interim/frozen.md")
     args = parser.parse_args(argv)
     overrides = [f"--config.init.{k}={v}" for k, v in (("vision", args.vision), ("lm", args.lm)) if v]
     if args.data_dir:
         overrides.append(f"--config.input.data_dir={args.data_dir}")
-    if args.frozen:
-        args.families, args.lrs = args.families.split(","), [float(x) for x in args.lrs.split(",")]
-        args.budgets, args.seeds = [int(x) for x in args.budgets.split(",")], [int(x) for x in args.seeds.split(",")]
-        if args.out == parser.get_default("out"):
-            args.out = str(ROOT / "results/vlm_smollm2/frozen")
-        if args.workdirs == parser.get_default("workdirs"):
-            args.workdirs = str(ROOT / "workdirs/smol_frozen")
-        if args.vision is None:  # the token-budget sweep's own tower, pinned with its results
-            overrides.append(f"--config.init.vision={ROOT / 'results/token_budget/tower'}")
-        return run_frozen(args, overrides)
     out, workdirs = pathlib.Path(args.out), pathlib.Path(args.workdirs)
     out.mkdir(parents=True, exist_ok=True)
     table = out / "runs.csv"

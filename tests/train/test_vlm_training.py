@@ -1,8 +1,6 @@
 """VLM training through the same loop: stages freeze what they should, the tower comes from a
 CLIP run of `vitmm.train`, and the QA evaluator reports accuracy per question kind."""
 
-import importlib
-import json
 import pathlib
 
 import jax
@@ -313,67 +311,6 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
     assert not example["image"].any() and "|blank|" in blind.evals.qa.pp
 
 
-def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_rerun(
-        tmp_path, data_dir, capsys):
-    script = importlib.import_module("experiments.vlm_smollm2.study")
-    args = ["--smoke", "--only", "scratch_lm_same_examples", "--out", str(tmp_path / "out"), "--workdirs",
-            str(tmp_path / "w"), "--data_dir", data_dir]
-    script.main(args)
-    rows = list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))
-    assert [r["run"] for r in rows] == ["scratch_lm_same_examples"]
-    assert rows[0]["connector"] == "pool@16" and int(rows[0]["qa_examples"]) == 16
-    assert 0 <= float(rows[0]["accuracy"]) <= 1 and float(rows[0]["peak_rss_gib"]) > 0
-    script.main(args)
-    assert "scratch_lm_same_examples: done, skipped" in capsys.readouterr().out
-    assert len(list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))) == 1
-    assert "| scratch_lm_same_examples |" in (tmp_path / "out/vlm_smollm2.md").read_text()
-
-
-def test_the_frozen_smollm2_subset_tunes_then_runs_the_grid_and_blind_and_resumes(
-        tmp_path, data_dir, clip_smoke_run, capsys):
-    """``vlm_smollm2.py --frozen`` on a converted tiny GGUF: the lr chosen per family on validation
-    is the one the grid runs with, on the test split; every run is a row (then its checkpoint is
-    deleted), blind sees blank images, runs checkpoint every ``--checkpoint_every`` steps, a
-    rerun trains nothing and ``--interim`` reports the runs finished so far."""
-    from vitmm.interop import __main__ as cli
-
-    fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
-    cli.main(["--from", "gguf", "--src", str(fixtures / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "lm")])
-    script = importlib.import_module("experiments.vlm_smollm2.study")
-    args = ["--frozen", "--smoke", "--families", "pool", "--budgets", "4", "--seeds", "0,1", "--lrs", "1e-3,3e-3",
-            "--tune_budget", "4", "--test_questions", "8", "--vision", str(clip_smoke_run.workdir), "--lm",
-            str(tmp_path / "lm"), "--out", str(tmp_path / "out"), "--workdirs", str(tmp_path / "w"),
-            "--data_dir", data_dir, "--checkpoint_every", "2"]
-    script.main([*args, "--steps", "4"])
-    rows = list(script.csv.DictReader((tmp_path / "out/runs.csv").open()))
-    assert [r["run"] for r in rows] == ["tune_pool_4_lr0.001", "tune_pool_4_lr0.003", "pool_4_s0", "pool_4_s1",
-                                        "blind_4_s0", "blind_4_s1"]
-    chosen = script.choose_lrs(rows, ["pool"])["pool"]
-    tuned = {float(r["lr"]): float(r["accuracy"]) for r in rows[:2]}
-    assert tuned[chosen] == max(tuned.values()) and all(r["split"] == "validation" for r in rows[:2])
-    assert all(float(r["lr"]) == chosen and r["split"] == "test" and r["tokens"] == "4" for r in rows[2:])
-    assert [r["family"] for r in rows[2:]] == ["pool", "pool", "blind", "blind"]
-    assert not any((tmp_path / "w" / r["run"] / "checkpoints").exists() for r in rows)
-    blind_config = json.loads((tmp_path / "w/blind_4_s1/config.json").read_text())
-    assert "|blank|" in blind_config["input"]["pp"] and blind_config["seed"] == 1
-    assert blind_config["checkpoint_every"] == 2  # a run killed mid-way resumes from step 2
-    report = (tmp_path / "out/frozen.md").read_text()
-    assert "| pool | 4 |" in report and "| blind | 4 |" in report and "Spread across connectors" in report
-    capsys.readouterr()
-    script.main([*args, "--steps", "4"])
-    assert capsys.readouterr().out.count("done, skipped") == 6
-    # --interim trains nothing: the report of the runs finished so far (here tuning and one seed).
-    part = tmp_path / "part"
-    part.mkdir()
-    (part / "runs.csv").write_text("".join((tmp_path / "out/runs.csv").open().readlines()[:4]))
-    script.main([*args, "--steps", "4", "--out", str(part), "--interim"])
-    interim = (part / "interim/frozen.md").read_text()
-    assert f"| pool | 4 | {chosen:g} | 1 |" in interim and "| blind |" not in interim and "**" in interim
-    assert sorted(p.name for p in part.iterdir()) == ["interim", "runs.csv"]
-    # With one lr of the tuning grid still running, no lr shows as chosen.
-    (part / "runs.csv").write_text("".join((tmp_path / "out/runs.csv").open().readlines()[:2]))
-    script.main([*args, "--steps", "4", "--out", str(part), "--interim"])
-    assert "**" not in (part / "interim/frozen.md").read_text()
 
 
 def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):

@@ -1,0 +1,412 @@
+"""The token-budget study on any inputs: connectors × visual-token budgets × seeds where every run
+is a ``vitmm.train`` run of a VLM config, so the tower, the LM, the data and the evaluator are the
+config's (a converted or trained tower, an LM from scratch or converted from HF/GGUF, frozen or with
+LoRA, scenes or LLaVA/webdataset/parquet data, the ``qa`` evaluator or the held-out loss).
+
+    python -m experiments.token_budget --config experiments/token_budget/configs/smollm2_frozen.py
+    python -m experiments.token_budget --config experiments/token_budget/configs/llava.py \\
+        --set train_args=steps=2000 --set "overrides={'input.data_path': 'data.json', ...}"
+    python -m experiments.token_budget --config FILE --interim   # the report of the runs finished so far
+
+One file is one study (``experiments/token_budget/configs/``; its docstring lists the keys). Each
+family's learning rate is the best of ``tune.lrs`` at ``tune.budget`` tokens and the first seed
+on ``tune.overrides``' split (ties: the smaller rate); then every family × budget × seed runs at
+its rate on ``test_overrides``' split, and a ``blind`` row per seed (``blind_args``: the config's
+no-image baseline, pool at the largest budget, pool's rate) unless ``blind_args`` is empty. A
+requested budget is turned into each family's knob by ``connectors.resolve`` on the tower's grid
+(a family that cannot come within ``max_ratio`` of it is listed as unreachable).
+
+Each finished run is kept in ``OUT/cells.jsonl`` (tuning: ``OUT/tuning.jsonl``) under the
+signature of the study's settings (``vitmm.study.store``): rerunning the same command skips it,
+more seeds train only the new ones, and a run killed mid-way resumes from its last checkpoint in
+``WORKDIRS/<run>``, whose checkpoints are deleted once its row is kept (unless
+``keep_checkpoints``). ``OUT/tower.json`` pins the tower: a study there with another tower is
+refused. Writes ``runs.csv`` (per run: the metric and its per-kind parts, the visual tokens, the
+connector's parameters and compiled FLOPs, the LM's forward FLOPs, milliseconds per training
+example, peak host memory, wall time), ``REPORT.md`` (``report``: the tuning grid, means ± 95%
+CIs over seeds with tests paired by seed against blind, Holm-adjusted across the table, costs,
+and for exact-match metrics with question kinds the token-budget sweep's spread and claim tests)
+and ``setup.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from vitmm import config_args
+from vitmm.study import outputs, stats, store
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BLIND = "blind"
+
+
+# ------------------------------------------------------------------------------------ the study
+def load(path: str, overrides: dict | None = None):
+    """The study config ``path[:arg]`` with ``overrides`` (``{key: value}``) applied."""
+    path, _, arg = str(path).partition(":")
+    return config_args.load(path, arg or None, **(overrides or {}))
+
+
+def train_config(study, args: str, overrides: dict):
+    """The ``vitmm.train`` config one run of the study trains (its file, args and overrides)."""
+    path = ROOT / study.train_config if not pathlib.Path(study.train_config).is_absolute() else study.train_config
+    return config_args.load(path, args, **overrides)
+
+
+def tower_grid(config, need_lm: bool = True) -> tuple[tuple[int, int], dict, dict | None]:
+    """``(grid, tower settings, LM settings)`` of a VLM run's config (read from ``init.vision`` and
+    ``init.lm`` where they point at checkpoints, as the trainer does); without ``need_lm`` (a
+    report of finished runs) the LM's folder is not read and its settings are None."""
+    from vitmm.models.vit import ViT
+    from vitmm.train import tasks
+
+    lm_dir = config.init.get("lm")
+    if not need_lm and lm_dir and not (pathlib.Path(lm_dir) / "checkpoints").is_dir():
+        config = config.copy_and_resolve_references()
+        with config.unlocked():
+            config.init.lm = None
+        vision, _ = tasks.vlm_parts(config)
+        return tuple(ViT(**vision).grid((config.input.image_size,) * 2)), vision, None
+    vision, lm_cfg = tasks.vlm_parts(config)
+    size = config.input.image_size
+    return tuple(ViT(**vision).grid((size, size))), vision, lm_cfg
+
+
+def plan(study, grid) -> tuple[list[dict], list[tuple]]:
+    """The cells ``{family, budget, setting, tokens, note}`` (each requested budget of each family,
+    the setting its knob takes to come nearest; setting None: unreachable) and the rows the
+    tables list as unreachable."""
+    from vitmm.models import connectors
+
+    cells, unreachable = [], []
+    for family in study.families:
+        for budget in study.budgets:
+            setting, tokens, note = connectors.resolve(family, budget, grid, study.max_ratio)
+            if setting is None:
+                unreachable.append((family, budget, note))
+            else:
+                cells.append(dict(family=family, budget=budget, setting=setting, tokens=tokens, note=note))
+    return cells, unreachable
+
+
+def _args(study, connector: str, setting, blind: bool = False) -> str:
+    """The train config's args for one run: the study's, the connector, its knob, the steps, and
+    the blind and smoke args where they apply."""
+    parts = [study.train_args, f"connector={connector}", f"budget={setting}", f"steps={study.steps}",
+             study.blind_args if blind else "", study.smoke_args if study.smoke else ""]
+    return ",".join(p for p in parts if p)
+
+
+def dotted(tree) -> dict:
+    """``{"a.b": value}`` from a nested ConfigDict or dict (the trainer's ``--config.a.b=value``);
+    None values are left out (the train config's own value stands)."""
+    tree = tree.to_dict() if hasattr(tree, "to_dict") else dict(tree)
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in dotted(value).items()})
+        elif value is not None:
+            flat[key] = value
+    return flat
+
+
+def run_overrides(study, lr: float, seed: int, split: dict) -> dict:
+    return {**dotted(study.overrides), "optim.lr": lr, "seed": seed, **split}
+
+
+# ------------------------------------------------------------------------------------ one run
+def run(study, name: str, args: str, overrides: dict, workdirs: pathlib.Path) -> dict:
+    """One ``python -m vitmm.train`` run (resumed from its checkpoint when it was stopped), and
+    its row: the final evaluation's ``study.metric`` and the metrics under ``study.kinds``, the
+    training speed, the last training loss, wall time and the process's peak memory."""
+    workdir = workdirs / name
+    cmd = [sys.executable, "-m", "vitmm.train", "--config", f"{study.train_config}:{args}", "--workdir", str(workdir),
+           *(f"--config.{k}={v}" for k, v in overrides.items())]
+    print("$", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{name} failed (exit {os.waitstatus_to_exitcode(status)}); rerun the study to resume it.")
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [x for x in lines if "loss" in x]
+    evals = [x for x in lines if study.metric in x]
+    if not evals:
+        raise SystemExit(f"{workdir}/metrics.jsonl holds no {study.metric!r}: set the study's metric to one its "
+                         f"evaluators write ({sorted({k for x in lines for k in x if '/' in k})[:8]}).")
+    config = json.loads((workdir / "config.json").read_text())
+    speeds = [x["img_per_s"] for x in train[2:] if "img_per_s" in x] or [x.get("img_per_s", 0) for x in train]
+    row = dict(run=name, lm=study.lm_label, connector=f"{config['model']['connector']['name']}@"
+               f"{config['model']['connector']['budget']}", steps=config["total_steps"], batch=config["batch_size"],
+               examples=config["total_steps"] * config["batch_size"], wall_s=round(wall),
+               peak_rss_gib=round(usage.ru_maxrss / 2**20, 2), img_per_s=round(float(np.median(speeds)), 2),
+               final_loss=round(train[-1]["loss"], 4))
+    last = evals[-1]
+    if study.examples_key:
+        row["qa_examples"] = int(last.get(study.examples_key, 0))
+    row["accuracy"] = round(last[study.metric], 4)
+    for kind in study.kinds:
+        row[f"acc_{kind}"] = round(last.get(f"{study.kinds_prefix}{kind}", float("nan")), 4)
+    if not study.keep_checkpoints:
+        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+    return row
+
+
+def with_costs(rows: list[dict], settings: dict, grid, vision: dict, lm_cfg: dict | None, text_len: int) -> list[dict]:
+    """``rows`` with each cell's cost: milliseconds per training example (the trainer's logged
+    speed), the connector's parameters and compiled FLOPs (XLA's count; blind: pool's, on blank
+    images) and the LM's forward FLOPs per example at its visual tokens and ``text_len`` text
+    positions (left out without the LM's settings: a report made where its folder is absent)."""
+    from experiments.token_budget.jobs import costs
+
+    cache, out = {}, []
+    for r in rows:
+        extra = {"ms_per_example": round(1e3 / float(r["img_per_s"]), 2) if float(r.get("img_per_s") or 0) else None}
+        if lm_cfg is not None:
+            family, tokens = r["family"], int(r["tokens"])
+            if (family, tokens) not in cache:
+                connector = {"name": "pool" if family == BLIND else family, "budget": settings[(family, tokens)]}
+                cache[(family, tokens)] = costs(connector, lm_cfg, vision["width"], grid, tokens, text_len)
+            extra.update(cache[(family, tokens)])
+        out.append({**r, **extra})
+    return out
+
+
+# ------------------------------------------------------------------------------------ the report
+def choose_lrs(tuned: list[dict], families, higher: bool) -> dict:
+    """``{family: lr}``: the best tuning score per family (ties: the smaller rate)."""
+    best = {}
+    for r in tuned:
+        score = float(r["accuracy"]) if higher else -float(r["accuracy"])
+        key = (score, -float(r["lr"]))
+        if r["family"] in families and key > best.get(r["family"], ((-np.inf, 0), 0))[0]:
+            best[r["family"]] = (key, float(r["lr"]))
+    return {f: lr for f, (_, lr) in best.items()}
+
+
+def report(study, tuned: list[dict], rows: list[dict], chosen: dict, unreachable: list) -> str:
+    """The study's Markdown: the tuning grid, the table of means ± 95% CIs with the paired test
+    against blind (Holm-adjusted across the table) and the costs, and, for exact-match metrics with
+    question kinds, the token-budget sweep's spread and claim tests."""
+    from experiments.token_budget import report as tbr
+    from experiments.token_budget import tables
+
+    lrs = sorted({float(r["lr"]) for r in tuned})
+    batch = (rows or tuned)[0]["batch"] if rows or tuned else "?"
+    lines = [study.description.format(steps=study.steps, batch=batch), ""]
+    if tuned:
+        lines += [f"Learning rate per family: validation {study.metric_label} (%) at {study.tune.budget} tokens, "
+                  f"seed {study.seeds[0]} (the chosen one in bold):", "",
+                  "| family | " + " | ".join(f"{lr:g}" for lr in lrs) + " |", "|---|" + "---:|" * len(lrs)]
+        for f in dict.fromkeys(r["family"] for r in tuned):
+            acc = {float(r["lr"]): 100 * float(r["accuracy"]) for r in tuned if r["family"] == f}
+            lines.append(f"| {f} | " + " | ".join(("**{:.1f}**" if chosen.get(f) == lr else "{:.1f}").format(acc[lr])
+                                                  if lr in acc else "" for lr in lrs) + " |")
+    kinds = tuple(study.kinds)
+    grid = [dict(r, seed=int(r["seed"]), tokens=int(r["tokens"]), budget=int(r["budget"]), variant="", status="ok",
+                 **{k: float(r[k]) for k in ("accuracy", *(f"acc_{k}" for k in kinds))}) for r in rows]
+    if grid:
+        summary = sorted(tbr.summarise(grid), key=lambda s: (s["family"] == tbr.BLIND, s["family"], s["tokens"]))
+        has_blind = any(x["family"] == tbr.BLIND for x in summary)
+        vs = "; vs blind: t-test paired by seed" if has_blind else ""
+        if study.examples_key:
+            intro = (f"Test questions ({int(grid[0]['qa_examples'])}, the same for every run), mean ± 95% CI over "
+                     f"seeds (%){vs}:")
+        else:
+            intro = f"{study.metric_label} (%), mean ± 95% CI over seeds{vs}:"
+        columns = ["all", *kinds, *(["vs blind"] if has_blind else [])]
+        lines += ["", intro, "", "| family | tokens | lr | seeds | " + " | ".join(columns) + " |",
+                  "|---|---:|---:|---:|" + "---:|" * len(columns)]
+        for x in summary:
+            cells = [tables.mean_ci(x, "accuracy"), *(tables.mean_ci(x, f"acc_{k}") for k in kinds),
+                     *([tables.diff_p(x["vs_blind"])] if has_blind else [])]
+            lines.append(f"| {x['family']} | {x['tokens']} | {float(x['lr']):g} | {x['seeds']} | " + " | ".join(cells)
+                         + " |")
+        if kinds:
+            lines += ["", *tables.spread_lines(summary), "", *tables.claim_lines(summary)]
+        tests = _holm_lines(summary) if has_blind else _pairwise_lines(summary)
+        lines += ["", *tests, "", *_cost_lines(grid)] if tests else ["", *_cost_lines(grid)]
+    if unreachable:
+        lines += ["", "Unreachable budgets: " + "; ".join(f"{f} at {b} ({note})" for f, b, note in unreachable) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _holm_lines(summary: list[dict]) -> list[str]:
+    tests = [(s["family"], s["tokens"], s["vs_blind"]) for s in summary if s.get("vs_blind")]
+    if not tests:
+        return []
+    adjusted = stats.holm([t[2][1] for t in tests])
+    return ["Every row against blind, Holm-adjusted across the table's "
+            f"{len(tests)} tests: " + ", ".join(f"{f}@{t} {100 * d:+.1f} (p={p:.2g})"
+                                                 for (f, t, (d, _)), p in zip(tests, adjusted, strict=True)) + "."]
+
+
+def _pairwise_lines(summary: list[dict]) -> list[str]:
+    """Without a blind row: every pair of families at each token count, the mean difference paired
+    by seed and its p, Holm-adjusted across all the pairs."""
+    by_tokens: dict = {}
+    for s in summary:
+        by_tokens.setdefault(s["tokens"], []).append(s)
+    pairs = [(a, b, stats.paired(a["by_seed"], b["by_seed"])) for cells in by_tokens.values()
+             for i, a in enumerate(cells) for b in cells[i + 1:]]
+    pairs = [(a, b, t) for a, b, t in pairs if t is not None]
+    if not pairs:
+        return []
+    adjusted = stats.holm([t[1] for _, _, t in pairs])
+    return [f"Families paired by seed at each token count, Holm-adjusted across the {len(pairs)} pairs: "
+            + ", ".join(f"{a['family']} − {b['family']} at {a['tokens']}: {100 * t[0]:+.1f} (p={p:.2g})"
+                        for (a, b, t), p in zip(pairs, adjusted, strict=True)) + "."]
+
+
+def _cost_lines(rows: list[dict]) -> list[str]:
+    """Per cell: connector parameters, compiled FLOPs, ms per training example and peak memory
+    (medians over seeds with their range)."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["family"], r["tokens"]), []).append(r)
+    lines = ["Cost per cell (medians over seeds [range]; ms per training example from the trainer's logged "
+             "speed, peak host memory of the run's process):", "",
+             "| family | tokens | connector params | connector MFLOPs | LM MFLOPs | ms/example | peak GiB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def med(rs, key, fmt):
+        v = [float(r[key]) for r in rs if r.get(key) not in (None, "")]
+        return f"{fmt.format(np.median(v))} [{fmt.format(min(v))}–{fmt.format(max(v))}]" if v else ""
+
+    for (family, tokens), rs in sorted(cells.items(), key=lambda kv: (kv[0][0] == BLIND, kv[0])):
+        first = rs[0]
+        params = f"{int(float(first['connector_params'])):,}" if first.get("connector_params") not in (None, "") else ""
+        flops = [f"{float(first[k]):.3g}" if first.get(k) not in (None, "") else ""
+                 for k in ("connector_mflops", "lm_mflops")]
+        lines.append(f"| {family} | {tokens} | {params} | {flops[0]} | {flops[1]} | "
+                     f"{med(rs, 'ms_per_example', '{:.1f}')} | {med(rs, 'peak_rss_gib', '{:.2f}')} |")
+    return lines
+
+
+# ------------------------------------------------------------------------------------ the sweep
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the study's config file[:arg]")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a study config value (a Python literal, or a string), e.g. --set seeds=(0,1)")
+    parser.add_argument("--out", default=None, help="the results folder (default: the study's out)")
+    parser.add_argument("--workdirs", default=None, help="the runs' workdirs (default: the study's workdirs)")
+    parser.add_argument("--interim", action="store_true",
+                        help="train nothing: the report of the runs finished so far in OUT/interim/")
+    args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            overrides[key] = value
+    return args, overrides
+
+
+def main(argv=None) -> pathlib.Path:
+    args, overrides = parse_args(argv)
+    study = load(args.config, overrides)
+    out = pathlib.Path(args.out or ROOT / study.out)
+    workdirs = pathlib.Path(args.workdirs or ROOT / study.workdirs)
+    higher = study.higher_is_better
+
+    base = train_config(study, _args(study, study.families[0], study.budgets[0]), dotted(study.overrides))
+    grid, vision, lm_cfg = tower_grid(base, need_lm=not args.interim)
+    cells, unreachable = plan(study, grid)
+    if not cells:
+        raise SystemExit(f"No family reaches any of the budgets {tuple(study.budgets)} on the {grid} grid: "
+                         + "; ".join(f"{f}@{b}: {n}" for f, b, n in unreachable))
+    text_len = int(base.model.get("max_len", 0))
+    settings = dict(train_config=study.train_config, train_args=study.train_args, blind_args=study.blind_args,
+                    overrides=dotted(study.overrides), metric=study.metric, steps=study.steps, smoke=study.smoke)
+    test_split, tune_split = dotted(study.test_overrides), dotted(study.tune.overrides)
+    test_sig = store.signature({**settings, "split": test_split})
+    tune_sig = store.signature({**settings, "split": tune_split})
+    if not args.interim:
+        out.mkdir(parents=True, exist_ok=True)
+        if base.init.get("vision"):
+            from vitmm import checkpoint as ckpt_lib
+
+            tower = pathlib.Path(base.init.vision)
+            store.check_tower(out, tower, ckpt_lib.load_params(tower))
+
+    def cell_row(cell: dict, seed: int, lr: float, name: str, split: dict, blind: bool = False) -> dict:
+        connector = "pool" if blind else cell["family"]
+        row = run(study, name, _args(study, connector, cell["setting"], blind), run_overrides(study, lr, seed, split),
+                  workdirs)
+        row.update(family=BLIND if blind else cell["family"], budget=cell["budget"], tokens=cell["tokens"], seed=seed,
+                   lr=lr, split=split.get(study.split_key, ""), status="ok", variant="")
+        return row
+
+    def kept(path: pathlib.Path, sig: str) -> dict:
+        return store.seed_results([path], sig)
+
+    # Tuning: every family at tune.budget with every rate, the first seed.
+    tuned_rows, chosen = [], {f: study.tune.lrs[0] for f in study.families}
+    tune_cells = [c for c in cells if c["budget"] == study.tune.budget]
+    if len(study.tune.lrs) > 1:
+        done = kept(out / "tuning.jsonl", tune_sig)
+        for cell in tune_cells:
+            for lr in study.tune.lrs:
+                key, seed = (cell["family"], cell["budget"], lr), study.seeds[0]
+                if seed not in done.get(key, {}) and not args.interim:
+                    row = cell_row(cell, seed, lr, f"tune_{cell['family']}_{cell['budget']}_lr{lr:g}", tune_split)
+                    store.save_cell(out / "tuning.jsonl", tune_sig, key, {seed: row})
+                    done.setdefault(key, {})[seed] = row
+        tuned_rows = [r for by_seed in done.values() for r in by_seed.values()]
+        complete = {(r["family"], float(r["lr"])) for r in tuned_rows} >= {
+            (c["family"], lr) for c in tune_cells for lr in study.tune.lrs}
+        chosen = choose_lrs(tuned_rows, study.families, higher) if complete else {}
+        if not complete and not args.interim:
+            raise SystemExit("tuning did not finish every family and rate")
+    print(f"learning rate per family: {chosen}", flush=True)
+
+    # The grid, largest budgets first, then blind per seed.
+    done = kept(out / "cells.jsonl", test_sig)
+    todo = [(cell, seed) for seed in study.seeds for cell in sorted(cells, key=lambda c: -c["budget"])
+            if cell["family"] in chosen]
+    largest = max((c for c in cells if c["family"] == "pool"), key=lambda c: c["budget"], default=None)
+    if study.blind_args:
+        from vitmm.models import connectors
+
+        budget = max(study.budgets)
+        setting, tokens, note = connectors.resolve("pool", budget, grid, study.max_ratio)
+        largest = dict(family=BLIND, budget=budget, setting=setting, tokens=tokens, note=note)
+    for cell, seed in todo + ([(largest, seed) for seed in study.seeds] if study.blind_args and chosen else []):
+        blind = cell["family"] == BLIND
+        key = (cell["family"], cell["budget"])
+        if seed in done.get(key, {}) or args.interim:
+            continue
+        lr = chosen.get("pool", chosen[study.families[0]]) if blind else chosen[cell["family"]]
+        name = f"blind_{cell['budget']}_s{seed}" if blind else f"{cell['family']}_{cell['budget']}_s{seed}"
+        row = cell_row(cell, seed, lr, name, test_split, blind)
+        store.save_cell(out / "cells.jsonl", test_sig, key, {seed: row})
+        done.setdefault(key, {})[seed] = row
+    rows = [r for by_seed in done.values() for r in by_seed.values()]
+    knobs = {(c["family"], c["tokens"]): c["setting"] for c in cells}
+    if study.blind_args and largest is not None:
+        knobs[(BLIND, largest["tokens"])] = largest["setting"]
+    rows = with_costs(rows, knobs, grid, vision, lm_cfg, text_len)
+    tuned_rows = with_costs(tuned_rows, knobs, grid, vision, lm_cfg, text_len)
+
+    target = out / "interim" if args.interim else out
+    target.mkdir(parents=True, exist_ok=True)
+    outputs.write_rows(tuned_rows + rows, target / "runs.csv") if tuned_rows or rows else None
+    (target / study.report).write_text(report(study, tuned_rows, rows, chosen, unreachable))
+    setup = dict(study=study.to_dict(), grid=list(grid), chosen=chosen, settings=settings,
+                 date=time.strftime("%Y-%m-%d"), command=outputs.command(argv))
+    (target / "setup.json").write_text(json.dumps(setup, indent=1, default=str) + "\n")
+    print(f"wrote {target / study.report} from {len(rows)} runs ({len(tuned_rows)} tuning)")
+    return target
