@@ -90,13 +90,13 @@ def test_budgets_must_be_four_squares(nf):
 def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
     out = tmp_path / "nt"
     argv = ["--smoke", "--out", str(out), "--tower", str(clip_smoke_run.workdir)]
-    nt.main(argv)
+    nt.main([*argv, "--seeds", "0"])
     rows = list(csv.DictReader(open(out / "runs.csv")))
     setup = json.loads((out / "setup.json").read_text())
     budgets = setup["budgets"]
     cells = {(r["path"], int(r["budget"])) for r in rows}
     assert cells == {(p, b) for p in nt.PATHS for b in budgets} | {("blind", budgets[-1])}
-    assert {r["seed"] for r in rows} == {"0", "1"}
+    assert {r["seed"] for r in rows} == {"0"}
     for r in rows:
         b, mean, top = int(r["budget"]), float(r["tokens_mean"]), int(r["tokens_max"])
         assert 0.0 <= float(r["accuracy"]) <= 1.0 and float(r["train_ms"]) > 0
@@ -106,15 +106,15 @@ def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
             assert top <= b
         elif r["path"] == "anyres":
             assert top <= b + 3 * math.isqrt(b // 4)
-    table = (out / "native_tokens.md").read_text()
-    assert "| naflex − square | all |" in table and (out / "native_tokens.png").stat().st_size > 0
     lines = (out / "cells.jsonl").read_text().splitlines()
     assert len(lines) == len(cells)
     # More seeds: only the new seed is trained (one seed-log line per cell), the others come back unchanged.
     seed_log = (out / "seeds.jsonl").read_text().splitlines()
-    nt.main([*argv, "--seeds", "0,1,2"])
+    nt.main([*argv, "--seeds", "0,1"])
     assert len((out / "seeds.jsonl").read_text().splitlines()) == len(seed_log) + len(cells)
     more = list(csv.DictReader(open(out / "runs.csv")))
-    assert {r["seed"] for r in more} == {"0", "1", "2"}
-    accuracy = lambda rs: sorted((r["path"], r["budget"], r["seed"], r["accuracy"]) for r in rs if r["seed"] != "2")  # noqa: E731
+    assert {r["seed"] for r in more} == {"0", "1"}
+    table = (out / "native_tokens.md").read_text()  # two seeds: the paired differences
+    assert "| naflex − square | all |" in table and (out / "native_tokens.png").stat().st_size > 0
+    accuracy = lambda rs: sorted((r["path"], r["budget"], r["seed"], r["accuracy"]) for r in rs if r["seed"] != "1")  # noqa: E731
     assert accuracy(more) == accuracy(rows)

@@ -33,7 +33,7 @@ def test_the_frozen_smollm2_config_tunes_then_runs_the_grid_and_blind_and_resume
     nothing, and ``--interim`` reports the runs finished so far."""
     args = ["--config", "experiments/token_budget/configs/smollm2_frozen.py:smoke", "--out", str(tmp_path / "out"),
             "--workdirs", str(tmp_path / "w"), "--set", "families=('pool',)", "--set", "budgets=(4,)",
-            "--set", "seeds=(0, 1)", "--set", "steps=4", "--set", "tune.lrs=(1e-3, 3e-3)", "--set", "tune.budget=4",
+            "--set", "seeds=(0,)", "--set", "steps=4", "--set", "tune.lrs=(1e-3, 3e-3)", "--set", "tune.budget=4",
             "--set", "test_overrides.evals.qa.num_examples=8", "--set", "overrides.checkpoint_every=2",
             "--set", f"overrides.init.vision={clip_smoke_run.workdir}", "--set", f"overrides.init.lm={tiny_lm}",
             "--set", f"overrides.input.data_dir={clip_smoke_run.data_dir}"]
@@ -42,17 +42,17 @@ def test_the_frozen_smollm2_config_tunes_then_runs_the_grid_and_blind_and_resume
     rows = _rows(tmp_path / "out/runs.csv")[2:]
     assert [r["run"] for r in tuned] == ["tune_pool_4_lr0.001", "tune_pool_4_lr0.003"]
     chosen = study.choose_lrs(tuned, ["pool"], higher=True)["pool"]
-    assert {r["run"] for r in rows} == {"pool_4_s0", "pool_4_s1", "blind_4_s0", "blind_4_s1"}
+    assert {r["run"] for r in rows} == {"pool_4_s0", "blind_4_s0"}
     assert all(r["split"] == "validation" for r in tuned) and all(r["split"] == "test" for r in rows)
     assert all(float(r["lr"]) == chosen and r["tokens"] == "4" and int(r["qa_examples"]) == 8 for r in rows)
     assert all(float(r["connector_mflops"]) > 0 and float(r["ms_per_example"]) > 0 and float(r["peak_rss_gib"]) > 0
                for r in rows)
     assert not any((tmp_path / "w" / r["run"] / "checkpoints").exists() for r in tuned + rows)
-    blind = json.loads((tmp_path / "w/blind_4_s1/config.json").read_text())
-    assert "|blank|" in blind["input"]["pp"] and blind["seed"] == 1 and blind["checkpoint_every"] == 2
+    blind = json.loads((tmp_path / "w/blind_4_s0/config.json").read_text())
+    assert "|blank|" in blind["input"]["pp"] and blind["seed"] == 0 and blind["checkpoint_every"] == 2
     report = (tmp_path / "out/frozen.md").read_text()
     assert "| pool | 4 |" in report and "| blind | 4 |" in report and "Spread across connectors" in report
-    assert "Holm-adjusted" in report and "Cost per cell" in report
+    assert "Cost per cell" in report  # (one seed: no paired test, so no Holm line)
     capsys.readouterr()
     study.main(args)
     assert "$ " not in capsys.readouterr().out  # nothing trained again

@@ -64,7 +64,7 @@ def test_the_pinned_tower_is_the_trained_image_tower_and_counts_as_finished(tb, 
     tower_lib.ensure_tower(out, smoke=True)
 
 
-def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run):
+def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run, capsys):
     """A whole sweep end to end on the session's smoke CLIP (features, two worker processes,
     outputs; training the tower when a workdir has none is the same ``trainer.train``)."""
     out = tmp_path / "tb"
@@ -166,14 +166,13 @@ def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run):
     assert f"no seed finished yet: {lost_name}." in interim and (out / "interim/accuracy_vs_budget.png").is_file()
     assert "of 2 seeds)" not in interim  # every other cell has both seeds
     assert (out / "cells.jsonl").read_text().splitlines() == kept and not (out / "interim/cells.jsonl").exists()
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.token_budget", "--smoke", "--workers", "2", "--out", str(out),
-         "--tower", str(clip_smoke_run.workdir), "--data_dir", clip_smoke_run.data_dir],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"{len(cells) - 1} cells already done" in proc.stdout and "1 to run" in proc.stdout
-    assert "tuning (lr): 4 cells already done" in proc.stdout and "tuning (warmup): 4 cells" in proc.stdout
-    assert proc.stdout.count("; 0 to run") == 2 and len((out / "tuning.jsonl").read_text().splitlines()) == 8
+    capsys.readouterr()
+    tb.main(["--smoke", "--workers", "1", "--out", str(out), "--tower", str(clip_smoke_run.workdir), "--data_dir",
+             clip_smoke_run.data_dir])  # in this process: the features and stage 0 as compiled for --interim
+    stdout = capsys.readouterr().out
+    assert f"{len(cells) - 1} cells already done" in stdout and "1 to run" in stdout
+    assert "tuning (lr): 4 cells already done" in stdout and "tuning (warmup): 4 cells" in stdout
+    assert stdout.count("; 0 to run") == 2 and len((out / "tuning.jsonl").read_text().splitlines()) == 8
     again = list(csv.DictReader(open(out / "runs.csv")))
     accuracy = lambda rs: [(r["family"], r["tokens"], r["variant"], r["seed"], r.get("accuracy")) for r in rs]  # noqa: E731
     assert accuracy(again) == accuracy(rows)
