@@ -101,3 +101,26 @@ def clip_smoke_run(tmp_path_factory):
 def siglip_chunked_smoke_run(tmp_path_factory):
     """``configs/siglip_scenes.py:smoke,loss=sigmoid_chunked``, trained once for the session."""
     return _shared_run(tmp_path_factory, "siglip_scenes", "smoke,loss=sigmoid_chunked")
+
+
+# The longest tests (each 15-65 s on 2 cores, `--durations`), started first: the two workers then
+# share them out at the start instead of one finishing alone with a minute's test at the end.
+SLOWEST_FIRST = (
+    "tests/train/test_multihost.py::test_two_processes_train_as_one_and_stop_together_on_sigterm",
+    "tests/experiments/token_budget/test_token_budget_sweep.py::test_smoke_sweep_writes_tables_and_plots",
+    "tests/train/test_reliability.py::test_a_loop_of_sigkill_and_sigterm_ends_where_an_uninterrupted_run_ends",
+    "tests/train/test_raw_data_runs.py::test_clip_trains_on_tar_shards_in_worker_processes_resumes_and_evaluates_on_a_csv",
+    "tests/experiments/token_budget/test_budget_study.py::test_the_frozen_smollm2_config_tunes_then_runs_the_grid_and_blind_and_resumes",
+    "tests/experiments/native/test_native_tokens.py::test_smoke_run_writes_outputs_and_resumes",
+    "tests/experiments/token_budget/test_token_budget_sweep.py::test_the_image_reaches_the_lm",
+    "tests/train/test_reliability.py::test_a_signal_saves_the_current_step_and_the_resumed_run_matches",
+    "tests/experiments/bench/test_cpu_vs_torch.py::test_benchmark_script_runs_and_writes_its_tables",
+    "tests/experiments/reliability/test_resume_check.py::test_resume_check_compares_a_resumed_run_step_by_step",
+    "tests/train/test_reliability.py::test_a_resume_with_a_changed_config_says_what_changed_and_refuses_what_matters",
+    "tests/train/test_trainer.py::test_packed_native_resolution_run_trains_evaluates_and_resumes_exactly",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {nodeid: i for i, nodeid in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order

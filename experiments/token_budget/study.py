@@ -34,15 +34,13 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import pathlib
 import shutil
-import subprocess
-import sys
 import time
 
 import numpy as np
 
+from experiments.common import train_run
 from vitmm import config_args
 from vitmm.study import outputs, stats, store
 
@@ -130,28 +128,13 @@ def run(study, name: str, args: str, overrides: dict, workdirs: pathlib.Path) ->
     its row: the final evaluation's ``study.metric`` and the metrics under ``study.kinds``, the
     training speed, the last training loss, wall time and the process's peak memory."""
     workdir = workdirs / name
-    cmd = [sys.executable, "-m", "vitmm.train", "--config", f"{study.train_config}:{args}", "--workdir", str(workdir),
-           *(f"--config.{k}={v}" for k, v in overrides.items())]
-    print("$", " ".join(cmd), flush=True)
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{name} failed (exit {os.waitstatus_to_exitcode(status)}); rerun the study to resume it.")
-    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    train = [x for x in lines if "loss" in x]
+    summary, lines = train_run.train(f"{study.train_config}:{args}", workdir,
+                                     [f"--config.{k}={v}" for k, v in overrides.items()], name)
     evals = [x for x in lines if study.metric in x]
     if not evals:
         raise SystemExit(f"{workdir}/metrics.jsonl holds no {study.metric!r}: set the study's metric to one its "
                          f"evaluators write ({sorted({k for x in lines for k in x if '/' in k})[:8]}).")
-    config = json.loads((workdir / "config.json").read_text())
-    speeds = [x["img_per_s"] for x in train[2:] if "img_per_s" in x] or [x.get("img_per_s", 0) for x in train]
-    row = dict(run=name, lm=study.lm_label, connector=f"{config['model']['connector']['name']}@"
-               f"{config['model']['connector']['budget']}", steps=config["total_steps"], batch=config["batch_size"],
-               examples=config["total_steps"] * config["batch_size"], wall_s=round(wall),
-               peak_rss_gib=round(usage.ru_maxrss / 2**20, 2), img_per_s=round(float(np.median(speeds)), 2),
-               final_loss=round(train[-1]["loss"], 4))
+    row = dict(run=name, lm=study.lm_label, **summary)
     last = evals[-1]
     if study.examples_key:
         row["qa_examples"] = int(last.get(study.examples_key, 0))

@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import pathlib
-import subprocess
-import sys
-import time
 
 import numpy as np
 
+from experiments.common import train_run
 from vitmm.study import stats
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -52,32 +49,16 @@ def plan(steps: int, scratch_steps: int, smoke: bool) -> list[dict]:
 
 
 def run_one(spec: dict, workdirs: pathlib.Path, overrides: list[str]) -> dict:
-    workdir = workdirs / spec["run"]
-    cmd = [sys.executable, "-m", "vitmm.train", "--config", spec["config"], "--workdir", str(workdir), *overrides,
-           *spec.get("overrides", ())]
+    args = [*overrides, *spec.get("overrides", ())]
     if spec.get("after"):
-        cmd.append(f"--config.init.checkpoint={workdirs / spec['after']}")
+        args.append(f"--config.init.checkpoint={workdirs / spec['after']}")
     if "vlm_scenes" in spec["config"]:  # the from-scratch LM has no init.lm; the tower is the SmolLM2 runs'
-        cmd = [a for a in cmd if not a.startswith("--config.init.lm=")]
-        if not any(a.startswith("--config.init.vision=") for a in cmd) and ",smoke" not in spec["config"]:
-            cmd.append(f"--config.init.vision={ROOT / 'workdirs/clip_scenes'}")
-    print("$", " ".join(cmd), flush=True)
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{spec['run']} failed (exit {os.waitstatus_to_exitcode(status)}); rerun to resume it.")
-    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    train = [x for x in lines if "loss" in x]
+        args = [a for a in args if not a.startswith("--config.init.lm=")]
+        if not any(a.startswith("--config.init.vision=") for a in args) and ",smoke" not in spec["config"]:
+            args.append(f"--config.init.vision={ROOT / 'workdirs/clip_scenes'}")
+    summary, lines = train_run.train(spec["config"], workdirs / spec["run"], args, spec["run"])
     evals = [x for x in lines if "qa/accuracy" in x][-1]
-    config = json.loads((workdir / "config.json").read_text())
-    speeds = [x["img_per_s"] for x in train[2:] if "img_per_s" in x] or [x.get("img_per_s", 0) for x in train]
-    return dict(run=spec["run"], lm=spec["lm"], connector=f"{config['model']['connector']['name']}@"
-                f"{config['model']['connector']['budget']}", steps=config["total_steps"], batch=config["batch_size"],
-                examples=config["total_steps"] * config["batch_size"], wall_s=round(wall),
-                peak_rss_gib=round(usage.ru_maxrss / 2**20, 2), img_per_s=round(float(np.median(speeds)), 2),
-                final_loss=round(train[-1]["loss"], 4), qa_examples=int(evals["qa/examples"]),
+    return dict(run=spec["run"], lm=spec["lm"], **summary, qa_examples=int(evals["qa/examples"]),
                 accuracy=round(evals["qa/accuracy"], 4),
                 **{f"acc_{k}": round(evals.get(f"qa/acc_{k}", float("nan")), 4) for k in KINDS})
 

@@ -202,15 +202,11 @@ def test_the_image_reaches_the_lm(tmp_path):
     runs pool at 4 tokens and blind at a 2-layer LM's scale for 200 steps (at 200 steps pool's
     training loss sat 0.11 under blind's and it gained 34 points on colour-at-location; at 400,
     0.20 and 60)."""
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.token_budget", "--smoke", "--workers", "1", "--out",
-         str(tmp_path / "tb"), "--tower", str(ROOT / "results/token_budget/tower"), "--data",
-         "scenes/easy_64_256_64_64_s0", "--data_dir", str(tmp_path / "tfds"), "--families", "pool", "--budgets", "4",
-         "--steps", "200", "--eval_every", "50", "--patience", "100", "--lr", "1e-3", "--param_budget", "0",
-         "--encoder_budgets", "", "--seeds", "0", "--lm_width", "64", "--lm_depth", "2", "--batch_size", "32"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweep.main(["--smoke", "--workers", "1", "--out", str(tmp_path / "tb"), "--tower",
+                str(ROOT / "results/token_budget/tower"), "--data", "scenes/easy_64_256_64_64_s0", "--data_dir",
+                str(tmp_path / "tfds"), "--families", "pool", "--budgets", "4", "--steps", "200", "--eval_every", "50",
+                "--patience", "100", "--lr", "1e-3", "--param_budget", "0", "--encoder_budgets", "", "--seeds", "0",
+                "--lm_width", "64", "--lm_depth", "2", "--batch_size", "32"])
     rows = {r["family"]: r for r in csv.DictReader(open(tmp_path / "tb/runs.csv"))}
     pool, blind = rows["pool"], rows["blind"]
     assert float(pool["final_loss"]) < float(blind["final_loss"]) - 0.05, (pool["final_loss"], blind["final_loss"])

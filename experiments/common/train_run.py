@@ -1,0 +1,42 @@
+"""One ``python -m vitmm.train`` run as a study's unit: started as its own process (so its peak
+memory is its own), resumed from its checkpoint when it was stopped, and summarised from the
+``metrics.jsonl`` and ``config.json`` it leaves."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def train(config: str, workdir: pathlib.Path, args=(), name: str = "") -> tuple[dict, list[dict]]:
+    """Trains ``config`` (``FILE:ARGS``) into ``workdir`` with the command-line ``args``; returns
+    the run's summary (the connector, steps, batch, examples, wall seconds, peak memory of the
+    process in GiB, the median training speed after the first two logs, the last training loss)
+    and every line of its ``metrics.jsonl``. A failed run stops the study in one line."""
+    cmd = [sys.executable, "-m", "vitmm.train", "--config", config, "--workdir", str(workdir), *args]
+    print("$", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{name or workdir.name} failed (exit {os.waitstatus_to_exitcode(status)}); rerun to "
+                         "resume it.")
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [x for x in lines if "loss" in x]
+    saved = json.loads((workdir / "config.json").read_text())
+    speeds = [x["img_per_s"] for x in steps[2:] if "img_per_s" in x] or [x.get("img_per_s", 0) for x in steps]
+    connector = saved["model"]["connector"]
+    summary = dict(connector=f"{connector['name']}@{connector['budget']}", steps=saved["total_steps"],
+                   batch=saved["batch_size"], examples=saved["total_steps"] * saved["batch_size"], wall_s=round(wall),
+                   peak_rss_gib=round(usage.ru_maxrss / 2**20, 2), img_per_s=round(float(np.median(speeds)), 2),
+                   final_loss=round(steps[-1]["loss"], 4))
+    return summary, lines
