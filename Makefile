@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check vitmm tests configs experiments
 
 test: lint
-	$(BIN)/python -m pytest -n 2 --maxschedchunk 1 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

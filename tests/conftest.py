@@ -103,8 +103,10 @@ def siglip_chunked_smoke_run(tmp_path_factory):
     return _shared_run(tmp_path_factory, "siglip_scenes", "smoke,loss=sigmoid_chunked")
 
 
-# The longest tests (each 15-65 s on 2 cores, `--durations`), started first: the two workers then
-# share them out at the start instead of one finishing alone with a minute's test at the end.
+# The longest tests (each 15-65 s on 2 cores, `--durations`), dealt out to start first on every
+# worker: xdist's load scheduling hands each of N workers a chunk of len/N/4 tests in collection
+# order to begin with, so these go to the head of each first chunk in turn; otherwise one worker can
+# take them all, or finish alone with a minute's test at the end.
 SLOWEST_FIRST = (
     "tests/train/test_multihost.py::test_two_processes_train_as_one_and_stop_together_on_sigterm",
     "tests/experiments/token_budget/test_token_budget_sweep.py::test_smoke_sweep_writes_tables_and_plots",
@@ -122,5 +124,16 @@ SLOWEST_FIRST = (
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {nodeid: i for i, nodeid in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
+    workers = config.getoption("numprocesses", None) if config.pluginmanager.hasplugin("xdist") else None
+    workers = workers if isinstance(workers, int) and workers > 1 else 1
+    slow = {nodeid: i for i, nodeid in enumerate(SLOWEST_FIRST)}
+    first = sorted((item for item in items if item.nodeid in slow), key=lambda item: slow[item.nodeid])
+    rest = [item for item in items if item.nodeid not in slow]
+    chunk = max(len(items) // workers // 4, 2)  # xdist's first chunk per worker (LoadScheduling)
+    heads = [first[w::workers] for w in range(workers)]
+    ordered = []
+    for w in range(workers):
+        ordered += heads[w]
+        take = max(chunk - len(heads[w]), 0) if w < workers - 1 else len(rest)
+        ordered, rest = ordered + rest[:take], rest[take:]
+    items[:] = ordered + rest
