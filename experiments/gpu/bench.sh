@@ -5,7 +5,7 @@
 #   bash experiments/gpu/bench.sh --profile       # and where each step's device time goes (profile.md)
 #   bash experiments/gpu/bench.sh --sweep         # ViT-B/16 under several XLA flags and model settings
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 python3 -m experiments.gpu.bench --out "${OUT:-.}/bench_gpu.json" "$@"

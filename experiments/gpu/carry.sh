@@ -6,7 +6,7 @@
 # Both are git-ignored (.git/info/exclude); name them in the device call's `carry`.
 #   bash experiments/gpu/carry.sh && du -sh .whl .gpu_data     # 64 MiB may travel per call
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 exclude=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$exclude")" && touch "$exclude"
 for d in /.whl/ /.gpu_data/; do grep -qxF "$d" "$exclude" || echo "$d" >> "$exclude"; done
 PY=${PY:-.venv/bin/python}

@@ -8,7 +8,7 @@
 # failing step is logged and the next runs. Everything is packed into $OUT/gpu_session.tgz (the device
 # tool brings back at most 8 files), with the log beside it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 tiny=${1:-}
 FINAL=${OUT:-/tmp/gpu_session_out}
 W=$(mktemp -d /tmp/gpu_session.XXXX)

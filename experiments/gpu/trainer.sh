@@ -16,7 +16,7 @@
 #   resume_*.json      experiments/reliability/resume_check.py: 60 steps straight, again, and 30 + a resumed 30, step by
 #                      step; as XLA runs by default and with --xla_gpu_deterministic_ops=true
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 tiny=0
 [ "${1:-}" = "--tiny" ] && tiny=1
 R=${OUT:-/tmp/gpu_trainer_out}/gpu_trainer
