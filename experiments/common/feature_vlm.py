@@ -9,6 +9,7 @@ import os
 import pathlib
 import pickle
 import time
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,29 @@ from vitmm.train import step as step_lib
 BLIND = "blind"  # the baseline whose visual token carries no image
 KINDS = scenes.QUESTION_KINDS
 EVAL_BATCH = 500  # questions a scoring call takes (the last batch padded): one compiled shape
+
+
+class JobContext(TypedDict, total=False):
+    """What a study hands every job of its worker processes (pickled once per pool), beside the
+    arrays: the models' settings, the training plan (``train_and_eval``'s ``plan``), the seeds,
+    each seed's stage-0 LM, the jobs' connectors and views, the chosen rates, and where finished
+    seeds and mid-run snapshots are kept."""
+
+    tower_cfg: dict  # the frozen tower's ViT settings
+    lm_cfg: dict  # the LM's settings (vocabulary included)
+    in_dim: int  # the features' width
+    max_len: int  # question + answer tokens
+    plan: dict  # max_steps, batch_size, eval_every, patience, min_delta, curve_questions, min_steps, ...
+    seeds: list  # the seeds every job trains
+    stage0: dict  # {seed: the LM's parameters after stage 0}
+    stage1_steps: int  # connector-only steps before the joint phase
+    jobs: dict  # {job key: {"connector": cfg, "view": name}}
+    views: dict  # {view name: {"grid": ...}}
+    tune_seed: int  # the seed tuning runs at
+    chosen: dict  # {family: (lr, warmup)}
+    snapshots: tuple  # (folder, signature): where a run's mid-run snapshot lives
+    seed_log: tuple  # (path, signature): each finished seed is appended there
+    seeds_done: dict  # {job key: {seed: result}} already kept: not trained again
 
 
 class FeatureTrainer:
@@ -252,7 +276,7 @@ def holds_under_min_steps(min_steps: int | None):
     return holds
 
 
-def snapshot_path(context: dict, *identity) -> pathlib.Path | None:
+def snapshot_path(context: JobContext, *identity) -> pathlib.Path | None:
     """Where one run's mid-run snapshot lives: ``context["snapshots"] = (folder, signature of the
     sweep's settings)`` and the run's ``identity`` (key, seed, lr, warmup) name the file; None
     without ``context["snapshots"]``."""
@@ -304,7 +328,7 @@ def time_steps(run: FeatureTrainer, train: dict, test: dict, batch_size: int, vi
             "infer_ms": 1e3 * float(np.median(eval_times)) / eval_batch}
 
 
-def run_seeds(key, context: dict, progress, one) -> dict:
+def run_seeds(key, context: JobContext, progress, one) -> dict:
     """``{seed: one(seed)}`` over ``context["seeds"]``, each finished seed appended to
     ``context["seed_log"] = (path, signature)`` when given; seeds already in
     ``context["seeds_done"][key]`` are taken from there, not trained again."""

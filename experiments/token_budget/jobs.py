@@ -7,6 +7,7 @@ from experiments.common.feature_vlm import (
     BLIND,
     EVAL_BATCH,
     FeatureTrainer,
+    JobContext,
     run_seeds,
     snapshot_path,
     time_steps,
@@ -23,7 +24,7 @@ def _run(c: dict, key: tuple, lr: float, warmup: int | None) -> FeatureTrainer:
                stage1_steps=c.get("stage1_steps", 0), warmup=warmup, schedule=c["plan"].get("schedule", "constant"))
 
 
-def job(key, arrays: dict, context: dict, progress) -> dict:
+def job(key, arrays: dict, context: JobContext, progress) -> dict:
     """``{seed: result}`` on the test questions for one job (family, tokens, variant) at its
     family's chosen learning rate and warmup: compiled once, trained per seed; after each seed the
     same compiled step and scoring are timed (``time_steps``). With ``context["seed_log"] = (path,
@@ -42,7 +43,7 @@ def job(key, arrays: dict, context: dict, progress) -> dict:
     return run_seeds(key, c, progress, one)
 
 
-def tune_job(key, arrays: dict, context: dict, progress) -> dict:
+def tune_job(key, arrays: dict, context: JobContext, progress) -> dict:
     """``{seed: result}`` on the whole validation split for one (family, tokens, lr, warmup) of
     the tuning grid, at the tuning seed."""
     c, (family, tokens, lr, warmup) = context, key

@@ -59,6 +59,7 @@ far (it encodes the features to check the settings, about two minutes for the de
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -147,11 +148,25 @@ def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
                                          * seeds_left.get(key, 1)))
 
 
-def main(argv=None) -> pathlib.Path:
-    args = parse_args(argv)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+@dataclasses.dataclass
+class Features:
+    """The frozen tower and the question features every run of the sweep reads."""
 
+    tower_dir: pathlib.Path
+    tower_cfg: dict
+    image_size: int
+    data: str
+    fingerprint: str  # the tower's parameters, pinned in OUT/tower.json
+    grid: tuple
+    encoder: dict  # the encoder-side views: {tokens: {variant: (view, tower, params, image size)}}
+    tokenizer: object
+    max_len: int
+    splits: dict  # {"train" | "val" | "test": arrays}
+
+
+def encode_features(args, out: pathlib.Path) -> Features:
+    """The tower (trained or pinned first when missing; another tower than OUT's is refused) and
+    its features of the train, validation and test questions, the encoder-side views included."""
     tower_dir = tower_lib.tower_dir(args.tower, out, args.smoke, args.data_dir)
     clip_config = ckpt_lib.load_config(tower_dir)
     tower_cfg = clip_config["model"]["image"]
@@ -161,7 +176,7 @@ def main(argv=None) -> pathlib.Path:
         args.parser.error(f"{tower_dir} does not say what data it was trained on; pass --data (e.g. scenes/easy_224).")
     tower = ViT(**tower_cfg)
     tower_params = ckpt_lib.load_params(tower_dir)["img"]
-    tower_print = store.check_tower(out, tower_dir, tower_params)
+    fingerprint = store.check_tower(out, tower_dir, tower_params)
     grid = tower.grid((image_size, image_size))
     enc = encoder_views(tower_cfg, tower_params, image_size, grid, args.encoder_budgets)
     views = {name: (t, p, size) for vs in enc.values() for name, t, p, size in vs.values()}
@@ -174,52 +189,17 @@ def main(argv=None) -> pathlib.Path:
         splits[name] = qa_features.encode_split(tower, tower_params, data, split, n, image_size, tokenizer, max_len,
                                                 args.data_dir, views=views)
     train, val, test = splits["train"], splits["val"], splits["test"]
-    in_dim = train["patches"].shape[-1]
     print(f"tower features: {len(train['patches'])} train / {len(val['patches'])} validation / {len(test['patches'])} "
-          f"test images, grid {grid}, {in_dim} channels, encoder-side views {sorted(views)}; {len(train['ids'])} / "
-          f"{len(val['ids'])} / {len(test['ids'])} questions ({time.perf_counter() - t0:.0f} s)")
+          f"test images, grid {grid}, {train['patches'].shape[-1]} channels, encoder-side views {sorted(views)}; "
+          f"{len(train['ids'])} / {len(val['ids'])} / {len(test['ids'])} questions ({time.perf_counter() - t0:.0f} s)")
+    return Features(tower_dir, tower_cfg, image_size, data, fingerprint, grid, enc, tokenizer, max_len, splits)
 
-    lm_cfg = dict(vocab_size=tokenizer.vocab_size, **args.lm)
-    plan, jobs, same = plan_jobs(args, grid, in_dim, lm_cfg["width"], enc)
-    print(f"{len(jobs)} jobs × {len(args.seeds)} seeds, {'≤ ' if args.patience else ''}{args.steps} joint steps "
-          f"each; unreachable: {[(f, b) for f, b, _, s, _, _ in plan if s is None]}")
-    train_plan = {k: getattr(args, k) for k in ("batch_size", "eval_every", "patience", "min_delta", "curve_questions")}
-    train_plan["max_steps"] = args.steps
-    if args.schedule != "constant":  # results from before the option existed ran at a constant rate
-        train_plan["schedule"] = args.schedule
-    # Left out of the signature: a result stands under a higher floor when its run trained past it.
-    signed_plan, holds = dict(train_plan), feature_vlm.holds_under_min_steps(args.min_steps if args.patience else None)
-    train_plan["min_steps"] = args.min_steps
-    # A finished cell is reused only by a sweep with the same settings (everything but the cells
-    # and the seed list: a rerun with more seeds trains only the new ones).
-    settings = dict(tower=tower_print, data=data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.lr,
-                    stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
-                    train=len(train["ids"]), val=len(val["ids"]), test=len(test["ids"]), max_len=max_len,
-                    tokenizer=args.tokenizer)
-    context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, in_dim=in_dim, max_len=max_len, plan=train_plan,
-                   seeds=args.seeds, stage0={}, stage1_steps=args.stage1_steps, jobs=jobs, tune_seed=args.seeds[0],
-                   views={"": {"grid": grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}})
-    context["views"] = {k.removeprefix("grid"): v for k, v in context["views"].items()}
-    arrays = {name: {k: v for k, v in split.items() if not k.startswith("grid")} for name, split in splits.items()}
-    context["snapshots"] = (str(out / "snapshots"), store.signature({**settings, "plan": train_plan}))  # resume
-    context["plan"] = {**train_plan, "eval_batch": args.eval_batch}  # a setting of speed, left out of the signatures
-    stage0_loss = {}
 
-    def ensure_stage0():  # trained the first time some run needs it
-        for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
-            t0 = time.perf_counter()
-            context["stage0"][seed], stage0_loss[seed] = feature_vlm.pretrain_lm(
-                lm_cfg, train["ids"], tokenizer.pad_id, args.stage0_steps, args.batch_size, args.lr, seed)
-            print(f"stage 0, seed {seed}: {args.stage0_steps} LM steps on the questions' text, final loss "
-                  f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
-
-    def run_cells(fn, keys, path, signature, desc, seeds, steps_per_seed):
-        return store.run_cells(path, signature, keys, fn, arrays, context, args.workers, desc,
-                               len(seeds) * steps_per_seed, seeds, before=ensure_stage0, holds=holds)
-
-    # Tuning at one budget and one seed on validation: the lr grid at the first warmup, then the
-    # other warmups at the family's best lr.
-    tune_sig = store.signature({**settings, "tune_seed": args.seeds[0]})
+def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature: str) -> tuple[dict, dict]:
+    """``(tuning results, {family: (lr, warmup)})``: at the token count nearest ``--tune_budget``
+    and the first seed, on validation, the lr grid at the first warmup (a best rate at an edge of
+    the grid tries the next one past it), then the other warmups at the family's best lr; or the
+    rates ``--chosen`` names, or (one lr, one warmup) no tuning at all."""
     run_steps = args.stage1_steps + args.steps
     tune_at = {}
     for family, tokens, variant in jobs:
@@ -228,52 +208,36 @@ def main(argv=None) -> pathlib.Path:
             tune_at[family] = tokens
     tuned, tuning = {}, args.chosen is None and (len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1)
     if args.chosen is not None:
-        chosen = {f: args.chosen[f] for f in tune_at}
-    elif args.interim and tuning:
-        tuned = store.load_cells(out / "tuning.jsonl", tune_sig)
+        return tuned, {f: args.chosen[f] for f in tune_at}
+    if not tuning:
+        return tuned, {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in tune_at}
+    if args.interim:
+        tuned = store.load_cells(out / "tuning.jsonl", signature)
         chosen = tune.choose(tuned)
         if set(chosen) != set(tune_at):
             args.parser.error(f"--interim: tuning has finished for {sorted(chosen)} only, so the main stage has no "
                               f"runs yet; its {len(tuned)} runs are in {out / 'tuning.jsonl'}.")
-    elif tuning:
-        lrs, tuned = {f: list(args.tune_lrs) for f in tune_at}, {}
-        while True:  # the grid, then one more rate past an edge that wins, until none does
-            keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in lrs[f]]
-            tuned = run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
-                              "tuning (lr)", args.seeds[:1], run_steps)
-            extra = tune.extend_grid(tuned, lrs, args.tune_lrs, args.tune_extend, args.min_delta)
-            if not extra:
-                break
-            print(f"best rate at an edge of the grid: trying {extra}")
-            for f, x in extra.items():
-                lrs[f].append(x)
-        best_lr = {f: lr for f, (lr, _) in tune.choose(tuned).items()}
-        keys = [(f, t, best_lr[f], w) for f, t in tune_at.items() for w in args.tune_warmups[1:]]
-        tuned.update(run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", tune_sig,
-                               "tuning (warmup)", args.seeds[:1], run_steps))
-        chosen = tune.choose(tuned)
-    else:
-        chosen = {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in tune_at}
-    context["chosen"] = chosen
-    print(f"(lr, warmup) per family (validation, seed {args.seeds[0]}, {len(tuned)} tuning runs): {chosen}")
+        return tuned, chosen
+    lrs = {f: list(args.tune_lrs) for f in tune_at}
+    while True:  # the grid, then one more rate past an edge that wins, until none does
+        keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in lrs[f]]
+        tuned = run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", signature,
+                          "tuning (lr)", args.seeds[:1], run_steps)
+        extra = tune.extend_grid(tuned, lrs, args.tune_lrs, args.tune_extend, args.min_delta)
+        if not extra:
+            break
+        print(f"best rate at an edge of the grid: trying {extra}")
+        for f, x in extra.items():
+            lrs[f].append(x)
+    best_lr = {f: lr for f, (lr, _) in tune.choose(tuned).items()}
+    keys = [(f, t, best_lr[f], w) for f, t in tune_at.items() for w in args.tune_warmups[1:]]
+    tuned.update(run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", signature,
+                           "tuning (warmup)", args.seeds[:1], run_steps))
+    return tuned, tune.choose(tuned)
 
-    cells_sig = store.signature({**settings, "chosen": chosen})
-    # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
-    context["seed_log"] = (str(out / "seeds.jsonl"), cells_sig)
-    context["seeds_done"] = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], cells_sig, holds)
-    costs = {key: cell_jobs.costs(None if key[0] == BLIND else job["connector"], lm_cfg, in_dim,
-                                context["views"][job["view"]]["grid"], key[1], max_len - 1)
-             for key, job in jobs.items()}
-    if args.interim:
-        results = {key: by_seed for key, by_seed in context["seeds_done"].items() if key in jobs}
-        print(f"interim: the seeds finished so far of {len(results)} of the {len(jobs)} jobs")
-        out = out / "interim"
-        out.mkdir(exist_ok=True)
-    else:
-        order = longest_first(jobs, {k: c["connector_mflops"] + c["lm_mflops"] for k, c in costs.items()}, tuned,
-                              {k: len(set(args.seeds) - set(context["seeds_done"].get(k, {}))) for k in jobs})
-        results = run_cells(cell_jobs.job, order, out / "cells.jsonl", cells_sig, "token budget", args.seeds, run_steps)
 
+def result_rows(args, plan: list, same: dict, results: dict, chosen: dict, costs: dict) -> tuple[list, dict]:
+    """One row per table row and seed (unreachable and pending rows too) and the learning curves."""
     rows = []
     for family, requested, variant, setting, tokens, note in plan:
         base = {"family": family, "budget": requested, "variant": variant, "tokens": tokens, "note": note}
@@ -290,23 +254,95 @@ def main(argv=None) -> pathlib.Path:
                          **costs[key], **res})
     curves = {f"{f}|{t}|{v}|{seed}": res["curve"] for (f, t, v), by_seed in results.items()
               for seed, res in by_seed.items()}
+    return rows, curves
 
-    shown = tower_dir.resolve()
+
+def main(argv=None) -> pathlib.Path:
+    args = parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    f = encode_features(args, out)
+    train, val, test = f.splits["train"], f.splits["val"], f.splits["test"]
+    in_dim = train["patches"].shape[-1]
+
+    lm_cfg = dict(vocab_size=f.tokenizer.vocab_size, **args.lm)
+    plan, jobs, same = plan_jobs(args, f.grid, in_dim, lm_cfg["width"], f.encoder)
+    print(f"{len(jobs)} jobs × {len(args.seeds)} seeds, {'≤ ' if args.patience else ''}{args.steps} joint steps "
+          f"each; unreachable: {[(fam, b) for fam, b, _, s, _, _ in plan if s is None]}")
+    train_plan = {k: getattr(args, k) for k in ("batch_size", "eval_every", "patience", "min_delta", "curve_questions")}
+    train_plan["max_steps"] = args.steps
+    if args.schedule != "constant":  # results from before the option existed ran at a constant rate
+        train_plan["schedule"] = args.schedule
+    # Left out of the signature: a result stands under a higher floor when its run trained past it.
+    signed_plan, holds = dict(train_plan), feature_vlm.holds_under_min_steps(args.min_steps if args.patience else None)
+    train_plan["min_steps"] = args.min_steps
+    # A finished cell is reused only by a sweep with the same settings (everything but the cells
+    # and the seed list: a rerun with more seeds trains only the new ones).
+    settings = dict(tower=f.fingerprint, data=f.data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.lr,
+                    stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
+                    train=len(train["ids"]), val=len(val["ids"]), test=len(test["ids"]), max_len=f.max_len,
+                    tokenizer=args.tokenizer)
+    views = {"": {"grid": f.grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}}
+    context = feature_vlm.JobContext(
+        tower_cfg=f.tower_cfg, lm_cfg=lm_cfg, in_dim=in_dim, max_len=f.max_len, seeds=args.seeds, stage0={},
+        stage1_steps=args.stage1_steps, jobs=jobs, tune_seed=args.seeds[0],
+        views={k.removeprefix("grid"): v for k, v in views.items()},
+        snapshots=(str(out / "snapshots"), store.signature({**settings, "plan": train_plan})),  # a killed run resumes
+        plan={**train_plan, "eval_batch": args.eval_batch})  # a setting of speed, left out of the signatures
+    arrays = {name: {k: v for k, v in split.items() if not k.startswith("grid")} for name, split in f.splits.items()}
+    stage0_loss = {}
+
+    def ensure_stage0():  # trained the first time some run needs it
+        for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
+            t0 = time.perf_counter()
+            context["stage0"][seed], stage0_loss[seed] = feature_vlm.pretrain_lm(
+                lm_cfg, train["ids"], f.tokenizer.pad_id, args.stage0_steps, args.batch_size, args.lr, seed)
+            print(f"stage 0, seed {seed}: {args.stage0_steps} LM steps on the questions' text, final loss "
+                  f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
+
+    def run_cells(fn, keys, path, signature, desc, seeds, steps_per_seed):
+        return store.run_cells(path, signature, keys, fn, arrays, context, args.workers, desc,
+                               len(seeds) * steps_per_seed, seeds, before=ensure_stage0, holds=holds)
+
+    tuned, chosen = tune_families(args, jobs, run_cells, out, store.signature({**settings, "tune_seed": args.seeds[0]}))
+    context["chosen"] = chosen
+    print(f"(lr, warmup) per family (validation, seed {args.seeds[0]}, {len(tuned)} tuning runs): {chosen}")
+
+    cells_sig = store.signature({**settings, "chosen": chosen})
+    # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
+    context["seed_log"] = (str(out / "seeds.jsonl"), cells_sig)
+    context["seeds_done"] = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], cells_sig, holds)
+    costs = {key: cell_jobs.costs(None if key[0] == BLIND else job["connector"], lm_cfg, in_dim,
+                                  context["views"][job["view"]]["grid"], key[1], f.max_len - 1)
+             for key, job in jobs.items()}
+    if args.interim:
+        results = {key: by_seed for key, by_seed in context["seeds_done"].items() if key in jobs}
+        print(f"interim: the seeds finished so far of {len(results)} of the {len(jobs)} jobs")
+        out = out / "interim"
+        out.mkdir(exist_ok=True)
+    else:
+        order = longest_first(jobs, {k: c["connector_mflops"] + c["lm_mflops"] for k, c in costs.items()}, tuned,
+                              {k: len(set(args.seeds) - set(context["seeds_done"].get(k, {}))) for k in jobs})
+        results = run_cells(cell_jobs.job, order, out / "cells.jsonl", cells_sig, "token budget", args.seeds,
+                            args.stage1_steps + args.steps)
+    rows, curves = result_rows(args, plan, same, results, chosen, costs)
+
+    shown = f.tower_dir.resolve()
     shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # no machine paths in results
     if not stage0_loss and (out / "setup.json").is_file():  # every cell was reused: so is stage 0's record
         stage0_loss = json.loads((out / "setup.json").read_text()).get("stage0_final_loss", {})
     tuning = {}  # {"family@tokens": {"lr/warmup": validation accuracy}}
     for (family, tokens, x, w), res in sorted(tuned.items()):
         tuning.setdefault(f"{family}@{tokens}", {})[f"{x:g}/{w}"] = res[args.seeds[0]]["accuracy"]
-    setup = {"tower": str(shown), "tower_fingerprint": tower_print, "tower_config": tower_cfg, "data": data,
-             "image_size": image_size, "grid": list(grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
+    setup = {"tower": str(shown), "tower_fingerprint": f.fingerprint, "tower_config": f.tower_cfg, "data": f.data,
+             "image_size": f.image_size, "grid": list(f.grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
              "tune_lrs": args.tune_lrs, "tune_warmups": args.tune_warmups, "tune_budget": args.tune_budget,
-             "tune_seed": args.seeds[0], "chosen": {f: list(v) for f, v in chosen.items()},
+             "tune_seed": args.seeds[0], "chosen": {fam: list(v) for fam, v in chosen.items()},
              "chosen_given": args.chosen is not None, "tuning": tuning,
              "stage0_steps": args.stage0_steps, "stage0_final_loss": stage0_loss, "stage1_steps": args.stage1_steps,
              "seeds": args.seeds, "param_budget": args.param_budget, "param_tokens": args.param_tokens,
              "connectors": {"|".join(map(str, k)): v for k, v in {**jobs, **same}.items()}, "tokenizer": args.tokenizer,
-             "vocab_size": tokenizer.vocab_size, "max_len": max_len, "train_images": len(train["patches"]),
+             "vocab_size": f.tokenizer.vocab_size, "max_len": f.max_len, "train_images": len(train["patches"]),
              "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
              "test_questions": len(test["ids"]), "workers": args.workers,
              "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": outputs.command()}
