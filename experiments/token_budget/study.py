@@ -386,7 +386,8 @@ def main(argv=None) -> pathlib.Path:
 
     target = out / "interim" if args.interim else out
     target.mkdir(parents=True, exist_ok=True)
-    outputs.write_rows(tuned_rows + rows, target / "runs.csv") if tuned_rows or rows else None
+    if tuned_rows or rows:
+        outputs.write_rows(tuned_rows + rows, target / "runs.csv")
     (target / study.report).write_text(report(study, tuned_rows, rows, chosen, unreachable))
     setup = dict(study=study.to_dict(), grid=list(grid), chosen=chosen, settings=settings,
                  date=time.strftime("%Y-%m-%d"), command=outputs.command(argv))
