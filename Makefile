@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup eval-env clean
 
 # Packages are byte-compiled on every core at once (pip compiles file by file: 39 -> 33 s on 2 cores)
 # and kept compiled: every test process imports jax, flax and TFDS again.
@@ -19,6 +19,18 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 
 setup: $(STAMP)
 
+# lmms-eval in its own environment (it needs PyTorch; vitmm does not): tests/test_lmms_eval.py runs
+# it against vitmm.serve. ~18 s from pip's cache; not byte-compiled (the test runs it once).
+EVAL_VENV := .venv-eval
+EVAL_STAMP := $(EVAL_VENV)/.installed
+$(EVAL_STAMP): requirements-eval.txt
+	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/python -m pip install -q --upgrade pip==26.3
+	$(EVAL_VENV)/bin/python -m pip install -q --no-compile --no-deps -r requirements-eval.txt
+	touch $(EVAL_STAMP)
+
+eval-env: $(EVAL_STAMP)
+
 # glibc >= 2.35 then backs malloc's large blocks with transparent huge pages: XLA:CPU's per-step
 # temporaries stop page-faulting 4 KiB at a time (make demo: 9.6M -> 0.27M faults, ~7% less time;
 # README "CPU speed against PyTorch"). Older glibc ignores it; a GLIBC_TUNABLES of your own is kept.
@@ -31,8 +43,8 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check vitmm tests configs experiments
 
-test: lint
-	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+test: lint $(EVAL_STAMP)
+	VITMM_LMMS_EVAL_PYTHON=$(CURDIR)/$(EVAL_VENV)/bin/python $(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(EVAL_VENV) .pytest_cache .ruff_cache

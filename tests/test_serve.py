@@ -4,6 +4,7 @@
 import base64
 import importlib
 import json
+import pathlib
 import socket
 import threading
 import time
@@ -226,3 +227,62 @@ def test_the_load_test_runs_and_reports_both_ways(server, tmp_path):
         "--warmup", "1", "--out", str(tmp_path)])
     assert result["same_answers"] and result["one_client"]["tokens"] == result["concurrent"]["tokens"]
     assert result["batch_sizes"]["decodes"] >= 1 and (tmp_path / "bench_serve.md").is_file()
+
+
+@pytest.fixture(scope="module")
+def lm_server(tmp_path_factory):
+    """A converted GGUF LM folder served text-only, its weights scaled up so that greedy answers
+    differ from prompt to prompt (the fixture's tiny random LM answers every prompt alike)."""
+    import jax
+
+    from vitmm.interop import __main__ as interop
+
+    root = tmp_path_factory.mktemp("lm")
+    fixture = pathlib.Path(__file__).parent / "fixtures/interop/gguf_llama/tiny.gguf"
+    interop.main(["--from", "gguf", "--src", str(fixture), "--out", str(root / "tiny_lm")])
+    engine = serve.Engine(root / "tiny_lm")
+    engine.chat.params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * 30, engine.chat.params)
+    url, stop = serve.start_in_thread(engine)
+    yield dict(url=url, engine=engine)
+    stop()
+
+
+def test_an_lm_folder_is_served_text_only_as_its_generator_answers(lm_server):
+    """Each answer is the generator's greedy continuation of the chat template's prompt (rendered and
+    tokenized here as transformers' apply_chat_template does), whether asked alone or together."""
+    from vitmm import decode
+
+    client = _client(lm_server)
+    chat = lm_server["engine"].chat
+    assert [m.id for m in client.models.list().data] == ["tiny_lm"]
+    questions = ["hello there", "what is 2+2? answer", "zebra quantum fox", "a"]
+    expected = []
+    for question in questions:
+        prompt = chat.tokenizer.encode(chat.tokenizer.chat([{"role": "user", "content": question}],
+                                                           add_generation_prompt=True))
+        ids, mask = decode.left_pad([prompt], chat.tokenizer.pad_id)
+        row = list(chat.generator.generate(chat.params, ids, mask, 6, chat.tokenizer.eos_id)[0])
+        expected.append((chat.tokenizer.decode(row[: row.index(chat.tokenizer.eos_id)] if chat.tokenizer.eos_id in row
+                                               else row), len(prompt)))
+    assert len({text for text, _ in expected}) == len(questions)
+
+    def ask(question):
+        reply = client.chat.completions.create(model="tiny_lm", max_tokens=6, temperature=0,
+                                               messages=[{"role": "user", "content": question}])
+        return reply.choices[0].message.content, reply.usage.prompt_tokens
+
+    assert [ask(q) for q in questions] == expected
+    answers = [None] * len(questions)
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, ask(questions[i])))
+               for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == expected
+    assert max(lm_server["engine"].batcher.batch_sizes) > 1
+    status, body = _http(lm_server["url"] + "/v1/chat/completions", json.dumps({
+        "model": "tiny_lm", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": PNG}}, {"type": "text", "text": "what is it?"}]}]}).encode())
+    assert status == 400 and "language model" in body["error"]["message"]

@@ -10,7 +10,9 @@ template where the run used one), merged LoRA adapters and KV-cache greedy decod
     answer = vlm.ask(image_uint8_hwc, "How many stars are there?")
 
 The run's ``init.vision`` / ``init.lm`` folders must still exist (they say how the tower and LM
-were built); the parameters come from the workdir's newest checkpoint.
+were built); the parameters come from the workdir's newest checkpoint. A converted LM folder
+(``python -m vitmm.interop --from hf|gguf``) is asked text only: ``--workdir workdirs/smollm2
+--question "..."``, ``chat.load(folder).ask(question)``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class Chat:
 
         self.config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir, step))
         if self.config.get("task") != "vlm":
-            raise ValueError(f"{workdir} holds a {self.config.get('task', 'contrastive')!r} run, not a VLM.")
+            raise ValueError(f"{workdir} holds a {self.config.get('task', 'contrastive')!r} run, not a VLM (or a "
+                             "`python -m vitmm.interop` LM folder).")
         self.tokenizer = tasks.tokenizer_for(self.config)
         self.task = tasks.from_config(self.config, Parallel("jit"), self.tokenizer)
         self.params = self.task.eval_params(ckpt_lib.load_params(workdir, step))
@@ -105,11 +108,99 @@ class Chat:
             if int(row[0]) == eos:
                 return
 
+    def stream_batch(self, examples: list[dict], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: int = 0):
+        """``[len(examples)]`` tokens a step for prompts of ``prepare`` decoded together (a finished
+        row repeats EOS). Shapes are rounded up (prompt columns to a multiple of 32, the cache to one
+        of 64) so that a server compiles a handful of programs, not one per mix of requests."""
+        lengths = np.array([int(ex["prompt_len"]) for ex in examples])
+        ids = np.full((len(examples), _round_up(int(lengths.max()), 32)), self.tokenizer.pad_id, np.int32)
+        for row, ex in enumerate(examples):
+            ids[row, : lengths[row]] = ex["ids"][: lengths[row]]
+        shown = np.array([bool(ex.get("has_image", True)) for ex in examples])
+        num_visual = self._num_visual(examples[0]["image"])
+        visual_mask = None
+        if not shown.all():  # text-only prompts among them: their visual tokens masked out
+            visual_mask = np.repeat(shown[:, None], num_visual, axis=1)
+        yield from self._decoder.stream(
+            {"params": self.params}, np.stack([ex["image"] for ex in examples]), ids, lengths, max_new_tokens,
+            self.tokenizer.eos_id, bool(self.config.model.get("prefix_lm")),
+            np.array([ex["image_pos"] for ex in examples]), visual_mask, None, temperature, top_p, seed,
+            _round_up(ids.shape[1] + num_visual + max_new_tokens, 64))
+
     def ask(self, image: np.ndarray, question: str, max_new_tokens: int = 16) -> str:
         """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]``)."""
         example = self.prepare([np.asarray(image)], [{"from": "human", "value": f"<image>\n{question}"}])
         eos = self.tokenizer.eos_id
         return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
+
+
+class LMChat:
+    """A converted language model (a ``python -m vitmm.interop --from hf|gguf`` LM folder) asked
+    the way ``Chat`` asks a VLM, text only: the LM's chat template (plain ``[BOS] question``
+    without one), the KV-cache generator; what ``vitmm.serve`` serves for an LM folder."""
+
+    max_images = 0
+    max_len = 4096  # prompt tokens taken
+
+    def __init__(self, folder, step: int | None = None):
+        from vitmm.data import ops_text
+        from vitmm.data import tokenizer as tok_lib
+
+        config = ckpt_lib.load_config(folder, step)
+        path = f"{folder}/tokenizer.json"
+        ids = {k: v for k, v in (config.get("tokens") or {}).items() if v is not None}
+        self.tokenizer = tok_lib.get_tokenizer(path, chat_template=config.get("chat_template"), **ids)
+        self.params = ckpt_lib.load_params(folder, step)["lm"]
+        self.generator = decode.Generator(config["model"]["lm"])
+        self._tokens = ops_text.conversation_tokens(self.max_len, self.tokenizer)
+
+    def prepare(self, images: list, turns: list[dict]) -> dict:
+        """The prompt's ``ids`` and ``prompt_len`` for LLaVA-style text ``turns`` ending with a user
+        turn (system turns and earlier answers kept); ``ValueError`` for images or a bad conversation."""
+        from vitmm.data.skips import BadExample
+
+        if images or any("<image>" in t["value"] for t in turns):
+            raise ValueError("This is a language model: it takes no images.")
+        if not turns or turns[-1]["from"] != "human":
+            raise ValueError("The conversation must end with a user turn.")
+        try:
+            out = self._tokens({"conversations": [*turns, {"from": "gpt", "value": ""}]}, None)
+        except BadExample as bad:
+            raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
+        return {"ids": out["ids"], "prompt_len": out["prompt_len"]}
+
+    def num_prompt_tokens(self, example: dict) -> int:
+        return int(example["prompt_len"])
+
+    def stream_batch(self, examples: list[dict], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: int = 0):
+        """``Chat.stream_batch`` for the LM: prompts left-padded (to a multiple of 32 columns)."""
+        ids, mask = decode.left_pad([list(ex["ids"][: int(ex["prompt_len"])]) for ex in examples],
+                                    self.tokenizer.pad_id)
+        extra = _round_up(ids.shape[1], 32) - ids.shape[1]
+        ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=self.tokenizer.pad_id)
+        mask = np.pad(mask, ((0, 0), (extra, 0)))
+        yield from self.generator.stream(self.params, ids, mask, max_new_tokens, self.tokenizer.eos_id, temperature,
+                                         top_p, seed, _round_up(ids.shape[1] + max_new_tokens, 64))
+
+    def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0):
+        """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
+        for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
+            yield int(row[0])
+            if int(row[0]) == self.tokenizer.eos_id:
+                return
+
+    def ask(self, question: str, max_new_tokens: int = 16) -> str:
+        """The greedy answer to ``question``."""
+        example = self.prepare([], [{"from": "human", "value": question}])
+        eos = self.tokenizer.eos_id
+        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _check_image(image) -> None:
@@ -119,7 +210,11 @@ def _check_image(image) -> None:
                          f"{image.shape}. Read a file with vitmm.data.images.decode_image(path.read_bytes()).")
 
 
-def load(workdir, step: int | None = None) -> Chat:
+def load(workdir, step: int | None = None) -> Chat | LMChat:
+    """A VLM workdir's ``Chat``, or an LM folder's ``LMChat``; ``ValueError`` for anything else."""
+    config = ckpt_lib.load_config(workdir, step)
+    if config.get("task") is None and "lm" in (config.get("model") or {}):
+        return LMChat(workdir, step)
     return Chat(workdir, step)
 
 
@@ -128,7 +223,8 @@ def main(argv=None) -> int:
 
     xla_flags.use_vitmm_defaults()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", required=True, help="a `python -m vitmm.train` VLM workdir")
+    parser.add_argument("--workdir", required=True,
+                        help="a `python -m vitmm.train` VLM workdir (or a `python -m vitmm.interop` LM folder)")
     parser.add_argument("--question", action="append", required=True, help="repeat to ask several")
     parser.add_argument("--image", help="an image file (JPEG, PNG, WebP, ...)")
     parser.add_argument("--index", type=int, default=0, help="without --image: this example of --split")
@@ -137,7 +233,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from vitmm.data import pipeline
 
-    vlm = load(args.workdir)
+    try:
+        vlm = load(args.workdir)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"python -m vitmm.chat: {err}", file=sys.stderr)
+        return 2
+    if isinstance(vlm, LMChat):
+        if args.image:
+            print(f"python -m vitmm.chat: {args.workdir} is a language model; it takes no --image.", file=sys.stderr)
+            return 2
+        for question in args.question:
+            print(f"user: {question}\nassistant: {vlm.ask(question, args.max_new_tokens)}")
+        return 0
     if args.image:
         from vitmm.data.images import decode_image
         from vitmm.data.skips import BadExample

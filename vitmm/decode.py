@@ -118,14 +118,6 @@ def stream_until_eos(first, max_new_tokens: int, eos_id: int, step):
         token = step(now, i)
 
 
-def until_eos(first, max_new_tokens: int, eos_id: int, step) -> np.ndarray:
-    """``stream_until_eos``'s tokens as ``[B, max_new_tokens]``, EOS-padded."""
-    out = np.full((first.shape[0], max_new_tokens), eos_id, np.int32)
-    for i, now in enumerate(stream_until_eos(first, max_new_tokens, eos_id, step)):
-        out[:, i] = now
-    return out
-
-
 def greedy_decode(model: VLM, variables, images, prompt_ids, prompt_len, max_new_tokens: int, eos_id: int,
                   prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None) -> np.ndarray:
     """``GreedyDecoder(model)(...)`` for a single call (compiles its steps each time)."""
@@ -201,8 +193,17 @@ class Generator:
 
     def generate(self, params, ids, mask, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0) -> np.ndarray:
+        out = np.full((ids.shape[0], max_new_tokens), eos_id, np.int32)
+        for i, now in enumerate(self.stream(params, ids, mask, max_new_tokens, eos_id, temperature, top_p, seed)):
+            out[:, i] = now
+        return out
+
+    def stream(self, params, ids, mask, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0, cache_len: int | None = None):
+        """``generate``'s tokens one step at a time: ``[B]`` arrays (a finished row repeats EOS).
+        ``cache_len``: a longer KV cache than needed (a server rounds shapes up so that few compile)."""
         b, length = ids.shape
-        cache = lm_lib.init_cache(self.lm_config, b, length + max_new_tokens)
+        cache = lm_lib.init_cache(self.lm_config, b, max(cache_len or 0, length + max_new_tokens))
         last, cache = self._prefill(params, jnp.asarray(ids), jnp.asarray(mask), cache)
         key = jax.random.key(seed)
         state = {"cache": cache, "position": jnp.asarray(np.asarray(mask).sum(-1), jnp.int32)}
@@ -212,4 +213,5 @@ class Generator:
                                                   jax.random.fold_in(key, i + 1), float(temperature), float(top_p))
             return token
 
-        return until_eos(sample(last, jax.random.fold_in(key, 0), temperature, top_p), max_new_tokens, eos_id, step)
+        yield from stream_until_eos(sample(last, jax.random.fold_in(key, 0), temperature, top_p), max_new_tokens,
+                                    eos_id, step)

@@ -1,4 +1,5 @@
-"""Serve a trained VLM with the OpenAI Chat Completions API (FastAPI on uvicorn).
+"""Serve a trained VLM (or a converted LM, text only) with the OpenAI Chat Completions API
+(FastAPI on uvicorn).
 
     python -m vitmm.serve --workdir workdirs/llava_s2 [--host 127.0.0.1] [--port 8000] \\
         [--model_name NAME] [--allow_local_files ROOT]
@@ -14,7 +15,8 @@ Endpoints: ``POST /v1/chat/completions`` (``messages`` with string content or ``
 ``stop``, ``stream``; ``usage`` in every response, streamed as server-sent events with a last
 usage chunk), ``GET /v1/models`` (the model id: the workdir's name unless ``--model_name``) and
 ``GET /health``. The run's own preprocessing, prompt format and chat template, merged LoRA and the
-KV-cache decoder answer (``vitmm.chat.Chat``). Images come as base64 ``data:`` URLs; local paths
+KV-cache decoder answer (``vitmm.chat.Chat``); a ``python -m vitmm.interop`` LM folder is served
+text-only with its chat template (``vitmm.chat.LMChat``). Images come as base64 ``data:`` URLs; local paths
 only under ``--allow_local_files``; remote URLs are refused (nothing is fetched). A bad request gets
 OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status and
 the server carries on; SIGTERM lets in-flight requests finish, then exits 0. Concurrent greedy
@@ -86,8 +88,8 @@ class Engine:
             turns.append({"from": {"user": "human", "assistant": "gpt"}.get(role, "system"), "value": text})
         limit = self.chat.max_images
         if len(images) > limit:
-            raise RequestError(f"{len(images)} images; this model takes at most {limit} per request.",
-                               param="messages")
+            raise RequestError(f"{len(images)} images; this model takes at most {limit} per request"
+                               f"{' (a language model)' if limit == 0 else ''}.", param="messages")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 256))
         temperature, top_p = body.get("temperature", 1.0), body.get("top_p", 1.0)
         temperature = 1.0 if temperature is None else temperature
@@ -249,32 +251,17 @@ class Batcher:
                         tokens.put(err)
 
     def _decode(self, group):
-        """One decode for ``group``. Shapes are rounded up (rows to a power of two, filled with copies
-        of the first; prompt columns to a multiple of 32; the cache to one of 64) so that a server
-        compiles a handful of programs, not one per mix of requests."""
-        chat, eos = self.chat, self.chat.tokenizer.eos_id
+        """One decode for ``group``, its rows rounded up to a power of two (filled with copies of the
+        first; the chat rounds the other shapes) so that a server compiles a handful of programs."""
         rows = 1 << (len(group) - 1).bit_length()
         examples = [request["example"] for request, _ in group]
         examples += examples[:1] * (rows - len(examples))
-        lengths = np.array([int(ex["prompt_len"]) for ex in examples])
-        ids = np.full((rows, -(-int(lengths.max()) // 32) * 32), chat.tokenizer.pad_id, np.int32)
-        for row, ex in enumerate(examples):
-            ids[row, : lengths[row]] = ex["ids"][: lengths[row]]
-        images = np.stack([ex["image"] for ex in examples])
-        shown = np.array([bool(ex.get("has_image", True)) for ex in examples])
-        num_visual = chat._num_visual(examples[0]["image"])
-        visual_mask = None
-        if not shown.all():  # text-only prompts among them: their visual tokens masked out
-            visual_mask = np.repeat(shown[:, None], num_visual, axis=1)
-        first = group[0][0]
+        first, eos = group[0][0], self.chat.tokenizer.eos_id
         budget = [request["max_tokens"] for request, _ in group]
         open_rows = set(range(len(group)))
         self.batch_sizes.append(len(group))
-        cache_len = -(-(ids.shape[1] + num_visual + max(budget)) // 64) * 64
-        for step, row_tokens in enumerate(chat._decoder.stream(
-                {"params": chat.params}, images, ids, lengths, max(budget), eos,
-                bool(chat.config.model.get("prefix_lm")), np.array([ex["image_pos"] for ex in examples]),
-                visual_mask, None, first["temperature"], first["top_p"], first["seed"], cache_len)):
+        for step, row_tokens in enumerate(self.chat.stream_batch(examples, max(budget), first["temperature"],
+                                                                 first["top_p"], first["seed"])):
             for row in list(open_rows):
                 token = int(row_tokens[row])
                 group[row][1].put(token)
@@ -401,7 +388,8 @@ def main(argv=None) -> int:
     xla_flags.use_vitmm_defaults()
     parser = argparse.ArgumentParser(prog="python -m vitmm.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", required=True, help="a `python -m vitmm.train` VLM workdir")
+    parser.add_argument("--workdir", required=True,
+                        help="a `python -m vitmm.train` VLM workdir, or a `python -m vitmm.interop` LM folder")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model_name", default=None, help="the model id (default: the workdir's name)")

@@ -82,7 +82,7 @@ def kind_counts(workdir: pathlib.Path) -> dict:
     from vitmm.train import tasks
 
     config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-    cfg = tasks._evals_config(config)["qa"]
+    cfg = tasks.evals_config(config)["qa"]
     data = cfg["data"]
     source = pipeline.get_source(data["name"], data["split"], data.get("data_dir"),
                                  keys=("questions", "question_kinds"))

@@ -305,33 +305,53 @@ class QAAccuracy:
         self.source = _Prefix(source, min(cfg.get("num_examples") or len(source), len(source)))
         self.kinds = scenes.QUESTION_KINDS
         pp = preprocess.parse(cfg["pp"], tokenizer)
-        wanted = ("image", "ids", "prompt_len", "image_pos", "answer", "question_kind", "visual_mask", "anyres_layout")
+        wanted = ("image", "ids", "prompt_len", "image_pos", "question", "answer", "question_kind", "visual_mask",
+                  "anyres_layout")
         self._pp = lambda ex, rng: {k: v for k, v in pp(ex, rng).items() if k in wanted}
 
-    def run(self, params, **_) -> dict:
-        variables = {"params": params}
-        correct, kinds = [], []
-        for batch in pipeline.eval_batches(self.source, self._pp, self.batch_size, process_index=0,
-                                           process_count=1, num_threads=1):
+    def _batches(self):
+        return pipeline.eval_batches(self.source, self._pp, self.batch_size, process_index=0, process_count=1,
+                                     num_threads=1)
+
+    def _rows(self, batch):
+        """``(index, question, answer, kind)`` of each real example of ``batch``."""
+        for i in np.flatnonzero(batch["_mask"]):
+            kind = batch["question_kind"][i]
+            yield (int(batch["_index"][i]), str(batch["question"][i]), str(batch["answer"][i]),
+                   kind if isinstance(kind, str) else self.kinds[int(kind)])  # scenes_any: names
+
+    def questions(self) -> list[dict]:
+        """The questions ``run`` asks, in its order: the split's index, the raw record, the question
+        (the pp's own seeded choice), the reference answer and the question kind (e.g. to ask the
+        same questions through another harness: ``python -m vitmm.lmms_task``)."""
+        return [dict(index=index, record=self.source[index], question=q, answer=a, kind=kind)
+                for batch in self._batches() for index, q, a, kind in self._rows(batch)]
+
+    def answers(self, params) -> list[dict]:
+        """Every question of ``questions()`` with the model's greedy answer (``prediction``)."""
+        variables, out = {"params": params}, []
+        for batch in self._batches():
             prompts = batch["ids"].copy()
             prompts[np.arange(prompts.shape[1])[None, :] >= batch["prompt_len"][:, None]] = self.tokenizer.pad_id
-            out = self.decode(variables, batch["image"], prompts, batch["prompt_len"], self.max_new_tokens,
-                              self.tokenizer.eos_id, self.prefix_lm, batch.get("image_pos"), batch.get("visual_mask"),
-                              batch.get("anyres_layout"))
-            for row, answer, kind, keep in zip(out, batch["answer"], batch["question_kind"], batch["_mask"],
-                                              strict=True):
-                if not keep:
-                    continue
-                row = list(row)
+            rows = self.decode(variables, batch["image"], prompts, batch["prompt_len"], self.max_new_tokens,
+                               self.tokenizer.eos_id, self.prefix_lm, batch.get("image_pos"), batch.get("visual_mask"),
+                               batch.get("anyres_layout"))
+            for (index, question, answer, kind), i in zip(self._rows(batch), np.flatnonzero(batch["_mask"]),
+                                                          strict=True):
+                row = list(rows[i])
                 text = self.tokenizer.decode(row[: row.index(self.tokenizer.eos_id)] if self.tokenizer.eos_id in row
                                              else row)
-                correct.append(text == answer)
-                kinds.append(self.kinds.index(kind) if isinstance(kind, str) else int(kind))  # scenes_any: names
-        correct, kinds = np.array(correct), np.array(kinds)
+                out.append(dict(index=index, question=question, answer=answer, kind=kind, prediction=text))
+        return out
+
+    def run(self, params, **_) -> dict:
+        answers = self.answers(params)
+        correct = np.array([a["prediction"] == a["answer"] for a in answers])
+        kinds = np.array([a["kind"] for a in answers])
         result = {"accuracy": float(correct.mean()), "examples": int(len(correct))}
-        for i, name in enumerate(self.kinds):
-            if (kinds == i).any():
-                result[f"acc_{name}"] = float(correct[kinds == i].mean())
+        for name in self.kinds:
+            if (kinds == name).any():
+                result[f"acc_{name}"] = float(correct[kinds == name].mean())
         return result
 
     def clear(self) -> None:  # nothing cached between rounds

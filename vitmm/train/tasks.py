@@ -93,7 +93,7 @@ class ContrastiveTask:
 
     def evaluators(self):
         c = self.config
-        return eval_lib.from_config(_evals_config(c), self.model, c.model.text.max_len, self.tokenizer,
+        return eval_lib.from_config(evals_config(c), self.model, c.model.text.max_len, self.tokenizer,
                                     c.loss, c.input.image_size)
 
 
@@ -206,14 +206,19 @@ class VLMTask:
     def evaluators(self):
         c = self.config
         evals = {}
-        for name, cfg in _evals_config(c).items():
+        for name, cfg in evals_config(c).items():
             if cfg.get("type") == "val_loss":  # held-out answer loss, with the training preprocessing by default
                 cfg["pp"] = pp_string(c, cfg.get("pp") or c.input.pp)
                 evals[name] = eval_lib.VLMValLoss(self.loss_fn, cfg, self.tokenizer)
                 continue
-            cfg["pp"] = pp_string(c, cfg.get("pp") or eval_lib.QAAccuracy.PP)
-            evals[name] = eval_lib.QAAccuracy(self.model, cfg, self.tokenizer, c.model.prefix_lm)
+            evals[name] = qa_evaluator(c, cfg, self.model, self.tokenizer)
         return evals
+
+
+def qa_evaluator(config, cfg: dict, model, tokenizer) -> eval_lib.QAAccuracy:
+    """The ``qa`` evaluator ``cfg`` (an entry of ``evals_config(config)``) with the run's own pp fields."""
+    cfg = {**cfg, "pp": pp_string(config, cfg.get("pp") or eval_lib.QAAccuracy.PP)}
+    return eval_lib.QAAccuracy(model, cfg, tokenizer, config.model.prefix_lm)
 
 
 def vlm_parts(config) -> tuple[dict, dict]:
@@ -356,7 +361,7 @@ def _check_budget(connector: dict, vision: dict, image_size) -> None:
             f"budget of at most {grid[0] * grid[1]}.")
 
 
-def _evals_config(config) -> dict:
+def evals_config(config) -> dict:
     """``config.evals`` as plain dicts, each evaluator's ``data_dir`` defaulting to the training
     input's (one setting points a run and all its evaluators at a TFDS folder); an evaluator whose
     data names no dataset and no raw files is left out."""

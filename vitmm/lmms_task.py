@@ -1,0 +1,109 @@
+"""A trained VLM's ``qa`` questions as a local lmms-eval task, to score it through lmms-eval.
+
+    python -m vitmm.lmms_task --workdir workdirs/vlm_s2 --out tasks/vlm_s2_qa
+    python -m vitmm.serve --workdir workdirs/vlm_s2 --port 8000 &
+    .venv-eval/bin/python -m lmms_eval eval --model openai \\
+        --model_args model=vlm_s2,base_url=http://127.0.0.1:8000/v1 \\
+        --include_path tasks/vlm_s2_qa --tasks vitmm_qa --log_samples --output_path lmms_out
+
+The task holds exactly the questions the run's ``qa`` evaluator asks (the same images of the same
+split, the same seeded choice of one question per image, its ``num_examples`` and
+``max_new_tokens``), each image as a PNG file (lossless: the server decodes the pixels the
+evaluator read), and scores as the evaluator does (exact match, overall and per question kind), so
+lmms-eval through ``vitmm.serve`` gives the evaluator's numbers at temperature 0
+(``tests/test_lmms_eval.py``). Nothing comes from a hub: the YAML points lmms-eval's ``json``
+loader at ``test.jsonl`` by its absolute path (write the task again after moving it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import ml_collections
+
+from vitmm import checkpoint as ckpt_lib
+
+_YAML = """\
+# Written by `python -m vitmm.lmms_task` from {workdir}: its `{evaluator}` evaluator's questions.
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_visual: !function utils.doc_to_visual
+doc_to_text: !function utils.doc_to_text
+doc_to_target: !function utils.doc_to_target
+generation_kwargs:
+  max_new_tokens: {max_new_tokens}
+  temperature: 0
+  do_sample: false
+process_results: !function utils.process_results
+metric_list:
+{metrics}
+metadata:
+  version: 1.0
+"""
+
+
+def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int | None = None) -> dict:
+    """Writes the task folder ``out`` (YAML, ``utils.py``, ``kinds.json``, ``test.jsonl``, ``images/``);
+    returns ``{"task", "questions", "kinds"}``. ``ValueError`` for a workdir without that evaluator."""
+    from PIL import Image
+
+    from vitmm.data import preprocess
+    from vitmm.train import tasks
+
+    workdir, out = Path(workdir), Path(out)
+    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir, step))
+    evals = tasks.evals_config(config) if config.get("task") == "vlm" else {}
+    if evals.get(evaluator, {}).get("type") != "qa":
+        have = sorted(k for k, v in evals.items() if v.get("type") == "qa")
+        raise ValueError(f"{workdir} has no qa evaluator named {evaluator!r} (its qa evaluators: {have or 'none'}); "
+                         "a task is written from a VLM run's qa evaluator.")
+    cfg = evals[evaluator]
+    qa = tasks.qa_evaluator(config, cfg, None, tasks.tokenizer_for(config))
+    questions = qa.questions()
+    decode = preprocess.parse("decode")
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for q in questions:
+        name = f"images/{q['index']:06d}.png"
+        Image.fromarray(decode(dict(q["record"]), None)["image"]).save(out / name)
+        rows.append(dict(index=q["index"], image=name, question=q["question"], answer=q["answer"], kind=q["kind"]))
+    with open(out / "test.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    kinds = [k for k in qa.kinds if any(row["kind"] == k for row in rows)]  # as the evaluator reports them
+    (out / "kinds.json").write_text(json.dumps(kinds))
+    shutil.copyfile(Path(__file__).with_name("lmms_task_utils.py"), out / "utils.py")
+    metrics = "\n".join(f"  - metric: {m}\n    aggregation: !function utils.{m}\n    higher_is_better: true"
+                        for m in ["accuracy", *(f"acc_{k}" for k in kinds)])
+    (out / f"{task}.yaml").write_text(_YAML.format(
+        workdir=workdir, evaluator=evaluator, task=task, data=json.dumps(str((out / "test.jsonl").resolve())),
+        max_new_tokens=cfg.get("max_new_tokens", 8), metrics=metrics))
+    return {"task": task, "questions": len(rows), "kinds": kinds}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True, help="a `python -m vitmm.train` VLM workdir with a qa evaluator")
+    parser.add_argument("--out", required=True, help="the task folder to write (lmms-eval's --include_path)")
+    parser.add_argument("--task", default="vitmm_qa", help="the task's name (lmms-eval's --tasks)")
+    parser.add_argument("--evaluator", default="qa", help="which qa evaluator of config.evals")
+    args = parser.parse_args(argv)
+    try:
+        info = write(args.workdir, args.out, args.task, args.evaluator)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"python -m vitmm.lmms_task: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: task {info['task']!r}, {info['questions']} questions ({', '.join(info['kinds'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The functions of a task written by ``python -m vitmm.lmms_task``, run by lmms-eval.
+
+This file is copied next to the task's YAML (as ``utils.py``) and imported by lmms-eval in its own
+environment, so it needs nothing but Pillow. It scores the way vitmm's ``qa`` evaluator does: a
+prediction is right when it equals the reference answer exactly (no stripping, no lower-casing),
+overall (``accuracy``) and per question kind (``acc_<kind>``, the kinds listed in ``kinds.json``).
+"""
+
+import json
+import os
+
+from PIL import Image
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(_HERE, "kinds.json")) as _f:
+    KINDS = json.load(_f)
+
+
+def doc_to_visual(doc):
+    with Image.open(os.path.join(_HERE, doc["image"])) as image:
+        return [image.convert("RGB")]
+
+
+def doc_to_text(doc, lmms_eval_specific_kwargs=None):
+    return doc["question"]
+
+
+def doc_to_target(doc):
+    return doc["answer"]
+
+
+def process_results(doc, results):
+    row = {"index": doc["index"], "kind": doc["kind"], "correct": float(results[0] == doc["answer"])}
+    return {"accuracy": row, **{f"acc_{kind}": row for kind in KINDS}}
+
+
+def accuracy(rows):
+    return sum(r["correct"] for r in rows) / len(rows)
+
+
+def _accuracy_of(kind):
+    def aggregate(rows):
+        mine = [r for r in rows if r["kind"] == kind]
+        return accuracy(mine) if mine else float("nan")
+
+    return aggregate
+
+
+for _kind in KINDS:
+    globals()[f"acc_{_kind}"] = _accuracy_of(_kind)
