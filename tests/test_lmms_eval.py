@@ -1,60 +1,72 @@
 """lmms-eval, in its own environment, scores a VLM through ``vitmm.serve`` exactly as the run's
-``qa`` evaluator does: the same answer to every question, the same accuracy overall and per kind.
+``qa`` evaluator does (the same answer to every question, the same accuracy overall and per kind),
+here as the token-budget study's evaluator.
 
 ``make test`` builds that environment (``.venv-eval``, requirements-eval.txt) and points
-``VITMM_LMMS_EVAL_PYTHON`` at it; run elsewhere without it, the test is skipped.
+``VITMM_LMMS_EVAL_PYTHON`` at it; run elsewhere without it, the lmms-eval test is skipped.
 """
 
 import glob
 import json
 import os
-import subprocess
 
 import pytest
 
-from vitmm import lmms_task, serve
-from vitmm.config_args import load
-from vitmm.train import tasks, trainer
+from experiments.token_budget import study
+from vitmm import chat, lmms_task
+from vitmm.train import tasks
 
 EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
+
+STUDY = '''
+from experiments.token_budget.configs import common
+
+def get_config(arg=None):
+    c = common.study()
+    c.train_config, c.train_args, c.smoke = "configs/vlm_scenes.py", "stage=2", True
+    # A smoke VLM trained (LM included) long enough to answer some yes/no questions right.
+    c.overrides = {{"input": {{"data_dir": "{data_dir}"}}, "total_steps": 150, "batch_size": 32, "log_every": 150,
+                   "eval_every": 150, "checkpoint_every": 150, "evals": {{"qa": {{"num_examples": 24}}}}}}
+    c.families, c.budgets, c.seeds, c.tune.lrs, c.blind_args = ("pool",), (4,), (0,), (3e-3,), ""
+    c.metric, c.kinds_prefix, c.kinds = "vitmm_qa/accuracy", "vitmm_qa/acc_", ("exists", "count")
+    c.lmms_eval.tasks, c.lmms_eval.python = "vitmm_qa", "{python}"
+    c.keep_checkpoints = True
+    return c
+'''
 
 
 @pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
                     reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
-def test_lmms_eval_through_the_server_gives_the_qa_evaluators_answers_and_scores(tmp_path, clip_smoke_run):
-    # A smoke VLM trained (LM included) long enough to answer some yes/no questions right.
-    config = load("configs/vlm_scenes.py", "smoke,stage=2", **{
-        "input.data_dir": clip_smoke_run.data_dir, "total_steps": 150, "batch_size": 32, "optim.lr": 3e-3,
-        "log_every": 150, "eval_every": 150, "checkpoint_every": 150, "evals.qa.num_examples": 24})
-    summary = trainer.train(config, tmp_path / "vlm")["evals"]
-    assert summary["qa/accuracy"] > 0
-    info = lmms_task.write(tmp_path / "vlm", tmp_path / "task")
-    assert info["questions"] == 24
+def test_the_budget_study_scores_runs_with_lmms_eval_as_the_qa_evaluator_does(tmp_path, clip_smoke_run):
+    config = tmp_path / "study.py"
+    config.write_text(STUDY.format(data_dir=clip_smoke_run.data_dir, python=EVAL_PYTHON))
+    study.main(["--config", str(config), "--out", str(tmp_path / "out"), "--workdirs", str(tmp_path / "runs")])
+    row = json.loads((tmp_path / "out/cells.jsonl").read_text().splitlines()[-1])["results"]["0"]
+    workdir = tmp_path / "runs/pool_4_s0"
+    own = {k.removeprefix("qa/"): v for line in (workdir / "metrics.jsonl").read_text().splitlines()
+           for k, v in json.loads(line).items() if k.startswith("qa/acc")}
+    assert own["accuracy"] > 0  # the study's numbers are lmms-eval's, equal to the run's own evaluation:
+    assert (row["accuracy"], row["acc_exists"], row["acc_count"]) == tuple(
+        round(own[k], 4) for k in ("accuracy", "acc_exists", "acc_count"))
 
-    engine = serve.Engine(tmp_path / "vlm")
-    url, stop = serve.start_in_thread(engine)
-    try:
-        env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "OPENAI_API_KEY": "unused"}
-        env.pop("XLA_FLAGS", None)
-        done = subprocess.run(
-            [EVAL_PYTHON, "-m", "lmms_eval", "eval", "--model", "openai",
-             "--model_args", f"model=vlm,base_url={url}/v1,num_concurrent=4", "--include_path",
-             str(tmp_path / "task"), "--tasks", "vitmm_qa", "--log_samples", "--output_path", str(tmp_path / "out")],
-            env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        stop()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    qa = tasks.qa_evaluator(engine.chat.config, tasks.evals_config(engine.chat.config)["qa"],
-                            engine.chat.task.model, engine.chat.tokenizer)
-    expected = {a["index"]: a for a in qa.answers(engine.chat.params)}
-    samples = [json.loads(line) for line in open(glob.glob(str(tmp_path / "out/vlm/*_samples_vitmm_qa.jsonl"))[0])]
+    # lmms-eval's every answer and score against the qa evaluator's on the trained run.
+    lmms = tmp_path / "runs/pool_4_s0/lmms_eval/lmms/vitmm"
+    scores = json.load(open(glob.glob(str(lmms / "*_results.json"))[0]))["results"]["vitmm_qa"]
+    assert own == {k.split(",")[0]: v for k, v in scores.items() if k.endswith(",none") and "stderr" not in k}
+    vlm = chat.load(workdir)
+    qa = tasks.qa_evaluator(vlm.config, tasks.evals_config(vlm.config)["qa"], vlm.task.model, vlm.tokenizer)
+    expected = {a["index"]: a for a in qa.answers(vlm.params)}
+    samples = [json.loads(line) for line in open(glob.glob(str(lmms / "*_samples_vitmm_qa.jsonl"))[0])]
     assert len(samples) == len(expected) == 24
     for sample in samples:
         index = sample["accuracy"]["index"]
         assert sample["filtered_resps"] == expected[index]["prediction"], (index, sample)
         assert sample["target"] == expected[index]["answer"]
-    scores = json.load(open(glob.glob(str(tmp_path / "out/vlm/*_results.json"))[0]))["results"]["vitmm_qa"]
-    own = {k.removeprefix("qa/"): v for k, v in summary.items() if k.startswith("qa/acc")}
-    assert own == {k.split(",")[0]: v for k, v in scores.items() if k.endswith(",none") and "stderr" not in k}
+        assert sample["accuracy"]["correct"] == float(sample["filtered_resps"] == sample["target"])
+
+
+def test_a_task_is_refused_for_a_run_without_a_qa_evaluator_and_nothing_is_written(tmp_path, clip_smoke_run, capsys):
+    out = tmp_path / "task"
+    assert lmms_task.main(["--workdir", str(clip_smoke_run.workdir), "--out", str(out)]) == 2
+    assert "has no qa evaluator named 'qa'" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,7 +1,8 @@
 """The token-budget study on any inputs: connectors × visual-token budgets × seeds where every run
 is a ``vitmm.train`` run of a VLM config, so the tower, the LM, the data and the evaluator are the
 config's (a converted or trained tower, an LM from scratch or converted from HF/GGUF, frozen or with
-LoRA, scenes or LLaVA/webdataset/parquet data, the ``qa`` evaluator or the held-out loss).
+LoRA, scenes or LLaVA/webdataset/parquet data, the ``qa`` evaluator, the held-out loss, or any
+lmms-eval task run through ``vitmm.serve``).
 
     python -m experiments.token_budget --config experiments/token_budget/configs/smollm2_frozen.py
     python -m experiments.token_budget --config experiments/token_budget/configs/llava.py \\
@@ -131,11 +132,17 @@ def run(study, name: str, args: str, overrides: dict, workdirs: pathlib.Path) ->
     summary, lines = train_run.train(f"{study.train_config}:{args}", workdir,
                                      [f"--config.{k}={v}" for k, v in overrides.items()], name)
     evals = [x for x in lines if study.metric in x]
-    if not evals:
-        raise SystemExit(f"{workdir}/metrics.jsonl holds no {study.metric!r}: set the study's metric to one its "
-                         f"evaluators write ({sorted({k for x in lines for k in x if '/' in k})[:8]}).")
+    last = evals[-1] if evals else {}
+    if study.lmms_eval.tasks:  # the trained run through vitmm.serve, scored by lmms-eval
+        from vitmm import lmms_task
+
+        lm = study.lmms_eval
+        last = {**last, **lmms_task.evaluate(workdir, workdir / "lmms_eval", lm.tasks, lm.include_path or None,
+                                             lm.python, lm.model_args)}
+    if study.metric not in last:
+        raise SystemExit(f"{workdir} has no {study.metric!r}: set the study's metric to one its evaluators write "
+                         f"({sorted({k for x in [*lines, last] for k in x if '/' in k})[:8]}).")
     row = dict(run=name, lm=study.lm_label, **summary)
-    last = evals[-1]
     if study.examples_key:
         row["qa_examples"] = int(last.get(study.examples_key, 0))
     row["accuracy"] = round(last[study.metric], 4)
@@ -314,6 +321,9 @@ def main(argv=None) -> pathlib.Path:
     text_len = int(base.model.get("max_len", 0))
     settings = dict(train_config=study.train_config, train_args=study.train_args, blind_args=study.blind_args,
                     overrides=dotted(study.overrides), metric=study.metric, steps=study.steps, smoke=study.smoke)
+    if study.lmms_eval.tasks:  # only then, so that the signatures of studies without it stay as they were
+        settings["lmms_eval"] = dict(tasks=study.lmms_eval.tasks, include_path=study.lmms_eval.include_path,
+                                     model_args=study.lmms_eval.model_args)
     test_split, tune_split = dotted(study.test_overrides), dotted(study.tune.overrides)
     test_sig = store.signature({**settings, "split": test_split})
     tune_sig = store.signature({**settings, "split": tune_split})

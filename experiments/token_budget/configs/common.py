@@ -12,7 +12,11 @@ no-image baseline; empty: no blind row), ``smoke``/``smoke_args``, ``families``,
 ``metric_label``, ``higher_is_better``, ``kinds`` and ``kinds_prefix`` (per-kind metrics, e.g.
 ``qa/acc_<kind>``; empty: none), ``examples_key`` (the evaluator's example count, if any),
 ``lm_label`` (the LM column of ``runs.csv``), ``out``, ``workdirs``, ``report`` (the Markdown's
-name), ``keep_checkpoints``.
+name), ``keep_checkpoints``; ``lmms_eval`` (``tasks`` set: every trained run is also scored by
+lmms-eval through ``vitmm.serve``, ``vitmm.lmms_task.evaluate``, and ``metric`` may name its scores as
+``<task>/<metric>``, e.g. ``vitmm_qa/accuracy``; ``include_path`` empty: ``tasks`` is the run's own
+``qa`` questions written as a task of that name; ``python``: lmms-eval's interpreter, ``make eval-env``;
+``model_args``: more of lmms-eval's ``--model_args``).
 """
 
 import ml_collections
@@ -46,4 +50,6 @@ def study() -> ml_collections.ConfigDict:
     c.workdirs = "workdirs/token_budget_study"
     c.report = "study.md"
     c.keep_checkpoints = False
+    c.lmms_eval = ml_collections.ConfigDict(dict(tasks="", include_path="", python=".venv-eval/bin/python",
+                                                 model_args=""))
     return c
