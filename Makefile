@@ -43,7 +43,9 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check vitmm tests configs experiments
 
-test: lint $(EVAL_STAMP)
+# The two environments are set up side by side (pip installs one file at a time), then the tests run.
+test:
+	$(MAKE) --no-print-directory -j2 lint $(EVAL_STAMP)
 	VITMM_LMMS_EVAL_PYTHON=$(CURDIR)/$(EVAL_VENV)/bin/python $(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 clean:

@@ -6,15 +6,14 @@ here as the token-budget study's evaluator.
 ``VITMM_LMMS_EVAL_PYTHON`` at it; run elsewhere without it, the lmms-eval test is skipped.
 """
 
-import glob
 import json
 import os
 
 import pytest
 
+from experiments.bench import lmms_eval as bench
 from experiments.token_budget import study
-from vitmm import chat, lmms_task
-from vitmm.train import tasks
+from vitmm import lmms_task
 
 EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
 
@@ -50,19 +49,9 @@ def test_the_budget_study_scores_runs_with_lmms_eval_as_the_qa_evaluator_does(tm
         round(own[k], 4) for k in ("accuracy", "acc_exists", "acc_count"))
 
     # lmms-eval's every answer and score against the qa evaluator's on the trained run.
-    lmms = tmp_path / "runs/pool_4_s0/lmms_eval/lmms/vitmm"
-    scores = json.load(open(glob.glob(str(lmms / "*_results.json"))[0]))["results"]["vitmm_qa"]
-    assert own == {k.split(",")[0]: v for k, v in scores.items() if k.endswith(",none") and "stderr" not in k}
-    vlm = chat.load(workdir)
-    qa = tasks.qa_evaluator(vlm.config, tasks.evals_config(vlm.config)["qa"], vlm.task.model, vlm.tokenizer)
-    expected = {a["index"]: a for a in qa.answers(vlm.params)}
-    samples = [json.loads(line) for line in open(glob.glob(str(lmms / "*_samples_vitmm_qa.jsonl"))[0])]
-    assert len(samples) == len(expected) == 24
-    for sample in samples:
-        index = sample["accuracy"]["index"]
-        assert sample["filtered_resps"] == expected[index]["prediction"], (index, sample)
-        assert sample["target"] == expected[index]["answer"]
-        assert sample["accuracy"]["correct"] == float(sample["filtered_resps"] == sample["target"])
+    result = bench.compare(workdir, tmp_path / "runs/pool_4_s0/lmms_eval/lmms/vitmm")
+    assert result["questions"] == result["samples"] == 24 and result["differ"] == []
+    assert result["lmms"] == result["qa"] == own
 
 
 def test_a_task_is_refused_for_a_run_without_a_qa_evaluator_and_nothing_is_written(tmp_path, clip_smoke_run, capsys):

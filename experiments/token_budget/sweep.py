@@ -10,9 +10,8 @@ It is part of the results: ``OUT/tower`` (the image tower's parameters and the C
 taken from ``workdirs/clip_scenes`` (which ``make demo`` writes, and this script trains first
 when it is missing) the first time, and read from there by every later sitting, so that a sweep
 spanning several machines runs on one tower (the same config trained on another machine gives
-another tower: zero-shot 0.630 against 0.602). ``--tower`` takes any ``vitmm.train`` workdir
-instead. Stage 0 trains
-the small Llama-style LM (word tokens) on the training questions' text alone, once per seed
+another tower: ``results/demo/README.md``). ``--tower`` takes any ``vitmm.train`` workdir
+instead. Stage 0 trains the small Llama-style LM (word tokens) on the training questions' text alone, once per seed
 (``--stage0_steps``), so that connector training starts from an LM that answers in the right
 format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen: LLaVA's
 stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the connector and
@@ -41,8 +40,7 @@ actual count; a budget it cannot approach is listed as unreachable, with what it
 ``blind`` baseline (the same stage-0 LM, fine-tuned with a visual token carrying no image) measures what the questions
 alone give away. The two families with a hidden width of their own (``qformer`` 256,
 ``c_abstractor`` 256 by default) run at the tower's width instead, so that no connector is wider
-than what it reads: at 256 their training step cost 6–11× the others' and would take the sweep past its hour
-(``--native_widths`` keeps the defaults).
+than what it reads (``--native_widths`` keeps the defaults).
 
 Writes to ``--out``: ``cells.jsonl`` (each finished job, all its seeds, as it finishes: a rerun
 with the same settings skips it, so a sweep can span several sittings; ``seeds.jsonl`` keeps each
@@ -133,8 +131,7 @@ def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
     """The jobs by expected seconds, longest first, so that the sweep does not end on one worker
     running a slow job while the other waits. Expected seconds: the job's forward MFLOPs per example
     (``mflops[key]``, connector + LM) times its family's seconds per MFLOP in its tuning runs
-    (``tuned``; FLOPs alone miss how slow some layers run on a CPU: at 16 tokens C-Abstractor has 3.4x
-    pool's FLOPs per example and took 14x its seconds), times the seeds it has left to run. The
+    (``tuned``; FLOPs alone miss how slow some layers run on a CPU), times the seeds it has left to run. The
     blind job goes first: every other row is compared with it, so ``--interim`` tables have their
     baseline from the start, and as the cheapest job it would not balance the end anyway."""
     rate = {}
