@@ -103,12 +103,13 @@ def siglip_chunked_smoke_run(tmp_path_factory):
     return _shared_run(tmp_path_factory, "siglip_scenes", "smoke,loss=sigmoid_chunked")
 
 
-# The longest tests (each 15-65 s on 2 cores, `--durations`), dealt out to start first on every
+# The longest tests (each 15-55 s on 2 cores, `--durations`), dealt out to start first on every
 # worker: xdist's load scheduling hands each of N workers a chunk of len/N/4 tests in collection
 # order to begin with, so these go to the head of each first chunk in turn; otherwise one worker can
 # take them all, or finish alone with a minute's test at the end.
 SLOWEST_FIRST = (
     "tests/train/test_multihost.py::test_two_processes_train_as_one_and_stop_together_on_sigterm",
+    "tests/test_lmms_eval.py::test_the_budget_study_scores_runs_with_lmms_eval_as_the_qa_evaluator_does",
     "tests/experiments/token_budget/test_token_budget_sweep.py::test_smoke_sweep_writes_tables_and_plots",
     "tests/train/test_reliability.py::test_a_loop_of_sigkill_and_sigterm_ends_where_an_uninterrupted_run_ends",
     "tests/train/test_raw_data_runs.py::test_clip_trains_on_tar_shards_in_worker_processes_resumes_and_evaluates_on_a_csv",

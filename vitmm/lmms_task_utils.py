@@ -12,8 +12,8 @@ import os
 from PIL import Image
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-with open(os.path.join(_HERE, "kinds.json")) as _f:
-    KINDS = json.load(_f)
+_KINDS = os.path.join(_HERE, "kinds.json")
+KINDS = json.load(open(_KINDS)) if os.path.exists(_KINDS) else []  # none inside vitmm's own package  # noqa: SIM115
 
 
 def doc_to_visual(doc):
