@@ -24,9 +24,9 @@ def get_config(arg=None):
     c = common.study()
     c.train_config, c.train_args, c.smoke = "configs/vlm_scenes.py", "stage=2", True
     # A smoke VLM trained (LM included) long enough to answer some yes/no questions right.
-    c.overrides = {{"input": {{"data_dir": "{data_dir}"}}, "total_steps": 150, "batch_size": 32, "log_every": 150,
-                   "eval_every": 150, "checkpoint_every": 150, "evals": {{"qa": {{"num_examples": 24}}}}}}
-    c.families, c.budgets, c.seeds, c.tune.lrs, c.blind_args = ("pool",), (4,), (0,), (3e-3,), ""
+    c.overrides = {{"input": {{"data_dir": "{data_dir}"}}, "total_steps": 60, "batch_size": 32, "log_every": 60,
+                   "eval_every": 60, "checkpoint_every": 60, "evals": {{"qa": {{"num_examples": 24}}}}}}
+    c.families, c.budgets, c.seeds, c.tune.lrs, c.blind_args = ("pool",), (4,), (0,), (5e-3,), ""
     c.metric, c.kinds_prefix, c.kinds = "vitmm_qa/accuracy", "vitmm_qa/acc_", ("exists", "count")
     c.lmms_eval.tasks, c.lmms_eval.python = "vitmm_qa", "{python}"
     c.keep_checkpoints = True

@@ -92,16 +92,14 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
 def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: str = ".venv-eval/bin/python",
              model_args: str = "", timeout: float = 3600) -> dict:
     """Scores ``workdir`` with lmms-eval (``python``: its environment's interpreter) through
-    ``python -m vitmm.serve`` on a free local port: ``tasks`` from ``include_path``, or (None) the
-    run's own ``qa`` task written to ``out/task``. Returns ``{"<task>/<metric>": value}``; lmms-eval's
+    ``vitmm.serve`` on a free local port, served from this process: ``tasks`` from ``include_path``,
+    or (None) the run's own ``qa`` task written to ``out/task``. Returns ``{"<task>/<metric>": value}``; lmms-eval's
     output (with every sample) stays in ``out/lmms``. ``RuntimeError`` with the tail of what failed."""
     import glob
     import os
-    import signal
-    import socket
     import subprocess
-    import time
-    import urllib.request
+
+    from vitmm import serve
 
     workdir, out = Path(workdir), Path(out)
     if not Path(python).is_file():
@@ -109,34 +107,19 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
     if include_path is None:
         include_path = out / "task"
         write(workdir, include_path, tasks)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "vitmm.serve", "--workdir", str(workdir), "--port", str(port),
-                               "--model_name", "vitmm"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, stop = serve.start_in_thread(serve.Engine(workdir, model_name="vitmm"))
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"vitmm.serve did not start on {workdir}: {server.stdout.read()[-2000:]}") \
-                        from None
-                time.sleep(0.2)
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"),
                "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "unused")}
         env.pop("XLA_FLAGS", None)
-        args = f"model=vitmm,base_url=http://127.0.0.1:{port}/v1" + (f",{model_args}" if model_args else "")
+        args = f"model=vitmm,base_url={url}/v1" + (f",{model_args}" if model_args else "")
         done = subprocess.run([python, "-m", "lmms_eval", "eval", "--model", "openai", "--model_args", args,
                                "--include_path", str(include_path), "--tasks", tasks, "--log_samples",
                                "--output_path", str(out / "lmms")], env=env, capture_output=True, text=True,
                               timeout=timeout)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.communicate(timeout=120)
+        stop()
     if done.returncode != 0:
         raise RuntimeError(f"lmms-eval failed (exit {done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
     results = json.loads(Path(sorted(glob.glob(str(out / "lmms/vitmm/*_results.json")))[-1]).read_text())

@@ -5,7 +5,7 @@ same answers and scores (checked question by question), and what each way costs 
     python -m experiments.bench.lmms_eval --workdir workdirs/vlm_pool16_s2 --out results/serve_lmms_eval
 
 The evaluator runs in this process twice (the first run compiles); lmms-eval runs as a user runs it
-(``vitmm.lmms_task.evaluate``: the run's questions written as a task, ``python -m vitmm.serve`` on a
+(``vitmm.lmms_task.evaluate``: the run's questions written as a task, ``vitmm.serve`` on a
 free port, ``python -m lmms_eval`` from ``--python``), timed from the server's start to lmms-eval's
 exit, with lmms-eval's own evaluation time (its requests, after its start-up) beside it. Writes
 ``lmms_eval.json`` and ``README.md`` to ``--out``.
