@@ -45,7 +45,7 @@ lint: $(STAMP)
 
 # The two environments are set up side by side (pip installs one file at a time), then the tests run.
 # The project's own modules are byte-compiled first: with PYTHONDONTWRITEBYTECODE set (as on these
-# machines) every one of the tests' ~60 subprocesses would compile them again (~0.15-0.3 s each).
+# machines) every one of the dozens of processes the tests start would compile them again (~0.15-0.3 s each).
 test:
 	$(MAKE) --no-print-directory -j2 lint $(EVAL_STAMP)
 	$(BIN)/python -m compileall -q -j 0 vitmm experiments configs tests >/dev/null
