@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,19 +20,18 @@ with c.unlocked():
     c.input.data_dir = sys.argv[3]
     for ev in c.evals.values():
         ev.data.data_dir = sys.argv[3]
-    if os.environ.get("NO_EVALS"):  # the preempted and resumed pairs: their losses and parameters are compared
-        c.evals = {}
     c.total_steps = 6
-    c.log_every = 1
+    c.log_every = c.checkpoint_every = 1
+    c.keep_checkpoints = 6  # every step's parameters stay, to compare a resumed pair's with
     c.multihost.coordinator = sys.argv[4]
     c.multihost.num_processes = 2
     c.multihost.process_id = int(sys.argv[5])
 from vitmm.train import trainer
 import jax
-if len(sys.argv) > 6 and int(sys.argv[5]) == int(sys.argv[6]):  # this process is sent SIGTERM at batch 3
+if len(sys.argv) > 6 and int(sys.argv[5]) == int(sys.argv[6]):  # this process is sent SIGTERM at batch argv[8]
     sys.path.insert(0, sys.argv[7])
     import signalling
-    signalling.send_at_batch(trainer, 3, "SIGTERM")
+    signalling.send_at_batch(trainer, int(sys.argv[8]), "SIGTERM")
 try:
     summary = trainer.train(c, sys.argv[2])
 except trainer.Preempted as stop:
@@ -49,7 +49,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, evals=True) -> list[str]:
+def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, at_batch=3) -> list[str]:
     """Both processes' stdout, after each exits with ``expect``."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -57,9 +57,7 @@ def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, evals=True) 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = f"{os.environ.get('VITMM_TEST_XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"
     env["PYTHONPATH"] = str(ROOT)
-    if not evals:
-        env["NO_EVALS"] = "1"
-    extra = [] if signalled is None else [str(signalled), str(pathlib.Path(__file__).resolve().parent)]
+    extra = [] if signalled is None else [str(signalled), str(pathlib.Path(__file__).resolve().parent), str(at_batch)]
     procs = [subprocess.Popen(
         ["timeout", "-s", "KILL", "240", sys.executable, str(script), str(ROOT / "configs/clip_scenes.py"),
          str(workdir), str(data_dir), coordinator, str(i), *extra],
@@ -93,13 +91,23 @@ def test_two_processes_train_as_one_and_stop_together_on_sigterm(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "workdir" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3, 4, 5, 6]  # process 0 writes once
 
-    # SIGTERM reaches process 1 only: both processes save step 3 and stop; resumed, the pair
-    # continues exactly as the uninterrupted pair did.
-    stopped = _results(_run_two(tmp_path, tmp_path / "preempted", data_dir, signalled=1, expect=75, evals=False),
-                       "PREEMPTED ")
-    assert sorted((r["process"], r["step"]) for r in stopped) == [(0, 3), (1, 3)]
-    assert sorted(p.name for p in (tmp_path / "preempted" / "checkpoints").iterdir()) == ["3"]
-    resumed = sorted(_results(_run_two(tmp_path, tmp_path / "preempted", data_dir, evals=False)),
-                     key=lambda r: r["process"])
-    assert resumed[0]["losses"] == resumed[1]["losses"] == a["losses"][3:]
-    assert resumed[0]["checksum"] == pytest.approx(a["checksum"], rel=1e-7)
+    # The pair again from its step-3 checkpoint, SIGTERM reaching process 1 only at its second batch:
+    # both processes save step 5 and stop, and the resumed steps equal the uninterrupted ones, bit for bit.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "workdir", resumed)
+    for step in (4, 5, 6):
+        shutil.rmtree(resumed / "checkpoints" / str(step))
+    stopped = _results(_run_two(tmp_path, resumed, data_dir, signalled=1, expect=75, at_batch=2), "PREEMPTED ")
+    assert sorted((r["process"], r["step"]) for r in stopped) == [(0, 5), (1, 5)]
+    assert sorted(int(p.name) for p in (resumed / "checkpoints").iterdir()) == [1, 2, 3, 4, 5]
+    lines = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    losses = {x["step"]: x["loss"] for x in lines if "loss" in x}
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3, 4, 5]  # the redone steps logged once
+    assert [losses[s] for s in (4, 5)] == a["losses"][3:5]
+    import jax
+    import numpy as np
+
+    from vitmm import checkpoint as ckpt_lib
+
+    mine, straight = ckpt_lib.load_params(resumed, 5), ckpt_lib.load_params(tmp_path / "workdir", 5)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(straight), strict=True))
