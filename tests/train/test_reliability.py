@@ -185,7 +185,7 @@ app.run(cli.main, flags_parser=cli.parse_flags)
 
 def test_a_signal_saves_the_current_step_and_the_resumed_run_matches(tmp_path, straight):
     """SIGINT (Ctrl-C) at a known step. SIGTERM takes the same handler and is sent at a known step
-    by the multi-host test (both processes save, the resumed pair matches) and at random moments
+    by the multi-host test (both processes save, the pair resumed from a checkpoint matches) and at random moments
     by the kill loop below."""
     workdir, summary, config = straight
     sig = "SIGINT"
