@@ -211,6 +211,16 @@ def test_a_signal_saves_the_current_step_and_the_resumed_run_matches(tmp_path, s
 
 
 # ------------------------------------------------------------------------------------ bad input
+def test_a_missing_config_file_fails_in_one_line_and_writes_nothing(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "vitmm.train", "--config", "configs/nope.py:smoke", "--workdir",
+                             str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "python -m vitmm.train: --config configs/nope.py: no such file; the configs are in configs/ (listed in "
+        "README.md).", "(--debug shows the traceback)"]
+    assert not (tmp_path / "w").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--config.lr=1e6"], "unknown config key 'lr'; did you mean optim.lr?"),
     (["--config.optim.lrr=1"], "unknown config key 'optim.lrr'; did you mean optim.lr?"),

@@ -39,12 +39,18 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _config_spec(argv) -> str | None:
+    """``FILE[:ARGS]`` of ``--config``, if given."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+        spec = argv[argv.index("--config") + 1]
+    return spec
+
+
 def _config_key_error(argv) -> str | None:
     """A message for the first ``--config.KEY`` that the config file does not have, with the
     existing keys it most resembles."""
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if spec is None and "--config" in argv:
-        spec = argv[argv.index("--config") + 1]
+    spec = _config_spec(argv)
     if spec is None:
         return None
     path, _, arg = spec.partition(":")
@@ -64,9 +70,15 @@ def _config_key_error(argv) -> str | None:
 
 
 def parse_flags(argv):
-    """absl's parsing, with a bad flag or config override reported in one line (exit 2)."""
+    """absl's parsing, with a bad flag, config file or config override reported in one line (exit 2)."""
+    spec = _config_spec(argv)
+    if spec is not None and not os.path.isfile(spec.partition(":")[0]) and not _debug(argv):
+        _fail(f"--config {spec.partition(':')[0]}: no such file; the configs are in configs/ (listed in README.md).",
+              2)
     try:
-        return flags.FLAGS(argv)
+        parsed = flags.FLAGS(argv)
+        flags.FLAGS.config.get("task")  # config_flags reports a config file that failed to load only when used
+        return parsed
     except Exception as err:  # noqa: BLE001 - config_flags raises whatever the config file raised
         if _debug(argv):
             raise
