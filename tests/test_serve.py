@@ -286,3 +286,11 @@ def test_an_lm_folder_is_served_text_only_as_its_generator_answers(lm_server):
         "model": "tiny_lm", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": PNG}}, {"type": "text", "text": "what is it?"}]}]}).encode())
     assert status == 400 and "language model" in body["error"]["message"]
+
+
+def test_vitmm_chat_refuses_a_workdir_that_is_not_a_vlm_in_one_line(clip_smoke_run, capsys):
+    from vitmm import chat
+
+    assert chat.main(["--workdir", str(clip_smoke_run.workdir), "--question", "what is it?"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m vitmm.chat: ") and "not a VLM" in err[0]
