@@ -21,16 +21,21 @@ import tempfile
 import time
 
 
+def _qa(workdir):
+    """The VLM of ``workdir`` (``vitmm.chat``) and its run's ``qa`` evaluator on that model."""
+    from vitmm import chat
+    from vitmm.train import tasks
+
+    vlm = chat.load(workdir)
+    return vlm, tasks.qa_evaluator(vlm.config, tasks.evals_config(vlm.config)["qa"], vlm.task.model, vlm.tokenizer)
+
+
 def compare(workdir, lmms_dir) -> dict:
     """lmms-eval's samples and scores in ``lmms_dir`` (its ``--output_path``/<model>) against the
     ``qa`` evaluator's answers on ``workdir``: the counts, the questions whose answers differ, and
     both sets of scores."""
-    from vitmm import chat
-    from vitmm.train import tasks
-
     lmms_dir = pathlib.Path(lmms_dir)
-    vlm = chat.load(workdir)
-    qa = tasks.qa_evaluator(vlm.config, tasks.evals_config(vlm.config)["qa"], vlm.task.model, vlm.tokenizer)
+    vlm, qa = _qa(workdir)
     expected = {a["index"]: a for a in qa.answers(vlm.params)}
     samples = [json.loads(line) for line in open(glob.glob(str(lmms_dir / "*_samples_*.jsonl"))[-1])]
     differ = [s["accuracy"]["index"] for s in samples
@@ -56,11 +61,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--python", default=".venv-eval/bin/python", help="lmms-eval's interpreter")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each way (medians, ranges)")
     args = parser.parse_args(argv)
-    from vitmm import chat, lmms_task
-    from vitmm.train import tasks
+    from vitmm import lmms_task
 
-    vlm = chat.load(args.workdir)
-    qa = tasks.qa_evaluator(vlm.config, tasks.evals_config(vlm.config)["qa"], vlm.task.model, vlm.tokenizer)
+    vlm, qa = _qa(args.workdir)
     inprocess, through, evaluation = [], [], []
     for _ in range(1 + args.repeats):
         start = time.perf_counter()
