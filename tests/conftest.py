@@ -22,7 +22,7 @@
   train step (the trainer's resume test alone compiles it three times: 78 s without the cache,
   53 s cold, 33 s warm). Programs are keyed by their HLO, options and the JAX version, so a hit
   is the same executable. ``VITMM_TEST_XLA_CACHE=`` (empty) turns it off.
-* ``clip_smoke_run`` (and ``siglip_chunked_smoke_run``): one trained smoke run for the session,
+* ``clip_smoke_run`` (and ``siglip_chunked_smoke_run``, ``clip_every_step_run``): one trained smoke run for the session,
   for the tests that need a trained CLIP (initialising from it, a VLM tower, the token-budget
   sweep) or a reference run to compare against (pmap vs jit, resuming) rather than a run of
   their own; training tests that vary the config keep ``total_steps`` at the smoke's 4 so that their
@@ -36,6 +36,7 @@ import os
 import pathlib
 import tempfile
 
+import ml_collections
 import pytest
 
 TEST_XLA_FLAGS = ("" if os.environ.get("VITMM_TEST_XLA_OPT") == "1"
@@ -68,26 +69,33 @@ class SharedRun:
     summary: dict  # what trainer.train returned (through JSON)
 
 
-def _shared_run(tmp_path_factory, name: str, arg: str) -> SharedRun:
-    """``configs/{name}.py:{arg}`` trained once for the whole session. xdist workers share one
-    run: the first to get the lock trains, the others read its summary."""
+def _shared_run(tmp_path_factory, name: str, arg: str, data_dir: str | None = None, evals: bool = True,
+                **overrides) -> SharedRun:
+    """``configs/{name}.py:{arg}`` (with ``overrides``; no evaluators unless ``evals``) trained once
+    for the whole session. xdist workers share one run: the first to get the lock trains, the
+    others read its summary."""
     from vitmm import config_args
     from vitmm.train import trainer
 
     base = tmp_path_factory.getbasetemp()
-    key = f"{name}-{arg}".replace(",", "-").replace("=", "-")
+    key = "-".join([name, arg, *(f"{k}-{v}" for k, v in sorted(overrides.items()))] + ([] if evals else ["noevals"]))
+    key = key.replace(",", "-").replace("=", "-")
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared_run-{key}"
     root.mkdir(exist_ok=True)
-    workdir, data_dir, done = root / "run", root / "tfds", root / "summary.json"
+    workdir, done = root / "run", root / "summary.json"
+    data_dir = data_dir or str(root / "tfds")
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
             config = config_args.load(ROOT / "configs" / f"{name}.py", arg,
-                                      **{"input.data_dir": str(data_dir)})
+                                      **{"input.data_dir": data_dir, **overrides})
+            if not evals:
+                with config.unlocked():
+                    config.evals = ml_collections.ConfigDict()
             summary = trainer.train(config, workdir)
             (root / "summary.tmp").write_text(json.dumps(summary, default=float))
             (root / "summary.tmp").rename(done)
-    return SharedRun(workdir, str(data_dir), json.loads(done.read_text()))
+    return SharedRun(workdir, data_dir, json.loads(done.read_text()))
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +103,14 @@ def clip_smoke_run(tmp_path_factory):
     """``configs/clip_scenes.py:smoke`` (4 steps, logged at 2 and 4, evaluated and checkpointed
     at 4): the trained CLIP of the session."""
     return _shared_run(tmp_path_factory, "clip_scenes", "smoke")
+
+
+@pytest.fixture(scope="session")
+def clip_every_step_run(tmp_path_factory, clip_smoke_run):
+    """The CLIP smoke logged and checkpointed at every step, no evaluators, on the smoke run's
+    data: the uninterrupted reference the reliability tests damage, interrupt and resume copies of."""
+    return _shared_run(tmp_path_factory, "clip_scenes", "smoke", data_dir=clip_smoke_run.data_dir, evals=False,
+                       log_every=1, checkpoint_every=1)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from vitmm.models.lm import LM
 FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures/interop/hf_llama"  # GQA, Llama 3 RoPE
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def llama():
     kwargs, params = hf_lm.load_lm(FIXTURE)
     return kwargs, params, decode.Generator(kwargs)

@@ -16,7 +16,7 @@ N_LOCAL = 3
 DIM = 8
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def setup():
     assert jax.device_count() >= N_DEV, "tests/conftest.py sets 4 CPU devices"
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)

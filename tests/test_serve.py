@@ -20,7 +20,7 @@ from vitmm.data import examples, scenes
 from vitmm.train import trainer
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """A LLaVA-style smoke VLM (text-only examples mixed in) served on 127.0.0.1."""
     root = tmp_path_factory.mktemp("serve")
@@ -229,7 +229,7 @@ def test_the_load_test_runs_and_reports_both_ways(server, tmp_path):
     assert result["batch_sizes"]["decodes"] >= 1 and (tmp_path / "bench_serve.md").is_file()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lm_server(tmp_path_factory):
     """A converted GGUF LM folder served text-only, its weights scaled up so that greedy answers
     differ from prompt to prompt (the fixture's tiny random LM answers every prompt alike)."""

@@ -16,7 +16,7 @@ FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/gguf_l
 CHAT = json.loads((FIXTURE / "chat.json").read_text())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     """The tiny GGUF's tokenizer, converted as `python -m vitmm.interop --from gguf` does."""
     from vitmm.interop import gguf_lm

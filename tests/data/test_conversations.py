@@ -19,7 +19,7 @@ HF = json.loads((FIXTURES / "data/conversations.json").read_text())
 LLAVA_ROLES = {"user": "human", "assistant": "gpt", "system": "system"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     """The tiny GGUF's tokenizer, converted as `python -m vitmm.interop --from gguf` does."""
     from vitmm.interop import gguf_lm

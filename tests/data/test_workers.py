@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PP = "decode|random_resized_crop(16)|value_range(-1, 1)|tokenize('caption', 32)|keep('image', 'caption_tokens')"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shards(tmp_path_factory):
     return formats.WdsSource(examples.write_wds(tmp_path_factory.mktemp("wds"), 40, per_shard=15, resolution=16))
 

@@ -14,7 +14,7 @@ from vitmm.models.lm import LM
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/gguf_llama"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def loaded():
     return gguf_lm.load(FIXTURE / "tiny.gguf")
 

@@ -83,7 +83,7 @@ def test_timm_wrong_head_count_changes_the_output():
     assert np.abs(np.asarray(logits) - ref["logits"]).max() > 1e-3
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def open_clip_out():
     ref = load_io("open_clip")
     kwargs, params = openclip.load_two_towers(FIXTURES / "open_clip" / "open_clip_model.safetensors")

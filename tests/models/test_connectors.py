@@ -31,7 +31,7 @@ def test_num_visual_tokens_equals_the_real_output_shape(name, budget, grid):
     cfg = {"name": name, "budget": budget}
     x = jax.random.normal(jax.random.key(0), (2, grid[0] * grid[1], D_OUT if name == "identity" else D_IN))
     module = C.build(cfg, D_OUT)
-    out, variables = module.init_with_output(jax.random.key(1), x, grid)
+    out, variables = jax.jit(module.init_with_output, static_argnums=2)(jax.random.key(1), x, grid)
     assert out.shape == (2, C.num_visual_tokens(cfg, grid), D_OUT)
     assert np.all(np.isfinite(out))
     report = C.cost(cfg, x.shape[-1], D_OUT, grid)
@@ -58,8 +58,13 @@ def test_token_grid_is_where_each_token_looks(name, budget, grid):
         return  # initialisation every token's gradient is spread near-evenly, so locality is not testable so
     x = jax.random.normal(jax.random.key(0), (1, grid[0] * grid[1], D_OUT if name == "identity" else D_IN))
     module = C.build(cfg, D_OUT)
-    variables = module.init(jax.random.key(1), x, grid)
-    jac = jax.jacobian(lambda x: module.apply(variables, x, grid)[0].sum(-1))(x)[:, 0]  # [M, N, C]
+
+    @jax.jit  # one program: eager dispatch of init and the Jacobian costs seconds
+    def jacobian(x):
+        variables = module.init(jax.random.key(1), x, grid)
+        return jax.jacobian(lambda x: module.apply(variables, x, grid)[0].sum(-1))(x)[:, 0]  # [M, N, C]
+
+    jac = jacobian(x)
     strength = np.abs(np.asarray(jac)).sum(-1).reshape(-1, *grid)
     slack = {"ldp": 1, "pool": 0.5}.get(name, 0)
     centres = np.stack(np.meshgrid(np.arange(grid[0]), np.arange(grid[1]), indexing="ij"), -1) + 0.5
@@ -185,9 +190,14 @@ def test_which_resamplers_see_where_patches_are(name, position_aware):
     cfg = {"name": name, "budget": 4}
     x = jax.random.normal(jax.random.key(0), (1, 16, D_IN))
     module = C.build(cfg, D_OUT)
-    variables = module.init(jax.random.key(1), x, grid)
     perm = jax.random.permutation(jax.random.key(2), 16)
-    a, b = module.apply(variables, x, grid), module.apply(variables, x[:, perm], grid)
+
+    @jax.jit
+    def both(x):
+        variables = module.init(jax.random.key(1), x, grid)
+        return module.apply(variables, x, grid), module.apply(variables, x[:, perm], grid)
+
+    a, b = both(x)
     assert np.allclose(a, b, atol=1e-5) != position_aware
 
 

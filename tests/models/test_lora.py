@@ -14,7 +14,7 @@ KW = dict(vocab_size=64, width=32, depth=2, num_heads=4, num_kv_heads=2)
 TARGETS = (r"block_\d+/attn/(q|v)", r"block_\d+/mlp/down")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def setup():
     model = LM(**KW)
     ids = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)

@@ -29,7 +29,7 @@ def _png(seed):
     return buffer.getvalue()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fake_coco(tmp_path_factory):
     """A tiny dataset named coco_captions with COCO's caption layout, built offline."""
     with tfds.core.registered.skip_registration():

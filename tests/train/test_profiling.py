@@ -78,7 +78,7 @@ def test_kinds_from_gpu_style_instructions():
         profiling.hlo_module_name("ENTRY %main () -> f32[] {}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_step():
     model = vit.ViT(variant="Ti/16", depth=2, num_classes=10)
     images, labels = jnp.ones((4, 32, 32, 3)), jnp.zeros((4,), jnp.int32)

@@ -14,7 +14,7 @@ from vitmm.data import examples
 from vitmm.train import trainer
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def llava_folder(tmp_path_factory):
     """24 scenes conversations (every 6th text-only) and one whose image is missing."""
     root = tmp_path_factory.mktemp("llava")

@@ -25,13 +25,12 @@ def _losses(workdir: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, clip_smoke_run):
-    """The smoke config logged every step and checkpointed every step, uninterrupted."""
-    workdir = tmp_path_factory.mktemp("straight")
-    config = smoke_config(clip_smoke_run.data_dir, evals=False, log_every=1, checkpoint_every=1)
-    summary = trainer.train(config, workdir)
-    return workdir, summary, config
+@pytest.fixture
+def straight(clip_every_step_run):
+    """The smoke config logged every step and checkpointed every step, uninterrupted (trained once
+    per session: read-only, tests copy it)."""
+    run = clip_every_step_run
+    return run.workdir, run.summary, smoke_config(run.data_dir, evals=False, log_every=1, checkpoint_every=1)
 
 
 # ------------------------------------------------------------------------------------ checkpoints

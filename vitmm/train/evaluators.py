@@ -202,10 +202,14 @@ class ValLoss(_OnEmbeddings):
         for i in range(0, n, self.batch_size):
             zi, zt = emb["zimg"][i : i + self.batch_size], emb["ztxt"][i : i + self.batch_size]
             if self.loss == "softmax":
-                values.append(float(losses.softmax_loss(zi, zt, t)))
+                values.append(float(_softmax_loss(zi, zt, t)))
             else:
-                values.append(float(losses.sigmoid_loss(zi, zt, t, b)))
+                values.append(float(_sigmoid_loss(zi, zt, t, b)))
         return {"loss": float(np.mean(values)), "batches": len(values)}
+
+
+# Compiled once per batch shape (eagerly, each of the loss's ~15 operations is a program of its own).
+_softmax_loss, _sigmoid_loss = jax.jit(losses.softmax_loss), jax.jit(losses.sigmoid_loss)
 
 
 TYPES = {"zeroshot": ZeroShot, "retrieval": Retrieval, "val_loss": ValLoss}

@@ -293,7 +293,7 @@ def build(config) -> Setup:
         loaded = ckpt_lib.load_params(config.init.checkpoint)
         params = ckpt_lib.merge_params(params, loaded, config.init.get("dont_load") or (),
                                        source=config.init.checkpoint)
-    state = dict(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+    state = dict(params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32),
                  rng=jax.random.key_data(jax.random.key(config.seed)),
                  bad=jnp.full((2,), -1, jnp.int32))
     return Setup(par, tokenizer, task, tx, lr_schedule, state, config)

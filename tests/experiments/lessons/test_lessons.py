@@ -13,7 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lesson():
     """``lesson("positions")``: ``experiments.lessons.positions``."""
     import importlib
@@ -31,7 +31,7 @@ def _smoke(lesson, name: str, out, *extra) -> types.SimpleNamespace:
     return types.SimpleNamespace(stdout=printed.getvalue())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def positions(lesson):
     return lesson("positions")
 

@@ -17,14 +17,14 @@ from vitmm.models.vlm import VLM
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def nt():
     from experiments.native import tokens
 
     return tokens
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def nf(nt):
     return nt.features_lib
 

@@ -15,7 +15,7 @@ from vitmm.interop import __main__ as interop
 FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "fixtures/interop"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_lm(tmp_path_factory):
     out = tmp_path_factory.mktemp("lm")
     interop.main(["--from", "gguf", "--src", str(FIXTURES / "gguf_llama" / "tiny.gguf"), "--out", str(out)])

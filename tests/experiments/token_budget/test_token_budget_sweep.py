@@ -22,7 +22,7 @@ from vitmm.study import store
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tb():
     return sweep
 
