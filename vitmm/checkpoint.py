@@ -102,7 +102,8 @@ class Checkpointer:
                 self._mngr.reload()
             return found
         raise NoReadableCheckpoint(f"No readable checkpoint in {self.directory} ({'; '.join(skipped)}). Nothing was "
-                           "restored; move the folder aside to start the run afresh.")
+                                   "restored; rerun with --restart to train it again from step 0 (the unreadable "
+                                   "folders stay for a look).")
 
     def _set_aside(self, step: int, reason: str) -> str:
         """Warns, and renames the unreadable step folder to ``<step>.unreadable`` (kept for a look,

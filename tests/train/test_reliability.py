@@ -56,14 +56,54 @@ def test_an_unreadable_latest_checkpoint_is_skipped_for_the_previous_one(tmp_pat
     assert resumed["param_checksum"] == pytest.approx(summary["param_checksum"], rel=1e-6)
 
 
-def test_no_readable_checkpoint_stops_instead_of_starting_afresh(tmp_path, straight):
-    workdir, _, config = straight
-    shutil.copytree(workdir / "checkpoints", tmp_path / "checkpoints")
-    for step in (3, 4):
+def test_no_readable_checkpoint_stops_and_only_restart_starts_afresh(tmp_path, straight, capsys):
+    """Every checkpoint unreadable: the run stops; rerun, it still refuses (the folders set aside and
+    the log are an earlier run's); ``restart`` keeps that log aside and trains from step 0."""
+    workdir, summary, config = straight
+    for name in ("checkpoints", "metrics.jsonl"):
+        (shutil.copytree if name == "checkpoints" else shutil.copy)(workdir / name, tmp_path / name)
+    for step in (3, 4):  # the two it keeps
         shutil.rmtree(tmp_path / "checkpoints" / str(step))
         (tmp_path / "checkpoints" / str(step)).mkdir()
-    with pytest.raises(ckpt_lib.NoReadableCheckpoint, match=r"No readable checkpoint in .*step 4.*step 3"):
+    with pytest.raises(ckpt_lib.NoReadableCheckpoint, match=r"No readable checkpoint in .*step 4.*step 3.*--restart"):
         trainer.train(config, tmp_path)
+    log = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(workdir_lib.HistoryWithoutCheckpoint, match=r"holds an earlier run \(checkpoints set aside as "
+                       r"unreadable \(3.unreadable, 4.unreadable\); metrics.jsonl logged up to step 4\).*--restart"):
+        trainer.train(config, tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == log  # nothing lost
+    capsys.readouterr()
+    again = trainer.train(config, tmp_path, restart=True)
+    assert "Restarting from step 0" in capsys.readouterr().out
+    assert (tmp_path / "metrics.before-restart.jsonl").read_text() == log
+    assert again["param_checksum"] == pytest.approx(summary["param_checksum"], rel=1e-6)
+    assert _losses(tmp_path) == _losses(workdir)
+
+
+def test_a_log_past_the_first_checkpoints_with_no_checkpoint_is_an_earlier_run(tmp_path):
+    """Logged steps past twice ``checkpoint_every`` mean a checkpoint was committed and is gone;
+    earlier ones may be a run killed before its first save finished (starting over loses nothing)."""
+    rows = lambda n: "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, n + 1))  # noqa: E731
+    (tmp_path / "metrics.jsonl").write_text(rows(8) + '{"step": 9, "lo')
+    assert workdir_lib.history_without_checkpoint(tmp_path, 4) == []
+    (tmp_path / "metrics.jsonl").write_text(rows(9))
+    assert workdir_lib.history_without_checkpoint(tmp_path, 4) == ["metrics.jsonl logged up to step 9"]
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)  # a step folder: the checkpoint's turn to resume or report
+    assert workdir_lib.history_without_checkpoint(tmp_path, 4) == []
+
+
+def test_a_resume_without_metrics_jsonl_rebuilds_it_from_tensorboard(tmp_path, straight, capsys):
+    workdir, _, config = straight
+    shutil.copytree(workdir, tmp_path / "w", ignore=shutil.ignore_patterns("lock"))
+    (tmp_path / "w" / "metrics.jsonl").unlink()
+    trainer.train(config, tmp_path / "w")  # finished at step 4: restores, then nothing to train
+    assert "metrics.jsonl in" in capsys.readouterr().out
+    rebuilt = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    original = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rebuilt] == [r["step"] for r in original] == [1, 2, 3, 4]
+    for new, old in zip(rebuilt, original, strict=True):
+        assert set(new) == set(old)
+        np.testing.assert_allclose([new[k] for k in old], [old[k] for k in old], rtol=1e-6)  # float32 in TensorBoard
 
 
 def test_a_failed_background_save_stops_the_run_naming_the_cause(tmp_path, straight, monkeypatch):
@@ -225,14 +265,19 @@ def test_a_missing_config_file_fails_in_one_line_and_writes_nothing(tmp_path):
     (["--config.optim.lrr=1"], "unknown config key 'optim.lrr'; did you mean optim.lr?"),
     (["--config.log_every=0"], "config.log_every=0: must be a positive integer."),
     (["--config.total_steps=-5"], "config.total_steps=-5: must be a positive integer."),
+    (["--config.input.data.name=nope"], "Unknown dataset 'nope': TFDS has no builder of that name"),
+    (["--workdir", "{tmp}/file/w"], "--workdir {tmp}/file/w: cannot write there (Not a directory); choose a folder"),
 ])
-def test_bad_input_fails_in_one_line_with_exit_code_2(tmp_path, data_dir, args, message):
+def test_bad_input_fails_in_one_line_with_exit_code_2_and_writes_nothing(tmp_path, data_dir, args, message):
+    (tmp_path / "file").write_text("")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     result = subprocess.run(_train_command(tmp_path / "w", data_dir, *args), cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert lines == [f"python -m vitmm.train: {message}", "(--debug shows the traceback)"], result.stderr[-2000:]
-    assert not (tmp_path / "w" / "checkpoints").exists()
+    assert len(lines) == 2 and lines[1] == "(--debug shows the traceback)", result.stderr[-2000:]
+    assert lines[0].startswith(f"python -m vitmm.train: {message.replace('{tmp}', str(tmp_path))}"), lines[0]
+    assert not (tmp_path / "w").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_a_bare_word_in_the_config_arg_is_named():
@@ -249,8 +294,9 @@ def test_a_budget_is_checked_against_the_grid_before_anything_is_allocated(tmp_p
     c = smoke_config(data_dir, "vlm_scenes", "smoke,connector=perceiver,budget=100000", evals=False)
     start = time.perf_counter()
     with pytest.raises(BudgetError, match=r"gives 100000 visual tokens, more than the 4x4 = 16 patches"):
-        trainer.train(c, tmp_path)
+        trainer.train(c, tmp_path / "w")
     assert time.perf_counter() - start < 30
+    assert not (tmp_path / "w").exists()  # refused: nothing written
 
 
 def test_weights_files_that_cannot_be_read_are_named(tmp_path):

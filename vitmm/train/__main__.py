@@ -3,7 +3,8 @@
 This file parses flags and turns errors into exit codes; the loop is ``vitmm.train.trainer.train``.
 Exit codes: 0 done; 2 a bad flag, config value, checkpoint or input (one message, no traceback);
 1 the run stopped on a failure it names (non-finite loss, a failed save, no readable
-checkpoint); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun to resume).
+checkpoint: ``--restart`` then trains afresh, keeping the old log aside); 75 preempted by
+SIGTERM/SIGINT after saving a checkpoint (rerun to resume).
 ``--debug`` (or ``VITMM_DEBUG=1``) shows the traceback instead.
 """
 
@@ -25,6 +26,8 @@ RUN_FAILURES = (FloatingPointError, ckpt_lib.SaveFailed, ckpt_lib.NoReadableChec
 config_flags.DEFINE_config_file("config", None, "Config file (with :args).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and TensorBoard files go.")
 flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line errors.")
+flags.DEFINE_bool("restart", False, "Train from step 0 in a workdir whose earlier run no checkpoint can resume "
+                  "(its metrics.jsonl is kept aside).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -113,7 +116,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     debug = flags.FLAGS.debug or _debug()
     try:
-        summary = trainer.train(flags.FLAGS.config, flags.FLAGS.workdir)
+        summary = trainer.train(flags.FLAGS.config, flags.FLAGS.workdir, restart=flags.FLAGS.restart)
     except trainer.Preempted as stop:
         _fail(str(stop), PREEMPTED)
     except USER_ERRORS as err:

@@ -231,26 +231,43 @@ def validate(config) -> None:
                          f"use a multiple of {jax.device_count()}.")
 
 
-def train(config, workdir: str | pathlib.Path, stop_at: int | None = None) -> dict:
+def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, restart: bool = False) -> dict:
     """Trains ``config`` in ``workdir`` (resuming from its newest readable checkpoint).
 
     ``stop_at`` ends the run after that step with a checkpoint (the schedule still runs to
     ``config.total_steps``; calling ``train`` again resumes). SIGTERM or SIGINT does the same at
-    the current step and raises ``Preempted``.
+    the current step and raises ``Preempted``. A workdir that held a run no checkpoint can resume
+    is refused (``HistoryWithoutCheckpoint``) unless ``restart``, which keeps its log aside and
+    starts at step 0. A run refused before it wrote anything leaves no workdir behind.
     """
     maybe_initialize_distributed(config)
     validate(config)
     workdir = pathlib.Path(workdir).expanduser()
-    workdir.mkdir(parents=True, exist_ok=True)
+    created = workdir_lib.make(workdir)
     is_main = jax.process_index() == 0
     lock = workdir_lib.Lock(workdir)
-    if is_main:
-        lock.acquire()
     try:
+        if is_main:
+            lock.acquire()
+            _check_history(workdir, config, restart)
         with _StopRequests() as stop, contextlib.ExitStack() as cleanup:
             return _train(config, workdir, stop_at, is_main, stop, cleanup)
     finally:
         lock.release()
+        if created and is_main:
+            workdir_lib.remove_if_empty(workdir)
+
+
+def _check_history(workdir: pathlib.Path, config, restart: bool) -> None:
+    found = workdir_lib.history_without_checkpoint(workdir, config.checkpoint_every)
+    if found and not restart:
+        raise workdir_lib.HistoryWithoutCheckpoint(
+            f"{workdir} holds an earlier run ({'; '.join(found)}) but no checkpoint to resume it from; rerun with "
+            "--restart to train it again from step 0 (its metrics.jsonl is kept aside), or use a fresh --workdir.")
+    if found:
+        kept = workdir_lib.set_aside_for_restart(workdir)
+        print(f"Restarting from step 0 in {workdir} (--restart)" + (f"; the earlier log is {kept.name}." if kept else
+                                                                  "."), flush=True)
 
 
 @dataclasses.dataclass
@@ -324,6 +341,8 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
     step_fn = setup.compile(state)
     evaluators = task.evaluators()
     metric_names = BASE_METRICS + task.aux_names
+    if is_main and (rebuilt := workdir_lib.rebuild_metrics(workdir, start)):
+        print(rebuilt, flush=True)
     writer = MetricWriter(workdir, enabled=is_main, resumed_at=start)  # a fresh start drops a lost run's rows
 
     total = config.total_steps

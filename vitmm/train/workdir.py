@@ -9,6 +9,11 @@
 * ``write_config``: the resolved config as readable ``WORKDIR/config.json``.
 * ``truncate_metrics``: after a resume from step N, ``metrics.jsonl`` keeps only steps ≤ N (the
   rows a killed run wrote after its last checkpoint would otherwise appear twice).
+* ``history_without_checkpoint``: a workdir whose checkpoints were set aside as unreadable (or whose
+  log goes past the point where a checkpoint must have been committed) is never trained over from
+  step 0 silently: ``train(..., restart=True)`` (``--restart``) keeps its log aside and starts afresh.
+* ``rebuild_metrics``: a resume that finds ``metrics.jsonl`` gone rebuilds it from the TensorBoard
+  event files written beside it (float32 values, one row per step), or says that it cannot.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import json
 import os
 import pathlib
 import socket
+import struct
+import tempfile
 import time
 
 from vitmm import tree
@@ -34,6 +41,35 @@ class WorkdirLocked(RuntimeError):
 
 class ConfigChanged(ValueError):
     """A resume with a config that would change what the run computes."""
+
+
+class HistoryWithoutCheckpoint(ValueError):
+    """A workdir that held a run which no checkpoint can resume (``restart=True`` starts afresh)."""
+
+
+class NotWritable(ValueError):
+    """The workdir cannot be created or written."""
+
+
+def make(workdir: pathlib.Path) -> bool:
+    """Creates ``workdir`` (and its parents); returns whether it was created. An unwritable or
+    impossible path is a ``NotWritable`` naming it."""
+    existed = workdir.is_dir()
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=workdir).close()  # a writable folder, not just an existing one
+    except OSError as err:
+        raise NotWritable(f"--workdir {workdir}: cannot write there ({err.strerror or err}); choose a folder you "
+                          "can write to.") from None
+    return not existed
+
+
+def remove_if_empty(workdir: pathlib.Path) -> None:
+    """Removes ``workdir`` if it holds no file at any depth (a run refused before it wrote anything)."""
+    if workdir.is_dir() and not any(p.is_file() or p.is_symlink() for p in workdir.rglob("*")):
+        for sub in sorted(workdir.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            sub.rmdir()
+        workdir.rmdir()
 
 
 class Lock:
@@ -138,3 +174,93 @@ def truncate_metrics(workdir: pathlib.Path, step: int) -> int:
         tmp.write_text("".join(line + "\n" for line in keep))
         tmp.replace(path)
     return dropped
+
+
+def _logged_steps(path: pathlib.Path) -> list[int]:
+    steps = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+    return steps
+
+
+def history_without_checkpoint(workdir: pathlib.Path, checkpoint_every: int) -> list[str]:
+    """What in ``workdir`` shows an earlier run that no checkpoint folder is left to resume ([] if
+    nothing, or if a step folder exists: resuming, or reporting why it cannot, is the checkpoint's
+    job). Logged steps count only past ``2 * checkpoint_every``: a save runs in the background
+    until the next one starts, so a run killed earlier may have logged steps with no checkpoint
+    committed yet, and starting it over loses nothing."""
+    folder = pathlib.Path(workdir) / "checkpoints"
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if any(name.isdigit() for name in names):
+        return []
+    found = []
+    aside = [name for name in names if ".unreadable" in name]
+    if aside:
+        found.append(f"checkpoints set aside as unreadable ({', '.join(aside)})")
+    steps = _logged_steps(pathlib.Path(workdir) / "metrics.jsonl")
+    if steps and max(steps) > 2 * checkpoint_every:
+        found.append(f"metrics.jsonl logged up to step {max(steps)}")
+    return found
+
+
+def set_aside_for_restart(workdir: pathlib.Path) -> pathlib.Path | None:
+    """Renames ``metrics.jsonl`` to ``metrics.before-restart[.N].jsonl``; returns the new path."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    target, n = path.with_name("metrics.before-restart.jsonl"), 1
+    while target.exists():
+        target, n = path.with_name(f"metrics.before-restart.{n}.jsonl"), n + 1
+    path.rename(target)
+    return target
+
+
+def _records(path: pathlib.Path):
+    """The payloads of a TFRecord file (TensorBoard's event files); stops at a record cut short."""
+    data = path.read_bytes()
+    at = 0
+    while at + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[at:at + 8])
+        end = at + 12 + length + 4  # length, its CRC, payload, the payload's CRC
+        if end > len(data):
+            return
+        yield data[at + 12:at + 12 + length]
+        at = end
+
+
+def tensorboard_scalars(folder: pathlib.Path) -> dict[int, dict[str, float]]:
+    """``{step: {tag: value}}`` of the scalars in ``folder``'s event files, in the order they were
+    written, with what a resumed writer purged (events at or after its restart step) dropped."""
+    from tensorboardX.proto import event_pb2
+
+    rows: dict[int, dict[str, float]] = {}
+    for path in sorted(pathlib.Path(folder).glob("events.out.tfevents.*")):
+        for payload in _records(path):
+            event = event_pb2.Event.FromString(payload)
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                rows = {s: r for s, r in rows.items() if s < event.step}
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    rows.setdefault(int(event.step), {})[value.tag] = float(value.simple_value)
+    return rows
+
+
+def rebuild_metrics(workdir: pathlib.Path, step: int) -> str | None:
+    """When a run resumes at ``step`` and ``metrics.jsonl`` is missing or empty: rebuilds its rows
+    up to ``step`` from the TensorBoard events and returns what it did (None if the file is there)."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if _logged_steps(path) or step == 0:
+        return None
+    rows = {s: r for s, r in tensorboard_scalars(pathlib.Path(workdir) / "tensorboard").items() if s <= step}
+    if not rows:
+        return (f"metrics.jsonl in {workdir} is missing and no TensorBoard events are left to rebuild it from: it "
+                f"will hold the steps after {step} only.")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps({"step": s, **rows[s]}) + "\n" for s in sorted(rows)))
+    tmp.replace(path)
+    return (f"metrics.jsonl in {workdir} was missing: rebuilt {len(rows)} rows (steps {min(rows)}-{max(rows)}) "
+            "from the TensorBoard events (float32 values, a step's training and evaluation metrics in one row).")
