@@ -18,6 +18,7 @@ were built); the parameters come from the workdir's newest checkpoint. A convert
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import ml_collections
@@ -55,14 +56,13 @@ class Chat:
 
     def prepare(self, images: list, turns: list[dict]) -> dict:
         """The preprocessed prompt for LLaVA-style ``turns`` (``{"from", "value"}``, ``<image>``
-        where each of ``images``, uint8 ``[H, W, 3]``, goes) ending with a user turn: the run's own
-        pp and prompt format. ``ValueError`` for what this run cannot take."""
+        where each of ``images``, uint8 ``[H, W, 3]`` or a PIL image, goes) ending with a user turn:
+        the run's own pp and prompt format. ``ValueError`` for what this run cannot take."""
         if not turns or turns[-1]["from"] != "human":
             raise ValueError("The conversation must end with a user turn.")
         if len(images) > self.max_images:
             raise ValueError(f"{len(images)} images; this model takes at most {self.max_images}.")
-        for image in images:
-            _check_image(image)
+        images = [_image_array(image) for image in images]
         tags = sum(t["value"].count("<image>") for t in turns)
         if tags != len(images):
             raise ValueError(f"{tags} <image> tag(s) in the text for {len(images)} image(s).")
@@ -128,9 +128,9 @@ class Chat:
             np.array([ex["image_pos"] for ex in examples]), visual_mask, None, temperature, top_p, seed,
             _round_up(ids.shape[1] + num_visual + max_new_tokens, 64))
 
-    def ask(self, image: np.ndarray, question: str, max_new_tokens: int = 16) -> str:
-        """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]``)."""
-        example = self.prepare([np.asarray(image)], [{"from": "human", "value": f"<image>\n{question}"}])
+    def ask(self, image, question: str, max_new_tokens: int = 16) -> str:
+        """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]`` or a PIL image)."""
+        example = self.prepare([image], [{"from": "human", "value": f"<image>\n{question}"}])
         eos = self.tokenizer.eos_id
         return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
 
@@ -203,11 +203,46 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _check_image(image) -> None:
-    image = np.asarray(image)
-    if image.dtype != np.uint8 or not (image.ndim == 2 or (image.ndim == 3 and image.shape[-1] in (1, 3, 4))):
-        raise ValueError(f"ask: the image must be uint8 [H, W, 3] (or [H, W], 1 or 4 channels); got {image.dtype} "
-                         f"{image.shape}. Read a file with vitmm.data.images.decode_image(path.read_bytes()).")
+_IMAGE_TAKEN = "The image must be uint8 [H, W, 3] ([H, W], [H, W, 1] and [H, W, 4] are made RGB) or a PIL image"
+
+
+def _image_array(image) -> np.ndarray:
+    """``image`` as the uint8 array the run's pp takes: a uint8 ``[H, W, 3]`` array (greyscale and
+    RGBA are made RGB by the pp) or a PIL image (made RGB as image files are). Anything else is a
+    ``ValueError`` in one line naming what came and the fix, not pixels guessed at."""
+    from PIL import Image
+
+    from vitmm.data.images import _to_rgb
+
+    read = "read the file with vitmm.data.images.decode_image(open(path, 'rb').read())"
+    if isinstance(image, str | bytes | os.PathLike):
+        got = f"{len(image):,} bytes" if isinstance(image, bytes) else f"the path {str(image)!r}"
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: {read}.")
+    if isinstance(image, Image.Image):
+        image = np.asarray(_to_rgb(image))
+    try:
+        array = np.asarray(image)
+    except ValueError:  # a ragged nested list
+        array = np.asarray(None)
+    if array.dtype == object:
+        raise ValueError(f"{_IMAGE_TAKEN}; got a {type(image).__name__}: pass pixels, or {read}.")
+    got = f"{array.dtype} {array.shape}"
+    if array.dtype.kind == "f":
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: float pixels have no agreed range, scale them to 0..255 and "
+                         "cast with .astype(np.uint8).")
+    if not (array.ndim == 2 or (array.ndim == 3 and array.shape[-1] in (1, 3, 4))):
+        if array.ndim == 3 and array.shape[0] in (1, 3, 4):
+            fix = "channels go last, e.g. image.transpose(1, 2, 0)"
+        elif array.ndim == 3:
+            fix = f"{array.shape[-1]} channels, pass 1, 3 or 4"
+        else:
+            fix = "pass one image, not a batch" if array.ndim > 3 else "pass rows × columns (× channels)"
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: {fix}.")
+    if array.dtype != np.uint8:
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: cast values in 0..255 with .astype(np.uint8).")
+    if array.size == 0:
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}, which has no pixels.")
+    return array
 
 
 def load(workdir, step: int | None = None) -> Chat | LMChat:

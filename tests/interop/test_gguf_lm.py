@@ -3,6 +3,7 @@ order, tied head, byte-level BPE with control tokens) against transformers readi
 file (``tests/fixtures/interop/make_fixtures.py:gguf_llama``)."""
 
 import pathlib
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +51,7 @@ def test_the_tokenizer_equals_transformers_and_keeps_control_tokens_whole(loaded
 def test_unsupported_or_broken_files_are_named(tmp_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes((FIXTURE / "tiny.gguf").read_bytes()[:5000])
-    with pytest.raises(ValueError, match=r"cut.gguf could not be read as GGUF"):
+    with pytest.raises(ValueError, match=r"cut.gguf is truncated or not a GGUF file"):
         gguf_lm.load(bad)
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         gguf_lm.load(tmp_path / "missing.gguf")
@@ -62,3 +63,31 @@ def test_unsupported_or_broken_files_are_named(tmp_path):
     no_vocab = {k: v for k, v in metadata.items() if k != "tokenizer.ggml.tokens"}
     with pytest.raises(ValueError, match="carries no tokenizer"):
         gguf_lm.lm_kwargs(no_vocab, "x.gguf")
+
+
+@pytest.mark.parametrize("keep, message", [
+    (-3, r"is truncated: it has 76,669 bytes but the 20 tensors its header lists need 76,672 \(tensor "
+         r"output_norm.weight runs past the end\)"),
+    (40_000, r"is truncated: it has 40,000 bytes but the 20 tensors its header lists need 76,672 \(tensor "
+             r"blk.0.ffn_gate.weight runs past the end\)"),
+    (7_552, r"is truncated: it has 7,552 bytes .* \(tensor token_embd.weight runs past the end\)"),
+    (100, r"is truncated or not a GGUF file: its 100 bytes end inside the header \(the metadata\)"),
+    (10, r"is truncated or not a GGUF file: its 10 bytes end inside the header \(the version and counts\)"),
+    (0, r"is empty \(0 bytes\): truncated, not a GGUF file"),
+], ids=["end", "in-tensor-data", "before-tensor-data", "in-metadata", "in-counts", "empty"])
+def test_a_truncated_file_is_named_with_its_size_before_anything_is_read(tmp_path, monkeypatch, keep, message):
+    """A download or copy cut short: one line naming the file, its bytes against what the header
+    needs, and the fix, raised before the gguf package maps any tensor."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((FIXTURE / "tiny.gguf").read_bytes()[:keep])
+    monkeypatch.setattr("gguf.GGUFReader", lambda *a, **k: pytest.fail("the file was read"))
+    for fn in (gguf_lm.load, gguf_lm.read_metadata):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(cut))} {message}; download or copy it again\.$"):
+            fn(cut)
+
+
+def test_a_file_that_is_not_gguf_is_named(tmp_path):
+    data = (FIXTURE / "tiny.gguf").read_bytes()
+    (tmp_path / "zip.gguf").write_bytes(b"PK\x03\x04" + data[4:])
+    with pytest.raises(ValueError, match=r"zip.gguf is not a GGUF file: it starts with b'PK\\x03\\x04', not b'GGUF'"):
+        gguf_lm.read_metadata(tmp_path / "zip.gguf")

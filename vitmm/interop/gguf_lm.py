@@ -16,12 +16,119 @@ string is returned as is. Parity with transformers' own GGUF loading is tested o
 
 from __future__ import annotations
 
+import math
+import mmap
 import pathlib
+import struct
 
 import numpy as np
 
 ARCHITECTURES = ("llama",)
 TOKENIZERS = ("gpt2",)
+_AGAIN = "download or copy it again"
+
+
+class _Cut(Exception):
+    """The file ends before what its header announces."""
+
+
+class _Header:
+    """A cursor over a GGUF file's header (github.com/ggml-org/ggml/blob/master/docs/gguf.md) that
+    raises ``_Cut`` at the end of the file instead of reading past it."""
+
+    SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # by value type
+    STRING, ARRAY, UINT32 = 8, 9, 4
+
+    def __init__(self, buf, path):
+        self.buf, self.path, self.pos, self.order = buf, path, 0, "<"
+
+    def take(self, fmt: str) -> tuple:
+        n = struct.calcsize(self.order + fmt)
+        self.skip(n)
+        return struct.unpack_from(self.order + fmt, self.buf, self.pos - n)
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise _Cut
+        self.pos += n
+
+    def string(self) -> bytes:
+        (n,) = self.take("Q")
+        self.skip(n)
+        return bytes(self.buf[self.pos - n : self.pos])
+
+    def skip_value(self, kind: int) -> None:
+        if kind in self.SCALAR_BYTES:
+            self.skip(self.SCALAR_BYTES[kind])
+        elif kind == self.STRING:
+            self.skip(self.take("Q")[0])
+        elif kind == self.ARRAY:
+            item, count = self.take("IQ")
+            if item in self.SCALAR_BYTES:
+                self.skip(count * self.SCALAR_BYTES[item])
+            else:
+                for _ in range(count):
+                    self.skip_value(item)
+        else:
+            raise ValueError(f"{self.path} is not a readable GGUF file: metadata value type {kind} at byte "
+                             f"{self.pos:,} is not one GGUF has; {_AGAIN}.")
+
+
+def _check_complete(path: pathlib.Path) -> None:
+    """``ValueError`` in one line for a file cut short (an interrupted download or copy), before
+    any reading: the header and tensor infos are walked and the end of the last tensor's data
+    compared with the file's size (the gguf package would fail on a reshape deep in numpy)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"{path} is empty (0 bytes): truncated, not a GGUF file; {_AGAIN}.")
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        header, part, tensors = _Header(buf, path), "the magic number", []
+        try:
+            header.skip(4)
+            if buf[:4] != b"GGUF":
+                raise ValueError(f"{path} is not a GGUF file: it starts with {buf[:4]!r}, not b'GGUF'.")
+            part = "the version and counts"
+            (version,) = header.take("I")
+            if version & 0xFFFF == 0:  # written on a machine of the other byte order
+                header.order = ">"
+                (version,) = struct.unpack(">I", buf[4:8])
+            if version not in (2, 3):
+                raise ValueError(f"{path}: GGUF version {version} is not supported; the gguf package reads 2 and 3.")
+            num_tensors, num_fields = header.take("QQ")
+            part, alignment = "the metadata", 32
+            for _ in range(num_fields):
+                key, (kind,) = header.string(), header.take("I")
+                if key == b"general.alignment" and kind == header.UINT32:
+                    (alignment,) = header.take("I")
+                else:
+                    header.skip_value(kind)
+            part = "the tensor infos"
+            for _ in range(num_tensors):
+                name = header.string().decode("utf-8", "replace")
+                (ndim,) = header.take("I")
+                shape = header.take(f"{ndim}Q")
+                kind, offset = header.take("IQ")
+                tensors.append((name, kind, offset, math.prod(shape)))
+        except _Cut:
+            raise ValueError(f"{path} is truncated or not a GGUF file: its {size:,} bytes end inside the header "
+                             f"({part}); {_AGAIN}.") from None
+    alignment = max(int(alignment), 1)
+    start = -(-header.pos // alignment) * alignment  # the tensor data begins aligned after the header
+    spans = []  # (first byte, end, name) of each tensor's data
+    for name, kind, offset, count in tensors:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except ValueError:
+            raise ValueError(f"{path}: tensor {name} has ggml type {kind}, which the gguf package does not know; "
+                             "the file is corrupt or newer than the package.") from None
+        spans.append((start + offset, start + offset + count * type_size // block, name))
+    need = max((end for _, end, _ in spans), default=0)
+    if need > size:
+        name = min(span for span in spans if span[1] > size)[2]
+        raise ValueError(f"{path} is truncated: it has {size:,} bytes but the {len(tensors)} tensors its header "
+                         f"lists need {need:,} (tensor {name} runs past the end); {_AGAIN}.")
 
 
 def _reader(path):
@@ -30,6 +137,7 @@ def _reader(path):
     path = pathlib.Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (vitmm only reads local files; nothing is downloaded).")
+    _check_complete(path)
     try:
         return path, gguf.GGUFReader(str(path))
     except Exception as err:  # noqa: BLE001 - a file that is not GGUF, or cut short

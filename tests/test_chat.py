@@ -1,0 +1,71 @@
+"""`vitmm.chat`'s image input: what `Chat.ask`/`Chat.prepare` take (uint8 arrays, PIL images made
+RGB as files are) and the one-line error for anything else, on a `Chat` with no model loaded (the
+check comes before the model is used; asking a trained VLM is tested in tests/train and
+tests/test_serve.py)."""
+
+import pathlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitmm import chat
+
+TAKEN = r"^The image must be uint8 \[H, W, 3\] \(\[H, W\], \[H, W, 1\] and \[H, W, 4\] are made RGB\) or a PIL image; "
+
+
+class Unloaded(chat.Chat):
+    """``Chat`` without a workdir: a question-answering pp that returns what it was given."""
+
+    def __init__(self):
+        self._conversation = False
+        self._pp = lambda example, rng: example
+
+
+@pytest.mark.parametrize("image, message", [
+    (np.zeros((32, 32)), r"got float64 \(32, 32\): float pixels have no agreed range, scale them to 0\.\.255 and "
+                         r"cast with \.astype\(np\.uint8\)\.$"),
+    (np.full((8, 8, 3), np.nan, np.float32), r"got float32 \(8, 8, 3\): float pixels"),
+    (np.zeros((8, 8, 3), np.int64), r"got int64 \(8, 8, 3\): cast values in 0\.\.255 with \.astype\(np\.uint8\)\.$"),
+    (np.zeros((8, 8, 3), bool), r"got bool \(8, 8, 3\): cast"),
+    (np.zeros((3, 8, 8), np.uint8), r"got uint8 \(3, 8, 8\): channels go last, e\.g\. image\.transpose\(1, 2, 0\)\.$"),
+    (np.zeros((8, 8, 2), np.uint8), r"got uint8 \(8, 8, 2\): 2 channels, pass 1, 3 or 4\.$"),
+    (np.zeros((2, 8, 8, 3), np.uint8), r"got uint8 \(2, 8, 8, 3\): pass one image, not a batch\.$"),
+    (np.zeros(8, np.uint8), r"got uint8 \(8,\): pass rows × columns \(× channels\)\.$"),
+    (np.zeros((0, 8, 3), np.uint8), r"got uint8 \(0, 8, 3\), which has no pixels\.$"),
+    (Image.new("RGB", (0, 0)), r"got uint8 \(0, 0, 3\), which has no pixels\.$"),
+    ("photo.jpg", r"got the path 'photo\.jpg': read the file with vitmm\.data\.images\.decode_image\(open\(path, "
+                  r"'rb'\)\.read\(\)\)\.$"),
+    (pathlib.Path("photo.jpg"), r"got the path 'photo\.jpg': read the file"),
+    (b"\x89PNG\r\n\x1a\n", r"got 8 bytes: read the file"),
+    (None, r"got a NoneType: pass pixels, or read the file"),
+    ([[1, 2], [3]], r"got a list: pass pixels"),
+], ids=["2d-float", "nan", "int64", "bool", "channels-first", "2-channels", "batch", "1d", "empty", "empty-pil",
+        "path-str", "path", "bytes", "none", "ragged-list"])
+def test_anything_but_pixels_fails_in_one_line_naming_it_and_the_fix(image, message):
+    with pytest.raises(ValueError, match=TAKEN + message) as err:
+        Unloaded().ask(image, "What is it?")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("image, shape", [
+    (np.zeros((6, 5, 3), np.uint8), (6, 5, 3)),
+    (np.zeros((6, 5), np.uint8), (6, 5)),  # greyscale, [H, W, 1] and RGBA: the pp's decode makes them RGB
+    (np.zeros((6, 5, 1), np.uint8), (6, 5, 1)),
+    (np.zeros((6, 5, 4), np.uint8), (6, 5, 4)),
+    (Image.new("RGB", (5, 6), (10, 20, 30)), (6, 5, 3)),
+    (Image.new("L", (5, 6)), (6, 5, 3)),
+    (Image.new("RGBA", (5, 6)), (6, 5, 3)),
+    (Image.new("I;16", (5, 6)), (6, 5, 3)),
+], ids=["rgb", "grey", "grey-1", "rgba", "pil-rgb", "pil-l", "pil-rgba", "pil-16-bit"])
+def test_uint8_arrays_and_pil_images_reach_the_pp(image, shape):
+    example = Unloaded().prepare([image], [{"from": "human", "value": "<image>\nWhat is it?"}])
+    assert example["image"].dtype == np.uint8 and example["image"].shape == shape
+    assert example["question"] == "What is it?"
+
+
+def test_a_palette_image_gives_its_colours_not_its_palette_indices():
+    image = Image.new("P", (5, 6), 1)
+    image.putpalette([0, 0, 0, 200, 100, 50])
+    example = Unloaded().prepare([image], [{"from": "human", "value": "<image>\n?"}])
+    assert example["image"].shape == (6, 5, 3) and (example["image"] == [200, 100, 50]).all()
