@@ -20,7 +20,8 @@ from vitmm.config_args import parse_arg
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, steps=400, data="easy_64", parallel="jit", smoke=False, scale="demo", attn="cudnn", batch=256)
+    arg = parse_arg(arg, presets=common.SMOKE_ARGS,
+                    steps=400, data="easy_64", parallel="jit", smoke=False, scale="demo", attn="cudnn", batch=256)
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.total_steps = arg.steps
@@ -74,7 +75,7 @@ def get_config(arg=None):
 
     c.multihost = common.multihost()
     if arg.smoke:
-        common.smoke(c)
+        common.smoke(c, steps=arg.steps)
         if arg.scale == "b16":
             c.model.image.depth = c.model.text.depth = 1
             c.input.workers, c.input.num_threads = 0, 1

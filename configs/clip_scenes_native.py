@@ -25,7 +25,8 @@ from vitmm.config_args import parse_arg
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, steps=400, difficulty="easy", loss="softmax", patch_keep=1.0, smoke=False)
+    arg = parse_arg(arg, presets=common.SMOKE_ARGS,
+                    steps=400, difficulty="easy", loss="softmax", patch_keep=1.0, smoke=False)
     c = clip_scenes.get_config(f"steps={arg.steps},data={arg.difficulty}_64")
     with c.unlocked():
         c.loss = arg.loss
@@ -47,7 +48,7 @@ def get_config(arg=None):
         c.evals.retrieval_native = dict(type="retrieval", data=val_any, native=native, num_examples=1000)
         c.evals.val_native = dict(type="val_loss", data=val_any, native=native, num_examples=1000, batch_size=256)
         if arg.smoke:
-            common.smoke(c, batch_size=4)
+            common.smoke(c, steps=arg.steps, batch_size=4)
             c.input.scenes_any.num_examples = 64
             c.input.packing.seq_len = 64
             c.input.packing.max_num_patches = 16

@@ -24,7 +24,7 @@ from vitmm.config_args import parse_arg
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, loss="softmax", steps=1000, scale="demo", smoke=False)
+    arg = parse_arg(arg, presets=common.SMOKE_ARGS, loss="softmax", steps=1000, scale="demo", smoke=False)
     if arg.loss not in ("softmax", "sigmoid"):
         raise ValueError(f"loss={arg.loss!r}: choose softmax (CLIP) or sigmoid (SigLIP).")
     c = ml_collections.ConfigDict()
@@ -80,8 +80,8 @@ def get_config(arg=None):
 
     c.multihost = common.multihost()
     if arg.smoke:
-        c.total_steps, c.batch_size = 4, 8
-        c.log_every, c.eval_every, c.checkpoint_every = 2, 4, 4
+        c.total_steps, c.batch_size = arg.steps, 8
+        c.log_every, c.eval_every, c.checkpoint_every = 2, arg.steps, arg.steps
         c.input.image_size, c.input.num_threads, c.input.workers = 32, 1, 0
         c.optim.warmup_steps = 1
         c.evals.retrieval.num_examples = 16

@@ -82,6 +82,9 @@ def raw_input(**more) -> dict:
     )
 
 
+SMOKE_ARGS = {"smoke": {"steps": 4}}  # parse_arg presets: smoke shortens the run unless steps are given
+
+
 def smoke(c: ml_collections.ConfigDict, steps: int = 4, batch_size: int = 16) -> ml_collections.ConfigDict:
     """The same run shrunk to seconds on a small scenes build at 32 px (tests execute it)."""
     c.input.data.name = SMOKE_DATA
@@ -98,9 +101,9 @@ def smoke(c: ml_collections.ConfigDict, steps: int = 4, batch_size: int = 16) ->
     return c
 
 
-def smoke_full_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def smoke_full_scale(c: ml_collections.ConfigDict, steps: int = 1, batch_size: int = 8) -> ml_collections.ConfigDict:
     """A full-scale config's architecture with one block per tower on 32 px images, one step."""
-    c.total_steps, c.batch_size, c.log_every, c.eval_every, c.checkpoint_every = 1, 8, 1, 1, 1
+    c.total_steps, c.batch_size, c.log_every, c.eval_every, c.checkpoint_every = steps, batch_size, 1, steps, steps
     c.model.image.depth = 1
     c.model.text.depth = 1
     c.input.image_size = 32

@@ -19,7 +19,8 @@ from vitmm.config_args import parse_arg
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, lora=0, connector="mlp", budget="all", steps=1000, batch=16, smoke=False)
+    arg = parse_arg(arg, presets={"smoke": dict(steps=4, batch=4)}, lora=0, connector="mlp", budget="all", steps=1000,
+                    batch=16, smoke=False)
     c = llava_pretrain.get_config(f"connector={arg.connector},budget={arg.budget},steps={arg.steps},"
                                   f"batch={arg.batch},smoke={arg.smoke}")
     with c.unlocked():

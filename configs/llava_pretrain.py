@@ -33,7 +33,8 @@ KEEP = "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_imag
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, connector="mlp", budget="all", steps=1000, batch=32, smoke=False)
+    arg = parse_arg(arg, presets={"smoke": dict(steps=4, batch=4)}, connector="mlp", budget="all", steps=1000, batch=32,
+                    smoke=False)
     c = ml_collections.ConfigDict()
     c.task = "vlm"
     c.seed = 0
@@ -82,8 +83,7 @@ def get_config(arg=None):
 
     c.multihost = common.multihost()
     if arg.smoke:
-        c.total_steps, c.batch_size = 4, 4
-        c.log_every, c.eval_every, c.checkpoint_every = 2, 4, 4
+        c.log_every, c.eval_every, c.checkpoint_every = 2, arg.steps, arg.steps
         c.input.image_size, c.input.num_threads = 32, 1
         c.model.lm.update(dict(width=32, depth=1))
         c.model.max_len = 256

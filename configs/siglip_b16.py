@@ -22,7 +22,8 @@ CHOOSE_CAPTION = "decode|choose(keys=('captions/text',), out_keys=('caption',))"
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, data="coco_captions", steps=10_000, batch=4096, smoke=False)
+    arg = parse_arg(arg, presets={"smoke": dict(steps=1, batch=8)}, data="coco_captions", steps=10_000, batch=4096,
+                    smoke=False)
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.total_steps = arg.steps
@@ -63,6 +64,6 @@ def get_config(arg=None):
 
     c.multihost = common.multihost()
     if arg.smoke:
-        common.smoke_full_scale(c)
+        common.smoke_full_scale(c, steps=arg.steps, batch_size=arg.batch)
     c.lock()
     return c

@@ -18,7 +18,8 @@ from vitmm.config_args import parse_arg
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, steps=400, data="easy_64", parallel="jit", loss="sigmoid", smoke=False)
+    arg = parse_arg(arg, presets=common.SMOKE_ARGS,
+                    steps=400, data="easy_64", parallel="jit", loss="sigmoid", smoke=False)
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.total_steps = arg.steps
@@ -58,6 +59,6 @@ def get_config(arg=None):
 
     c.multihost = common.multihost()
     if arg.smoke:
-        common.smoke(c)
+        common.smoke(c, steps=arg.steps)
     c.lock()
     return c

@@ -35,8 +35,9 @@ TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="g
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, connector="mlp", budget="all", stage=1, steps=500, data="easy_64", lora=0, chat=False,
-                    blind=False, mrope=False, anyres=0, any_size=False, smoke=False)
+    arg = parse_arg(arg, presets=common.SMOKE_ARGS,
+                    connector="mlp", budget="all", stage=1, steps=500, data="easy_64", lora=0, chat=False, blind=False,
+                    mrope=False, anyres=0, any_size=False, smoke=False)
     if arg.stage not in (1, 2):
         raise ValueError(f"stage must be 1 (connector only) or 2 (connector and LM), got {arg.stage}.")
     c = ml_collections.ConfigDict()
@@ -112,7 +113,7 @@ def get_config(arg=None):
 
     c.multihost = common.multihost()
     if arg.smoke:
-        common.smoke(c, steps=4, batch_size=8)
+        common.smoke(c, steps=arg.steps, batch_size=8)
         c.model.lm.update(dict(width=32, depth=1))
         c.evals.qa.num_examples, c.evals.qa.batch_size = 16, 8
         if arg.any_size:

@@ -14,7 +14,7 @@ on the LM's attention (LM weights frozen), starting from stage 1. Args: ``stage`
 ``budget``, ``steps``, ``blind`` (images blanked: the no-image baseline), ``smoke``.
 """
 
-from configs import vlm_scenes
+from configs import common, vlm_scenes
 from vitmm.config_args import parse_arg
 
 SMOLLM2 = "workdirs/smollm2"  # `python -m vitmm.interop --from gguf` of SmolLM2-135M-Instruct
@@ -22,7 +22,8 @@ TOWER = "workdirs/clip_scenes"  # `make demo`
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, stage=1, connector="pool", budget=16, steps=300, blind=False, smoke=False)
+    arg = parse_arg(arg, presets=common.SMOKE_ARGS,
+                    stage=1, connector="pool", budget=16, steps=300, blind=False, smoke=False)
     lora = 8 if arg.stage == 2 else 0
     c = vlm_scenes.get_config(f"connector={arg.connector},budget={arg.budget},stage={arg.stage},lora={lora},"
                               f"steps={arg.steps},chat=True,blind={arg.blind},smoke={arg.smoke}")

@@ -33,6 +33,21 @@ def test_parse_arg_types_bare_flags_and_errors():
         cfg.imagesize = 3
 
 
+def test_presets_set_defaults_that_explicit_args_override():
+    spec = dict(presets={"smoke": {"steps": 4}}, steps=400, smoke=False)
+    assert config_args.parse_arg("smoke", **spec).steps == 4
+    assert config_args.parse_arg("steps=-5,smoke", **spec).steps == -5  # given beats the preset, in any order
+    assert config_args.parse_arg("smoke,steps=7", **spec).steps == 7
+    assert config_args.parse_arg("smoke=false", **spec).steps == 400
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "steps=" in p.read_text() and "smoke" in p.read_text()],
+                         ids=lambda p: p.stem)
+def test_smoke_keeps_explicitly_given_steps(path):
+    # smoke once set total_steps=4 over an explicit steps=..., so smoke,steps=-5 trained 4 steps
+    assert load_config(path, "smoke,steps=3").total_steps == 3
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 @pytest.mark.parametrize("arg", [None, "smoke"])
 def test_every_config_builds_its_model(path, arg):

@@ -254,7 +254,7 @@ def load(workdir, step: int | None = None) -> Chat | LMChat:
 
 
 def main(argv=None) -> int:
-    from vitmm import xla_flags
+    from vitmm import console, xla_flags
 
     xla_flags.use_vitmm_defaults()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -265,7 +265,9 @@ def main(argv=None) -> int:
     parser.add_argument("--index", type=int, default=0, help="without --image: this example of --split")
     parser.add_argument("--split", default="validation")
     parser.add_argument("--max_new_tokens", type=int, default=16)
+    parser.add_argument("--verbose", action="store_true", help="the libraries' INFO lines and usual warnings too")
     args = parser.parse_args(argv)
+    console.quiet(args.verbose)
     from vitmm.data import pipeline
 
     try:

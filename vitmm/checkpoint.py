@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from vitmm import tree
+from vitmm import console, tree
 
 
 class CheckpointMismatch(ValueError):
@@ -71,9 +71,11 @@ class Checkpointer:
         if problems:
             raise CheckpointMismatch(
                 f"The checkpoint at step {step} in {self.directory} does not fit the model:\n"
-                + "\n".join(problems)
-                + "\nUse a fresh --workdir for a different model, or initialise from that run with "
-                "config.init.checkpoint and config.init.dont_load."
+                + tree.summarise(problems)
+                + "\nUse a fresh --workdir for a different model"
+                + (", or initialise from that run with config.init.checkpoint and config.init.dont_load."
+                   if tree.fitting(abstract_state["params"], stored["params"]) else
+                   " (nothing in this checkpoint fits it: a different model trained here).")
             )
         restored = self._mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
@@ -95,8 +97,8 @@ class Checkpointer:
             except CheckpointMismatch:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure to read makes the checkpoint unusable
-                first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
-                skipped.append(self._set_aside(step, f"{type(err).__name__}: {first}"))
+                console.log_error(self.errors_log, f"reading the checkpoint at step {step} failed", err)
+                skipped.append(self._set_aside(step, f"{console.cause(err)}; the full error is in {self.errors_log}"))
                 continue
             if skipped:
                 self._mngr.reload()
@@ -117,6 +119,11 @@ class Checkpointer:
             (self.directory / str(step)).rename(target)
         return f"step {step}: {reason}"
 
+    @property
+    def errors_log(self) -> pathlib.Path:
+        """Where the libraries' full errors of a failed save or read go (``console``)."""
+        return self.directory.parent / console.ERRORS_LOG
+
     def check_saves(self, step: int) -> None:
         """Raises ``SaveFailed`` (path and cause) if a background save has failed."""
         try:
@@ -126,8 +133,10 @@ class Checkpointer:
 
     def save_failed(self, err: Exception) -> SaveFailed:
         """The one-line error for a failed save: the folder, the cause, the newest intact step."""
+        console.log_error(self.errors_log, f"saving a checkpoint to {self.directory} failed", err)
         good = self.all_steps()
-        return SaveFailed(f"Saving a checkpoint to {self.directory} failed: {type(err).__name__}: {err}. "
+        return SaveFailed(f"Saving a checkpoint to {self.directory} failed: {console.cause(err)} (the full error is in "
+                          f"{self.errors_log}). "
                           + (f"The checkpoint at step {max(good)} is intact; free space or fix the path, then "
                              "resume." if good else "No earlier checkpoint exists."))
 
@@ -200,8 +209,11 @@ def merge_params(init: dict, loaded: dict, dont_load: Sequence[str] = (), source
     skip = lambda k: any(p.fullmatch(prefix + k) for p in patterns)  # noqa: E731
     lines = tree.mismatches(init, loaded, skip)
     if lines:
-        raise ValueError(f"Cannot initialise from {source or 'the checkpoint'}:\n" + "\n".join(lines)
-                         + "\nAdd regexes of what not to load to config.init.dont_load.")
+        fix = ("Add regexes of what not to load to config.init.dont_load." if tree.fitting(init, loaded) else
+               f"Nothing in it fits the model (its top level: {', '.join(sorted(loaded))}; the model's: "
+               f"{', '.join(sorted(init))}): check that it is the checkpoint you meant.")
+        raise ValueError(f"Cannot initialise from {source or 'the checkpoint'}:\n" + tree.summarise(lines)
+                         + f"\n{fix}")
     have = tree.flatten(loaded)
     return tree.unflatten({k: (v if skip(k) else have[k]) for k, v in tree.flatten(init).items()})
 

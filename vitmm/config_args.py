@@ -57,13 +57,16 @@ def suggest_keys(key: str, config) -> list[str]:
     return list(dict.fromkeys(same_name + difflib.get_close_matches(key, keys, n=3, cutoff=0.75)))[:4]
 
 
-def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
+def parse_arg(arg: str | None, presets: dict | None = None, **spec) -> ml_collections.ConfigDict:
     """Parses ``"k1=v1,k2,k3=v3"`` against ``spec`` (name → default, whose type is kept).
 
     A bare name sets a boolean to True (``smoke``); a single value without a name goes to the
-    first key of ``spec``. Unknown names are an error listing the known ones.
+    first key of ``spec``. Unknown names are an error listing the known ones. ``presets`` maps a
+    boolean arg to the defaults it changes (``{"smoke": {"steps": 4}}``): a preset that is on sets
+    those first and the args given explicitly win, so ``smoke,steps=-5`` means ``steps=-5`` (and is
+    refused where steps are checked) rather than a silent 4.
     """
-    values = dict(spec)
+    given = {}
     for i, item in enumerate(filter(None, (arg or "").split(","))):
         if "=" in item:
             key, text = item.split("=", 1)
@@ -78,7 +81,14 @@ def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
         if key not in spec:
             raise ValueError(f"Unknown config arg {key!r} in {arg!r}{_did_you_mean(key, spec)}; "
                              f"known args: {sorted(spec)}.")
-        values[key] = _cast(key, text.strip(), spec[key])
+        given[key] = _cast(key, text.strip(), spec[key])
+    values = dict(spec)
+    for name, defaults in (presets or {}).items():
+        if name not in spec or not isinstance(spec[name], bool) or set(defaults) - set(spec):
+            raise TypeError(f"preset {name!r} must be a boolean arg changing known args' defaults")
+        if given.get(name, spec[name]):
+            values.update(defaults)
+    values.update(given)
     config = ml_collections.ConfigDict(values)
     config.lock()
     return config

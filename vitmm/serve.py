@@ -383,7 +383,7 @@ def start_in_thread(engine: Engine, host: str = "127.0.0.1"):
 
 
 def main(argv=None) -> int:
-    from vitmm import xla_flags
+    from vitmm import console, xla_flags
 
     xla_flags.use_vitmm_defaults()
     parser = argparse.ArgumentParser(prog="python -m vitmm.serve", description=__doc__,
@@ -394,7 +394,9 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model_name", default=None, help="the model id (default: the workdir's name)")
     parser.add_argument("--allow_local_files", default=None, help="image paths under this folder are allowed")
+    parser.add_argument("--verbose", action="store_true", help="the libraries' INFO lines and usual warnings too")
     args = parser.parse_args(argv)
+    console.quiet(args.verbose)
     try:
         engine = Engine(args.workdir, args.model_name, args.allow_local_files)
     except (ValueError, FileNotFoundError) as err:

@@ -40,3 +40,30 @@ def mismatches(model, checkpoint, skip: Callable[[str], bool] = lambda name: Fal
     lines += [f"  shape mismatch: {k}: model {shape(v)} vs checkpoint {shape(have[k])}"
               for k, v in want.items() if k in have and not skip(k) and shape(v) != shape(have[k])]
     return lines
+
+
+def summarise(lines: list[str], limit: int = 20) -> str:
+    """``lines`` of ``mismatches`` as they are if there are at most ``limit``; otherwise the
+    counts per kind and top-level module, the first few lines, and the whole list in a file of the
+    system's temporary folder (not the workdir: a refused run writes nothing there)."""
+    if len(lines) <= limit:
+        return "\n".join(lines)
+    import collections
+    import tempfile
+
+    counts = collections.defaultdict(collections.Counter)
+    for line in lines:
+        kind, _, rest = line.strip().partition(": ")
+        counts[kind][rest.split("/", 1)[0].split(" ", 1)[0].rstrip(":")] += 1
+    with tempfile.NamedTemporaryFile("w", prefix="vitmm-mismatches-", suffix=".txt", delete=False) as f:
+        f.write("\n".join(line.strip() for line in lines) + "\n")
+    summary = [f"  {sum(c.values())} {kind} ({', '.join(f'{top} {n}' for top, n in c.most_common())})"
+               for kind, c in counts.items()]
+    shown = limit // 2
+    return "\n".join([*summary, f"  the first {shown}:", *lines[:shown], f"  all {len(lines)} lines: {f.name}"])
+
+
+def fitting(model, checkpoint) -> int:
+    """How many of the model's entries the checkpoint has with the same name and shape."""
+    want, have = flatten(model), flatten(checkpoint)
+    return sum(1 for k, v in want.items() if k in have and shape(v) == shape(have[k]))

@@ -125,11 +125,12 @@ def test_a_failed_background_save_stops_the_run_naming_the_cause(tmp_path, strai
         return list(futures or []) + [NoSpace()] if len(calls) == 3 else futures
 
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", async_save)
-    with pytest.raises(ckpt_lib.SaveFailed, match=r"checkpoints failed: OSError: .*No space left on device.*"
-                                                  r"step 2 is intact"):
+    with pytest.raises(ckpt_lib.SaveFailed, match=r"checkpoints failed: \[Errno 28\] No space left on device \(the "
+                                                  r"full error is in .*errors.log\)\. .*step 2 is intact"):
         trainer.train(config, tmp_path)
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", real)
     assert ckpt_lib.Checkpointer(tmp_path).all_steps() == [1, 2]
+    assert "Traceback" in (tmp_path / "errors.log").read_text()
 
 
 def test_the_checkpoint_is_saved_before_a_failing_evaluation(tmp_path, clip_smoke_run, monkeypatch):
@@ -201,8 +202,8 @@ def test_one_writer_per_workdir_and_a_stale_lock_is_taken_over(tmp_path, straigh
 
 
 # ------------------------------------------------------------------------------------ preemption
-def _train_command(workdir, data_dir, *overrides):
-    return [sys.executable, "-m", "vitmm.train", "--config", "configs/clip_scenes.py:smoke", "--workdir", str(workdir),
+def _train_command(workdir, data_dir, *overrides, config="configs/clip_scenes.py:smoke"):
+    return [sys.executable, "-m", "vitmm.train", "--config", config, "--workdir", str(workdir),
             f"--config.input.data_dir={data_dir}", *overrides]
 
 
@@ -264,15 +265,17 @@ def test_a_missing_config_file_fails_in_one_line_and_writes_nothing(tmp_path):
     (["--config.lr=1e6"], "unknown config key 'lr'; did you mean optim.lr?"),
     (["--config.optim.lrr=1"], "unknown config key 'optim.lrr'; did you mean optim.lr?"),
     (["--config.log_every=0"], "config.log_every=0: must be a positive integer."),
-    (["--config.total_steps=-5"], "config.total_steps=-5: must be a positive integer."),
+    (["configs/clip_scenes.py:smoke,steps=-5"], "config.total_steps=-5: must be a positive integer."),
     (["--config.input.data.name=nope"], "Unknown dataset 'nope': TFDS has no builder of that name"),
     (["--workdir", "{tmp}/file/w"], "--workdir {tmp}/file/w: cannot write there (Not a directory); choose a folder"),
 ])
 def test_bad_input_fails_in_one_line_with_exit_code_2_and_writes_nothing(tmp_path, data_dir, args, message):
     (tmp_path / "file").write_text("")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    result = subprocess.run(_train_command(tmp_path / "w", data_dir, *args), cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    config = next((a for a in args if a.startswith("configs/")), "configs/clip_scenes.py:smoke")
+    args = [a for a in args if a != config]
+    result = subprocess.run(_train_command(tmp_path / "w", data_dir, *args, config=config), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 2 and lines[1] == "(--debug shows the traceback)", result.stderr[-2000:]

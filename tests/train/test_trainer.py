@@ -157,6 +157,26 @@ def test_merge_params_lists_every_problem():
     np.testing.assert_array_equal(merged["b"]["c"], 0)
 
 
+def test_a_long_mismatch_list_is_summarised_and_a_foreign_checkpoint_named():
+    """An entirely different model's checkpoint once printed hundreds of lines ending in a
+    dont_load hint that cannot help: now the counts per module, the first lines and a file."""
+    init = {"img": {f"w{i}": np.zeros(2) for i in range(15)}, "txt": {f"w{i}": np.zeros(2) for i in range(10)}}
+    loaded = {"tower": {f"v{i}": np.ones(2) for i in range(30)}}
+    with pytest.raises(ValueError) as err:
+        ckpt_lib.merge_params(init, loaded, source="/runs/other")
+    text = str(err.value)
+    lines = text.splitlines()
+    assert len(lines) < 20 and "25 missing in checkpoint (img 15, txt 10)" in text
+    assert "30 unused from checkpoint (tower 30)" in text and "dont_load" not in text
+    assert lines[-1].startswith("Nothing in it fits the model (its top level: tower; the model's: img, txt)")
+    listed = pathlib.Path(lines[-2].rsplit(": ", 1)[1])
+    assert len(listed.read_text().splitlines()) == 55
+    listed.unlink()
+    init["tower"] = {"v0": np.zeros(2)}  # one entry fits: leaving out the rest is the fix
+    with pytest.raises(ValueError, match=r"config.init.dont_load"):
+        ckpt_lib.merge_params(init, loaded)
+
+
 def test_command_line_rejects_unknown_config_keys(tmp_path, data_dir):
     import subprocess
     import sys

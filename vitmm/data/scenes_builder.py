@@ -12,6 +12,7 @@ import dataclasses
 import io
 import pathlib
 import re
+import sys
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -122,7 +123,26 @@ class Scenes(tfds.core.GeneratorBasedBuilder):
         for index in range(num_examples):
             ex = scenes.generate(cfg.difficulty, cfg.resolution, index, split, cfg.seed)
             ex["image"] = _png(ex["image"])
+            if self._bar is not None:
+                self._bar.update()
             yield index, ex
+
+    # TFDS says "Downloading and preparing dataset ..." and draws a bar per split and stage; a
+    # scenes build downloads nothing, so it says "generating" once, with one bar over every example.
+    _bar = None
+
+    def _log_download_bytes(self) -> None:
+        from tqdm import tqdm
+
+        cfg = self.builder_config
+        self._bar = tqdm(total=cfg.num_train + cfg.num_validation + cfg.num_test, unit="example", file=sys.stderr,
+                         desc=f"generating scenes/{cfg.name} in {self.data_dir}", leave=False)
+
+    def _log_download_done(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        print(f"generated scenes/{self.builder_config.name} in {self.data_dir}", file=sys.stderr, flush=True)
 
 
 _NAME = re.compile(r"^(?P<d>[a-z]+)_(?P<r>\d+)(?:_(?P<tr>\d+)_(?P<va>\d+)_(?P<te>\d+)_s(?P<s>\d+))?$")
@@ -151,7 +171,12 @@ def prepare(config: str | ScenesConfig = "easy_64", data_dir: str | None = None)
         config = config_from_name(config)  # raises for a bad name
     builder = Scenes(config=config, data_dir=data_dir, file_format="array_record")
     if not builder.is_prepared():
-        builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(try_download_gcs=False)
-        )
+        from tensorflow_datasets.core.utils import tqdm_utils
+
+        was_on = tqdm_utils._active  # noqa: SLF001 - TFDS has a setter, no getter
+        tqdm_utils.display_progress_bar(False)
+        try:
+            builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+        finally:
+            tqdm_utils.display_progress_bar(was_on)
     return builder

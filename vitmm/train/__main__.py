@@ -5,17 +5,20 @@ Exit codes: 0 done; 2 a bad flag, config value, checkpoint or input (one message
 1 the run stopped on a failure it names (non-finite loss, a failed save, no readable
 checkpoint: ``--restart`` then trains afresh, keeping the old log aside); 75 preempted by
 SIGTERM/SIGINT after saving a checkpoint (rerun to resume).
-``--debug`` (or ``VITMM_DEBUG=1``) shows the traceback instead.
+``--debug`` (or ``VITMM_DEBUG=1``) shows the traceback instead. The libraries' errors of a failed
+save or checkpoint read go to ``WORKDIR/errors.log``; their warnings of a healthy run stay off the
+console unless ``--verbose`` (``vitmm.console``).
 """
 
 import os
+import pathlib
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from vitmm import checkpoint as ckpt_lib
-from vitmm import config_args, tree, xla_flags
+from vitmm import config_args, console, tree, xla_flags
 from vitmm.train import trainer
 from vitmm.train import workdir as workdir_lib
 
@@ -26,6 +29,7 @@ RUN_FAILURES = (FloatingPointError, ckpt_lib.SaveFailed, ckpt_lib.NoReadableChec
 config_flags.DEFINE_config_file("config", None, "Config file (with :args).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and TensorBoard files go.")
 flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line errors.")
+flags.DEFINE_bool("verbose", False, "Print the libraries' INFO lines and the warnings every run gets.")
 flags.DEFINE_bool("restart", False, "Train from step 0 in a workdir whose earlier run no checkpoint can resume "
                   "(its metrics.jsonl is kept aside).")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -113,10 +117,12 @@ def summary_table(summary: dict) -> str:
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
+    console.quiet(flags.FLAGS.verbose)
     debug = flags.FLAGS.debug or _debug()
+    errors_log = pathlib.Path(flags.FLAGS.workdir).expanduser() / console.ERRORS_LOG
     try:
-        summary = trainer.train(flags.FLAGS.config, flags.FLAGS.workdir, restart=flags.FLAGS.restart)
+        with console.library_errors_to(errors_log):
+            summary = trainer.train(flags.FLAGS.config, flags.FLAGS.workdir, restart=flags.FLAGS.restart)
     except trainer.Preempted as stop:
         _fail(str(stop), PREEMPTED)
     except USER_ERRORS as err:

@@ -24,6 +24,7 @@ import optax
 from tqdm import tqdm
 
 from vitmm import checkpoint as ckpt_lib
+from vitmm import console
 from vitmm.data import formats, pipeline, preprocess, skips
 from vitmm.train import optim, tasks
 from vitmm.train import step as step_lib
@@ -250,7 +251,8 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
         if is_main:
             lock.acquire()
             _check_history(workdir, config, restart)
-        with _StopRequests() as stop, contextlib.ExitStack() as cleanup:
+        with (console.library_errors_to(workdir / console.ERRORS_LOG), _StopRequests() as stop,
+              contextlib.ExitStack() as cleanup):
             return _train(config, workdir, stop_at, is_main, stop, cleanup)
     finally:
         lock.release()
