@@ -3,6 +3,7 @@ file, and the cause of a nested TensorStore error in a few words."""
 
 import _thread
 import logging
+import subprocess
 import sys
 import threading
 
@@ -65,3 +66,25 @@ def test_cause_is_the_last_clause_of_a_nested_error():
     assert console.cause(err) == "No space left on device"
     assert console.cause(OSError(28, "No space left on device")) == "[Errno 28] No space left on device"
     assert console.cause(RuntimeError()) == "RuntimeError"
+
+
+BUILD = """
+import sys
+from vitmm import console
+console.quiet()
+from vitmm.data import scenes_builder
+scenes_builder.prepare("easy_32_8_8_8_s0", sys.argv[1])
+"""
+
+
+def test_a_first_scenes_build_says_generated_in_one_line(tmp_path):
+    """TFDS printed "Downloading and preparing dataset", ~31 nested bars, "Using custom data
+    configuration" and grain's OpenCV note for a build that downloads nothing."""
+    result = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path)], capture_output=True, timeout=300)
+    printed = (result.stdout + result.stderr).decode()  # bytes: text mode would turn a bar's \r into lines
+    assert result.returncode == 0, printed[-3000:]
+    bars = printed.count("example/s]")
+    shown = [line.rsplit("\r", 1)[-1].strip() for line in printed.split("\n")]  # what a terminal leaves
+    assert [line for line in shown if line] == [
+        f"generated scenes/easy_32_8_8_8_s0 in {tmp_path}/scenes/easy_32_8_8_8_s0/1.0.0"], printed
+    assert printed.count("generating scenes/easy_32_8_8_8_s0") == bars >= 1  # one bar, redrawn

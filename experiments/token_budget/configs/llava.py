@@ -27,7 +27,7 @@ def get_config(arg=None):
     c.description = ("Each run trains its connector alone (LLaVA's stage 1, the tower and the LM frozen) for {steps} "
                      "steps of {batch} conversations; compared by the held-out answer-token accuracy.")
     c.train_config = "configs/llava_pretrain.py"
-    c.train_args = "batch=32"
+    c.train_args = "" if arg.smoke else "batch=32"  # an explicit batch would win over the smoke's 4
     c.overrides.init = dict(vision="workdirs/clip_scenes", lm="workdirs/smollm2")
     c.overrides.input = dict(data_path=None, image_folder=None, data_dir=None)
     c.overrides.evals = dict(val=dict(data=dict(image_folder=None), num_examples=500))
