@@ -66,6 +66,8 @@ def test_cause_is_the_last_clause_of_a_nested_error():
     assert console.cause(err) == "No space left on device"
     assert console.cause(OSError(28, "No space left on device")) == "[Errno 28] No space left on device"
     assert console.cause(RuntimeError()) == "RuntimeError"
+    assert console.cause(TypeError("'NoneType' object is not subscriptable")) == (
+        "TypeError: 'NoneType' object is not subscriptable")  # not a nested status: the type says what broke
 
 
 BUILD = """

@@ -162,12 +162,19 @@ def log_error(path, what: str, err: BaseException) -> None:
 
 
 _OS_ERROR = re.compile(r"\s*\[os_error_code='?\d+'?\]\s*$")
+_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")  # an absl status, as TensorStore's errors start: "DATA_LOSS: ..."
 
 
 def cause(err: BaseException, limit: int = 160) -> str:
-    """The few words that say why a library call failed: the last clause of the error's first
-    line (TensorStore nests "Error writing ...: Failed writing ...: No space left on device"),
-    without its error-code suffix."""
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    last = _OS_ERROR.sub("", text).rsplit(": ", 1)[-1].strip() or text
-    return last if len(last) <= limit else last[: limit - 1] + "…"
+    """The few words that say why a library call failed. TensorStore nests its causes on one line
+    ("RESOURCE_EXHAUSTED: Error writing ...: Failed writing ...: No space left on device
+    [os_error_code=28]"): the last clause, without the code. An OSError says itself ("[Errno 28] No
+    space left on device"); any other error is its type and first line ("JSONDecodeError: ...")."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if not text:
+        return type(err).__name__
+    if _STATUS.match(text) or _OS_ERROR.search(text):
+        text = _OS_ERROR.sub("", text).rsplit(": ", 1)[-1].strip() or text
+    elif not isinstance(err, OSError):
+        text = f"{type(err).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
