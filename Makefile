@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint setup eval-env clean
+.PHONY: demo test test-slow lint setup eval-env clean
 
 # Packages are byte-compiled on every core at once (pip compiles file by file: 39 -> 33 s on 2 cores)
 # and kept compiled: every test process imports jax, flax and TFDS again.
@@ -49,7 +49,11 @@ lint: $(STAMP)
 test:
 	$(MAKE) --no-print-directory -j2 lint $(EVAL_STAMP)
 	$(BIN)/python -m compileall -q -j 0 vitmm experiments configs tests >/dev/null
-	VITMM_LMMS_EVAL_PYTHON=$(CURDIR)/$(EVAL_VENV)/bin/python $(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+	VITMM_LMMS_EVAL_PYTHON=$(CURDIR)/$(EVAL_VENV)/bin/python $(BIN)/python -m pytest -n 2 -m "not slow" $(PYTEST_ARGS)
+
+# The tests marked slow: end-to-end runs whose behaviour a cheaper test in make test also checks.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -m slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(EVAL_VENV) .pytest_cache .ruff_cache

@@ -85,8 +85,8 @@ def get_config(arg=None):
         c.input.image_size, c.input.num_threads, c.input.workers = 32, 1, 0
         c.optim.warmup_steps = 1
         c.evals.retrieval.num_examples = 16
+        c.model.image.depth = c.model.text.depth = 1  # one block a tower, as common.smoke
         if arg.scale == "b16":
-            c.model.image.depth = c.model.text.depth = 1
             c.model.image.attn_impl = "xla"
     c.lock()
     return c

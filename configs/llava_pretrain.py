@@ -86,6 +86,7 @@ def get_config(arg=None):
         c.log_every, c.eval_every, c.checkpoint_every = 2, arg.steps, arg.steps
         c.input.image_size, c.input.num_threads = 32, 1
         c.model.lm.update(dict(width=32, depth=1))
+        c.model.vision.depth = 2  # the fewest blocks that have a second-to-last (vision_layer=-2)
         c.model.max_len = 256
         c.optim.warmup_steps = 1
         c.evals.val.update(num_examples=8, batch_size=4)

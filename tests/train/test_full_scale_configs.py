@@ -75,7 +75,8 @@ def test_full_size_models_build(name, expected_millions):
     assert _config("clip_scenes", "scale=b16").model.image.attn_impl == "cudnn"  # its default
 
 
-@pytest.mark.parametrize("name", ["clip_b16_coco", "siglip_b16"])
+# clip_b16_coco takes the same reader and smoke path as siglip_b16 (~14 s; its model is built above)
+@pytest.mark.parametrize("name", [pytest.param("clip_b16_coco", marks=pytest.mark.slow), "siglip_b16"])
 def test_smoke_step_on_coco_shaped_data(tmp_path, fake_coco, name):
     c = _config(name, "smoke")
     with c.unlocked():

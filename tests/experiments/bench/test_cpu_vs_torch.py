@@ -18,6 +18,7 @@ def test_token_count_experiment_writes_tables(tmp_path):
     assert "| B/16 | 224 | 197 | 38,809 | 35.1 |" in (out / "token_counts.md").read_text()
 
 
+@pytest.mark.slow  # 4 timed worker processes, ~20 s; the tables' bookkeeping is checked below with a fake clock
 def test_benchmark_script_runs_and_writes_its_tables(tmp_path):
     """The vitmm side of experiments/bench/cpu_vs_torch.py on a tiny ViT and a tiny CLIP pair (the PyTorch side
     needs torch)."""

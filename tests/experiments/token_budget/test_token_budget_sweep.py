@@ -193,6 +193,7 @@ def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run, capsy
     assert f"| all at {plan['max_steps']:,} | all at {2 * plan['max_steps']:,} |" in md and "| pool | 4 | 2 |" in md
 
 
+@pytest.mark.slow  # 30-36 s; test_the_image_reaches_the_lm_and_beats_blind_where_only_it_answers checks the same in 3
 def test_the_image_reaches_the_lm(tmp_path):
     """With a tower whose features tell images apart, a connector beats blind: it fits the training
     questions better and answers an image-dependent kind better on the test questions. The
