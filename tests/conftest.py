@@ -58,6 +58,15 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# The four devices are this process's (XLA reads XLA_FLAGS once, when the backend starts, here).
+# The processes tests start (``vitmm.train`` runs, studies' workers) get one device unless a test
+# asks for more (``VITMM_TEST_XLA_FLAGS_4_DEVICES``): a smoke run then takes ~5 s instead of ~7 (warm cache),
+# and dozens are started.
+jax.devices()
+os.environ["VITMM_TEST_XLA_FLAGS_4_DEVICES"] = os.environ["XLA_FLAGS"]
+os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=4",
+                                                       "--xla_force_host_platform_device_count=1")
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -240,15 +240,16 @@ def test_a_signal_saves_the_current_step_and_the_resumed_run_matches(tmp_path, s
     script.write_text(SIGNALLING.replace("{sig}", sig))
     args = [f"--config.input.data_dir={config.input.data_dir}", "--config.log_every=1", "--config.checkpoint_every=100"]
     run = tmp_path / "run"
+    env = dict(os.environ, XLA_FLAGS=os.environ["VITMM_TEST_XLA_FLAGS_4_DEVICES"])  # as the straight run had
     first = subprocess.run([sys.executable, str(script), "--config", "configs/clip_scenes.py:smoke", "--workdir",
-                            str(run), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            str(run), *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert first.returncode == 75, first.stderr[-3000:]
     message = [line for line in first.stderr.splitlines() if line.startswith("python -m vitmm.train:")]
     assert message == [f"python -m vitmm.train: {sig} at step 3: checkpoint saved in {run}; rerun the same "
                        "command to resume."]
     assert ckpt_lib.Checkpointer(run).all_steps() == [3] and not (run / "lock").exists()
     again = subprocess.run(_train_command(run, config.input.data_dir, *args[1:]), cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)
+                           text=True, timeout=300, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     # A quiet console: the bar and the run's own lines; none of the libraries' routine warnings
     # (absl's "W1206 12:00:00.0 ..." lines: TFDS's custom configuration, grain's OpenCV note).
