@@ -123,6 +123,7 @@ def test_patch_size_cost_follows_the_token_count_and_the_lessons_example(lesson)
     assert big["xla_gflops"] >= 4 * small["xla_gflops"] * 0.99 and big["temp_mib"] > small["temp_mib"]
 
 
+@pytest.mark.slow  # the cost rule is checked above on compiled programs; this is the script's tables (~8 s)
 def test_patch_size_smoke_writes_cost_and_accuracy(tmp_path, lesson):
     out = tmp_path / "ps"
     _smoke(lesson, "patch_size", out)
@@ -134,6 +135,7 @@ def test_patch_size_smoke_writes_cost_and_accuracy(tmp_path, lesson):
     assert "15.88× the score matrix" in (out / "patch_size.md").read_text()
 
 
+@pytest.mark.slow  # conv == unfold is tests/models/test_patch_embed.py's; this is the script's timing tables (~8 s)
 def test_patch_step_smoke_times_both_embeddings_that_agree(tmp_path, lesson):
     out = tmp_path / "pst"
     _smoke(lesson, "patch_step", out)
