@@ -2,8 +2,11 @@
 
 import csv
 import json
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -65,10 +68,13 @@ def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run, capsy
     """A whole sweep end to end on the session's smoke CLIP (features, two worker processes,
     outputs; training the tower when a workdir has none is the same ``trainer.train``)."""
     out = tmp_path / "tb"
-    # In this process (its features and stage 0 compiled once for the --interim report and the rerun
-    # below); the two workers are processes of their own, started with one device.
-    tb.main(["--smoke", "--workers", "2", "--out", str(out), "--tower", str(clip_smoke_run.workdir), "--data_dir",
-             clip_smoke_run.data_dir])
+    # The workers pick their own thread settings; only the tests' compile level is passed on.
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.token_budget", "--smoke", "--workers", "2", "--out", str(out),
+         "--tower", str(clip_smoke_run.workdir), "--data_dir", clip_smoke_run.data_dir],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "runs.csv")))
     setup = json.loads((out / "setup.json").read_text())
     grid = tuple(setup["grid"])
