@@ -11,9 +11,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -30,6 +28,7 @@ from vitmm.train import optim, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
+from vitmm.train.stopping import Preempted, StopRequests
 
 BASE_METRICS = ("loss", "grad_norm", "param_norm", "update_norm")
 
@@ -68,38 +67,6 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
         return new_state, metrics
 
     return step
-
-
-# ================================================================================================
-#                                     Metrics and progress
-# ================================================================================================
-class MetricWriter:
-    """``metrics.jsonl`` (one JSON object per log step) and TensorBoard event files."""
-
-    def __init__(self, workdir: pathlib.Path, enabled: bool = True, resumed_at: int = 0):
-        self.enabled = enabled
-        if enabled:
-            from tensorboardX import SummaryWriter
-
-            # What a killed run logged after its last checkpoint (or, with none, at all) is redone.
-            workdir_lib.truncate_metrics(workdir, resumed_at)
-            self._jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
-            # purge_step: TensorBoard drops the earlier events at or after it.
-            self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resumed_at + 1)
-
-    def write(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        self._jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
-        self._jsonl.flush()
-        for key, value in metrics.items():
-            self._tb.add_scalar(key, float(value), step)
-        self._tb.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
 
 
 # ================================================================================================
@@ -164,51 +131,6 @@ def _packed_input(config, pp):
 # ================================================================================================
 #                                          The loop
 # ================================================================================================
-class Preempted(Exception):
-    """The run stopped on SIGTERM/SIGINT after saving a checkpoint at ``step``."""
-
-    def __init__(self, step: int, workdir: pathlib.Path, signal_name: str):
-        super().__init__(f"{signal_name} at step {step}: checkpoint saved in {workdir}; rerun the same command "
-                         "to resume.")
-        self.step, self.workdir = step, workdir
-
-
-class _StopRequests:
-    """SIGTERM and SIGINT ask the loop to stop after the current step (a second SIGINT stops at
-    once). All processes of a multi-host run stop at the same step: each step, the flag is
-    gathered from every process."""
-
-    def __init__(self):
-        self.signal, self._old = None, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-    def _handle(self, signum, frame):
-        if self.signal == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signal = signum
-
-    def requested(self) -> bool:
-        stop = self.signal is not None
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            stop = bool(np.max(multihost_utils.process_allgather(np.int32(stop))))
-        return stop
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signal).name if self.signal else "a signal on another process"
-
-
 POSITIVE = ("total_steps", "batch_size", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
             "sync_every")
 
@@ -251,7 +173,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
         if is_main:
             lock.acquire()
             _check_history(workdir, config, restart)
-        with (console.library_errors_to(workdir / console.ERRORS_LOG), _StopRequests() as stop,
+        with (console.library_errors_to(workdir / console.ERRORS_LOG), StopRequests() as stop,
               contextlib.ExitStack() as cleanup):
             return _train(config, workdir, stop_at, is_main, stop, cleanup)
     finally:
@@ -318,7 +240,7 @@ def build(config) -> Setup:
     return Setup(par, tokenizer, task, tx, lr_schedule, state, config)
 
 
-def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopRequests, cleanup) -> dict:
+def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequests, cleanup) -> dict:
     setup = build(config)
     par, tokenizer, task, state = setup.par, setup.tokenizer, setup.task, setup.state
     data = _input(config, tokenizer, par)
@@ -345,7 +267,8 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: _StopReq
     metric_names = BASE_METRICS + task.aux_names
     if is_main and (rebuilt := workdir_lib.rebuild_metrics(workdir, start)):
         print(rebuilt, flush=True)
-    writer = MetricWriter(workdir, enabled=is_main, resumed_at=start)  # a fresh start drops a lost run's rows
+    # A fresh start drops a lost run's rows.
+    writer = workdir_lib.MetricWriter(workdir, enabled=is_main, resumed_at=start)
 
     total = config.total_steps
     sync_every = config.get("sync_every", 8) if par.needs_host_sync else None

@@ -12,6 +12,8 @@
 * ``history_without_checkpoint``: a workdir whose checkpoints were set aside as unreadable (or whose
   log goes past the point where a checkpoint must have been committed) is never trained over from
   step 0 silently: ``train(..., restart=True)`` (``--restart``) keeps its log aside and starts afresh.
+* ``MetricWriter``: ``metrics.jsonl`` and the TensorBoard events a run appends to, after dropping
+  what a killed run logged past its last checkpoint.
 * ``rebuild_metrics``: a resume that finds ``metrics.jsonl`` gone rebuilds it from the TensorBoard
   event files written beside it (float32 values, one row per step), or says that it cannot.
 """
@@ -264,3 +266,32 @@ def rebuild_metrics(workdir: pathlib.Path, step: int) -> str | None:
     tmp.replace(path)
     return (f"metrics.jsonl in {workdir} was missing: rebuilt {len(rows)} rows (steps {min(rows)}-{max(rows)}) "
             "from the TensorBoard events (float32 values, a step's training and evaluation metrics in one row).")
+
+
+class MetricWriter:
+    """``metrics.jsonl`` (one JSON object per log step) and TensorBoard event files."""
+
+    def __init__(self, workdir: pathlib.Path, enabled: bool = True, resumed_at: int = 0):
+        self.enabled = enabled
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            # What a killed run logged after its last checkpoint (or, with none, at all) is redone.
+            truncate_metrics(workdir, resumed_at)
+            self._jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+            # purge_step: TensorBoard drops the earlier events at or after it.
+            self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resumed_at + 1)
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+        self._jsonl.flush()
+        for key, value in metrics.items():
+            self._tb.add_scalar(key, float(value), step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
