@@ -83,6 +83,8 @@ def raw_input(**more) -> dict:
 
 
 SMOKE_ARGS = {"smoke": {"steps": 4}}  # parse_arg presets: smoke shortens the run unless steps are given
+SMOKE_FULL_SCALE_ARGS = {"smoke": {"steps": 1, "batch": 8}}  # smoke_full_scale's one step of 8
+SMOKE_LLAVA_ARGS = {"smoke": {"steps": 4, "batch": 4}}  # the LLaVA stages' smoke
 
 
 def smoke(c: ml_collections.ConfigDict, steps: int = 4, batch_size: int = 16) -> ml_collections.ConfigDict:

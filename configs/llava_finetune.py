@@ -14,12 +14,12 @@ LLaVA-1.5's recipe), and those of ``configs/llava_pretrain.py`` (``connector``, 
 ``steps``, ``batch``, ``smoke``). Learning rates as LLaVA-1.5: 2e-5 for the whole LM, 2e-4 with LoRA.
 """
 
-from configs import llava_pretrain
+from configs import common, llava_pretrain
 from vitmm.config_args import parse_arg
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, presets={"smoke": dict(steps=4, batch=4)}, lora=0, connector="mlp", budget="all", steps=1000,
+    arg = parse_arg(arg, presets=common.SMOKE_LLAVA_ARGS, lora=0, connector="mlp", budget="all", steps=1000,
                     batch=16, smoke=False)
     c = llava_pretrain.get_config(f"connector={arg.connector},budget={arg.budget},steps={arg.steps},"
                                   f"batch={arg.batch},smoke={arg.smoke}")

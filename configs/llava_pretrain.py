@@ -33,7 +33,7 @@ KEEP = "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_imag
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, presets={"smoke": dict(steps=4, batch=4)}, connector="mlp", budget="all", steps=1000, batch=32,
+    arg = parse_arg(arg, presets=common.SMOKE_LLAVA_ARGS, connector="mlp", budget="all", steps=1000, batch=32,
                     smoke=False)
     c = ml_collections.ConfigDict()
     c.task = "vlm"

@@ -22,7 +22,7 @@ CHOOSE_CAPTION = "decode|choose(keys=('captions/text',), out_keys=('caption',))"
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, presets={"smoke": dict(steps=1, batch=8)}, data="coco_captions", steps=10_000, batch=4096,
+    arg = parse_arg(arg, presets=common.SMOKE_FULL_SCALE_ARGS, data="coco_captions", steps=10_000, batch=4096,
                     smoke=False)
     c = ml_collections.ConfigDict()
     c.seed = 0
