@@ -5,7 +5,8 @@
     python -m vitmm.train --config configs/clip_scenes.py:smoke --workdir /tmp/clip_smoke
 
 Args: ``steps`` (updates), ``data`` (a scenes config, e.g. ``easy_64``, ``medium_64``),
-``parallel`` (``jit`` or ``pmap``), ``smoke`` (a seconds-long run on a small build), ``scale``:
+``text_len`` (caption bytes the text tower reads, default 64: most ``easy`` captions; ``hard``
+captions run to ~220), ``parallel`` (``jit`` or ``pmap``), ``smoke`` (a seconds-long run on a small build), ``scale``:
 ``demo`` (the towers above) or ``b16``, the GPU run of the same job: OpenAI CLIP-B/16-sized
 towers (ViT-B/16 at 224 px, the scenes upsampled; a 12-layer width-512 text tower) in bfloat16
 matmuls with ``attn`` attention (default ``cudnn``; ``xla`` on a CPU), ``batch`` pairs a step
@@ -21,7 +22,8 @@ from vitmm.config_args import parse_arg
 
 def get_config(arg=None):
     arg = parse_arg(arg, presets=common.SMOKE_ARGS,
-                    steps=400, data="easy_64", parallel="jit", smoke=False, scale="demo", attn="cudnn", batch=256)
+                    steps=400, data="easy_64", text_len=64, parallel="jit", smoke=False, scale="demo", attn="cudnn",
+                    batch=256)
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.total_steps = arg.steps
@@ -44,7 +46,7 @@ def get_config(arg=None):
     c.model = ml_collections.ConfigDict()
     c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
                          class_token=False, posemb="sincos2d")
-    c.model.text = dict(vocab_size=259, max_len=64, width=128, depth=2, mlp_dim=512, num_heads=4, causal=True,
+    c.model.text = dict(vocab_size=259, max_len=arg.text_len, width=128, depth=2, mlp_dim=512, num_heads=4, causal=True,
                         pool="eot")
     c.model.embed_dim = 128
     c.model.temperature_init = 1 / 0.07

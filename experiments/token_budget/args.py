@@ -92,6 +92,8 @@ def parse_args(argv=None):
     add("--smoke", action="store_true", help="a tiny sweep that runs in about a minute")
     add("--interim", action="store_true", help="train nothing: the tables and plots of the seeds finished so far "
         "(a sweep's later sitting may be running) in OUT/interim/")
+    add("--report", action="store_true", help="train nothing: OUT/token_budget.md again from a finished sweep's "
+        "runs.csv and setup.json (seconds)")
     args = parser.parse_args(argv)
     preset = PRESETS["smoke" if args.smoke else "default"]
     lr_given = args.lr is not None

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from experiments.token_budget import sweep as tb
-from vitmm.study import stats
+from vitmm.study import stats, verdicts
 
 # What must be equal for a run at the longer horizon to pair with the sweep's run of the same seed.
 SAME = ("tower_fingerprint", "data", "lm", "stage0_lr", "stage0_steps", "stage1_steps", "train_questions",
@@ -44,6 +44,7 @@ def parse_args(argv=None):
     add("--seeds", default="0,1,2", help="comma-separated seeds (of those the sweep ran)")
     add("--factor", type=int, default=2, help="joint steps: this many times the sweep's")
     add("--workers", type=int, default=None, help="as token_budget.py's")
+    add("--report", action="store_true", help="train nothing: horizon.md again from both sweeps' runs.csv")
     args, passthrough = parser.parse_known_args(argv)
     args.parser = parser
     return args, passthrough
@@ -92,15 +93,40 @@ def compare(main_rows: list[dict], long_rows: list[dict], steps: tuple[int, int]
         lines.append(f"| {family} | {tokens} | {len(seeds)} | {_pm([short[k] for k in seeds])} | "
                      f"{_pm([long[k] for k in seeds])} | {shown['accuracy']} | {gain['accuracy'][2]:.2g} | "
                      f"{shown['acc_color_at']} | {shown['acc_shape_at']} | {learn} |")
-    return lines
+    return lines + ["", *verdicts.table_lines(verdicts.correct(horizon_tests(main_rows, long_rows, steps)),
+                                              "**Verdicts.** The gains above and the gaps between the families at "
+                                              "each horizon (points, paired by seed).")]
+
+
+def horizon_tests(main_rows: list[dict], long_rows: list[dict], steps: tuple[int, int]) -> list[verdicts.Test]:
+    """Each cell's gain from the shorter to the longer horizon, and at each horizon the gap between
+    every two families (does their order hold when the runs train longer?), over the seeds both ran."""
+    cells = list(dict.fromkeys((r["family"], r["tokens"]) for r in long_rows if r["status"] == "ok"))
+    acc = {cell: [by_seed(rows, *cell, "accuracy") for rows in (main_rows, long_rows)] for cell in cells}
+    seeds = sorted(set.intersection(*(set(a) & set(b) for a, b in acc.values()))) if acc else []
+    tests = []
+
+    def add(name, diffs):
+        if (test := stats.one_sample(100 * np.asarray(diffs))) is not None:
+            tests.append(verdicts.Test(name, *test))
+
+    for (family, tokens), (short, long) in acc.items():
+        add(f"{family}@{tokens}: {steps[1]:,} − {steps[0]:,} steps", [long[k] - short[k] for k in seeds])
+    for h, n in enumerate(steps):
+        for i, a in enumerate(cells):
+            for b in cells[i + 1:]:
+                add(f"{a[0]} − {b[0]} at {n:,} steps", [acc[a][h][k] - acc[b][h][k] for k in seeds])
+    return tests
 
 
 def main(argv=None) -> pathlib.Path:
     args, passthrough = parse_args(argv)
     main_dir, out = pathlib.Path(args.main), pathlib.Path(args.out)
-    if not (main_dir / "setup.json").is_file() or not (main_dir / "runs.csv").is_file():
-        args.parser.error(f"{main_dir} holds no finished sweep (no setup.json / runs.csv); run "
-                          "python -m experiments.token_budget to its end first.")
+    for d in (main_dir, *([out] if args.report else [])):
+        if not (d / "setup.json").is_file() or not (d / "runs.csv").is_file():
+            module = "experiments.token_budget" + (".horizon" if d == out else "")
+            args.parser.error(f"{d} holds no finished sweep (no setup.json / runs.csv); run python -m {module} to its "
+                              "end first.")
     setup = json.loads((main_dir / "setup.json").read_text())
     chosen = setup["chosen"]
     families = [f for f in args.families.split(",") if f]
@@ -108,6 +134,9 @@ def main(argv=None) -> pathlib.Path:
     if missing:
         args.parser.error(f"the sweep in {main_dir} has no chosen lr/warmup for {missing}; it ran {sorted(chosen)}.")
     steps = setup["plan"]["max_steps"]
+    argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report"]
+    if args.report:
+        return write(main_dir, out, families, args.budget, (steps, args.factor * steps), argv)
     tower = ["--tower", str(main_dir / "tower")] if "--tower" not in passthrough else []
     tb.main([*passthrough, *tower, "--out", str(out), "--families", ",".join(families), "--budgets",
              str(args.budget), "--seeds", args.seeds, "--steps", str(args.factor * steps), "--param_budget", "0",
@@ -119,11 +148,18 @@ def main(argv=None) -> pathlib.Path:
     if differ:
         sys.exit(f"the runs in {out} differ from the sweep in {main_dir} in {differ}: pass token_budget.py the "
                  "options the sweep ran with (its setup.json 'command'); nothing compared.")
+    return write(main_dir, out, families, args.budget, (steps, args.factor * steps), argv)
+
+
+def write(main_dir: pathlib.Path, out: pathlib.Path, families: list[str], budget: int, steps: tuple[int, int],
+          argv: list[str]) -> pathlib.Path:
+    """``horizon.md`` from both sweeps' ``runs.csv``, dated by the longer runs' ``setup.json``."""
     main_rows, long_rows = (list(csv.DictReader(open(d / "runs.csv"))) for d in (main_dir, out))
-    lines = [f"# Longer training: {', '.join(families)} at {args.budget} tokens ({time.strftime('%Y-%m-%d')})", "",
-             f"`python -m experiments.token_budget.horizon {' '.join(argv if argv is not None else sys.argv[1:])}`"
+    date = json.loads((out / "setup.json").read_text()).get("date", time.strftime("%Y-%m-%d"))
+    lines = [f"# Longer training: {', '.join(families)} at {budget} tokens ({date})", "",
+             f"`python -m experiments.token_budget.horizon {' '.join(argv)}`"
              f" (the runs' own tables: `token_budget.md` here).", "",
-             *compare(main_rows, long_rows, (steps, args.factor * steps))]
+             *compare(main_rows, long_rows, steps)]
     (out / "horizon.md").write_text("\n".join(lines) + "\n")
     print((out / "horizon.md").read_text())
     return out

@@ -9,7 +9,7 @@ import numpy as np
 
 from experiments.common.feature_vlm import BLIND
 from vitmm.data import scenes
-from vitmm.study import stats
+from vitmm.study import stats, verdicts
 
 KINDS = scenes.QUESTION_KINDS
 
@@ -94,6 +94,17 @@ def group_test(summary: list[dict], tokens: int, kinds) -> tuple[float, float, f
                         - np.mean([_kind_mean(s, k, kinds) for s in query]) for k in seeds])
 
 
+def family_group_test(summary: list[dict], tokens: int, kinds) -> tuple[tuple, float, int, int] | None:
+    """Honeybee's claim at ``tokens`` with the families as the unit: each family's mean over seeds
+    on ``kinds``, the locality-preserving against the learned-query ones. ``((difference, 95% CI,
+    Welch p), Mann–Whitney p, families in each group)``; None with fewer than two in a group."""
+    rows = {s["family"]: s for s in ok_rows(summary, "") if s["tokens"] == tokens}
+    means = {f: np.mean([_kind_mean(s, k, kinds) for k in s["kinds_by_seed"]]) for f, s in rows.items()}
+    loc, query = [means[f] for f in LOCALITY if f in means], [means[f] for f in LEARNED_QUERY if f in means]
+    welch = stats.welch(loc, query)
+    return None if welch is None else (welch, stats.mann_whitney(loc, query), len(loc), len(query))
+
+
 def detail_test(summary: list[dict]) -> tuple[float, float, float] | None:
     """"More tokens help fine-detail kinds more": per seed, the mean over families of (gain on the
     spatial kinds − gain on the global kinds) from each family's fewest to its most tokens."""
@@ -144,3 +155,86 @@ def learned(summary: list[dict]) -> dict | None:
     return {"bar": bar, "cells": [(s, {k: sum(acc[k] >= bar[k] for acc in s["kinds_by_seed"].values())
                                        for k in SPATIAL}) for s in cells.values()]}
 
+
+
+def verdict_tests(summary: list[dict]) -> list[verdicts.Test]:
+    """Every test the report makes, in points (the analysis of variance: shares in %), uncorrected:
+    each cell against blind, each family's gain from its fewest to its most tokens, the best
+    against the worst family at each token count, each equal-parameter row against its default size
+    and the spread at equal parameters, each encoder-side row against the best connector side and
+    against ``pool`` at its count, the analysis of variance, Honeybee's groups with seeds and with
+    families as the unit, and fine detail. ``verdicts.correct`` corrects them as one family."""
+    tests: list[verdicts.Test] = []
+
+    def add(name, test, unit="seeds", note="", scale=100.0):
+        if test is not None:
+            est, ci, p = (test[0], None, test[1]) if len(test) == 2 else test
+            tests.append(verdicts.Test(name, scale * est, None if ci is None else scale * ci, p, unit, note))
+
+    ok = [s for s in ok_rows(summary) if s["family"] != BLIND]
+    blind = next((s for s in ok_rows(summary) if s["family"] == BLIND), None)
+    for s in ok if blind is not None else ():
+        add(f"{_cell(s)} − blind", _with_ci(s, blind))
+    main = [s for s in ok if s["variant"] == ""]
+    by_family: dict[str, dict[int, dict]] = {}
+    for s in main:
+        by_family.setdefault(s["family"], {})[int(s["tokens"])] = s
+    for family, cells in by_family.items():
+        if len(cells) > 1:
+            lo, hi = min(cells), max(cells)
+            add(f"{family} {lo} → {hi} tokens", _with_ci(cells[hi], cells[lo]))
+    for tokens in sorted({int(s["tokens"]) for s in main}):
+        at = [s for s in main if int(s["tokens"]) == tokens]
+        if len(at) > 1:
+            best, worst = max(at, key=lambda s: s["accuracy"]), min(at, key=lambda s: s["accuracy"])
+            add(f"best − worst family at {tokens} tokens ({best['family']} − {worst['family']})",
+                _with_ci(best, worst), note="the pair chosen after seeing the means")
+    default = {(s["family"], s["tokens"]): s for s in main}
+    sized = [s for s in ok if s["variant"].startswith("params")]
+    for s in sized:
+        base = default.get((s["family"], s["tokens"]))
+        if base is not None and base["connector_params"] != s["connector_params"]:
+            add(f"{_cell(s)} − default size", _with_ci(s, base))
+    if len(sized) > 1:
+        best, worst = max(sized, key=lambda s: s["accuracy"]), min(sized, key=lambda s: s["accuracy"])
+        add(f"best − worst at equal parameters ({best['family']} − {worst['family']})", _with_ci(best, worst),
+            note="the pair chosen after seeing the means")
+    for s in [s for s in ok if s["variant"].startswith(("image", "patch"))]:
+        side = [c for c in main if c["tokens"] == s["tokens"]]
+        if side:
+            best = max(side, key=lambda c: c["accuracy"])
+            add(f"{s['variant']} − best connector at {s['tokens']} tokens ({best['family']})", _with_ci(s, best),
+                note="the connector chosen after seeing the means")
+        pool = default.get(("pool", s["tokens"]))
+        if pool is not None:
+            add(f"{s['variant']} − pool at {s['tokens']} tokens", _with_ci(s, pool))
+    anova = factor_test(summary)
+    if anova is not None:
+        for name in ("budget", "family", "family × budget"):
+            src = anova["sources"][name]
+            if src["p"] is not None:
+                tests.append(verdicts.Test(f"analysis of variance: {name} (share of the variance, %)",
+                                           100 * src["eta2"], None, src["p"]))
+    counts = sorted({int(s["tokens"]) for s in main})
+    for tokens in counts:
+        for label, kinds in (("spatial", SPATIAL), ("global", GLOBAL)):
+            add(f"Honeybee at {tokens} tokens, {label} kinds: locality-preserving − learned-query",
+                group_test(summary, tokens, kinds), note="mean over the families of each group, per seed")
+            fam = family_group_test(summary, tokens, kinds)
+            if fam is not None:
+                (diff, ci, p), mw, n_loc, n_query = fam
+                add(f"Honeybee at {tokens} tokens, {label} kinds, families as the unit", (diff, ci, p),
+                    unit="families", note=f"Welch's t over {n_loc} against {n_query} family means; "
+                                          f"Mann–Whitney p {mw:.2g}")
+    add("more tokens help fine detail more (spatial gain − global gain, fewest to most tokens)", detail_test(summary))
+    return tests
+
+
+def _cell(s: dict) -> str:
+    return f"{s['family']}@{s['tokens']}" + (f" ({s['variant']})" if s["variant"] else "")
+
+
+def _with_ci(a: dict, b: dict) -> tuple[float, float, float] | None:
+    """``(mean difference, 95% CI, p)`` of ``a`` − ``b``, paired by seed."""
+    seeds = sorted(set(a["by_seed"]) & set(b["by_seed"]))
+    return stats.one_sample([a["by_seed"][k] - b["by_seed"][k] for k in seeds])

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import csv
 import json
 import pathlib
 import shutil
@@ -43,7 +44,7 @@ import numpy as np
 
 from experiments.common import train_run
 from vitmm import config_args
-from vitmm.study import outputs, stats, store
+from vitmm.study import outputs, stats, store, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BLIND = "blind"
@@ -227,6 +228,10 @@ def report(study, tuned: list[dict], rows: list[dict], chosen: dict, unreachable
             lines += ["", *tables.spread_lines(summary), "", *tables.claim_lines(summary)]
         tests = _holm_lines(summary) if has_blind else _pairwise_lines(summary)
         lines += ["", *tests, "", *_cost_lines(grid)] if tests else ["", *_cost_lines(grid)]
+        if kinds:
+            lines += ["", *verdicts.table_lines(verdicts.correct(tbr.verdict_tests(summary)),
+                                                "**Verdicts.** The tables' tests (points; the analysis of variance: "
+                                                "shares of the variance in %).")]
     if unreachable:
         lines += ["", "Unreachable budgets: " + "; ".join(f"{f} at {b} ({note})" for f, b, note in unreachable) + "."]
     return "\n".join(lines) + "\n"
@@ -285,6 +290,24 @@ def _cost_lines(rows: list[dict]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ the sweep
+def write_report(study, out: pathlib.Path) -> pathlib.Path:
+    """``--report``: the study's Markdown again from its ``runs.csv`` (tuning runs are those named
+    ``tune_*``) and ``setup.json`` (the chosen rates, the token grid): a report whose wording or tests
+    changed, on the committed runs."""
+    missing = [name for name in ("runs.csv", "setup.json") if not (out / name).is_file()]
+    if missing:
+        raise SystemExit(f"--report: {out} has no {' or '.join(missing)}; a study that has finished writes them.")
+    with open(out / "runs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    setup = json.loads((out / "setup.json").read_text())
+    tuned = [r for r in rows if r["run"].startswith("tune_")]
+    _, unreachable = plan(study, tuple(setup["grid"]))
+    (out / study.report).write_text(report(study, tuned, [r for r in rows if r not in tuned], setup["chosen"],
+                                           unreachable))
+    print(f"wrote {out / study.report} from runs.csv and setup.json")
+    return out / study.report
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the study's config file[:arg]")
@@ -294,6 +317,9 @@ def parse_args(argv=None):
     parser.add_argument("--workdirs", default=None, help="the runs' workdirs (default: the study's workdirs)")
     parser.add_argument("--interim", action="store_true",
                         help="train nothing: the report of the runs finished so far in OUT/interim/")
+    parser.add_argument("--report", action="store_true",
+                        help="train nothing, read no model: OUT/REPORT.md again from a finished study's runs.csv "
+                             "and setup.json")
     args = parser.parse_args(argv)
     overrides = {}
     for item in args.set:
@@ -311,6 +337,8 @@ def main(argv=None) -> pathlib.Path:
     out = pathlib.Path(args.out or ROOT / study.out)
     workdirs = pathlib.Path(args.workdirs or ROOT / study.workdirs)
     higher = study.higher_is_better
+    if args.report:
+        return write_report(study, out)
 
     base = train_config(study, _args(study, study.families[0], study.budgets[0]), dotted(study.overrides))
     grid, vision, lm_cfg = tower_grid(base, need_lm=not args.interim)

@@ -4,6 +4,7 @@
     python -m experiments.token_budget --smoke --out /tmp/tb  # about a minute; the tests run it
     python -m experiments.token_budget --families pool,perceiver --budgets 4,16 --seeds 0,1,2
     python -m experiments.token_budget --interim              # the tables so far, while it runs
+    python -m experiments.token_budget --report               # token_budget.md again from runs.csv
 
 One frozen CLIP image tower encodes every image once; all runs of the sweep read those features.
 It is part of the results: ``OUT/tower`` (the image tower's parameters and the CLIP config, 3 MB),
@@ -254,9 +255,26 @@ def result_rows(args, plan: list, same: dict, results: dict, chosen: dict, costs
     return rows, curves
 
 
+def write_report(out: pathlib.Path) -> pathlib.Path:
+    """``--report``: ``token_budget.md`` again from the finished sweep's ``runs.csv`` and ``setup.json``
+    (nothing trained or encoded): a report whose wording or tests changed, on the committed runs."""
+    missing = [name for name in ("runs.csv", "setup.json") if not (out / name).is_file()]
+    if missing:
+        raise SystemExit(f"--report: {out} has no {' or '.join(missing)}; a sweep that has finished writes them.")
+    rows = outputs.read_rows(out / "runs.csv")
+    for r in rows:
+        r["variant"], r["note"] = r["variant"] or "", r["note"] or ""
+    setup = json.loads((out / "setup.json").read_text())
+    (out / "token_budget.md").write_text(tables.to_markdown(report.summarise(rows), setup))
+    print(f"wrote {out}/token_budget.md from runs.csv and setup.json")
+    return out / "token_budget.md"
+
+
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
+    if args.report:
+        return write_report(out)
     out.mkdir(parents=True, exist_ok=True)
     f = encode_features(args, out)
     train, val, test = f.splits["train"], f.splits["val"], f.splits["test"]

@@ -21,8 +21,9 @@ from experiments.token_budget.report import (
     learned,
     ok_rows,
     paired_vs,
+    verdict_tests,
 )
-from vitmm.study import stats
+from vitmm.study import stats, verdicts
 
 
 def mean_ci(s: dict, key: str) -> str:
@@ -103,7 +104,9 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
             + f" | {s['connector_params']:,} | {s['connector_mflops']:.2f} | {s['lm_mflops']:.1f} | "
             f"{_ms(s, 'train_ms')} | {_ms(s, 'infer_ms')} |")
     lines += ["", *spread_lines(summary), "", *param_lines(summary, setup), "", *encoder_lines(summary, setup), "",
-              *factor_lines(summary), "", *claim_lines(summary), "", *seed_lines(summary), "", *tuning_lines(setup)]
+              *factor_lines(summary), "", *claim_lines(summary), "", *seed_lines(summary), "", *tuning_lines(setup), "",
+              *verdicts.table_lines(verdicts.correct(verdict_tests(summary)), "**Verdicts.** The tables' tests "
+                                    "(points; the analysis of variance: shares of the variance in %).")]
     return "\n".join(lines) + "\n"
 
 

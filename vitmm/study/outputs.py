@@ -22,6 +22,24 @@ def write_rows(rows: list[dict], path: pathlib.Path) -> None:
         writer.writerows(rows)
 
 
+def read_rows(path: pathlib.Path) -> list[dict]:
+    """The rows ``write_rows`` wrote, numbers as numbers (an int where the text is one), empty cells
+    as None and other text as it is: what a report reads to be written again without training."""
+
+    def value(text: str):
+        if text == "":
+            return None
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+
+    with open(path, newline="") as f:
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
 def mean_ci(values, scale: float = 100, digits: int = 1) -> str:
     """``mean ± 95% CI half-width`` of per-seed values (a dict's values or a sequence), scaled."""
     v = np.array(list(values.values()) if isinstance(values, dict) else list(values), float)

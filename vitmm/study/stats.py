@@ -1,6 +1,7 @@
 """The statistics studies report over seeds: 95% intervals of a mean, t-tests paired by seed
 (a seed shares its data order and initial models across the cells of a study, so seeds pair),
-one-sample tests of per-seed differences, Holm's correction across a report's tests, a two-way
+one-sample tests of per-seed differences, Welch's and Mann–Whitney's tests between groups of
+families (families as the unit), Holm's correction across a report's tests, a two-way
 analysis of variance with seeds as blocks, and Wilson intervals and two-proportion tests for
 accuracies on one shared question set."""
 
@@ -42,6 +43,31 @@ def one_sample(values) -> tuple[float, float, float] | None:
         return None
     p = 1.0 if np.allclose(values, values[0]) and values[0] == 0 else float(stats.ttest_1samp(values, 0).pvalue)
     return float(values.mean()), ci95(values), p
+
+
+def welch(a, b) -> tuple[float, float, float] | None:
+    """``(mean(a) − mean(b), 95% CI half-width, two-sided p)`` of Welch's t-test: two independent
+    groups with their own variances, e.g. family means of two classes of connectors (the families,
+    not the seeds, as the unit). None with fewer than two values in a group."""
+    from scipy import stats
+
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if len(a) < 2 or len(b) < 2:
+        return None
+    res = stats.ttest_ind(a, b, equal_var=False)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if va + vb > 0 else 1.0
+    half = float(stats.t.ppf(0.975, df) * np.sqrt(va + vb))
+    return float(a.mean() - b.mean()), half, float(res.pvalue) if res.pvalue == res.pvalue else 1.0
+
+
+def mann_whitney(a, b) -> float:
+    """Two-sided exact p of the Mann–Whitney U test (no assumption of normal family means; with 5
+    against 3 families its smallest possible p is 2/56 = 0.036)."""
+    from scipy import stats
+
+    return float(stats.mannwhitneyu(np.asarray(a, float), np.asarray(b, float), alternative="two-sided",
+                                    method="exact").pvalue)
 
 
 def holm(ps: list[float]) -> list[float]:

@@ -1,0 +1,65 @@
+"""The committed reports are what the code writes from the committed runs (`--report`), so their
+Verdicts tables cannot drift from the tests that make them; and the class test with families as
+the unit on known numbers."""
+
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from experiments.token_budget import horizon, report, study, sweep
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    dst.mkdir(parents=True)
+    for name in ("runs.csv", "setup.json"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+def test_the_main_stage_report_is_written_again_from_its_runs_byte_for_byte(tmp_path):
+    out = _copy(ROOT / "results/token_budget", tmp_path / "tb")
+    written = sweep.main(["--report", "--out", str(out)])
+    assert written.read_text() == (ROOT / "results/token_budget/token_budget.md").read_text()
+    assert "All 81 tests of this report corrected together (Holm)" in written.read_text()
+
+
+def test_the_horizon_and_frozen_reports_are_written_again_from_their_runs(tmp_path):
+    out = _copy(ROOT / "results/token_budget/horizon", tmp_path / "horizon")
+    horizon.main(["--report", "--main", str(ROOT / "results/token_budget"), "--out", str(out)])
+    new, old = ((d / "horizon.md").read_text().splitlines() for d in (out, ROOT / "results/token_budget/horizon"))
+    assert new[:2] + new[3:] == old[:2] + old[3:]  # line 3 is the command line, which names the folders
+    frozen = _copy(ROOT / "results/vlm_smollm2/frozen", tmp_path / "frozen")
+    written = study.main(["--config", str(ROOT / "experiments/token_budget/configs/smollm2_frozen.py"), "--report",
+                          "--out", str(frozen)])
+    assert written.read_text() == (ROOT / "results/vlm_smollm2/frozen/frozen.md").read_text()
+
+
+def test_a_report_without_finished_runs_is_refused_and_nothing_is_written(tmp_path):
+    with pytest.raises(SystemExit, match="has no runs.csv or setup.json"):
+        sweep.main(["--report", "--out", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_class_test_takes_each_familys_mean_as_one_observation():
+    from scipy import stats
+
+    def rows(family, spatial_by_seed):
+        return [{"family": family, "budget": 4, "tokens": 4, "note": "", "lr": 1e-3, "warmup": 25, "seed": k,
+                 "status": "ok", "accuracy": 0.5, **{f"acc_{kind}": (a if kind in report.SPATIAL else 0.6)
+                                                     for kind in report.KINDS}}
+                for k, a in enumerate(spatial_by_seed)]
+
+    loc = {"pool": [0.7, 0.72], "pixel_shuffle": [0.8, 0.78], "ldp": [0.66, 0.7]}
+    query = {"perceiver": [0.6, 0.64], "qformer": [0.5, 0.58]}
+    summary = report.summarise([r for f, accs in {**loc, **query}.items() for r in rows(f, accs)])
+    (diff, _, p), mw, n_loc, n_query = report.family_group_test(summary, 4, report.SPATIAL)
+    a, b = [np.mean(v) for v in loc.values()], [np.mean(v) for v in query.values()]
+    assert (n_loc, n_query) == (3, 2) and diff == pytest.approx(np.mean(a) - np.mean(b))
+    assert p == pytest.approx(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    assert mw == pytest.approx(stats.mannwhitneyu(a, b, method="exact").pvalue)
+    names = [t.name for t in report.verdict_tests(summary)]
+    assert "Honeybee at 4 tokens, spatial kinds, families as the unit" in names
