@@ -32,7 +32,7 @@ from experiments.lessons import common
 from vitmm import tree, xla_flags
 from vitmm.models import common as model_common
 from vitmm.models.vit import ViT
-from vitmm.study import outputs, stats
+from vitmm.study import outputs, stats, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -125,6 +125,8 @@ def main(argv=None) -> pathlib.Path:
     args, preset, seeds = common.parse_args(__doc__.splitlines()[0], "results/lessons/channels", PRESETS, argv,
                                             extra=(("repeats", int),))
     out = pathlib.Path(args.out)
+    if args.report:
+        return common.rewrite(out, "channels", ('runs.csv', 'cost.csv'), to_markdown)
     out.mkdir(parents=True, exist_ok=True)
     train = common.single_shape_set(preset["difficulty"], preset["res"], "train", preset["train_images"])
     test = common.single_shape_set(preset["difficulty"], preset["res"], "test", preset["test_images"])
@@ -167,13 +169,16 @@ def to_markdown(rows: list[dict], cost: list[dict], setup: dict) -> str:
              f"(median [min, max] of {setup['repeats']} rounds in turns).", "",
              "| channels | stem | accuracy | vs linear (paired) | params | MFLOP/img | step s |",
              "|---:|---|---:|---:|---:|---:|---:|"]
+    tests = []
     for c, s in CONFIGS:
         test = stats.paired(cell(c, s), cell(c, "linear")) if s != "linear" else None
+        if test:
+            tests.append(verdicts.paired(f"{c} channel(s): {s} − linear", cell(c, s), cell(c, "linear")))
         k = by[(c, s)]
         lines.append(f"| {c} | {s} | {outputs.mean_ci(cell(c, s))} | "
                      f"{'' if test is None else f'{100 * test[0]:+.1f} (p={test[1]:.2g})'} | {k['params']:,} | "
                      f"{k['mflops']:.1f} | {k['step_s']:.4f} [{k['step_s_min']:.4f}, {k['step_s_max']:.4f}] |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + verdicts.section(tests, "Each stem against the linear one (points).")) + "\n"
 
 
 if __name__ == "__main__":

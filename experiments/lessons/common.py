@@ -11,6 +11,7 @@ cell it sits in, which needs positions).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import pathlib
 
@@ -22,7 +23,7 @@ import numpy as np
 from vitmm import losses
 from vitmm.data import scenes
 from vitmm.models.vit import ViT
-from vitmm.study import store
+from vitmm.study import outputs, store
 from vitmm.train import optim
 from vitmm.train import step as step_lib
 
@@ -113,6 +114,8 @@ def parse_args(description: str, out: str, presets: dict, argv=None, extra=()) -
     for name, kind in extra:
         parser.add_argument(f"--{name}", type=kind, default=None, help="default: the preset's")
     parser.add_argument("--smoke", action="store_true", help="a tiny run of every cell (the tests run it)")
+    parser.add_argument("--report", action="store_true", help="train nothing: the report again from the finished "
+                        "run's CSV files and setup.json in --out")
     args = parser.parse_args(argv)
     preset = dict(presets["smoke" if args.smoke else "default"])
     for key in ("seeds", "workers", *(name for name, _ in extra)):
@@ -125,6 +128,20 @@ def parse_args(description: str, out: str, presets: dict, argv=None, extra=()) -
 
 
 
+
+
+def rewrite(out: pathlib.Path, name: str, csvs: tuple[str, ...], render) -> pathlib.Path:
+    """``--report``: ``NAME.md`` again from a finished run's ``csvs`` (read with numbers as numbers)
+    and ``setup.json``, through ``render(*rows, setup)``: a report whose tests or wording changed, on
+    the committed runs."""
+    missing = [f for f in (*csvs, "setup.json") if not (out / f).is_file()]
+    if missing:
+        raise SystemExit(f"--report: {out} has no {', '.join(missing)}; a finished run writes them.")
+    setup = json.loads((out / "setup.json").read_text())
+    text = render(*(outputs.read_rows(out / f) for f in csvs), setup)
+    (out / f"{name}.md").write_text(text)
+    print(f"wrote {out / name}.md from {', '.join(csvs)} and setup.json")
+    return out / f"{name}.md"
 
 
 def linear_probe(x: np.ndarray, y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, num_classes: int,

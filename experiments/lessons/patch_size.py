@@ -34,7 +34,7 @@ from vitmm import xla_flags
 from vitmm.models import common as model_common
 from vitmm.models import vit as vit_lib
 from vitmm.models import vit_tools
-from vitmm.study import outputs, stats
+from vitmm.study import outputs, stats, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -136,6 +136,8 @@ def main(argv=None) -> pathlib.Path:
     args, preset, seeds = common.parse_args(__doc__.splitlines()[0], "results/lessons/patch_size", PRESETS, argv,
                                             extra=(("repeats", int),))
     out = pathlib.Path(args.out)
+    if args.report:
+        return common.rewrite(out, "patch_size", ('cost.csv', 'accuracy.csv'), to_markdown)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     arrays, num_classes = {}, None
@@ -195,11 +197,15 @@ def to_markdown(cost: list[dict], accuracy: list[dict], setup: dict) -> str:
     pairs = [(a, b) for a in setup["trained"] for b in setup["trained"] if a[1] == b[1] and a[0] * 2 == b[0]]
     if pairs:
         lines += ["", "Halving the patch at one resolution (4× the tokens), paired by seed:", ""]
+        tests = []
         for (pa, ra), (pb, rb) in pairs:
-            test = stats.paired(*({x["seed"]: x["accuracy"] for x in accuracy if (x["patch"], x["res"]) == c}
-                                  for c in ((pa, ra), (pb, rb))))
+            cells = [{x["seed"]: x["accuracy"] for x in accuracy if (x["patch"], x["res"]) == c}
+                     for c in ((pa, ra), (pb, rb))]
+            test = stats.paired(*cells)
             if test:
                 lines.append(f"- {ra} px, patch {pb} → {pa}: {100 * test[0]:+.1f} points (p={test[1]:.2g})")
+                tests.append(verdicts.paired(f"{ra} px, patch {pb} → {pa}", *cells))
+        lines += verdicts.section(tests, "The halvings above (points).")
     return "\n".join(lines) + "\n"
 
 

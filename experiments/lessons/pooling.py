@@ -30,7 +30,7 @@ from vitmm import checkpoint as ckpt_lib
 from vitmm import xla_flags
 from vitmm.data import scenes
 from vitmm.models.vit import ViT
-from vitmm.study import outputs, stats
+from vitmm.study import outputs, stats, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -88,6 +88,8 @@ def main(argv=None) -> pathlib.Path:
     args, preset, seeds = common.parse_args(__doc__.splitlines()[0], "results/lessons/pooling", PRESETS, argv,
                                             extra=(("tower", str), ("epochs", int)))
     out = pathlib.Path(args.out)
+    if args.report:
+        return common.rewrite(out, "pooling", ('runs.csv',), to_markdown)
     out.mkdir(parents=True, exist_ok=True)
     tower_dir = pathlib.Path(preset.get("tower") or ROOT / "workdirs/clip_scenes")
     if not (tower_dir / "checkpoints").is_dir():
@@ -146,11 +148,14 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
         lines.append(f"| {names[pool]} (`{pool}`) | "
                      + " | ".join(outputs.mean_ci(_cell(rows, "train", t, pool)) for t in common.TASKS) + " |")
     lines += ["", "Paired by seed (points, p):", ""]
+    tests = []
     for a, b in (("tok", "gap"), ("map", "gap"), ("tok", "map")):
         cells = []
         for task in common.TASKS:
-            test = stats.paired(_cell(rows, "train", task, a), _cell(rows, "train", task, b))
+            x, y = _cell(rows, "train", task, a), _cell(rows, "train", task, b)
+            test = stats.paired(x, y)
             cells.append(f"{task} {100 * test[0]:+.1f} (p={test[1]:.2g})" if test else f"{task} –")
+            tests.append(verdicts.paired(f"{task}: {names[a]} − {names[b]}", x, y))
         lines.append(f"- {names[a]} − {names[b]}: " + "; ".join(cells))
     lines += ["", f"**Linear probe** on the pooled features of `{setup['tower']}` (pool "
               f"`{setup['tower_config'].get('pool')}`, class token {setup['tower_config'].get('class_token', False)}) "
@@ -167,7 +172,10 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
     if test:
         lines += ["", f"Pretrained − untrained test accuracy: {100 * test[0]:+.1f} points (p={test[1]:.2g}, paired by "
                   "seed)."]
-    return "\n".join(lines) + "\n"
+    tests.append(verdicts.paired("linear probe: pretrained − untrained tower", _cell(rows, "probe", "shape (easy)",
+                                                                                  "pretrained"),
+                                 _cell(rows, "probe", "shape (easy)", "untrained")))
+    return "\n".join(lines + verdicts.section(tests, "The paired tests above (points).")) + "\n"
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import numpy as np
 from experiments.lessons import common
 from vitmm import xla_flags
 from vitmm.models.vit import ViT
-from vitmm.study import outputs, stats
+from vitmm.study import outputs, stats, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -98,6 +98,8 @@ def main(argv=None) -> pathlib.Path:
                                             extra=(("epochs", int), ("train_images", int)))
     eval_res = [int(r) for r in preset["eval_res"].split(",")]
     out = pathlib.Path(args.out)
+    if args.report:
+        return common.rewrite(out, "positions", ('runs.csv',), to_markdown)
     out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
@@ -141,6 +143,7 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
              f"px / {setup['model']['patch_size']}); mean ± 95% CI over {len(setup['seeds'])} seeds. Shuffled: the "
              f"test images at {train_res} px with their patches permuted. Equivariance error: "
              "max |f(Px) − Pf(x)| / max |f(x)| of the output patch tokens.", ""]
+    tests = []
     for task in dict.fromkeys(r["task"] for r in rows):
         lines += [f"**Task `{task}`**", "",
                   "| positions | first-epoch loss | " + " | ".join(f"{r} px" + (" (train)" if r == train_res else "")
@@ -155,11 +158,14 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
         for a, b in (("learn", "sincos2d"), ("learn", "none"), ("sincos2d", "none"), ("rope2d", "sincos2d")):
             cells = []
             for r in res:
-                test = stats.paired(_cell(rows, task, a, f"acc_{r}"), _cell(rows, task, b, f"acc_{r}"))
+                x, y = _cell(rows, task, a, f"acc_{r}"), _cell(rows, task, b, f"acc_{r}")
+                test = stats.paired(x, y)
                 cells.append(f"{r} px {100 * test[0]:+.1f} (p={test[1]:.2g})" if test else f"{r} px –")
+                tests.append(verdicts.paired(f"{task}: {a} − {b} at {r} px", x, y))
             lines.append(f"- {a} − {b}: " + "; ".join(cells))
         lines.append("")
-    return "\n".join(lines)
+    lines = lines[:-1] + verdicts.section(tests, "The paired tests above (points), both tasks.")
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], setup: dict, path: pathlib.Path) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from experiments.lessons import common
 from vitmm import xla_flags
 from vitmm.models.vit import ViT
-from vitmm.study import outputs, stats
+from vitmm.study import outputs, stats, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -90,6 +90,8 @@ def main(argv=None) -> pathlib.Path:
     args, preset, seeds = common.parse_args(__doc__.splitlines()[0], "results/lessons/registers", PRESETS, argv,
                                             extra=(("epochs", int),))
     out = pathlib.Path(args.out)
+    if args.report:
+        return common.rewrite(out, "registers", ('runs.csv',), to_markdown)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     train = common.single_shape_set(preset["difficulty"], preset["res"], "train", preset["train_images"])
@@ -135,14 +137,18 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
                      f"{outputs.mean_ci(cell(r, 'cls_entropy_norm'), 1, 3)} | "
                      f"{outputs.mean_ci(cell(r, 'register_mass'))} |")
     lines += ["", "Against 0 registers, paired by seed (difference, p):", ""]
+    tests = []
     for r in REGISTERS[1:]:
         parts = []
-        for key, scale, name in (("accuracy", 100, "accuracy"), ("outlier_share", 100, "outlier share"),
-                                 ("cls_entropy_norm", 1, "CLS entropy / uniform")):
+        for key, scale, name, digits in (("accuracy", 100, "accuracy", 1), ("outlier_share", 100, "outlier share", 3),
+                                         ("cls_entropy_norm", 1, "CLS entropy / uniform", 3)):
             test = stats.paired(cell(r, key), cell(0, key))
             parts.append(f"{name} {scale * test[0]:+.3g} (p={test[1]:.2g})" if test else f"{name} –")
+            tests.append(verdicts.paired(f"{r} − 0 registers: {name}", cell(r, key), cell(0, key), scale,
+                                         digits=digits))
         lines.append(f"- {r} registers: " + "; ".join(parts))
-    return "\n".join(lines) + "\n"
+    what = "The paired tests above (accuracy and outlier share in points; the entropy ratio as a ratio)."
+    return "\n".join(lines + verdicts.section(tests, what)) + "\n"
 
 
 def plot(hists: dict, path: pathlib.Path) -> None:

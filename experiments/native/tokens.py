@@ -43,6 +43,7 @@ rerun does not train again; a rerun with more ``--seeds`` trains only the new on
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 import time
@@ -58,7 +59,7 @@ from vitmm import checkpoint as ckpt_lib
 from vitmm import decode, xla_flags
 from vitmm.models import lm, vlm
 from vitmm.models.vit import ViT
-from vitmm.study import outputs, stats, store
+from vitmm.study import outputs, stats, store, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -195,6 +196,7 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
                      + " | ".join(outputs.mean_ci(cell[m]) if m in cell else "" for m, _ in metrics) + " |")
     lines += ["", "## Paired tests (same seeds, same data order)", "",
               "| budget | comparison | metric | difference (points) | p |", "|---|---|---|---:|---:|"]
+    tests = []
     for budget in setup["budgets"]:
         for a, b in (("naflex", "square"), ("anyres", "square"), ("anyres", "naflex"), ("square", BLIND)):
             if (a, budget) not in s or (b, budget) not in s:
@@ -203,7 +205,21 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
                 test = stats.paired(s[(a, budget)][m], s[(b, budget)][m])
                 if test:
                     lines.append(f"| {budget} | {a} − {b} | {name} | {100 * test[0]:+.1f} | {test[1]:.3g} |")
+                    tests.append(verdicts.paired(f"{a} − {b} at {budget}, {name}", s[(a, budget)][m],
+                                                 s[(b, budget)][m]))
+    lines += verdicts.section(tests, "The paired tests above (points).", heading="## Verdicts\n\n")
     return "\n".join(lines) + "\n"
+
+
+def write_report(out: pathlib.Path) -> pathlib.Path:
+    """``--report``: ``native_tokens.md`` again from the finished run's ``runs.csv`` and ``setup.json``."""
+    missing = [name for name in ("runs.csv", "setup.json") if not (out / name).is_file()]
+    if missing:
+        raise SystemExit(f"--report: {out} has no {' or '.join(missing)}; a finished run writes them.")
+    setup = json.loads((out / "setup.json").read_text())
+    (out / "native_tokens.md").write_text(to_markdown(outputs.read_rows(out / "runs.csv"), setup))
+    print(f"wrote {out}/native_tokens.md from runs.csv and setup.json")
+    return out / "native_tokens.md"
 
 
 def plot(rows: list[dict], out: pathlib.Path) -> None:
@@ -247,6 +263,7 @@ def parse_args(argv=None):
     add("--tower", default=None, help="CLIP workdir (default workdirs/clip_scenes; smoke: OUT/tower)")
     add("--data_dir", default=None, help="TFDS data_dir for training the tower when it is missing")
     add("--smoke", action="store_true", help="a tiny run of every cell (the tests run it)")
+    add("--report", action="store_true", help="train nothing: OUT/native_tokens.md again from runs.csv and setup.json")
     for key, value in PRESETS["default"].items():
         if key != "lm":
             add(f"--{key}", type=type(value) if not isinstance(value, str) else str, default=None,
@@ -266,6 +283,8 @@ def parse_args(argv=None):
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
+    if args.report:
+        return write_report(out)
     out.mkdir(parents=True, exist_ok=True)
     tower_dir = pathlib.Path(args.tower or (out / "tower" if args.smoke else ROOT / "workdirs/clip_scenes"))
     tower_lib.ensure_tower(tower_dir, args.smoke, args.data_dir)

@@ -23,7 +23,7 @@ import pathlib
 import numpy as np
 
 from experiments.common import train_run
-from vitmm.study import stats
+from vitmm.study import stats, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KINDS = ("exists", "count", "color_at", "shape_at", "relative")
@@ -126,14 +126,21 @@ def report(table: pathlib.Path, counts: dict, out: pathlib.Path) -> None:
     lines += ["", "Differences (percentage points; two-sided p of a two-proportion z-test per kind):", "",
               "| comparison | " + " | ".join(c.removeprefix("acc_") for c in cols) + " |",
               "|---|" + "---:|" * len(cols)]
+    tests = []
     for a, b in pairs:
         if a in rows and b in rows:
             cells = []
             for c, n in zip(cols, ns, strict=True):
                 pa, pb = float(rows[a][c]), float(rows[b][c])
-                cells.append(f"{100 * (pa - pb):+.1f} (p={stats.two_proportion_p(pa, pb, n):.2g})")
+                p = stats.two_proportion_p(pa, pb, n)
+                cells.append(f"{100 * (pa - pb):+.1f} (p={p:.2g})")
+                tests.append(verdicts.Test(f"{a} − {b}, {c.removeprefix('acc_')}", 100 * (pa - pb), None, p,
+                                           unit=f"{n} questions"))
             lines.append(f"| {a} − {b} | " + " | ".join(cells) + " |")
+    lines += verdicts.section(tests, "The differences above (points; one seed per run, so the unit is the question: "
+                                     "a run-to-run difference of another seed is not in these tests).")
     (out / "vlm_smollm2.md").write_text("\n".join(lines) + "\n")
+    (out / "counts.json").write_text(json.dumps(counts) + "\n")
 
 
 def main(argv=None):
@@ -146,13 +153,20 @@ def main(argv=None):
     parser.add_argument("--data_dir", default=None)
     parser.add_argument("--only", default=None, help="comma-separated run names (default: all)")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--report", action="store_true", help="train nothing: vlm_smollm2.md again from runs.csv and "
+                        "counts.json (the questions per kind)")
     args = parser.parse_args(argv)
     overrides = [f"--config.init.{k}={v}" for k, v in (("vision", args.vision), ("lm", args.lm)) if v]
     if args.data_dir:
         overrides.append(f"--config.input.data_dir={args.data_dir}")
     out, workdirs = pathlib.Path(args.out), pathlib.Path(args.workdirs)
-    out.mkdir(parents=True, exist_ok=True)
     table = out / "runs.csv"
+    if args.report:
+        if not table.is_file() or not (out / "counts.json").is_file():
+            raise SystemExit(f"--report: {out} has no runs.csv or counts.json; a finished study writes them.")
+        report(table, json.loads((out / "counts.json").read_text()), out)
+        return out / "vlm_smollm2.md"
+    out.mkdir(parents=True, exist_ok=True)
     done = {r["run"] for r in csv.DictReader(table.open())} if table.is_file() else set()
     # The from-scratch LM sees as many examples as both SmolLM2 stages together (batch 64 there).
     scratch_steps = 4 if args.smoke else max(2 * args.steps * 16 // 64, 1)

@@ -45,6 +45,7 @@ class Test:
     p_adj: float = math.nan
     family_size: int = 0
     method: str = "Holm"
+    digits: int = 1  # decimals of the estimate and CI as printed (and tagged)
 
     @property
     def word(self) -> str:
@@ -72,16 +73,32 @@ def correct(tests: list[Test], method: str = "holm") -> list[Test]:
             for t, a in zip(tests, adjusted, strict=True)]
 
 
-def _estimate(t: Test, digits: int = 1) -> str:
-    return f"{t.estimate:+.{digits}f}"
+def paired(name: str, a: dict, b: dict, scale: float = 100.0, **kwargs) -> Test | None:
+    """``a − b`` paired by seed (``{seed: value}`` dicts; the seeds both hold), in ``scale`` units:
+    the mean difference, its 95% CI and the p of a one-sample t-test; None with fewer than two seeds."""
+    seeds = sorted(set(a) & set(b))
+    test = stats.one_sample([a[k] - b[k] for k in seeds])
+    return None if test is None else Test(name, scale * test[0], scale * test[1], test[2], **kwargs)
 
 
-def tag(t: Test, digits: int = 1) -> str:
+def section(tests: list[Test | None], what: str, heading: str = "**Verdicts.**") -> list[str]:
+    """The verdict table of a report's tests (Nones, tests without data, dropped), all corrected
+    together: what a report generator appends."""
+    tests = [t for t in tests if t is not None]
+    title = heading + ("" if heading.endswith("\n") else " ") + what
+    return ["", *table_lines(correct(tests), title)] if tests else []
+
+
+def _estimate(t: Test) -> str:
+    return f"{t.estimate:+.{t.digits}f}"
+
+
+def tag(t: Test) -> str:
     """``[word: estimate, Holm p P of N]``: what prose cites for a finding."""
-    return f"[{t.word}: {_estimate(t, digits)}, {t.method} p {t.p_adj:.2g} of {t.family_size}]"
+    return f"[{t.word}: {_estimate(t)}, {t.method} p {t.p_adj:.2g} of {t.family_size}]"
 
 
-def table_lines(tests: list[Test], title: str, digits: int = 1) -> list[str]:
+def table_lines(tests: list[Test], title: str) -> list[str]:
     """The report's verdict table: every test, its estimate ± 95% CI, unadjusted and adjusted p,
     the unit and the verdict with the tag prose may cite."""
     if not tests:
@@ -94,9 +111,9 @@ def table_lines(tests: list[Test], title: str, digits: int = 1) -> list[str]:
              "| test | estimate | 95% CI | unit | p | adjusted p | verdict | tag | note |",
              "|---|---:|---:|---|---:|---:|---|---|---|"]
     for t in tests:
-        ci = "" if t.ci is None or t.ci != t.ci else f"± {t.ci:.{digits}f}"
-        lines.append(f"| {t.name} | {_estimate(t, digits)} | {ci} | {t.unit} | {t.p:.2g} | {t.p_adj:.2g} | "
-                     f"{t.word} | `{tag(t, digits)}` | {t.note} |")
+        ci = "" if t.ci is None or t.ci != t.ci else f"± {t.ci:.{t.digits}f}"
+        lines.append(f"| {t.name} | {_estimate(t)} | {ci} | {t.unit} | {t.p:.2g} | {t.p_adj:.2g} | "
+                     f"{t.word} | `{tag(t)}` | {t.note} |")
     return lines
 
 

@@ -172,3 +172,21 @@ def test_channels_inputs_and_smoke_run(tmp_path, lesson):
     assert int(cost[("8", "proj3")]["params"]) - int(cost[("3", "linear")]["params"]) == 3 * (8 + 1)
     assert "| 8 | proj3 |" in (out / "channels.md").read_text()
     assert (out / "channels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("name", "csvs"), [("positions", ("runs.csv",)), ("pooling", ("runs.csv",)),
+                                            ("registers", ("runs.csv",)), ("patch_size", ("cost.csv", "accuracy.csv")),
+                                            ("channels", ("runs.csv", "cost.csv"))])
+def test_each_committed_report_is_written_again_from_its_runs_with_its_verdicts(tmp_path, name, csvs):
+    """``--report`` rewrites NAME.md from the committed CSV files and setup.json, byte for byte: the
+    tables as committed and the Verdicts table (the report's paired tests, corrected together)."""
+    import importlib
+    import shutil
+
+    committed = ROOT / "results/lessons" / name
+    for f in (*csvs, "setup.json"):
+        shutil.copy(committed / f, tmp_path / f)
+    written = importlib.import_module(f"experiments.lessons.{name}").main(["--report", "--out", str(tmp_path)])
+    assert written.read_text() == (committed / f"{name}.md").read_text()
+    assert "corrected together (Holm)" in written.read_text() and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*csvs, "setup.json", f"{name}.md"])

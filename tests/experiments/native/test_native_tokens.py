@@ -118,3 +118,18 @@ def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
     assert "| naflex − square | all |" in table and (out / "native_tokens.png").stat().st_size > 0
     accuracy = lambda rs: sorted((r["path"], r["budget"], r["seed"], r["accuracy"]) for r in rs if r["seed"] != "1")  # noqa: E731
     assert accuracy(more) == accuracy(rows)
+
+
+def test_the_committed_report_is_written_again_from_its_runs_with_every_test_corrected(tmp_path):
+    """``--report`` rewrites ``native_tokens.md`` from ``runs.csv`` and ``setup.json``: the committed
+    report, Verdicts table included (its 30 paired tests corrected together), byte for byte."""
+    import shutil
+
+    from experiments.native import tokens
+
+    committed = ROOT / "results/native/tokens_6000"
+    for name in ("runs.csv", "setup.json"):
+        shutil.copy(committed / name, tmp_path / name)
+    written = tokens.main(["--report", "--out", str(tmp_path)])
+    assert written.read_text() == (committed / "native_tokens.md").read_text()
+    assert "All 30 tests of this report corrected together (Holm)" in written.read_text()

@@ -1,5 +1,7 @@
 """``python -m experiments.vlm_smollm2``: a row per finished run, skipped on a rerun."""
 
+import pytest
+
 from experiments.vlm_smollm2 import study
 
 
@@ -19,3 +21,21 @@ def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_
     assert "| scratch_lm_same_examples |" in (tmp_path / "out/vlm_smollm2.md").read_text()
 
 
+
+
+def test_the_committed_report_is_written_again_from_its_runs_with_its_verdicts(tmp_path):
+    """``--report`` rewrites vlm_smollm2.md from runs.csv and counts.json (no workdir needed): the
+    committed report, Verdicts table included, byte for byte; without them it refuses."""
+    import pathlib
+    import shutil
+
+    from experiments.vlm_smollm2 import study
+
+    committed = pathlib.Path(__file__).resolve().parents[3] / "results/vlm_smollm2"
+    with pytest.raises(SystemExit, match="has no runs.csv or counts.json"):
+        study.main(["--report", "--out", str(tmp_path)])
+    for name in ("runs.csv", "counts.json"):
+        shutil.copy(committed / name, tmp_path / name)
+    written = study.main(["--report", "--out", str(tmp_path)])
+    assert written.read_text() == (committed / "vlm_smollm2.md").read_text()
+    assert "All 30 tests of this report corrected together (Holm)" in written.read_text()
