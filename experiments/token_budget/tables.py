@@ -297,7 +297,8 @@ def claim_lines(summary: list[dict]) -> list[str]:
         return "too few rows" if t is None else f"{100 * t[0]:+.1f} ± {100 * t[1]:.1f} points (p={t[2]:.2g})"
 
     lines = ["Claims, tested (mean over seeds ± 95% CI; t-tests over seeds; Holm: the p adjusted for the claim's "
-             "tests at every token count and both groups of kinds):", ""]
+             "tests at every token count and both groups of kinds; the Verdicts table at the end corrects every test "
+             "of this report together, and the verdicts follow it):", ""]
     counts = sorted({int(s["tokens"]) for s in ok_rows(summary, "") if s["family"] != BLIND})
     honeybee = [(tokens, name, test) for tokens in counts
                 for name, kinds in (("spatial kinds (" + ", ".join(SPATIAL) + ")", SPATIAL),
