@@ -105,3 +105,22 @@ def test_qa_tokens_mark_the_answer_and_keep_it_whole():
     assert _run("qa_tokens(40, max_answer=2)", ex)["answer_mask"].sum() == 2  # '2' and EOS: allowed
     with pytest.raises(ValueError, match=r"'22' is 3 tokens with EOS, more than max_answer=2 .*model.loss_positions"):
         _run("qa_tokens(40, max_answer=2)", {"question": "q", "answer": "22"})
+
+
+def test_resize_of_the_shorter_side_keeps_the_aspect_as_transformers_clip_processors_round_it():
+    from PIL import Image
+
+    from vitmm.data import images
+
+    # int(16 * 25 / 20) = 20 (not 20.0 rounded up); wide and tall images alike
+    assert images.shorter_side_size((25, 20), 16) == (20, 16) and images.shorter_side_size((20, 25), 16) == (16, 20)
+    assert images.shorter_side_size((16, 33), 16) == (16, 33)
+    image = np.random.default_rng(0).integers(0, 256, (25, 20, 3), dtype=np.uint8)
+    fn = preprocess.parse("resize(16, method='bicubic', shorter=True)|center_crop(16)")
+    out = fn({"image": image}, np.random.default_rng(0))["image"]
+    want = np.asarray(Image.fromarray(image).resize((16, 20), Image.Resampling.BICUBIC))[2:18]
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(ValueError, match="method='lanczos'"):
+        preprocess.parse("resize(16, method='lanczos')")
+    with pytest.raises(ValueError, match="give the shorter side as one number"):
+        preprocess.parse("resize((16, 20), shorter=True)")

@@ -61,3 +61,24 @@ def pad_to_square(image: np.ndarray, fill) -> np.ndarray:
     top, left = (side - h) // 2, (side - w) // 2
     out[top:top + h, left:left + w] = image
     return out
+
+
+RESAMPLING = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
+
+
+def resize(image: np.ndarray, size: tuple[int, int], method: str = "bilinear") -> np.ndarray:
+    """uint8 ``image`` resized to ``size`` (height, width) with PIL's ``method``."""
+    if method not in RESAMPLING:
+        raise ValueError(f"resize method {method!r}: choose one of {tuple(RESAMPLING)}.")
+    if image.shape[:2] == tuple(size):
+        return image
+    return np.asarray(Image.fromarray(image).resize((size[1], size[0]), RESAMPLING[method]))
+
+
+def shorter_side_size(hw: tuple[int, int], size: int) -> tuple[int, int]:
+    """``(height, width)`` with the shorter side ``size`` and the longer ``int(size * long / short)``
+    (rounded down, as transformers' CLIP-style image processors compute it)."""
+    h, w = hw
+    short, long = min(h, w), max(h, w)
+    new_long = int(size * long / short)
+    return (new_long, size) if w <= h else (size, new_long)

@@ -45,7 +45,6 @@ import re
 from collections.abc import Callable
 
 import numpy as np
-from PIL import Image
 
 from vitmm.data import images as images_lib
 from vitmm.data import ops_text
@@ -154,9 +153,7 @@ def to_rgb(image: np.ndarray) -> np.ndarray:
 
 
 def _resize(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    if image.shape[:2] == size:
-        return image
-    return np.asarray(Image.fromarray(image).resize((size[1], size[0]), Image.Resampling.BILINEAR))
+    return images_lib.resize(image, size)
 
 
 def _pair(size) -> tuple[int, int]:
@@ -221,11 +218,18 @@ def pad_to_square(fill=(0.5, 0.5, 0.5), key="image"):
 
 
 @register("resize")
-def resize(size, key="image"):
-    size = _pair(size)
+def resize(size, key="image", method="bilinear", shorter=False):
+    """To ``size`` (a side or ``(height, width)``) with PIL's ``method`` (``bilinear``, ``bicubic``);
+    ``shorter=True``: the shorter side to ``size``, the aspect kept (transformers' CLIP processors'
+    ``shortest_edge``; with ``method='bicubic'`` and ``center_crop``, their exact pixels)."""
+    if method not in images_lib.RESAMPLING:
+        raise ValueError(f"resize(method={method!r}): choose one of {tuple(images_lib.RESAMPLING)}.")
+    if shorter and not isinstance(size, int):
+        raise ValueError(f"resize({size!r}, shorter=True): give the shorter side as one number.")
 
     def fn(ex, rng):
-        ex[key] = _resize(ex[key], size)
+        hw = images_lib.shorter_side_size(ex[key].shape[:2], size) if shorter else _pair(size)
+        ex[key] = images_lib.resize(ex[key], hw, method)
         return ex
 
     return fn

@@ -8,10 +8,12 @@
     python -m vitmm.interop --from big_vision --src webli_en_b16_224_63724782.npz --out DIR   # SigLIP
     python -m vitmm.interop --from hf --src ~/models/SmolLM2-135M-Instruct --out workdirs/smollm2
     python -m vitmm.interop --from gguf --src SmolLM2-135M-Instruct.Q4_1.gguf --out workdirs/smollm2_q4
+    python -m vitmm.interop --from hf --src ~/models/llava-1.5-7b-hf --out workdirs/llava15   # a whole VLM
 
 ``--from hf`` reads CLIP (``--tower`` both, vision or text), SigLIP and ViT/DINOv2 folders
 (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``) by their ``model_type``, and
-Llama / Qwen2 / Gemma language models (with the folder's ``tokenizer.json``); ``--from gguf`` a
+Llama / Qwen2 / Gemma language models (with the folder's ``tokenizer.json``), and whole VLMs by their
+``architectures`` (``vitmm.interop.hf_vlm``: a VLM workdir for ``vitmm.chat``/``serve``/``train``); ``--from gguf`` a
 Llama-architecture GGUF language model (its tokenizer rebuilt from the metadata);
 ``--from timm`` a ``VisionTransformer`` state dict (``--num_heads``, default width/64;
 ``--global_pool`` when a CLS model was trained with ``avg``); ``--from open_clip`` a ViT ``CLIP``

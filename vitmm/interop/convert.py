@@ -72,13 +72,14 @@ def load_language_model(source: str, src) -> tuple[dict, dict, str | None, str |
     folder = pathlib.Path(src).expanduser()
     folder = folder if folder.is_dir() else folder.parent
     tokenizer = (folder / "tokenizer.json").read_text() if (folder / "tokenizer.json").is_file() else None
-    config = folder / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-    model_config = io.read_json(folder)
+    return kwargs, params, tokenizer, io.chat_template(folder), special_ids(io.read_json(folder))
+
+
+def special_ids(model_config: dict) -> dict:
+    """``{bos_id, eos_id, pad_id}`` from a transformers ``config.json`` (a VLM's: its ``text_config``)."""
     first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731 - some configs list several EOS ids
-    ids = {k: first(model_config.get(g)) for k, g in
-           (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "pad_token_id"))}
-    return kwargs, params, tokenizer, template, ids
+    return {k: first(model_config.get(g)) for k, g in
+            (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "pad_token_id"))}
 
 
 # Input statistics (mean, std per channel of x / 255) each source's towers were trained with.
@@ -115,14 +116,16 @@ def image_normalization(source: str, src) -> tuple[tuple, tuple]:
     return HALF
 
 
-def _new_folder(out) -> pathlib.Path:
+def new_folder(out) -> pathlib.Path:
+    """``out`` as an absolute path, refused when it already holds a checkpoint."""
     out = pathlib.Path(out).expanduser().absolute()
     if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise FileExistsError(f"{out} already holds a checkpoint; choose a new --out.")
     return out
 
 
-def _write(out: pathlib.Path, params: dict, config: dict) -> pathlib.Path:
+def write(out: pathlib.Path, params: dict, config: dict) -> pathlib.Path:
+    """``params`` and ``config`` as checkpoint 0 of ``out``, written whole or not at all."""
     checkpointer = Checkpointer(out, keep=1, async_save=False)
     checkpointer.save(0, {"params": params}, {}, {"step": 0, "config": json.dumps(config)})
     checkpointer.close()
@@ -133,11 +136,11 @@ def convert_language_model(source: str, src, out) -> pathlib.Path:
     """An LM checkpoint folder: parameters under ``lm``, the model's settings at
     ``config["model"]["lm"]``, the chat template at ``config["chat_template"]``, and the tokenizer
     as ``out/tokenizer.json`` (when the source has one)."""
-    out = _new_folder(out)
+    out = new_folder(out)
     kwargs, params, tokenizer, template, ids = load_language_model(source, src)
     config = {"model": {"lm": kwargs}, "source": {"from": source, "src": str(src)}, "chat_template": template,
               "tokens": ids}
-    _write(out, {"lm": params}, config)
+    write(out, {"lm": params}, config)
     if tokenizer is not None:
         (out / "tokenizer.json").write_text(tokenizer)
     return out
@@ -146,14 +149,23 @@ def convert_language_model(source: str, src, out) -> pathlib.Path:
 def convert(source: str, src, out, *, tower: str = "both", image_size=None, **options) -> pathlib.Path:
     """Writes ``load(source, src, ...)`` to the new checkpoint folder ``out`` and returns it
     (a language model goes through ``convert_language_model``)."""
+    from vitmm.interop import hf_vlm
+    from vitmm.interop import io as io_lib
     from vitmm.models.patch_embed import to_pair
 
+    if source == "hf" and hf_vlm.is_vlm(src):  # a whole VLM: a VLM workdir
+        given = {k: v for k, v in options.items() if v is not None}
+        if given or image_size is not None or tower != "both":
+            names = "/".join(io_lib.read_json(src).get("architectures") or ["VLM"])
+            raise ValueError(f"{src} is a whole VLM ({names}); --tower, --image_size and {sorted(given)} do not "
+                             "apply.")
+        return hf_vlm.import_vlm(src, out)
     if is_language_model(source, src):
         given = {k: v for k, v in options.items() if v is not None}
         if given or image_size is not None or tower != "both":
             raise ValueError(f"{src} is a language model; --tower, --image_size and {sorted(given)} do not apply.")
         return convert_language_model(source, src, out)
-    out = _new_folder(out)
+    out = new_folder(out)
     model, params = load(source, src, tower=tower, image_size=image_size, **options)
     config = {"model": model, "source": {"from": source, "src": str(src), "tower": tower}}
     size = None
@@ -167,4 +179,4 @@ def convert(source: str, src, out, *, tower: str = "both", image_size=None, **op
         config["input"] = {"image_mean": list(mean), "image_std": list(std)}
     if size is not None:  # an int for a square image, else [height, width]
         config["input"]["image_size"] = size[0] if size[0] == size[1] else list(size)
-    return _write(out, params, config)
+    return write(out, params, config)

@@ -75,11 +75,16 @@ def _linear(sd: StateDict, name: str, bias: bool) -> dict:
 def load_lm(src: str | pathlib.Path) -> tuple[dict, dict]:
     """``(LM kwargs, params)`` of a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
     ``GemmaForCausalLM`` folder; anything missing, left over or mis-shaped is listed in one error."""
+    return lm_from_tensors(io.read_json(src), io.read_tensors(src), src)
+
+
+def lm_from_tensors(config: dict, tensors: dict, src) -> tuple[dict, dict]:
+    """``load_lm`` on a config and tensors already read (``model.*`` and ``lm_head.*`` names; a VLM's
+    language model once its own prefix is taken off)."""
     from vitmm.models.lm import LM
 
-    config = io.read_json(src)
     kwargs = lm_kwargs(config, src)
-    tensors = io.read_tensors(src)
+    tensors = dict(tensors)
     if kwargs["tie_embeddings"]:
         tensors.pop("lm_head.weight", None)  # a tied head, when saved at all, is the embedding matrix
     sd = StateDict(tensors, str(src))

@@ -80,6 +80,19 @@ def read_json(src: str | pathlib.Path, name: str = "config.json") -> dict:
     return json.loads(path.read_text())
 
 
+def chat_template(folder: pathlib.Path) -> str | None:
+    """A transformers folder's chat template: ``chat_template.jinja`` (transformers 5),
+    ``chat_template.json`` or ``tokenizer_config.json``'s ``chat_template`` (older saves); None without one."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            template = json.loads((folder / name).read_text()).get("chat_template")
+            if template:
+                return template
+    return None
+
+
 def write_safetensors(tensors: dict[str, np.ndarray], path: str | pathlib.Path) -> None:
     from safetensors.numpy import save_file
 

@@ -249,7 +249,8 @@ def vlm_parts(config) -> tuple[dict, dict]:
 
 def tokenizer_for(config):
     """The run's tokenizer: the one saved with ``init.lm`` (a VLM on a pretrained LM), else
-    ``config.tokenizer`` (a tokenizer.json) or bytes."""
+    ``config.tokenizer`` (a tokenizer.json; with ``config.chat_template`` and the special
+    ``config.tokens`` where set, as an imported VLM's workdir has them) or bytes."""
     import pathlib
 
     from vitmm.data import tokenizer as tok_lib
@@ -262,7 +263,8 @@ def tokenizer_for(config):
         saved = ckpt_lib.load_config(lm_dir)
         ids = {k: v for k, v in (saved.get("tokens") or {}).items() if v is not None}
         return tok_lib.get_tokenizer(str(path), chat_template=saved.get("chat_template"), **ids)
-    return tok_lib.get_tokenizer(config.get("tokenizer"))
+    ids = {k: v for k, v in (config.get("tokens") or {}).items() if v is not None}
+    return tok_lib.get_tokenizer(config.get("tokenizer"), chat_template=config.get("chat_template"), **ids)
 
 
 def _fit_positions(tower: dict, model_tower: dict, vision: dict) -> dict:

@@ -1,0 +1,117 @@
+"""A whole transformers LLaVA (``LlavaForConditionalGeneration`` with its ``LlavaProcessor``,
+``tests/fixtures/interop/hf_llava``, written by ``make_fixtures.py --only vlm``) imported into a vitmm
+VLM workdir: the processor's pixels and ids, the logits (≤ 1e-5 of the largest) and the greedy
+answers equal transformers'; every tensor layout transformers writes reads alike; what vitmm cannot
+hold is refused in one line with nothing written."""
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.interop import hf_vlm, io
+
+FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/hf_llava"
+IMAGE_TOKEN = 320  # the fixture tokenizer's <image>
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    from vitmm import chat
+
+    out = tmp_path_factory.mktemp("llava") / "w"
+    done = subprocess.run([sys.executable, "-m", "vitmm.interop", "--from", "hf", "--src", str(FIXTURE), "--out",
+                           str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out, chat.load(out)
+
+
+def test_llava_gives_transformers_pixels_ids_logits_and_greedy_answers(imported):
+    _, vlm = imported
+    ref = np.load(FIXTURE / "io.npz")
+    prompts = json.loads((FIXTURE / "prompts.json").read_text())
+    for i, prompt in enumerate(prompts):  # a 24x20 image (resized and cropped), then a 16x16 one
+        example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompt["messages"][0]["content"]}])
+        np.testing.assert_allclose(example["image"], ref[f"pixel_values_{i}"][0].transpose(1, 2, 0), atol=1e-6)
+        hf_ids = ref[f"input_ids_{i}"][0]
+        n, pos = int(example["prompt_len"]), int(example["image_pos"])
+        assert list(example["ids"][:n]) == [t for t in hf_ids if t != IMAGE_TOKEN]  # the text, token for token
+        at = np.flatnonzero(hf_ids == IMAGE_TOKEN)
+        assert pos == at[0] and len(at) == vlm.num_prompt_tokens(example) - n == 16  # where and how many
+        logits = np.asarray(vlm.task.model.apply({"params": vlm.params}, jnp.asarray(example["image"][None]),
+                                                 jnp.asarray(example["ids"][None, :n]), image_pos=jnp.array([pos])))
+        want = ref[f"logits_{i}"][0]
+        assert logits.shape[1:] == want.shape
+        assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
+        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+
+
+def test_the_workdir_holds_the_processors_settings_and_its_own_tokenizer(imported):
+    from vitmm import checkpoint as ckpt_lib
+
+    out, vlm = imported
+    config = ckpt_lib.load_config(out)
+    assert config["task"] == "vlm" and config["model"]["vision_layer"] == -2
+    assert config["model"]["connector"] == {"name": "mlp", "budget": "all"}
+    assert config["input"]["image_size"] == 16 and config["input"]["image_mean"][0] == pytest.approx(0.48145466)
+    assert config["tokenizer"] == str(out / "tokenizer.json") and (out / "tokenizer.json").is_file()
+    assert config["chat_template"] == (FIXTURE / "chat_template.jinja").read_text()
+    assert config["tokens"] == {"bos_id": 1, "eos_id": 2, "pad_id": 2}
+    assert vlm.ask(np.zeros((20, 30, 3), np.uint8), "what is it?", max_new_tokens=3) is not None
+
+
+def _relabel(tensors: dict, layout: str) -> dict:
+    """The fixture's tensors (transformers 5.24's hybrid layout) in another layout it writes."""
+    out = {}
+    for key, value in tensors.items():
+        if layout == "classic":  # 4.x and early 5.x: vision_tower.vision_model.*
+            key = key.replace("vision_tower.", "vision_tower.vision_model.", 1)
+        else:  # model.* (what LlavaForConditionalGeneration holds in memory)
+            key = ("lm_head." + key.removeprefix("language_model.lm_head.") if key.startswith("language_model.lm_head")
+                   else "model.language_model." + key.removeprefix("language_model.model.")
+                   if key.startswith("language_model.model.") else "model." + key)
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("layout", ["classic", "model_prefix"])
+def test_every_tensor_layout_transformers_writes_reads_alike(tmp_path, layout):
+    _, base = hf_vlm.load_llava(FIXTURE)[:2]
+    folder = tmp_path / layout
+    shutil.copytree(FIXTURE, folder)
+    io.write_safetensors(_relabel(io.read_tensors(FIXTURE), layout), folder / "model.safetensors")
+    _, params, _ = hf_vlm.load_llava(folder)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), params, base))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"vision_feature_select_strategy": "full"}, "vision_feature_select_strategy='full'"),
+    ({"vision_feature_layer": [-2, -1]}, "several layers concatenated"),
+    ({"vision_feature_layer": -1}, "the last block without the final norm"),
+    ({"projector_hidden_act": "relu"}, "projector_hidden_act='relu'"),
+    ({"architectures": ["Qwen2VLForConditionalGeneration"]}, "is a Qwen2VLForConditionalGeneration VLM, which vitmm "
+                                                              "does not import; it imports LlavaForConditional"),
+])
+def test_what_vitmm_cannot_hold_is_refused_in_one_line_and_nothing_is_written(tmp_path, change, message):
+    folder = tmp_path / "src"
+    shutil.copytree(FIXTURE, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "vitmm.interop", "--from", "hf", "--src", str(folder), "--out",
+                           str(out)], capture_output=True, text=True)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_options_for_one_tower_are_refused_for_a_whole_vlm(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "vitmm.interop", "--from", "hf", "--src", str(FIXTURE), "--out",
+                           str(tmp_path / "out"), "--image_size", "32"], capture_output=True, text=True)
+    assert done.returncode == 2 and "is a whole VLM (LlavaForConditionalGeneration)" in done.stderr
+    assert not (tmp_path / "out").exists()

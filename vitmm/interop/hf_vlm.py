@@ -1,0 +1,196 @@
+"""Whole transformers VLMs → a vitmm VLM workdir that ``vitmm.chat``, ``vitmm.serve`` and
+``vitmm.train`` (``init.checkpoint``) use as it is.
+
+    python -m vitmm.interop --from hf --src ~/models/llava-1.5-7b-hf --out workdirs/llava15
+
+A folder is recognised by ``config.json``'s ``architectures``. Supported: ``LlavaForConditionalGeneration``
+(a CLIP vision tower, its ``vision_feature_layer``, the ``default`` feature strategy, LLaVA's
+two-layer GELU projector as the ``mlp`` connector, and a Llama / Qwen2 / Gemma language model).
+What the workdir holds (``out``):
+
+* ``checkpoints/0``: the VLM's parameters (``tower``, ``project``, ``language``) and its config:
+  ``task="vlm"``, ``model.vision`` / ``model.connector`` / ``model.lm`` / ``model.vision_layer``,
+  ``input.pp`` (the processor's image steps: the shorter side resized with bicubic resampling,
+  the centre crop, the mean and std; then the chat template's conversation), ``input.image_size``;
+  ``tokenizer`` (``out/tokenizer.json``), ``chat_template`` and the special ``tokens``;
+* ``tokenizer.json``, the checkpoint's own.
+
+The tokenizer path is absolute: move the workdir and import it again. transformers writes a LLaVA
+checkpoint's tensors in several layouts (``vision_tower.vision_model.*`` or ``vision_tower.*``;
+``language_model.model.*`` or ``model.language_model.*``; ``lm_head`` or ``language_model.lm_head``):
+all are read. What a model needs that vitmm does not have is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from vitmm import tree
+from vitmm.interop import hf_lm, io
+from vitmm.interop.common import StateDict, finish, linear
+from vitmm.interop.convert import OPENAI_CLIP
+from vitmm.interop.hf import clip
+
+ARCHITECTURES = ("LlavaForConditionalGeneration",)
+CONVERSATION_PP = ("conversation_tokens({max_len}, overflow='truncate_turns', max_answer={loss_positions})|"
+                   "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image')")
+
+
+def architecture(src) -> str | None:
+    """The VLM architecture ``src``'s ``config.json`` names, if vitmm imports it (else None)."""
+    try:
+        names = io.read_json(src).get("architectures") or []
+    except FileNotFoundError:
+        return None
+    return next((n for n in names if n in ARCHITECTURES), None)
+
+
+def is_vlm(src) -> bool:
+    """Whether ``src`` is a whole transformers VLM (a vision and a text config, or an image-text
+    architecture), supported or not."""
+    try:
+        config = io.read_json(src)
+    except FileNotFoundError:
+        return False
+    names = config.get("architectures") or []
+    return ("vision_config" in config and "text_config" in config) or any(
+        n.endswith("ForConditionalGeneration") for n in names)
+
+
+def _llava_names(tensors: dict) -> dict:
+    """LLaVA's tensors under one set of names: ``vision.*`` (CLIP's ``vision_model.*`` without that
+    prefix), ``projector.*``, ``model.*`` and ``lm_head.*`` (the language model's own)."""
+    out = {}
+    for key, value in tensors.items():
+        name = key.removeprefix("model.") if key.startswith(("model.vision_tower", "model.multi_modal_projector",
+                                                             "model.language_model")) else key
+        for old, new in (("vision_tower.vision_model.", "vision."), ("vision_tower.", "vision."),
+                         ("multi_modal_projector.", "projector."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."), ("language_model.", "model.")):
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = value
+    return out
+
+
+def _feature_layer(config: dict, depth: int, src) -> int:
+    """vitmm's ``vision_layer`` for LLaVA's ``vision_feature_layer`` (HF's ``hidden_states[k]``)."""
+    layer = config.get("vision_feature_layer", -2)
+    if isinstance(layer, list):
+        raise ValueError(f"{src}: vision_feature_layer={layer} (several layers concatenated) is not supported; "
+                         "vitmm's VLM reads one layer.")
+    n = layer if layer < 0 else layer - (depth + 1)  # as hidden_states[-n]
+    if n == -1:
+        raise ValueError(f"{src}: vision_feature_layer={layer} is the last block without the final norm, which "
+                         "vitmm's VLM does not expose; it reads the second-to-last block or earlier.")
+    if not -(depth + 1) <= n <= -2:
+        raise ValueError(f"{src}: vision_feature_layer={layer} does not exist in a {depth}-block tower.")
+    return n
+
+
+def _processor(folder: pathlib.Path) -> tuple[dict, dict]:
+    """``(image processor settings, processor settings)`` from ``processor_config.json``
+    (transformers 5) or ``preprocessor_config.json`` (older folders)."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / name).is_file():
+            data = json.loads((folder / name).read_text())
+            return data.get("image_processor", data), data
+    raise FileNotFoundError(f"{folder} has no processor_config.json or preprocessor_config.json (the image "
+                            "settings); save the processor beside the model.")
+
+
+def _image_pp(images: dict, size: int, src) -> str:
+    """The pp of CLIPImageProcessor's steps: shorter side, bicubic; centre crop; rescale; normalize."""
+    shortest = (images.get("size") or {}).get("shortest_edge")
+    crop = images.get("crop_size") or {}
+    if images.get("do_pad") or not images.get("do_resize", True) or shortest is None:
+        raise ValueError(f"{src}: image processing {json.dumps({k: images.get(k) for k in ('size', 'do_pad')})} "
+                         "is not supported; vitmm reads the shortest-edge resize and centre crop of CLIP's processor.")
+    if images.get("resample", 3) != 3 or not images.get("do_center_crop", True):
+        raise ValueError(f"{src}: resample={images.get('resample')} / do_center_crop="
+                         f"{images.get('do_center_crop')}: vitmm reads bicubic resizing (3) with a centre crop.")
+    if (crop.get("height"), crop.get("width")) != (size, size):
+        raise ValueError(f"{src}: crop_size {crop} does not give the tower's {size}x{size} input.")
+    return f"decode|resize({shortest}, method='bicubic', shorter=True)|center_crop({size})|"
+
+
+def load_llava(src) -> tuple[dict, dict, dict]:
+    """``(run config, VLM params, processor settings)`` of a ``LlavaForConditionalGeneration`` folder."""
+    from vitmm.models.vit import ViT
+    from vitmm.models.vlm import VLM
+
+    src = pathlib.Path(src).expanduser()
+    config = io.read_json(src)
+    tensors = _llava_names(io.read_tensors(src))
+    if config.get("vision_feature_select_strategy", "default") != "default":
+        raise ValueError(f"{src}: vision_feature_select_strategy={config['vision_feature_select_strategy']!r} (the "
+                         "CLS token through the projector) is not supported; vitmm reads 'default' (patches only).")
+    if not config.get("multimodal_projector_bias", True):
+        raise ValueError(f"{src}: a projector without biases is not supported; vitmm's mlp connector has them.")
+    vision_type = (config.get("vision_config") or {}).get("model_type", "clip_vision_model")
+    if vision_type != "clip_vision_model":
+        raise ValueError(f"{src}: a {vision_type!r} vision tower is not supported in LLaVA; vitmm reads CLIP's.")
+    act = config.get("projector_hidden_act", "gelu")
+    if act != "gelu":
+        raise ValueError(f"{src}: projector_hidden_act={act!r} is not supported; LLaVA's is 'gelu'.")
+    text_config = config.get("text_config") or {"model_type": "llama"}
+
+    vision = clip.vision_kwargs(config, tensors, "vision.")
+    size = int((config.get("vision_config") or {}).get("image_size") or clip.VISION_DEFAULTS["image_size"])
+    vision_sd = StateDict({k: v for k, v in tensors.items() if k.startswith("vision.")}, f"{src} (vision tower)")
+    tower = finish(vision_sd, ViT(**vision), clip.vision_params(vision_sd, vision, "vision."),
+                   (jnp.zeros((1, size, size, 3)),), "a vitmm ViT (LLaVA's CLIP tower)")
+    lm_tensors = {k: v for k, v in tensors.items() if k.startswith(("model.", "lm_head."))}
+    lm, language = hf_lm.lm_from_tensors(text_config, lm_tensors, f"{src} (language model)")
+    proj_sd = StateDict({k: v for k, v in tensors.items() if k.startswith("projector.")}, f"{src} (projector)")
+    project = {"mlp": {"fc1": linear(proj_sd, "projector.linear_1"), "fc2": linear(proj_sd, "projector.linear_2")}}
+    left = sorted(set(tensors) - set(vision_sd.tensors) - set(lm_tensors) - set(proj_sd.tensors))
+    problems = [f"  missing: {k}" for k in proj_sd.missing] + [f"  unused: {k}" for k in proj_sd.unused() + left]
+    model = dict(vision=vision, connector={"name": "mlp", "budget": "all"}, lm=lm,
+                 vision_layer=_feature_layer(config, vision["depth"], src), use_cls=False, prefix_lm=False,
+                 mrope=False, anyres=None, max_len=2048, loss_positions=None)
+    params = {"tower": tower, "project": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), project),
+              "language": language}
+    if not problems:
+        vlm = VLM(vision, model["connector"], lm, model["vision_layer"])
+        expected = jax.eval_shape(vlm.init, jax.random.key(0), jnp.zeros((1, size, size, 3)),
+                                  jnp.zeros((1, 4), jnp.int32))["params"]
+        problems = tree.mismatches(expected, params)
+    if problems:
+        raise ValueError(f"Cannot load {src} as a vitmm VLM (LLaVA):\n" + "\n".join(problems))
+
+    images, processor = _processor(src)
+    pp = _image_pp(images, size, src) + "normalize({image_mean}, {image_std})|" + CONVERSATION_PP
+    mean, std = OPENAI_CLIP
+    run = {"task": "vlm", "seed": 0, "model": model, "init": {"vision": None, "lm": None, "checkpoint": None},
+           "lora": {"rank": 0, "alpha": 0.0, "dropout": 0.0, "targets": []},
+           "input": {"pp": pp, "image_size": size, "image_mean": list(images.get("image_mean", mean)),
+                     "image_std": list(images.get("image_std", std))}}
+    return run, params, {"image_token": processor.get("image_token", "<image>"), "text_config": text_config}
+
+
+def import_vlm(src, out) -> pathlib.Path:
+    """Writes the VLM workdir ``out`` for the transformers folder ``src`` (see the module docstring)."""
+    from vitmm.interop import convert
+
+    src = pathlib.Path(src).expanduser()
+    name = architecture(src)
+    if name is None:
+        raise ValueError(f"{src} is a {'/'.join(io.read_json(src).get('architectures') or ['?'])} VLM, which vitmm "
+                         f"does not import; it imports {', '.join(ARCHITECTURES)}.")
+    out = convert.new_folder(out)
+    run, params, extra = load_llava(src)
+    if not (src / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{src} has no tokenizer.json; save the processor (or tokenizer) beside the model.")
+    ids = {k: v if v is not None else convert.special_ids(io.read_json(src)).get(k)
+           for k, v in convert.special_ids(extra["text_config"]).items()}
+    run.update(tokenizer=str(out / "tokenizer.json"), chat_template=io.chat_template(src), tokens=ids,
+               source={"from": "hf", "src": str(src), "architecture": name})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
+    return convert.write(out, params, run)
