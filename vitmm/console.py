@@ -26,6 +26,7 @@ EXPECTED = (
     ("tensorflow_datasets", "Variant folder"),  # "... has no dataset_info.json": a build not written yet
     ("tensorflow_datasets", "OpenCV is not installed"),  # grain's image decoding: Pillow is what vitmm uses
     ("orbax", "read_only=True, setting save_interval_steps=0"),  # reading another run's checkpoints
+    ("orbax", "CheckpointManagerOptions.read_only=True, setting save_interval_steps=0"),  # the same, worded so
     ("orbax", "`read_only` is True"),
     ("orbax", "Given directory is read only"),
     ("orbax", 'Item "data" was found in the checkpoint, but could not be restored'),  # a params-only restore

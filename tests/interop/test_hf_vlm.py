@@ -115,3 +115,31 @@ def test_options_for_one_tower_are_refused_for_a_whole_vlm(tmp_path):
                            str(tmp_path / "out"), "--image_size", "32"], capture_output=True, text=True)
     assert done.returncode == 2 and "is a whole VLM (LlavaForConditionalGeneration)" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_imported_llava_fine_tunes_with_lora_as_it_is_and_chats(imported, tmp_path):
+    """README's "Start from a pretrained VLM": ``init.checkpoint`` = the imported workdir gives the run
+    its model, tokenizer and image settings; LoRA trains the adapters and the connector, the tower and
+    the LM stay as imported; ``vitmm.chat`` answers from the run."""
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.data import examples
+
+    out, _ = imported
+    data = examples.write_llava(tmp_path / "data", 8, resolution=24)
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "vitmm.train", "--config", "configs/llava_finetune.py:lora=4,smoke",
+                           "--workdir", str(run), f"--config.init.checkpoint={out}", f"--config.input.data_path={data}",
+                           f"--config.input.image_folder={data.parent}"], capture_output=True, text=True,
+                          cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "model, tokenizer and image settings from the imported LlavaForConditionalGeneration" in done.stdout
+    config, saved = ckpt_lib.load_config(run), ckpt_lib.load_config(out)
+    assert config["model"]["lm"] == saved["model"]["lm"] and config["input"]["image_size"] == 16
+    before, after = ckpt_lib.load_params(out), ckpt_lib.load_params(run)
+    assert jax.tree.all(jax.tree.map(np.array_equal, after["tower"], before["tower"]))
+    assert jax.tree.all(jax.tree.map(np.array_equal, after["language"], before["language"]))
+    assert "lora" in after and not jax.tree.all(jax.tree.map(np.array_equal, after["project"], before["project"]))
+    chat = subprocess.run([sys.executable, "-m", "vitmm.chat", "--workdir", str(run), "--image",
+                           str(next((data.parent / "images").iterdir())), "--question", "What is it?"],
+                          capture_output=True, text=True)
+    assert chat.returncode == 0 and "assistant:" in chat.stdout, chat.stderr[-2000:]

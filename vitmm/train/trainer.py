@@ -164,6 +164,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     starts at step 0. A run refused before it wrote anything leaves no workdir behind.
     """
     maybe_initialize_distributed(config)
+    config = tasks.from_imported_vlm(config)
     validate(config)
     workdir = pathlib.Path(workdir).expanduser()
     created = workdir_lib.make(workdir)
