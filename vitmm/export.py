@@ -1,8 +1,14 @@
-"""A trained VLM's parts back in the layouts other codebases read.
+"""A trained VLM back in the layouts other codebases read: whole, or its parts.
 
+    python -m vitmm.export --workdir workdirs/llava_s2 --out exported_hf/ --format hf
     python -m vitmm.export --workdir workdirs/smol/smollm2_stage2_lora --out exported/
 
-writes ``out/lm/`` (transformers' ``config.json`` + ``model.safetensors``, LoRA adapters merged,
+``--format hf`` writes one transformers folder (``vitmm.interop.hf_vlm.export_llava``): a VLM whose
+parts fit ``LlavaForConditionalGeneration`` (a CLIP-layout tower read at ``vision_layer`` ≤ -2, the
+``mlp`` connector, a Llama / Qwen2 / Gemma LM, LoRA merged, a tokenizer with ``<image>``) with its
+processor (the run's image steps), tokenizer and chat template, for ``AutoModelForImageTextToText``
+and ``AutoProcessor``; any other VLM is refused with every reason. The default, ``parts``, writes
+``out/lm/`` (transformers' ``config.json`` + ``model.safetensors``, LoRA adapters merged,
 with the tokenizer and chat template of the run's ``init.lm``), ``out/vision/`` (transformers'
 ``CLIPVisionModel`` layout, for towers of that form: a CLS token, learned positions with a CLS
 slot, pre-norm, LayerNorm, a square grid; a tower of another form is not written and the
@@ -26,7 +32,7 @@ from vitmm import tree
 from vitmm.interop import hf, hf_lm, io
 
 
-def _clip_vision_problem(kwargs: dict, params: dict) -> str | None:
+def clip_vision_problem(kwargs: dict, params: dict) -> str | None:
     """Why transformers' CLIP vision layout cannot hold this tower (None: it can)."""
     wants = {"class_token": True, "posemb": "learn", "posemb_layout": "with_cls", "pre_norm": True}
     wrong = [f"{k}={kwargs.get(k)!r} (needs {v!r})" for k, v in wants.items() if kwargs.get(k) != v]
@@ -70,7 +76,7 @@ def export_vlm(workdir, out) -> dict:
             (out / "lm" / "tokenizer_config.json").write_text(json.dumps({"chat_template": saved["chat_template"]}))
     written["lm"] = str(out / "lm")
 
-    problem = _clip_vision_problem(vision, params["tower"])
+    problem = clip_vision_problem(vision, params["tower"])
     if problem is None:
         tensors, hf_config = hf.export_clip_vision(vision, params["tower"])
         (out / "vision").mkdir()
@@ -102,9 +108,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vitmm.export", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="a `python -m vitmm.train` VLM workdir")
     parser.add_argument("--out", required=True, help="a new folder")
+    parser.add_argument("--format", default="parts", choices=("parts", "hf"),
+                        help="parts: the LM, tower and connector apart; hf: one transformers VLM folder")
     args = parser.parse_args(argv)
     try:
-        written = export_vlm(args.workdir, args.out)
+        if args.format == "hf":
+            from vitmm.interop import hf_vlm
+
+            written = hf_vlm.export_llava(args.workdir, args.out)
+        else:
+            written = export_vlm(args.workdir, args.out)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"python -m vitmm.export: {e}", file=sys.stderr)
         return 2

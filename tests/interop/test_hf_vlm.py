@@ -5,6 +5,7 @@ answers equal transformers'; every tensor layout transformers writes reads alike
 hold is refused in one line with nothing written."""
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -98,41 +99,55 @@ def test_every_tensor_layout_transformers_writes_reads_alike(tmp_path, layout):
     ({"architectures": ["Qwen2VLForConditionalGeneration"]}, "is a Qwen2VLForConditionalGeneration VLM, which vitmm "
                                                               "does not import; it imports LlavaForConditional"),
 ])
-def test_what_vitmm_cannot_hold_is_refused_in_one_line_and_nothing_is_written(tmp_path, change, message):
+def test_what_vitmm_cannot_hold_is_refused_in_one_line_and_nothing_is_written(tmp_path, capsys, change, message):
+    from vitmm.interop.__main__ import main
+
     folder = tmp_path / "src"
     shutil.copytree(FIXTURE, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **change}))
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "vitmm.interop", "--from", "hf", "--src", str(folder), "--out",
-                           str(out)], capture_output=True, text=True)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--from", "hf", "--src", str(folder), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
 
 
-def test_options_for_one_tower_are_refused_for_a_whole_vlm(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "vitmm.interop", "--from", "hf", "--src", str(FIXTURE), "--out",
-                           str(tmp_path / "out"), "--image_size", "32"], capture_output=True, text=True)
-    assert done.returncode == 2 and "is a whole VLM (LlavaForConditionalGeneration)" in done.stderr
+def test_options_for_one_tower_are_refused_for_a_whole_vlm(tmp_path, capsys):
+    from vitmm.interop.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--from", "hf", "--src", str(FIXTURE), "--out", str(tmp_path / "out"), "--image_size", "32"])
+    assert exit_.value.code == 2 and "is a whole VLM (LlavaForConditionalGeneration)" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-def test_an_imported_llava_fine_tunes_with_lora_as_it_is_and_chats(imported, tmp_path):
-    """README's "Start from a pretrained VLM": ``init.checkpoint`` = the imported workdir gives the run
-    its model, tokenizer and image settings; LoRA trains the adapters and the connector, the tower and
-    the LM stay as imported; ``vitmm.chat`` answers from the run."""
-    from vitmm import checkpoint as ckpt_lib
+@pytest.fixture(scope="module")
+def finetuned(imported, tmp_path_factory):
+    """configs/llava_finetune.py with LoRA from the imported workdir, 4 steps on written LLaVA data."""
     from vitmm.data import examples
 
     out, _ = imported
-    data = examples.write_llava(tmp_path / "data", 8, resolution=24)
-    run = tmp_path / "run"
+    root = tmp_path_factory.mktemp("finetune")
+    data = examples.write_llava(root / "data", 8, resolution=24)
+    run = root / "run"
     done = subprocess.run([sys.executable, "-m", "vitmm.train", "--config", "configs/llava_finetune.py:lora=4,smoke",
                            "--workdir", str(run), f"--config.init.checkpoint={out}", f"--config.input.data_path={data}",
                            f"--config.input.image_folder={data.parent}"], capture_output=True, text=True,
                           cwd=pathlib.Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "model, tokenizer and image settings from the imported LlavaForConditionalGeneration" in done.stdout
+    return run, data, done.stdout
+
+
+def test_an_imported_llava_fine_tunes_with_lora_as_it_is_and_chats(imported, finetuned):
+    """README's "Start from a pretrained VLM": ``init.checkpoint`` = the imported workdir gives the run
+    its model, tokenizer and image settings; LoRA trains the adapters and the connector, the tower and
+    the LM stay as imported; ``vitmm.chat`` answers from the run."""
+    from vitmm import checkpoint as ckpt_lib
+
+    (out, _), (run, data, stdout) = imported, finetuned
+    assert "model, tokenizer and image settings from the imported LlavaForConditionalGeneration" in stdout
     config, saved = ckpt_lib.load_config(run), ckpt_lib.load_config(out)
     assert config["model"]["lm"] == saved["model"]["lm"] and config["input"]["image_size"] == 16
     before, after = ckpt_lib.load_params(out), ckpt_lib.load_params(run)
@@ -143,3 +158,44 @@ def test_an_imported_llava_fine_tunes_with_lora_as_it_is_and_chats(imported, tmp
                            str(next((data.parent / "images").iterdir())), "--question", "What is it?"],
                           capture_output=True, text=True)
     assert chat.returncode == 0 and "assistant:" in chat.stdout, chat.stderr[-2000:]
+
+
+EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
+
+
+@pytest.mark.skipif(not pathlib.Path(EVAL_PYTHON or "/nonexistent").is_file(),
+                    reason="no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+def test_the_fine_tuned_vlm_exports_to_transformers_with_the_same_pixels_ids_logits_and_answers(finetuned, tmp_path):
+    """``python -m vitmm.export --format hf``: transformers (``.venv-eval``'s) loads the folder with
+    AutoModelForImageTextToText and AutoProcessor and gives vitmm's pixels (LLaVA's pad-to-square, the
+    run's), ids, logits (≤ 1e-5 of the largest) and greedy answers, LoRA merged."""
+    from vitmm import chat
+
+    run, _, _ = finetuned
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "vitmm.export", "--workdir", str(run), "--out", str(out), "--format",
+                           "hf"], capture_output=True, text=True)
+    assert done.returncode == 0 and "architecture: LlavaForConditionalGeneration" in done.stdout, done.stderr
+    rng = np.random.default_rng(5)
+    questions = ["<image>\nwhat colour is the circle?", "How many shapes? <image>"]
+    images = [rng.integers(0, 256, (24, 20, 3), dtype=np.uint8), rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)]
+    np.savez(tmp_path / "in.npz", **{f"image_{i}": x for i, x in enumerate(images)},
+             **{f"question_{i}": q for i, q in enumerate(questions)})
+    script = pathlib.Path(__file__).with_name("transformers_llava.py")
+    ran = subprocess.run([EVAL_PYTHON, str(script), str(out), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    ref, vlm = np.load(tmp_path / "out.npz"), chat.load(run)
+    assert str(ref["class"]) == "LlavaForConditionalGeneration"
+    for i, (image, question) in enumerate(zip(images, questions, strict=True)):
+        example = vlm.prepare([image], [{"from": "human", "value": question}])
+        np.testing.assert_allclose(example["image"], ref[f"pixel_values_{i}"][0].transpose(1, 2, 0), atol=1e-6)
+        n, pos = int(example["prompt_len"]), int(example["image_pos"])
+        hf_ids = ref[f"input_ids_{i}"][0]
+        assert list(example["ids"][:n]) == [t for t in hf_ids if t != IMAGE_TOKEN]
+        assert pos == np.flatnonzero(hf_ids == IMAGE_TOKEN)[0]
+        logits = np.asarray(vlm.task.model.apply({"params": vlm.params}, jnp.asarray(example["image"][None]),
+                                                 jnp.asarray(example["ids"][None, :n]), image_pos=jnp.array([pos])))
+        want = ref[f"logits_{i}"][0]
+        assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
+        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])

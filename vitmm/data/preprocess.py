@@ -87,11 +87,15 @@ def _parse_op(text: str):
     raise ValueError(f"Preprocessing op {text!r} must be NAME or NAME(args).")
 
 
+def ops(spec: str) -> list[tuple[str, tuple, dict]]:
+    """``spec``'s ops as ``(name, args, kwargs)``, in order (e.g. to describe a run's image steps)."""
+    return [_parse_op(text) for text in filter(str.strip, spec.split("|"))]
+
+
 def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], dict]:
     """Builds the per-example function for ``spec`` (ops separated by ``|``)."""
     fns = []
-    for text in filter(str.strip, spec.split("|")):
-        name, args, kwargs = _parse_op(text)
+    for name, args, kwargs in ops(spec):
         if name not in _OPS:
             raise ValueError(f"Unknown preprocessing op {name!r} in {spec!r}; available: {available_ops()}.")
         if name in _TAKES_TOKENIZER:
@@ -110,6 +114,9 @@ def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], di
 # Ops that read or write the image (after which a value mapping cannot move to the device).
 _IMAGE_OPS = {"decode", "resize", "naflex", "letterbox", "anyres", "center_crop", "random_resized_crop", "flip_lr",
               "value_range", "normalize", "blank", "pad_to_square"}
+
+
+IMAGE_OPS_NAMES = frozenset(_IMAGE_OPS)
 
 
 def split_image_affine(spec: str) -> tuple[str, tuple | None]:

@@ -121,6 +121,14 @@ class HFTokenizer:
     def token(self, token_id: int) -> str:
         return self._tok.id_to_token(int(token_id))
 
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (a vocabulary entry or an added token), None when there is none."""
+        return self._tok.token_to_id(token)
+
+    def to_str(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text."""
+        return self._tok.to_str()
+
     def chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """``messages`` (``{"role", "content"}`` dicts) rendered by the LM's chat template."""
         if not self.chat_template:

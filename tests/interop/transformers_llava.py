@@ -1,0 +1,34 @@
+"""Run an exported VLM folder in transformers (in an environment that has it, e.g. ``.venv-eval``):
+``python transformers_llava.py FOLDER INPUTS.npz OUT.npz`` loads it with ``AutoModelForImageTextToText``
+and ``AutoProcessor``, and for each ``image_i`` / ``question_i`` of INPUTS (one user turn, rendered by
+the folder's chat template) writes the processor's ``input_ids_i`` and ``pixel_values_i``, the
+``logits_i`` and a greedy ``answer_i`` of 6 tokens to OUT. ``tests/interop/test_hf_vlm.py`` compares
+them with vitmm's."""
+
+import sys
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+
+def main(folder, inputs, out):
+    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    data, results = np.load(inputs), {"class": np.array(type(model).__name__)}
+    for i in range(sum(k.startswith("image_") for k in data.files)):
+        messages = [{"role": "user", "content": str(data[f"question_{i}"])}]
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        batch = processor(images=Image.fromarray(data[f"image_{i}"]), text=prompt, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**batch).logits
+            generated = model.generate(**batch, max_new_tokens=6, do_sample=False)
+        n = batch["input_ids"].shape[1]
+        results.update({f"input_ids_{i}": batch["input_ids"].numpy(), f"logits_{i}": logits.numpy(),
+                        f"pixel_values_{i}": batch["pixel_values"].numpy(), f"answer_{i}": generated[0, n:].numpy()})
+    np.savez(out, **results)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
