@@ -1,6 +1,6 @@
 """Hugging Face causal LMs (Llama with Llama 3 RoPE scaling, sharded; Qwen2 with q/k/v biases;
-Gemma) load into vitmm's LM and reproduce transformers' logits on a ragged, left-padded batch
-(stored by ``tests/fixtures/interop/make_fixtures.py``): ≤ 1e-5 of the largest logit."""
+Qwen3 with per-head q/k norms; Gemma) load into vitmm's LM and reproduce transformers' logits on a
+ragged, left-padded batch (stored by ``tests/fixtures/interop/make_fixtures.py``): ≤ 1e-5 of the largest logit."""
 
 import json
 import pathlib
@@ -16,7 +16,7 @@ from vitmm.models.lm import LM
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_gemma"])
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_qwen3", "hf_gemma"])
 def test_logits_match_transformers_on_a_left_padded_batch(name):
     kwargs, params = hf_lm.load_lm(FIXTURES / name)
     ref = np.load(FIXTURES / name / "io.npz")
@@ -37,6 +37,9 @@ def test_each_family_sets_its_fields():
     assert qwen["qkv_bias"] and qwen["tie_embeddings"] and qwen["rope_theta"] == 1e6
     assert gemma["head_dim"] == 16 and gemma["norm_offset"] and gemma["embed_scale"] and gemma["act"] == "gelu_tanh"
     assert "head" not in gemma_params  # tied: the head is the embedding matrix
+    qwen3, qwen3_params = hf_lm.load_lm(FIXTURES / "hf_qwen3")
+    assert qwen3["qk_norm"] and not qwen3["qkv_bias"] and qwen3["tie_embeddings"]
+    assert qwen3_params["block_00"]["attn"]["q_norm"]["scale"].shape == (8,)  # one scale per head channel
 
 
 def test_the_padded_row_equals_its_unpadded_forward():
@@ -68,7 +71,7 @@ def test_bad_checkpoints_are_named(tmp_path):
         hf_lm.load_lm(rope)
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_gemma"])
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_qwen3", "hf_gemma"])
 def test_export_round_trips_and_transformers_layout_loads_back(tmp_path, name):
     from vitmm.interop import io
 

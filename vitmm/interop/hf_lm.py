@@ -1,5 +1,5 @@
 """Hugging Face causal language models → vitmm ``LM``: Llama (SmolLM, SmolLM2, TinyLlama, Llama 3
-with its RoPE rescaling), Qwen2/Qwen2.5 (q/k/v biases) and Gemma (√width embedding scale,
+with its RoPE rescaling), Qwen2/Qwen2.5 (q/k/v biases), Qwen3 (per-head q/k RMSNorms) and Gemma (√width embedding scale,
 RMSNorm with 1 + w, GELU-tanh gate, its own head_dim).
 
     kwargs, params = hf_lm.load_lm("~/models/SmolLM2-135M-Instruct")   # LM(**kwargs)
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from vitmm.interop import io
 from vitmm.interop.common import StateDict, finish
 
-FAMILIES = ("llama", "qwen2", "gemma")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
 
 
 def _rope(config: dict) -> tuple[float, dict | None]:
@@ -62,7 +62,8 @@ def lm_kwargs(config: dict, src) -> dict:
                 head_dim=None if head_dim * heads == width else head_dim, mlp_dim=config["intermediate_size"],
                 qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)), rope_theta=theta,
                 rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)), norm_offset=gemma,
-                embed_scale=gemma, act=acts[act], tie_embeddings=bool(config.get("tie_word_embeddings", gemma)))
+                embed_scale=gemma, act=acts[act], tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
+                **({"qk_norm": True} if family == "qwen3" else {}))
 
 
 def _linear(sd: StateDict, name: str, bias: bool) -> dict:
@@ -94,6 +95,8 @@ def lm_from_tensors(config: dict, tensors: dict, src) -> tuple[dict, dict]:
         p = f"model.layers.{i}"
         attn = {r: _linear(sd, f"{p}.self_attn.{r}_proj", kwargs["qkv_bias"]) for r in ("q", "k", "v")}
         attn["o"] = _linear(sd, f"{p}.self_attn.o_proj", False)
+        if kwargs.get("qk_norm"):
+            attn.update({f"{r}_norm": {"scale": sd.take(f"{p}.self_attn.{r}_norm.weight")} for r in "qk"})
         params[f"block_{i:02d}"] = {
             "attn_norm": {"scale": sd.take(f"{p}.input_layernorm.weight")},
             "mlp_norm": {"scale": sd.take(f"{p}.post_attention_layernorm.weight")},
@@ -110,7 +113,10 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
     q/k/v biases, else Llama; merge LoRA adapters first (``lora.merge``)."""
     import numpy as np
 
-    family = family or ("gemma" if kwargs.get("norm_offset") else "qwen2" if kwargs.get("qkv_bias") else "llama")
+    family = family or ("gemma" if kwargs.get("norm_offset") else "qwen3" if kwargs.get("qk_norm")
+                        else "qwen2" if kwargs.get("qkv_bias") else "llama")
+    if kwargs.get("qk_norm") and family != "qwen3":
+        raise ValueError(f"An LM with q/k norms is a Qwen3; {family!r}'s layout has none.")
     if family == "gemma" and not (kwargs.get("norm_offset") and kwargs.get("embed_scale")):
         raise ValueError("Gemma's layout needs norm_offset and embed_scale; this LM has neither.")
     t = lambda x: np.ascontiguousarray(np.asarray(x, np.float32).T)  # noqa: E731 - [in, out] -> [out, in]
@@ -126,11 +132,14 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
                 tensors[f"{p}.self_attn.{role}_proj.bias"] = np.asarray(b["attn"][role]["bias"], np.float32)
         for role in ("gate", "up", "down"):
             tensors[f"{p}.mlp.{role}_proj.weight"] = t(b["mlp"][role]["kernel"])
+        for role in ("q", "k") if kwargs.get("qk_norm") else ():
+            tensors[f"{p}.self_attn.{role}_norm.weight"] = np.asarray(b["attn"][f"{role}_norm"]["scale"], np.float32)
     if not kwargs.get("tie_embeddings"):
         tensors["lm_head.weight"] = t(params["head"]["kernel"])
     heads = kwargs["num_heads"]
-    config = {"model_type": family, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                                       "gemma": "GemmaForCausalLM"}[family]],
+    classes = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "gemma": "GemmaForCausalLM"}
+    config = {"model_type": family, "architectures": [classes[family]],
               "vocab_size": kwargs["vocab_size"], "hidden_size": kwargs["width"], "num_hidden_layers": kwargs["depth"],
               "num_attention_heads": heads, "num_key_value_heads": kwargs.get("num_kv_heads") or heads,
               "head_dim": kwargs.get("head_dim") or kwargs["width"] // heads,
@@ -139,7 +148,7 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
               "rope_parameters": {"rope_theta": kwargs.get("rope_theta", 10_000.0),
                                   **(kwargs.get("rope_scaling") or {"rope_type": "default"})},
               "torch_dtype": "float32"}
-    if family == "llama":
+    if family in ("llama", "qwen3"):
         config["attention_bias"] = bool(kwargs.get("qkv_bias"))
     if family == "gemma":
         config["hidden_activation"] = "gelu_pytorch_tanh"

@@ -4,7 +4,7 @@ of the pretrained Llama / SmolLM2 / Qwen2 / Gemma checkpoints ``vitmm.interop.hf
 RMSNorm before each sub-layer, rotary positions (half-split pairing, as Hugging Face), a gated
 MLP, a final RMSNorm and an output head. What the families differ in are fields:
 ``num_kv_heads`` (grouped-query attention), ``head_dim`` (Gemma's is not width/heads),
-``qkv_bias`` (Qwen2), ``rope_theta`` and ``rope_scaling`` (Llama 3's frequency rescaling),
+``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``rope_theta`` and ``rope_scaling`` (Llama 3's frequency rescaling),
 ``norm_eps``, ``norm_offset`` (Gemma's RMSNorm scales by 1 + w), ``embed_scale`` (Gemma
 multiplies embeddings by √width), ``act`` (``silu``; Gemma ``gelu_tanh``) and
 ``tie_embeddings`` (the head is the embedding matrix). Takes token ids or ready-made input
@@ -184,6 +184,7 @@ class LMAttention(nn.Module):
     head_dim: int
     qkv_bias: bool = False
     dtype_mm: str = "float32"
+    qk_norm: float | None = None  # Qwen3: RMSNorm of each head's queries and keys (this eps) before RoPE
 
     @nn.compact
     def __call__(self, x, angles, mask, cache=None):
@@ -198,6 +199,8 @@ class LMAttention(nn.Module):
                                                                                    self.head_dim)
         v = dense(self.num_kv_heads * self.head_dim, self.qkv_bias, "v")(x).reshape(b, t, self.num_kv_heads,
                                                                                    self.head_dim)
+        if self.qk_norm is not None:
+            q, k = RMSNorm(self.qk_norm, name="q_norm")(q), RMSNorm(self.qk_norm, name="k_norm")(k)
         q, k = rotate(q, angles), rotate(k, angles)
         if cache is not None:
             k_cache, v_cache, slot = cache
@@ -219,12 +222,13 @@ class LMBlock(nn.Module):
     qkv_bias: bool = False
     act: str = "silu"
     dtype_mm: str = "float32"
+    qk_norm: bool = False
 
     @nn.compact
     def __call__(self, x, angles, mask, cache=None):
         y = RMSNorm(self.norm_eps, self.norm_offset, name="attn_norm")(x)
         attn = LMAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.dtype_mm,
-                           name="attn")(y, angles, mask, cache)
+                           self.norm_eps if self.qk_norm else None, name="attn")(y, angles, mask, cache)
         attn, kv = (attn, None) if cache is None else attn
         x = x + attn
         y = RMSNorm(self.norm_eps, self.norm_offset, name="mlp_norm")(x)
@@ -260,6 +264,7 @@ class LM(nn.Module):
     act: str = "silu"
     tie_embeddings: bool = False
     dtype_mm: str = "float32"
+    qk_norm: bool = False  # Qwen3: each head's queries and keys RMS-normalised before RoPE
 
     def setup(self):
         common.check_choice("act", self.act, ACTIVATIONS)
@@ -271,7 +276,7 @@ class LM(nn.Module):
         self.token_embedding = nn.Embed(self.vocab_size, self.width, embedding_init=common.trunc_normal(0.02))
         self.blocks = [LMBlock(self.num_heads, kv, self.attn_head_dim, self.mlp_dim or int(8 * self.width / 3) // 8 * 8,
                                self.norm_eps, self.norm_offset, self.qkv_bias, self.act, self.dtype_mm,
-                               name=f"block_{i:02d}") for i in range(self.depth)]
+                               self.qk_norm, name=f"block_{i:02d}") for i in range(self.depth)]
         self.final_norm = RMSNorm(self.norm_eps, self.norm_offset)
         if not self.tie_embeddings:
             self.head = layers.Dense(self.vocab_size, use_bias=False, kernel_init=common.trunc_normal(0.02))
