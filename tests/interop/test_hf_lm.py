@@ -1,6 +1,7 @@
 """Hugging Face causal LMs (Llama with Llama 3 RoPE scaling, sharded; Qwen2 with q/k/v biases;
-Qwen3 with per-head q/k norms; Gemma) load into vitmm's LM and reproduce transformers' logits on a
-ragged, left-padded batch (stored by ``tests/fixtures/interop/make_fixtures.py``): ≤ 1e-5 of the largest logit."""
+Qwen3 with per-head q/k norms; Mistral and Phi-3 with sliding windows, Phi-3's weights fused;
+Gemma) load into vitmm's LM and reproduce transformers' logits on a ragged, left-padded batch
+(stored by ``tests/fixtures/interop/make_fixtures.py``): ≤ 1e-5 of the largest logit."""
 
 import json
 import pathlib
@@ -16,7 +17,7 @@ from vitmm.models.lm import LM
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_qwen3", "hf_gemma"])
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_qwen3", "hf_mistral", "hf_phi3", "hf_gemma"])
 def test_logits_match_transformers_on_a_left_padded_batch(name):
     kwargs, params = hf_lm.load_lm(FIXTURES / name)
     ref = np.load(FIXTURES / name / "io.npz")
@@ -40,6 +41,27 @@ def test_each_family_sets_its_fields():
     qwen3, qwen3_params = hf_lm.load_lm(FIXTURES / "hf_qwen3")
     assert qwen3["qk_norm"] and not qwen3["qkv_bias"] and qwen3["tie_embeddings"]
     assert qwen3_params["block_00"]["attn"]["q_norm"]["scale"].shape == (8,)  # one scale per head channel
+    mistral, _ = hf_lm.load_lm(FIXTURES / "hf_mistral")
+    phi3, _ = hf_lm.load_lm(FIXTURES / "hf_phi3")  # its fused q/k/v and gate/up weights split
+    assert mistral["sliding_window"] == 3 and phi3["sliding_window"] == 4 and phi3["num_kv_heads"] == 2
+
+
+def test_a_sliding_window_holds_in_kv_cache_decoding_as_in_the_full_forward():
+    """Mistral's window of 3 over 7 tokens: one token at a time through the KV cache gives the
+    full forward's logits (the window counted in cache slots, as transformers counts it)."""
+    from vitmm.models import lm as lm_lib
+
+    kwargs, params = hf_lm.load_lm(FIXTURES / "hf_mistral")
+    ids = jnp.asarray(np.load(FIXTURES / "hf_mistral/io.npz")["input_ids"][:1])
+    model = LM(**kwargs)
+    full = np.asarray(model.apply({"params": params}, ids))
+    cache, steps = lm_lib.init_cache(kwargs, 1, 8), []
+    for i in range(ids.shape[1]):
+        logits, cache = model.apply({"params": params}, ids[:, i:i + 1], positions=jnp.full((1, 1), i), cache=cache)
+        steps.append(np.asarray(logits[:, 0]))
+    np.testing.assert_allclose(np.stack(steps, 1), full, atol=1e-5 * np.abs(full).max())
+    unwindowed = np.asarray(LM(**{**kwargs, "sliding_window": None}).apply({"params": params}, ids))
+    assert np.abs(unwindowed[0, 3:] - full[0, 3:]).max() > 1e-3  # the window changes what the later tokens see
 
 
 def test_the_padded_row_equals_its_unpadded_forward():
@@ -71,7 +93,7 @@ def test_bad_checkpoints_are_named(tmp_path):
         hf_lm.load_lm(rope)
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_qwen3", "hf_gemma"])
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_qwen3", "hf_mistral", "hf_phi3", "hf_gemma"])
 def test_export_round_trips_and_transformers_layout_loads_back(tmp_path, name):
     from vitmm.interop import io
 
@@ -84,6 +106,9 @@ def test_export_round_trips_and_transformers_layout_loads_back(tmp_path, name):
     import jax
 
     jax.tree.map(np.testing.assert_array_equal, again, params)
+    if name == "hf_phi3":  # written as a Mistral: the same computation, q/k/v and gate/up unfused
+        assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] == 4
+        return
     original = io.read_tensors(FIXTURES / name)
     assert set(tensors) == set(original) - ({"lm_head.weight"} if kwargs["tie_embeddings"] else set())
     for key, value in tensors.items():

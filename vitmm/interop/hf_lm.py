@@ -1,5 +1,6 @@
 """Hugging Face causal language models → vitmm ``LM``: Llama (SmolLM, SmolLM2, TinyLlama, Llama 3
-with its RoPE rescaling), Qwen2/Qwen2.5 (q/k/v biases), Qwen3 (per-head q/k RMSNorms) and Gemma (√width embedding scale,
+with its RoPE rescaling), Qwen2/Qwen2.5 (q/k/v biases), Qwen3 (per-head q/k RMSNorms), Mistral
+(sliding-window attention), Phi-3 (fused q/k/v and gate/up weights, a sliding window) and Gemma (√width embedding scale,
 RMSNorm with 1 + w, GELU-tanh gate, its own head_dim).
 
     kwargs, params = hf_lm.load_lm("~/models/SmolLM2-135M-Instruct")   # LM(**kwargs)
@@ -19,11 +20,12 @@ from __future__ import annotations
 import pathlib
 
 import jax.numpy as jnp
+import numpy as np
 
 from vitmm.interop import io
 from vitmm.interop.common import StateDict, finish
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma")
 
 
 def _rope(config: dict) -> tuple[float, dict | None]:
@@ -49,6 +51,11 @@ def lm_kwargs(config: dict, src) -> dict:
         raise ValueError(f"{src}: model_type {family!r} is not a language model vitmm reads; supported: {FAMILIES}.")
     if config.get("mlp_bias"):
         raise ValueError(f"{src}: MLP biases (mlp_bias=true) are not supported.")
+    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{src}: partial_rotary_factor={config['partial_rotary_factor']} (RoPE on part of each head) "
+                         "is not supported.")
+    if family == "qwen2" and config.get("use_sliding_window"):
+        raise ValueError(f"{src}: Qwen2's use_sliding_window=true (windows on some layers) is not supported.")
     width, heads = config["hidden_size"], config["num_attention_heads"]
     theta, scaling = _rope(config)
     head_dim = config.get("head_dim") or width // heads
@@ -63,7 +70,9 @@ def lm_kwargs(config: dict, src) -> dict:
                 qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)), rope_theta=theta,
                 rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)), norm_offset=gemma,
                 embed_scale=gemma, act=acts[act], tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
-                **({"qk_norm": True} if family == "qwen3" else {}))
+                **({"qk_norm": True} if family == "qwen3" else {}),
+                **({"sliding_window": int(config["sliding_window"])}
+                   if family in ("mistral", "phi3") and config.get("sliding_window") else {}))
 
 
 def _linear(sd: StateDict, name: str, bias: bool) -> dict:
@@ -71,6 +80,23 @@ def _linear(sd: StateDict, name: str, bias: bool) -> dict:
     if bias:
         out["bias"] = sd.take(f"{name}.bias")
     return out
+
+
+def _qkv_sizes(kwargs: dict) -> tuple[int, int, int]:
+    head_dim = kwargs["head_dim"] or kwargs["width"] // kwargs["num_heads"]
+    return kwargs["num_heads"] * head_dim, kwargs["num_kv_heads"] * head_dim, kwargs["num_kv_heads"] * head_dim
+
+
+def _split(sd: StateDict, name: str, roles, sizes) -> None:
+    """A fused ``[sum(sizes), in]`` weight (``{name}.weight``) into one per role, named as the
+    unfused layers are (``..._proj`` of each role), back into ``sd``."""
+    fused = sd.take(f"{name}.weight")
+    if fused.shape[0] != sum(sizes):
+        sd.missing.append(f"{name}.weight of {sum(sizes)} rows (it has {fused.shape[0]})")
+        return
+    parent = name.rsplit(".", 1)[0]
+    for role, part in zip(roles, np.split(fused, np.cumsum(sizes)[:-1]), strict=True):
+        sd.tensors[f"{parent}.{role}_proj.weight"] = part
 
 
 def load_lm(src: str | pathlib.Path) -> tuple[dict, dict]:
@@ -93,6 +119,9 @@ def lm_from_tensors(config: dict, tensors: dict, src) -> tuple[dict, dict]:
               "final_norm": {"scale": sd.take("model.norm.weight")}}
     for i in range(kwargs["depth"]):
         p = f"model.layers.{i}"
+        if sd.has(f"{p}.self_attn.qkv_proj.weight"):  # Phi-3: q, k and v in one matrix, gate and up in another
+            _split(sd, f"{p}.self_attn.qkv_proj", ("q", "k", "v"), _qkv_sizes(kwargs))
+            _split(sd, f"{p}.mlp.gate_up_proj", ("gate", "up"), (kwargs["mlp_dim"],) * 2)
         attn = {r: _linear(sd, f"{p}.self_attn.{r}_proj", kwargs["qkv_bias"]) for r in ("q", "k", "v")}
         attn["o"] = _linear(sd, f"{p}.self_attn.o_proj", False)
         if kwargs.get("qk_norm"):
@@ -114,7 +143,10 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
     import numpy as np
 
     family = family or ("gemma" if kwargs.get("norm_offset") else "qwen3" if kwargs.get("qk_norm")
-                        else "qwen2" if kwargs.get("qkv_bias") else "llama")
+                        else "qwen2" if kwargs.get("qkv_bias") else "mistral" if kwargs.get("sliding_window")
+                        else "llama")
+    if kwargs.get("sliding_window") and family != "mistral":
+        raise ValueError(f"An LM with a sliding window is written as a Mistral; {family!r}'s layout has none.")
     if kwargs.get("qk_norm") and family != "qwen3":
         raise ValueError(f"An LM with q/k norms is a Qwen3; {family!r}'s layout has none.")
     if family == "gemma" and not (kwargs.get("norm_offset") and kwargs.get("embed_scale")):
@@ -138,7 +170,7 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
         tensors["lm_head.weight"] = t(params["head"]["kernel"])
     heads = kwargs["num_heads"]
     classes = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "gemma": "GemmaForCausalLM"}
+               "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM"}
     config = {"model_type": family, "architectures": [classes[family]],
               "vocab_size": kwargs["vocab_size"], "hidden_size": kwargs["width"], "num_hidden_layers": kwargs["depth"],
               "num_attention_heads": heads, "num_key_value_heads": kwargs.get("num_kv_heads") or heads,
@@ -150,6 +182,8 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
               "torch_dtype": "float32"}
     if family in ("llama", "qwen3"):
         config["attention_bias"] = bool(kwargs.get("qkv_bias"))
+    if family == "mistral":
+        config["sliding_window"] = kwargs["sliding_window"]
     if family == "gemma":
         config["hidden_activation"] = "gelu_pytorch_tanh"
     else:

@@ -1,15 +1,16 @@
 """A decoder-only language model in the Llama family: vitmm's small from-scratch LM, and the shape
-of the pretrained Llama / SmolLM2 / Qwen2 / Gemma checkpoints ``vitmm.interop.hf_lm`` loads.
+of the pretrained Llama / SmolLM2 / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma checkpoints
+``vitmm.interop.hf_lm`` loads.
 
 RMSNorm before each sub-layer, rotary positions (half-split pairing, as Hugging Face), a gated
 MLP, a final RMSNorm and an output head. What the families differ in are fields:
 ``num_kv_heads`` (grouped-query attention), ``head_dim`` (Gemma's is not width/heads),
-``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``rope_theta`` and ``rope_scaling`` (Llama 3's frequency rescaling),
-``norm_eps``, ``norm_offset`` (Gemma's RMSNorm scales by 1 + w), ``embed_scale`` (Gemma
-multiplies embeddings by √width), ``act`` (``silu``; Gemma ``gelu_tanh``) and
-``tie_embeddings`` (the head is the embedding matrix). Takes token ids or ready-made input
-embeddings (the VLM passes visual tokens that way), an optional padding mask and positions (a
-ragged batch), and a causal or prefix-LM mask.
+``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral, Phi-3), ``rope_theta``
+and ``rope_scaling`` (Llama 3's frequency rescaling), ``norm_eps``, ``norm_offset`` (Gemma's
+RMSNorm scales by 1 + w), ``embed_scale`` (Gemma multiplies embeddings by √width), ``act``
+(``silu``; Gemma ``gelu_tanh``) and ``tie_embeddings`` (the head is the embedding matrix). Takes
+token ids or ready-made input embeddings (the VLM passes visual tokens that way), an optional
+padding mask and positions (a ragged batch), and a causal or prefix-LM mask.
 """
 
 from __future__ import annotations
@@ -265,6 +266,7 @@ class LM(nn.Module):
     tie_embeddings: bool = False
     dtype_mm: str = "float32"
     qk_norm: bool = False  # Qwen3: each head's queries and keys RMS-normalised before RoPE
+    sliding_window: int | None = None  # Mistral, Phi-3: a query sees the keys of the last N slots only
 
     def setup(self):
         common.check_choice("act", self.act, ACTIVATIONS)
@@ -319,6 +321,10 @@ class LM(nn.Module):
             if prefix_len is not None:
                 mask = mask | (slots < jnp.reshape(jnp.asarray(prefix_len), (-1, 1, 1, 1)))
             mask = mask & valid[:, None, None, :]
+        if self.sliding_window:  # by sequence slot, as transformers counts (left padding included)
+            first = 0 if cache is None else cache["slot"]
+            keys = t if cache is None else cache["valid"].shape[1]
+            mask = mask & ((first + jnp.arange(t))[:, None] - jnp.arange(keys)[None, :] < self.sliding_window)
         layers_kv = []
         for i, block in enumerate(self.blocks):
             if cache is None:
