@@ -50,15 +50,13 @@ def architecture(src) -> str | None:
 
 
 def is_vlm(src) -> bool:
-    """Whether ``src`` is a whole transformers VLM (a vision and a text config, or an image-text
-    architecture), supported or not."""
+    """Whether ``src`` is a whole transformers VLM (an architecture ``...ForConditionalGeneration``;
+    CLIP and SigLIP hold a vision and a text config too, but are two towers), supported or not."""
     try:
         config = io.read_json(src)
     except FileNotFoundError:
         return False
-    names = config.get("architectures") or []
-    return ("vision_config" in config and "text_config" in config) or any(
-        n.endswith("ForConditionalGeneration") for n in names)
+    return any(n.endswith("ForConditionalGeneration") for n in config.get("architectures") or [])
 
 
 def _llava_names(tensors: dict) -> dict:
