@@ -1,7 +1,8 @@
 """Hugging Face causal LMs (Llama with Llama 3 RoPE scaling, sharded; Qwen2 with q/k/v biases;
 Qwen3 with per-head q/k norms; Mistral and Phi-3 with sliding windows, Phi-3's weights fused;
-Gemma) load into vitmm's LM and reproduce transformers' logits on a ragged, left-padded batch
-(stored by ``tests/fixtures/interop/make_fixtures.py``): ≤ 1e-5 of the largest logit."""
+Gemma; Gemma 2 with output norms, soft caps and a window on alternate layers; Llama 3.2) load
+into vitmm's LM and reproduce transformers' logits on a ragged, left-padded batch (stored by
+``tests/fixtures/interop/make_fixtures.py``): ≤ 1e-5 of the largest logit."""
 
 import json
 import pathlib
@@ -15,9 +16,10 @@ from vitmm.interop import hf_lm
 from vitmm.models.lm import LM
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
+FAMILIES = ("hf_llama", "hf_qwen2", "hf_qwen3", "hf_mistral", "hf_phi3", "hf_gemma", "hf_gemma2", "hf_llama32")
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_qwen3", "hf_mistral", "hf_phi3", "hf_gemma"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_logits_match_transformers_on_a_left_padded_batch(name):
     kwargs, params = hf_lm.load_lm(FIXTURES / name)
     ref = np.load(FIXTURES / name / "io.npz")
@@ -44,6 +46,12 @@ def test_each_family_sets_its_fields():
     mistral, _ = hf_lm.load_lm(FIXTURES / "hf_mistral")
     phi3, _ = hf_lm.load_lm(FIXTURES / "hf_phi3")  # its fused q/k/v and gate/up weights split
     assert mistral["sliding_window"] == 3 and phi3["sliding_window"] == 4 and phi3["num_kv_heads"] == 2
+    gemma2, gemma2_params = hf_lm.load_lm(FIXTURES / "hf_gemma2")
+    assert gemma2["window_layers"] == (0,) and gemma2["post_norms"] and gemma2["query_scale"] == 24
+    assert (gemma2["attn_softcap"], gemma2["logit_softcap"]) == (0.5, 0.3) and gemma2["norm_offset"]
+    assert set(gemma2_params["block_01"]) == {"attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm", "attn", "mlp"}
+    llama32, _ = hf_lm.load_lm(FIXTURES / "hf_llama32")
+    assert llama32["tie_embeddings"] and llama32["rope_scaling"]["rope_type"] == "llama3"
 
 
 def test_a_sliding_window_holds_in_kv_cache_decoding_as_in_the_full_forward():
@@ -93,7 +101,7 @@ def test_bad_checkpoints_are_named(tmp_path):
         hf_lm.load_lm(rope)
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2", "hf_qwen3", "hf_mistral", "hf_phi3", "hf_gemma"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_export_round_trips_and_transformers_layout_loads_back(tmp_path, name):
     from vitmm.interop import io
 

@@ -1,15 +1,15 @@
 """Hugging Face causal language models → vitmm ``LM``: Llama (SmolLM, SmolLM2, TinyLlama, Llama 3
 with its RoPE rescaling), Qwen2/Qwen2.5 (q/k/v biases), Qwen3 (per-head q/k RMSNorms), Mistral
-(sliding-window attention), Phi-3 (fused q/k/v and gate/up weights, a sliding window) and Gemma (√width embedding scale,
-RMSNorm with 1 + w, GELU-tanh gate, its own head_dim).
+(sliding-window attention), Phi-3 (fused q/k/v and gate/up weights, a sliding window), Gemma (√width
+embedding scale, RMSNorm with 1 + w, GELU-tanh gate, its own head_dim) and Gemma 2 (Gemma's, plus
+each sub-layer's output normalised, soft-capped scores and logits, a window on every other layer).
 
     kwargs, params = hf_lm.load_lm("~/models/SmolLM2-135M-Instruct")   # LM(**kwargs)
     logits = LM(**kwargs).apply({"params": params}, ids)
 
 Reads a local ``config.json`` and ``model.safetensors`` (or the shards a
 ``model.safetensors.index.json`` lists). Correspondence: ``model.embed_tokens`` →
-``token_embedding``; each ``model.layers.i``'s ``input_layernorm`` / ``post_attention_layernorm``
-→ ``attn_norm`` / ``mlp_norm``, ``self_attn.{q,k,v,o}_proj`` → ``attn.{q,k,v,o}``,
+``token_embedding``; each ``model.layers.i``'s norms as ``NORMS`` maps them, ``self_attn.{q,k,v,o}_proj`` → ``attn.{q,k,v,o}``,
 ``mlp.{gate,up,down}_proj`` → ``mlp.{gate,up,down}`` (PyTorch ``[out, in]`` → ``[in, out]``);
 ``model.norm`` → ``final_norm``; ``lm_head`` → ``head`` unless the embeddings are tied. No
 permutation is needed: vitmm's RoPE pairs channels as Hugging Face's ``rotate_half`` does.
@@ -25,7 +25,7 @@ import numpy as np
 from vitmm.interop import io
 from vitmm.interop.common import StateDict, finish
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
 
 
 def _rope(config: dict) -> tuple[float, dict | None]:
@@ -63,7 +63,7 @@ def lm_kwargs(config: dict, src) -> dict:
     acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
     if act not in acts:
         raise ValueError(f"{src}: activation {act!r} is not supported; vitmm has {sorted(acts)}.")
-    gemma = family == "gemma"
+    gemma = family in ("gemma", "gemma2")
     return dict(vocab_size=config["vocab_size"], width=width, depth=config["num_hidden_layers"], num_heads=heads,
                 num_kv_heads=config.get("num_key_value_heads") or heads,
                 head_dim=None if head_dim * heads == width else head_dim, mlp_dim=config["intermediate_size"],
@@ -72,7 +72,23 @@ def lm_kwargs(config: dict, src) -> dict:
                 embed_scale=gemma, act=acts[act], tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
                 **({"qk_norm": True} if family == "qwen3" else {}),
                 **({"sliding_window": int(config["sliding_window"])}
-                   if family in ("mistral", "phi3") and config.get("sliding_window") else {}))
+                   if family in ("mistral", "phi3") and config.get("sliding_window") else {}),
+                **(_gemma2(config, src) if family == "gemma2" else {}))
+
+
+def _gemma2(config: dict, src) -> dict:
+    """Gemma 2's own fields: the window on its ``sliding_attention`` layers (every other one by
+    default), the sub-layers' output norms, its query scale and the two soft caps."""
+    depth = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                          for i in range(depth)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"{src}: layer types {unknown} are not supported.")
+    return dict(sliding_window=int(config.get("sliding_window") or 4096), post_norms=True,
+                window_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+                query_scale=float(config.get("query_pre_attn_scalar") or 256),
+                attn_softcap=config.get("attn_logit_softcapping"), logit_softcap=config.get("final_logit_softcapping"))
 
 
 def _linear(sd: StateDict, name: str, bias: bool) -> dict:
@@ -80,6 +96,13 @@ def _linear(sd: StateDict, name: str, bias: bool) -> dict:
     if bias:
         out["bias"] = sd.take(f"{name}.bias")
     return out
+
+
+# A block's norms: vitmm's name → transformers'. Gemma 2 normalises each sub-layer's output too, and
+# its post_attention_layernorm is that output norm, not the MLP's input norm as in Llama.
+NORMS = {"llama": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+         "gemma2": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                    "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}}
 
 
 def _qkv_sizes(kwargs: dict) -> tuple[int, int, int]:
@@ -126,9 +149,9 @@ def lm_from_tensors(config: dict, tensors: dict, src) -> tuple[dict, dict]:
         attn["o"] = _linear(sd, f"{p}.self_attn.o_proj", False)
         if kwargs.get("qk_norm"):
             attn.update({f"{r}_norm": {"scale": sd.take(f"{p}.self_attn.{r}_norm.weight")} for r in "qk"})
+        norms = NORMS["gemma2" if kwargs.get("post_norms") else "llama"]
         params[f"block_{i:02d}"] = {
-            "attn_norm": {"scale": sd.take(f"{p}.input_layernorm.weight")},
-            "mlp_norm": {"scale": sd.take(f"{p}.post_attention_layernorm.weight")},
+            **{ours: {"scale": sd.take(f"{p}.{theirs}.weight")} for ours, theirs in norms.items()},
             "attn": attn, "mlp": {r: _linear(sd, f"{p}.mlp.{r}_proj", False) for r in ("gate", "up", "down")}}
     if not kwargs["tie_embeddings"]:
         params["head"] = _linear(sd, "lm_head", False)
@@ -142,22 +165,23 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
     q/k/v biases, else Llama; merge LoRA adapters first (``lora.merge``)."""
     import numpy as np
 
-    family = family or ("gemma" if kwargs.get("norm_offset") else "qwen3" if kwargs.get("qk_norm")
+    family = family or ("gemma2" if kwargs.get("post_norms") else "gemma" if kwargs.get("norm_offset")
+                        else "qwen3" if kwargs.get("qk_norm")
                         else "qwen2" if kwargs.get("qkv_bias") else "mistral" if kwargs.get("sliding_window")
                         else "llama")
-    if kwargs.get("sliding_window") and family != "mistral":
+    if kwargs.get("sliding_window") and family not in ("mistral", "gemma2"):
         raise ValueError(f"An LM with a sliding window is written as a Mistral; {family!r}'s layout has none.")
     if kwargs.get("qk_norm") and family != "qwen3":
         raise ValueError(f"An LM with q/k norms is a Qwen3; {family!r}'s layout has none.")
-    if family == "gemma" and not (kwargs.get("norm_offset") and kwargs.get("embed_scale")):
+    if family in ("gemma", "gemma2") and not (kwargs.get("norm_offset") and kwargs.get("embed_scale")):
         raise ValueError("Gemma's layout needs norm_offset and embed_scale; this LM has neither.")
     t = lambda x: np.ascontiguousarray(np.asarray(x, np.float32).T)  # noqa: E731 - [in, out] -> [out, in]
     tensors = {"model.embed_tokens.weight": np.asarray(params["token_embedding"]["embedding"], np.float32),
                "model.norm.weight": np.asarray(params["final_norm"]["scale"], np.float32)}
     for i in range(kwargs["depth"]):
         b, p = params[f"block_{i:02d}"], f"model.layers.{i}"
-        tensors[f"{p}.input_layernorm.weight"] = np.asarray(b["attn_norm"]["scale"], np.float32)
-        tensors[f"{p}.post_attention_layernorm.weight"] = np.asarray(b["mlp_norm"]["scale"], np.float32)
+        for ours, theirs in NORMS["gemma2" if family == "gemma2" else "llama"].items():
+            tensors[f"{p}.{theirs}.weight"] = np.asarray(b[ours]["scale"], np.float32)
         for role in ("q", "k", "v", "o"):
             tensors[f"{p}.self_attn.{role}_proj.weight"] = t(b["attn"][role]["kernel"])
             if "bias" in b["attn"][role]:
@@ -170,7 +194,7 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
         tensors["lm_head.weight"] = t(params["head"]["kernel"])
     heads = kwargs["num_heads"]
     classes = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM"}
+               "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
     config = {"model_type": family, "architectures": [classes[family]],
               "vocab_size": kwargs["vocab_size"], "hidden_size": kwargs["width"], "num_hidden_layers": kwargs["depth"],
               "num_attention_heads": heads, "num_key_value_heads": kwargs.get("num_kv_heads") or heads,
@@ -184,7 +208,15 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
         config["attention_bias"] = bool(kwargs.get("qkv_bias"))
     if family == "mistral":
         config["sliding_window"] = kwargs["sliding_window"]
-    if family == "gemma":
+    if family == "gemma2":
+        depth = kwargs["depth"]
+        layers = kwargs.get("window_layers")
+        config.update(sliding_window=kwargs["sliding_window"], query_pre_attn_scalar=kwargs["query_scale"],
+                      attn_logit_softcapping=kwargs.get("attn_softcap"),
+                      final_logit_softcapping=kwargs.get("logit_softcap"),
+                      layer_types=["sliding_attention" if layers is None or i in layers else "full_attention"
+                                   for i in range(depth)])
+    if family in ("gemma", "gemma2"):
         config["hidden_activation"] = "gelu_pytorch_tanh"
     else:
         config["hidden_act"] = "silu"

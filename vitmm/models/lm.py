@@ -5,7 +5,8 @@ of the pretrained Llama / SmolLM2 / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma chec
 RMSNorm before each sub-layer, rotary positions (half-split pairing, as Hugging Face), a gated
 MLP, a final RMSNorm and an output head. What the families differ in are fields:
 ``num_kv_heads`` (grouped-query attention), ``head_dim`` (Gemma's is not width/heads),
-``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral, Phi-3), ``rope_theta``
+``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral, Phi-3; Gemma 2 on
+``window_layers``), ``post_norms``, ``query_scale``, ``attn_softcap``, ``logit_softcap`` (Gemma 2), ``rope_theta``
 and ``rope_scaling`` (Llama 3's frequency rescaling), ``norm_eps``, ``norm_offset`` (Gemma's
 RMSNorm scales by 1 + w), ``embed_scale`` (Gemma multiplies embeddings by √width), ``act``
 (``silu``; Gemma ``gelu_tanh``) and ``tie_embeddings`` (the head is the embedding matrix). Takes
@@ -177,6 +178,20 @@ class SwiGLU(nn.Module):
         return dense(self.out_dim or x.shape[-1], "down")(hidden)
 
 
+def attend(q, k, v, mask, scale: float | None = None, softcap: float | None = None):
+    """Softmax attention of ``q [B, T, H, d]`` over ``k, v [B, S, KV, d]`` (grouped-query heads)
+    under ``mask [B|1, 1, T, S]``, scores scaled by ``scale`` (default ``d^-1/2``); ``softcap``
+    (Gemma 2): the scores become ``cap · tanh(scores / cap)`` before the mask."""
+    if softcap is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * (scale or q.shape[-1] ** -0.5)
+    scores = softcap * jnp.tanh(scores / softcap)
+    weights = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bshd->bthd", weights, v)
+
+
 class LMAttention(nn.Module):
     """Causal self-attention with separate q/k/v/o projections, grouped-query heads and RoPE."""
 
@@ -186,6 +201,8 @@ class LMAttention(nn.Module):
     qkv_bias: bool = False
     dtype_mm: str = "float32"
     qk_norm: float | None = None  # Qwen3: RMSNorm of each head's queries and keys (this eps) before RoPE
+    scale: float | None = None  # the scores' scale (default head_dim^-1/2; Gemma 2: query_pre_attn_scalar^-1/2)
+    softcap: float | None = None  # Gemma 2: cap · tanh(scores / cap)
 
     @nn.compact
     def __call__(self, x, angles, mask, cache=None):
@@ -208,7 +225,7 @@ class LMAttention(nn.Module):
             k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, slot, 0, 0))
             v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, slot, 0, 0))
         dtype = jnp.dtype(self.dtype_mm)
-        out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask=mask)
+        out = attend(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask, self.scale, self.softcap)
         out = dense(width, False, "o")(out.reshape(b, t, self.num_heads * self.head_dim))
         return out if cache is None else (out, (k, v))
 
@@ -224,16 +241,20 @@ class LMBlock(nn.Module):
     act: str = "silu"
     dtype_mm: str = "float32"
     qk_norm: bool = False
+    post_norms: bool = False  # Gemma 2: each sub-layer's output normalised too, before the residual add
+    scale: float | None = None
+    softcap: float | None = None
 
     @nn.compact
     def __call__(self, x, angles, mask, cache=None):
-        y = RMSNorm(self.norm_eps, self.norm_offset, name="attn_norm")(x)
+        norm = lambda name: RMSNorm(self.norm_eps, self.norm_offset, name=name)  # noqa: E731
         attn = LMAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.dtype_mm,
-                           self.norm_eps if self.qk_norm else None, name="attn")(y, angles, mask, cache)
+                           self.norm_eps if self.qk_norm else None, self.scale, self.softcap,
+                           name="attn")(norm("attn_norm")(x), angles, mask, cache)
         attn, kv = (attn, None) if cache is None else attn
-        x = x + attn
-        y = RMSNorm(self.norm_eps, self.norm_offset, name="mlp_norm")(x)
-        x = x + SwiGLU(self.mlp_dim, self.dtype_mm, act=self.act, name="mlp")(y)
+        x = x + (norm("attn_post_norm")(attn) if self.post_norms else attn)
+        y = SwiGLU(self.mlp_dim, self.dtype_mm, act=self.act, name="mlp")(norm("mlp_norm")(x))
+        x = x + (norm("mlp_post_norm")(y) if self.post_norms else y)
         return x if cache is None else (x, kv)
 
 
@@ -267,6 +288,11 @@ class LM(nn.Module):
     dtype_mm: str = "float32"
     qk_norm: bool = False  # Qwen3: each head's queries and keys RMS-normalised before RoPE
     sliding_window: int | None = None  # Mistral, Phi-3: a query sees the keys of the last N slots only
+    window_layers: tuple[int, ...] | None = None  # the layers with the window (None: all; Gemma 2: every other)
+    post_norms: bool = False  # Gemma 2: attention and MLP outputs normalised before their residual adds
+    query_scale: float | None = None  # Gemma 2's query_pre_attn_scalar: scores scaled by its ^-1/2
+    attn_softcap: float | None = None  # Gemma 2: attention scores capped as cap · tanh(s / cap)
+    logit_softcap: float | None = None  # Gemma 2: the output logits capped the same way
 
     def setup(self):
         common.check_choice("act", self.act, ACTIVATIONS)
@@ -278,7 +304,8 @@ class LM(nn.Module):
         self.token_embedding = nn.Embed(self.vocab_size, self.width, embedding_init=common.trunc_normal(0.02))
         self.blocks = [LMBlock(self.num_heads, kv, self.attn_head_dim, self.mlp_dim or int(8 * self.width / 3) // 8 * 8,
                                self.norm_eps, self.norm_offset, self.qkv_bias, self.act, self.dtype_mm,
-                               self.qk_norm, name=f"block_{i:02d}") for i in range(self.depth)]
+                               self.qk_norm, self.post_norms, self.query_scale and self.query_scale ** -0.5,
+                               self.attn_softcap, name=f"block_{i:02d}") for i in range(self.depth)]
         self.final_norm = RMSNorm(self.norm_eps, self.norm_offset)
         if not self.tie_embeddings:
             self.head = layers.Dense(self.vocab_size, use_bias=False, kernel_init=common.trunc_normal(0.02))
@@ -321,21 +348,25 @@ class LM(nn.Module):
             if prefix_len is not None:
                 mask = mask | (slots < jnp.reshape(jnp.asarray(prefix_len), (-1, 1, 1, 1)))
             mask = mask & valid[:, None, None, :]
+        windowed = mask
         if self.sliding_window:  # by sequence slot, as transformers counts (left padding included)
             first = 0 if cache is None else cache["slot"]
             keys = t if cache is None else cache["valid"].shape[1]
-            mask = mask & ((first + jnp.arange(t))[:, None] - jnp.arange(keys)[None, :] < self.sliding_window)
+            windowed = mask & ((first + jnp.arange(t))[:, None] - jnp.arange(keys)[None, :] < self.sliding_window)
         layers_kv = []
         for i, block in enumerate(self.blocks):
+            layer_mask = windowed if self.window_layers is None or i in self.window_layers else mask
             if cache is None:
-                x = block(x, angles, mask)
+                x = block(x, angles, layer_mask)
             else:
-                x, kv = block(x, angles, mask, (cache["k"][i], cache["v"][i], cache["slot"]))
+                x, kv = block(x, angles, layer_mask, (cache["k"][i], cache["v"][i], cache["slot"]))
                 layers_kv.append(kv)
         if logits_at is not None:
             x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[..., None], 1)
         x = self.final_norm(x)
         logits = (self.token_embedding.attend(x) if self.tie_embeddings else self.head(x)).astype(jnp.float32)
+        if self.logit_softcap:
+            logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         if cache is None:
             return logits
         return logits, {"k": [kv[0] for kv in layers_kv], "v": [kv[1] for kv in layers_kv], "valid": valid,
