@@ -5,7 +5,7 @@
 
 ``--format hf`` writes one transformers folder (``vitmm.interop.hf_vlm.export_llava``): a VLM whose
 parts fit ``LlavaForConditionalGeneration`` (a CLIP-layout tower read at ``vision_layer`` ≤ -2, the
-``mlp`` connector, a Llama / Qwen2 / Gemma LM, LoRA merged, a tokenizer with ``<image>``) with its
+``mlp`` connector, an LM ``hf_lm`` writes, LoRA merged, a tokenizer with ``<image>``) with its
 processor (the run's image steps), tokenizer and chat template, for ``AutoModelForImageTextToText``
 and ``AutoProcessor``; any other VLM is refused with every reason. The default, ``parts``, writes
 ``out/lm/`` (transformers' ``config.json`` + ``model.safetensors``, LoRA adapters merged,

@@ -11,9 +11,10 @@
     python -m vitmm.interop --from hf --src ~/models/llava-1.5-7b-hf --out workdirs/llava15   # a whole VLM
 
 ``--from hf`` reads CLIP (``--tower`` both, vision or text), SigLIP and ViT/DINOv2 folders
-(``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``) by their ``model_type``, and
-Llama / Qwen2 / Gemma language models (with the folder's ``tokenizer.json``), and whole VLMs by their
-``architectures`` (``vitmm.interop.hf_vlm``: a VLM workdir for ``vitmm.chat``/``serve``/``train``); ``--from gguf`` a
+(``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``) by their ``model_type``, Llama,
+Qwen2, Qwen3, Mistral, Phi-3, Gemma and Gemma 2 language models (with the folder's
+``tokenizer.json``), and whole VLMs by their ``architectures`` (``vitmm.interop.hf_vlm``: a VLM
+workdir for ``vitmm.chat``/``serve``/``train``); ``--from gguf`` a
 Llama-architecture GGUF language model (its tokenizer rebuilt from the metadata);
 ``--from timm`` a ``VisionTransformer`` state dict (``--num_heads``, default width/64;
 ``--global_pool`` when a CLS model was trained with ``avg``); ``--from open_clip`` a ViT ``CLIP``

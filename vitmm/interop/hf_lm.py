@@ -9,10 +9,11 @@ each sub-layer's output normalised, soft-capped scores and logits, a window on e
 
 Reads a local ``config.json`` and ``model.safetensors`` (or the shards a
 ``model.safetensors.index.json`` lists). Correspondence: ``model.embed_tokens`` →
-``token_embedding``; each ``model.layers.i``'s norms as ``NORMS`` maps them, ``self_attn.{q,k,v,o}_proj`` → ``attn.{q,k,v,o}``,
-``mlp.{gate,up,down}_proj`` → ``mlp.{gate,up,down}`` (PyTorch ``[out, in]`` → ``[in, out]``);
-``model.norm`` → ``final_norm``; ``lm_head`` → ``head`` unless the embeddings are tied. No
-permutation is needed: vitmm's RoPE pairs channels as Hugging Face's ``rotate_half`` does.
+``token_embedding``; each ``model.layers.i``'s norms as ``NORMS`` maps them,
+``self_attn.{q,k,v,o}_proj`` → ``attn.{q,k,v,o}``, ``mlp.{gate,up,down}_proj`` →
+``mlp.{gate,up,down}`` (PyTorch ``[out, in]`` → ``[in, out]``); ``model.norm`` → ``final_norm``;
+``lm_head`` → ``head`` unless the embeddings are tied. No permutation is needed: vitmm's RoPE
+pairs channels as Hugging Face's ``rotate_half`` does.
 """
 
 from __future__ import annotations

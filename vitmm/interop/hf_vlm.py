@@ -5,7 +5,7 @@
 
 A folder is recognised by ``config.json``'s ``architectures``. Supported: ``LlavaForConditionalGeneration``
 (a CLIP vision tower, its ``vision_feature_layer``, the ``default`` feature strategy, LLaVA's
-two-layer GELU projector as the ``mlp`` connector, and a Llama / Qwen2 / Gemma language model).
+two-layer GELU projector as the ``mlp`` connector, and a language model ``hf_lm`` reads).
 What the workdir holds (``out``):
 
 * ``checkpoints/0``: the VLM's parameters (``tower``, ``project``, ``language``) and its config:
