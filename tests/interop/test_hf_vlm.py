@@ -25,11 +25,10 @@ IMAGE_TOKEN = 320  # the fixture tokenizer's <image>
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     from vitmm import chat
+    from vitmm.interop.__main__ import main
 
     out = tmp_path_factory.mktemp("llava") / "w"
-    done = subprocess.run([sys.executable, "-m", "vitmm.interop", "--from", "hf", "--src", str(FIXTURE), "--out",
-                           str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    main(["--from", "hf", "--src", str(FIXTURE), "--out", str(out)])  # the CLI, in this process
     return out, chat.load(out)
 
 
@@ -140,7 +139,7 @@ def finetuned(imported, tmp_path_factory):
     return run, data, done.stdout
 
 
-def test_an_imported_llava_fine_tunes_with_lora_as_it_is_and_chats(imported, finetuned):
+def test_an_imported_llava_fine_tunes_with_lora_as_it_is_and_chats(imported, finetuned, capsys):
     """README's "Start from a pretrained VLM": ``init.checkpoint`` = the imported workdir gives the run
     its model, tokenizer and image settings; LoRA trains the adapters and the connector, the tower and
     the LM stay as imported; ``vitmm.chat`` answers from the run."""
@@ -154,10 +153,27 @@ def test_an_imported_llava_fine_tunes_with_lora_as_it_is_and_chats(imported, fin
     assert jax.tree.all(jax.tree.map(np.array_equal, after["tower"], before["tower"]))
     assert jax.tree.all(jax.tree.map(np.array_equal, after["language"], before["language"]))
     assert "lora" in after and not jax.tree.all(jax.tree.map(np.array_equal, after["project"], before["project"]))
-    chat = subprocess.run([sys.executable, "-m", "vitmm.chat", "--workdir", str(run), "--image",
-                           str(next((data.parent / "images").iterdir())), "--question", "What is it?"],
-                          capture_output=True, text=True)
-    assert chat.returncode == 0 and "assistant:" in chat.stdout, chat.stderr[-2000:]
+    from vitmm.chat import main
+
+    assert main(["--workdir", str(run), "--image", str(next((data.parent / "images").iterdir())), "--question",
+                 "What is it?"]) in (0, None)
+    assert "assistant:" in capsys.readouterr().out
+
+
+def test_an_exported_vlm_imports_back_to_the_same_parameters_and_image_steps(finetuned, tmp_path):
+    """export_llava then the importer: the fine-tuned run's parameters (LoRA merged) and its image
+    steps (LLaVA's pad-to-square, bilinear) come back as they were."""
+    from vitmm import chat
+
+    run, _, _ = finetuned
+    hf_vlm.export_llava(run, tmp_path / "hf")
+    config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
+    merged = chat.load(run).params  # what chat runs: the adapters merged
+    assert "lora" not in merged and jax.tree.all(jax.tree.map(np.array_equal, params, merged))
+    assert config["input"]["pp"].startswith("decode|pad_to_square({image_mean})|resize(16, method='bilinear', "
+                                            "shorter=True)|center_crop(16)|normalize")
+    with pytest.raises(FileExistsError, match="not empty"):
+        hf_vlm.export_llava(run, tmp_path / "hf")
 
 
 EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
@@ -165,17 +181,19 @@ EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
 
 @pytest.mark.skipif(not pathlib.Path(EVAL_PYTHON or "/nonexistent").is_file(),
                     reason="no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
-def test_the_fine_tuned_vlm_exports_to_transformers_with_the_same_pixels_ids_logits_and_answers(finetuned, tmp_path):
+def test_the_fine_tuned_vlm_exports_to_transformers_with_the_same_pixels_ids_logits_and_answers(finetuned, tmp_path,
+                                                                                              capsys):
     """``python -m vitmm.export --format hf``: transformers (``.venv-eval``'s) loads the folder with
     AutoModelForImageTextToText and AutoProcessor and gives vitmm's pixels (LLaVA's pad-to-square, the
     run's), ids, logits (≤ 1e-5 of the largest) and greedy answers, LoRA merged."""
     from vitmm import chat
 
     run, _, _ = finetuned
+    from vitmm.export import main
+
     out = tmp_path / "hf"
-    done = subprocess.run([sys.executable, "-m", "vitmm.export", "--workdir", str(run), "--out", str(out), "--format",
-                           "hf"], capture_output=True, text=True)
-    assert done.returncode == 0 and "architecture: LlavaForConditionalGeneration" in done.stdout, done.stderr
+    assert main(["--workdir", str(run), "--out", str(out), "--format", "hf"]) == 0
+    assert "architecture: LlavaForConditionalGeneration" in capsys.readouterr().out
     rng = np.random.default_rng(5)
     questions = ["<image>\nwhat colour is the circle?", "How many shapes? <image>"]
     images = [rng.integers(0, 256, (24, 20, 3), dtype=np.uint8), rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)]

@@ -103,18 +103,21 @@ def _processor(folder: pathlib.Path) -> tuple[dict, dict]:
 
 
 def _image_pp(images: dict, size: int, src) -> str:
-    """The pp of CLIPImageProcessor's steps: shorter side, bicubic; centre crop; rescale; normalize."""
+    """The pp doing the image processor's steps: LLaVA's pad-to-square (``do_pad``, the mean colour),
+    the shorter side resized (bicubic or bilinear, as ``resample`` says), the centre crop; then rescale
+    and normalize (the caller's ``normalize``)."""
     shortest = (images.get("size") or {}).get("shortest_edge")
     crop = images.get("crop_size") or {}
-    if images.get("do_pad") or not images.get("do_resize", True) or shortest is None:
-        raise ValueError(f"{src}: image processing {json.dumps({k: images.get(k) for k in ('size', 'do_pad')})} "
-                         "is not supported; vitmm reads the shortest-edge resize and centre crop of CLIP's processor.")
-    if images.get("resample", 3) != 3 or not images.get("do_center_crop", True):
-        raise ValueError(f"{src}: resample={images.get('resample')} / do_center_crop="
-                         f"{images.get('do_center_crop')}: vitmm reads bicubic resizing (3) with a centre crop.")
-    if (crop.get("height"), crop.get("width")) != (size, size):
-        raise ValueError(f"{src}: crop_size {crop} does not give the tower's {size}x{size} input.")
-    return f"decode|resize({shortest}, method='bicubic', shorter=True)|center_crop({size})|"
+    methods = {3: "bicubic", 2: "bilinear"}
+    if not images.get("do_resize", True) or shortest is None or images.get("resample", 3) not in methods:
+        raise ValueError(f"{src}: image processing {json.dumps({k: images.get(k) for k in ('size', 'resample')})} "
+                         "is not supported; vitmm reads a shortest-edge resize, bicubic (3) or bilinear (2).")
+    if not images.get("do_center_crop", True) or (crop.get("height"), crop.get("width")) != (size, size):
+        raise ValueError(f"{src}: crop {crop} (do_center_crop={images.get('do_center_crop')}) does not give the "
+                         f"tower's {size}x{size} input.")
+    pad = "pad_to_square({image_mean})|" if images.get("do_pad") else ""
+    method = methods[images.get("resample", 3)]
+    return f"decode|{pad}resize({shortest}, method='{method}', shorter=True)|center_crop({size})|"
 
 
 def load_llava(src) -> tuple[dict, dict, dict]:
@@ -224,10 +227,12 @@ def _image_processor(pp: str, size: int, mean, std) -> dict:
               "image_mean": list(mean), "image_std": list(std), "do_resize": True,
               "crop_size": {"height": size, "width": size}, "size": {"shortest_edge": size}}
     names = [name for name, _, _ in steps]
-    if names == ["resize", "center_crop"]:
-        (_, args, kwargs), (_, crop, _) = steps
+    if names in (["resize", "center_crop"], ["pad_to_square", "resize", "center_crop"]):
+        (_, args, kwargs), (_, crop, _) = steps[-2:]
         if kwargs.get("shorter") and crop[0] == size:
-            return {**common, "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": args[0]},
+            padded = len(names) == 3
+            return {**common, "image_processor_type": "LlavaImageProcessor" if padded else "CLIPImageProcessor",
+                    "size": {"shortest_edge": args[0]}, "do_pad": padded,
                     "resample": 3 if kwargs.get("method") == "bicubic" else 2, "do_center_crop": True}
     if names in (["pad_to_square", "resize"], ["resize"]) and steps[-1][1][0] == size and not steps[-1][2].get(
             "shorter"):
