@@ -1,8 +1,10 @@
-"""Two processes on 127.0.0.1 (gloo CPU collectives), one device each, train as one."""
+"""Two processes on 127.0.0.1 (gloo CPU collectives), one device each, train as one: started with a
+coordinator in the config, and as SLURM's ``srun`` starts them (found from its variables)."""
 
 import json
 import os
 import pathlib
+import random
 import shutil
 import socket
 import subprocess
@@ -23,9 +25,10 @@ with c.unlocked():
     c.total_steps = 6
     c.log_every = c.checkpoint_every = 1
     c.keep_checkpoints = 6  # every step's parameters stay, to compare a resumed pair's with
-    c.multihost.coordinator = sys.argv[4]
-    c.multihost.num_processes = 2
-    c.multihost.process_id = int(sys.argv[5])
+    if sys.argv[4] != "slurm":  # else no coordinator: the trainer finds the SLURM variables the test set
+        c.multihost.coordinator = sys.argv[4]
+        c.multihost.num_processes = 2
+        c.multihost.process_id = int(sys.argv[5])
 from vitmm.train import trainer
 import jax
 if len(sys.argv) > 6 and int(sys.argv[5]) == int(sys.argv[6]):  # this process is sent SIGTERM at batch argv[8]
@@ -49,19 +52,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, at_batch=3) -> list[str]:
-    """Both processes' stdout, after each exits with ``expect``."""
+def _slurm_job_id() -> int:
+    """A SLURM job id whose port (JAX: ``id % 4096 + 61440``) is free here."""
+    for _ in range(100):
+        job = random.randrange(10_000, 1_000_000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", job % 4096 + 61440))
+                return job
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 61440-65535")
+
+
+def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, at_batch=3, slurm=False) -> list[str]:
+    """Both processes' stdout, after each exits with ``expect``; ``slurm``: no coordinator in the
+    config, the processes started as ``srun -n 2`` starts them (its environment variables)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = "slurm" if slurm else f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = f"{os.environ.get('VITMM_TEST_XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"
     env["PYTHONPATH"] = str(ROOT)
+    job = _slurm_job_id() if slurm else None
+    slurm_env = lambda i: {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",  # noqa: E731
+                           "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)} if slurm else {}
     extra = [] if signalled is None else [str(signalled), str(pathlib.Path(__file__).resolve().parent), str(at_batch)]
     procs = [subprocess.Popen(
         ["timeout", "-s", "KILL", "240", sys.executable, str(script), str(ROOT / "configs/clip_scenes.py"),
          str(workdir), str(data_dir), coordinator, str(i), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **slurm_env(i)}, cwd=ROOT)
+        for i in range(2)]
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
@@ -91,13 +112,15 @@ def test_two_processes_train_as_one_and_stop_together_on_sigterm(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "workdir" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3, 4, 5, 6]  # process 0 writes once
 
-    # The pair again from its step-3 checkpoint, SIGTERM reaching process 1 only at its second batch:
+    # The pair again from its step-3 checkpoint, started as `srun -n 2` starts them (no coordinator in the
+    # config: the trainer finds SLURM's variables), SIGTERM reaching process 1 only at its second batch:
     # both processes save step 5 and stop, and the resumed steps equal the uninterrupted ones, bit for bit.
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "workdir", resumed)
     for step in (4, 5, 6):
         shutil.rmtree(resumed / "checkpoints" / str(step))
-    stopped = _results(_run_two(tmp_path, resumed, data_dir, signalled=1, expect=75, at_batch=2), "PREEMPTED ")
+    stopped = _results(_run_two(tmp_path, resumed, data_dir, signalled=1, expect=75, at_batch=2, slurm=True),
+                       "PREEMPTED ")
     assert sorted((r["process"], r["step"]) for r in stopped) == [(0, 5), (1, 5)]
     assert sorted(int(p.name) for p in (resumed / "checkpoints").iterdir()) == [1, 2, 3, 4, 5]
     lines = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
@@ -111,3 +134,25 @@ def test_two_processes_train_as_one_and_stop_together_on_sigterm(tmp_path):
 
     mine, straight = ckpt_lib.load_params(resumed, 5), ckpt_lib.load_params(tmp_path / "workdir", 5)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(straight), strict=True))
+
+
+@pytest.mark.parametrize(("env", "found"), [
+    ({}, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+      "SLURM_LOCALID": "0"}, "slurm"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node01", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+      "SLURM_LOCALID": "0"}, None),  # one task: a single process, nothing to join
+    ({"OMPI_MCA_orte_hnp_uri": "1;tcp://10.0.0.1:4000", "OMPI_COMM_WORLD_SIZE": "4"}, "openmpi"),
+    ({"TPU_WORKER_HOSTNAMES": "t1k-w-0,t1k-w-1"}, "tpu"),
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "8", "JAX_PROCESS_ID": "3"}, "env"),
+])
+def test_the_launcher_is_found_from_the_environment(monkeypatch, env, found):
+    from vitmm.train import trainer
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+                "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS",
+                "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert trainer.launcher() == found
