@@ -1,5 +1,5 @@
-"""A whole transformers LLaVA (``LlavaForConditionalGeneration`` with its ``LlavaProcessor``,
-``tests/fixtures/interop/hf_llava``, written by ``make_fixtures.py --only vlm``) imported into a vitmm
+"""Whole transformers VLMs (LLaVA with its ``LlavaProcessor``, ``tests/fixtures/interop/hf_llava``;
+PaliGemma, ``hf_paligemma``; written by ``make_fixtures.py --only vlm``) imported into a vitmm
 VLM workdir: the processor's pixels and ids, the logits (≤ 1e-5 of the largest) and the greedy
 answers equal transformers'; every tensor layout transformers writes reads alike; what vitmm cannot
 hold is refused in one line with nothing written."""
@@ -48,6 +48,33 @@ def test_llava_gives_transformers_pixels_ids_logits_and_greedy_answers(imported)
                                                  jnp.asarray(example["ids"][None, :n]), image_pos=jnp.array([pos])))
         want = ref[f"logits_{i}"][0]
         assert logits.shape[1:] == want.shape
+        assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
+        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+
+
+def test_paligemma_gives_transformers_pixels_ids_logits_and_greedy_answers(tmp_path):
+    """PaliGemma (``tests/fixtures/interop/hf_paligemma``): SigLIP's normed output, the linear projector,
+    Gemma; the image first, then BOS, the prompt and a newline, attended both ways (``prefix_lm``) as
+    the processor's ``token_type_ids`` make transformers attend; logits ≤ 1e-5 of the largest (its
+    positions start at 1, vitmm's at 0: RoPE sees the same offsets), the same greedy answers."""
+    from vitmm import chat
+    from vitmm.interop.__main__ import main
+
+    folder = FIXTURE.with_name("hf_paligemma")
+    main(["--from", "hf", "--src", str(folder), "--out", str(tmp_path / "w")])
+    vlm, ref = chat.load(tmp_path / "w"), np.load(folder / "io.npz")
+    assert vlm.config.model.prefix_lm and vlm.config.model.connector.name == "linear"
+    for i, prompt in enumerate(json.loads((folder / "prompts.json").read_text())):
+        example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompt}])
+        np.testing.assert_allclose(example["image"], ref[f"pixel_values_{i}"][0].transpose(1, 2, 0), atol=1e-6)
+        n, hf_ids = int(example["prompt_len"]), ref[f"input_ids_{i}"][0]
+        image = hf_ids == IMAGE_TOKEN
+        assert int(example["image_pos"]) == 0 and image[:16].all() and image.sum() == 16  # the image first
+        assert list(example["ids"][:n]) == list(hf_ids[16:]) and (ref[f"token_type_ids_{i}"] == 0).all()
+        logits = np.asarray(vlm.task.model.apply({"params": vlm.params}, jnp.asarray(example["image"][None]),
+                                                 jnp.asarray(example["ids"][None, :n]), prompt_len=jnp.array([n]),
+                                                 prefix_lm=True, image_pos=jnp.array([0])))
+        want = ref[f"logits_{i}"][0]
         assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
 

@@ -283,6 +283,4 @@ def _assemble(segments, tokenizer) -> tuple[list[int], list[int], int | None]:
         end = answer.index(tokenizer.eos_id) + 1
         ids += answer
         mask += [1] * end + [0] * (len(answer) - end)
-    if image_at == 0:
-        raise ValueError("conversation_tokens: the chat template puts no token before <image>.")
-    return ids, mask, image_at
+    return ids, mask, image_at  # 0: the image first, before BOS (PaliGemma's layout)

@@ -5,7 +5,10 @@
 
 A folder is recognised by ``config.json``'s ``architectures``. Supported: ``LlavaForConditionalGeneration``
 (a CLIP vision tower, its ``vision_feature_layer``, the ``default`` feature strategy, LLaVA's
-two-layer GELU projector as the ``mlp`` connector, and a language model ``hf_lm`` reads).
+two-layer GELU projector as the ``mlp`` connector, and a language model ``hf_lm`` reads) and
+``PaliGemmaForConditionalGeneration`` (SigLIP's normed output, the ``linear`` connector, Gemma, the
+image first and attention both ways over it and the prompt: ``prefix_lm``; its prompt format, which
+the processor builds and transformers has no chat template for, as ``PALIGEMMA_TEMPLATE``).
 What the workdir holds (``out``):
 
 * ``checkpoints/0``: the VLM's parameters (``tower``, ``project``, ``language``) and its config:
@@ -35,7 +38,12 @@ from vitmm.interop.common import StateDict, finish, linear
 from vitmm.interop.convert import OPENAI_CLIP
 from vitmm.interop.hf import clip
 
-ARCHITECTURES = ("LlavaForConditionalGeneration",)
+ARCHITECTURES = ("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
+# PaliGemma's prompt as its processor builds it: the image first, then BOS, the prompt and a newline;
+# the answer and EOS after (its training suffix). One user turn; the <image> tag may lead it.
+PALIGEMMA_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<image>{{ bos_token }}"
+                      "{{ m['content'] | replace('<image>', '') }}{{ '\\n' }}{% elif m['role'] == 'assistant' %}"
+                      "{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 CONVERSATION_PP = ("conversation_tokens({max_len}, overflow='truncate_turns', max_answer={loss_positions})|"
                    "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image')")
 
@@ -175,6 +183,55 @@ def load_llava(src) -> tuple[dict, dict, dict]:
     return run, params, {"image_token": processor.get("image_token", "<image>"), "text_config": text_config}
 
 
+def load_paligemma(src) -> tuple[dict, dict, dict]:
+    """``(run config, VLM params, extras)`` of a ``PaliGemmaForConditionalGeneration`` folder: its SigLIP
+    tower's normed output (``vision_layer=-1``; a pooling head, never used, is left out), the linear
+    projector, Gemma, attention both ways over the image and the prompt (``prefix_lm``)."""
+    from vitmm.models.vit import ViT
+    from vitmm.models.vlm import VLM
+
+    src = pathlib.Path(src).expanduser()
+    config = io.read_json(src)
+    tensors = {k: v for k, v in _llava_names(io.read_tensors(src)).items() if not k.startswith("vision.head.")}
+    vision_type = (config.get("vision_config") or {}).get("model_type", "siglip_vision_model")
+    if vision_type != "siglip_vision_model":
+        raise ValueError(f"{src}: a {vision_type!r} vision tower is not supported in PaliGemma; vitmm reads SigLIP's.")
+    text_config = {"model_type": "gemma", **(config.get("text_config") or {})}
+    vision_sd = StateDict({k: v for k, v in tensors.items() if k.startswith("vision.")}, f"{src} (vision tower)")
+    vision, tower = clip._siglip_vision(vision_sd, config, tensors, "vision.")
+    size = int((config.get("vision_config") or {}).get("image_size") or 224)
+    tower = finish(vision_sd, ViT(**vision), tower, (jnp.zeros((1, size, size, 3)),),
+                   "a vitmm ViT (PaliGemma's SigLIP tower)")
+    lm_tensors = {k: v for k, v in tensors.items() if k.startswith(("model.", "lm_head."))}
+    lm, language = hf_lm.lm_from_tensors(text_config, lm_tensors, f"{src} (language model)")
+    proj_sd = StateDict({k: v for k, v in tensors.items() if k.startswith("projector.")}, f"{src} (projector)")
+    project = {"proj": linear(proj_sd, "projector.linear")}
+    left = sorted(set(tensors) - set(vision_sd.tensors) - set(lm_tensors) - set(proj_sd.tensors))
+    problems = [f"  missing: {k}" for k in proj_sd.missing] + [f"  unused: {k}" for k in proj_sd.unused() + left]
+    model = dict(vision=vision, connector={"name": "linear", "budget": "all"}, lm=lm, vision_layer=-1,
+                 use_cls=False, prefix_lm=True, mrope=False, anyres=None, max_len=2048, loss_positions=None)
+    params = {"tower": tower, "project": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), project),
+              "language": language}
+    if not problems:
+        expected = jax.eval_shape(VLM(vision, model["connector"], lm, -1).init, jax.random.key(0),
+                                  jnp.zeros((1, size, size, 3)), jnp.zeros((1, 4), jnp.int32))["params"]
+        problems = tree.mismatches(expected, params)
+    if problems:
+        raise ValueError(f"Cannot load {src} as a vitmm VLM (PaliGemma):\n" + "\n".join(problems))
+    images, _ = _processor(src)
+    hw = (images.get("size") or {}).get("height"), (images.get("size") or {}).get("width")
+    if hw != (size, size) or images.get("resample", 3) not in (2, 3) or images.get("do_center_crop"):
+        raise ValueError(f"{src}: image processing {json.dumps(images.get('size'))} is not supported; vitmm reads "
+                         f"SigLIP's resize to the tower's {size}x{size}.")
+    method = "bicubic" if images.get("resample", 3) == 3 else "bilinear"
+    pp = f"decode|resize({size}, method='{method}')|normalize({{image_mean}}, {{image_std}})|" + CONVERSATION_PP
+    run = {"task": "vlm", "seed": 0, "model": model, "init": {"vision": None, "lm": None, "checkpoint": None},
+           "lora": {"rank": 0, "alpha": 0.0, "dropout": 0.0, "targets": []},
+           "input": {"pp": pp, "image_size": size, "image_mean": list(images.get("image_mean", (0.5,) * 3)),
+                     "image_std": list(images.get("image_std", (0.5,) * 3))}}
+    return run, params, {"text_config": text_config, "chat_template": PALIGEMMA_TEMPLATE}
+
+
 def import_vlm(src, out) -> pathlib.Path:
     """Writes the VLM workdir ``out`` for the transformers folder ``src`` (see the module docstring)."""
     from vitmm.interop import convert
@@ -185,12 +242,13 @@ def import_vlm(src, out) -> pathlib.Path:
         raise ValueError(f"{src} is a {'/'.join(io.read_json(src).get('architectures') or ['?'])} VLM, which vitmm "
                          f"does not import; it imports {', '.join(ARCHITECTURES)}.")
     out = convert.new_folder(out)
-    run, params, extra = load_llava(src)
+    run, params, extra = (load_paligemma if name == "PaliGemmaForConditionalGeneration" else load_llava)(src)
     if not (src / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{src} has no tokenizer.json; save the processor (or tokenizer) beside the model.")
     ids = {k: v if v is not None else convert.special_ids(io.read_json(src)).get(k)
            for k, v in convert.special_ids(extra["text_config"]).items()}
-    run.update(tokenizer=str(out / "tokenizer.json"), chat_template=io.chat_template(src), tokens=ids,
+    run.update(tokenizer=str(out / "tokenizer.json"), chat_template=extra.get("chat_template") or io.chat_template(src),
+               tokens=ids,
                source={"from": "hf", "src": str(src), "architecture": name})
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
