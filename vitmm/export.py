@@ -3,11 +3,13 @@
     python -m vitmm.export --workdir workdirs/llava_s2 --out exported_hf/ --format hf
     python -m vitmm.export --workdir workdirs/smol/smollm2_stage2_lora --out exported/
 
-``--format hf`` writes one transformers folder (``vitmm.interop.hf_vlm.export_llava``): a VLM whose
+``--format hf`` writes one transformers folder (``vitmm.interop.hf_vlm.export_hf``): a VLM whose
 parts fit ``LlavaForConditionalGeneration`` (a CLIP-layout tower read at ``vision_layer`` ≤ -2, the
-``mlp`` connector, an LM ``hf_lm`` writes, LoRA merged, a tokenizer with ``<image>``) with its
-processor (the run's image steps), tokenizer and chat template, for ``AutoModelForImageTextToText``
-and ``AutoProcessor``; any other VLM is refused with every reason. The default, ``parts``, writes
+``mlp`` connector, an LM ``hf_lm`` writes, a tokenizer with ``<image>``) or, with prefix attention,
+``PaliGemmaForConditionalGeneration`` (a SigLIP-layout tower's normed output, the ``linear``
+connector, Gemma), LoRA merged, with its processor (the run's image steps), tokenizer and chat
+template, for ``AutoModelForImageTextToText`` and ``AutoProcessor``; any other VLM is refused with
+every reason. The default, ``parts``, writes
 ``out/lm/`` (transformers' ``config.json`` + ``model.safetensors``, LoRA adapters merged,
 with the tokenizer and chat template of the run's ``init.lm``), ``out/vision/`` (transformers'
 ``CLIPVisionModel`` layout, for towers of that form: a CLS token, learned positions with a CLS
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
         if args.format == "hf":
             from vitmm.interop import hf_vlm
 
-            written = hf_vlm.export_llava(args.workdir, args.out)
+            written = hf_vlm.export_hf(args.workdir, args.out)
         else:
             written = export_vlm(args.workdir, args.out)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

@@ -226,7 +226,7 @@ def test_the_fine_tuned_vlm_exports_to_transformers_with_the_same_pixels_ids_log
     images = [rng.integers(0, 256, (24, 20, 3), dtype=np.uint8), rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)]
     np.savez(tmp_path / "in.npz", **{f"image_{i}": x for i, x in enumerate(images)},
              **{f"question_{i}": q for i, q in enumerate(questions)})
-    script = pathlib.Path(__file__).with_name("transformers_llava.py")
+    script = pathlib.Path(__file__).with_name("transformers_vlm.py")
     ran = subprocess.run([EVAL_PYTHON, str(script), str(out), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -244,3 +244,36 @@ def test_the_fine_tuned_vlm_exports_to_transformers_with_the_same_pixels_ids_log
         want = ref[f"logits_{i}"][0]
         assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+
+
+def test_paligemma_exports_and_imports_back_and_transformers_runs_the_export(tmp_path, capsys):
+    """``--format hf`` on an imported PaliGemma: the importer reads the export back to the same
+    parameters; transformers (``.venv-eval``'s, when built) runs it with the original model's ids,
+    pixels, logits (to 1e-6 of the largest) and greedy answers."""
+    from vitmm import chat
+    from vitmm.export import main as export
+    from vitmm.interop.__main__ import main as interop
+
+    folder = FIXTURE.with_name("hf_paligemma")
+    interop(["--from", "hf", "--src", str(folder), "--out", str(tmp_path / "w")])
+    assert export(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert "architecture: PaliGemmaForConditionalGeneration" in capsys.readouterr().out
+    _, params, _ = hf_vlm.load_paligemma(tmp_path / "hf")
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, chat.load(tmp_path / "w").params))
+    if not pathlib.Path(EVAL_PYTHON or "/nonexistent").is_file():
+        pytest.skip("no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+    ref, prompts = np.load(folder / "io.npz"), json.loads((folder / "prompts.json").read_text())
+    np.savez(tmp_path / "in.npz", **{f"image_{i}": ref[f"image_{i}"] for i in range(2)},
+             **{f"question_{i}": q for i, q in enumerate(prompts)})
+    script = pathlib.Path(__file__).with_name("transformers_vlm.py")
+    ran = subprocess.run([EVAL_PYTHON, str(script), str(tmp_path / "hf"), str(tmp_path / "in.npz"),
+                          str(tmp_path / "out.npz")], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    assert str(out["class"]) == "PaliGemmaForConditionalGeneration"
+    for i in range(2):
+        assert np.array_equal(out[f"input_ids_{i}"], ref[f"input_ids_{i}"])
+        np.testing.assert_array_equal(out[f"pixel_values_{i}"], ref[f"pixel_values_{i}"])
+        assert np.abs(out[f"logits_{i}"] - ref[f"logits_{i}"]).max() <= 1e-6 * np.abs(ref[f"logits_{i}"]).max()
+        assert list(out[f"answer_{i}"]) == list(ref[f"answer_{i}"])

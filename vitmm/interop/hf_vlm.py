@@ -373,3 +373,106 @@ def export_llava(workdir, out) -> dict:
     if tokenizer.chat_template:
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
     return {"hf": str(out), "architecture": "LlavaForConditionalGeneration", "image_tokens": patches}
+
+
+def _paligemma_problems(model: dict, vision: dict, tower: dict, lm: dict) -> list[str]:
+    """Why ``PaliGemmaForConditionalGeneration`` cannot hold this VLM (empty: it can)."""
+    problems = []
+    if vision.get("class_token") or vision.get("posemb", "learn") != "learn" or "map_head" in tower \
+            or vision.get("pre_norm"):
+        problems.append("the tower (PaliGemma's is SigLIP's: no class token, learned positions, no pre-norm)")
+    connector = dict(model["connector"])
+    if connector.get("name") != "linear" or connector.get("budget") != "all":
+        problems.append(f"connector {connector} (PaliGemma's projector is linear, every patch)")
+    if model.get("vision_layer", -1) != -1:
+        problems.append(f"vision_layer={model.get('vision_layer')} (PaliGemma reads the tower's normed output, -1)")
+    if not (lm.get("norm_offset") and lm.get("embed_scale")) or lm.get("post_norms"):
+        problems.append("the LM (PaliGemma's is a Gemma)")
+    for key in ("use_cls", "mrope", "anyres"):
+        if model.get(key):
+            problems.append(f"model.{key}={model[key]!r}")
+    return problems
+
+
+def export_hf(workdir, out) -> dict:
+    """``python -m vitmm.export --format hf``: a VLM with prefix attention (``prefix_lm``) as
+    ``PaliGemmaForConditionalGeneration``, any other as ``LlavaForConditionalGeneration``."""
+    from vitmm import checkpoint as ckpt_lib
+
+    config = ckpt_lib.load_config(workdir)
+    if (config.get("model") or {}).get("prefix_lm"):
+        return export_paligemma(workdir, out)
+    return export_llava(workdir, out)
+
+
+def export_paligemma(workdir, out) -> dict:
+    """The VLM in ``workdir`` as a transformers ``PaliGemmaForConditionalGeneration`` folder (weights
+    in the layout every transformers version reads, config, processor, tokenizer) or ValueError with
+    every reason it cannot be, before anything is written."""
+    import ml_collections
+    import numpy as np
+
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.data import preprocess
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.interop.hf.clip import export_siglip_vision
+    from vitmm.models import lora as lora_lib
+    from vitmm.train import tasks
+
+    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
+    vision, lm = tasks.vlm_parts(config)
+    params = ckpt_lib.load_params(workdir)
+    if "lora" in params:
+        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
+    model = {**config.model.to_dict(), "vision": vision, "lm": lm}
+    problems = _paligemma_problems(model, vision, params["tower"], lm)
+    tokenizer = tasks.tokenizer_for(config)
+    image_id = tokenizer.token_id("<image>") if isinstance(tokenizer, tok_lib.HFTokenizer) else None
+    if image_id is None:
+        problems.append("a tokenizer without an <image> token")
+    size = int(config.input.image_size)
+    steps = [(n, a, k) for n, a, k in preprocess.ops(tasks.pp_string(config))
+             if n in preprocess.IMAGE_OPS_NAMES and n not in ("decode", "normalize")]
+    if [n for n, _, _ in steps] != ["resize"] or steps[0][2].get("shorter") or steps[0][1][0] != size:
+        problems.append(f"the image steps {[n for n, _, _ in steps]} (PaliGemma's processor resizes to the tower's "
+                        "size)")
+    if problems:
+        raise ValueError(f"{workdir} cannot be a PaliGemmaForConditionalGeneration: " + "; ".join(problems) + ".")
+    out = pathlib.Path(out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new --out.")
+    tower, vision_config = export_siglip_vision(vision, params["tower"], prefix="vision_tower.vision_model.")
+    language, text_config = hf_lm.export_lm(lm, params["language"], family="gemma")
+    tensors = {**tower, **{("language_model." + k): v for k, v in language.items()}}
+    proj = params["project"]["proj"]
+    tensors["multi_modal_projector.linear.weight"] = np.ascontiguousarray(np.asarray(proj["kernel"]).T)
+    tensors["multi_modal_projector.linear.bias"] = np.asarray(proj["bias"], np.float32)
+    mean, std = tasks.image_normalization(config)
+    patches = (size // vision["patch_size"]) ** 2
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    hf_config = {"architectures": ["PaliGemmaForConditionalGeneration"], "model_type": "paligemma",
+                 "image_token_index": image_id, "projection_dim": lm["width"], "hidden_size": lm["width"],
+                 "vocab_size": lm["vocab_size"], "tie_word_embeddings": bool(lm.get("tie_embeddings")),
+                 "text_config": {**text_config, **ids, "use_bidirectional_attention": True,
+                                 "num_image_tokens": patches},
+                 "vision_config": {**vision_config, "projection_dim": lm["width"]}, "torch_dtype": "float32"}
+    method = steps[0][2].get("method", "bilinear")
+    images = {"image_processor_type": "SiglipImageProcessor", "do_convert_rgb": True, "do_resize": True,
+              "size": {"height": size, "width": size}, "resample": 3 if method == "bicubic" else 2,
+              "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(mean),
+              "image_std": list(std), "image_seq_length": patches}
+    token = tokenizer.token
+    tokenizer_config = {"bos_token": token(tokenizer.bos_id), "eos_token": token(tokenizer.eos_id),
+                        "pad_token": token(tokenizer.pad_id), "extra_special_tokens": ["<image>"],
+                        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "PaliGemmaProcessor",
+                        "add_bos_token": False, "add_eos_token": False}
+    out.mkdir(parents=True, exist_ok=True)
+    io.write_safetensors(tensors, out / "model.safetensors")
+    files = {"config.json": hf_config, "processor_config.json": {"image_processor": images,
+                                                                 "processor_class": "PaliGemmaProcessor"},
+             "preprocessor_config.json": {**images, "processor_class": "PaliGemmaProcessor"},
+             "tokenizer_config.json": tokenizer_config, "generation_config.json": ids}
+    for name, value in files.items():
+        (out / name).write_text(json.dumps(value, indent=1) + "\n")
+    (out / "tokenizer.json").write_text(tokenizer.to_str())
+    return {"hf": str(out), "architecture": "PaliGemmaForConditionalGeneration", "image_tokens": patches}

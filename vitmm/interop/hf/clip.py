@@ -300,9 +300,43 @@ def export_clip_vision(kwargs: dict, params: dict, prefix: str = "vision_model."
         f"{prefix}embeddings.position_embedding.weight": np.concatenate(
             [p["cls_pos_embedding"].reshape(1, width), p["pos_embedding"].reshape(-1, width)]),
         f"{prefix}pre_layrnorm.weight": p["pre_norm"]["scale"], f"{prefix}pre_layrnorm.bias": p["pre_norm"]["bias"],
-        f"{prefix}post_layernorm.weight": p["encoder"]["encoder_norm"]["scale"],
-        f"{prefix}post_layernorm.bias": p["encoder"]["encoder_norm"]["bias"],
     }
+    _export_encoder(p, kwargs, prefix, out)
+    act = {v: k for k, v in ACTIVATIONS.items() if k not in ("gelu_new",)}[kwargs.get("act", "quick_gelu")]
+    config = {"model_type": "clip_vision_model", "architectures": ["CLIPVisionModel"], "hidden_size": width,
+              "intermediate_size": kwargs["mlp_dim"], "num_hidden_layers": kwargs["depth"],
+              "num_attention_heads": heads, "num_channels": p["embedding"]["kernel"].shape[2],
+              "image_size": grid[0] * kwargs["patch_size"], "patch_size": kwargs["patch_size"],
+              "hidden_act": act, "layer_norm_eps": kwargs.get("norm_eps", 1e-5)}
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, config
+
+
+def export_siglip_vision(kwargs: dict, params: dict, prefix: str = "vision_model.") -> tuple[dict, dict]:
+    """``(tensors, config)`` in transformers' ``SiglipVisionModel`` layout without its pooling head
+    (PaliGemma's tower): the inverse of ``_siglip_vision`` for a tower without a MAP head."""
+    p = jax.tree.map(np.asarray, params)
+    width = kwargs["width"]
+    grid = p["pos_embedding"].shape[1:3]
+    if grid[0] != grid[1] or "map_head" in p or "cls" in p:
+        raise ValueError("transformers' SigLIP tower here needs a square grid, no class token and no pooling head.")
+    out = {f"{prefix}embeddings.patch_embedding.weight": p["embedding"]["kernel"].transpose(3, 2, 0, 1),
+           f"{prefix}embeddings.patch_embedding.bias": p["embedding"]["bias"],
+           f"{prefix}embeddings.position_embedding.weight": p["pos_embedding"].reshape(-1, width)}
+    _export_encoder(p, kwargs, prefix, out)
+    act = {v: k for k, v in ACTIVATIONS.items() if k not in ("gelu_new",)}[kwargs.get("act", "gelu_tanh")]
+    config = {"model_type": "siglip_vision_model", "hidden_size": width, "intermediate_size": kwargs["mlp_dim"],
+              "num_hidden_layers": kwargs["depth"], "num_attention_heads": kwargs["num_heads"],
+              "num_channels": p["embedding"]["kernel"].shape[2], "image_size": grid[0] * kwargs["patch_size"],
+              "patch_size": kwargs["patch_size"], "hidden_act": act, "layer_norm_eps": kwargs.get("norm_eps", 1e-6),
+              "vision_use_head": False}
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, config
+
+
+def _export_encoder(p: dict, kwargs: dict, prefix: str, out: dict) -> None:
+    """The encoder's blocks and final norm (``post_layernorm``) into ``out``, transformers' names."""
+    width = kwargs["width"]
+    out[f"{prefix}post_layernorm.weight"] = p["encoder"]["encoder_norm"]["scale"]
+    out[f"{prefix}post_layernorm.bias"] = p["encoder"]["encoder_norm"]["bias"]
     for i in range(kwargs["depth"]):
         b, q = p["encoder"][f"block_{i:02d}"], f"{prefix}encoder.layers.{i}"
         kernel, bias = b["attn"]["qkv"]["kernel"], b["attn"]["qkv"]["bias"]
@@ -316,10 +350,3 @@ def export_clip_vision(kwargs: dict, params: dict, prefix: str = "vision_model."
             out[f"{q}.layer_norm{n}.bias"] = b[f"norm{n}"]["bias"]
             out[f"{q}.mlp.fc{n}.weight"] = b["mlp"][f"fc{n}"]["kernel"].T
             out[f"{q}.mlp.fc{n}.bias"] = b["mlp"][f"fc{n}"]["bias"]
-    act = {v: k for k, v in ACTIVATIONS.items() if k not in ("gelu_new",)}[kwargs.get("act", "quick_gelu")]
-    config = {"model_type": "clip_vision_model", "architectures": ["CLIPVisionModel"], "hidden_size": width,
-              "intermediate_size": kwargs["mlp_dim"], "num_hidden_layers": kwargs["depth"],
-              "num_attention_heads": heads, "num_channels": p["embedding"]["kernel"].shape[2],
-              "image_size": grid[0] * kwargs["patch_size"], "patch_size": kwargs["patch_size"],
-              "hidden_act": act, "layer_norm_eps": kwargs.get("norm_eps", 1e-5)}
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, config

@@ -1,9 +1,9 @@
 """Run an exported VLM folder in transformers (in an environment that has it, e.g. ``.venv-eval``):
-``python transformers_llava.py FOLDER INPUTS.npz OUT.npz`` loads it with ``AutoModelForImageTextToText``
+``python transformers_vlm.py FOLDER INPUTS.npz OUT.npz`` loads it with ``AutoModelForImageTextToText``
 and ``AutoProcessor``, and for each ``image_i`` / ``question_i`` of INPUTS (one user turn, rendered by
-the folder's chat template) writes the processor's ``input_ids_i`` and ``pixel_values_i``, the
-``logits_i`` and a greedy ``answer_i`` of 6 tokens to OUT. ``tests/interop/test_hf_vlm.py`` compares
-them with vitmm's."""
+the folder's chat template; PaliGemma's processor takes the text as it is) writes the processor's
+``input_ids_i`` and ``pixel_values_i``, the ``logits_i`` and a greedy ``answer_i`` of 6 tokens to OUT.
+``tests/interop/test_hf_vlm.py`` compares them with vitmm's."""
 
 import sys
 
@@ -18,8 +18,10 @@ def main(folder, inputs, out):
     processor = AutoProcessor.from_pretrained(folder)
     data, results = np.load(inputs), {"class": np.array(type(model).__name__)}
     for i in range(sum(k.startswith("image_") for k in data.files)):
-        messages = [{"role": "user", "content": str(data[f"question_{i}"])}]
-        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = str(data[f"question_{i}"])
+        if "PaliGemma" not in type(processor).__name__:
+            prompt = processor.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                   tokenize=False)
         batch = processor(images=Image.fromarray(data[f"image_{i}"]), text=prompt, return_tensors="pt")
         with torch.no_grad():
             logits = model(**batch).logits
