@@ -9,7 +9,6 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -152,18 +151,26 @@ def test_options_for_one_tower_are_refused_for_a_whole_vlm(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def finetuned(imported, tmp_path_factory):
     """configs/llava_finetune.py with LoRA from the imported workdir, 4 steps on written LLaVA data."""
+    import contextlib
+    import io as io_lib
+
+    from vitmm import config_args
     from vitmm.data import examples
+    from vitmm.train import trainer
 
     out, _ = imported
     root = tmp_path_factory.mktemp("finetune")
     data = examples.write_llava(root / "data", 8, resolution=24)
     run = root / "run"
-    done = subprocess.run([sys.executable, "-m", "vitmm.train", "--config", "configs/llava_finetune.py:lora=4,smoke",
-                           "--workdir", str(run), f"--config.init.checkpoint={out}", f"--config.input.data_path={data}",
-                           f"--config.input.image_folder={data.parent}"], capture_output=True, text=True,
-                          cwd=pathlib.Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr[-2000:]
-    return run, data, done.stdout
+    # What `python -m vitmm.train --config configs/llava_finetune.py:lora=4,smoke --config.init.checkpoint=W
+    # --config.input.data_path=... --config.input.image_folder=...` runs, in this process.
+    config = config_args.load(pathlib.Path(__file__).resolve().parents[2] / "configs/llava_finetune.py",
+                              "lora=4,smoke", **{"init.checkpoint": str(out), "input.data_path": str(data),
+                                                 "input.image_folder": str(data.parent)})
+    printed = io_lib.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.train(config, run)
+    return run, data, printed.getvalue()
 
 
 def test_an_imported_llava_fine_tunes_with_lora_as_it_is_and_chats(imported, finetuned, capsys):
@@ -204,35 +211,65 @@ def test_an_exported_vlm_imports_back_to_the_same_parameters_and_image_steps(fin
 
 
 EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
+QUESTIONS = ["<image>\nwhat colour is the circle?", "How many shapes? <image>"]
 
 
-@pytest.mark.skipif(not pathlib.Path(EVAL_PYTHON or "/nonexistent").is_file(),
-                    reason="no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
-def test_the_fine_tuned_vlm_exports_to_transformers_with_the_same_pixels_ids_logits_and_answers(finetuned, tmp_path,
-                                                                                              capsys):
-    """``python -m vitmm.export --format hf``: transformers (``.venv-eval``'s) loads the folder with
-    AutoModelForImageTextToText and AutoProcessor and gives vitmm's pixels (LLaVA's pad-to-square, the
-    run's), ids, logits (≤ 1e-5 of the largest) and greedy answers, LoRA merged."""
-    from vitmm import chat
-
-    run, _, _ = finetuned
-    from vitmm.export import main
-
-    out = tmp_path / "hf"
-    assert main(["--workdir", str(run), "--out", str(out), "--format", "hf"]) == 0
-    assert "architecture: LlavaForConditionalGeneration" in capsys.readouterr().out
+def _images():
     rng = np.random.default_rng(5)
-    questions = ["<image>\nwhat colour is the circle?", "How many shapes? <image>"]
-    images = [rng.integers(0, 256, (24, 20, 3), dtype=np.uint8), rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)]
-    np.savez(tmp_path / "in.npz", **{f"image_{i}": x for i, x in enumerate(images)},
-             **{f"question_{i}": q for i, q in enumerate(questions)})
-    script = pathlib.Path(__file__).with_name("transformers_vlm.py")
-    ran = subprocess.run([EVAL_PYTHON, str(script), str(out), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+    return [rng.integers(0, 256, (24, 20, 3), dtype=np.uint8), rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)]
+
+
+def test_paligemma_exports_and_imports_back_to_the_same_parameters(tmp_path, capsys):
+    """``--format hf`` on an imported PaliGemma (prefix attention: PaliGemma's layout), read back."""
+    from vitmm import chat
+    from vitmm.export import main as export
+    from vitmm.interop.__main__ import main as interop
+
+    interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_paligemma")), "--out", str(tmp_path / "w")])
+    assert export(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert "architecture: PaliGemmaForConditionalGeneration" in capsys.readouterr().out
+    _, params, _ = hf_vlm.load_paligemma(tmp_path / "hf")
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, chat.load(tmp_path / "w").params))
+
+
+@pytest.fixture(scope="module")
+def in_transformers(finetuned, tmp_path_factory):
+    """The fine-tuned LLaVA and the imported PaliGemma exported with ``--format hf`` and run in
+    transformers (``.venv-eval``'s; one process for both): ``{name: (exported folder, outputs)}``."""
+    if not pathlib.Path(EVAL_PYTHON or "/nonexistent").is_file():
+        pytest.skip("no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+    from vitmm.export import main as export
+    from vitmm.interop.__main__ import main as interop
+
+    root = tmp_path_factory.mktemp("in_transformers")
+    interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_paligemma")), "--out", str(root / "paligemma_w")])
+    pali = np.load(FIXTURE.with_name("hf_paligemma") / "io.npz")
+    prompts = json.loads((FIXTURE.with_name("hf_paligemma") / "prompts.json").read_text())
+    cases = {"llava": (finetuned[0], {**{f"image_{i}": x for i, x in enumerate(_images())},
+                                      **{f"question_{i}": q for i, q in enumerate(QUESTIONS)}}),
+             "paligemma": (root / "paligemma_w", {**{f"image_{i}": pali[f"image_{i}"] for i in range(2)},
+                                                  **{f"question_{i}": q for i, q in enumerate(prompts)}})}
+    args = []
+    for name, (workdir, inputs) in cases.items():
+        assert export(["--workdir", str(workdir), "--out", str(root / name), "--format", "hf"]) == 0
+        np.savez(root / f"{name}_in.npz", **inputs)
+        args += [str(root / name), str(root / f"{name}_in.npz"), str(root / f"{name}_out.npz")]
+    ran = subprocess.run([EVAL_PYTHON, str(pathlib.Path(__file__).with_name("transformers_vlm.py")), *args],
                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert ran.returncode == 0, ran.stderr[-3000:]
-    ref, vlm = np.load(tmp_path / "out.npz"), chat.load(run)
+    return {name: np.load(root / f"{name}_out.npz") for name in cases}
+
+
+def test_the_fine_tuned_llava_exports_to_transformers_with_the_same_pixels_ids_logits_and_answers(finetuned,
+                                                                                                 in_transformers):
+    """transformers loads the export with AutoModelForImageTextToText and AutoProcessor and gives
+    vitmm's pixels (LLaVA's pad-to-square, the run's), ids, logits (≤ 1e-5 of the largest) and greedy
+    answers, LoRA merged."""
+    from vitmm import chat
+
+    ref, vlm = in_transformers["llava"], chat.load(finetuned[0])
     assert str(ref["class"]) == "LlavaForConditionalGeneration"
-    for i, (image, question) in enumerate(zip(images, questions, strict=True)):
+    for i, (image, question) in enumerate(zip(_images(), QUESTIONS, strict=True)):
         example = vlm.prepare([image], [{"from": "human", "value": question}])
         np.testing.assert_allclose(example["image"], ref[f"pixel_values_{i}"][0].transpose(1, 2, 0), atol=1e-6)
         n, pos = int(example["prompt_len"]), int(example["image_pos"])
@@ -246,31 +283,10 @@ def test_the_fine_tuned_vlm_exports_to_transformers_with_the_same_pixels_ids_log
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
 
 
-def test_paligemma_exports_and_imports_back_and_transformers_runs_the_export(tmp_path, capsys):
-    """``--format hf`` on an imported PaliGemma: the importer reads the export back to the same
-    parameters; transformers (``.venv-eval``'s, when built) runs it with the original model's ids,
-    pixels, logits (to 1e-6 of the largest) and greedy answers."""
-    from vitmm import chat
-    from vitmm.export import main as export
-    from vitmm.interop.__main__ import main as interop
-
-    folder = FIXTURE.with_name("hf_paligemma")
-    interop(["--from", "hf", "--src", str(folder), "--out", str(tmp_path / "w")])
-    assert export(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
-    assert "architecture: PaliGemmaForConditionalGeneration" in capsys.readouterr().out
-    _, params, _ = hf_vlm.load_paligemma(tmp_path / "hf")
-    assert jax.tree.all(jax.tree.map(np.array_equal, params, chat.load(tmp_path / "w").params))
-    if not pathlib.Path(EVAL_PYTHON or "/nonexistent").is_file():
-        pytest.skip("no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
-    ref, prompts = np.load(folder / "io.npz"), json.loads((folder / "prompts.json").read_text())
-    np.savez(tmp_path / "in.npz", **{f"image_{i}": ref[f"image_{i}"] for i in range(2)},
-             **{f"question_{i}": q for i, q in enumerate(prompts)})
-    script = pathlib.Path(__file__).with_name("transformers_vlm.py")
-    ran = subprocess.run([EVAL_PYTHON, str(script), str(tmp_path / "hf"), str(tmp_path / "in.npz"),
-                          str(tmp_path / "out.npz")], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    out = np.load(tmp_path / "out.npz")
+def test_the_exported_paligemma_runs_in_transformers_as_the_original(in_transformers):
+    """The export of the imported PaliGemma gives the original model's ids, pixels, logits (to 1e-6
+    of the largest) and greedy answers in transformers."""
+    out, ref = in_transformers["paligemma"], np.load(FIXTURE.with_name("hf_paligemma") / "io.npz")
     assert str(out["class"]) == "PaliGemmaForConditionalGeneration"
     for i in range(2):
         assert np.array_equal(out[f"input_ids_{i}"], ref[f"input_ids_{i}"])

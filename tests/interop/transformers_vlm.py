@@ -1,9 +1,9 @@
-"""Run an exported VLM folder in transformers (in an environment that has it, e.g. ``.venv-eval``):
-``python transformers_vlm.py FOLDER INPUTS.npz OUT.npz`` loads it with ``AutoModelForImageTextToText``
-and ``AutoProcessor``, and for each ``image_i`` / ``question_i`` of INPUTS (one user turn, rendered by
-the folder's chat template; PaliGemma's processor takes the text as it is) writes the processor's
-``input_ids_i`` and ``pixel_values_i``, the ``logits_i`` and a greedy ``answer_i`` of 6 tokens to OUT.
-``tests/interop/test_hf_vlm.py`` compares them with vitmm's."""
+"""Run exported VLM folders in transformers (in an environment that has it, e.g. ``.venv-eval``):
+``python transformers_vlm.py FOLDER INPUTS.npz OUT.npz [FOLDER INPUTS OUT ...]`` loads each with
+``AutoModelForImageTextToText`` and ``AutoProcessor``, and for each ``image_i`` / ``question_i`` of
+INPUTS (one user turn, rendered by the folder's chat template; PaliGemma's processor takes the text
+as it is) writes the processor's ``input_ids_i`` and ``pixel_values_i``, the ``logits_i`` and a
+greedy ``answer_i`` of 6 tokens to OUT. ``tests/interop/test_hf_vlm.py`` compares them with vitmm's."""
 
 import sys
 
@@ -33,4 +33,5 @@ def main(folder, inputs, out):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    for at in range(1, len(sys.argv), 3):  # one process for every folder: torch starts once
+        main(*sys.argv[at:at + 3])
