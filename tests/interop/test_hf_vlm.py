@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from vitmm import export_hf
 from vitmm.interop import hf_vlm, io
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/hf_llava"
@@ -200,14 +201,14 @@ def test_an_exported_vlm_imports_back_to_the_same_parameters_and_image_steps(fin
     from vitmm import chat
 
     run, _, _ = finetuned
-    hf_vlm.export_llava(run, tmp_path / "hf")
+    export_hf.export_llava(run, tmp_path / "hf")
     config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
     merged = chat.load(run).params  # what chat runs: the adapters merged
     assert "lora" not in merged and jax.tree.all(jax.tree.map(np.array_equal, params, merged))
     assert config["input"]["pp"].startswith("decode|pad_to_square({image_mean})|resize(16, method='bilinear', "
                                             "shorter=True)|center_crop(16)|normalize")
     with pytest.raises(FileExistsError, match="not empty"):
-        hf_vlm.export_llava(run, tmp_path / "hf")
+        export_hf.export_llava(run, tmp_path / "hf")
 
 
 EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")

@@ -147,7 +147,7 @@ def test_two_processes_train_as_one_and_stop_together_on_sigterm(tmp_path):
     ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "8", "JAX_PROCESS_ID": "3"}, "env"),
 ])
 def test_the_launcher_is_found_from_the_environment(monkeypatch, env, found):
-    from vitmm.train import trainer
+    from vitmm.train import distributed
 
     for key in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
                 "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS",
@@ -155,4 +155,4 @@ def test_the_launcher_is_found_from_the_environment(monkeypatch, env, found):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert trainer.launcher() == found
+    assert distributed.launcher() == found

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import sys
 import time
@@ -25,7 +24,7 @@ from tqdm import tqdm
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
 from vitmm.data import formats, pipeline, preprocess, skips
-from vitmm.train import optim, tasks
+from vitmm.train import distributed, optim, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
@@ -73,45 +72,6 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
 # ================================================================================================
 #                                          Setup
 # ================================================================================================
-def launcher() -> str | None:
-    """The launcher that started this process as one of several, from its environment: ``slurm``
-    (``srun``: JAX's SLURM variables, more than one task), ``openmpi`` (``mpirun``), ``tpu`` (a
-    Cloud TPU pod slice: several worker hosts) or ``env`` (``JAX_COORDINATOR_ADDRESS``,
-    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, as a Kubernetes job or any launcher can);
-    None for a single process."""
-    env = os.environ
-    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-                              "SLURM_LOCALID")) and int(env["SLURM_NTASKS"]) > 1:
-        return "slurm"
-    if "OMPI_MCA_orte_hnp_uri" in env and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-        return "openmpi"
-    if "," in env.get("TPU_WORKER_HOSTNAMES", ""):
-        return "tpu"
-    if all(env.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
-        return "env"
-    return None
-
-
-def maybe_initialize_distributed(config) -> None:
-    """``jax.distributed.initialize``: with the coordinator ``config.multihost`` names, else, when a
-    launcher started this process as one of several (``launcher``), with what JAX detects from it
-    (or the ``JAX_*`` variables); a single process is left alone."""
-    mh = config.get("multihost")
-    if mh and mh.get("coordinator"):
-        jax.distributed.initialize(
-            coordinator_address=mh.coordinator, num_processes=mh.num_processes, process_id=mh.process_id,
-            coordinator_bind_address=mh.get("bind_address") or mh.coordinator,
-        )
-        return
-    found = launcher()
-    if found == "env":
-        env = os.environ
-        jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-                                   num_processes=int(env["JAX_NUM_PROCESSES"]), process_id=int(env["JAX_PROCESS_ID"]))
-    elif found is not None:
-        jax.distributed.initialize()  # JAX's own detection of the SLURM / Open MPI / Cloud TPU environment
-
-
 def _input(config, tokenizer, par: Parallel):
     inp = config.input
     pp = preprocess.parse(tasks.host_pp_and_device_affine(config)[0], tokenizer)
@@ -193,7 +153,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     is refused (``HistoryWithoutCheckpoint``) unless ``restart``, which keeps its log aside and
     starts at step 0. A run refused before it wrote anything leaves no workdir behind.
     """
-    maybe_initialize_distributed(config)
+    distributed.maybe_initialize(config)
     config = tasks.from_imported_vlm(config)
     validate(config)
     workdir = pathlib.Path(workdir).expanduser()

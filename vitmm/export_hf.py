@@ -1,0 +1,240 @@
+"""A vitmm VLM as one transformers folder: ``python -m vitmm.export --format hf``.
+
+    from vitmm import export_hf
+    export_hf.export_hf("workdirs/llava15_ft", "exported/llava15_ft")
+
+``export_hf`` writes a VLM with prefix attention as ``PaliGemmaForConditionalGeneration`` and any
+other as ``LlavaForConditionalGeneration``, each with its processor (the run's image steps), tokenizer
+and chat template, for ``AutoModelForImageTextToText`` and ``AutoProcessor``; a VLM whose parts do not
+fit is refused with every reason before anything is written. The inverse of ``hf_vlm``'s importers
+(an export imports back to the same parameters; tested, also through transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from vitmm.interop import hf_lm, io
+
+
+def _export_problems(model: dict, vision: dict, tower: dict) -> list[str]:
+    """Why ``LlavaForConditionalGeneration`` cannot hold this VLM (empty: it can)."""
+    from vitmm.export import clip_vision_problem
+
+    problems = [f"the tower: {p}"] if (p := clip_vision_problem(vision, tower)) else []
+    connector = dict(model["connector"])
+    if connector.get("name") != "mlp" or connector.get("depth", 2) != 2 or connector.get("act", "gelu") != "gelu" \
+            or connector.get("hidden") not in (None, model["lm"]["width"]) or connector.get("budget") != "all":
+        problems.append(f"connector {connector} (LLaVA's projector is mlp, depth 2, GELU, the LM's width, every patch)")
+    if not model.get("vision_layer", -1) <= -2:
+        problems.append(f"vision_layer={model.get('vision_layer')} (LLaVA reads hidden_states[-2] or earlier; -1 is "
+                        "vitmm's normed output)")
+    for key in ("use_cls", "prefix_lm", "mrope", "anyres"):
+        if model.get(key):
+            problems.append(f"model.{key}={model[key]!r}")
+    return problems
+
+
+def _image_processor(pp: str, size: int, mean, std) -> dict:
+    """transformers' image-processor settings doing what the run's pp does to an image, or
+    ValueError naming the step they cannot do."""
+    from vitmm.data import preprocess
+
+    steps = [(name, args, kwargs) for name, args, kwargs in preprocess.ops(pp)
+             if name in preprocess.IMAGE_OPS_NAMES and name not in ("decode", "normalize")]
+    common = {"do_convert_rgb": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+              "image_mean": list(mean), "image_std": list(std), "do_resize": True,
+              "crop_size": {"height": size, "width": size}, "size": {"shortest_edge": size}}
+    names = [name for name, _, _ in steps]
+    if names in (["resize", "center_crop"], ["pad_to_square", "resize", "center_crop"]):
+        (_, args, kwargs), (_, crop, _) = steps[-2:]
+        if kwargs.get("shorter") and crop[0] == size:
+            padded = len(names) == 3
+            return {**common, "image_processor_type": "LlavaImageProcessor" if padded else "CLIPImageProcessor",
+                    "size": {"shortest_edge": args[0]}, "do_pad": padded,
+                    "resample": 3 if kwargs.get("method") == "bicubic" else 2, "do_center_crop": True}
+    if names in (["pad_to_square", "resize"], ["resize"]) and steps[-1][1][0] == size and not steps[-1][2].get(
+            "shorter"):
+        return {**common, "image_processor_type": "LlavaImageProcessor", "do_pad": names[0] == "pad_to_square",
+                "resample": 3 if steps[-1][2].get("method") == "bicubic" else 2, "do_center_crop": True}
+    raise ValueError(f"the run's image steps {'|'.join(names)} have no transformers image processor; LLaVA's "
+                     "processors do resize(shorter)|center_crop, or pad_to_square|resize to the tower's size")
+
+
+def export_llava(workdir, out) -> dict:
+    """The VLM in ``workdir`` as a transformers ``LlavaForConditionalGeneration`` folder in ``out``
+    (weights in the layout every transformers version reads, config, processor, tokenizer, chat
+    template), for ``AutoModelForImageTextToText`` / ``AutoProcessor``; ValueError with every reason
+    it cannot be, before anything is written."""
+    import ml_collections
+    import numpy as np
+
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.interop.hf import export_clip_vision
+    from vitmm.models import lora as lora_lib
+    from vitmm.train import tasks
+
+    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
+    if config.get("task") != "vlm":
+        raise ValueError(f"{workdir} holds a {config.get('task', 'contrastive')!r} run, not a VLM.")
+    vision, lm = tasks.vlm_parts(config)
+    params = ckpt_lib.load_params(workdir)
+    if "lora" in params:
+        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
+    model = {**config.model.to_dict(), "vision": vision, "lm": lm}
+    problems = _export_problems(model, vision, params["tower"])
+    tokenizer = tasks.tokenizer_for(config)
+    if not isinstance(tokenizer, tok_lib.HFTokenizer):
+        problems.append("a byte tokenizer (transformers needs a tokenizer.json: train on a converted LM)")
+    image_id = tokenizer.token_id("<image>") if isinstance(tokenizer, tok_lib.HFTokenizer) else None
+    if isinstance(tokenizer, tok_lib.HFTokenizer) and image_id is None:
+        problems.append("a tokenizer without an <image> token (import a LLaVA, or add one to the LM's tokenizer)")
+    if problems:
+        raise ValueError(f"{workdir} cannot be a LlavaForConditionalGeneration: " + "; ".join(problems) + ".")
+    size = int(config.input.image_size)
+    mean, std = tasks.image_normalization(config)
+    images = _image_processor(tasks.pp_string(config), size, mean, std)
+    out = pathlib.Path(out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new --out.")
+
+    tower, vision_config = export_clip_vision(vision, params["tower"], prefix="vision_tower.vision_model.")
+    language, text_config = hf_lm.export_lm(lm, params["language"])
+    tensors = {**tower, **{("language_model." + k): v for k, v in language.items()}}
+    if "language_model.lm_head.weight" not in tensors:  # a tied head: written out, what every version reads
+        tensors["language_model.lm_head.weight"] = language["model.embed_tokens.weight"]
+    for i in (1, 2):
+        fc = params["project"]["mlp"][f"fc{i}"]
+        tensors[f"multi_modal_projector.linear_{i}.weight"] = np.ascontiguousarray(np.asarray(fc["kernel"]).T)
+        tensors[f"multi_modal_projector.linear_{i}.bias"] = np.asarray(fc["bias"], np.float32)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    patches = (size // vision["patch_size"]) ** 2
+    hf_config = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+                 "image_token_index": image_id, "image_seq_length": patches, "projector_hidden_act": "gelu",
+                 "vision_feature_layer": int(model["vision_layer"]), "vision_feature_select_strategy": "default",
+                 "multimodal_projector_bias": True, "tie_word_embeddings": bool(lm.get("tie_embeddings")),
+                 "text_config": {**text_config, **ids}, "vision_config": vision_config, "torch_dtype": "float32"}
+    processor = {"image_processor": images, "image_token": "<image>", "num_additional_image_tokens": 1,
+                 "patch_size": vision["patch_size"], "processor_class": "LlavaProcessor",
+                 "vision_feature_select_strategy": "default"}
+    token = tokenizer.token
+    tokenizer_config = {"bos_token": token(tokenizer.bos_id), "eos_token": token(tokenizer.eos_id),
+                        "pad_token": token(tokenizer.pad_id), "extra_special_tokens": ["<image>"],
+                        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "LlavaProcessor",
+                        "model_max_length": int(config.model.get("max_len") or 2048)}
+    out.mkdir(parents=True, exist_ok=True)
+    io.write_safetensors(tensors, out / "model.safetensors")
+    files = {"config.json": hf_config, "processor_config.json": processor,
+             "preprocessor_config.json": {**images, "processor_class": "LlavaProcessor"},
+             "tokenizer_config.json": tokenizer_config, "generation_config.json": ids}
+    for name, value in files.items():
+        (out / name).write_text(json.dumps(value, indent=1) + "\n")
+    (out / "tokenizer.json").write_text(tokenizer.to_str())
+    if tokenizer.chat_template:
+        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+    return {"hf": str(out), "architecture": "LlavaForConditionalGeneration", "image_tokens": patches}
+
+
+def _paligemma_problems(model: dict, vision: dict, tower: dict, lm: dict) -> list[str]:
+    """Why ``PaliGemmaForConditionalGeneration`` cannot hold this VLM (empty: it can)."""
+    problems = []
+    if vision.get("class_token") or vision.get("posemb", "learn") != "learn" or "map_head" in tower \
+            or vision.get("pre_norm"):
+        problems.append("the tower (PaliGemma's is SigLIP's: no class token, learned positions, no pre-norm)")
+    connector = dict(model["connector"])
+    if connector.get("name") != "linear" or connector.get("budget") != "all":
+        problems.append(f"connector {connector} (PaliGemma's projector is linear, every patch)")
+    if model.get("vision_layer", -1) != -1:
+        problems.append(f"vision_layer={model.get('vision_layer')} (PaliGemma reads the tower's normed output, -1)")
+    if not (lm.get("norm_offset") and lm.get("embed_scale")) or lm.get("post_norms"):
+        problems.append("the LM (PaliGemma's is a Gemma)")
+    for key in ("use_cls", "mrope", "anyres"):
+        if model.get(key):
+            problems.append(f"model.{key}={model[key]!r}")
+    return problems
+
+
+def export_hf(workdir, out) -> dict:
+    """``python -m vitmm.export --format hf``: a VLM with prefix attention (``prefix_lm``) as
+    ``PaliGemmaForConditionalGeneration``, any other as ``LlavaForConditionalGeneration``."""
+    from vitmm import checkpoint as ckpt_lib
+
+    config = ckpt_lib.load_config(workdir)
+    if (config.get("model") or {}).get("prefix_lm"):
+        return export_paligemma(workdir, out)
+    return export_llava(workdir, out)
+
+
+def export_paligemma(workdir, out) -> dict:
+    """The VLM in ``workdir`` as a transformers ``PaliGemmaForConditionalGeneration`` folder (weights
+    in the layout every transformers version reads, config, processor, tokenizer) or ValueError with
+    every reason it cannot be, before anything is written."""
+    import ml_collections
+    import numpy as np
+
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.data import preprocess
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.interop.hf.clip import export_siglip_vision
+    from vitmm.models import lora as lora_lib
+    from vitmm.train import tasks
+
+    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
+    vision, lm = tasks.vlm_parts(config)
+    params = ckpt_lib.load_params(workdir)
+    if "lora" in params:
+        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
+    model = {**config.model.to_dict(), "vision": vision, "lm": lm}
+    problems = _paligemma_problems(model, vision, params["tower"], lm)
+    tokenizer = tasks.tokenizer_for(config)
+    image_id = tokenizer.token_id("<image>") if isinstance(tokenizer, tok_lib.HFTokenizer) else None
+    if image_id is None:
+        problems.append("a tokenizer without an <image> token")
+    size = int(config.input.image_size)
+    steps = [(n, a, k) for n, a, k in preprocess.ops(tasks.pp_string(config))
+             if n in preprocess.IMAGE_OPS_NAMES and n not in ("decode", "normalize")]
+    if [n for n, _, _ in steps] != ["resize"] or steps[0][2].get("shorter") or steps[0][1][0] != size:
+        problems.append(f"the image steps {[n for n, _, _ in steps]} (PaliGemma's processor resizes to the tower's "
+                        "size)")
+    if problems:
+        raise ValueError(f"{workdir} cannot be a PaliGemmaForConditionalGeneration: " + "; ".join(problems) + ".")
+    out = pathlib.Path(out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new --out.")
+    tower, vision_config = export_siglip_vision(vision, params["tower"], prefix="vision_tower.vision_model.")
+    language, text_config = hf_lm.export_lm(lm, params["language"], family="gemma")
+    tensors = {**tower, **{("language_model." + k): v for k, v in language.items()}}
+    proj = params["project"]["proj"]
+    tensors["multi_modal_projector.linear.weight"] = np.ascontiguousarray(np.asarray(proj["kernel"]).T)
+    tensors["multi_modal_projector.linear.bias"] = np.asarray(proj["bias"], np.float32)
+    mean, std = tasks.image_normalization(config)
+    patches = (size // vision["patch_size"]) ** 2
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    hf_config = {"architectures": ["PaliGemmaForConditionalGeneration"], "model_type": "paligemma",
+                 "image_token_index": image_id, "projection_dim": lm["width"], "hidden_size": lm["width"],
+                 "vocab_size": lm["vocab_size"], "tie_word_embeddings": bool(lm.get("tie_embeddings")),
+                 "text_config": {**text_config, **ids, "use_bidirectional_attention": True,
+                                 "num_image_tokens": patches},
+                 "vision_config": {**vision_config, "projection_dim": lm["width"]}, "torch_dtype": "float32"}
+    method = steps[0][2].get("method", "bilinear")
+    images = {"image_processor_type": "SiglipImageProcessor", "do_convert_rgb": True, "do_resize": True,
+              "size": {"height": size, "width": size}, "resample": 3 if method == "bicubic" else 2,
+              "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(mean),
+              "image_std": list(std), "image_seq_length": patches}
+    token = tokenizer.token
+    tokenizer_config = {"bos_token": token(tokenizer.bos_id), "eos_token": token(tokenizer.eos_id),
+                        "pad_token": token(tokenizer.pad_id), "extra_special_tokens": ["<image>"],
+                        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "PaliGemmaProcessor",
+                        "add_bos_token": False, "add_eos_token": False}
+    out.mkdir(parents=True, exist_ok=True)
+    io.write_safetensors(tensors, out / "model.safetensors")
+    files = {"config.json": hf_config, "processor_config.json": {"image_processor": images,
+                                                                 "processor_class": "PaliGemmaProcessor"},
+             "preprocessor_config.json": {**images, "processor_class": "PaliGemmaProcessor"},
+             "tokenizer_config.json": tokenizer_config, "generation_config.json": ids}
+    for name, value in files.items():
+        (out / name).write_text(json.dumps(value, indent=1) + "\n")
+    (out / "tokenizer.json").write_text(tokenizer.to_str())
+    return {"hf": str(out), "architecture": "PaliGemmaForConditionalGeneration", "image_tokens": patches}
