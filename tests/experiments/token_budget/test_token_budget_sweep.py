@@ -177,9 +177,19 @@ def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run, capsy
     accuracy = lambda rs: [(r["family"], r["tokens"], r["variant"], r["seed"], r.get("accuracy")) for r in rs]  # noqa: E731
     assert accuracy(again) == accuracy(rows)
 
-    # The longer-horizon check: pool's cell again at twice the steps, the same stage 0 per seed and
-    # the sweep's chosen lr/warmup, compared paired by seed.
+
+@pytest.mark.slow  # ~15 s more of the sweep; the horizon report's pairing and tests: test_the_horizon_check_pairs_*
+def test_the_longer_horizon_reruns_a_cell_of_a_finished_sweep(tb, tmp_path, clip_smoke_run):
+    """The longer-horizon check: pool's cell again at twice the steps, the same stage 0 per seed and
+    the sweep's chosen lr/warmup, compared paired by seed."""
     from experiments.token_budget import horizon
+
+    out = tmp_path / "tb"
+    tb.main(["--smoke", "--workers", "1", "--out", str(out), "--tower", str(clip_smoke_run.workdir), "--data_dir",
+             clip_smoke_run.data_dir, "--families", "pool", "--budgets", "4", "--param_budget", "0",
+             "--encoder_budgets", ""])
+    setup = json.loads((out / "setup.json").read_text())
+    plan = setup["plan"]
     long_out = horizon.main(["--main", str(out), "--out", str(tmp_path / "long"), "--families", "pool", "--budget",
                              "4", "--seeds", "0,1", "--workers", "1", "--smoke", "--tower",
                              str(clip_smoke_run.workdir), "--data_dir", clip_smoke_run.data_dir])
