@@ -24,7 +24,7 @@ from tqdm import tqdm
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
 from vitmm.data import formats, pipeline, preprocess, skips
-from vitmm.train import distributed, optim, tasks
+from vitmm.train import distributed, imported_vlm, optim, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
@@ -154,7 +154,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     starts at step 0. A run refused before it wrote anything leaves no workdir behind.
     """
     distributed.maybe_initialize(config)
-    config = tasks.from_imported_vlm(config)
+    config = imported_vlm.from_imported_vlm(config)
     validate(config)
     workdir = pathlib.Path(workdir).expanduser()
     created = workdir_lib.make(workdir)
