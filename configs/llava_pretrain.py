@@ -17,7 +17,9 @@ text tokens loses whole exchanges from its end (``conversation_tokens``' ``overf
 example that cannot be used is skipped and counted (``input.max_skipped_share``).
 
 Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``; LLaVA-1.5's is ``mlp``),
-``budget`` (visual tokens, or ``all``), ``steps``, ``batch``, ``smoke``. ``input.mixture`` takes
+``budget`` (visual tokens, or ``all``), ``steps``, ``batch``, ``smoke``, ``pack`` (a row length in
+positions: conversations packed into rows, ``batch`` rows a step; 0: one conversation a row, padded
+to ``model.max_len``), ``images`` (images an example may have; more than 1 needs ``pack``). ``input.mixture`` takes
 several sources (LLaVA-NeXT's list with ``sampling`` rules, or ``weight`` per source).
 """
 
@@ -29,12 +31,16 @@ from vitmm.config_args import parse_arg
 
 TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap", class_token=False,
              posemb="sincos2d")  # a run without init.vision (smoke tests): configs/clip_scenes.py's tower
-KEEP = "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image')"
+KEEP = "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image', " \
+       "optional=('more_images', 'image_positions'))"
 
 
 def get_config(arg=None):
     arg = parse_arg(arg, presets=common.SMOKE_LLAVA_ARGS, connector="mlp", budget="all", steps=1000, batch=32,
-                    smoke=False)
+                    smoke=False, pack=0, images=1)
+    if arg.images > 1 and not arg.pack:
+        raise ValueError(f"images={arg.images}: several images an example train as flat sequences; set pack=LENGTH "
+                         "too (positions a row, e.g. pack=1024).")
     c = ml_collections.ConfigDict()
     c.task = "vlm"
     c.seed = 0
@@ -49,10 +55,17 @@ def get_config(arg=None):
     c.allow_config_change = False
     c.sync_every = 8
 
-    pp = ("decode|pad_to_square({image_mean})|resize({image_size})|normalize({image_mean}, {image_std})|"
+    decode = f"decode(max_images={arg.images})" if arg.images > 1 else "decode"
+    pp = (decode + "|pad_to_square({image_mean})|resize({image_size})|normalize({image_mean}, {image_std})|"
           f"conversation_tokens({{max_len}}, overflow='truncate_turns', max_answer={{loss_positions}})|{KEEP}")
     c.input = ml_collections.ConfigDict(common.raw_input(image_size=64, pp=pp, num_threads=2, prefetch=64,
                                                          device_prefetch=2))
+    # Flat sequences (data.sequences): length > 0 packs conversations into rows of that many positions
+    # (text + visual tokens; batch_size then counts rows) and max_images image slots (the tower encodes
+    # batch_size · max_images images a step, empty slots too); pack=False puts one a row (padded);
+    # bins: rows open at once in the first-fit packer (more: less padding).
+    c.input.sequences = dict(length=arg.pack, max_images=2 * arg.images if arg.pack else arg.images, pack=True,
+                             bins=8)
     c.input.image_mean = config_dict.placeholder(tuple)  # default: what init.vision records, else 0.5
     c.input.image_std = config_dict.placeholder(tuple)
 

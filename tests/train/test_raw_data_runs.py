@@ -83,3 +83,24 @@ def test_a_raw_data_config_without_its_data_stops_in_one_line_before_writing(tmp
     with pytest.raises(ValueError, match="names no training data: set one of --config.input.data_path"):
         trainer.train(load("configs/llava_pretrain.py", "smoke"), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_conversations_with_several_images_train_packed_and_resume_exactly(tmp_path):
+    """LLaVA stage 2 on conversations of 1 to 3 images (some text-only, one with a missing image)
+    packed into rows: the held-out loss reads them one a row, and a run stopped at step 2 and
+    resumed ends where an uninterrupted one ends."""
+    folder = tmp_path / "data"
+    path = examples.write_llava(folder, 20, resolution=32, text_only_every=5, multi_image_every=3)
+    records = json.loads(path.read_text())
+    records.append({"id": "lost", "image": ["images/000000.jpg", "images/lost.jpg"],
+                    "conversations": records[2]["conversations"]})
+    path.write_text(json.dumps(records))
+    config = load("configs/llava_finetune.py", "smoke,pack=400,images=3",
+                  **{"input.data_path": str(path), "input.max_skipped_share": 0.2,
+                     "evals.val.data.data_path": str(path), "evals.val.num_examples": 21})
+    straight = trainer.train(config, tmp_path / "straight")
+    assert straight["evals"]["val/examples"] == 20 and straight["evals"]["val/skipped"] == 1
+    assert np.isfinite(straight["evals"]["val/loss"]) and np.isfinite(straight["history"][-1]["loss"])
+    assert trainer.train(config, tmp_path / "run", stop_at=2)["final_step"] == 2
+    resumed = trainer.train(config, tmp_path / "run")
+    assert resumed["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)

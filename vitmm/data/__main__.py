@@ -92,10 +92,12 @@ def main(argv=None) -> int:
     e.add_argument("--num", type=int, default=512)
     e.add_argument("--resolution", type=int, default=64)
     e.add_argument("--split", default="train")
+    e.add_argument("--multi_image_every", type=int, default=0,
+                   help="llava: every N-th conversation shows 2 or 3 images (0: none)")
     args = parser.parse_args(argv)
 
     if args.command == "examples":
-        kwargs = {"text_only_every": 10} if args.format == "llava" else {}
+        kwargs = {"text_only_every": 10, "multi_image_every": args.multi_image_every} if args.format == "llava" else {}
         from vitmm.data import examples
 
         path = examples.write(args.format, args.out, args.num, resolution=args.resolution, split=args.split, **kwargs)

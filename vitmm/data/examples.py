@@ -37,10 +37,12 @@ def _ext(i: int, exts) -> str:
 
 
 def write_llava(out, num: int, *, resolution: int = 64, difficulty: str = "easy", split: str = "train",
-                exts=("jpg",), text_only_every: int = 0, turns: int = 2, jsonl: bool = False) -> pathlib.Path:
+                exts=("jpg",), text_only_every: int = 0, turns: int = 2, jsonl: bool = False,
+                multi_image_every: int = 0, max_images: int = 3) -> pathlib.Path:
     """``out/data.json`` (or ``.jsonl``) and ``out/images/``: each scene a conversation of up to
     ``turns`` question/answer exchanges, the image in the first user turn (its caption as the first
-    answer); every ``text_only_every``-th example has no image (a question about words)."""
+    answer); every ``text_only_every``-th example has no image (a question about words), every
+    ``multi_image_every``-th shows 2 to ``max_images`` scenes and asks for one's caption."""
     out = pathlib.Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     records = []
@@ -53,6 +55,9 @@ def write_llava(out, num: int, *, resolution: int = 64, difficulty: str = "easy"
             continue
         name = f"{i:06d}.{_ext(i, exts)}"
         (out / "images" / name).write_bytes(encode(s["image"], _ext(i, exts)))
+        if multi_image_every and i % multi_image_every == multi_image_every - 1:
+            records.append(_several_images(out, i, resolution, difficulty, split, exts, name, max_images))
+            continue
         conv = [{"from": "human", "value": "<image>\nDescribe the image."}, {"from": "gpt", "value": s["caption"]}]
         for q, a in list(zip(s["questions"], s["answers"], strict=True))[: turns - 1]:
             conv += [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
@@ -63,6 +68,23 @@ def write_llava(out, num: int, *, resolution: int = 64, difficulty: str = "easy"
     else:
         path.write_text(json.dumps(records, indent=1))
     return path
+
+
+def _several_images(out, i, resolution, difficulty, split, exts, first, max_images) -> dict:
+    """A conversation about 2 to ``max_images`` scenes (``first`` and others made for it): which
+    one is which, asked by number."""
+    count = 2 + (i * 7 // 3) % (max_images - 1)
+    names, captions = [f"images/{first}"], [_scene(i, resolution, difficulty, split)["caption"]]
+    for k in range(1, count):
+        s = _scene(10_000_000 + i * 8 + k, resolution, difficulty, split)
+        name = f"images/{i:06d}_{k}.{_ext(i, exts)}"
+        (out / name).write_bytes(encode(s["image"], _ext(i, exts)))
+        names.append(name)
+        captions.append(s["caption"])
+    shown = "".join(f"Image {k + 1}: <image>\n" for k in range(count))
+    asked = 1 + (i // 2) % count
+    return {"id": f"{i:06d}", "image": names, "conversations": [
+        {"from": "human", "value": f"{shown}Describe image {asked}."}, {"from": "gpt", "value": captions[asked - 1]}]}
 
 
 def write_wds(out, num: int, *, per_shard: int = 100, resolution: int = 64, difficulty: str = "easy",

@@ -143,6 +143,8 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
     ``template``: ``"chat"`` renders the turns with the LM's chat template (a system turn kept), as
     transformers' ``apply_chat_template`` does; ``"plain"``: ``[BOS] (system\\n) user separator
     answer [EOS] user separator answer [EOS] …``; ``"auto"``: chat when the tokenizer has a template.
+    With several images (``num_images`` > 1), ``image_positions`` holds each ``<image>``'s place
+    (``image_pos`` the first's); only ``data.sequences`` (``input.sequences``) trains on them.
 
     ``overflow`` (a sequence longer than ``max_len`` text tokens, or with more than ``max_answer``
     answer tokens): ``"truncate_turns"`` drops whole user/assistant exchanges from the end until it
@@ -192,8 +194,10 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
         answer[: len(mask)] = mask
         ex["ids"], ex["answer_mask"] = out, answer
         ex["prompt_len"] = np.int32(mask.index(1))
-        ex["image_pos"] = np.int32(image_at if image_at is not None else 1)
-        ex["has_image"] = np.bool_(image_at is not None)
+        ex["image_pos"] = np.int32(image_at[0] if image_at else 1)
+        ex["has_image"] = np.bool_(bool(image_at))
+        if len(image_at) > 1:  # several images: where each goes (``data.sequences`` reads them)
+            ex["image_positions"] = np.asarray(image_at, np.int32)
         ex["_truncated"] = exchanges - keep
         return ex
 
@@ -257,10 +261,10 @@ def _plain_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
     return segments
 
 
-def _assemble(segments, tokenizer) -> tuple[list[int], list[int], int | None]:
-    """Token ids, the answer mask and the image's token index from ``segments``; ``<image>`` in a
+def _assemble(segments, tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """Token ids, the answer mask and each image's token index from ``segments``; ``<image>`` in a
     text segment splits it (no token for the tag itself: the visual tokens go there)."""
-    ids, mask, image_at = [], [], None
+    ids, mask, image_at = [], [], []
     for kind, text in segments:
         if kind == "bos":
             ids.append(tokenizer.bos_id)
@@ -269,7 +273,7 @@ def _assemble(segments, tokenizer) -> tuple[list[int], list[int], int | None]:
         if kind == "text":
             for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
                 if i:
-                    image_at = len(ids)
+                    image_at.append(len(ids))
                 piece_ids = tokenizer.encode(piece) if piece else []
                 ids += piece_ids
                 mask += [0] * len(piece_ids)
@@ -283,4 +287,4 @@ def _assemble(segments, tokenizer) -> tuple[list[int], list[int], int | None]:
         end = answer.index(tokenizer.eos_id) + 1
         ids += answer
         mask += [1] * end + [0] * (len(answer) - end)
-    return ids, mask, image_at  # 0: the image first, before BOS (PaliGemma's layout)
+    return ids, mask, image_at  # [0, …]: the image first, before BOS (PaliGemma's layout)

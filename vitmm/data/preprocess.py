@@ -94,8 +94,8 @@ def ops(spec: str) -> list[tuple[str, tuple, dict]]:
 
 def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], dict]:
     """Builds the per-example function for ``spec`` (ops separated by ``|``)."""
-    fns = []
-    for name, args, kwargs in ops(spec):
+    fns, steps = [], ops(spec)
+    for name, args, kwargs in steps:
         if name not in _OPS:
             raise ValueError(f"Unknown preprocessing op {name!r} in {spec!r}; available: {available_ops()}.")
         if name in _TAKES_TOKENIZER:
@@ -104,11 +104,25 @@ def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], di
 
     def apply(example: dict, rng: np.random.Generator) -> dict:
         example = dict(example)
-        for fn in fns:
+        for (name, _, kwargs), fn in zip(steps, fns, strict=True):
             example = fn(example, rng)
+            if example.get(MORE_IMAGES) and name in _IMAGE_OPS and name != "decode":
+                example[MORE_IMAGES] = [_each_image(name, kwargs, fn, image, rng) for image in example[MORE_IMAGES]]
         return example
 
     return apply
+
+
+MORE_IMAGES = "more_images"  # an example's second and later images, through the image ops as ``image``
+_ONE_IMAGE_OPS = ("flip_lr", "letterbox", "anyres")  # they write text or other keys too
+
+
+def _each_image(name: str, kwargs: dict, fn, image, rng):
+    """``fn`` (the op ``name``) on one of an example's further images."""
+    if name in _ONE_IMAGE_OPS or kwargs.get("key", "image") != "image":
+        raise ValueError(f"The preprocessing op {name!r} takes one image; an example with several images cannot go "
+                         f"through it (drop it, or keep one image an example with decode(max_images=1)).")
+    return fn({"image": image}, rng)["image"]
 
 
 # Ops that read or write the image (after which a value mapping cannot move to the device).
@@ -191,8 +205,8 @@ def get_path(example: dict, key: str):
 def decode(image_key="image", max_images=1, draft=None):
     """Text bytes → str; the image (an array, or encoded bytes from a raw reader) → uint8 RGB.
     A raw conversation's ``images`` list (0 to ``max_images`` of them) becomes ``image`` (a 1×1
-    black stand-in when there is none), ``num_images`` and ``has_image``; ``draft``: see
-    ``images.decode_image``."""
+    black stand-in when there is none; the second and later in ``more_images``), ``num_images`` and
+    ``has_image``; ``draft``: see ``images.decode_image``."""
 
     def fn(ex, rng):
         del rng
@@ -203,12 +217,17 @@ def decode(image_key="image", max_images=1, draft=None):
                 raise BadExample("too_many_images", f"{len(images)} images; this model takes at most {max_images}")
             ex[image_key] = images[0] if images else np.zeros((1, 1, 3), np.uint8)
             ex["num_images"], ex["has_image"] = np.int32(len(images)), np.bool_(len(images) > 0)
+            if len(images) > 1:  # the rest go through the image ops as the first does (``parse``)
+                ex[MORE_IMAGES] = [_decoded(value, draft) for value in images[1:]]
         if image_key in ex:
-            value = ex[image_key]
-            ex[image_key] = decode_image(value, draft) if isinstance(value, bytes) else to_rgb(value)
+            ex[image_key] = _decoded(ex[image_key], draft)
         return ex
 
     return fn
+
+
+def _decoded(value, draft):
+    return decode_image(value, draft) if isinstance(value, bytes) else to_rgb(value)
 
 
 @register("pad_to_square")
@@ -427,13 +446,14 @@ def choose(keys=("questions", "answers", "question_kinds"), out_keys=("question"
 
 
 @register("keep")
-def keep(*keys):
-    """Only ``keys`` (and the bookkeeping fields whose names start with ``_``, e.g. ``_id``)."""
+def keep(*keys, optional=()):
+    """Only ``keys``, ``optional`` ones where present (e.g. ``more_images``), and the bookkeeping
+    fields whose names start with ``_`` (e.g. ``_id``)."""
     def fn(ex, rng):
         missing = [k for k in keys if k not in ex]
         if missing:
             raise KeyError(f"keep{keys}: the example has no {missing}; it has {sorted(ex)}.")
-        return {k: v for k, v in ex.items() if k in keys or k.startswith("_")}
+        return {k: v for k, v in ex.items() if k in keys or k in optional or k.startswith("_")}
 
     return fn
 

@@ -146,6 +146,20 @@ def attention_mask(length: int, prefix_len: jnp.ndarray | int | None = None) -> 
     return causal[None, None] | both_in_prefix
 
 
+def segment_mask(segment_ids: jnp.ndarray, prefix_mask: jnp.ndarray | None = None) -> jnp.ndarray:
+    """Boolean ``[B, 1, T, T]`` for packed rows: a token sees the earlier tokens of its own segment
+    (``segment_ids [B, T]``, one number per packed example, 0 on padding, which sees only padding),
+    and with ``prefix_mask [B, T]`` (True on each example's prefix) the prefix tokens of its segment
+    both ways: a prefix-LM per example."""
+    segment_ids = jnp.asarray(segment_ids)
+    i = jnp.arange(segment_ids.shape[1])
+    mask = (i[:, None] >= i[None, :])[None]
+    if prefix_mask is not None:
+        prefix_mask = jnp.asarray(prefix_mask, bool)
+        mask = mask | (prefix_mask[:, :, None] & prefix_mask[:, None, :])
+    return (mask & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) · w`` in float32 (``offset=True``: ``· (1 + w)`` with ``w`` starting at 0, Gemma)."""
 
@@ -266,7 +280,8 @@ class LM(nn.Module):
     ``positions [B, T]`` are the RoPE positions (default ``0 … T-1``; for left padding pass the
     count of real tokens before each one); with ``mrope_section`` (Qwen2-VL's multimodal RoPE,
     e.g. ``(16, 24, 24)``) they may be ``[3, B, T]`` (``mrope_positions``). ``embed(ids)`` gives
-    the input embeddings, so a caller can splice other tokens in.
+    the input embeddings, so a caller can splice other tokens in. ``segment_ids [B, T]`` packs
+    several sequences in a row (``segment_mask``; pass their own ``positions``, restarting at each).
     """
 
     vocab_size: int = 259
@@ -322,12 +337,14 @@ class LM(nn.Module):
 
     def __call__(self, ids: jnp.ndarray | None = None, embeds: jnp.ndarray | None = None, prefix_len=None,
                  pad_mask: jnp.ndarray | None = None, positions: jnp.ndarray | None = None, cache: dict | None = None,
-                 logits_at: jnp.ndarray | None = None):
+                 logits_at: jnp.ndarray | None = None, segment_ids: jnp.ndarray | None = None,
+                 prefix_mask: jnp.ndarray | None = None):
         """Logits ``[B, T, vocab]``; with ``cache`` (``init_cache``), ``(logits, cache)``: the ``T``
         new tokens are written at ``cache["slot"]`` onward and attend to every valid earlier slot.
         ``logits_at [B, K]`` (positions in ``0 … T-1`` of the new tokens): the head runs at those
         positions only and the logits are ``[B, K, vocab]`` (a loss on a few tokens of a large
-        vocabulary, or a prefill that needs each prompt's last position)."""
+        vocabulary, or a prefill that needs each prompt's last position). ``segment_ids`` and
+        ``prefix_mask``: packed rows (``segment_mask``), without ``prefix_len`` or ``cache``."""
         if (ids is None) == (embeds is None):
             raise ValueError("Pass exactly one of ids [B, T] or embeds [B, T, D].")
         x = self.embed(ids) if embeds is None else embeds
@@ -338,7 +355,11 @@ class LM(nn.Module):
         else:
             angles = rope_angles(positions, self.attn_head_dim, self.rope_theta, self.rope_scaling)
         new_valid = jnp.ones((b, t), bool) if pad_mask is None else pad_mask.astype(bool)
-        if cache is None:
+        if segment_ids is not None:
+            if cache is not None or prefix_len is not None:
+                raise ValueError("segment_ids (packed rows) take prefix_mask, not prefix_len, and no cache.")
+            mask = segment_mask(segment_ids, prefix_mask) & new_valid[:, None, None, :]
+        elif cache is None:
             mask = attention_mask(t, prefix_len) & new_valid[:, None, None, :]
         else:  # a key slot is visible if it holds a real token at or before the query's slot (or in the prefix)
             slot = cache["slot"]

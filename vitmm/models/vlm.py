@@ -36,6 +36,10 @@ reassembled, cut to the image, and each row ends with a learned newline token.
 it is what the LM receives for an image of that size (tested against the real shapes). Images with
 different counts share a batch through ``visual_mask`` (``__call__``): each example's visual tokens
 left-padded, the padding masked out of attention and positions.
+
+``packed(images, tokens, visual, segment_ids, positions)`` takes flat sequences (``data.sequences``):
+any number of images per example, each where its ``<image>`` stood, and several examples packed
+in one row, each attending to itself only (``lm.segment_mask``) with positions restarting at each.
 """
 
 from __future__ import annotations
@@ -211,6 +215,24 @@ class VLM(nn.Module):
         rows = None if text_logits_at is None else text_rows(text_logits_at, m, image_pos)
         return self.language(embeds=x, prefix_len=_prefix(prefix_lm, prompt_len, m), positions=positions,
                              pad_mask=pad_mask, logits_at=rows)
+
+    def packed(self, images, tokens, visual, segment_ids, positions, prefix_mask=None, logits_at=None):
+        """Logits ``[R, T, vocab]`` of packed rows (``data.sequences``): ``images [R, N, H, W, C]``
+        (a row's image slots, unused ones zero), ``tokens [R, T]`` the text ids, ``visual [R, T]``
+        which visual token sits at each position (``n · M + j``: token ``j`` of the row's image
+        ``n``; -1 on text), ``segment_ids``/``positions [R, T]`` the examples and their positions
+        (0 on padding), ``prefix_mask [R, T]`` each example's prefix for a prefix-LM (else causal).
+        Position ``t`` predicts the token at ``t + 1`` of its example."""
+        if self.anyres is not None or self.mrope:
+            raise ValueError("packed sequences take square images through the tower (anyres=None, mrope=False).")
+        r, n = images.shape[:2]
+        flat = self.visual_tokens(images.reshape(r * n, *images.shape[2:]))
+        flat = flat.reshape(r, n * flat.shape[1], flat.shape[2])
+        text = self.language.embed(tokens)
+        picked = jnp.take_along_axis(flat, jnp.maximum(visual, 0)[..., None], 1).astype(text.dtype)
+        x = jnp.where((visual >= 0)[..., None], picked, text)
+        return self.language(embeds=x, positions=positions, segment_ids=segment_ids, prefix_mask=prefix_mask,
+                             logits_at=logits_at)
 
     def _shown(self, visual_mask, text_len: int, m: int, image_pos=None) -> jnp.ndarray:
         """``[B, L + M]``: False on the visual padding ``visual_mask [B, M]`` marks, True elsewhere."""

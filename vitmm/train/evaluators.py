@@ -370,16 +370,18 @@ class VLMValLoss:
     ``num_examples``, ``batch_size``. ``loss_fn(params, batch, rng)`` is the task's training loss.
     """
 
-    def __init__(self, loss_fn, cfg: dict, tokenizer):
+    def __init__(self, loss_fn, cfg: dict, tokenizer, to_row=None):
         source = pipeline.source_for(dict(cfg["data"]))
         self.source = _Prefix(source, min(cfg.get("num_examples") or len(source), len(source)))
         self.batch_size = cfg.get("batch_size", 32)
-        self._pp = preprocess.parse(cfg["pp"], tokenizer)
+        pp = preprocess.parse(cfg["pp"], tokenizer)
+        self._pp = pp if to_row is None else lambda ex, rng: to_row(pp(ex, rng))  # flat sequences, one a row
 
         def sums(params, batch):
-            mask = batch["answer_mask"] * batch["_mask"][:, None].astype(batch["answer_mask"].dtype)
-            loss, acc = loss_fn(params, {**batch, "answer_mask": mask}, None)
-            tokens = mask[:, 1:].sum()
+            key = "weights" if "weights" in batch else "answer_mask"
+            mask = batch[key] * batch["_mask"][:, None].astype(batch[key].dtype)
+            loss, acc = loss_fn(params, {**batch, key: mask}, None)
+            tokens = mask.sum() if key == "weights" else mask[:, 1:].sum()
             return loss * tokens, acc["token_acc"] * tokens, tokens
 
         self._sums = jax.jit(sums)

@@ -177,6 +177,15 @@ class VLMTask:
         return lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], self.config.lora.alpha)
 
     def loss_fn(self, params, batch, rng):
+        if "segment_ids" in batch:  # flat sequences, packed or not (input.sequences)
+            logits = self._apply(params, batch["images"], batch["tokens"], batch["visual"], batch["segment_ids"],
+                                 batch["positions"], batch["prefix"] if self.config.model.prefix_lm else None,
+                                 rng=rng, method=vlm.VLM.packed)
+            loss, acc = losses.lm_loss(logits, batch["targets"], batch["weights"])
+            return loss, {"token_acc": acc}
+        if "more_images" in batch or "image_positions" in batch:
+            raise ValueError("Examples with several images train as flat sequences: set input.sequences (e.g. "
+                             "--config.input.sequences.length=1024 --config.input.sequences.max_images=4).")
         image_pos = batch.get("image_pos")  # chat prompts: where <image> stood; else after BOS
         targets, mask = batch["ids"][:, 1:], batch["answer_mask"][:, 1:]  # text position i predicts ids[i + 1]
         at = None
@@ -209,10 +218,21 @@ class VLMTask:
         for name, cfg in evals_config(c).items():
             if cfg.get("type") == "val_loss":  # held-out answer loss, with the training preprocessing by default
                 cfg["pp"] = pp_string(c, cfg.get("pp") or c.input.pp)
-                evals[name] = eval_lib.VLMValLoss(self.loss_fn, cfg, self.tokenizer)
+                evals[name] = eval_lib.VLMValLoss(self.loss_fn, cfg, self.tokenizer, self._sequence_row())
                 continue
             evals[name] = qa_evaluator(c, cfg, self.model, self.tokenizer)
         return evals
+
+
+    def _sequence_row(self):
+        """With ``input.sequences``: a pp'd example as one padded row of them (held-out batches)."""
+        sq = self.config.input.get("sequences")
+        if not (sq and sq.get("length")):
+            return None
+        from vitmm.data import sequences
+
+        return lambda ex: sequences.one_row(sequences.to_sequence(ex, self.num_visual), sq.length,
+                                            sq.get("max_images", 1))
 
 
 def qa_evaluator(config, cfg: dict, model, tokenizer) -> eval_lib.QAAccuracy:

@@ -48,8 +48,9 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
     _, affine = tasks.host_pp_and_device_affine(config)  # uint8 images from the host: normalised here
 
     def step(state, batch):
-        if affine is not None:
-            batch = dict(batch, image=batch["image"].astype(jnp.float32) * affine[0] + affine[1])
+        if affine is not None:  # the image (or a packed batch's images)
+            key = "images" if "images" in batch else "image"
+            batch = dict(batch, **{key: batch[key].astype(jnp.float32) * affine[0] + affine[1]})
         rng = par.device_rng(jax.random.fold_in(state["rng"], state["step"]))
         trainable = optim.trainable_mask(config.optim, state["params"])  # frozen parts get no gradient
         loss, aux, grads = step_lib.loss_and_grads(task.loss_fn, state["params"], batch, rng, accum, trainable)
@@ -72,11 +73,13 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
 # ================================================================================================
 #                                          Setup
 # ================================================================================================
-def _input(config, tokenizer, par: Parallel):
+def _input(config, tokenizer, par: Parallel, task):
     inp = config.input
     pp = preprocess.parse(tasks.host_pp_and_device_affine(config)[0], tokenizer)
     if inp.get("packing"):
         host = _packed_input(config, pp)
+    elif inp.get("sequences") and inp.sequences.get("length"):
+        host = _sequences_input(config, pp, task)
     elif formats.raw_format(inp):  # the user's files (LLaVA JSON, tar shards, CSV, parquet, a mixture)
         host = pipeline.train_iterator(formats.source_from(inp, config.seed), pp, config.batch_size, seed=config.seed,
                                        num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8),
@@ -95,6 +98,28 @@ def _data_spec(inp) -> dict:
     if inp.get("scenes_any"):
         return {"scenes_any": inp.scenes_any.to_dict(), "split": inp.scenes_any.get("split", "train")}
     return {"name": inp.data.name, "split": inp.data.split, "data_dir": inp.get("data_dir")}
+
+
+def _sequences_input(config, pp, task):
+    """VLM examples as flat sequences with any number of images (``input.sequences``;
+    ``batch_size`` counts rows), packed several to a row unless ``pack=False``."""
+    from vitmm.data import sequences
+
+    inp, sq = config.input, config.input.sequences
+    if not hasattr(task, "num_visual"):
+        raise ValueError("input.sequences is for VLM runs (task 'vlm'); a contrastive run packs images with "
+                         "input.packing.")
+    raw = formats.raw_format(inp)
+    source = formats.source_from(inp, config.seed) if raw else \
+        pipeline.source_for(_data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
+    count = jax.process_count()
+    if config.batch_size % count:
+        raise ValueError(f"batch_size={config.batch_size} rows do not split over {count} processes.")
+    return sequences.packed_batches(
+        source, pp, num_visual=task.num_visual, length=sq.length, max_images=sq.get("max_images", 1),
+        rows=config.batch_size // count, pack=sq.get("pack", True), bins=sq.get("bins", 8), seed=config.seed,
+        process_index=jax.process_index(), process_count=count,
+        skip_bad=inp.get("max_skipped_share", 0.01) if raw else None, workers=inp.get("workers", 0))
 
 
 def _packed_input(config, pp):
@@ -234,7 +259,7 @@ def build(config) -> Setup:
 def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequests, cleanup) -> dict:
     setup = build(config)
     par, tokenizer, task, state = setup.par, setup.tokenizer, setup.task, setup.state
-    data = _input(config, tokenizer, par)
+    data = _input(config, tokenizer, par, task)
     cleanup.callback(pipeline.close, data)  # input worker processes stop however the run ends
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
     start = 0

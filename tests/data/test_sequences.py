@@ -1,0 +1,148 @@
+"""Flat VLM sequences and packed rows (``data.sequences``, ``VLM.packed``): the loss and gradients
+of a packed batch equal the unpacked batch's through the VLM's own padded path; several images in
+one example equal their sequence spelled out by hand; the packed stream resumes exactly."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm import config_args
+from vitmm.data import preprocess, sequences
+from vitmm.models import vlm
+from vitmm.train import tasks
+from vitmm.train.parallel import Parallel
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _task(data_dir, prefix_lm=False):
+    c = config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,connector=mlp,stage=2",
+                         **{"input.data_dir": data_dir, "model.prefix_lm": prefix_lm})
+    task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+    return c, task, task.init_params()
+
+
+def _examples(c, num=5, seed=0):
+    """pp'd QA examples of different lengths, one of them text-only, with random float images."""
+    pp, rng = preprocess.parse(tasks.pp_string(c)), np.random.default_rng(seed)
+    out = []
+    for i in range(num):
+        q = "how many shapes are there in this picture?"[: 8 + 7 * i]
+        ex = pp({"image": np.zeros((8, 8, 3), np.uint8), "questions": np.array([q]),
+                 "answers": np.array(["yes" * (1 + i % 3)]), "question_kinds": np.array([0])}, rng)
+        ex["image"] = rng.normal(size=ex["image"].shape).astype(np.float32)
+        ex["has_image"] = np.bool_(i != 2)
+        out.append({k: ex[k] for k in ("image", "ids", "answer_mask", "prompt_len", "image_pos", "has_image")})
+    return out
+
+
+def _packed(examples, num_visual, length, rows, pack=True):
+    it = sequences.packed_batches(examples, lambda ex, rng: ex, num_visual=num_visual, length=length, max_images=4,
+                                  rows=rows, pack=pack, bins=rows, num_epochs=1)
+    return next(it)
+
+
+@pytest.mark.parametrize("prefix_lm", [False, True])
+def test_a_packed_batch_has_the_unpacked_loss_and_gradients(data_dir, prefix_lm):
+    """Five examples (one text-only) in two packed rows against the VLM's padded batch
+    (``VLMTask.loss_fn`` on ``ids``/``image_pos``/``has_image``): loss ≤ 1e-6, gradients ≤ 1e-6."""
+    c, task, params = _task(data_dir, prefix_lm)
+    examples = _examples(c)
+    padded = {k: jnp.asarray(np.stack([e[k] for e in examples])) for k in examples[0]}
+    packed = _packed(examples, task.num_visual, length=2 * (task.num_visual + c.model.max_len), rows=2)
+    assert packed["segment_ids"].max() >= 2 and len({(r, s) for r, row in enumerate(packed["segment_ids"])
+                                                     for s in row if s}) == len(examples)
+    assert sequences.padding_share(packed) < 0.5
+    packed = {k: jnp.asarray(v) for k, v in packed.items()}
+
+    def loss_and_grads(batch):
+        return jax.value_and_grad(task.loss_fn, has_aux=True)(params, batch, None)
+
+    (loss, aux), grads = loss_and_grads(padded)
+    (loss_p, aux_p), grads_p = loss_and_grads(packed)
+    np.testing.assert_allclose(loss_p, loss, rtol=1e-6)
+    np.testing.assert_allclose(aux_p["token_acc"], aux["token_acc"], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_p, grads)
+
+
+def test_several_images_in_one_example_equal_the_sequence_spelled_out(data_dir):
+    """An example with images at three places (one right after BOS, two together later): the packed
+    path's answer loss equals the LM on ``[text, image 1, text, image 2, image 3, text]`` built by
+    concatenation, next to another example in the same row."""
+    c, task, params = _task(data_dir)
+    model, m = task.model, task.num_visual
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, 200, 20).astype(np.int32)
+    answer = np.zeros(20, np.float32)
+    answer[14:18] = 1
+    images = rng.normal(size=(3, c.input.image_size, c.input.image_size, 3)).astype(np.float32)
+    multi = {"ids": ids, "answer_mask": answer, "image": images[0], "more_images": list(images[1:]),
+             "image_positions": np.array([1, 9, 9], np.int32), "image_pos": np.int32(1)}
+    seq = sequences.to_sequence(multi, m)
+    assert len(seq["tokens"]) == 18 + 3 * m and seq["prefix"].sum() == 14 + 3 * m
+    other = _examples(c, 1, seed=3)[0]
+    batch = _packed([multi, other], m, length=len(seq["tokens"]) + m + c.model.max_len, rows=1)
+    assert (batch["segment_ids"][0] > 0).sum() == len(seq["tokens"]) + m + other["answer_mask"].nonzero()[0][-1] + 1
+    logits = model.apply({"params": params}, *(jnp.asarray(batch[k]) for k in
+                                               ("images", "tokens", "visual", "segment_ids", "positions")),
+                         method=vlm.VLM.packed)
+    seg = batch["segment_ids"][0]
+    at = np.flatnonzero(seg == next(k for k in set(seg) - {0} if (seg == k).sum() == len(seq["tokens"])))
+    np.testing.assert_array_equal(batch["targets"][0][at], seq["targets"])
+    np.testing.assert_array_equal(batch["weights"][0][at], seq["weights"])
+
+    def by_hand(module):
+        text = module.language.embed(jnp.asarray(ids[None]))
+        vis = module.visual_tokens(jnp.asarray(images))
+        parts = [text[:, :1], vis[0:1], text[:, 1:9], vis[1:2], vis[2:3], text[:, 9:18]]
+        return module.language(embeds=jnp.concatenate(parts, axis=1))
+
+    want = model.apply({"params": params}, method=by_hand)[0]
+    np.testing.assert_allclose(np.asarray(logits[0])[at], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_stream_resumes_exactly_and_covers_every_example(data_dir):
+    c, task, _ = _task(data_dir)
+    examples = _examples(c, num=12)
+    make = lambda: sequences.packed_batches(examples, lambda ex, rng: ex, num_visual=task.num_visual,  # noqa: E731
+                                            length=3 * (task.num_visual + 12), max_images=2, rows=2, bins=2)
+    it = make()
+    for _ in range(3):
+        next(it)
+    state = it.get_state()
+    ahead = [next(it) for _ in range(3)]
+    again = make()
+    again.set_state(state)
+    for want in ahead:
+        jax.tree.map(np.testing.assert_array_equal, next(again), want)
+    one_epoch = sequences.packed_batches(examples, lambda ex, rng: ex, num_visual=task.num_visual, length=200,
+                                         max_images=4, rows=1, pack=False, num_epochs=1)
+    rows = list(one_epoch)
+    assert len(rows) == len(examples) and all(r["segment_ids"].max() == 1 for r in rows)
+
+
+def test_an_example_longer_than_a_row_is_refused_with_the_fix(data_dir):
+    c, task, _ = _task(data_dir)
+    it = sequences.packed_batches(_examples(c, 2), lambda ex, rng: ex, num_visual=task.num_visual, length=8,
+                                  max_images=1, rows=1)
+    with pytest.raises(ValueError, match="does not fit a row of input.sequences.length=8"):
+        next(it)
+
+
+def test_to_sequence_places_targets_weights_and_prefix():
+    ex = {"ids": np.array([1, 10, 11, 12, 13, 2, 0, 0], np.int32),
+          "answer_mask": np.array([0, 0, 0, 1, 1, 1, 0, 0], np.float32),
+          "image": np.zeros((4, 4, 3), np.uint8), "image_pos": np.int32(1)}
+    seq = sequences.to_sequence(ex, num_visual=2)
+    np.testing.assert_array_equal(seq["tokens"], [1, 0, 0, 10, 11, 12, 13, 2])
+    np.testing.assert_array_equal(seq["visual"], [-1, 0, 1, -1, -1, -1, -1, -1])
+    np.testing.assert_array_equal(seq["targets"], [0, 0, 10, 11, 12, 13, 2, 0])  # t predicts t + 1
+    np.testing.assert_array_equal(seq["weights"], [0, 0, 0, 0, 1, 1, 1, 0])
+    np.testing.assert_array_equal(seq["prefix"], [1, 1, 1, 1, 1, 0, 0, 0])
+    assert seq["images"].shape == (1, 4, 4, 3)
+    text_only = sequences.to_sequence({**ex, "has_image": np.bool_(False)}, num_visual=2)
+    np.testing.assert_array_equal(text_only["tokens"], [1, 10, 11, 12, 13, 2])
+    assert text_only["images"].shape == (0, 4, 4, 3)
