@@ -4,6 +4,7 @@ template where the run used one), merged LoRA adapters and KV-cache greedy decod
     python -m vitmm.chat --workdir workdirs/smol/smollm2_stage2_lora --index 3 \\
         --question "What colour is the circle?"
     python -m vitmm.chat --workdir workdirs/llava_s2 --image photo.jpg --question "Describe the image."
+    python -m vitmm.chat --workdir workdirs/llava_multi --image a.jpg --image b.jpg --question "What differs?"
 
     from vitmm import chat
     vlm = chat.load("workdirs/smol/smollm2_stage2_lora")
@@ -49,10 +50,14 @@ class Chat:
         else:
             qa = self.config.evals.qa.get("pp") if self.config.get("evals") and "qa" in self.config.evals else None
             qa = qa or "decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|qa_tokens({max_len})"
-        self._pp = preprocess.parse(tasks.pp_string(self.config, qa.replace("choose|", "")), self.tokenizer)
+        spec = tasks.pp_string(self.config, qa.replace("choose|", ""))
+        self._pp = preprocess.parse(spec, self.tokenizer)
         self._decoder = decode.GreedyDecoder(self.task.model)
-
-    max_images = 1  # images one prompt may hold (the VLM places one image per sequence)
+        sq = self.config.input.get("sequences")
+        # images one prompt may hold: a run on flat sequences (input.sequences) took its decode's max_images
+        decoded = [kw.get("max_images", a[1] if len(a) > 1 else 1) for name, a, kw in preprocess.ops(spec)
+                   if name == "decode"]
+        self.max_images = min(int(sq.max_images), *decoded) if sq and sq.get("length") else 1
 
     def prepare(self, images: list, turns: list[dict]) -> dict:
         """The preprocessed prompt for LLaVA-style ``turns`` (``{"from", "value"}``, ``<image>``
@@ -84,7 +89,7 @@ class Chat:
 
     def num_prompt_tokens(self, example: dict) -> int:
         """The prompt's text tokens and the visual tokens the LM sees."""
-        shown = int(example.get("has_image", True))
+        shown = int(example.get("has_image", True)) * (1 + len(example.get("more_images", ())))
         return int(example["prompt_len"]) + shown * self._num_visual(example["image"])
 
     def _num_visual(self, image) -> int:
@@ -96,6 +101,12 @@ class Chat:
     def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0):
         """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
+        if example.get("more_images"):  # several images: the prompt as a flat sequence
+            for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
+                yield int(row[0])
+                if int(row[0]) == self.tokenizer.eos_id:
+                    return
+            return
         n = int(example["prompt_len"])
         visual_mask = None
         if not example.get("has_image", True):  # a text-only prompt: the visual tokens masked out
@@ -113,6 +124,9 @@ class Chat:
         """``[len(examples)]`` tokens a step for prompts of ``prepare`` decoded together (a finished
         row repeats EOS). Shapes are rounded up (prompt columns to a multiple of 32, the cache to one
         of 64) so that a server compiles a handful of programs, not one per mix of requests."""
+        if any(ex.get("more_images") for ex in examples):
+            yield from self._stream_sequences(examples, max_new_tokens, temperature, top_p, seed)
+            return
         lengths = np.array([int(ex["prompt_len"]) for ex in examples])
         ids = np.full((len(examples), _round_up(int(lengths.max()), 32)), self.tokenizer.pad_id, np.int32)
         for row, ex in enumerate(examples):
@@ -128,9 +142,27 @@ class Chat:
             np.array([ex["image_pos"] for ex in examples]), visual_mask, None, temperature, top_p, seed,
             _round_up(ids.shape[1] + num_visual + max_new_tokens, 64))
 
+    def _stream_sequences(self, examples: list[dict], max_new_tokens: int, temperature: float, top_p: float,
+                          seed: int):
+        """``stream_batch`` for prompts with several images: flat sequences (``data.sequences``),
+        image slots rounded up to ``max_images``."""
+        from vitmm.data import sequences
+
+        seqs = [sequences.prompt_sequence(ex, self._num_visual(ex["image"])) for ex in examples]
+        lengths = np.array([len(seq["tokens"]) for seq in seqs])
+        rows = [sequences.one_row(seq, _round_up(int(lengths.max()), 32), self.max_images) for seq in seqs]
+        yield from self._decoder.stream_sequences(
+            {"params": self.params}, np.stack([r["images"] for r in rows]), np.stack([r["tokens"] for r in rows]),
+            np.stack([r["visual"] for r in rows]), lengths, max_new_tokens, self.tokenizer.eos_id,
+            bool(self.config.model.get("prefix_lm")), temperature, top_p, seed,
+            _round_up(rows[0]["tokens"].shape[0] + max_new_tokens, 64))
+
     def ask(self, image, question: str, max_new_tokens: int = 16) -> str:
-        """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]`` or a PIL image)."""
-        example = self.prepare([image], [{"from": "human", "value": f"<image>\n{question}"}])
+        """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]`` or a PIL image; a
+        list of them for a run that takes several, each shown as ``<image>`` before the question)."""
+        images = list(image) if isinstance(image, (list, tuple)) else [image]
+        tags = "".join("<image>\n" for _ in images)
+        example = self.prepare(images, [{"from": "human", "value": f"{tags}{question}"}])
         eos = self.tokenizer.eos_id
         return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
 
@@ -261,7 +293,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", required=True,
                         help="a `python -m vitmm.train` VLM workdir (or a `python -m vitmm.interop` LM folder)")
     parser.add_argument("--question", action="append", required=True, help="repeat to ask several")
-    parser.add_argument("--image", help="an image file (JPEG, PNG, WebP, ...)")
+    parser.add_argument("--image", action="append",
+                        help="an image file (JPEG, PNG, WebP, ...); repeat for several (a run on input.sequences)")
     parser.add_argument("--index", type=int, default=0, help="without --image: this example of --split")
     parser.add_argument("--split", default="validation")
     parser.add_argument("--max_new_tokens", type=int, default=16)
@@ -286,14 +319,21 @@ def main(argv=None) -> int:
         from vitmm.data.images import decode_image
         from vitmm.data.skips import BadExample
 
-        try:
-            image = decode_image(open(args.image, "rb").read())  # noqa: SIM115 - read at once
-        except (OSError, BadExample) as err:
-            print(f"python -m vitmm.chat: cannot read --image {args.image}: {err}", file=sys.stderr)
+        if len(args.image) > vlm.max_images:
+            print(f"python -m vitmm.chat: {len(args.image)} --image files; this model takes at most {vlm.max_images}.",
+                  file=sys.stderr)
             return 2
-        print(f"[{args.image}: {image.shape[1]}x{image.shape[0]}]")
+        images = []
+        for path in args.image:
+            try:
+                images.append(decode_image(open(path, "rb").read()))  # noqa: SIM115 - read at once
+            except (OSError, BadExample) as err:
+                print(f"python -m vitmm.chat: cannot read --image {path}: {err}", file=sys.stderr)
+                return 2
+            print(f"[{path}: {images[-1].shape[1]}x{images[-1].shape[0]}]")
         for question in args.question:
-            print(f"user: {question}\nassistant: {vlm.ask(image, question, args.max_new_tokens)}")
+            answer = vlm.ask(images if len(images) > 1 else images[0], question, args.max_new_tokens)
+            print(f"user: {question}\nassistant: {answer}")
         return 0
     if not (vlm.config.get("evals") and "qa" in vlm.config.evals):
         print(f"python -m vitmm.chat: {args.workdir} was trained on raw data with no dataset to pick --index from; "

@@ -58,7 +58,12 @@ class GreedyDecoder:
             logits, cache = model.apply(variables, token, position, cache, method=VLM.step)
             return sample(logits, key, temperature, top_p), cache
 
+        def prefill_sequences(variables, images, tokens, visual, lengths, cache, prefix_lm):
+            return model.apply(variables, images, tokens, visual, lengths, cache, prefix_lm,
+                               method=VLM.prefill_sequences)
+
         self._prefill = jax.jit(prefill, static_argnames=("prefix_lm",))
+        self._prefill_sequences = jax.jit(prefill_sequences, static_argnames=("prefix_lm",))
         self._step = jax.jit(step, donate_argnums=(3,), static_argnames=("temperature", "top_p"))
 
     def __call__(self, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray, max_new_tokens: int,
@@ -92,7 +97,23 @@ class GreedyDecoder:
                                       None if image_pos is None else jnp.asarray(image_pos, jnp.int32),
                                       prefix_lm, optional(visual_mask), optional(layout))
         shown = num_visual if visual_mask is None else jnp.asarray(np.asarray(visual_mask).sum(-1), jnp.int32)
-        state = {"cache": cache, "position": prompt_len + shown}
+        yield from self._continue(variables, logits, cache, prompt_len + shown, max_new_tokens, eos_id, temperature,
+                                  top_p, seed)
+
+    def stream_sequences(self, variables, images, tokens: np.ndarray, visual: np.ndarray, lengths: np.ndarray,
+                         max_new_tokens: int, eos_id: int, prefix_lm: bool = False, temperature: float = 0.0,
+                         top_p: float = 1.0, seed: int = 0, cache_len: int | None = None):
+        """``stream`` for prompts as flat sequences (``VLM.prefill_sequences``: any number of
+        images a prompt)."""
+        cache = lm_lib.init_cache(self.model.lm, tokens.shape[0], max(cache_len or 0, tokens.shape[1] + max_new_tokens))
+        lengths = jnp.asarray(np.asarray(lengths), jnp.int32)
+        logits, cache = self._prefill_sequences(variables, jnp.asarray(images), jnp.asarray(tokens),
+                                                jnp.asarray(visual), lengths, cache, prefix_lm)
+        yield from self._continue(variables, logits, cache, lengths, max_new_tokens, eos_id, temperature, top_p, seed)
+
+    def _continue(self, variables, logits, cache, position, max_new_tokens, eos_id, temperature, top_p, seed):
+        """The tokens after a prefill's ``logits``, the next one at sequence ``position [B]``."""
+        state = {"cache": cache, "position": position}
         key, temperature, top_p = jax.random.key(seed), float(temperature), float(top_p)
 
         def step(now, i):

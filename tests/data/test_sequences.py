@@ -146,3 +146,32 @@ def test_to_sequence_places_targets_weights_and_prefix():
     text_only = sequences.to_sequence({**ex, "has_image": np.bool_(False)}, num_visual=2)
     np.testing.assert_array_equal(text_only["tokens"], [1, 10, 11, 12, 13, 2])
     assert text_only["images"].shape == (0, 4, 4, 3)
+
+
+def test_decoding_a_prompt_with_several_images_follows_the_full_forward(data_dir):
+    """Greedy tokens from the KV cache after ``prefill_sequences`` (two prompts of 2 and 0 images,
+    left-aligned, one padded) are the argmax of ``VLM.packed`` run on prompt + answer so far."""
+    from vitmm import decode
+
+    c, task, params = _task(data_dir)
+    model, m = task.model, task.num_visual
+    rng = np.random.default_rng(2)
+    size = c.input.image_size
+    images = rng.normal(size=(2, size, size, 3)).astype(np.float32)
+    prompts = [{"ids": rng.integers(3, 200, 12).astype(np.int32), "prompt_len": 12, "image": images[0],
+                "more_images": [images[1]], "image_positions": np.array([1, 6], np.int32)},
+               {"ids": rng.integers(3, 200, 7).astype(np.int32), "prompt_len": 7, "image": images[0],
+                "has_image": np.bool_(False)}]
+    rows = [sequences.one_row(sequences.prompt_sequence(p, m), 12 + 2 * m, 2) for p in prompts]
+    lengths = np.array([12 + 2 * m, 7])
+    stack = lambda k: np.stack([r[k] for r in rows])  # noqa: E731
+    steps = list(decode.GreedyDecoder(model).stream_sequences({"params": params}, stack("images"), stack("tokens"),
+                                                              stack("visual"), lengths, 4, eos_id=-1))
+    answers = np.stack(steps, axis=1)
+    for row, (r, n) in enumerate(zip(rows, lengths, strict=True)):
+        tokens = np.concatenate([r["tokens"][:n], answers[row, :-1]])
+        visual = np.concatenate([r["visual"][:n], -np.ones(3, np.int32)])
+        logits = model.apply({"params": params}, jnp.asarray(r["images"][None]), jnp.asarray(tokens[None]),
+                             jnp.asarray(visual[None]), jnp.ones((1, len(tokens)), jnp.int32),
+                             jnp.arange(len(tokens))[None], method=vlm.VLM.packed)
+        np.testing.assert_array_equal(np.asarray(logits[0, n - 1:]).argmax(-1), answers[row])

@@ -9,8 +9,8 @@ def send_at_batch(trainer, batch: int, sig: str = "SIGTERM") -> None:
     """From now on, ``trainer.train`` sends ``sig`` to this process while fetching batch ``batch``."""
     make = trainer._input
 
-    def wrapped(config, tokenizer, par):
-        it = make(config, tokenizer, par)
+    def wrapped(*args):
+        it = make(*args)
 
         class Signalling:
             count = 0

@@ -85,7 +85,7 @@ def test_a_raw_data_config_without_its_data_stops_in_one_line_before_writing(tmp
     assert not (tmp_path / "run").exists()
 
 
-def test_conversations_with_several_images_train_packed_and_resume_exactly(tmp_path):
+def test_conversations_with_several_images_train_packed_and_resume_exactly(tmp_path, capsys):
     """LLaVA stage 2 on conversations of 1 to 3 images (some text-only, one with a missing image)
     packed into rows: the held-out loss reads them one a row, and a run stopped at step 2 and
     resumed ends where an uninterrupted one ends."""
@@ -104,3 +104,11 @@ def test_conversations_with_several_images_train_packed_and_resume_exactly(tmp_p
     assert trainer.train(config, tmp_path / "run", stop_at=2)["final_step"] == 2
     resumed = trainer.train(config, tmp_path / "run")
     assert resumed["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
+
+    images = [str(folder / f"images/00000{i}.jpg") for i in (0, 1)]
+    asked = ["--workdir", str(tmp_path / "run"), "--question", "Describe image 2.", "--max_new_tokens", "3"]
+    capsys.readouterr()
+    assert chat.main([*asked, "--image", images[0], "--image", images[1]]) == 0
+    assert capsys.readouterr().out.startswith(f"[{images[0]}: 32x32]\n[{images[1]}: 32x32]\nuser: Describe image 2.")
+    assert chat.main([*asked, *(x for _ in range(4) for x in ("--image", images[0]))]) == 2
+    assert "4 --image files; this model takes at most 3" in capsys.readouterr().err

@@ -40,7 +40,29 @@ def to_sequence(ex: dict, num_visual: int) -> dict:
     answered = np.flatnonzero(answer)
     if not len(answered):
         raise skips.BadExample("too_long", "no answer token is left to train on")
-    end = int(answered[-1]) + 1
+    tokens, visual, text_at, images = _interleave(ex, int(answered[-1]) + 1, num_visual)
+    is_text = text_at >= 0
+    weight_here = np.where(is_text, answer[np.maximum(text_at, 0)], 0).astype(np.float32)
+    targets = np.zeros_like(tokens)
+    weights = np.zeros(len(tokens), np.float32)
+    targets[:-1] = np.where(is_text[1:], tokens[1:], 0)
+    weights[:-1] = weight_here[1:]
+    first_answer = int(np.flatnonzero(weight_here)[0])
+    return {"tokens": tokens, "visual": visual, "targets": targets, "weights": weights,
+            "prefix": np.arange(len(tokens)) < first_answer, "images": images}
+
+
+def prompt_sequence(ex: dict, num_visual: int) -> dict:
+    """A prompt's sequence (its first ``prompt_len`` text tokens and the images among them):
+    ``tokens``, ``visual`` and ``images``, what ``VLM.prefill_sequences`` takes."""
+    tokens, visual, _, images = _interleave(ex, int(ex["prompt_len"]), num_visual)
+    return {"tokens": tokens, "visual": visual, "images": images}
+
+
+def _interleave(ex: dict, end: int, num_visual: int):
+    """The text tokens ``ids[:end]`` with each image's ``num_visual`` positions where it goes:
+    ``(tokens, visual, text index of each position (-1 on visual ones), images [K, H, W, C])``."""
+    ids = np.asarray(ex["ids"])
     has_image = bool(ex.get("has_image", True))
     images = [ex["image"], *ex.get("more_images", [])] if has_image else []
     places = ex.get("image_positions")
@@ -49,7 +71,7 @@ def to_sequence(ex: dict, num_visual: int) -> dict:
         raise ValueError(f"to_sequence: {len(places)} image positions for {len(images)} images.")
     if places != sorted(places) or any(not 0 <= p <= end for p in places):
         raise ValueError(f"to_sequence: image positions {places} are not ascending within the {end} text tokens.")
-    text_at, visual = [], []  # per sequence position: its text index (-1: visual) and visual token (-1: text)
+    text_at, visual = [], []
     cursor = 0
     for k, place in enumerate(places + [end]):
         text_at += range(cursor, place)
@@ -59,18 +81,10 @@ def to_sequence(ex: dict, num_visual: int) -> dict:
             text_at += [-1] * num_visual
             visual += range(k * num_visual, (k + 1) * num_visual)
     text_at, visual = np.asarray(text_at, np.int64), np.asarray(visual, np.int32)
-    is_text = text_at >= 0
-    tokens = np.where(is_text, ids[np.maximum(text_at, 0)], 0).astype(np.int32)
-    weight_here = np.where(is_text, answer[np.maximum(text_at, 0)], 0).astype(np.float32)
-    targets = np.zeros_like(tokens)
-    weights = np.zeros(len(tokens), np.float32)
-    targets[:-1] = np.where(is_text[1:], tokens[1:], 0)
-    weights[:-1] = weight_here[1:]
-    first_answer = int(np.flatnonzero(weight_here)[0])
+    tokens = np.where(text_at >= 0, ids[np.maximum(text_at, 0)], 0).astype(np.int32)
     first = np.asarray(ex["image"])
-    return {"tokens": tokens, "visual": visual, "targets": targets, "weights": weights,
-            "prefix": np.arange(len(tokens)) < first_answer,
-            "images": np.stack(images) if images else np.zeros((0, *first.shape), first.dtype)}
+    stacked = np.stack(images) if images else np.zeros((0, *first.shape), first.dtype)
+    return tokens, visual, text_at, stacked
 
 
 def row_visual(visual: np.ndarray, segments: np.ndarray, image_segments: np.ndarray, num_visual: int) -> np.ndarray:
@@ -130,13 +144,13 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
 
 def one_row(seq: dict, length: int, max_images: int) -> dict:
     """A sequence alone in a row of ``length`` positions and ``max_images`` image slots (what the
-    packer makes of it with ``pack=False``): fixed shapes, for evaluation batches."""
+    packer makes of it with ``pack=False``): fixed shapes, for evaluation batches and prompts."""
     n, k = len(seq["tokens"]), len(seq["images"])
     if n > length or k > max_images:
         raise ValueError(f"An example of {n} positions and {k} images does not fit a row of input.sequences.length="
                          f"{length} and max_images={max_images}.")
     row = {key: np.pad(seq[key], (0, length - n), constant_values=-1 if key == "visual" else 0)
-           for key in SEQUENCE_KEYS}
+           for key in SEQUENCE_KEYS if key in seq}
     row["segment_ids"] = (np.arange(length) < n).astype(np.int32)
     row["positions"] = np.where(row["segment_ids"] > 0, np.arange(length), 0).astype(np.int32)
     row["images"] = np.zeros((max_images, *seq["images"].shape[1:]), seq["images"].dtype)

@@ -225,14 +225,34 @@ class VLM(nn.Module):
         Position ``t`` predicts the token at ``t + 1`` of its example."""
         if self.anyres is not None or self.mrope:
             raise ValueError("packed sequences take square images through the tower (anyres=None, mrope=False).")
+        x = self._sequence_embeds(images, tokens, visual)
+        return self.language(embeds=x, positions=positions, segment_ids=segment_ids, prefix_mask=prefix_mask,
+                             logits_at=logits_at)
+
+    def prefill_sequences(self, images, tokens, visual, lengths, cache, prefix_lm: bool = False):
+        """``prefill`` for prompts as flat sequences (``data.sequences.prompt_sequence``: any number
+        of images each, ``images [B, N, H, W, C]``, ``tokens``/``visual [B, T]`` left-aligned,
+        ``lengths [B]``): ``(logits [B, vocab] after each prompt, cache)``; decoding continues at
+        position ``lengths``."""
+        if self.anyres is not None or self.mrope:
+            raise ValueError("prompts with several images take square images through the tower (anyres=None, "
+                             "mrope=False).")
+        x = self._sequence_embeds(images, tokens, visual)
+        end = jnp.asarray(lengths, jnp.int32)
+        valid = jnp.arange(x.shape[1])[None] < end[:, None]
+        logits, cache = self.language(embeds=x, pad_mask=valid, prefix_len=end if prefix_lm else None,
+                                      cache=cache, logits_at=(end - 1)[:, None])
+        return logits[:, 0], cache
+
+    def _sequence_embeds(self, images, tokens, visual):
+        """Input embeddings of flat sequences: the text's, with row image ``n``'s visual token
+        ``j`` where ``visual`` is ``n · M + j``."""
         r, n = images.shape[:2]
         flat = self.visual_tokens(images.reshape(r * n, *images.shape[2:]))
         flat = flat.reshape(r, n * flat.shape[1], flat.shape[2])
         text = self.language.embed(tokens)
         picked = jnp.take_along_axis(flat, jnp.maximum(visual, 0)[..., None], 1).astype(text.dtype)
-        x = jnp.where((visual >= 0)[..., None], picked, text)
-        return self.language(embeds=x, positions=positions, segment_ids=segment_ids, prefix_mask=prefix_mask,
-                             logits_at=logits_at)
+        return jnp.where((visual >= 0)[..., None], picked, text)
 
     def _shown(self, visual_mask, text_len: int, m: int, image_pos=None) -> jnp.ndarray:
         """``[B, L + M]``: False on the visual padding ``visual_mask [B, M]`` marks, True elsewhere."""
