@@ -31,6 +31,8 @@ from vitmm.data import preprocess
 
 
 class Chat:
+    max_images = 1  # images one prompt may hold; a run on flat sequences (input.sequences) sets its own
+
     def __init__(self, workdir, step: int | None = None):
         from vitmm.train import tasks
         from vitmm.train.parallel import Parallel
@@ -160,7 +162,9 @@ class Chat:
     def ask(self, image, question: str, max_new_tokens: int = 16) -> str:
         """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]`` or a PIL image; a
         list of them for a run that takes several, each shown as ``<image>`` before the question)."""
-        images = list(image) if isinstance(image, (list, tuple)) else [image]
+        several = isinstance(image, (list, tuple)) and image and all(
+            isinstance(x, np.ndarray) or hasattr(x, "convert") for x in image)  # arrays or PIL images, not pixels
+        images = list(image) if several else [image]
         tags = "".join("<image>\n" for _ in images)
         example = self.prepare(images, [{"from": "human", "value": f"{tags}{question}"}])
         eos = self.tokenizer.eos_id

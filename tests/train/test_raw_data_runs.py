@@ -85,12 +85,12 @@ def test_a_raw_data_config_without_its_data_stops_in_one_line_before_writing(tmp
     assert not (tmp_path / "run").exists()
 
 
-def test_conversations_with_several_images_train_packed_and_resume_exactly(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def multi_image_run(tmp_path_factory):
     """LLaVA stage 2 on conversations of 1 to 3 images (some text-only, one with a missing image)
-    packed into rows: the held-out loss reads them one a row, and a run stopped at step 2 and
-    resumed ends where an uninterrupted one ends."""
-    folder = tmp_path / "data"
-    path = examples.write_llava(folder, 20, resolution=32, text_only_every=5, multi_image_every=3)
+    packed into rows: an uninterrupted run, and one stopped at step 2 and resumed."""
+    root = tmp_path_factory.mktemp("multi")
+    path = examples.write_llava(root / "data", 20, resolution=32, text_only_every=5, multi_image_every=3)
     records = json.loads(path.read_text())
     records.append({"id": "lost", "image": ["images/000000.jpg", "images/lost.jpg"],
                     "conversations": records[2]["conversations"]})
@@ -98,17 +98,52 @@ def test_conversations_with_several_images_train_packed_and_resume_exactly(tmp_p
     config = load("configs/llava_finetune.py", "smoke,pack=400,images=3",
                   **{"input.data_path": str(path), "input.max_skipped_share": 0.2,
                      "evals.val.data.data_path": str(path), "evals.val.num_examples": 21})
-    straight = trainer.train(config, tmp_path / "straight")
+    straight = trainer.train(config, root / "straight")
+    stopped = trainer.train(config, root / "run", stop_at=2)
+    resumed = trainer.train(config, root / "run")
+    return dict(root=root, straight=straight, stopped=stopped, resumed=resumed,
+                images=[str(root / f"data/images/00000{i}.jpg") for i in (0, 1)])
+
+
+def test_conversations_with_several_images_train_packed_and_resume_exactly(multi_image_run, capsys):
+    """The held-out loss reads the packed run's examples one a row; a run stopped at step 2 and
+    resumed ends where an uninterrupted one ends; `vitmm.chat` asks it about two images."""
+    run = multi_image_run
+    straight = run["straight"]
     assert straight["evals"]["val/examples"] == 20 and straight["evals"]["val/skipped"] == 1
     assert np.isfinite(straight["evals"]["val/loss"]) and np.isfinite(straight["history"][-1]["loss"])
-    assert trainer.train(config, tmp_path / "run", stop_at=2)["final_step"] == 2
-    resumed = trainer.train(config, tmp_path / "run")
-    assert resumed["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
+    assert run["stopped"]["final_step"] == 2
+    assert run["resumed"]["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
 
-    images = [str(folder / f"images/00000{i}.jpg") for i in (0, 1)]
-    asked = ["--workdir", str(tmp_path / "run"), "--question", "Describe image 2.", "--max_new_tokens", "3"]
-    capsys.readouterr()
+    images = run["images"]
+    asked = ["--workdir", str(run["root"] / "run"), "--question", "Describe image 2.", "--max_new_tokens", "3"]
     assert chat.main([*asked, "--image", images[0], "--image", images[1]]) == 0
     assert capsys.readouterr().out.startswith(f"[{images[0]}: 32x32]\n[{images[1]}: 32x32]\nuser: Describe image 2.")
     assert chat.main([*asked, *(x for _ in range(4) for x in ("--image", images[0]))]) == 2
     assert "4 --image files; this model takes at most 3" in capsys.readouterr().err
+
+
+def test_the_server_takes_several_images_and_answers_what_chat_answers(multi_image_run):
+    import base64
+
+    import openai
+
+    from vitmm import serve
+    from vitmm.data.images import decode_image
+
+    engine = serve.Engine(multi_image_run["root"] / "run")
+    url, stop = serve.start_in_thread(engine)
+    images = multi_image_run["images"]
+    try:
+        parts = [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,"
+                                                            + base64.b64encode(open(f, "rb").read()).decode()}}
+                 for f in images]
+        reply = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="run", max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "Describe image 2."}]}])
+    finally:
+        stop()
+    decoded = [decode_image(open(f, "rb").read()) for f in images]
+    assert reply.choices[0].message.content == engine.chat.ask(decoded, "Describe image 2.", 4)
+    assert reply.usage.prompt_tokens == engine.chat.num_prompt_tokens(
+        engine.chat.prepare(decoded, [{"from": "human", "value": "<image>\n<image>\nDescribe image 2."}]))

@@ -36,7 +36,7 @@ SEQUENCE_KEYS = ("tokens", "visual", "targets", "weights", "prefix")
 def to_sequence(ex: dict, num_visual: int) -> dict:
     """The flat sequence of one pp'd example (see the module docstring) and its ``images``
     ``[K, H, W, C]`` (``K = 0`` for a text-only example)."""
-    ids, answer = np.asarray(ex["ids"]), np.asarray(ex["answer_mask"])
+    answer = np.asarray(ex["answer_mask"])
     answered = np.flatnonzero(answer)
     if not len(answered):
         raise skips.BadExample("too_long", "no answer token is left to train on")
