@@ -19,8 +19,11 @@ example that cannot be used is skipped and counted (``input.max_skipped_share``)
 Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``; LLaVA-1.5's is ``mlp``),
 ``budget`` (visual tokens, or ``all``), ``steps``, ``batch``, ``smoke``, ``pack`` (a row length in
 positions: conversations packed into rows, ``batch`` rows a step; 0: one conversation a row, padded
-to ``model.max_len``), ``images`` (images an example may have; more than 1 needs ``pack``). ``input.mixture`` takes
-several sources (LLaVA-NeXT's list with ``sampling`` rules, or ``weight`` per source).
+to ``model.max_len``), ``images`` (images an example may have; more than 1 needs ``pack``), ``frames``
+(a video's frames, ``data.video``'s sampling; needs ``pack``), ``temporal`` (frames a temporal
+patch merges, Qwen2-VL's 2; a still image is repeated, a pretrained tower's patch kernel inflated).
+``input.mixture`` takes several sources (LLaVA-NeXT's list with ``sampling`` rules, or ``weight`` per
+source).
 """
 
 import ml_collections
@@ -37,10 +40,10 @@ KEEP = "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_imag
 
 def get_config(arg=None):
     arg = parse_arg(arg, presets=common.SMOKE_LLAVA_ARGS, connector="mlp", budget="all", steps=1000, batch=32,
-                    smoke=False, pack=0, images=1)
-    if arg.images > 1 and not arg.pack:
-        raise ValueError(f"images={arg.images}: several images an example train as flat sequences; set pack=LENGTH "
-                         "too (positions a row, e.g. pack=1024).")
+                    smoke=False, pack=0, images=1, frames=0, temporal=1)
+    if (arg.images > 1 or arg.frames) and not arg.pack:
+        raise ValueError(f"images={arg.images}, frames={arg.frames}: several images or a video an example train as "
+                         "flat sequences; set pack=LENGTH too (positions a row, e.g. pack=1024).")
     c = ml_collections.ConfigDict()
     c.task = "vlm"
     c.seed = 0
@@ -55,17 +58,19 @@ def get_config(arg=None):
     c.allow_config_change = False
     c.sync_every = 8
 
-    decode = f"decode(max_images={arg.images})" if arg.images > 1 else "decode"
+    decode = f"decode(max_images={arg.images}, num_frames={arg.frames or 8})" if arg.pack else "decode"
+    temporal = f"temporal_patch({arg.temporal})|" if arg.temporal > 1 else ""
     pp = (decode + "|pad_to_square({image_mean})|resize({image_size})|normalize({image_mean}, {image_std})|"
-          f"conversation_tokens({{max_len}}, overflow='truncate_turns', max_answer={{loss_positions}})|{KEEP}")
+          + temporal + "conversation_tokens({max_len}, overflow='truncate_turns', max_answer={loss_positions})|"
+          + KEEP)
     c.input = ml_collections.ConfigDict(common.raw_input(image_size=64, pp=pp, num_threads=2, prefetch=64,
                                                          device_prefetch=2))
     # Flat sequences (data.sequences): length > 0 packs conversations into rows of that many positions
     # (text + visual tokens; batch_size then counts rows) and max_images image slots (the tower encodes
     # batch_size · max_images images a step, empty slots too); pack=False puts one a row (padded);
     # bins: rows open at once in the first-fit packer (more: less padding).
-    c.input.sequences = dict(length=arg.pack, max_images=2 * arg.images if arg.pack else arg.images, pack=True,
-                             bins=8)
+    slots = max(arg.images, -(-arg.frames // arg.temporal))  # a video's frames are images, temporal patches merged
+    c.input.sequences = dict(length=arg.pack, max_images=2 * slots if arg.pack else slots, pack=True, bins=8)
     c.input.image_mean = config_dict.placeholder(tuple)  # default: what init.vision records, else 0.5
     c.input.image_std = config_dict.placeholder(tuple)
 

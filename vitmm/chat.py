@@ -61,12 +61,16 @@ class Chat:
                    if name == "decode"]
         self.max_images = min(int(sq.max_images), *decoded) if sq and sq.get("length") else 1
 
-    def prepare(self, images: list, turns: list[dict]) -> dict:
+    def prepare(self, images: list, turns: list[dict], video=None) -> dict:
         """The preprocessed prompt for LLaVA-style ``turns`` (``{"from", "value"}``, ``<image>``
         where each of ``images``, uint8 ``[H, W, 3]`` or a PIL image, goes) ending with a user turn:
-        the run's own pp and prompt format. ``ValueError`` for what this run cannot take."""
+        the run's own pp and prompt format. ``video``: a video file's bytes (or a list of frames)
+        for the turns' ``<video>``, for a run on flat sequences (its frames sampled as it trained).
+        ``ValueError`` for what this run cannot take."""
         if not turns or turns[-1]["from"] != "human":
             raise ValueError("The conversation must end with a user turn.")
+        if video is not None:
+            return self._prepare_video(images, turns, video)
         if len(images) > self.max_images:
             raise ValueError(f"{len(images)} images; this model takes at most {self.max_images}.")
         images = [_image_array(image) for image in images]
@@ -88,6 +92,19 @@ class Chat:
                              "one image (its system prompt is the run's own).")
         question = users[0]["value"].replace("<image>", "").strip()
         return self._pp({"image": images[0], "question": question, "answer": ""}, rng)
+
+    def _prepare_video(self, images: list, turns: list[dict], video) -> dict:
+        from vitmm.data.skips import BadExample
+
+        if self.max_images < 2 or not self._conversation:
+            raise ValueError("This model takes no video (a run on input.sequences with frames takes one).")
+        if images:
+            raise ValueError("A video goes alone, without images.")
+        try:
+            return self._pp({"images": [], "video": video, "conversations": [*turns, {"from": "gpt", "value": ""}]},
+                            np.random.default_rng(0))
+        except BadExample as bad:
+            raise ValueError(f"The video cannot be used ({bad.reason}: {bad.detail}).") from None
 
     def num_prompt_tokens(self, example: dict) -> int:
         """The prompt's text tokens and the visual tokens the LM sees."""
@@ -152,7 +169,8 @@ class Chat:
 
         seqs = [sequences.prompt_sequence(ex, self._num_visual(ex["image"])) for ex in examples]
         lengths = np.array([len(seq["tokens"]) for seq in seqs])
-        rows = [sequences.one_row(seq, _round_up(int(lengths.max()), 32), self.max_images) for seq in seqs]
+        slots = max(self.max_images, *(len(seq["images"]) for seq in seqs))  # a video's frames may be more
+        rows = [sequences.one_row(seq, _round_up(int(lengths.max()), 32), slots) for seq in seqs]
         yield from self._decoder.stream_sequences(
             {"params": self.params}, np.stack([r["images"] for r in rows]), np.stack([r["tokens"] for r in rows]),
             np.stack([r["visual"] for r in rows]), lengths, max_new_tokens, self.tokenizer.eos_id,
@@ -299,6 +317,7 @@ def main(argv=None) -> int:
     parser.add_argument("--question", action="append", required=True, help="repeat to ask several")
     parser.add_argument("--image", action="append",
                         help="an image file (JPEG, PNG, WebP, ...); repeat for several (a run on input.sequences)")
+    parser.add_argument("--video", help="a video file for a run that took videos (configs' frames=N)")
     parser.add_argument("--index", type=int, default=0, help="without --image: this example of --split")
     parser.add_argument("--split", default="validation")
     parser.add_argument("--max_new_tokens", type=int, default=16)
@@ -318,6 +337,18 @@ def main(argv=None) -> int:
             return 2
         for question in args.question:
             print(f"user: {question}\nassistant: {vlm.ask(question, args.max_new_tokens)}")
+        return 0
+    if args.video:
+        try:
+            data = open(args.video, "rb").read()  # noqa: SIM115 - read at once
+            for question in args.question:
+                example = vlm.prepare(args.image or [], [{"from": "human", "value": f"<video>\n{question}"}], data)
+                eos = vlm.tokenizer.eos_id
+                answer = vlm.tokenizer.decode([t for t in vlm.generate(example, args.max_new_tokens) if t != eos])
+                print(f"user: {question}\nassistant: {answer}")
+        except (OSError, ValueError) as err:
+            print(f"python -m vitmm.chat: --video {args.video}: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.image:
         from vitmm.data.images import decode_image

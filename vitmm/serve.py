@@ -11,7 +11,8 @@
         {"type": "text", "text": "Describe the image."}]}])
 
 Endpoints: ``POST /v1/chat/completions`` (``messages`` with string content or ``text`` and
-``image_url`` parts; ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
+``image_url`` parts, several for a run on flat sequences, or one ``video_url`` part (vLLM's) for a
+run that took videos; ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
 ``stop``, ``stream``; ``usage`` in every response, streamed as server-sent events with a last
 usage chunk), ``GET /v1/models`` (the model id: the workdir's name unless ``--model_name``) and
 ``GET /health``. The run's own preprocessing, prompt format and chat template, merged LoRA and the
@@ -39,6 +40,7 @@ import numpy as np
 
 MAX_TOKENS = 4096  # the most tokens a request may ask for
 MAX_IMAGE_BYTES = 20 * 2**20
+MAX_VIDEO_BYTES = 64 * 2**20  # a video_url part
 MAX_IMAGE_PIXELS = 40_000_000
 
 
@@ -78,13 +80,13 @@ class Engine:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list.", param="messages")
-        images, turns = [], []
+        images, turns, videos = [], [], []
         for i, message in enumerate(messages):
             role = message.get("role") if isinstance(message, dict) else None
             if role not in ("system", "user", "assistant", "developer"):
                 raise RequestError(f"messages[{i}].role must be system, user or assistant; got {role!r}.",
                                    param=f"messages[{i}].role")
-            text = self._content(message.get("content"), i, images)
+            text = self._content(message.get("content"), i, images, videos)
             turns.append({"from": {"user": "human", "assistant": "gpt"}.get(role, "system"), "value": text})
         limit = self.chat.max_images
         if len(images) > limit:
@@ -105,14 +107,16 @@ class Engine:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("'stop' must be a string or a list of at most 4 non-empty strings.", param="stop")
+        if len(videos) > 1:
+            raise RequestError(f"{len(videos)} videos; one a request.", param="messages")
         try:
-            example = self.chat.prepare(images, turns)
+            example = self.chat.prepare(images, turns, videos[0]) if videos else self.chat.prepare(images, turns)
         except ValueError as err:
             raise RequestError(str(err), param="messages") from None
         return dict(example=example, max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
                     seed=int(seed), stop=stop, stream=bool(body.get("stream", False)))
 
-    def _content(self, content, i: int, images: list) -> str:
+    def _content(self, content, i: int, images: list, videos: list) -> str:
         if isinstance(content, str):
             return content
         if not isinstance(content, list):
@@ -127,8 +131,13 @@ class Engine:
                 url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
                 images.append(self._image(url, i))
                 text.append("<image>\n")
+            elif kind == "video_url":  # vLLM's part for a video: a data URL or a local file
+                url = (part.get("video_url") or {}).get("url") if isinstance(part.get("video_url"), dict) else None
+                videos.append(self._bytes(url, f"messages[{i}].content", "video"))
+                text.append("<video>\n")
             else:
-                raise RequestError(f"messages[{i}].content has a part of type {kind!r}; use text or image_url.",
+                raise RequestError(f"messages[{i}].content has a part of type {kind!r}; use text, image_url or "
+                               "video_url.",
                                    param=f"messages[{i}].content")
         return "".join(text)
 
@@ -137,22 +146,7 @@ class Engine:
         from vitmm.data.skips import BadExample
 
         param = f"messages[{i}].content"
-        if not isinstance(url, str) or not url:
-            raise RequestError("An image_url part needs a url.", param=param)
-        if url.startswith("data:"):
-            header, _, payload = url.partition(",")
-            if ";base64" not in header:
-                raise RequestError("An image data URL must be base64 (data:image/...;base64,...).", param=param)
-            try:
-                data = base64.b64decode(payload, validate=True)
-            except (binascii.Error, ValueError):
-                raise RequestError("The image data URL is not valid base64.", param=param) from None
-        elif url.startswith(("http://", "https://")):
-            raise RequestError("Remote image URLs are not fetched; send the image as a base64 data URL.", param=param)
-        else:
-            data = self._local_file(url.removeprefix("file://"), param)
-        if len(data) > MAX_IMAGE_BYTES:
-            raise RequestError(f"The image is {len(data):,} bytes, more than {MAX_IMAGE_BYTES:,}.", 413, param)
+        data = self._bytes(url, param, "image")
         try:
             image = decode_image(data)
         except BadExample as bad:
@@ -161,6 +155,28 @@ class Engine:
             raise RequestError(f"The image is {image.shape[1]}x{image.shape[0]}, more than {MAX_IMAGE_PIXELS:,} "
                                "pixels.", 413, param)
         return image
+
+    def _bytes(self, url, param: str, kind: str) -> bytes:
+        """The bytes of an ``image_url``/``video_url`` part: a base64 data URL or a local file."""
+        if not isinstance(url, str) or not url:
+            raise RequestError(f"An {kind}_url part needs a url.", param=param)
+        if url.startswith("data:"):
+            header, _, payload = url.partition(",")
+            if ";base64" not in header:
+                raise RequestError(f"An {kind} data URL must be base64 (data:{kind}/...;base64,...).", param=param)
+            try:
+                data = base64.b64decode(payload, validate=True)
+            except (binascii.Error, ValueError):
+                raise RequestError(f"The {kind} data URL is not valid base64.", param=param) from None
+        elif url.startswith(("http://", "https://")):
+            raise RequestError(f"Remote {kind} URLs are not fetched; send the {kind} as a base64 data URL.",
+                               param=param)
+        else:
+            data = self._local_file(url.removeprefix("file://"), param)
+        limit = MAX_IMAGE_BYTES if kind == "image" else MAX_VIDEO_BYTES
+        if len(data) > limit:
+            raise RequestError(f"The {kind} is {len(data):,} bytes, more than {limit:,}.", 413, param)
+        return data
 
     def _local_file(self, path: str, param: str) -> bytes:
         if self.local_root is None:

@@ -38,11 +38,12 @@ def _ext(i: int, exts) -> str:
 
 def write_llava(out, num: int, *, resolution: int = 64, difficulty: str = "easy", split: str = "train",
                 exts=("jpg",), text_only_every: int = 0, turns: int = 2, jsonl: bool = False,
-                multi_image_every: int = 0, max_images: int = 3) -> pathlib.Path:
+                multi_image_every: int = 0, max_images: int = 3, video_every: int = 0) -> pathlib.Path:
     """``out/data.json`` (or ``.jsonl``) and ``out/images/``: each scene a conversation of up to
     ``turns`` question/answer exchanges, the image in the first user turn (its caption as the first
     answer); every ``text_only_every``-th example has no image (a question about words), every
-    ``multi_image_every``-th shows 2 to ``max_images`` scenes and asks for one's caption."""
+    ``multi_image_every``-th shows 2 to ``max_images`` scenes and asks for one's caption, and every
+    ``video_every``-th is a video of 12 scenes (``write_video``) asking for its last one's."""
     out = pathlib.Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     records = []
@@ -55,6 +56,13 @@ def write_llava(out, num: int, *, resolution: int = 64, difficulty: str = "easy"
             continue
         name = f"{i:06d}.{_ext(i, exts)}"
         (out / "images" / name).write_bytes(encode(s["image"], _ext(i, exts)))
+        if video_every and i % video_every == video_every - 1:
+            shown = [_scene(20_000_000 + i * 16 + k, resolution, difficulty, split) for k in range(12)]
+            write_video(out / "videos" / f"{i:06d}.mp4", [v["image"] for v in shown])
+            records.append({"id": f"{i:06d}", "video": f"videos/{i:06d}.mp4", "conversations": [
+                {"from": "human", "value": "<video>\nDescribe the last frame."},
+                {"from": "gpt", "value": shown[-1]["caption"]}]})
+            continue
         if multi_image_every and i % multi_image_every == multi_image_every - 1:
             records.append(_several_images(out, i, resolution, difficulty, split, exts, name, max_images))
             continue
@@ -67,6 +75,22 @@ def write_llava(out, num: int, *, resolution: int = 64, difficulty: str = "easy"
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
     else:
         path.write_text(json.dumps(records, indent=1))
+    return path
+
+
+def write_video(path, frames: list, fps: int = 4) -> pathlib.Path:
+    """``frames`` (uint8 ``[H, W, 3]``, even sides) as an MPEG-4 video file (PyAV)."""
+    import av
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode())
     return path
 
 

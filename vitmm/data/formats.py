@@ -57,7 +57,8 @@ def _read_bytes(path: pathlib.Path, example_id: str) -> bytes | Skipped:
 #                                        LLaVA conversations
 # ----------------------------------------------------------------------------------------------
 class LlavaSource:
-    """A LLaVA JSON list (or JSONL, one object a line) and its image folder."""
+    """A LLaVA JSON list (or JSONL, one object a line) and its image folder (which holds the
+    videos too: ``video`` is a file or a list of frame files, LLaVA-Video's layout)."""
 
     def __init__(self, data_path, image_folder=None):
         self.path = _path(data_path)
@@ -84,13 +85,20 @@ class LlavaSource:
         paths = [] if images is None else [images] if isinstance(images, str) else images
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
             return Skipped("bad_record", example_id, f"'image' must be a path or a list of paths, got {images!r}")
+        video = record.get("video")  # LLaVA-Video's: a file, or a list of frame files
+        frames = [] if video is None else [video] if isinstance(video, str) else video
+        if not isinstance(frames, list) or not all(isinstance(p, str) for p in frames):
+            return Skipped("bad_record", example_id, f"'video' must be a path or a list of paths, got {video!r}")
         loaded = []
-        for p in paths:
+        for p in paths + frames:
             data = _read_bytes(self.image_folder / p, example_id)
             if isinstance(data, Skipped):
                 return data
             loaded.append(data)
-        return {"_id": example_id, "images": loaded, "conversations": record["conversations"]}
+        out = {"_id": example_id, "images": loaded[: len(paths)], "conversations": record["conversations"]}
+        if video is not None:
+            out["video"] = loaded[len(paths)] if isinstance(video, str) else loaded[len(paths):]
+        return out
 
 
 def _load_json_records(path: pathlib.Path) -> list:

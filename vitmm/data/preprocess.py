@@ -202,17 +202,21 @@ def get_path(example: dict, key: str):
 
 
 @register("decode")
-def decode(image_key="image", max_images=1, draft=None):
+def decode(image_key="image", max_images=1, draft=None, num_frames=8):
     """Text bytes → str; the image (an array, or encoded bytes from a raw reader) → uint8 RGB.
     A raw conversation's ``images`` list (0 to ``max_images`` of them) becomes ``image`` (a 1×1
     black stand-in when there is none; the second and later in ``more_images``), ``num_images`` and
-    ``has_image``; ``draft``: see ``images.decode_image``."""
+    ``has_image``; ``draft``: see ``images.decode_image``. A conversation's ``video`` (a file's
+    bytes, or a list of frame images) becomes ``num_frames`` frames (``data.video``'s sampling) as
+    its images, and its ``<video>`` as ``num_frames`` ``<image>`` tags; ``video_frames`` counts them."""
 
     def fn(ex, rng):
         del rng
-        images = ex.pop("images", None)
+        images, video = ex.pop("images", None), ex.pop("video", None)
         ex = {key: value if key == image_key else _decode_text(value) for key, value in ex.items()}
-        if images is not None:
+        if video is not None:
+            _video_as_images(ex, video, images, num_frames, draft, image_key)
+        elif images is not None:
             if len(images) > max_images:
                 raise BadExample("too_many_images", f"{len(images)} images; this model takes at most {max_images}")
             ex[image_key] = images[0] if images else np.zeros((1, 1, 3), np.uint8)
@@ -226,8 +230,58 @@ def decode(image_key="image", max_images=1, draft=None):
     return fn
 
 
+def _video_as_images(ex: dict, video, images, num_frames: int, draft, image_key: str) -> None:
+    """The frames of ``video`` (see ``decode``) as the example's images, its tag expanded."""
+    from vitmm.data import video as video_lib
+
+    def text(turn):
+        return turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+
+    turns = ex.get("conversations") or []
+    tags = sum(t.count(video_lib.VIDEO_PLACEHOLDER) for t in map(text, turns) if isinstance(t, str))
+    if images or tags != 1:
+        raise BadExample("image_tag_mismatch", f"{tags} {video_lib.VIDEO_PLACEHOLDER} tag(s) for one video"
+                         + (" and images (a video goes alone)" if images else ""))
+    frames = video_lib.decode_video(video, num_frames) if isinstance(video, bytes) else \
+        [_decoded(frame, draft) for frame in video_lib.sample_frames(list(video), num_frames)]
+    expanded = "<image>" * len(frames)
+    ex["conversations"] = [
+        {k: v.replace(video_lib.VIDEO_PLACEHOLDER, expanded) if k in ("value", "content") and isinstance(v, str) else v
+         for k, v in turn.items()} for turn in turns]
+    ex[image_key], ex["num_images"], ex["has_image"] = frames[0], np.int32(len(frames)), np.bool_(True)
+    ex[MORE_IMAGES], ex["video_frames"] = frames[1:], np.int32(len(frames))
+
+
 def _decoded(value, draft):
     return decode_image(value, draft) if isinstance(value, bytes) else to_rgb(value)
+
+
+@register("temporal_patch")
+def temporal_patch(size=2, key="image"):
+    """Qwen2-VL's temporal patch: a video's frames (``decode``'s, ``video_frames`` of them) merged
+    ``size`` at a time into one image of ``size`` × the channels (the last group padded with its
+    last frame; its ``<image>`` tags cut to one a group), and a still image repeated ``size`` times
+    the same way, so the tower's patch embedding sees ``size`` frames at once. Put it after the
+    image ops (``normalize`` included) and before ``conversation_tokens``."""
+
+    def fn(ex, rng):
+        images = [ex[key], *ex.get(MORE_IMAGES, [])]
+        frames = int(ex.get("video_frames", 0))
+        if frames:
+            groups = [images[i:i + size] for i in range(0, frames, size)]
+            merged = [np.concatenate(g + [g[-1]] * (size - len(g)), axis=-1) for g in groups]
+            tags = ("<image>" * frames, "<image>" * len(merged))
+            ex["conversations"] = [{k: v.replace(*tags) if k in ("value", "content") and isinstance(v, str) else v
+                                    for k, v in turn.items()} for turn in ex["conversations"]]
+            ex["video_frames"], ex["num_images"] = np.int32(len(merged)), np.int32(len(merged))
+        else:
+            merged = [np.concatenate([image] * size, axis=-1) for image in images]
+        ex[key] = merged[0]
+        if len(merged) > 1 or MORE_IMAGES in ex:
+            ex[MORE_IMAGES] = merged[1:]
+        return ex
+
+    return fn
 
 
 @register("pad_to_square")

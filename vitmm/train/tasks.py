@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
@@ -132,7 +133,7 @@ class VLMTask:
     def init_params(self):
         c = self.config
         res = c.input.image_size
-        images = jnp.zeros((1, res, res, 3), jnp.float32)
+        images = jnp.zeros((1, res, res, image_channels(c)), jnp.float32)
         ids = jnp.zeros((1, c.model.max_len), jnp.int32)
         variables = jax.jit(self.model.init)(jax.random.key(c.seed), images, ids)
         self.num_visual = self.model.apply(variables, (res, res), method=vlm.VLM.num_visual_tokens)
@@ -143,7 +144,7 @@ class VLMTask:
             if "img" not in tower:
                 raise ValueError(f"The checkpoint in {c.init.vision} has no image tower ('img'); it has "
                                  f"{sorted(tower)}.")
-            tower = _fit_positions(tower["img"], params["tower"], self.vision)
+            tower = _inflate_patch_kernel(_fit_positions(tower["img"], params["tower"], self.vision), params["tower"])
             params["tower"] = ckpt_lib.merge_params(params["tower"], tower, dont_load,
                                                     source=f"{c.init.vision} (img)", prefix="tower/")
         elif not (c.init.get("allow_random_tower") or c.init.get("checkpoint")):
@@ -285,6 +286,24 @@ def tokenizer_for(config):
         return tok_lib.get_tokenizer(str(path), chat_template=saved.get("chat_template"), **ids)
     ids = {k: v for k, v in (config.get("tokens") or {}).items() if v is not None}
     return tok_lib.get_tokenizer(config.get("tokenizer"), chat_template=config.get("chat_template"), **ids)
+
+
+def image_channels(config) -> int:
+    """The channels of the images the tower sees: 3, times the pp's ``temporal_patch`` size."""
+    sizes = [(a[0] if a else kw.get("size", 2)) for name, a, kw in preprocess.ops(pp_string(config))
+             if name == "temporal_patch"]
+    return 3 * (sizes[0] if sizes else 1)
+
+
+def _inflate_patch_kernel(tower: dict, model_tower: dict) -> dict:
+    """A 3-channel tower's patch kernel for ``t``-frame temporal patches (``temporal_patch``): the
+    kernel repeated over the frames and divided by ``t``, so that a still image (its frames equal)
+    embeds as before (I3D's inflation)."""
+    have, want = tower.get("embedding", {}).get("kernel"), model_tower.get("embedding", {}).get("kernel")
+    if have is None or want is None or have.shape == want.shape or want.shape[2] % have.shape[2]:
+        return tower
+    t = want.shape[2] // have.shape[2]
+    return {**tower, "embedding": {**tower["embedding"], "kernel": np.tile(np.asarray(have), (1, 1, t, 1)) / t}}
 
 
 def _fit_positions(tower: dict, model_tower: dict, vision: dict) -> dict:
