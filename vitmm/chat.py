@@ -167,7 +167,12 @@ class Chat:
         image slots rounded up to ``max_images``."""
         from vitmm.data import sequences
 
-        seqs = [sequences.prompt_sequence(ex, self._num_visual(ex["image"])) for ex in examples]
+        grid = None
+        if self.task.model.mrope:
+            from vitmm.models.vlm import VLM
+
+            grid = self.task.model.apply({"params": self.params}, examples[0]["image"].shape[:2], method=VLM.token_grid)
+        seqs = [sequences.prompt_sequence(ex, self._num_visual(ex["image"]), grid) for ex in examples]
         lengths = np.array([len(seq["tokens"]) for seq in seqs])
         slots = max(self.max_images, *(len(seq["images"]) for seq in seqs))  # a video's frames may be more
         rows = [sequences.one_row(seq, _round_up(int(lengths.max()), 32), slots) for seq in seqs]
@@ -175,7 +180,8 @@ class Chat:
             {"params": self.params}, np.stack([r["images"] for r in rows]), np.stack([r["tokens"] for r in rows]),
             np.stack([r["visual"] for r in rows]), lengths, max_new_tokens, self.tokenizer.eos_id,
             bool(self.config.model.get("prefix_lm")), temperature, top_p, seed,
-            _round_up(rows[0]["tokens"].shape[0] + max_new_tokens, 64))
+            _round_up(rows[0]["tokens"].shape[0] + max_new_tokens, 64),
+            None if grid is None else np.moveaxis(np.stack([r["mrope"] for r in rows]), -1, 0))
 
     def ask(self, image, question: str, max_new_tokens: int = 16) -> str:
         """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]`` or a PIL image; a

@@ -58,8 +58,8 @@ class GreedyDecoder:
             logits, cache = model.apply(variables, token, position, cache, method=VLM.step)
             return sample(logits, key, temperature, top_p), cache
 
-        def prefill_sequences(variables, images, tokens, visual, lengths, cache, prefix_lm):
-            return model.apply(variables, images, tokens, visual, lengths, cache, prefix_lm,
+        def prefill_sequences(variables, images, tokens, visual, lengths, cache, prefix_lm, positions):
+            return model.apply(variables, images, tokens, visual, lengths, cache, prefix_lm, positions,
                                method=VLM.prefill_sequences)
 
         self._prefill = jax.jit(prefill, static_argnames=("prefix_lm",))
@@ -102,13 +102,14 @@ class GreedyDecoder:
 
     def stream_sequences(self, variables, images, tokens: np.ndarray, visual: np.ndarray, lengths: np.ndarray,
                          max_new_tokens: int, eos_id: int, prefix_lm: bool = False, temperature: float = 0.0,
-                         top_p: float = 1.0, seed: int = 0, cache_len: int | None = None):
+                         top_p: float = 1.0, seed: int = 0, cache_len: int | None = None, positions=None):
         """``stream`` for prompts as flat sequences (``VLM.prefill_sequences``: any number of
-        images a prompt)."""
+        images a prompt; ``positions [3, B, T]`` with M-RoPE)."""
         cache = lm_lib.init_cache(self.model.lm, tokens.shape[0], max(cache_len or 0, tokens.shape[1] + max_new_tokens))
         lengths = jnp.asarray(np.asarray(lengths), jnp.int32)
         logits, cache = self._prefill_sequences(variables, jnp.asarray(images), jnp.asarray(tokens),
-                                                jnp.asarray(visual), lengths, cache, prefix_lm)
+                                                jnp.asarray(visual), lengths, cache, prefix_lm,
+                                                None if positions is None else jnp.asarray(positions, jnp.int32))
         yield from self._continue(variables, logits, cache, lengths, max_new_tokens, eos_id, temperature, top_p, seed)
 
     def _continue(self, variables, logits, cache, position, max_new_tokens, eos_id, temperature, top_p, seed):

@@ -148,13 +148,21 @@ def test_to_sequence_places_targets_weights_and_prefix():
     assert text_only["images"].shape == (0, 4, 4, 3)
 
 
-def test_decoding_a_prompt_with_several_images_follows_the_full_forward(data_dir):
+@pytest.mark.parametrize("mrope", [False, True])
+def test_decoding_a_prompt_with_several_images_follows_the_full_forward(data_dir, mrope):
     """Greedy tokens from the KV cache after ``prefill_sequences`` (two prompts of 2 and 0 images,
-    left-aligned, one padded) are the argmax of ``VLM.packed`` run on prompt + answer so far."""
+    left-aligned, one padded) are the argmax of ``VLM.packed`` run on prompt + answer so far (with
+    M-RoPE: decoding continues at each row's own ``rope_delta``)."""
     from vitmm import decode
 
-    c, task, params = _task(data_dir)
-    model, m = task.model, task.num_visual
+    if mrope:
+        c = config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,connector=pool,budget=4,stage=2,mrope=True",
+                             **{"input.data_dir": data_dir})
+        task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+        params = task.init_params()
+    else:
+        c, task, params = _task(data_dir)
+    model, m, grid = task.model, task.num_visual, task.mrope_grid
     rng = np.random.default_rng(2)
     size = c.input.image_size
     images = rng.normal(size=(2, size, size, 3)).astype(np.float32)
@@ -162,16 +170,65 @@ def test_decoding_a_prompt_with_several_images_follows_the_full_forward(data_dir
                 "more_images": [images[1]], "image_positions": np.array([1, 6], np.int32)},
                {"ids": rng.integers(3, 200, 7).astype(np.int32), "prompt_len": 7, "image": images[0],
                 "has_image": np.bool_(False)}]
-    rows = [sequences.one_row(sequences.prompt_sequence(p, m), 12 + 2 * m, 2) for p in prompts]
+    rows = [sequences.one_row(sequences.prompt_sequence(p, m, grid), 12 + 2 * m, 2) for p in prompts]
     lengths = np.array([12 + 2 * m, 7])
     stack = lambda k: np.stack([r[k] for r in rows])  # noqa: E731
-    steps = list(decode.GreedyDecoder(model).stream_sequences({"params": params}, stack("images"), stack("tokens"),
-                                                              stack("visual"), lengths, 4, eos_id=-1))
+    steps = list(decode.GreedyDecoder(model).stream_sequences(
+        {"params": params}, stack("images"), stack("tokens"), stack("visual"), lengths, 4, eos_id=-1,
+        positions=np.moveaxis(stack("mrope"), -1, 0) if mrope else None))
     answers = np.stack(steps, axis=1)
     for row, (r, n) in enumerate(zip(rows, lengths, strict=True)):
         tokens = np.concatenate([r["tokens"][:n], answers[row, :-1]])
         visual = np.concatenate([r["visual"][:n], -np.ones(3, np.int32)])
+        positions = sequences.mrope_positions(visual, grid)[:, None] if mrope else jnp.arange(len(tokens))[None]
         logits = model.apply({"params": params}, jnp.asarray(r["images"][None]), jnp.asarray(tokens[None]),
                              jnp.asarray(visual[None]), jnp.ones((1, len(tokens)), jnp.int32),
-                             jnp.arange(len(tokens))[None], method=vlm.VLM.packed)
+                             jnp.asarray(positions), method=vlm.VLM.packed)
         np.testing.assert_array_equal(np.asarray(logits[0, n - 1:]).argmax(-1), answers[row])
+
+
+def test_mrope_positions_of_a_sequence_follow_qwen2vls_rule():
+    """Images: the same positions as ``lm.mrope_positions`` (checked against transformers'
+    ``get_rope_index``); a video of 3 temporal patches: ``(p + τ, p + i, p + j)``, the text after
+    it at ``p + max(t, rows, cols)``."""
+    from vitmm.models import lm as lm_lib
+
+    ex = {"ids": np.arange(1, 13, dtype=np.int32), "answer_mask": np.r_[np.zeros(9), np.ones(3)].astype(np.float32),
+          "image": np.zeros((4, 4, 3)), "more_images": [np.zeros((4, 4, 3))],
+          "image_positions": np.array([1, 5], np.int32)}
+    seq = sequences.to_sequence(ex, 6, mrope_grid=(2, 3))
+    types = (seq["visual"] >= 0).astype(np.int64)[None]
+    want, _ = lm_lib.mrope_positions(types, [(1, 2, 3), (1, 2, 3)])
+    np.testing.assert_array_equal(seq["mrope"].T, want[:, 0])
+    video = {**ex, "more_images": [np.zeros((4, 4, 3))] * 2, "image_positions": np.array([1, 1, 1], np.int32),
+             "video_frames": np.int32(3)}
+    got = sequences.to_sequence(video, 4, mrope_grid=(2, 2))["mrope"].T
+    tau, i, j = np.repeat(np.arange(3), 4), np.tile([0, 0, 1, 1], 3), np.tile([0, 1, 0, 1], 3)
+    np.testing.assert_array_equal(got[:, 0], [0, 0, 0])  # BOS
+    np.testing.assert_array_equal(got[:, 1:13], 1 + np.stack([tau, i, j]))
+    np.testing.assert_array_equal(got[:, 13], [4, 4, 4])  # p + max(3, 2, 2)
+
+
+@pytest.mark.parametrize("prefix_lm", [False, True])
+def test_packed_mrope_rows_have_the_unpacked_loss_and_gradients(data_dir, prefix_lm):
+    """M-RoPE (``model.mrope``) through packed rows: positions restart at each example, and the
+    loss and gradients equal the padded batch's (``VLM.positions``) to 1e-6."""
+    c = config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,connector=pool,budget=4,stage=2,mrope=True",
+                         **{"input.data_dir": data_dir, "model.prefix_lm": prefix_lm})
+    task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+    params = task.init_params()
+    examples = [{k: v for k, v in ex.items() if k != "has_image"} for ex in _examples(c)]
+    padded = {k: jnp.asarray(np.stack([e[k] for e in examples])) for k in examples[0]}
+    it = sequences.packed_batches(examples, lambda ex, rng: ex, num_visual=task.num_visual,
+                                  length=2 * (task.num_visual + c.model.max_len), max_images=4, rows=2, bins=2,
+                                  num_epochs=1, mrope_grid=task.mrope_grid)
+    packed = {k: jnp.asarray(v) for k, v in next(it).items()}
+    assert int(packed["segment_ids"].max()) >= 2
+
+    def loss_and_grads(batch):
+        return jax.value_and_grad(task.loss_fn, has_aux=True)(params, batch, None)
+
+    (loss, _), grads = loss_and_grads(padded)
+    (loss_p, _), grads_p = loss_and_grads(packed)
+    np.testing.assert_allclose(loss_p, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_p, grads)

@@ -33,9 +33,10 @@ from vitmm.data import skips
 SEQUENCE_KEYS = ("tokens", "visual", "targets", "weights", "prefix")
 
 
-def to_sequence(ex: dict, num_visual: int) -> dict:
+def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = None) -> dict:
     """The flat sequence of one pp'd example (see the module docstring) and its ``images``
-    ``[K, H, W, C]`` (``K = 0`` for a text-only example)."""
+    ``[K, H, W, C]`` (``K = 0`` for a text-only example); with ``mrope_grid`` (an image's visual
+    tokens as rows × columns), ``mrope [S, 3]``: Qwen2-VL's 3D positions (``mrope_positions``)."""
     answer = np.asarray(ex["answer_mask"])
     answered = np.flatnonzero(answer)
     if not len(answered):
@@ -48,15 +49,44 @@ def to_sequence(ex: dict, num_visual: int) -> dict:
     targets[:-1] = np.where(is_text[1:], tokens[1:], 0)
     weights[:-1] = weight_here[1:]
     first_answer = int(np.flatnonzero(weight_here)[0])
-    return {"tokens": tokens, "visual": visual, "targets": targets, "weights": weights,
-            "prefix": np.arange(len(tokens)) < first_answer, "images": images}
+    out = {"tokens": tokens, "visual": visual, "targets": targets, "weights": weights,
+           "prefix": np.arange(len(tokens)) < first_answer, "images": images}
+    if mrope_grid is not None:
+        out["mrope"] = mrope_positions(visual, mrope_grid, int(ex.get("video_frames", 0))).T
+    return out
 
 
-def prompt_sequence(ex: dict, num_visual: int) -> dict:
+def prompt_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = None) -> dict:
     """A prompt's sequence (its first ``prompt_len`` text tokens and the images among them):
-    ``tokens``, ``visual`` and ``images``, what ``VLM.prefill_sequences`` takes."""
+    ``tokens``, ``visual`` and ``images`` (and ``mrope [S, 3]``, as ``to_sequence``), what
+    ``VLM.prefill_sequences`` takes."""
     tokens, visual, _, images = _interleave(ex, int(ex["prompt_len"]), num_visual)
-    return {"tokens": tokens, "visual": visual, "images": images}
+    out = {"tokens": tokens, "visual": visual, "images": images}
+    if mrope_grid is not None:
+        out["mrope"] = mrope_positions(visual, mrope_grid, int(ex.get("video_frames", 0))).T
+    return out
+
+
+def mrope_positions(visual: np.ndarray, grid: tuple[int, int], video_frames: int = 0) -> np.ndarray:
+    """Qwen2-VL's 3D positions ``[3, S]`` of one sequence (``get_rope_index``): a text token at
+    ``(p, p, p)`` and the next at ``p + 1``; an image of ``rows × cols`` tokens from ``p`` at
+    ``(p, p + i, p + j)`` and a video of ``t`` frames (its temporal patches, consecutive images
+    when ``video_frames`` is ``t``) at ``(p + τ, p + i, p + j)``, the text after either at
+    ``p + max(t, rows, cols)``."""
+    rows, cols = grid
+    m = rows * cols
+    out = np.zeros((3, len(visual)), np.int64)
+    current, k = 0, 0
+    while k < len(visual):
+        if visual[k] < 0:
+            out[:, k] = current
+            current, k = current + 1, k + 1
+            continue
+        t = video_frames or 1
+        tau, ij = np.divmod(np.arange(t * m), m)
+        out[:, k:k + t * m] = current + np.stack([tau, ij // cols, ij % cols])
+        current, k = current + max(t, rows, cols), k + t * m
+    return out
 
 
 def _interleave(ex: dict, end: int, num_visual: int):
@@ -98,12 +128,14 @@ def row_visual(visual: np.ndarray, segments: np.ndarray, image_segments: np.ndar
 
 def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: int, rows: int, pack: bool = True,
                    bins: int = 8, seed: int = 0, num_epochs: int | None = None, process_index: int = 0,
-                   process_count: int = 1, skip_bad: float | None = None, workers: int = 0):
+                   process_count: int = 1, skip_bad: float | None = None, workers: int = 0,
+                   mrope_grid: tuple[int, int] | None = None):
     """Batches of ``rows`` rows (``SEQUENCE_KEYS``, ``segment_ids``, ``positions`` ``[rows, length]``;
     ``images [rows, max_images, H, W, C]``) from ``source`` through ``pp_fn`` and ``to_sequence``;
     each process reads its own slice. ``skip_bad`` (raw data): bad examples are skipped and counted
     as ``skips.SkippingBatches`` does (its counts in the state). ``get_state``/``set_state`` resume
-    the stream exactly (grain's packer keeps its open rows in the state)."""
+    the stream exactly (grain's packer keeps its open rows in the state). ``mrope_grid``: rows carry
+    ``mrope [rows, length, 3]`` too (``mrope_positions``, restarting at each example)."""
     import grain
     import grain.experimental
 
@@ -111,7 +143,7 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
     from vitmm.data.pipeline import collate
 
     def sequence(ex, rng):
-        seq = to_sequence(pp_fn(ex, rng), num_visual)
+        seq = to_sequence(pp_fn(ex, rng), num_visual, mrope_grid)
         if len(seq["tokens"]) > length or len(seq["images"]) > max_images:
             raise ValueError(f"An example of {len(seq['tokens'])} positions and {len(seq['images'])} images does not "
                              f"fit a row of input.sequences.length={length} and max_images={max_images}: raise them "
@@ -126,8 +158,9 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
     else:  # bad examples counted and skipped one at a time, before packing
         ds = workers_lib.SkippingBatchesDataset(ds.random_map(skips.guard(sequence), seed=seed).to_iter_dataset(read),
                                                 1, _single, skip_bad, min(1000, len(source) // process_count))
+    keys = SEQUENCE_KEYS + (("mrope",) if mrope_grid is not None else ())
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={**{k: length for k in SEQUENCE_KEYS}, "images": max_images},
+        ds, length_struct={**{k: length for k in keys}, "images": max_images},
         num_packing_bins=bins if pack else 1, shuffle_bins=False, max_sequences_per_bin=None if pack else 1)
 
     def to_row(row: dict) -> dict:
@@ -136,6 +169,8 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
         out["positions"] = row["tokens_positions"].astype(np.int32)
         out["visual"] = row_visual(row["visual"], out["segment_ids"], row["images_segment_ids"], num_visual)
         out["images"] = row["images"]
+        if mrope_grid is not None:
+            out["mrope"] = row["mrope"].astype(np.int32)
         return out
 
     ds = ds.map(to_row).batch(rows, drop_remainder=True, batch_fn=collate)
@@ -151,6 +186,8 @@ def one_row(seq: dict, length: int, max_images: int) -> dict:
                          f"{length} and max_images={max_images}.")
     row = {key: np.pad(seq[key], (0, length - n), constant_values=-1 if key == "visual" else 0)
            for key in SEQUENCE_KEYS if key in seq}
+    if "mrope" in seq:
+        row["mrope"] = np.pad(seq["mrope"], ((0, length - n), (0, 0))).astype(np.int32)
     row["segment_ids"] = (np.arange(length) < n).astype(np.int32)
     row["positions"] = np.where(row["segment_ids"] > 0, np.arange(length), 0).astype(np.int32)
     row["images"] = np.zeros((max_images, *seq["images"].shape[1:]), seq["images"].dtype)
@@ -159,7 +196,7 @@ def one_row(seq: dict, length: int, max_images: int) -> dict:
 
 
 def _without_meta(seq: dict) -> dict:
-    return {k: seq[k] for k in (*SEQUENCE_KEYS, "images")}
+    return {k: seq[k] for k in (*SEQUENCE_KEYS, "images", "mrope") if k in seq}
 
 
 def _single(examples: list) -> dict:

@@ -89,9 +89,11 @@ def mrope_positions(token_types: np.ndarray, grids, pad_mask: np.ndarray | None 
     ``token_types [B, T]``: 0 for text, 1 for an image's tokens; ``grids``: each image's
     ``(t, h, w)`` in LM tokens (after the patch merger), in the order the images appear, row after
     row. A text run continues from the current position ``p`` with ``p, p+1, …`` in all three
-    components; an image's token at ``(i, j)`` gets ``(p, p + i, p + j)``, and the text after it
-    resumes at ``p + max(h, w)``. Padding (``pad_mask`` False) gets 0. ``deltas`` is the largest
-    position + 1 minus the real length: decoding continues at sequence index + delta.
+    components; an image's token at ``(i, j)`` of frame ``τ`` gets ``(p + τ, p + i, p + j)``, and
+    the text after it resumes at ``p + max(t, h, w)`` (Qwen2-VL's original code and vLLM's: the
+    largest position + 1; transformers 5.x resumes at ``p + max(h, w)``, the same for images).
+    Padding (``pad_mask`` False) gets 0. ``deltas`` is the largest position + 1 minus the real
+    length: decoding continues at sequence index + delta.
     """
     token_types = np.asarray(token_types)
     b, length = token_types.shape
@@ -116,7 +118,7 @@ def mrope_positions(token_types: np.ndarray, grids, pad_mask: np.ndarray | None 
                                      f"{(t, h, w)} gives {t * h * w}.")
                 grid_t, grid_h, grid_w = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
                 out.append(current + np.stack([grid_t, grid_h, grid_w]).reshape(3, -1))
-                current += max(h, w)
+                current += max(t, h, w)
             start = end
         row_positions = np.concatenate(out, axis=1) if out else np.zeros((3, 0), np.int32)
         positions[:, row, valid[row]] = row_positions

@@ -222,27 +222,37 @@ class VLM(nn.Module):
         which visual token sits at each position (``n · M + j``: token ``j`` of the row's image
         ``n``; -1 on text), ``segment_ids``/``positions [R, T]`` the examples and their positions
         (0 on padding), ``prefix_mask [R, T]`` each example's prefix for a prefix-LM (else causal).
-        Position ``t`` predicts the token at ``t + 1`` of its example."""
-        if self.anyres is not None or self.mrope:
-            raise ValueError("packed sequences take square images through the tower (anyres=None, mrope=False).")
+        Position ``t`` predicts the token at ``t + 1`` of its example. With ``mrope``, ``positions``
+        are ``[3, R, T]`` (``data.sequences.mrope_positions``)."""
+        if self.anyres is not None:
+            raise ValueError("packed sequences take square images through the tower (anyres=None).")
         x = self._sequence_embeds(images, tokens, visual)
         return self.language(embeds=x, positions=positions, segment_ids=segment_ids, prefix_mask=prefix_mask,
                              logits_at=logits_at)
 
-    def prefill_sequences(self, images, tokens, visual, lengths, cache, prefix_lm: bool = False):
+    def prefill_sequences(self, images, tokens, visual, lengths, cache, prefix_lm: bool = False, positions=None):
         """``prefill`` for prompts as flat sequences (``data.sequences.prompt_sequence``: any number
         of images each, ``images [B, N, H, W, C]``, ``tokens``/``visual [B, T]`` left-aligned,
         ``lengths [B]``): ``(logits [B, vocab] after each prompt, cache)``; decoding continues at
-        position ``lengths``."""
-        if self.anyres is not None or self.mrope:
-            raise ValueError("prompts with several images take square images through the tower (anyres=None, "
-                             "mrope=False).")
+        position ``lengths`` (with ``mrope``, ``positions [3, B, T]`` and, in the cache, each row's
+        ``rope_delta``: its next position minus its length)."""
+        if self.anyres is not None:
+            raise ValueError("prompts with several images take square images through the tower (anyres=None).")
+        if self.mrope != (positions is not None):
+            raise ValueError("prefill_sequences takes M-RoPE positions [3, B, T] exactly when mrope=True.")
         x = self._sequence_embeds(images, tokens, visual)
         end = jnp.asarray(lengths, jnp.int32)
         valid = jnp.arange(x.shape[1])[None] < end[:, None]
         logits, cache = self.language(embeds=x, pad_mask=valid, prefix_len=end if prefix_lm else None,
-                                      cache=cache, logits_at=(end - 1)[:, None])
+                                      positions=positions, cache=cache, logits_at=(end - 1)[:, None])
+        if positions is not None:
+            last = jnp.max(jnp.where(valid[None], positions, -1), axis=(0, 2))
+            cache["rope_delta"] = (last + 1 - end).astype(jnp.int32)
         return logits[:, 0], cache
+
+    def token_grid(self, image_hw) -> tuple[int, int] | None:
+        """An image's visual tokens as rows × columns (None for learned queries)."""
+        return connectors.token_grid(self.connector, self.tower.grid(tuple(image_hw)))
 
     def _sequence_embeds(self, images, tokens, visual):
         """Input embeddings of flat sequences: the text's, with row image ``n``'s visual token

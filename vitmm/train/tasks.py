@@ -128,7 +128,7 @@ class VLMTask:
                              "qa_tokens op (as configs/vlm_scenes.py does).")
         self.model = vlm.VLM(self.vision, m.connector.to_dict(), self.lm, m.vision_layer, m.use_cls,
                              mrope=bool(m.get("mrope", False)), anyres=anyres)
-        self.num_visual = None  # known once the parameters exist (init_params)
+        self.num_visual = self.mrope_grid = None  # known once the parameters exist (init_params)
 
     def init_params(self):
         c = self.config
@@ -137,6 +137,8 @@ class VLMTask:
         ids = jnp.zeros((1, c.model.max_len), jnp.int32)
         variables = jax.jit(self.model.init)(jax.random.key(c.seed), images, ids)
         self.num_visual = self.model.apply(variables, (res, res), method=vlm.VLM.num_visual_tokens)
+        self.mrope_grid = self.model.apply(variables, (res, res), method=vlm.VLM.token_grid) if self.model.mrope \
+            else None  # flat sequences' M-RoPE positions are made on the host (data.sequences)
         params = dict(variables["params"])
         dont_load = c.init.get("dont_load") or ()
         if c.init.get("vision"):
@@ -179,8 +181,9 @@ class VLMTask:
 
     def loss_fn(self, params, batch, rng):
         if "segment_ids" in batch:  # flat sequences, packed or not (input.sequences)
+            positions = jnp.moveaxis(batch["mrope"], -1, 0) if "mrope" in batch else batch["positions"]
             logits = self._apply(params, batch["images"], batch["tokens"], batch["visual"], batch["segment_ids"],
-                                 batch["positions"], batch["prefix"] if self.config.model.prefix_lm else None,
+                                 positions, batch["prefix"] if self.config.model.prefix_lm else None,
                                  rng=rng, method=vlm.VLM.packed)
             loss, acc = losses.lm_loss(logits, batch["targets"], batch["weights"])
             return loss, {"token_acc": acc}
@@ -232,7 +235,7 @@ class VLMTask:
             return None
         from vitmm.data import sequences
 
-        return lambda ex: sequences.one_row(sequences.to_sequence(ex, self.num_visual), sq.length,
+        return lambda ex: sequences.one_row(sequences.to_sequence(ex, self.num_visual, self.mrope_grid), sq.length,
                                             sq.get("max_images", 1))
 
 

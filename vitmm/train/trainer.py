@@ -119,7 +119,8 @@ def _sequences_input(config, pp, task):
         source, pp, num_visual=task.num_visual, length=sq.length, max_images=sq.get("max_images", 1),
         rows=config.batch_size // count, pack=sq.get("pack", True), bins=sq.get("bins", 8), seed=config.seed,
         process_index=jax.process_index(), process_count=count,
-        skip_bad=inp.get("max_skipped_share", 0.01) if raw else None, workers=inp.get("workers", 0))
+        skip_bad=inp.get("max_skipped_share", 0.01) if raw else None, workers=inp.get("workers", 0),
+        mrope_grid=task.mrope_grid)
 
 
 def _packed_input(config, pp):
