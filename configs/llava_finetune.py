@@ -11,7 +11,7 @@ starting from a stage-1 run of ``configs/llava_pretrain.py``; the tower stays fr
 
 Args: ``lora`` (a rank > 0: adapters on the LM's attention, the LM frozen; 0: the whole LM trains,
 LLaVA-1.5's recipe), and those of ``configs/llava_pretrain.py`` (``connector``, ``budget``,
-``steps``, ``batch``, ``smoke``, ``pack``, ``images``, ``frames``, ``temporal``). Learning rates as
+``steps``, ``batch``, ``smoke``, ``pack``, ``images``, ``frames``, ``temporal``, ``native``). Learning rates as
 LLaVA-1.5: 2e-5 for the whole LM, 2e-4 with LoRA.
 """
 
@@ -21,10 +21,10 @@ from vitmm.config_args import parse_arg
 
 def get_config(arg=None):
     arg = parse_arg(arg, presets=common.SMOKE_LLAVA_ARGS, lora=0, connector="mlp", budget="all", steps=1000,
-                    batch=16, smoke=False, pack=0, images=1, frames=0, temporal=1)
+                    batch=16, smoke=False, pack=0, images=1, frames=0, temporal=1, native=0)
     c = llava_pretrain.get_config(f"connector={arg.connector},budget={arg.budget},steps={arg.steps},"
                                   f"batch={arg.batch},smoke={arg.smoke},pack={arg.pack},images={arg.images},"
-                                  f"frames={arg.frames},temporal={arg.temporal}")
+                                  f"frames={arg.frames},temporal={arg.temporal},native={arg.native}")
     with c.unlocked():
         c.lora.update(dict(rank=arg.lora, alpha=2.0 * arg.lora))
         c.optim.lr = 2e-4 if arg.lora else 2e-5

@@ -21,7 +21,9 @@ Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``; LLaVA-1.5's
 positions: conversations packed into rows, ``batch`` rows a step; 0: one conversation a row, padded
 to ``model.max_len``), ``images`` (images an example may have; more than 1 needs ``pack``), ``frames``
 (a video's frames, ``data.video``'s sampling; needs ``pack``), ``temporal`` (frames a temporal
-patch merges, Qwen2-VL's 2; a still image is repeated, a pretrained tower's patch kernel inflated).
+patch merges, Qwen2-VL's 2; a still image is repeated, a pretrained tower's patch kernel inflated),
+``native`` (a patch budget: each image at its own size, NaFlex, one visual token a patch, the
+tower's patches packed NaViT-style; needs ``pack`` and a token-wise connector).
 ``input.mixture`` takes several sources (LLaVA-NeXT's list with ``sampling`` rules, or ``weight`` per
 source).
 """
@@ -40,10 +42,10 @@ KEEP = "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_imag
 
 def get_config(arg=None):
     arg = parse_arg(arg, presets=common.SMOKE_LLAVA_ARGS, connector="mlp", budget="all", steps=1000, batch=32,
-                    smoke=False, pack=0, images=1, frames=0, temporal=1)
-    if (arg.images > 1 or arg.frames) and not arg.pack:
-        raise ValueError(f"images={arg.images}, frames={arg.frames}: several images or a video an example train as "
-                         "flat sequences; set pack=LENGTH too (positions a row, e.g. pack=1024).")
+                    smoke=False, pack=0, images=1, frames=0, temporal=1, native=0)
+    if (arg.images > 1 or arg.frames or arg.native) and not arg.pack:
+        raise ValueError(f"images={arg.images}, frames={arg.frames}, native={arg.native}: several images, a video or "
+                         "images at their own sizes train as flat sequences; set pack=LENGTH too (e.g. pack=1024).")
     c = ml_collections.ConfigDict()
     c.task = "vlm"
     c.seed = 0
@@ -60,17 +62,20 @@ def get_config(arg=None):
 
     decode = f"decode(max_images={arg.images}, num_frames={arg.frames or 8})" if arg.pack else "decode"
     temporal = f"temporal_patch({arg.temporal})|" if arg.temporal > 1 else ""
-    pp = (decode + "|pad_to_square({image_mean})|resize({image_size})|normalize({image_mean}, {image_std})|"
-          + temporal + "conversation_tokens({max_len}, overflow='truncate_turns', max_answer={loss_positions})|"
-          + KEEP)
+    size = "naflex({max_num_patches}, {patch_size})" if arg.native else \
+        "pad_to_square({image_mean})|resize({image_size})"
+    pp = (f"{decode}|{size}|normalize({{image_mean}}, {{image_std}})|{temporal}"
+          "conversation_tokens({max_len}, overflow='truncate_turns', max_answer={loss_positions})|" + KEEP)
     c.input = ml_collections.ConfigDict(common.raw_input(image_size=64, pp=pp, num_threads=2, prefetch=64,
                                                          device_prefetch=2))
     # Flat sequences (data.sequences): length > 0 packs conversations into rows of that many positions
     # (text + visual tokens; batch_size then counts rows) and max_images image slots (the tower encodes
     # batch_size · max_images images a step, empty slots too); pack=False puts one a row (padded);
-    # bins: rows open at once in the first-fit packer (more: less padding).
+    # bins: rows open at once in the first-fit packer (more: less padding); tower_length > 0: images at
+    # their own sizes (naflex to max_num_patches), each row's tower patches packed into that many tokens.
     slots = max(arg.images, -(-arg.frames // arg.temporal))  # a video's frames are images, temporal patches merged
-    c.input.sequences = dict(length=arg.pack, max_images=2 * slots if arg.pack else slots, pack=True, bins=8)
+    c.input.sequences = dict(length=arg.pack, max_images=2 * slots if arg.pack else slots, pack=True, bins=8,
+                             max_num_patches=arg.native, tower_length=2 * slots * arg.native)
     c.input.image_mean = config_dict.placeholder(tuple)  # default: what init.vision records, else 0.5
     c.input.image_std = config_dict.placeholder(tuple)
 

@@ -120,7 +120,7 @@ class Chat:
     def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0):
         """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
-        if example.get("more_images"):  # several images: the prompt as a flat sequence
+        if example.get("more_images") or self.task.packed_tower():  # several images, own sizes: flat sequences
             for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
                 yield int(row[0])
                 if int(row[0]) == self.tokenizer.eos_id:
@@ -143,7 +143,7 @@ class Chat:
         """``[len(examples)]`` tokens a step for prompts of ``prepare`` decoded together (a finished
         row repeats EOS). Shapes are rounded up (prompt columns to a multiple of 32, the cache to one
         of 64) so that a server compiles a handful of programs, not one per mix of requests."""
-        if any(ex.get("more_images") for ex in examples):
+        if any(ex.get("more_images") for ex in examples) or self.task.packed_tower():
             yield from self._stream_sequences(examples, max_new_tokens, temperature, top_p, seed)
             return
         lengths = np.array([int(ex["prompt_len"]) for ex in examples])
@@ -172,12 +172,17 @@ class Chat:
             from vitmm.models.vlm import VLM
 
             grid = self.task.model.apply({"params": self.params}, examples[0]["image"].shape[:2], method=VLM.token_grid)
-        seqs = [sequences.prompt_sequence(ex, self._num_visual(ex["image"]), grid) for ex in examples]
+        tower = self.task.packed_tower()  # images at their own sizes: the tower's tokens packed
+        seqs = [sequences.prompt_sequence(ex, 0 if tower else self._num_visual(ex["image"]), grid, tower)
+                for ex in examples]
         lengths = np.array([len(seq["tokens"]) for seq in seqs])
-        slots = max(self.max_images, *(len(seq["images"]) for seq in seqs))  # a video's frames may be more
-        rows = [sequences.one_row(seq, _round_up(int(lengths.max()), 32), slots) for seq in seqs]
+        slots = max(self.max_images, *(len(seq["grids" if tower else "images"]) for seq in seqs))  # video: more
+        tower_length = _round_up(max(len(seq.get("tower_kinds", ())) for seq in seqs), 64) if tower else 0
+        rows = [sequences.one_row(seq, _round_up(int(lengths.max()), 32), slots, tower_length) for seq in seqs]
+        stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        images = sequences.tower_batch(stacked) if tower else stacked["images"]
         yield from self._decoder.stream_sequences(
-            {"params": self.params}, np.stack([r["images"] for r in rows]), np.stack([r["tokens"] for r in rows]),
+            {"params": self.params}, images, np.stack([r["tokens"] for r in rows]),
             np.stack([r["visual"] for r in rows]), lengths, max_new_tokens, self.tokenizer.eos_id,
             bool(self.config.model.get("prefix_lm")), temperature, top_p, seed,
             _round_up(rows[0]["tokens"].shape[0] + max_new_tokens, 64),

@@ -107,7 +107,8 @@ class GreedyDecoder:
         images a prompt; ``positions [3, B, T]`` with M-RoPE)."""
         cache = lm_lib.init_cache(self.model.lm, tokens.shape[0], max(cache_len or 0, tokens.shape[1] + max_new_tokens))
         lengths = jnp.asarray(np.asarray(lengths), jnp.int32)
-        logits, cache = self._prefill_sequences(variables, jnp.asarray(images), jnp.asarray(tokens),
+        images = jax.tree.map(jnp.asarray, images)  # an array, or a models.packing.Packed batch
+        logits, cache = self._prefill_sequences(variables, images, jnp.asarray(tokens),
                                                 jnp.asarray(visual), lengths, cache, prefix_lm,
                                                 None if positions is None else jnp.asarray(positions, jnp.int32))
         yield from self._continue(variables, logits, cache, lengths, max_new_tokens, eos_id, temperature, top_p, seed)

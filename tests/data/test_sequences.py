@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vitmm import config_args
+from vitmm import config_args, losses
 from vitmm.data import preprocess, sequences
 from vitmm.models import vlm
 from vitmm.train import tasks
@@ -232,3 +232,48 @@ def test_packed_mrope_rows_have_the_unpacked_loss_and_gradients(data_dir, prefix
     (loss_p, _), grads_p = loss_and_grads(packed)
     np.testing.assert_allclose(loss_p, loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_p, grads)
+
+
+def test_images_at_their_own_sizes_packed_for_the_tower_equal_each_example_alone(data_dir):
+    """Images of four sizes (one example with two), their patches packed NaViT-style for the tower
+    and their tokens into the LM rows: the loss and gradients equal the token-weighted sum over each
+    example run alone through ``VLM.__call__`` with its image at its own size (1e-6)."""
+    c, task, params = _task(data_dir)
+    model, patch = task.model, 8
+    rng = np.random.default_rng(4)
+    sizes = [(16, 24), (32, 16), (8, 40), (24, 24)]
+    examples = []
+    for i, ex in enumerate(_examples(c, 4, seed=5)):
+        ex = {**ex, "image": rng.normal(size=(*sizes[i], 3)).astype(np.float32), "has_image": np.bool_(True)}
+        if i == 3:  # two images, the second one after the question's first 3 tokens
+            ex["more_images"] = [rng.normal(size=(16, 8, 3)).astype(np.float32)]
+            ex["image_positions"] = np.array([1, 4], np.int32)
+        examples.append(ex)
+    tower = {"patch": patch, "class_token": False, "num_registers": 0}
+    it = sequences.packed_batches(examples, lambda ex, rng: ex, num_visual=0, length=160, max_images=4, rows=2, bins=2,
+                                  num_epochs=1, tower=tower, tower_length=40)
+    packed = {k: jnp.asarray(v) for k, v in next(it).items()}
+    assert int(packed["segment_ids"].max()) >= 2 and int(packed["tower_segments"].max()) >= 2
+
+    def alone(params):
+        total, count = 0.0, 0.0
+        for ex in examples:
+            seq = sequences.to_sequence(ex, 0, tower=tower)  # the same targets, from the unpacked sequence
+            images = [ex["image"], *ex.get("more_images", [])]
+            text = model.apply({"params": params}, jnp.asarray(seq["tokens"])[None],
+                               method=lambda m, t: m.language.embed(t))
+            # each image alone at its own size; its tokens in order where the sequence has visual positions
+            vis = jnp.concatenate([model.apply({"params": params}, jnp.asarray(image)[None],
+                                               method=vlm.VLM.visual_tokens) for image in images], axis=1)[0]
+            order = np.cumsum(seq["visual"] >= 0) - 1
+            x = jnp.where(jnp.asarray(seq["visual"] >= 0)[:, None], vis[np.maximum(order, 0)], text[0])
+            logits = model.apply({"params": params}, x[None], method=lambda m, e: m.language(embeds=e))[0]
+            nll = losses.token_nll(logits, jnp.asarray(seq["targets"]))
+            total += jnp.sum(nll * seq["weights"])
+            count += seq["weights"].sum()
+        return total / count
+
+    want, want_grads = jax.jit(jax.value_and_grad(alone))(params)
+    (got, _), got_grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, packed, None)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_grads, want_grads)

@@ -147,3 +147,25 @@ def test_the_server_takes_several_images_and_answers_what_chat_answers(multi_ima
     assert reply.choices[0].message.content == engine.chat.ask(decoded, "Describe image 2.", 4)
     assert reply.usage.prompt_tokens == engine.chat.num_prompt_tokens(
         engine.chat.prepare(decoded, [{"from": "human", "value": "<image>\n<image>\nDescribe image 2."}]))
+
+
+def test_images_at_their_own_sizes_train_packed_for_the_tower_and_chat(multi_image_run, tmp_path, capsys):
+    """``native=12``: each image resized to fit 12 patches (NaFlex) keeping its aspect, its patches
+    packed NaViT-style for the tower; stage 2 trains and `vitmm.chat` answers about two images of
+    other sizes."""
+    from PIL import Image
+
+    data = multi_image_run["root"] / "data/data.json"
+    config = load("configs/llava_finetune.py", "smoke,pack=400,images=3,native=12",
+                  **{"input.data_path": str(data), "input.max_skipped_share": 0.2,
+                     "evals.val.data.data_path": str(data), "evals.val.num_examples": 21})
+    summary = trainer.train(config, tmp_path / "run")
+    assert np.isfinite(summary["history"][-1]["loss"]) and np.isfinite(summary["evals"]["val/loss"])
+    assert summary["evals"]["val/examples"] == 20  # one a row, the tower's tokens packed as in training
+    wide, tall = tmp_path / "wide.png", tmp_path / "tall.png"
+    Image.fromarray(np.full((16, 48, 3), 200, np.uint8)).save(wide)
+    Image.fromarray(np.full((40, 24, 3), 90, np.uint8)).save(tall)
+    capsys.readouterr()
+    assert chat.main(["--workdir", str(tmp_path / "run"), "--image", str(wide), "--image", str(tall),
+                      "--question", "Which is wider?", "--max_new_tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"[{wide}: 48x16]\n[{tall}: 24x40]\nuser: Which is wider?")

@@ -33,15 +33,24 @@ from vitmm.data import skips
 SEQUENCE_KEYS = ("tokens", "visual", "targets", "weights", "prefix")
 
 
-def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = None) -> dict:
+def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = None,
+                tower: dict | None = None) -> dict:
     """The flat sequence of one pp'd example (see the module docstring) and its ``images``
     ``[K, H, W, C]`` (``K = 0`` for a text-only example); with ``mrope_grid`` (an image's visual
-    tokens as rows × columns), ``mrope [S, 3]``: Qwen2-VL's 3D positions (``mrope_positions``)."""
+    tokens as rows × columns), ``mrope [S, 3]``: Qwen2-VL's 3D positions (``mrope_positions``).
+
+    ``tower`` (``patch``, ``class_token``, ``num_registers``: the tower's): images at their own
+    sizes, each its own number of visual tokens (one a patch, for a token-wise connector), given
+    to the tower packed: ``tower_patches``, ``tower_kinds``, ``tower_positions`` (its tokens, as
+    ``models.packing.image_tokens`` lays them out, image after image), ``tower_image`` (each
+    token's image, from 1) and ``grids [K, 2]`` instead of ``images``; ``visual`` then indexes the
+    example's tower tokens."""
     answer = np.asarray(ex["answer_mask"])
     answered = np.flatnonzero(answer)
     if not len(answered):
         raise skips.BadExample("too_long", "no answer token is left to train on")
-    tokens, visual, text_at, images = _interleave(ex, int(answered[-1]) + 1, num_visual)
+    images, spans, visuals = _visual_layout(ex, num_visual, tower)
+    tokens, visual, text_at = _interleave(ex, int(answered[-1]) + 1, spans)
     is_text = text_at >= 0
     weight_here = np.where(is_text, answer[np.maximum(text_at, 0)], 0).astype(np.float32)
     targets = np.zeros_like(tokens)
@@ -50,55 +59,66 @@ def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = 
     weights[:-1] = weight_here[1:]
     first_answer = int(np.flatnonzero(weight_here)[0])
     out = {"tokens": tokens, "visual": visual, "targets": targets, "weights": weights,
-           "prefix": np.arange(len(tokens)) < first_answer, "images": images}
+           "prefix": np.arange(len(tokens)) < first_answer, **visuals}
     if mrope_grid is not None:
-        out["mrope"] = mrope_positions(visual, mrope_grid, int(ex.get("video_frames", 0))).T
+        grids = [tuple(g) for g in visuals["grids"]] if tower is not None else [tuple(mrope_grid)] * len(images)
+        out["mrope"] = mrope_positions(visual, grids, int(ex.get("video_frames", 0))).T
     return out
 
 
-def prompt_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = None) -> dict:
+def prompt_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = None,
+                    tower: dict | None = None) -> dict:
     """A prompt's sequence (its first ``prompt_len`` text tokens and the images among them):
-    ``tokens``, ``visual`` and ``images`` (and ``mrope [S, 3]``, as ``to_sequence``), what
-    ``VLM.prefill_sequences`` takes."""
-    tokens, visual, _, images = _interleave(ex, int(ex["prompt_len"]), num_visual)
-    out = {"tokens": tokens, "visual": visual, "images": images}
+    ``tokens``, ``visual`` and ``images`` or the tower's fields (and ``mrope [S, 3]``), as
+    ``to_sequence`` makes them: what ``VLM.prefill_sequences`` takes."""
+    images, spans, visuals = _visual_layout(ex, num_visual, tower)
+    tokens, visual, _ = _interleave(ex, int(ex["prompt_len"]), spans)
+    out = {"tokens": tokens, "visual": visual, **visuals}
     if mrope_grid is not None:
-        out["mrope"] = mrope_positions(visual, mrope_grid, int(ex.get("video_frames", 0))).T
+        grids = [tuple(g) for g in visuals["grids"]] if tower is not None else [tuple(mrope_grid)] * len(images)
+        out["mrope"] = mrope_positions(visual, grids, int(ex.get("video_frames", 0))).T
     return out
 
 
-def mrope_positions(visual: np.ndarray, grid: tuple[int, int], video_frames: int = 0) -> np.ndarray:
-    """Qwen2-VL's 3D positions ``[3, S]`` of one sequence (``get_rope_index``): a text token at
-    ``(p, p, p)`` and the next at ``p + 1``; an image of ``rows × cols`` tokens from ``p`` at
-    ``(p, p + i, p + j)`` and a video of ``t`` frames (its temporal patches, consecutive images
-    when ``video_frames`` is ``t``) at ``(p + τ, p + i, p + j)``, the text after either at
-    ``p + max(t, rows, cols)``."""
-    rows, cols = grid
-    m = rows * cols
-    out = np.zeros((3, len(visual)), np.int64)
-    current, k = 0, 0
-    while k < len(visual):
-        if visual[k] < 0:
-            out[:, k] = current
-            current, k = current + 1, k + 1
-            continue
-        t = video_frames or 1
-        tau, ij = np.divmod(np.arange(t * m), m)
-        out[:, k:k + t * m] = current + np.stack([tau, ij // cols, ij % cols])
-        current, k = current + max(t, rows, cols), k + t * m
-    return out
+TOWER_KEYS = ("tower_patches", "tower_kinds", "tower_positions", "tower_image")
 
 
-def _interleave(ex: dict, end: int, num_visual: int):
-    """The text tokens ``ids[:end]`` with each image's ``num_visual`` positions where it goes:
-    ``(tokens, visual, text index of each position (-1 on visual ones), images [K, H, W, C])``."""
-    ids = np.asarray(ex["ids"])
+def _visual_layout(ex: dict, num_visual: int, tower: dict | None):
+    """The example's images, each one's ``(first visual index, count)``, and the arrays that carry
+    them: ``images`` (square, ``num_visual`` tokens each) or the tower's packed tokens (``tower``)."""
     has_image = bool(ex.get("has_image", True))
     images = [ex["image"], *ex.get("more_images", [])] if has_image else []
+    first = np.asarray(ex["image"])
+    if tower is None:
+        stacked = np.stack(images) if images else np.zeros((0, *first.shape), first.dtype)
+        return images, [(k * num_visual, num_visual) for k in range(len(images))], {"images": stacked}
+    from vitmm.models import packing
+
+    cut = [packing.image_tokens(im, tower["patch"], class_token=tower.get("class_token", False),
+                                num_registers=tower.get("num_registers", 0)) for im in images]
+    spans, start = [], 0
+    for t in cut:
+        n = int(np.prod(t["grid"]))
+        spans.append((start + len(t["kinds"]) - n, n))
+        start += len(t["kinds"])
+    size = int(np.prod(packing.to_pair(tower["patch"]))) * first.shape[-1]
+    cat = lambda key, shape, dtype: np.concatenate([t[key] for t in cut]) if cut else np.zeros(shape, dtype)  # noqa: E731
+    return images, spans, {
+        "tower_patches": cat("patches", (0, size), np.float32), "tower_kinds": cat("kinds", (0,), np.int32),
+        "tower_positions": cat("positions", (0, 2), np.int32),
+        "tower_image": np.concatenate([np.full(len(t["kinds"]), k + 1, np.int32) for k, t in enumerate(cut)])
+        if cut else np.zeros((0,), np.int32),
+        "grids": np.stack([t["grid"] for t in cut]) if cut else np.zeros((0, 2), np.int32)}
+
+
+def _interleave(ex: dict, end: int, spans: list[tuple[int, int]]):
+    """The text tokens ``ids[:end]`` with image ``k``'s visual indices ``spans[k]`` (first, count)
+    where it goes: ``(tokens, visual, text index of each position (-1 on visual ones))``."""
+    ids = np.asarray(ex["ids"])
     places = ex.get("image_positions")
-    places = [int(p) for p in places] if places is not None else [int(ex.get("image_pos", 1))] * len(images)
-    if len(places) != len(images):
-        raise ValueError(f"to_sequence: {len(places)} image positions for {len(images)} images.")
+    places = [int(p) for p in places] if places is not None else [int(ex.get("image_pos", 1))] * len(spans)
+    if len(places) != len(spans):
+        raise ValueError(f"to_sequence: {len(places)} image positions for {len(spans)} images.")
     if places != sorted(places) or any(not 0 <= p <= end for p in places):
         raise ValueError(f"to_sequence: image positions {places} are not ascending within the {end} text tokens.")
     text_at, visual = [], []
@@ -108,13 +128,35 @@ def _interleave(ex: dict, end: int, num_visual: int):
         visual += [-1] * (place - cursor)
         cursor = place
         if k < len(places):
-            text_at += [-1] * num_visual
-            visual += range(k * num_visual, (k + 1) * num_visual)
+            first, count = spans[k]
+            text_at += [-1] * count
+            visual += range(first, first + count)
     text_at, visual = np.asarray(text_at, np.int64), np.asarray(visual, np.int32)
     tokens = np.where(text_at >= 0, ids[np.maximum(text_at, 0)], 0).astype(np.int32)
-    first = np.asarray(ex["image"])
-    stacked = np.stack(images) if images else np.zeros((0, *first.shape), first.dtype)
-    return tokens, visual, text_at, stacked
+    return tokens, visual, text_at
+
+
+def mrope_positions(visual: np.ndarray, grids, video_frames: int = 0) -> np.ndarray:
+    """Qwen2-VL's 3D positions ``[3, S]`` of one sequence (``get_rope_index``): a text token at
+    ``(p, p, p)`` and the next at ``p + 1``; an image of ``rows × cols`` tokens from ``p`` at
+    ``(p, p + i, p + j)`` and a video of ``t`` frames (its temporal patches, consecutive images
+    when ``video_frames`` is ``t``) at ``(p + τ, p + i, p + j)``, the text after either at
+    ``p + max(t, rows, cols)``. ``grids``: each image's ``(rows, cols)`` in order (one pair: all
+    the same)."""
+    grids = [tuple(grids)] * len(visual) if np.ndim(grids) == 1 else [tuple(g) for g in grids]
+    out = np.zeros((3, len(visual)), np.int64)
+    current, k, image = 0, 0, 0
+    while k < len(visual):
+        if visual[k] < 0:
+            out[:, k] = current
+            current, k = current + 1, k + 1
+            continue
+        rows, cols = grids[image]
+        t, m = video_frames or 1, rows * cols
+        tau, ij = np.divmod(np.arange(t * m), m)
+        out[:, k:k + t * m] = current + np.stack([tau, ij // cols, ij % cols])
+        current, k, image = current + max(t, rows, cols), k + t * m, image + t
+    return out
 
 
 def row_visual(visual: np.ndarray, segments: np.ndarray, image_segments: np.ndarray, num_visual: int) -> np.ndarray:
@@ -129,13 +171,18 @@ def row_visual(visual: np.ndarray, segments: np.ndarray, image_segments: np.ndar
 def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: int, rows: int, pack: bool = True,
                    bins: int = 8, seed: int = 0, num_epochs: int | None = None, process_index: int = 0,
                    process_count: int = 1, skip_bad: float | None = None, workers: int = 0,
-                   mrope_grid: tuple[int, int] | None = None):
+                   mrope_grid: tuple[int, int] | None = None, tower: dict | None = None,
+                   tower_length: int = 0):
     """Batches of ``rows`` rows (``SEQUENCE_KEYS``, ``segment_ids``, ``positions`` ``[rows, length]``;
     ``images [rows, max_images, H, W, C]``) from ``source`` through ``pp_fn`` and ``to_sequence``;
     each process reads its own slice. ``skip_bad`` (raw data): bad examples are skipped and counted
     as ``skips.SkippingBatches`` does (its counts in the state). ``get_state``/``set_state`` resume
     the stream exactly (grain's packer keeps its open rows in the state). ``mrope_grid``: rows carry
-    ``mrope [rows, length, 3]`` too (``mrope_positions``, restarting at each example)."""
+    ``mrope [rows, length, 3]`` too (``mrope_positions``, restarting at each example). ``tower``:
+    images at their own sizes (``to_sequence``), each row's tower tokens packed into
+    ``tower_length`` (``tower_*`` ``[rows, tower_length, …]``, ``tower_segments`` each token's image
+    in the row, ``grids [rows, max_images, 2]``: a ``models.packing.Packed`` batch) instead of
+    ``images``."""
     import grain
     import grain.experimental
 
@@ -143,11 +190,14 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
     from vitmm.data.pipeline import collate
 
     def sequence(ex, rng):
-        seq = to_sequence(pp_fn(ex, rng), num_visual, mrope_grid)
-        if len(seq["tokens"]) > length or len(seq["images"]) > max_images:
-            raise ValueError(f"An example of {len(seq['tokens'])} positions and {len(seq['images'])} images does not "
-                             f"fit a row of input.sequences.length={length} and max_images={max_images}: raise them "
-                             f"(each image is {num_visual} positions) or lower model.max_len.")
+        seq = to_sequence(pp_fn(ex, rng), num_visual, mrope_grid, tower)
+        n = len(seq["grids" if tower else "images"])
+        if len(seq["tokens"]) > length or n > max_images or len(seq.get("tower_kinds", ())) > tower_length:
+            raise ValueError(f"An example of {len(seq['tokens'])} positions and {n} images does not fit a row of "
+                             f"input.sequences.length={length} and max_images={max_images}"
+                             + (f" (tower_length={tower_length}; it has {len(seq['tower_kinds'])} tower tokens)"
+                                if tower else f" (each image is {num_visual} positions)")
+                             + ": raise them or lower model.max_len.")
         seq["_truncated"] = ex.get("_truncated", 0)
         return seq
 
@@ -159,16 +209,20 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
         ds = workers_lib.SkippingBatchesDataset(ds.random_map(skips.guard(sequence), seed=seed).to_iter_dataset(read),
                                                 1, _single, skip_bad, min(1000, len(source) // process_count))
     keys = SEQUENCE_KEYS + (("mrope",) if mrope_grid is not None else ())
+    visual_struct = {**{k: tower_length for k in TOWER_KEYS}, "grids": max_images} if tower else {"images": max_images}
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={**{k: length for k in keys}, "images": max_images},
+        ds, length_struct={**{k: length for k in keys}, **visual_struct},
         num_packing_bins=bins if pack else 1, shuffle_bins=False, max_sequences_per_bin=None if pack else 1)
 
     def to_row(row: dict) -> dict:
         out = {k: row[k] for k in SEQUENCE_KEYS}
         out["segment_ids"] = row["tokens_segment_ids"].astype(np.int32)
         out["positions"] = row["tokens_positions"].astype(np.int32)
-        out["visual"] = row_visual(row["visual"], out["segment_ids"], row["images_segment_ids"], num_visual)
-        out["images"] = row["images"]
+        if tower:
+            out.update(_tower_row(row, out["segment_ids"]))
+        else:
+            out["visual"] = row_visual(row["visual"], out["segment_ids"], row["images_segment_ids"], num_visual)
+            out["images"] = row["images"]
         if mrope_grid is not None:
             out["mrope"] = row["mrope"].astype(np.int32)
         return out
@@ -177,26 +231,59 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
     return workers_lib.in_workers(ds, workers, 2)
 
 
-def one_row(seq: dict, length: int, max_images: int) -> dict:
+def _tower_row(row: dict, segments: np.ndarray) -> dict:
+    """A packed row's tower fields: each tower token's image numbered within the row (the slot
+    after those of the earlier examples), and ``visual`` as indices into the row's tower tokens."""
+    token_examples = row["tower_kinds_segment_ids"]
+    first_slot = np.searchsorted(row["grids_segment_ids"][row["grids_segment_ids"] > 0], token_examples)
+    starts = np.searchsorted(token_examples[token_examples > 0], segments)  # each example's first tower token
+    return {"tower_patches": row["tower_patches"], "tower_kinds": row["tower_kinds"],
+            "tower_positions": row["tower_positions"], "grids": row["grids"],
+            "tower_segments": np.where(token_examples > 0, first_slot + row["tower_image"], 0).astype(np.int32),
+            "visual": np.where((row["visual"] >= 0) & (segments > 0), starts + row["visual"], -1).astype(np.int32)}
+
+
+def tower_batch(batch: dict):
+    """The ``models.packing.Packed`` batch of a packed rows' tower fields."""
+    from vitmm.models import packing
+
+    grids = batch["grids"]
+    return packing.Packed(patches=batch["tower_patches"], segment_ids=batch["tower_segments"],
+                          kinds=batch["tower_kinds"], positions=batch["tower_positions"], grids=grids,
+                          image_ids=grids[..., 0] * 0 - 1)
+
+
+def one_row(seq: dict, length: int, max_images: int, tower_length: int = 0) -> dict:
     """A sequence alone in a row of ``length`` positions and ``max_images`` image slots (what the
-    packer makes of it with ``pack=False``): fixed shapes, for evaluation batches and prompts."""
-    n, k = len(seq["tokens"]), len(seq["images"])
-    if n > length or k > max_images:
+    packer makes of it with ``pack=False``; images at their own sizes: ``tower_length`` tower
+    tokens): fixed shapes, for evaluation batches and prompts."""
+    n, k = len(seq["tokens"]), len(seq["grids" if "grids" in seq else "images"])
+    if n > length or k > max_images or len(seq.get("tower_kinds", ())) > tower_length * ("grids" in seq):
         raise ValueError(f"An example of {n} positions and {k} images does not fit a row of input.sequences.length="
-                         f"{length} and max_images={max_images}.")
+                         f"{length} and max_images={max_images}" + (f", tower_length={tower_length}" if "grids" in seq
+                                                                     else "") + ".")
     row = {key: np.pad(seq[key], (0, length - n), constant_values=-1 if key == "visual" else 0)
            for key in SEQUENCE_KEYS if key in seq}
     if "mrope" in seq:
         row["mrope"] = np.pad(seq["mrope"], ((0, length - n), (0, 0))).astype(np.int32)
     row["segment_ids"] = (np.arange(length) < n).astype(np.int32)
     row["positions"] = np.where(row["segment_ids"] > 0, np.arange(length), 0).astype(np.int32)
+    if "grids" in seq:  # the tower's tokens, one image after another
+        t = len(seq["tower_kinds"])
+        for key in TOWER_KEYS:
+            row[key] = np.zeros((tower_length, *seq[key].shape[1:]), seq[key].dtype)
+            row[key][:t] = seq[key]
+        row["tower_segments"] = row.pop("tower_image")
+        row["grids"] = np.zeros((max_images, 2), np.int32)
+        row["grids"][:k] = seq["grids"]
+        return row
     row["images"] = np.zeros((max_images, *seq["images"].shape[1:]), seq["images"].dtype)
     row["images"][:k] = seq["images"]
     return row
 
 
 def _without_meta(seq: dict) -> dict:
-    return {k: seq[k] for k in (*SEQUENCE_KEYS, "images", "mrope") if k in seq}
+    return {k: seq[k] for k in (*SEQUENCE_KEYS, "images", "mrope", *TOWER_KEYS, "grids") if k in seq}
 
 
 def _single(examples: list) -> dict:

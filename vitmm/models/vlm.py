@@ -49,6 +49,7 @@ import jax.numpy as jnp
 
 from vitmm.models import anyres as anyres_lib
 from vitmm.models import common, connectors, layers
+from vitmm.models import packing as packing_lib
 from vitmm.models.lm import LM
 from vitmm.models.vit import ViT
 
@@ -142,23 +143,24 @@ class VLM(nn.Module):
             return None
         return tuple(features[2]) if features is not None else self.tower.grid(images.shape[1:3])
 
+    def _layer(self, out: dict) -> jnp.ndarray:
+        """The chosen layer's token sequence of a tower output (``vision_layer``)."""
+        depth = self.tower.arch().depth
+        if self.vision_layer == -1:
+            return out["encoded"]
+        index = depth + self.vision_layer  # HF's hidden_states[index + 1] is block_{index}
+        if not -1 <= index < depth - 1:
+            raise ValueError(f"vision_layer={self.vision_layer} does not exist in a {depth}-block tower: "
+                             f"choose -1 (encoded) or -2 … -{depth + 1} (as HF's hidden_states[-n]).")
+        return out["encoder_input"] if index == -1 else out[f"block_{index:02d}"]
+
     def features(self, images: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray | None, tuple[int, int]]:
         """Patch tokens ``[B, N, C]`` of the chosen layer, the CLS token if any, and the grid."""
         _, out = self.tower(images)
         grid = tuple(out["stem"].shape[1:3])
-        depth = self.tower.arch().depth
-        if self.vision_layer == -1:
-            seq = out["encoded"]
-            cls = seq[:, 0] if self.tower.class_token else None
-            patches = out["patch_tokens"]
-        else:
-            index = depth + self.vision_layer  # HF's hidden_states[index + 1] is block_{index}
-            if not -1 <= index < depth - 1:
-                raise ValueError(f"vision_layer={self.vision_layer} does not exist in a {depth}-block tower: "
-                                 f"choose -1 (encoded) or -2 … -{depth + 1} (as HF's hidden_states[-n]).")
-            seq = out["encoder_input"] if index == -1 else out[f"block_{index:02d}"]
-            cls = seq[:, 0] if self.tower.class_token else None
-            patches = seq[:, self.tower.num_prefix_tokens:]
+        seq = self._layer(out)
+        cls = seq[:, 0] if self.tower.class_token else None
+        patches = out["patch_tokens"] if self.vision_layer == -1 else seq[:, self.tower.num_prefix_tokens:]
         if self.use_cls and cls is None:
             raise ValueError("use_cls=True needs a tower with class_token=True.")
         return patches, cls, grid
@@ -256,10 +258,20 @@ class VLM(nn.Module):
 
     def _sequence_embeds(self, images, tokens, visual):
         """Input embeddings of flat sequences: the text's, with row image ``n``'s visual token
-        ``j`` where ``visual`` is ``n · M + j``."""
-        r, n = images.shape[:2]
-        flat = self.visual_tokens(images.reshape(r * n, *images.shape[2:]))
-        flat = flat.reshape(r, n * flat.shape[1], flat.shape[2])
+        ``j`` where ``visual`` is ``n · M + j``; or, for images at their own sizes packed for the
+        tower (``images`` a ``models.packing.Packed`` batch of rows), the connector's output of the
+        row's tower token ``visual`` (a token-wise connector: one token a patch)."""
+        if isinstance(images, packing_lib.Packed):
+            if self.use_cls or self.connector.get("name") not in ("identity", "linear", "mlp"):
+                raise ValueError(f"images packed at their own sizes take a token-wise connector (identity, linear, "
+                                 f"mlp) and use_cls=False; this VLM has {self.connector.get('name')!r}.")
+            _, out = self.tower(images)
+            seq = self._layer(out)
+            flat = self.project(seq, (1, seq.shape[1]))
+        else:
+            r, n = images.shape[:2]
+            flat = self.visual_tokens(images.reshape(r * n, *images.shape[2:]))
+            flat = flat.reshape(r, n * flat.shape[1], flat.shape[2])
         text = self.language.embed(tokens)
         picked = jnp.take_along_axis(flat, jnp.maximum(visual, 0)[..., None], 1).astype(text.dtype)
         return jnp.where((visual >= 0)[..., None], picked, text)

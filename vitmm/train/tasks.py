@@ -18,7 +18,7 @@ import numpy as np
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
-from vitmm.data import preprocess
+from vitmm.data import preprocess, sequences
 from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
 from vitmm.models import packing, two_towers, vlm
@@ -182,7 +182,8 @@ class VLMTask:
     def loss_fn(self, params, batch, rng):
         if "segment_ids" in batch:  # flat sequences, packed or not (input.sequences)
             positions = jnp.moveaxis(batch["mrope"], -1, 0) if "mrope" in batch else batch["positions"]
-            logits = self._apply(params, batch["images"], batch["tokens"], batch["visual"], batch["segment_ids"],
+            images = sequences.tower_batch(batch) if "tower_patches" in batch else batch["images"]
+            logits = self._apply(params, images, batch["tokens"], batch["visual"], batch["segment_ids"],
                                  positions, batch["prefix"] if self.config.model.prefix_lm else None,
                                  rng=rng, method=vlm.VLM.packed)
             loss, acc = losses.lm_loss(logits, batch["targets"], batch["weights"])
@@ -228,15 +229,27 @@ class VLMTask:
         return evals
 
 
+    def packed_tower(self) -> dict | None:
+        """With ``input.sequences.tower_length``: what ``data.sequences`` needs to cut images at
+        their own sizes into the tower's tokens (its patch and prefix tokens); else None."""
+        sq = self.config.input.get("sequences")
+        if not (sq and sq.get("tower_length")):
+            return None
+        from vitmm.models.patch_embed import to_pair
+        from vitmm.models.vit import ViT
+
+        tower = ViT(**self.vision)
+        return {"patch": to_pair(tower.arch().patch_size)[0], "class_token": tower.class_token,
+                "num_registers": tower.num_registers}
+
     def _sequence_row(self):
         """With ``input.sequences``: a pp'd example as one padded row of them (held-out batches)."""
         sq = self.config.input.get("sequences")
         if not (sq and sq.get("length")):
             return None
-        from vitmm.data import sequences
-
-        return lambda ex: sequences.one_row(sequences.to_sequence(ex, self.num_visual, self.mrope_grid), sq.length,
-                                            sq.get("max_images", 1))
+        tower = self.packed_tower()
+        return lambda ex: sequences.one_row(sequences.to_sequence(ex, self.num_visual, self.mrope_grid, tower),
+                                            sq.length, sq.get("max_images", 1), sq.get("tower_length", 0))
 
 
 def qa_evaluator(config, cfg: dict, model, tokenizer) -> eval_lib.QAAccuracy:
@@ -340,9 +353,15 @@ def pp_string(config, template: str | None = None) -> str:
     template = config.input.pp if template is None else template
     fields = dict(image_size=config.input.image_size,
                   max_len=config.model.get("max_len") or config.model.get("text", {}).get("max_len"),
-                  max_num_patches=(config.input.get("packing") or {}).get("max_num_patches"),
+                  max_num_patches=(config.input.get("packing") or config.input.get("sequences") or {}).get(
+                      "max_num_patches"),
                   patch_size=(config.model.get("image") or {}).get("patch_size"),
                   loss_positions=config.model.get("loss_positions"))
+    if "{patch_size}" in template and config.get("task") == "vlm":  # the tower's, init.vision's where it comes from
+        from vitmm.models.patch_embed import to_pair
+        from vitmm.models.vit import ViT
+
+        fields["patch_size"] = to_pair(ViT(**vlm_parts(config)[0]).arch().patch_size)[0]
     if "{anyres}" in template:
         fields["anyres"] = _anyres_op(config)
     if "{image_mean}" in template or "{image_std}" in template:

@@ -120,7 +120,7 @@ def _sequences_input(config, pp, task):
         rows=config.batch_size // count, pack=sq.get("pack", True), bins=sq.get("bins", 8), seed=config.seed,
         process_index=jax.process_index(), process_count=count,
         skip_bad=inp.get("max_skipped_share", 0.01) if raw else None, workers=inp.get("workers", 0),
-        mrope_grid=task.mrope_grid)
+        mrope_grid=task.mrope_grid, tower=task.packed_tower(), tower_length=sq.get("tower_length", 0))
 
 
 def _packed_input(config, pp):
