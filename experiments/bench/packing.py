@@ -53,8 +53,14 @@ def _text(rng: np.random.Generator, median: float, sigma: float, cap: int) -> st
 
 def write_mix(out: pathlib.Path, num: int, seed: int = 0) -> pathlib.Path:
     """``out/data.json`` and ``out/images/`` (48 scenes shared by all examples): the mix above."""
+    from vitmm.data import packing, scenes
+
     rng = np.random.default_rng(seed)
-    examples.write_llava(out, 48, resolution=64)  # images/000000.jpg … 000047.jpg
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    for j in range(48):  # scenes of many shapes, as photos come: longer side 48-128 px, aspect up to 2:1
+        size = packing.random_size(rng, 48, 128, 2.0)
+        image = scenes.generate("easy", size, j, "train")["image"]
+        (out / "images" / f"{j:06d}.jpg").write_bytes(examples.encode(image))
     counts, probs = zip(*IMAGES_PER_EXAMPLE, strict=True)
     records = []
     for i in range(num):
@@ -73,24 +79,33 @@ def write_mix(out: pathlib.Path, num: int, seed: int = 0) -> pathlib.Path:
     return path
 
 
-def _config(data: pathlib.Path, pack: bool, rows: int):
-    return load(ROOT / "configs/llava_finetune.py", f"pack={MAX_LEN + MAX_IMAGES * VISUAL},images={MAX_IMAGES}",
+MODES = {"padded": dict(pack=False), "packed": dict(pack=True), "packed, own sizes": dict(pack=True, native=True)}
+
+
+def _config(data: pathlib.Path, rows: int, pack: bool, native: bool = False):
+    """The run of a mode: square images (pad to square, resize to 64 px: 64 tokens) in 4 slots a
+    row (padded) or 8 (packed); or each image at its own size within 64 patches, one token a patch,
+    its patches packed for the tower into 4 images' worth (256) a row."""
+    arg = f"pack={MAX_LEN + MAX_IMAGES * VISUAL},images={MAX_IMAGES}" + (f",native={VISUAL}" if native else "")
+    return load(ROOT / "configs/llava_finetune.py", arg,
                 **{"input.data_path": str(data), "model.max_len": MAX_LEN, "batch_size": rows,
                    "input.sequences.pack": pack, "input.sequences.max_images": 2 * MAX_IMAGES if pack else MAX_IMAGES,
+                   "input.sequences.tower_length": MAX_IMAGES * VISUAL if native else 0,
                    "input.num_threads": 1, "init.allow_random_tower": True})
 
 
 class Mode:
     """One mode's batches (drawn from the trainer's input) and its compiled step."""
 
-    def __init__(self, data: pathlib.Path, pack: bool, rows: int, batches: int):
-        config = _config(data, pack, rows)
+    def __init__(self, data: pathlib.Path, name: str, rows: int, batches: int):
+        config = _config(data, rows, **MODES[name])
+        self.name = name
         setup = trainer.build(config)
         it = trainer._input(config, setup.tokenizer, setup.par, setup.task)
         self.host = [next(it) for _ in range(batches)]
         if hasattr(it, "close"):
             it.close()
-        self.pack, self.par = pack, setup.par
+        self.par = setup.par
         self.state = setup.par.put_state(setup.state)
         self.step = setup.compile(self.state)
         self.placed = [setup.par.put_batch(b) for b in self.host]
@@ -109,12 +124,21 @@ class Mode:
         return seen / (time.perf_counter() - start)
 
     def row(self) -> dict:
+        """The mode's numbers. ``tower_padding``: the share of the tower's input that holds no image
+        (empty image slots; with the tower's patches packed, padding patches)."""
         segments = np.stack([b["segment_ids"] for b in self.host]).reshape(-1, self.host[0]["segment_ids"].shape[-1])
-        slots = np.stack([np.asarray(b["images"]).reshape(*b["images"].shape[:2], -1).std(-1) > 0 for b in self.host])
-        return {"mode": "packed" if self.pack else "padded", "rows": len(self.host[0]["segment_ids"]),
-                "length": segments.shape[-1], "image_slots": slots.shape[-1],
+        if "tower_segments" in self.host[0]:
+            used = np.stack([b["tower_segments"] > 0 for b in self.host])
+            tower = f"{used.shape[-1]} patches"
+        else:
+            used = np.stack([np.asarray(b["images"]).reshape(*b["images"].shape[:2], -1).std(-1) > 0
+                             for b in self.host])
+            tower = f"{used.shape[-1]} image slots"
+        return {"mode": self.name, "rows": len(self.host[0]["segment_ids"]),
+                "length": segments.shape[-1], "tower_input": tower,
+                "visual_per_example": float(np.mean([(b["visual"] >= 0).sum() / per_row_count(b) for b in self.host])),
                 "examples_per_row": float(np.mean([len(set(r[r > 0].tolist())) for r in segments])),
-                "padding_share": float(np.mean(segments == 0)), "empty_slot_share": float(1 - slots.mean()),
+                "padding_share": float(np.mean(segments == 0)), "tower_padding": float(1 - used.mean()),
                 "examples_per_s": statistics.median(self.rates), "examples_per_s_min": min(self.rates),
                 "examples_per_s_max": max(self.rates)}
 
@@ -138,7 +162,7 @@ def longest_in_batch_share(lengths: list[int], batch: int, seed: int = 0) -> flo
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=600)
-    parser.add_argument("--rows", type=int, default=8, help="rows a step (both modes)")
+    parser.add_argument("--rows", type=int, default=8, help="rows a step (every mode)")
     parser.add_argument("--batches", type=int, default=20, help="batches drawn per mode (the steps cycle over them)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
@@ -147,28 +171,30 @@ def main(argv=None) -> list[dict]:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = write_mix(pathlib.Path(tempfile.mkdtemp(prefix="vitmm_mix_")), args.examples)
-    modes = [Mode(data, pack, args.rows, args.batches) for pack in (False, True)]
-    for _ in range(args.repeats):  # the two modes' timings interleaved, so that load on the machine hits both
+    modes = [Mode(data, name, args.rows, args.batches) for name in MODES]
+    for _ in range(args.repeats):  # the modes' timings interleaved, so that load on the machine hits each
         for mode in modes:
             mode.rates.append(mode.time(args.steps))
     lengths = modes[0].lengths()
     rows = [mode.row() for mode in modes]
-    padded, packed = rows
     table = [
-        "| batches of 8 rows × 768 positions | examples a row | padding (positions) | empty image slots | "
-        "training examples/s (median, range) |", "|---|---:|---:|---:|---:|"]
+        f"| batches of {args.rows} rows × {rows[0]['length']} positions | visual tokens an example | examples a row | "
+        "padding (positions) | tower input | its padding | training examples/s (median, range) |",
+        "|---|---:|---:|---:|---|---:|---:|"]
     for r in rows:
-        table.append(f"| {r['mode']} ({r['image_slots']} image slots a row) | {r['examples_per_row']:.2f} | "
-                     f"{100 * r['padding_share']:.1f}% | {100 * r['empty_slot_share']:.1f}% | "
+        table.append(f"| {r['mode']} | {r['visual_per_example']:.1f} | {r['examples_per_row']:.2f} | "
+                     f"{100 * r['padding_share']:.1f}% | {r['tower_input']} a row | {100 * r['tower_padding']:.1f}% | "
                      f"{r['examples_per_s']:.1f} ({r['examples_per_s_min']:.1f}–{r['examples_per_s_max']:.1f}) |")
-    speedup = packed["examples_per_s"] / padded["examples_per_s"]
+    base = rows[0]["examples_per_s"]
     dynamic = longest_in_batch_share(lengths, args.rows)
     text = "\n".join([
         *table, "",
-        f"Packed / padded training examples/s: **{speedup:.2f}×** (medians of {args.repeats} timings of "
-        f"{args.steps} steps each, side by side in one run). Padding each batch of {args.rows} to its longest "
-        f"example instead of to 768 would leave {100 * dynamic:.1f}% padding (the same "
-        f"{len(lengths)} examples' lengths: median {int(np.median(lengths))}, longest {max(lengths)} positions)."])
+        "Training examples/s against padded: " + ", ".join(f"{r['mode']} **{r['examples_per_s'] / base:.2f}×**"
+                                                          for r in rows[1:])
+        + f" (medians of {args.repeats} timings of {args.steps} steps each, the modes interleaved in one run). "
+        f"Padding each batch of {args.rows} square-image examples to its longest instead of to {rows[0]['length']} "
+        f"would leave {100 * dynamic:.1f}% padding (the same {len(lengths)} examples' lengths: median "
+        f"{int(np.median(lengths))}, longest {max(lengths)} positions)."])
     outputs.write_outputs(out, "packing", {"examples": args.examples, "rows": args.rows, "steps": args.steps,
                                            "repeats": args.repeats, "max_len": MAX_LEN, "visual_per_image": VISUAL},
                           text, {"packing.csv": rows})
