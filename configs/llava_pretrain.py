@@ -22,8 +22,9 @@ positions: conversations packed into rows, ``batch`` rows a step; 0: one convers
 to ``model.max_len``), ``images`` (images an example may have; more than 1 needs ``pack``), ``frames``
 (a video's frames, ``data.video``'s sampling; needs ``pack``), ``temporal`` (frames a temporal
 patch merges, Qwen2-VL's 2; a still image is repeated, a pretrained tower's patch kernel inflated),
-``native`` (a patch budget: each image at its own size, NaFlex, one visual token a patch, the
-tower's patches packed NaViT-style; needs ``pack`` and a token-wise connector).
+``native`` (a patch budget: each image at its own size, NaFlex, one visual token a patch, or a 2×2
+window with ``patch_merger``/``pixel_shuffle`` (Qwen2-VL's); the tower's patches packed NaViT-style;
+needs ``pack``).
 ``input.mixture`` takes several sources (LLaVA-NeXT's list with ``sampling`` rules, or ``weight`` per
 source).
 """
@@ -62,7 +63,8 @@ def get_config(arg=None):
 
     decode = f"decode(max_images={arg.images}, num_frames={arg.frames or 8})" if arg.pack else "decode"
     temporal = f"temporal_patch({arg.temporal})|" if arg.temporal > 1 else ""
-    size = "naflex({max_num_patches}, {patch_size})" if arg.native else \
+    merge = 2 if arg.connector in ("patch_merger", "pixel_shuffle") else 1  # own sizes: Qwen2-VL's 2×2 windows
+    size = f"naflex({{max_num_patches}}, {{patch_size}}, merge={merge})" if arg.native else \
         "pad_to_square({image_mean})|resize({image_size})"
     pp = (f"{decode}|{size}|normalize({{image_mean}}, {{image_std}})|{temporal}"
           "conversation_tokens({max_len}, overflow='truncate_turns', max_answer={loss_positions})|" + KEEP)
@@ -82,6 +84,8 @@ def get_config(arg=None):
     c.model = ml_collections.ConfigDict()
     c.model.vision = TOWER
     c.model.connector = dict(name=arg.connector, budget=arg.budget if arg.budget == "all" else int(arg.budget))
+    if arg.native and merge > 1:  # images at their own sizes: each 2×2 window one token
+        c.model.connector = dict(name=arg.connector, merge=merge)
     c.model.lm = dict(vocab_size=259, width=128, depth=4, num_heads=4)  # without init.lm: bytes, from scratch
     c.model.vision_layer = -2  # LLaVA's: the second-to-last block, HF's hidden_states[-2]
     c.model.use_cls = False

@@ -234,22 +234,29 @@ def test_packed_mrope_rows_have_the_unpacked_loss_and_gradients(data_dir, prefix
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_p, grads)
 
 
-def test_images_at_their_own_sizes_packed_for_the_tower_equal_each_example_alone(data_dir):
+@pytest.mark.parametrize("connector", ["mlp", "patch_merger"])  # pixel_shuffle merges the same way
+def test_images_at_their_own_sizes_packed_for_the_tower_equal_each_example_alone(data_dir, connector):
     """Images of four sizes (one example with two), their patches packed NaViT-style for the tower
     and their tokens into the LM rows: the loss and gradients equal the token-weighted sum over each
-    example run alone through ``VLM.__call__`` with its image at its own size (1e-6)."""
-    c, task, params = _task(data_dir)
+    example run alone through the VLM with its image at its own size (1e-6); a merging connector
+    (``merge=2``) takes each image's patches in 2×2 windows, as on its square grid."""
+    c = config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,connector=mlp,stage=2", **{"input.data_dir": data_dir})
+    merge = 1 if connector == "mlp" else 2
+    with c.unlocked():
+        c.model.connector = {"name": connector, **({} if merge == 1 else {"merge": 2})}
+    task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+    params = task.init_params()
     model, patch = task.model, 8
     rng = np.random.default_rng(4)
-    sizes = [(16, 24), (32, 16), (8, 40), (24, 24)]
+    sizes = [(16, 32), (32, 16), (16, 48), (32, 32)] if merge == 2 else [(16, 24), (32, 16), (8, 40), (24, 24)]
     examples = []
     for i, ex in enumerate(_examples(c, 4, seed=5)):
         ex = {**ex, "image": rng.normal(size=(*sizes[i], 3)).astype(np.float32), "has_image": np.bool_(True)}
         if i == 3:  # two images, the second one after the question's first 3 tokens
-            ex["more_images"] = [rng.normal(size=(16, 8, 3)).astype(np.float32)]
+            ex["more_images"] = [rng.normal(size=(16, 16 if merge == 2 else 8, 3)).astype(np.float32)]
             ex["image_positions"] = np.array([1, 4], np.int32)
         examples.append(ex)
-    tower = {"patch": patch, "class_token": False, "num_registers": 0}
+    tower = {"patch": patch, "class_token": False, "num_registers": 0, "merge": merge}
     it = sequences.packed_batches(examples, lambda ex, rng: ex, num_visual=0, length=160, max_images=4, rows=2, bins=2,
                                   num_epochs=1, tower=tower, tower_length=40)
     packed = {k: jnp.asarray(v) for k, v in next(it).items()}

@@ -150,13 +150,13 @@ def test_the_server_takes_several_images_and_answers_what_chat_answers(multi_ima
 
 
 def test_images_at_their_own_sizes_train_packed_for_the_tower_and_chat(multi_image_run, tmp_path, capsys):
-    """``native=12``: each image resized to fit 12 patches (NaFlex) keeping its aspect, its patches
-    packed NaViT-style for the tower; stage 2 trains and `vitmm.chat` answers about two images of
-    other sizes."""
+    """``native=16`` with Qwen2-VL's patch merger: each image resized to fit 16 patches in 2×2
+    windows (NaFlex) keeping its aspect, its patches packed NaViT-style for the tower; stage 2 trains
+    and `vitmm.chat` answers about two images of other sizes."""
     from PIL import Image
 
     data = multi_image_run["root"] / "data/data.json"
-    config = load("configs/llava_finetune.py", "smoke,pack=400,images=3,native=12",
+    config = load("configs/llava_finetune.py", "smoke,pack=400,images=3,native=16,connector=patch_merger",
                   **{"input.data_path": str(data), "input.max_skipped_share": 0.2,
                      "evals.val.data.data_path": str(data), "evals.val.num_examples": 21})
     summary = trainer.train(config, tmp_path / "run")

@@ -316,13 +316,15 @@ def resize(size, key="image", method="bilinear", shorter=False):
 
 
 @register("naflex")
-def naflex(max_num_patches, patch, key="image"):
+def naflex(max_num_patches, patch, key="image", merge=1):
     """NaFlex: resize to the largest aspect-preserving size whose patch grid fits the budget
-    (``data.packing.naflex_size``), so the token count follows from the image size alone."""
+    (``data.packing.naflex_size``), so the token count follows from the image size alone.
+    ``merge=k``: sides in multiples of ``k`` patches (``max_num_patches / k²`` windows of ``k × k``,
+    for a connector that merges them, as Qwen2-VL's processor sizes images)."""
     from vitmm.data.packing import naflex_size
 
     def fn(ex, rng):
-        ex[key] = _resize(ex[key], naflex_size(*ex[key].shape[:2], patch, max_num_patches))
+        ex[key] = _resize(ex[key], naflex_size(*ex[key].shape[:2], patch * merge, max_num_patches // merge**2))
         return ex
 
     return fn

@@ -39,12 +39,13 @@ def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = 
     ``[K, H, W, C]`` (``K = 0`` for a text-only example); with ``mrope_grid`` (an image's visual
     tokens as rows × columns), ``mrope [S, 3]``: Qwen2-VL's 3D positions (``mrope_positions``).
 
-    ``tower`` (``patch``, ``class_token``, ``num_registers``: the tower's): images at their own
-    sizes, each its own number of visual tokens (one a patch, for a token-wise connector), given
-    to the tower packed: ``tower_patches``, ``tower_kinds``, ``tower_positions`` (its tokens, as
-    ``models.packing.image_tokens`` lays them out, image after image), ``tower_image`` (each
-    token's image, from 1) and ``grids [K, 2]`` instead of ``images``; ``visual`` then indexes the
-    example's tower tokens."""
+    ``tower`` (``patch``, ``class_token``, ``num_registers``: the tower's; ``merge``: a connector's
+    fixed ``k``): images at their own sizes, each its own number of visual tokens (one a patch for
+    a token-wise connector, one a ``k × k`` window for a merging one), given to the tower packed:
+    ``tower_patches``, ``tower_kinds``, ``tower_positions`` (its tokens, as
+    ``models.packing.image_tokens`` lays them out, image after image, windows together when
+    merging), ``tower_image`` (each token's image, from 1) and ``grids [K, 2]`` instead of
+    ``images``; ``visual`` then indexes the example's tower tokens (merged ones when merging)."""
     answer = np.asarray(ex["answer_mask"])
     answered = np.flatnonzero(answer)
     if not len(answered):
@@ -61,7 +62,8 @@ def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = 
     out = {"tokens": tokens, "visual": visual, "targets": targets, "weights": weights,
            "prefix": np.arange(len(tokens)) < first_answer, **visuals}
     if mrope_grid is not None:
-        grids = [tuple(g) for g in visuals["grids"]] if tower is not None else [tuple(mrope_grid)] * len(images)
+        grids = [tuple(g // tower.get("merge", 1)) for g in visuals["grids"]] if tower is not None else \
+            [tuple(mrope_grid)] * len(images)
         out["mrope"] = mrope_positions(visual, grids, int(ex.get("video_frames", 0))).T
     return out
 
@@ -75,7 +77,8 @@ def prompt_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | Non
     tokens, visual, _ = _interleave(ex, int(ex["prompt_len"]), spans)
     out = {"tokens": tokens, "visual": visual, **visuals}
     if mrope_grid is not None:
-        grids = [tuple(g) for g in visuals["grids"]] if tower is not None else [tuple(mrope_grid)] * len(images)
+        grids = [tuple(g // tower.get("merge", 1)) for g in visuals["grids"]] if tower is not None else \
+            [tuple(mrope_grid)] * len(images)
         out["mrope"] = mrope_positions(visual, grids, int(ex.get("video_frames", 0))).T
     return out
 
@@ -94,12 +97,13 @@ def _visual_layout(ex: dict, num_visual: int, tower: dict | None):
         return images, [(k * num_visual, num_visual) for k in range(len(images))], {"images": stacked}
     from vitmm.models import packing
 
-    cut = [packing.image_tokens(im, tower["patch"], class_token=tower.get("class_token", False),
-                                num_registers=tower.get("num_registers", 0)) for im in images]
+    k = tower.get("merge", 1)
+    cut = [_window_order(packing.image_tokens(im, tower["patch"], class_token=tower.get("class_token", False),
+                                              num_registers=tower.get("num_registers", 0)), k) for im in images]
     spans, start = [], 0
     for t in cut:
         n = int(np.prod(t["grid"]))
-        spans.append((start + len(t["kinds"]) - n, n))
+        spans.append(((start + len(t["kinds"]) - n) // k**2, n // k**2))
         start += len(t["kinds"])
     size = int(np.prod(packing.to_pair(tower["patch"]))) * first.shape[-1]
     cat = lambda key, shape, dtype: np.concatenate([t[key] for t in cut]) if cut else np.zeros(shape, dtype)  # noqa: E731
@@ -109,6 +113,24 @@ def _visual_layout(ex: dict, num_visual: int, tower: dict | None):
         "tower_image": np.concatenate([np.full(len(t["kinds"]), k + 1, np.int32) for k, t in enumerate(cut)])
         if cut else np.zeros((0,), np.int32),
         "grids": np.stack([t["grid"] for t in cut]) if cut else np.zeros((0, 2), np.int32)}
+
+
+def _window_order(tokens: dict, k: int) -> dict:
+    """An image's tokens with its patches in merge-window order for a connector merging ``k × k``
+    neighbours (``merge=k``): each window's ``k²`` patches consecutive (row-major inside it),
+    windows in raster order, as Qwen2-VL's processor lays them out; their grid positions travel
+    with them, so the tower sees the same image. No prefix tokens then (they would break the
+    windows' alignment)."""
+    if k == 1:
+        return tokens
+    h, w = (int(v) for v in tokens["grid"])
+    if h % k or w % k or len(tokens["kinds"]) != h * w:
+        raise ValueError(f"An image of {h}×{w} patches{' with prefix tokens' if len(tokens['kinds']) != h * w else ''} "
+                         f"cannot be merged {k}×{k} in packed rows: resize to multiples of {k} patches (e.g. "
+                         f"naflex(N, patch · {k}) with N/{k * k} windows) with a tower without CLS or registers.")
+    order = np.arange(h * w).reshape(h // k, k, w // k, k).transpose(0, 2, 1, 3).reshape(-1)
+    return {**tokens, "patches": tokens["patches"][order], "positions": tokens["positions"][order],
+            "kinds": tokens["kinds"][order]}
 
 
 def _interleave(ex: dict, end: int, spans: list[tuple[int, int]]):
@@ -219,7 +241,7 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
         out["segment_ids"] = row["tokens_segment_ids"].astype(np.int32)
         out["positions"] = row["tokens_positions"].astype(np.int32)
         if tower:
-            out.update(_tower_row(row, out["segment_ids"]))
+            out.update(_tower_row(row, out["segment_ids"], tower.get("merge", 1)))
         else:
             out["visual"] = row_visual(row["visual"], out["segment_ids"], row["images_segment_ids"], num_visual)
             out["images"] = row["images"]
@@ -231,16 +253,18 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
     return workers_lib.in_workers(ds, workers, 2)
 
 
-def _tower_row(row: dict, segments: np.ndarray) -> dict:
+def _tower_row(row: dict, segments: np.ndarray, merge: int = 1) -> dict:
     """A packed row's tower fields: each tower token's image numbered within the row (the slot
-    after those of the earlier examples), and ``visual`` as indices into the row's tower tokens."""
+    after those of the earlier examples), and ``visual`` as indices into the row's tower tokens
+    (merged ``merge × merge`` at a time)."""
     token_examples = row["tower_kinds_segment_ids"]
     first_slot = np.searchsorted(row["grids_segment_ids"][row["grids_segment_ids"] > 0], token_examples)
     starts = np.searchsorted(token_examples[token_examples > 0], segments)  # each example's first tower token
     return {"tower_patches": row["tower_patches"], "tower_kinds": row["tower_kinds"],
             "tower_positions": row["tower_positions"], "grids": row["grids"],
             "tower_segments": np.where(token_examples > 0, first_slot + row["tower_image"], 0).astype(np.int32),
-            "visual": np.where((row["visual"] >= 0) & (segments > 0), starts + row["visual"], -1).astype(np.int32)}
+            "visual": np.where((row["visual"] >= 0) & (segments > 0), starts // merge**2 + row["visual"],
+                               -1).astype(np.int32)}
 
 
 def tower_batch(batch: dict):

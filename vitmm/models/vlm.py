@@ -262,12 +262,8 @@ class VLM(nn.Module):
         tower (``images`` a ``models.packing.Packed`` batch of rows), the connector's output of the
         row's tower token ``visual`` (a token-wise connector: one token a patch)."""
         if isinstance(images, packing_lib.Packed):
-            if self.use_cls or self.connector.get("name") not in ("identity", "linear", "mlp"):
-                raise ValueError(f"images packed at their own sizes take a token-wise connector (identity, linear, "
-                                 f"mlp) and use_cls=False; this VLM has {self.connector.get('name')!r}.")
             _, out = self.tower(images)
-            seq = self._layer(out)
-            flat = self.project(seq, (1, seq.shape[1]))
+            flat = self._packed_project(self._layer(out))
         else:
             r, n = images.shape[:2]
             flat = self.visual_tokens(images.reshape(r * n, *images.shape[2:]))
@@ -275,6 +271,24 @@ class VLM(nn.Module):
         text = self.language.embed(tokens)
         picked = jnp.take_along_axis(flat, jnp.maximum(visual, 0)[..., None], 1).astype(text.dtype)
         return jnp.where((visual >= 0)[..., None], picked, text)
+
+    def _packed_project(self, seq):
+        """The connector on a packed row's tower tokens ``[R, L, C]``: token-wise ones per token;
+        ``patch_merger``/``pixel_shuffle`` with a fixed ``merge=k`` on each run of ``k²`` tokens (an
+        image's patches in merge-window order, ``data.sequences``), the same neighbours concatenated
+        in the same order as on a square grid."""
+        name, k = self.connector.get("name"), self.connector.get("merge")
+        if self.use_cls or not (name in ("identity", "linear", "mlp") or
+                                (name in ("patch_merger", "pixel_shuffle") and k)):
+            raise ValueError(f"images packed at their own sizes take a token-wise connector (identity, linear, mlp) or "
+                             f"patch_merger/pixel_shuffle with a fixed merge=k, and use_cls=False; this VLM has "
+                             f"{name!r}{'' if k is None else f' with merge={k}'}.")
+        r, length, c = seq.shape
+        if name in ("identity", "linear", "mlp"):
+            return self.project(seq, (1, length))
+        # run m's token (a, b) goes to row a, column m·k + b of a k × L/k grid, whose k × k blocks are the runs
+        grid_order = seq.reshape(r, length // k**2, k, k, c).transpose(0, 2, 1, 3, 4).reshape(r, length, c)
+        return self.project(grid_order, (k, length // k))
 
     def _shown(self, visual_mask, text_len: int, m: int, image_pos=None) -> jnp.ndarray:
         """``[B, L + M]``: False on the visual padding ``visual_mask [B, M]`` marks, True elsewhere."""

@@ -240,7 +240,7 @@ class VLMTask:
 
         tower = ViT(**self.vision)
         return {"patch": to_pair(tower.arch().patch_size)[0], "class_token": tower.class_token,
-                "num_registers": tower.num_registers}
+                "num_registers": tower.num_registers, "merge": self.config.model.connector.get("merge") or 1}
 
     def _sequence_row(self):
         """With ``input.sequences``: a pp'd example as one padded row of them (held-out batches)."""
