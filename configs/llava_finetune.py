@@ -11,8 +11,8 @@ starting from a stage-1 run of ``configs/llava_pretrain.py``; the tower stays fr
 
 Args: ``lora`` (a rank > 0: adapters on the LM's attention, the LM frozen; 0: the whole LM trains,
 LLaVA-1.5's recipe), and those of ``configs/llava_pretrain.py`` (``connector``, ``budget``,
-``steps``, ``batch``, ``smoke``, ``pack``, ``images``, ``frames``, ``temporal``, ``native``). Learning rates as
-LLaVA-1.5: 2e-5 for the whole LM, 2e-4 with LoRA.
+``steps``, ``batch``, ``smoke``, ``pack``, ``images``, ``frames``, ``temporal``, ``native``,
+``anyres``). Learning rates as LLaVA-1.5: 2e-5 for the whole LM, 2e-4 with LoRA.
 """
 
 from configs import common, llava_pretrain
@@ -21,10 +21,11 @@ from vitmm.config_args import parse_arg
 
 def get_config(arg=None):
     arg = parse_arg(arg, presets=common.SMOKE_LLAVA_ARGS, lora=0, connector="mlp", budget="all", steps=1000,
-                    batch=16, smoke=False, pack=0, images=1, frames=0, temporal=1, native=0)
+                    batch=16, smoke=False, pack=0, images=1, frames=0, temporal=1, native=0, anyres=0)
     c = llava_pretrain.get_config(f"connector={arg.connector},budget={arg.budget},steps={arg.steps},"
                                   f"batch={arg.batch},smoke={arg.smoke},pack={arg.pack},images={arg.images},"
-                                  f"frames={arg.frames},temporal={arg.temporal},native={arg.native}")
+                                  f"frames={arg.frames},temporal={arg.temporal},native={arg.native},"
+                                  f"anyres={arg.anyres}")
     with c.unlocked():
         c.lora.update(dict(rank=arg.lora, alpha=2.0 * arg.lora))
         c.optim.lr = 2e-4 if arg.lora else 2e-5

@@ -24,7 +24,8 @@ to ``model.max_len``), ``images`` (images an example may have; more than 1 needs
 patch merges, Qwen2-VL's 2; a still image is repeated, a pretrained tower's patch kernel inflated),
 ``native`` (a patch budget: each image at its own size, NaFlex, one visual token a patch, or a 2×2
 window with ``patch_merger``/``pixel_shuffle`` (Qwen2-VL's); the tower's patches packed NaViT-style;
-needs ``pack``).
+needs ``pack``), ``anyres`` (a tile side: LLaVA-NeXT's AnyRes on each image at its own size, its
+views in the image slots; needs ``pack``).
 ``input.mixture`` takes several sources (LLaVA-NeXT's list with ``sampling`` rules, or ``weight`` per
 source).
 """
@@ -43,10 +44,11 @@ KEEP = "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_imag
 
 def get_config(arg=None):
     arg = parse_arg(arg, presets=common.SMOKE_LLAVA_ARGS, connector="mlp", budget="all", steps=1000, batch=32,
-                    smoke=False, pack=0, images=1, frames=0, temporal=1, native=0)
-    if (arg.images > 1 or arg.frames or arg.native) and not arg.pack:
-        raise ValueError(f"images={arg.images}, frames={arg.frames}, native={arg.native}: several images, a video or "
-                         "images at their own sizes train as flat sequences; set pack=LENGTH too (e.g. pack=1024).")
+                    smoke=False, pack=0, images=1, frames=0, temporal=1, native=0, anyres=0)
+    if (arg.images > 1 or arg.frames or arg.native or arg.anyres) and not arg.pack:
+        raise ValueError(f"images={arg.images}, frames={arg.frames}, native={arg.native}, anyres={arg.anyres}: several "
+                         "images, a video or images at their own sizes train as flat sequences; set pack=LENGTH too "
+                         "(e.g. pack=1024).")
     c = ml_collections.ConfigDict()
     c.task = "vlm"
     c.seed = 0
@@ -64,9 +66,9 @@ def get_config(arg=None):
     decode = f"decode(max_images={arg.images}, num_frames={arg.frames or 8})" if arg.pack else "decode"
     temporal = f"temporal_patch({arg.temporal})|" if arg.temporal > 1 else ""
     merge = 2 if arg.connector in ("patch_merger", "pixel_shuffle") else 1  # own sizes: Qwen2-VL's 2×2 windows
-    size = f"naflex({{max_num_patches}}, {{patch_size}}, merge={merge})" if arg.native else \
-        "pad_to_square({image_mean})|resize({image_size})"
-    pp = (f"{decode}|{size}|normalize({{image_mean}}, {{image_std}})|{temporal}"
+    size = f"naflex({{max_num_patches}}, {{patch_size}}, merge={merge})|" if arg.native else \
+        "" if arg.anyres else "pad_to_square({image_mean})|resize({image_size})|"  # AnyRes: views in data.sequences
+    pp = (f"{decode}|{size}normalize({{image_mean}}, {{image_std}})|{temporal}"
           "conversation_tokens({max_len}, overflow='truncate_turns', max_answer={loss_positions})|" + KEEP)
     c.input = ml_collections.ConfigDict(common.raw_input(image_size=64, pp=pp, num_threads=2, prefetch=64,
                                                          device_prefetch=2))
@@ -75,7 +77,8 @@ def get_config(arg=None):
     # batch_size · max_images images a step, empty slots too); pack=False puts one a row (padded);
     # bins: rows open at once in the first-fit packer (more: less padding); tower_length > 0: images at
     # their own sizes (naflex to max_num_patches), each row's tower patches packed into that many tokens.
-    slots = max(arg.images, -(-arg.frames // arg.temporal))  # a video's frames are images, temporal patches merged
+    views = 5 if arg.anyres else 1  # AnyRes: a base view and up to 2×2 tiles an image
+    slots = max(arg.images * views, -(-arg.frames // arg.temporal))  # a video's frames are images
     c.input.sequences = dict(length=arg.pack, max_images=2 * slots if arg.pack else slots, pack=True, bins=8,
                              max_num_patches=arg.native, tower_length=2 * slots * arg.native)
     c.input.image_mean = config_dict.placeholder(tuple)  # default: what init.vision records, else 0.5
@@ -91,7 +94,9 @@ def get_config(arg=None):
     c.model.use_cls = False
     c.model.prefix_lm = False
     c.model.mrope = False
-    c.model.anyres = None
+    tile = arg.anyres  # LLaVA-NeXT's AnyRes: a base view + tiles of the best of 1×2, 2×1, 2×2 tiles
+    c.model.anyres = dict(tile=tile, pinpoints=((tile, 2 * tile), (2 * tile, tile), (2 * tile, 2 * tile))) if tile \
+        else None
     c.model.max_len = 384  # text tokens of a conversation (LLaVA-1.5: 2048)
     # K: the LM's head on each conversation's first K answer tokens only (exchanges past K are
     # truncated like overlong ones); None: on every position. Saves most of a large vocabulary's cost.

@@ -32,6 +32,7 @@ from vitmm.data import preprocess
 
 class Chat:
     max_images = 1  # images one prompt may hold; a run on flat sequences (input.sequences) sets its own
+    _flat = False
 
     def __init__(self, workdir, step: int | None = None):
         from vitmm.train import tasks
@@ -59,7 +60,8 @@ class Chat:
         # images one prompt may hold: a run on flat sequences (input.sequences) took its decode's max_images
         decoded = [kw.get("max_images", a[1] if len(a) > 1 else 1) for name, a, kw in preprocess.ops(spec)
                    if name == "decode"]
-        self.max_images = min(int(sq.max_images), *decoded) if sq and sq.get("length") else 1
+        self._flat = bool(sq and sq.get("length"))  # trained on flat sequences: prompts are made the same way
+        self.max_images = min(int(sq.max_images), *decoded) if self._flat else 1
 
     def prepare(self, images: list, turns: list[dict], video=None) -> dict:
         """The preprocessed prompt for LLaVA-style ``turns`` (``{"from", "value"}``, ``<image>``
@@ -120,7 +122,7 @@ class Chat:
     def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0):
         """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
-        if example.get("more_images") or self.task.packed_tower():  # several images, own sizes: flat sequences
+        if example.get("more_images") or self._flat:  # several images, own sizes: flat sequences
             for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
                 yield int(row[0])
                 if int(row[0]) == self.tokenizer.eos_id:
@@ -143,7 +145,7 @@ class Chat:
         """``[len(examples)]`` tokens a step for prompts of ``prepare`` decoded together (a finished
         row repeats EOS). Shapes are rounded up (prompt columns to a multiple of 32, the cache to one
         of 64) so that a server compiles a handful of programs, not one per mix of requests."""
-        if any(ex.get("more_images") for ex in examples) or self.task.packed_tower():
+        if any(ex.get("more_images") for ex in examples) or self._flat:
             yield from self._stream_sequences(examples, max_new_tokens, temperature, top_p, seed)
             return
         lengths = np.array([int(ex["prompt_len"]) for ex in examples])
@@ -172,9 +174,10 @@ class Chat:
             from vitmm.models.vlm import VLM
 
             grid = self.task.model.apply({"params": self.params}, examples[0]["image"].shape[:2], method=VLM.token_grid)
-        tower = self.task.packed_tower()  # images at their own sizes: the tower's tokens packed
-        seqs = [sequences.prompt_sequence(ex, 0 if tower else self._num_visual(ex["image"]), grid, tower)
-                for ex in examples]
+        tower, anyres = self.task.packed_tower(), self.task.sequence_anyres()  # own sizes: tower tokens / views
+        per_image = 0 if tower else anyres["tile_grid"][0] * anyres["tile_grid"][1] if anyres else None
+        seqs = [sequences.prompt_sequence(ex, self._num_visual(ex["image"]) if per_image is None else per_image, grid,
+                                          tower, anyres) for ex in examples]
         lengths = np.array([len(seq["tokens"]) for seq in seqs])
         slots = max(self.max_images, *(len(seq["grids" if tower else "images"]) for seq in seqs))  # video: more
         tower_length = _round_up(max(len(seq.get("tower_kinds", ())) for seq in seqs), 64) if tower else 0

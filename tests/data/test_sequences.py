@@ -284,3 +284,56 @@ def test_images_at_their_own_sizes_packed_for_the_tower_equal_each_example_alone
     (got, _), got_grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, packed, None)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_grads, want_grads)
+
+
+def test_anyres_images_at_their_own_sizes_in_packed_rows_equal_each_example_alone(data_dir):
+    """AnyRes (tile 16: base view + 1×2, 2×1 or 2×2 tiles, a newline after each row of tokens) on
+    images of four sizes, one example with two: the packed rows' views and layouts made on the host
+    give the loss and gradients of each example alone through the VLM's AnyRes path for host-made
+    views (its tokens gathered by ``anyres.gather`` on the device), 1e-6."""
+    from vitmm.models import anyres as anyres_lib
+
+    c = config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,connector=mlp,stage=2,anyres=16",
+                         **{"input.data_dir": data_dir})
+    task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+    params = task.init_params()
+    model = task.model
+    anyres = task.sequence_anyres()
+    per_view = anyres["tile_grid"][0] * anyres["tile_grid"][1]
+    rng = np.random.default_rng(6)
+    sizes = [(20, 36), (40, 24), (16, 16), (33, 50)]
+    examples = []
+    for i, ex in enumerate(_examples(c, 4, seed=7)):
+        ex = {**ex, "image": rng.normal(size=(*sizes[i], 3)).astype(np.float32), "has_image": np.bool_(True)}
+        if i == 3:
+            ex["more_images"] = [rng.normal(size=(24, 12, 3)).astype(np.float32)]
+            ex["image_positions"] = np.array([1, 4], np.int32)
+        examples.append(ex)
+    it = sequences.packed_batches(examples, lambda ex, rng: ex, num_visual=per_view, length=200, max_images=12,
+                                  rows=2, bins=2, num_epochs=1, anyres=anyres)
+    packed = {k: jnp.asarray(v) for k, v in next(it).items()}
+    assert int(packed["segment_ids"].max()) >= 2 and int((packed["visual"] == sequences.NEWLINE).sum()) > 0
+
+    def alone(params):
+        total, count = 0.0, 0.0
+        for ex in examples:
+            seq = sequences.to_sequence(ex, per_view, anyres=anyres)
+            text = model.apply({"params": params}, jnp.asarray(seq["tokens"])[None],
+                               method=lambda m, t: m.language.embed(t))
+            pins, grid = anyres["pinpoints"], anyres["tile_grid"]
+            vis = jnp.concatenate([model.apply(  # the VLM's host-views path: views [1, V, t, t, C], layout [1, M]
+                {"params": params}, jnp.asarray(preprocess.anyres_views(image, pins, 16))[None],
+                layout=jnp.asarray(anyres_lib.layout(image.shape[:2], pins, 16, grid))[None],
+                method=vlm.VLM.visual_tokens) for image in [ex["image"], *ex.get("more_images", [])]], axis=1)[0]
+            shown = seq["visual"] != -1
+            order = np.cumsum(shown) - 1
+            x = jnp.where(jnp.asarray(shown)[:, None], vis[np.maximum(order, 0)], text[0])
+            logits = model.apply({"params": params}, x[None], method=lambda m, e: m.language(embeds=e))[0]
+            total += jnp.sum(losses.token_nll(logits, jnp.asarray(seq["targets"])) * seq["weights"])
+            count += seq["weights"].sum()
+        return total / count
+
+    want, want_grads = jax.jit(jax.value_and_grad(alone))(params)
+    (got, _), got_grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, packed, None)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_grads, want_grads)

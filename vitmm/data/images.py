@@ -67,11 +67,16 @@ RESAMPLING = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling
 
 
 def resize(image: np.ndarray, size: tuple[int, int], method: str = "bilinear") -> np.ndarray:
-    """uint8 ``image`` resized to ``size`` (height, width) with PIL's ``method``."""
+    """``image`` resized to ``size`` (height, width) with PIL's ``method``: uint8 as it is, float
+    one channel at a time in PIL's 32-bit float mode (e.g. images already normalised)."""
     if method not in RESAMPLING:
         raise ValueError(f"resize method {method!r}: choose one of {tuple(RESAMPLING)}.")
     if image.shape[:2] == tuple(size):
         return image
+    if image.dtype.kind == "f":
+        channels = [np.asarray(Image.fromarray(np.ascontiguousarray(image[..., c], np.float32), mode="F").resize(
+            (size[1], size[0]), RESAMPLING[method])) for c in range(image.shape[-1])]
+        return np.stack(channels, axis=-1).astype(image.dtype)
     return np.asarray(Image.fromarray(image).resize((size[1], size[0]), RESAMPLING[method]))
 
 

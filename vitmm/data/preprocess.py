@@ -363,14 +363,9 @@ def anyres(pinpoints, tile, tile_grid=None, key="image"):
 
     def fn(ex, rng):
         image = ex[key]
-        plan = anyres_lib.plan(image.shape[:2], pinpoints, tile)
-        (fh, fw), (top, left), (rows, cols) = plan["fitted"], plan["offset"], plan["tiles"]
-        canvas = np.zeros((*plan["best"], image.shape[2]), image.dtype)
-        canvas[top:top + fh, left:left + fw] = _resize(image, (fh, fw))
+        made = anyres_views(image, pinpoints, tile)
         out = np.zeros((views, tile, tile, image.shape[2]), image.dtype)
-        out[0] = _resize(image, (tile, tile))
-        out[1:1 + rows * cols] = canvas.reshape(rows, tile, cols, tile, -1).swapaxes(1, 2).reshape(-1, tile, tile,
-                                                                                                  image.shape[2])
+        out[:len(made)] = made
         ex[key] = out
         if tile_grid is not None:
             index = anyres_lib.layout(image.shape[:2], pinpoints, tile, tile_grid)
@@ -380,6 +375,20 @@ def anyres(pinpoints, tile, tile_grid=None, key="image"):
         return ex
 
     return fn
+
+
+def anyres_views(image: np.ndarray, pinpoints, tile: int) -> np.ndarray:
+    """An image's AnyRes views ``[1 + rows·cols, tile, tile, C]`` (``models.anyres``): the base view
+    (the image squashed to a tile), then the tiles of its best candidate resolution (the image
+    resized with its aspect kept and centred on black, as LLaVA-NeXT's processor pads)."""
+    from vitmm.models import anyres as anyres_lib
+
+    plan = anyres_lib.plan(image.shape[:2], [tuple(p) for p in pinpoints], tile)
+    (fh, fw), (top, left), (rows, cols) = plan["fitted"], plan["offset"], plan["tiles"]
+    canvas = np.zeros((*plan["best"], image.shape[2]), image.dtype)
+    canvas[top:top + fh, left:left + fw] = _resize(image, (fh, fw))
+    tiles = canvas.reshape(rows, tile, cols, tile, -1).swapaxes(1, 2).reshape(-1, tile, tile, image.shape[2])
+    return np.concatenate([_resize(image, (tile, tile))[None], tiles])
 
 
 @register("center_crop")

@@ -34,7 +34,7 @@ SEQUENCE_KEYS = ("tokens", "visual", "targets", "weights", "prefix")
 
 
 def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = None,
-                tower: dict | None = None) -> dict:
+                tower: dict | None = None, anyres: dict | None = None) -> dict:
     """The flat sequence of one pp'd example (see the module docstring) and its ``images``
     ``[K, H, W, C]`` (``K = 0`` for a text-only example); with ``mrope_grid`` (an image's visual
     tokens as rows × columns), ``mrope [S, 3]``: Qwen2-VL's 3D positions (``mrope_positions``).
@@ -45,12 +45,16 @@ def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = 
     ``tower_patches``, ``tower_kinds``, ``tower_positions`` (its tokens, as
     ``models.packing.image_tokens`` lays them out, image after image, windows together when
     merging), ``tower_image`` (each token's image, from 1) and ``grids [K, 2]`` instead of
-    ``images``; ``visual`` then indexes the example's tower tokens (merged ones when merging)."""
+    ``images``; ``visual`` then indexes the example's tower tokens (merged ones when merging).
+
+    ``anyres`` (``pinpoints``, ``tile``, ``tile_grid``: the VLM's and its connector's grid on a tile):
+    each image at its own size becomes its AnyRes views (``images`` holds them, ``num_visual``
+    tokens a view), its visual positions ``models.anyres.layout``'s, ``NEWLINE`` for its newlines."""
     answer = np.asarray(ex["answer_mask"])
     answered = np.flatnonzero(answer)
     if not len(answered):
         raise skips.BadExample("too_long", "no answer token is left to train on")
-    images, spans, visuals = _visual_layout(ex, num_visual, tower)
+    images, spans, visuals = _visual_layout(ex, num_visual, tower, anyres)
     tokens, visual, text_at = _interleave(ex, int(answered[-1]) + 1, spans)
     is_text = text_at >= 0
     weight_here = np.where(is_text, answer[np.maximum(text_at, 0)], 0).astype(np.float32)
@@ -69,11 +73,11 @@ def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = 
 
 
 def prompt_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = None,
-                    tower: dict | None = None) -> dict:
+                    tower: dict | None = None, anyres: dict | None = None) -> dict:
     """A prompt's sequence (its first ``prompt_len`` text tokens and the images among them):
     ``tokens``, ``visual`` and ``images`` or the tower's fields (and ``mrope [S, 3]``), as
     ``to_sequence`` makes them: what ``VLM.prefill_sequences`` takes."""
-    images, spans, visuals = _visual_layout(ex, num_visual, tower)
+    images, spans, visuals = _visual_layout(ex, num_visual, tower, anyres)
     tokens, visual, _ = _interleave(ex, int(ex["prompt_len"]), spans)
     out = {"tokens": tokens, "visual": visual, **visuals}
     if mrope_grid is not None:
@@ -86,15 +90,23 @@ def prompt_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | Non
 TOWER_KEYS = ("tower_patches", "tower_kinds", "tower_positions", "tower_image")
 
 
-def _visual_layout(ex: dict, num_visual: int, tower: dict | None):
-    """The example's images, each one's ``(first visual index, count)``, and the arrays that carry
-    them: ``images`` (square, ``num_visual`` tokens each) or the tower's packed tokens (``tower``)."""
+NEWLINE = -2  # a ``visual`` entry that is AnyRes's learned newline token
+
+
+def _visual_layout(ex: dict, num_visual: int, tower: dict | None, anyres: dict | None = None):
+    """The example's images, each one's visual indices, and the arrays that carry them: ``images``
+    (square, ``num_visual`` tokens each; with ``anyres``, each image's views, ``num_visual`` tokens
+    a view, laid out by ``models.anyres.layout`` with ``NEWLINE``s) or the tower's packed tokens
+    (``tower``)."""
     has_image = bool(ex.get("has_image", True))
     images = [ex["image"], *ex.get("more_images", [])] if has_image else []
     first = np.asarray(ex["image"])
+    if anyres is not None:
+        return _anyres_layout(images, first, num_visual, anyres)
     if tower is None:
         stacked = np.stack(images) if images else np.zeros((0, *first.shape), first.dtype)
-        return images, [(k * num_visual, num_visual) for k in range(len(images))], {"images": stacked}
+        return images, [np.arange(k * num_visual, (k + 1) * num_visual) for k in range(len(images))], \
+            {"images": stacked}
     from vitmm.models import packing
 
     k = tower.get("merge", 1)
@@ -103,7 +115,7 @@ def _visual_layout(ex: dict, num_visual: int, tower: dict | None):
     spans, start = [], 0
     for t in cut:
         n = int(np.prod(t["grid"]))
-        spans.append(((start + len(t["kinds"]) - n) // k**2, n // k**2))
+        spans.append(np.arange((start + len(t["kinds"]) - n) // k**2, (start + len(t["kinds"])) // k**2))
         start += len(t["kinds"])
     size = int(np.prod(packing.to_pair(tower["patch"]))) * first.shape[-1]
     cat = lambda key, shape, dtype: np.concatenate([t[key] for t in cut]) if cut else np.zeros(shape, dtype)  # noqa: E731
@@ -113,6 +125,22 @@ def _visual_layout(ex: dict, num_visual: int, tower: dict | None):
         "tower_image": np.concatenate([np.full(len(t["kinds"]), k + 1, np.int32) for k, t in enumerate(cut)])
         if cut else np.zeros((0,), np.int32),
         "grids": np.stack([t["grid"] for t in cut]) if cut else np.zeros((0, 2), np.int32)}
+
+
+def _anyres_layout(images: list, first: np.ndarray, num_visual: int, anyres: dict):
+    """AnyRes (``models.anyres``) at each image's own size: its views as square images, and the
+    layout of their tokens (``num_visual`` a view) with a newline ending each row."""
+    from vitmm.data.preprocess import anyres_views
+    from vitmm.models import anyres as anyres_lib
+
+    pinpoints, tile, grid = [tuple(p) for p in anyres["pinpoints"]], anyres["tile"], tuple(anyres["tile_grid"])
+    views, spans = [], []
+    for image in images:
+        index = anyres_lib.layout(np.shape(image)[:2], pinpoints, tile, grid)
+        spans.append(np.where(index == anyres_lib.NEWLINE, NEWLINE, len(views) * num_visual + index))
+        views.extend(anyres_views(np.asarray(image), pinpoints, tile))
+    stacked = np.stack(views) if views else np.zeros((0, tile, tile, first.shape[-1]), first.dtype)
+    return images, spans, {"images": stacked}
 
 
 def _window_order(tokens: dict, k: int) -> dict:
@@ -133,8 +161,8 @@ def _window_order(tokens: dict, k: int) -> dict:
             "kinds": tokens["kinds"][order]}
 
 
-def _interleave(ex: dict, end: int, spans: list[tuple[int, int]]):
-    """The text tokens ``ids[:end]`` with image ``k``'s visual indices ``spans[k]`` (first, count)
+def _interleave(ex: dict, end: int, spans: list):
+    """The text tokens ``ids[:end]`` with image ``k``'s visual indices ``spans[k]`` (an array)
     where it goes: ``(tokens, visual, text index of each position (-1 on visual ones))``."""
     ids = np.asarray(ex["ids"])
     places = ex.get("image_positions")
@@ -150,9 +178,8 @@ def _interleave(ex: dict, end: int, spans: list[tuple[int, int]]):
         visual += [-1] * (place - cursor)
         cursor = place
         if k < len(places):
-            first, count = spans[k]
-            text_at += [-1] * count
-            visual += range(first, first + count)
+            text_at += [-1] * len(spans[k])
+            visual += [int(v) for v in spans[k]]
     text_at, visual = np.asarray(text_at, np.int64), np.asarray(visual, np.int32)
     tokens = np.where(text_at >= 0, ids[np.maximum(text_at, 0)], 0).astype(np.int32)
     return tokens, visual, text_at
@@ -187,14 +214,15 @@ def row_visual(visual: np.ndarray, segments: np.ndarray, image_segments: np.ndar
     gives ``s`` (the packer lays a row's images out in segment order)."""
     real = image_segments[image_segments > 0]
     first = np.searchsorted(real, segments)
-    return np.where((visual >= 0) & (segments > 0), first * num_visual + visual, -1).astype(np.int32)
+    row = np.where((visual >= 0) & (segments > 0), first * num_visual + visual, -1)
+    return np.where((visual == NEWLINE) & (segments > 0), NEWLINE, row).astype(np.int32)
 
 
 def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: int, rows: int, pack: bool = True,
                    bins: int = 8, seed: int = 0, num_epochs: int | None = None, process_index: int = 0,
                    process_count: int = 1, skip_bad: float | None = None, workers: int = 0,
                    mrope_grid: tuple[int, int] | None = None, tower: dict | None = None,
-                   tower_length: int = 0):
+                   tower_length: int = 0, anyres: dict | None = None):
     """Batches of ``rows`` rows (``SEQUENCE_KEYS``, ``segment_ids``, ``positions`` ``[rows, length]``;
     ``images [rows, max_images, H, W, C]``) from ``source`` through ``pp_fn`` and ``to_sequence``;
     each process reads its own slice. ``skip_bad`` (raw data): bad examples are skipped and counted
@@ -204,7 +232,7 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
     images at their own sizes (``to_sequence``), each row's tower tokens packed into
     ``tower_length`` (``tower_*`` ``[rows, tower_length, …]``, ``tower_segments`` each token's image
     in the row, ``grids [rows, max_images, 2]``: a ``models.packing.Packed`` batch) instead of
-    ``images``."""
+    ``images``. ``anyres``: each image's AnyRes views in the slots (``to_sequence``)."""
     import grain
     import grain.experimental
 
@@ -212,7 +240,7 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
     from vitmm.data.pipeline import collate
 
     def sequence(ex, rng):
-        seq = to_sequence(pp_fn(ex, rng), num_visual, mrope_grid, tower)
+        seq = to_sequence(pp_fn(ex, rng), num_visual, mrope_grid, tower, anyres)
         n = len(seq["grids" if tower else "images"])
         if len(seq["tokens"]) > length or n > max_images or len(seq.get("tower_kinds", ())) > tower_length:
             raise ValueError(f"An example of {len(seq['tokens'])} positions and {n} images does not fit a row of "

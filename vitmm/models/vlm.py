@@ -225,9 +225,8 @@ class VLM(nn.Module):
         ``n``; -1 on text), ``segment_ids``/``positions [R, T]`` the examples and their positions
         (0 on padding), ``prefix_mask [R, T]`` each example's prefix for a prefix-LM (else causal).
         Position ``t`` predicts the token at ``t + 1`` of its example. With ``mrope``, ``positions``
-        are ``[3, R, T]`` (``data.sequences.mrope_positions``)."""
-        if self.anyres is not None:
-            raise ValueError("packed sequences take square images through the tower (anyres=None).")
+        are ``[3, R, T]`` (``data.sequences.mrope_positions``); with ``anyres`` the slots hold AnyRes
+        views and ``visual`` -2 is the newline token."""
         x = self._sequence_embeds(images, tokens, visual)
         return self.language(embeds=x, positions=positions, segment_ids=segment_ids, prefix_mask=prefix_mask,
                              logits_at=logits_at)
@@ -238,8 +237,6 @@ class VLM(nn.Module):
         ``lengths [B]``): ``(logits [B, vocab] after each prompt, cache)``; decoding continues at
         position ``lengths`` (with ``mrope``, ``positions [3, B, T]`` and, in the cache, each row's
         ``rope_delta``: its next position minus its length)."""
-        if self.anyres is not None:
-            raise ValueError("prompts with several images take square images through the tower (anyres=None).")
         if self.mrope != (positions is not None):
             raise ValueError("prefill_sequences takes M-RoPE positions [3, B, T] exactly when mrope=True.")
         x = self._sequence_embeds(images, tokens, visual)
@@ -264,13 +261,19 @@ class VLM(nn.Module):
         if isinstance(images, packing_lib.Packed):
             _, out = self.tower(images)
             flat = self._packed_project(self._layer(out))
+        elif self.anyres is not None:  # each slot an AnyRes view (a tile-sized square), its tokens in its grid
+            views = self._view_tokens(images)
+            flat = views.reshape(views.shape[0], -1, views.shape[-1])
         else:
             r, n = images.shape[:2]
             flat = self.visual_tokens(images.reshape(r * n, *images.shape[2:]))
             flat = flat.reshape(r, n * flat.shape[1], flat.shape[2])
         text = self.language.embed(tokens)
         picked = jnp.take_along_axis(flat, jnp.maximum(visual, 0)[..., None], 1).astype(text.dtype)
-        return jnp.where((visual >= 0)[..., None], picked, text)
+        x = jnp.where((visual >= 0)[..., None], picked, text)
+        if self.anyres is not None:  # data.sequences.NEWLINE (-2): the learned newline ending each row of tokens
+            x = jnp.where((visual == -2)[..., None], self.image_newline.astype(x.dtype), x)
+        return x
 
     def _packed_project(self, seq):
         """The connector on a packed row's tower tokens ``[R, L, C]``: token-wise ones per token;
