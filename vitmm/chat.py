@@ -168,16 +168,14 @@ class Chat:
         """``stream_batch`` for prompts with several images: flat sequences (``data.sequences``),
         image slots rounded up to ``max_images``."""
         from vitmm.data import sequences
+        from vitmm.models.vlm import VLM
+        from vitmm.train.sequence_layout import SequenceLayout
 
-        grid = None
-        if self.task.model.mrope:
-            from vitmm.models.vlm import VLM
-
-            grid = self.task.model.apply({"params": self.params}, examples[0]["image"].shape[:2], method=VLM.token_grid)
-        tower, anyres = self.task.packed_tower(), self.task.sequence_anyres()  # own sizes: tower tokens / views
-        per_image = 0 if tower else anyres["tile_grid"][0] * anyres["tile_grid"][1] if anyres else None
-        seqs = [sequences.prompt_sequence(ex, self._num_visual(ex["image"]) if per_image is None else per_image, grid,
-                                          tower, anyres) for ex in examples]
+        grid = self.task.model.apply({"params": self.params}, examples[0]["image"].shape[:2],
+                                     method=VLM.token_grid) if self.task.model.mrope else None
+        layout = SequenceLayout.of(self.task, self._num_visual(examples[0]["image"]), grid)
+        tower = layout.tower  # images at their own sizes: the tower's tokens packed
+        seqs = [layout.prompt(ex) for ex in examples]
         lengths = np.array([len(seq["tokens"]) for seq in seqs])
         slots = max(self.max_images, *(len(seq["grids" if tower else "images"]) for seq in seqs))  # video: more
         tower_length = _round_up(max(len(seq.get("tower_kinds", ())) for seq in seqs), 64) if tower else 0

@@ -298,7 +298,7 @@ def test_anyres_images_at_their_own_sizes_in_packed_rows_equal_each_example_alon
     task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
     params = task.init_params()
     model = task.model
-    anyres = task.sequence_anyres()
+    anyres = {**model.anyres, "tile_grid": (2, 2)}  # 16-px tiles of 8-px patches, every patch a token
     per_view = anyres["tile_grid"][0] * anyres["tile_grid"][1]
     rng = np.random.default_rng(6)
     sizes = [(20, 36), (40, 24), (16, 16), (33, 50)]

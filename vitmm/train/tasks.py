@@ -229,40 +229,12 @@ class VLMTask:
         return evals
 
 
-    def sequence_anyres(self) -> dict | None:
-        """With ``model.anyres``: what ``data.sequences`` needs to make each image's AnyRes views and
-        token layout (``pinpoints``, ``tile``, the connector's ``tile_grid`` on a tile); else None."""
-        if self.model.anyres is None:
-            return None
-        from vitmm.models import connectors
-        from vitmm.models.vit import ViT
-
-        tile = self.model.anyres["tile"]
-        grid = connectors.token_grid(self.config.model.connector.to_dict(), ViT(**self.vision).grid((tile, tile)))
-        return {**self.model.anyres, "tile_grid": tuple(grid)}
-
-    def packed_tower(self) -> dict | None:
-        """With ``input.sequences.tower_length``: what ``data.sequences`` needs to cut images at
-        their own sizes into the tower's tokens (its patch and prefix tokens); else None."""
-        sq = self.config.input.get("sequences")
-        if not (sq and sq.get("tower_length")):
-            return None
-        from vitmm.models.patch_embed import to_pair
-        from vitmm.models.vit import ViT
-
-        tower = ViT(**self.vision)
-        return {"patch": to_pair(tower.arch().patch_size)[0], "class_token": tower.class_token,
-                "num_registers": tower.num_registers, "merge": self.config.model.connector.get("merge") or 1}
-
     def _sequence_row(self):
         """With ``input.sequences``: a pp'd example as one padded row of them (held-out batches)."""
-        sq = self.config.input.get("sequences")
-        if not (sq and sq.get("length")):
-            return None
-        tower, anyres = self.packed_tower(), self.sequence_anyres()
-        per_image = self.num_visual if anyres is None else anyres["tile_grid"][0] * anyres["tile_grid"][1]
-        return lambda ex: sequences.one_row(sequences.to_sequence(ex, per_image, self.mrope_grid, tower, anyres),
-                                            sq.length, sq.get("max_images", 1), sq.get("tower_length", 0))
+        from vitmm.train.sequence_layout import SequenceLayout
+
+        layout = SequenceLayout.of(self)
+        return None if layout is None else layout.row
 
 
 def qa_evaluator(config, cfg: dict, model, tokenizer) -> eval_lib.QAAccuracy:

@@ -103,29 +103,26 @@ def _data_spec(inp) -> dict:
 def _sequences_input(config, pp, task):
     """VLM examples as flat sequences with any number of images (``input.sequences``;
     ``batch_size`` counts rows), packed several to a row unless ``pack=False``."""
-    from vitmm.data import sequences
+    from vitmm.train.sequence_layout import SequenceLayout
 
     inp, sq = config.input, config.input.sequences
     if not hasattr(task, "num_visual"):
         raise ValueError("input.sequences is for VLM runs (task 'vlm'); a contrastive run packs images with "
                          "input.packing.")
+    layout = SequenceLayout.of(task)
+    if layout.anyres is not None and any(name == "anyres" for name, _, _ in preprocess.ops(tasks.pp_string(config))):
+        raise ValueError("With input.sequences each image's AnyRes views are made by data.sequences: drop the anyres "
+                         "op from input.pp (keep the images at their own sizes).")
     raw = formats.raw_format(inp)
     source = formats.source_from(inp, config.seed) if raw else \
         pipeline.source_for(_data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
     count = jax.process_count()
     if config.batch_size % count:
         raise ValueError(f"batch_size={config.batch_size} rows do not split over {count} processes.")
-    anyres = task.sequence_anyres()
-    if anyres is not None and any(name == "anyres" for name, _, _ in preprocess.ops(tasks.pp_string(config))):
-        raise ValueError("With input.sequences each image's AnyRes views are made by data.sequences: drop the anyres "
-                         "op from input.pp (keep the images at their own sizes).")
-    per_image = task.num_visual if anyres is None else anyres["tile_grid"][0] * anyres["tile_grid"][1]  # or a view
-    return sequences.packed_batches(
-        source, pp, num_visual=per_image, length=sq.length, max_images=sq.get("max_images", 1),
-        rows=config.batch_size // count, pack=sq.get("pack", True), bins=sq.get("bins", 8), seed=config.seed,
-        process_index=jax.process_index(), process_count=count,
-        skip_bad=inp.get("max_skipped_share", 0.01) if raw else None, workers=inp.get("workers", 0),
-        mrope_grid=task.mrope_grid, tower=task.packed_tower(), tower_length=sq.get("tower_length", 0), anyres=anyres)
+    return layout.batches(source, pp, rows=config.batch_size // count, pack=sq.get("pack", True),
+                          bins=sq.get("bins", 8), seed=config.seed, process_index=jax.process_index(),
+                          process_count=count, skip_bad=inp.get("max_skipped_share", 0.01) if raw else None,
+                          workers=inp.get("workers", 0))
 
 
 def _packed_input(config, pp):
