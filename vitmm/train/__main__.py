@@ -5,9 +5,10 @@ Exit codes: 0 done; 2 a bad flag, config value, checkpoint or input (one message
 1 the run stopped on a failure it names (non-finite loss, a failed save, no readable
 checkpoint: ``--restart`` then trains afresh, keeping the old log aside); 75 preempted by
 SIGTERM/SIGINT after saving a checkpoint (rerun to resume).
-``--debug`` (or ``VITMM_DEBUG=1``) shows the traceback instead. The libraries' errors of a failed
-save or checkpoint read go to ``WORKDIR/errors.log``; their warnings of a healthy run stay off the
-console unless ``--verbose`` (``vitmm.console``).
+``--dry_run`` compiles the step and prints its memory per device and FLOPs, training nothing
+(``vitmm.train.dry_run``). ``--debug`` (or ``VITMM_DEBUG=1``) shows the traceback instead. The
+libraries' errors of a failed save or checkpoint read go to ``WORKDIR/errors.log``; their warnings
+of a healthy run stay off the console unless ``--verbose`` (``vitmm.console``).
 """
 
 import os
@@ -32,6 +33,8 @@ flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line errors.")
 flags.DEFINE_bool("verbose", False, "Print the libraries' INFO lines and the warnings every run gets.")
 flags.DEFINE_bool("restart", False, "Train from step 0 in a workdir whose earlier run no checkpoint can resume "
                   "(its metrics.jsonl is kept aside).")
+flags.DEFINE_bool("dry_run", False, "Compile the training step without training and print what it needs per "
+                  "device (parameters, optimizer state, batch, temporaries) and its FLOPs; nothing is written.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -120,6 +123,16 @@ def main(argv):
     console.quiet(flags.FLAGS.verbose)
     debug = flags.FLAGS.debug or _debug()
     errors_log = pathlib.Path(flags.FLAGS.workdir).expanduser() / console.ERRORS_LOG
+    if flags.FLAGS.dry_run:
+        from vitmm.train import dry_run
+
+        try:
+            print(dry_run.report(dry_run.plan(flags.FLAGS.config)))
+        except USER_ERRORS as err:
+            if debug:
+                raise
+            _fail(str(err), 2)
+        return
     try:
         with console.library_errors_to(errors_log):
             summary = trainer.train(flags.FLAGS.config, flags.FLAGS.workdir, restart=flags.FLAGS.restart)

@@ -1,0 +1,91 @@
+"""``python -m vitmm.train --config ... --workdir W --dry_run``: the training step compiled for the
+run's devices and mesh, not run, and what it needs per device.
+
+    parameters 12.3 MiB, optimizer state 24.6 MiB, batch 1.5 MiB, temporaries 210.0 MiB,
+    outputs 0.0 MiB beyond the donated state: 248.4 MiB a device at the step's peak; 3.1 GFLOPs a step
+
+Nothing is trained or written: the parameters and the optimizer state are shapes only
+(``jax.eval_shape``; an ``init.*`` checkpoint is read for its shapes), the batch is one batch of the
+run's own input. The numbers are XLA's for the compiled program (``memory_analysis``,
+``cost_analysis``), per device: parameters, optimizer state and batch from their shardings, the
+temporaries (activations kept for the backward pass, gradients, workspace) from the buffer
+assignment, the peak as arguments + temporaries + outputs not aliased to a donated argument. On
+the CPU the measured growth of the process's memory over a step is within a stated margin of it
+(``tests/train/test_dry_run.py``); what a GPU's allocator adds (fragmentation, cuDNN workspace,
+NCCL buffers) is not in it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vitmm.train import distributed, imported_vlm, optim, tasks, trainer
+from vitmm.train.parallel import Parallel
+
+MIB = 2**20
+
+
+def _bytes_per_device(tree, shardings) -> int:
+    """Bytes one device holds of ``tree`` (shapes) laid out by ``shardings``."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
+        shape = sharding.shard_shape(leaf.shape) if hasattr(sharding, "shard_shape") else leaf.shape
+        total += int(np.prod(shape)) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def plan(config) -> dict:
+    """The compiled step's needs per device (bytes) and its FLOPs; see the module docstring."""
+    distributed.maybe_initialize(config)
+    config = imported_vlm.from_imported_vlm(config)
+    trainer.validate(config)
+    par = Parallel(config.parallel, fsdp=config.get("fsdp", False))
+    if par.kind == "pmap":
+        raise ValueError("--dry_run compiles the jit step over a mesh; set --config.parallel=jit.")
+    tokenizer = tasks.tokenizer_for(config)
+    task = tasks.from_config(config, par, tokenizer)
+    params = jax.eval_shape(task.init_params)  # also sets the task's host-side settings (e.g. num_visual)
+    optim_cfg = config.optim.copy_and_resolve_references()
+    with optim_cfg.unlocked():
+        optim_cfg.total_steps = config.total_steps
+    tx, lr_schedule = optim.make_optimizer(optim_cfg, params)
+    state = dict(params=params, opt_state=jax.eval_shape(tx.init, params),
+                 step=jax.ShapeDtypeStruct((), jnp.int32),
+                 rng=jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
+                 bad=jax.ShapeDtypeStruct((2,), jnp.int32))
+    data = trainer._input(config, tokenizer, par, task)
+    try:
+        batch = next(data)
+    finally:
+        if hasattr(data, "close"):
+            data.close()
+    setup = trainer.Setup(par, tokenizer, task, tx, lr_schedule, state, config)
+    shardings = par.state_sharding(state)
+    compiled = setup.compile(state).lower(state, batch).compile()
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out = {
+        "devices": jax.device_count(),
+        "parameters": _bytes_per_device(state["params"], shardings["params"]),
+        "optimizer_state": _bytes_per_device(state["opt_state"], shardings["opt_state"]),
+        "batch": sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                     for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)),
+        "arguments": int(memory.argument_size_in_bytes),
+        "temporaries": int(memory.temp_size_in_bytes),
+        "outputs_not_aliased": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),
+        "code": int(memory.generated_code_size_in_bytes),
+        "flops": float(cost.get("flops", 0.0)),
+    }
+    out["peak"] = out["arguments"] + out["temporaries"] + max(out["outputs_not_aliased"], 0)
+    return out
+
+
+def report(needs: dict) -> str:
+    """``plan``'s numbers as the lines ``--dry_run`` prints."""
+    mib = lambda k: f"{needs[k] / MIB:,.1f} MiB"  # noqa: E731
+    return (f"per device ({needs['devices']} device{'s' * (needs['devices'] > 1)}): parameters {mib('parameters')}, "
+            f"optimizer state {mib('optimizer_state')}, batch {mib('batch')}, temporaries {mib('temporaries')}, "
+            f"outputs {mib('outputs_not_aliased')} beyond the donated state: {mib('peak')} at the step's peak\n"
+            f"{needs['flops'] / 1e9:,.2f} GFLOPs a step (XLA's count of the compiled program, per device)")
