@@ -337,3 +337,18 @@ def test_anyres_images_at_their_own_sizes_in_packed_rows_equal_each_example_alon
     (got, _), got_grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, packed, None)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_grads, want_grads)
+
+
+def test_images_packed_for_the_tower_refuse_a_connector_that_needs_a_square_grid(data_dir):
+    """A pooling connector cannot take a packed row of images at their own sizes: one line names it
+    and what works."""
+    c = config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,connector=pool,budget=4,stage=2",
+                         **{"input.data_dir": data_dir})
+    task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+    params = task.init_params()
+    ex = {**_examples(c, 1)[0], "image": np.zeros((16, 24, 3), np.float32)}
+    tower = {"patch": 8, "class_token": False, "num_registers": 0}
+    batch = next(sequences.packed_batches([ex], lambda e, rng: e, num_visual=0, length=80, max_images=1, rows=1,
+                                          tower=tower, tower_length=16))
+    with pytest.raises(ValueError, match="take a token-wise connector .* this VLM has 'pool'"):
+        task.loss_fn(params, {k: jnp.asarray(v) for k, v in batch.items()}, None)

@@ -63,6 +63,8 @@ def test_a_video_becomes_frames_where_its_tag_stood_and_temporal_patches_halve_t
     np.testing.assert_array_equal(still["image"], np.concatenate([_bars(1)[0]] * 2, -1))
     with pytest.raises(BadExample, match="2 <video> tag"):
         pp({**source[0], "conversations": [{**conv[0], "value": "<video><video>"}, conv[1]]}, None)
+    with pytest.raises(BadExample, match="a <video> tag but no video"):
+        pp({"images": [], "conversations": conv}, None)
 
 
 def test_videos_and_images_train_packed_with_temporal_patches_from_an_inflated_tower(tmp_path, clip_smoke_run):

@@ -216,6 +216,8 @@ def decode(image_key="image", max_images=1, draft=None, num_frames=8):
         ex = {key: value if key == image_key else _decode_text(value) for key, value in ex.items()}
         if video is not None:
             _video_as_images(ex, video, images, num_frames, draft, image_key)
+        elif "<video>" in str(ex.get("conversations", "")):
+            raise BadExample("image_tag_mismatch", "a <video> tag but no video")
         elif images is not None:
             if len(images) > max_images:
                 raise BadExample("too_many_images", f"{len(images)} images; this model takes at most {max_images}")
