@@ -39,15 +39,17 @@ def _bytes_per_device(tree, shardings) -> int:
     return total
 
 
-def plan(config) -> dict:
-    """The compiled step's needs per device (bytes) and its FLOPs; see the module docstring."""
+def plan(config, tokenizer=None) -> dict:
+    """The compiled step's needs per device (bytes) and its FLOPs; see the module docstring.
+    ``tokenizer``: instead of the run's (e.g. bytes in a vocabulary the size of an LM's whose
+    tokenizer is not at hand: the memory table's)."""
     distributed.maybe_initialize(config)
     config = imported_vlm.from_imported_vlm(config)
     trainer.validate(config)
     par = Parallel(config.parallel, fsdp=config.get("fsdp", False))
     if par.kind == "pmap":
         raise ValueError("--dry_run compiles the jit step over a mesh; set --config.parallel=jit.")
-    tokenizer = tasks.tokenizer_for(config)
+    tokenizer = tokenizer or tasks.tokenizer_for(config)
     task = tasks.from_config(config, par, tokenizer)
     params = jax.eval_shape(task.init_params)  # also sets the task's host-side settings (e.g. num_visual)
     optim_cfg = config.optim.copy_and_resolve_references()

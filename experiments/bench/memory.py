@@ -1,0 +1,136 @@
+"""What fits: per-GPU memory of the GPU configs from ``--dry_run`` (``vitmm.train.dry_run``), for the
+memory table in ``results/memory/``.
+
+    python -m experiments.bench.memory                 # on the machine the runs will train on
+    python -m experiments.bench.memory --tiny --out /tmp/memory   # the same rows shrunk (a CPU check)
+
+Rows: CLIP ViT-B/16 (batch 256) and ViT-L/16 (128) at 224 px, SigLIP So400m/14 at 224 px (128, the
+sigmoid loss), and LLaVA-1.5-shaped VLMs (CLIP ViT-L/14 at 336 px: 576 visual tokens, the MLP
+connector, sequences of 2,048 positions) on Qwen2-0.5B, 1.5B and 7B-sized LMs (their published
+widths, depths, heads, MLP widths and vocabularies; bfloat16 matmuls), each in LLaVA's stage 1
+(connector only, batch 32 a GPU), stage 2 (connector and LM, 16) and stage 2 with LoRA rank 8.
+
+Each row compiles the training step for this machine's devices (run it with one GPU visible:
+``CUDA_VISIBLE_DEVICES=0``) and records ``plan``'s numbers per device (``results/memory/rows.jsonl``,
+one row at a time: a rerun skips the rows it has). One GPU: the step's peak as XLA assigns it.
+Eight GPUs with FSDP (``fsdp=True``, the same per-GPU batch): the parameters and optimizer state
+divided by 8, the temporaries (the gradients among them) as on one GPU, the parameters FSDP
+gathers for one layer at a time not counted: an estimate, not a compiled 8-GPU program. On a CPU
+the numbers are XLA:CPU's (float32 matmuls, no fused attention): several times a GPU's
+temporaries; the table says which backend made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import tempfile
+import time
+
+from vitmm.config_args import load
+from vitmm.data import examples
+from vitmm.data import tokenizer as tok_lib
+from vitmm.study import outputs
+from vitmm.train import dry_run
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GIB = 2**30
+
+# Published sizes (the models' config.json): width, depth, heads, kv heads, MLP width, vocabulary, tied head.
+QWEN2 = {"0.5B": (896, 24, 14, 2, 4864, 151936, True), "1.5B": (1536, 28, 12, 2, 8960, 151936, True),
+         "7B": (3584, 28, 28, 4, 18944, 152064, False)}
+STAGES = {"stage 1": ("llava_pretrain", "", 32), "stage 2": ("llava_finetune", "", 16),
+          "stage 2, LoRA 8": ("llava_finetune", "lora=8,", 16)}
+
+
+def rows(tiny: bool) -> list[tuple[str, str, str, dict]]:
+    """``(name, config file, its args, overrides)`` of each row (``tiny``: every model shrunk)."""
+    import jax
+
+    out = []
+    attn = "cudnn" if jax.default_backend() == "gpu" else "xla"  # cuDNN's fused attention where there is one
+    clip = "clip_scenes.py", f"scale=b16,attn={attn}" + (",smoke" if tiny else "")
+    for name, variant, batch, extra in [("CLIP ViT-B/16, 224 px", "B/16", 256, {}),
+                                        ("CLIP ViT-L/16, 224 px", "L/16", 128, {}),
+                                        ("SigLIP So400m/14, 224 px", "So400m/14", 128, {"loss": "sigmoid"})]:
+        over = {"batch_size": 8 if tiny else batch, "model.image.variant": "S/16" if tiny else variant, **extra}
+        out.append((name, *clip, over))
+    for lm_name, (width, depth, heads, kv, mlp, vocab, tied) in QWEN2.items():
+        lm = dict(width=width, depth=depth, num_heads=heads, num_kv_heads=kv, mlp_dim=mlp, vocab_size=vocab,
+                  tie_embeddings=tied, qkv_bias=True, rope_theta=1e6, dtype_mm="bfloat16")
+        if tiny:
+            lm.update(width=64, depth=2, num_heads=4, num_kv_heads=2, mlp_dim=128, vocab_size=300)
+        tower = dict(variant="S/16" if tiny else "L/14", pool="tok", class_token=True, dtype_mm="bfloat16")
+        for stage, (config, arg, batch) in STAGES.items():
+            over = {"batch_size": 4 if tiny else batch, "model.lm": lm, "model.vision": tower,
+                    "input.image_size": 64 if tiny else 336, "model.max_len": 256 if tiny else 2048 - 576,
+                    "init.allow_random_tower": True}
+            out.append((f"VLM: CLIP ViT-L/14-336 + Qwen2-{lm_name}-sized LM, {stage}", f"{config}.py",
+                        f"{arg}connector=mlp,budget=all,steps=10", over))
+    return out
+
+
+class WideBytes(tok_lib.ByteTokenizer):
+    """Bytes in a vocabulary of ``vocab_size`` ids: a VLM row's LM keeps its own vocabulary (its
+    embedding and head) without its tokenizer, which is not here."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+
+def measure(name: str, config_file: str, arg: str, overrides: dict, data: pathlib.Path) -> dict:
+    extra = {"input.data_path": str(data)} if config_file.startswith("llava") else {}
+    config = load(ROOT / "configs" / config_file, arg, **extra, **overrides)
+    start = time.perf_counter()
+    needs = dry_run.plan(config, WideBytes(config.model.lm.vocab_size) if "lm" in overrides.get("model", {}) or
+                         "model.lm" in overrides else None)
+    return {"row": name, "config": f"configs/{config_file}:{arg}", "batch_per_gpu": config.batch_size,
+            **needs, "compile_s": round(time.perf_counter() - start, 1)}
+
+
+def table(results: list[dict]) -> str:
+    """The memory table: one and eight GPUs, GiB a GPU."""
+    lines = ["| run | batch a GPU | parameters | optimizer state | temporaries | 1 GPU: peak | 8 GPUs (FSDP): peak | "
+             "TFLOPs a step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        sharded = (r["parameters"] + r["optimizer_state"]) * 7 / 8  # what FSDP takes off each of 8 GPUs
+        lines.append(f"| {r['row']} | {r['batch_per_gpu']} | {r['parameters'] / GIB:.2f} | "
+                     f"{r['optimizer_state'] / GIB:.2f} | {r['temporaries'] / GIB:.2f} | {r['peak'] / GIB:.2f} | "
+                     f"{(r['peak'] - sharded) / GIB:.2f} | {r['flops'] / 1e12:.2f} |")
+    backend = {r["backend"] for r in results}
+    lines += ["", f"GiB a device, from `--dry_run` on {', '.join(sorted(backend))} (`vitmm.train.dry_run`); "
+              "8 GPUs: parameters and optimizer state divided by 8 (gradients are temporaries), "
+              "temporaries as on one GPU at the same per-GPU batch."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "results/memory"))
+    parser.add_argument("--tiny", action="store_true", help="every model shrunk: a check of the script on a CPU")
+    parser.add_argument("--only", default="", help="rows whose name contains this")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done_path = out / "rows.jsonl"
+    done = {json.loads(line)["row"]: json.loads(line) for line in done_path.open()} if done_path.exists() else {}
+    data = examples.write_llava(pathlib.Path(tempfile.mkdtemp(prefix="vitmm_memory_")), 16, resolution=64)
+    results = []
+    for name, config_file, arg, overrides in rows(args.tiny):
+        if args.only not in name:
+            continue
+        if name not in done:
+            done[name] = measure(name, config_file, arg, overrides, data)
+            with done_path.open("a") as f:
+                f.write(json.dumps(done[name]) + "\n")
+            print(f"{name}: {dry_run.report(done[name]).splitlines()[0]}", flush=True)
+        results.append(done[name])
+    outputs.write_outputs(out, "memory", {"tiny": args.tiny, "rows": len(results)}, table(results),
+                          {"memory.csv": results})
+    return results
+
+
+if __name__ == "__main__":
+    main()

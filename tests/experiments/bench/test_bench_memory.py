@@ -1,0 +1,20 @@
+"""experiments/bench/memory.py on shrunk models: rows written one at a time (a rerun skips them), the
+optimizer state following what each stage trains."""
+
+import json
+
+from experiments.bench import memory
+
+
+def test_the_memory_rows_follow_what_each_stage_trains(tmp_path):
+    rows = memory.main(["--tiny", "--only", "0.5B", "--out", str(tmp_path)])
+    stage1, stage2, lora = (next(r for r in rows if r["row"].endswith(s)) for s in ("stage 1", "stage 2", "LoRA 8"))
+    assert stage1["optimizer_state"] < lora["optimizer_state"] < stage2["optimizer_state"]
+    assert stage1["parameters"] < lora["parameters"]  # the adapters are parameters too
+    assert all(r["peak"] >= r["arguments"] > 0 and r["flops"] > 0 for r in rows)
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3
+    table = (tmp_path / "memory.md").read_text()
+    assert table.count("\n| VLM") == 3 and "from `--dry_run` on cpu" in table
+    again = memory.main(["--tiny", "--only", "0.5B", "--out", str(tmp_path)])  # nothing compiled again
+    assert [r["compile_s"] for r in again] == [r["compile_s"] for r in rows]
+    assert json.loads((tmp_path / "setup.json").read_text())["tiny"] is True
