@@ -32,6 +32,7 @@ def get_config(arg=None):
     c.batch_size = arg.batch
     c.parallel = "jit"
     c.fsdp = True  # large parameters and their optimizer moments sharded over the mesh
+    c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
     c.loss = "softmax"
     c.max_temperature = 100.0
     c.tokenizer = config_dict.placeholder(str)

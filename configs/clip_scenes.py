@@ -30,6 +30,7 @@ def get_config(arg=None):
     c.batch_size = 128  # image-caption pairs per step: each pair's negatives are the other 127
     c.parallel = arg.parallel  # jit (a mesh) or pmap; the same numbers either way
     c.fsdp = False
+    c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
     c.loss = "softmax"
     c.max_temperature = 100.0  # CLIP clamps the learned temperature at 100
     c.tokenizer = config_dict.placeholder(str)  # a local tokenizer.json; default: bytes

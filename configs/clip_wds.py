@@ -33,6 +33,7 @@ def get_config(arg=None):
     c.batch_size = 128  # image-caption pairs per step: each pair's negatives are the rest of the batch
     c.parallel = "jit"
     c.fsdp = False
+    c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
     c.loss = arg.loss
     c.max_temperature = 100.0
     c.tokenizer = config_dict.placeholder(str)  # a local tokenizer.json; default: bytes

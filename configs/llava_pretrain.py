@@ -56,6 +56,7 @@ def get_config(arg=None):
     c.batch_size = arg.batch  # conversations per step (LLaVA-1.5: 256 in stage 1, 128 in stage 2)
     c.parallel = "jit"
     c.fsdp = False
+    c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
     c.tokenizer = config_dict.placeholder(str)  # default: init.lm's, else bytes
     c.log_every = 10
     c.eval_every = c.checkpoint_every = max(arg.steps // 4, 1)

@@ -30,6 +30,7 @@ def get_config(arg=None):
     c.batch_size = arg.batch
     c.parallel = "jit"
     c.fsdp = True
+    c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
     c.loss = "sigmoid_chunked"
     c.max_temperature = config_dict.placeholder(float)  # SigLIP does not clamp
     c.tokenizer = config_dict.placeholder(str)

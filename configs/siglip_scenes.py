@@ -26,6 +26,7 @@ def get_config(arg=None):
     c.batch_size = 128
     c.parallel = arg.parallel
     c.fsdp = False
+    c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
     c.loss = arg.loss  # sigmoid: all-gathered; sigmoid_chunked: text chunks passed around the devices
     c.max_temperature = config_dict.placeholder(float)  # SigLIP does not clamp
     c.tokenizer = config_dict.placeholder(str)

@@ -47,6 +47,7 @@ def get_config(arg=None):
     c.batch_size = 64  # (image, question, answer) examples per step
     c.parallel = "jit"
     c.fsdp = False
+    c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
     c.tokenizer = config_dict.placeholder(str)  # default: bytes
     c.log_every = 10
     c.eval_every = c.checkpoint_every = arg.steps

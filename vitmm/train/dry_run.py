@@ -46,7 +46,7 @@ def plan(config, tokenizer=None) -> dict:
     distributed.maybe_initialize(config)
     config = imported_vlm.from_imported_vlm(config)
     trainer.validate(config)
-    par = Parallel(config.parallel, fsdp=config.get("fsdp", False))
+    par = Parallel(config.parallel, fsdp=config.get("fsdp", False), tensor_parallel=config.get("tensor_parallel", 1))
     if par.kind == "pmap":
         raise ValueError("--dry_run compiles the jit step over a mesh; set --config.parallel=jit.")
     tokenizer = tokenizer or tasks.tokenizer_for(config)

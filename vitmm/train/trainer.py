@@ -241,7 +241,7 @@ class Setup:
 
 def build(config) -> Setup:
     """The task, optimizer and fresh state of ``config`` (``init.checkpoint`` loaded)."""
-    par = Parallel(config.parallel, fsdp=config.get("fsdp", False))
+    par = Parallel(config.parallel, fsdp=config.get("fsdp", False), tensor_parallel=config.get("tensor_parallel", 1))
     tokenizer = tasks.tokenizer_for(config)
     task = tasks.from_config(config, par, tokenizer)
     params = task.init_params()

@@ -34,7 +34,7 @@ from vitmm import tree
 # logs are read, and how evaluation is done. Anything else changes what is computed.
 SAFE_TO_CHANGE = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "sync_every",
                   "allow_config_change", "evals", "input/data_dir", "input/num_threads", "input/prefetch",
-                  "input/device_prefetch", "multihost")
+                  "input/device_prefetch", "multihost", "fsdp", "tensor_parallel")  # layouts: a restore reshards
 
 
 class WorkdirLocked(RuntimeError):
