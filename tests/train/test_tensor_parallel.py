@@ -50,14 +50,32 @@ def test_tensor_parallel_steps_equal_the_data_parallel_step(config, data_dir):
         assert len(split) >= 4, name
 
 
-def test_a_tensor_parallel_run_resumes_on_another_layout(tmp_path, data_dir):
-    """Stopped at step 2 with TP 2 × FSDP, resumed with plain data parallelism: it ends where an
-    uninterrupted data-parallel run ends (the restore reshards the checkpoint)."""
-    base = {"input.data_dir": data_dir, "total_steps": 4}
-    config = load(ROOT / "configs/vlm_scenes.py", "smoke,stage=2", **base)
-    tp = load(ROOT / "configs/vlm_scenes.py", "smoke,stage=2", **base, **{"tensor_parallel": 2, "fsdp": True})
+STOP_AT_2 = """
+import sys
+from vitmm.config_args import load
+from vitmm.train import trainer
+config = load("configs/vlm_scenes.py", "smoke,stage=2", **{"input.data_dir": sys.argv[2], "total_steps": 4,
+                                                          "tensor_parallel": 2, "fsdp": True})
+import jax
+assert jax.device_count() == 8
+print(trainer.train(config, sys.argv[1], stop_at=2)["final_step"])
+"""
+
+
+def test_a_tensor_parallel_run_on_8_devices_resumes_on_4_without_it(tmp_path, data_dir):
+    """Stopped at step 2 on 8 devices with TP 2 × FSDP 4 (another process), resumed here on 4
+    devices with plain data parallelism: it ends where an uninterrupted 4-device run ends (the
+    restore reshards the checkpoint onto the new mesh)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": os.environ["VITMM_TEST_XLA_FLAGS"] + " --xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "-c", STOP_AT_2, str(tmp_path / "run"), str(data_dir)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("2"), result.stderr[-2000:]
+    config = load(ROOT / "configs/vlm_scenes.py", "smoke,stage=2", **{"input.data_dir": data_dir, "total_steps": 4})
     straight = trainer.train(config, tmp_path / "straight")
-    assert trainer.train(tp, tmp_path / "run", stop_at=2)["final_step"] == 2
     resumed = trainer.train(config, tmp_path / "run")
     assert resumed["final_step"] == 4
     assert resumed["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
