@@ -45,8 +45,7 @@ def _packed(examples, num_visual, length, rows, pack=True):
     return next(it)
 
 
-@pytest.mark.parametrize("prefix_lm", [False, True])
-def test_a_packed_batch_has_the_unpacked_loss_and_gradients(data_dir, prefix_lm):
+def test_a_packed_batch_has_the_unpacked_loss_and_gradients(data_dir, prefix_lm=False):  # prefix-LM: the M-RoPE test
     """Five examples (one text-only) in two packed rows against the VLM's padded batch
     (``VLMTask.loss_fn`` on ``ids``/``image_pos``/``has_image``): loss ≤ 1e-6, gradients ≤ 1e-6."""
     c, task, params = _task(data_dir, prefix_lm)

@@ -3,9 +3,12 @@ optimizer state following what each stage trains."""
 
 import json
 
+import pytest
+
 from experiments.bench import memory
 
 
+@pytest.mark.slow  # --dry_run's numbers are tests/train/test_dry_run.py's; this is the script's rows and table (~17 s)
 def test_the_memory_rows_follow_what_each_stage_trains(tmp_path):
     rows = memory.main(["--tiny", "--only", "0.5B", "--out", str(tmp_path)])
     stage1, stage2, lora = (next(r for r in rows if r["row"].endswith(s)) for s in ("stage 1", "stage 2", "LoRA 8"))
