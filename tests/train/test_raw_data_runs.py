@@ -150,14 +150,14 @@ def test_the_server_takes_several_images_and_answers_what_chat_answers(multi_ima
 
 
 @pytest.mark.parametrize("sizes", ["native=16,connector=patch_merger", "anyres=16"])
-def test_images_at_their_own_sizes_train_packed_and_chat(multi_image_run, tmp_path, capsys, sizes):
+def test_images_at_their_own_sizes_train_packed_and_chat(tmp_path, capsys, sizes):
     """``native=16`` with Qwen2-VL's patch merger (each image resized to fit 16 patches in 2×2
     windows, keeping its aspect, its patches packed NaViT-style for the tower) or ``anyres=16``
     (LLaVA-NeXT's views of each image in the slots): stage 2 trains, a held-out loss reads one
     example a row, and `vitmm.chat` answers about two images of other sizes."""
     from PIL import Image
 
-    data = multi_image_run["root"] / "data/data.json"
+    data = examples.write_llava(tmp_path / "data", 20, resolution=32, text_only_every=5, multi_image_every=3)
     config = load("configs/llava_finetune.py", f"smoke,pack=400,images=3,{sizes}",
                   **{"input.data_path": str(data), "input.max_skipped_share": 0.2,
                      "evals.val.data.data_path": str(data), "evals.val.num_examples": 21})

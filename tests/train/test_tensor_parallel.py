@@ -30,7 +30,8 @@ def _step(setup, par):
     return jax.tree.map(np.asarray, state["params"]), float(metrics["loss"]), placed
 
 
-@pytest.mark.parametrize("config", ["clip_scenes.py:smoke", "vlm_scenes.py:smoke,stage=2"])
+@pytest.mark.parametrize("config", [pytest.param("clip_scenes.py:smoke", marks=pytest.mark.slow),  # the VLM's tower
+                                    "vlm_scenes.py:smoke,stage=2"])  # and LM cover its layers (~5 s saved)
 def test_tensor_parallel_steps_equal_the_data_parallel_step(config, data_dir):
     """On the 4 test devices (the issue asks 8; the layouts are the same with 4): TP 2 × DP 2, TP 4
     and TP 2 × FSDP 2 against DP 4 (itself tested equal to one device): loss and every updated
