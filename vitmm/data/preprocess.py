@@ -48,6 +48,7 @@ import numpy as np
 
 from vitmm.data import images as images_lib
 from vitmm.data import ops_text
+from vitmm.data import video as video_lib
 from vitmm.data.images import decode_image
 from vitmm.data.scenes import swap_left_right
 from vitmm.data.skips import BadExample
@@ -215,7 +216,7 @@ def decode(image_key="image", max_images=1, draft=None, num_frames=8):
         images, video = ex.pop("images", None), ex.pop("video", None)
         ex = {key: value if key == image_key else _decode_text(value) for key, value in ex.items()}
         if video is not None:
-            _video_as_images(ex, video, images, num_frames, draft, image_key)
+            video_lib.video_as_images(ex, video, images, num_frames, lambda v: _decoded(v, draft), image_key)
         elif "<video>" in str(ex.get("conversations", "")):
             raise BadExample("image_tag_mismatch", "a <video> tag but no video")
         elif images is not None:
@@ -232,58 +233,8 @@ def decode(image_key="image", max_images=1, draft=None, num_frames=8):
     return fn
 
 
-def _video_as_images(ex: dict, video, images, num_frames: int, draft, image_key: str) -> None:
-    """The frames of ``video`` (see ``decode``) as the example's images, its tag expanded."""
-    from vitmm.data import video as video_lib
-
-    def text(turn):
-        return turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
-
-    turns = ex.get("conversations") or []
-    tags = sum(t.count(video_lib.VIDEO_PLACEHOLDER) for t in map(text, turns) if isinstance(t, str))
-    if images or tags != 1:
-        raise BadExample("image_tag_mismatch", f"{tags} {video_lib.VIDEO_PLACEHOLDER} tag(s) for one video"
-                         + (" and images (a video goes alone)" if images else ""))
-    frames = video_lib.decode_video(video, num_frames) if isinstance(video, bytes) else \
-        [_decoded(frame, draft) for frame in video_lib.sample_frames(list(video), num_frames)]
-    expanded = "<image>" * len(frames)
-    ex["conversations"] = [
-        {k: v.replace(video_lib.VIDEO_PLACEHOLDER, expanded) if k in ("value", "content") and isinstance(v, str) else v
-         for k, v in turn.items()} for turn in turns]
-    ex[image_key], ex["num_images"], ex["has_image"] = frames[0], np.int32(len(frames)), np.bool_(True)
-    ex[MORE_IMAGES], ex["video_frames"] = frames[1:], np.int32(len(frames))
-
-
 def _decoded(value, draft):
     return decode_image(value, draft) if isinstance(value, bytes) else to_rgb(value)
-
-
-@register("temporal_patch")
-def temporal_patch(size=2, key="image"):
-    """Qwen2-VL's temporal patch: a video's frames (``decode``'s, ``video_frames`` of them) merged
-    ``size`` at a time into one image of ``size`` × the channels (the last group padded with its
-    last frame; its ``<image>`` tags cut to one a group), and a still image repeated ``size`` times
-    the same way, so the tower's patch embedding sees ``size`` frames at once. Put it after the
-    image ops (``normalize`` included) and before ``conversation_tokens``."""
-
-    def fn(ex, rng):
-        images = [ex[key], *ex.get(MORE_IMAGES, [])]
-        frames = int(ex.get("video_frames", 0))
-        if frames:
-            groups = [images[i:i + size] for i in range(0, frames, size)]
-            merged = [np.concatenate(g + [g[-1]] * (size - len(g)), axis=-1) for g in groups]
-            tags = ("<image>" * frames, "<image>" * len(merged))
-            ex["conversations"] = [{k: v.replace(*tags) if k in ("value", "content") and isinstance(v, str) else v
-                                    for k, v in turn.items()} for turn in ex["conversations"]]
-            ex["video_frames"], ex["num_images"] = np.int32(len(merged)), np.int32(len(merged))
-        else:
-            merged = [np.concatenate([image] * size, axis=-1) for image in images]
-        ex[key] = merged[0]
-        if len(merged) > 1 or MORE_IMAGES in ex:
-            ex[MORE_IMAGES] = merged[1:]
-        return ex
-
-    return fn
 
 
 @register("pad_to_square")
@@ -536,3 +487,4 @@ def drop(*keys):
 tokenize = register("tokenize", takes_tokenizer=True)(ops_text.tokenize)
 qa_tokens = register("qa_tokens", takes_tokenizer=True)(ops_text.qa_tokens)
 conversation_tokens = register("conversation_tokens", takes_tokenizer=True)(ops_text.conversation_tokens)
+temporal_patch = register("temporal_patch")(video_lib.temporal_patch)

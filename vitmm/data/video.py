@@ -8,7 +8,8 @@ video shorter than ``k`` frames repeats some). A list of frame images is sampled
 The ``decode`` op puts the frames where ``<video>`` stood as ``k`` consecutive images (one
 ``<image>`` each), so they reach the LM as ``k`` frames of visual tokens; ``temporal_patch(2)``
 then merges each two into one image of twice the channels (Qwen2-VL's temporal patch: the tower's
-patch embedding sees two frames at once, and the LM gets half the tokens).
+patch embedding sees two frames at once, and the LM gets half the tokens). Both are here; the
+preprocessing registry (``data.preprocess``) calls them.
 """
 
 from __future__ import annotations
@@ -58,3 +59,53 @@ def decode_video(data: bytes, num_frames: int) -> list[np.ndarray]:
 def sample_frames(frames: list, num_frames: int) -> list:
     """``num_frames`` of a list of frames (images, encoded or not) by the same rule."""
     return [frames[int(i)] for i in sample_indices(len(frames), num_frames)]
+
+
+def video_as_images(ex: dict, video, images, num_frames: int, decode_image, image_key: str = "image") -> None:
+    """The frames of ``video`` (a file's bytes, or a list of frames that ``decode_image`` makes
+    RGB) as the example's images in ``image`` and ``more_images``, its ``<video>`` tag expanded
+    to one ``<image>`` a frame (the ``decode`` op's video path)."""
+
+    def text(turn):
+        return turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+
+    turns = ex.get("conversations") or []
+    tags = sum(t.count(VIDEO_PLACEHOLDER) for t in map(text, turns) if isinstance(t, str))
+    if images or tags != 1:
+        raise BadExample("image_tag_mismatch", f"{tags} {VIDEO_PLACEHOLDER} tag(s) for one video"
+                         + (" and images (a video goes alone)" if images else ""))
+    frames = decode_video(video, num_frames) if isinstance(video, bytes) else \
+        [decode_image(frame) for frame in sample_frames(list(video), num_frames)]
+    expanded = "<image>" * len(frames)
+    ex["conversations"] = [
+        {k: v.replace(VIDEO_PLACEHOLDER, expanded) if k in ("value", "content") and isinstance(v, str) else v
+         for k, v in turn.items()} for turn in turns]
+    ex[image_key], ex["num_images"], ex["has_image"] = frames[0], np.int32(len(frames)), np.bool_(True)
+    ex["more_images"], ex["video_frames"] = frames[1:], np.int32(len(frames))
+
+
+def temporal_patch(size=2, key="image"):
+    """Qwen2-VL's temporal patch: a video's frames (``decode``'s, ``video_frames`` of them) merged
+    ``size`` at a time into one image of ``size`` × the channels (the last group padded with its
+    last frame; its ``<image>`` tags cut to one a group), and a still image repeated ``size`` times
+    the same way, so the tower's patch embedding sees ``size`` frames at once. Put it after the
+    image ops (``normalize`` included) and before ``conversation_tokens``."""
+
+    def fn(ex, rng):
+        images = [ex[key], *ex.get("more_images", [])]
+        frames = int(ex.get("video_frames", 0))
+        if frames:
+            groups = [images[i:i + size] for i in range(0, frames, size)]
+            merged = [np.concatenate(g + [g[-1]] * (size - len(g)), axis=-1) for g in groups]
+            tags = ("<image>" * frames, "<image>" * len(merged))
+            ex["conversations"] = [{k: v.replace(*tags) if k in ("value", "content") and isinstance(v, str) else v
+                                    for k, v in turn.items()} for turn in ex["conversations"]]
+            ex["video_frames"], ex["num_images"] = np.int32(len(merged)), np.int32(len(merged))
+        else:
+            merged = [np.concatenate([image] * size, axis=-1) for image in images]
+        ex[key] = merged[0]
+        if len(merged) > 1 or "more_images" in ex:
+            ex["more_images"] = merged[1:]
+        return ex
+
+    return fn
