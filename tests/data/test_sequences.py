@@ -261,28 +261,9 @@ def test_images_at_their_own_sizes_packed_for_the_tower_equal_each_example_alone
     packed = {k: jnp.asarray(v) for k, v in next(it).items()}
     assert int(packed["segment_ids"].max()) >= 2 and int(packed["tower_segments"].max()) >= 2
 
-    def alone(params):
-        total, count = 0.0, 0.0
-        for ex in examples:
-            seq = sequences.to_sequence(ex, 0, tower=tower)  # the same targets, from the unpacked sequence
-            images = [ex["image"], *ex.get("more_images", [])]
-            text = model.apply({"params": params}, jnp.asarray(seq["tokens"])[None],
-                               method=lambda m, t: m.language.embed(t))
-            # each image alone at its own size; its tokens in order where the sequence has visual positions
-            vis = jnp.concatenate([model.apply({"params": params}, jnp.asarray(image)[None],
-                                               method=vlm.VLM.visual_tokens) for image in images], axis=1)[0]
-            order = np.cumsum(seq["visual"] >= 0) - 1
-            x = jnp.where(jnp.asarray(seq["visual"] >= 0)[:, None], vis[np.maximum(order, 0)], text[0])
-            logits = model.apply({"params": params}, x[None], method=lambda m, e: m.language(embeds=e))[0]
-            nll = losses.token_nll(logits, jnp.asarray(seq["targets"]))
-            total += jnp.sum(nll * seq["weights"])
-            count += seq["weights"].sum()
-        return total / count
-
-    want, want_grads = jax.jit(jax.value_and_grad(alone))(params)
-    (got, _), got_grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, packed, None)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_grads, want_grads)
+    _assert_packed_equals_each_alone(  # each image alone at its own size through the square path
+        task, params, packed, examples, lambda ex: sequences.to_sequence(ex, 0, tower=tower),
+        lambda p, image: model.apply({"params": p}, jnp.asarray(image)[None], method=vlm.VLM.visual_tokens))
 
 
 def test_anyres_images_at_their_own_sizes_in_packed_rows_equal_each_example_alone(data_dir):
@@ -313,29 +294,12 @@ def test_anyres_images_at_their_own_sizes_in_packed_rows_equal_each_example_alon
     packed = {k: jnp.asarray(v) for k, v in next(it).items()}
     assert int(packed["segment_ids"].max()) >= 2 and int((packed["visual"] == sequences.NEWLINE).sum()) > 0
 
-    def alone(params):
-        total, count = 0.0, 0.0
-        for ex in examples:
-            seq = sequences.to_sequence(ex, per_view, anyres=anyres)
-            text = model.apply({"params": params}, jnp.asarray(seq["tokens"])[None],
-                               method=lambda m, t: m.language.embed(t))
-            pins, grid = anyres["pinpoints"], anyres["tile_grid"]
-            vis = jnp.concatenate([model.apply(  # the VLM's host-views path: views [1, V, t, t, C], layout [1, M]
-                {"params": params}, jnp.asarray(preprocess.anyres_views(image, pins, 16))[None],
-                layout=jnp.asarray(anyres_lib.layout(image.shape[:2], pins, 16, grid))[None],
-                method=vlm.VLM.visual_tokens) for image in [ex["image"], *ex.get("more_images", [])]], axis=1)[0]
-            shown = seq["visual"] != -1
-            order = np.cumsum(shown) - 1
-            x = jnp.where(jnp.asarray(shown)[:, None], vis[np.maximum(order, 0)], text[0])
-            logits = model.apply({"params": params}, x[None], method=lambda m, e: m.language(embeds=e))[0]
-            total += jnp.sum(losses.token_nll(logits, jnp.asarray(seq["targets"])) * seq["weights"])
-            count += seq["weights"].sum()
-        return total / count
-
-    want, want_grads = jax.jit(jax.value_and_grad(alone))(params)
-    (got, _), got_grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, packed, None)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_grads, want_grads)
+    pins, grid = anyres["pinpoints"], anyres["tile_grid"]
+    _assert_packed_equals_each_alone(  # the VLM's host-views path: views [1, V, t, t, C] and their layout [1, M]
+        task, params, packed, examples, lambda ex: sequences.to_sequence(ex, per_view, anyres=anyres),
+        lambda p, image: model.apply({"params": p}, jnp.asarray(preprocess.anyres_views(image, pins, 16))[None],
+                                     layout=jnp.asarray(anyres_lib.layout(image.shape[:2], pins, 16, grid))[None],
+                                     method=vlm.VLM.visual_tokens))
 
 
 def test_images_packed_for_the_tower_refuse_a_connector_that_needs_a_square_grid(data_dir):
@@ -351,3 +315,30 @@ def test_images_packed_for_the_tower_refuse_a_connector_that_needs_a_square_grid
                                           tower=tower, tower_length=16))
     with pytest.raises(ValueError, match="take a token-wise connector .* this VLM has 'pool'"):
         task.loss_fn(params, {k: jnp.asarray(v) for k, v in batch.items()}, None)
+
+
+def _assert_packed_equals_each_alone(task, params, packed, examples, sequence, visual_tokens):
+    """The packed batch's loss and gradients against the token-weighted sum over each example alone:
+    its flat ``sequence(ex)``'s text embeddings with ``visual_tokens(params, image)`` of each image
+    (``[1, n, D]``, in order) at its visual positions (newlines included), through the LM."""
+    model = task.model
+
+    def alone(params):
+        total, count = 0.0, 0.0
+        for ex in examples:
+            seq = sequence(ex)
+            text = model.apply({"params": params}, jnp.asarray(seq["tokens"])[None],
+                               method=lambda m, t: m.language.embed(t))
+            vis = jnp.concatenate([visual_tokens(params, image) for image in [ex["image"], *ex.get("more_images", [])]],
+                                  axis=1)[0]
+            shown = seq["visual"] != -1
+            x = jnp.where(jnp.asarray(shown)[:, None], vis[np.maximum(np.cumsum(shown) - 1, 0)], text[0])
+            logits = model.apply({"params": params}, x[None], method=lambda m, e: m.language(embeds=e))[0]
+            total += jnp.sum(losses.token_nll(logits, jnp.asarray(seq["targets"])) * seq["weights"])
+            count += seq["weights"].sum()
+        return total / count
+
+    want, want_grads = jax.jit(jax.value_and_grad(alone))(params)
+    (got, _), got_grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, packed, None)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_grads, want_grads)
