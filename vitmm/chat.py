@@ -111,7 +111,20 @@ class Chat:
     def num_prompt_tokens(self, example: dict) -> int:
         """The prompt's text tokens and the visual tokens the LM sees."""
         shown = int(example.get("has_image", True)) * (1 + len(example.get("more_images", ())))
+        if "visual_mask" in example:  # AnyRes views made on the host: their real tokens
+            return int(example["prompt_len"]) + shown * int(np.sum(example["visual_mask"]))
         return int(example["prompt_len"]) + shown * self._num_visual(example["image"])
+
+    def _visual(self, examples: list[dict]) -> tuple[np.ndarray | None, np.ndarray | None, int]:
+        """``(visual_mask, layout, visual tokens a row)`` for prompts decoded together: AnyRes views
+        made on the host (the ``anyres`` op) bring where each token comes from and which are real;
+        a text-only prompt's visual tokens are masked out."""
+        shown = np.array([bool(ex.get("has_image", True)) for ex in examples])
+        if "anyres_layout" in examples[0]:
+            layout = np.stack([ex["anyres_layout"] for ex in examples])
+            return np.stack([ex["visual_mask"] for ex in examples]) & shown[:, None], layout, layout.shape[1]
+        num_visual = self._num_visual(examples[0]["image"])
+        return (None if shown.all() else np.repeat(shown[:, None], num_visual, axis=1)), None, num_visual
 
     def _num_visual(self, image) -> int:
         from vitmm.models.vlm import VLM
@@ -129,13 +142,12 @@ class Chat:
                     return
             return
         n = int(example["prompt_len"])
-        visual_mask = None
-        if not example.get("has_image", True):  # a text-only prompt: the visual tokens masked out
-            visual_mask = np.zeros((1, self._num_visual(example["image"])), bool)
+        visual_mask, layout, _ = self._visual([example])
         eos = self.tokenizer.eos_id
         for row in self._decoder.stream({"params": self.params}, example["image"][None], example["ids"][None, :n],
                                         np.array([n]), max_new_tokens, eos, bool(self.config.model.get("prefix_lm")),
-                                        np.array([example["image_pos"]]), visual_mask, None, temperature, top_p, seed):
+                                        np.array([example["image_pos"]]), visual_mask, layout, temperature, top_p,
+                                        seed):
             yield int(row[0])
             if int(row[0]) == eos:
                 return
@@ -152,15 +164,11 @@ class Chat:
         ids = np.full((len(examples), _round_up(int(lengths.max()), 32)), self.tokenizer.pad_id, np.int32)
         for row, ex in enumerate(examples):
             ids[row, : lengths[row]] = ex["ids"][: lengths[row]]
-        shown = np.array([bool(ex.get("has_image", True)) for ex in examples])
-        num_visual = self._num_visual(examples[0]["image"])
-        visual_mask = None
-        if not shown.all():  # text-only prompts among them: their visual tokens masked out
-            visual_mask = np.repeat(shown[:, None], num_visual, axis=1)
+        visual_mask, layout, num_visual = self._visual(examples)
         yield from self._decoder.stream(
             {"params": self.params}, np.stack([ex["image"] for ex in examples]), ids, lengths, max_new_tokens,
             self.tokenizer.eos_id, bool(self.config.model.get("prefix_lm")),
-            np.array([ex["image_pos"] for ex in examples]), visual_mask, None, temperature, top_p, seed,
+            np.array([ex["image_pos"] for ex in examples]), visual_mask, layout, temperature, top_p, seed,
             _round_up(ids.shape[1] + num_visual + max_new_tokens, 64))
 
     def _stream_sequences(self, examples: list[dict], max_new_tokens: int, temperature: float, top_p: float,

@@ -3,8 +3,9 @@
     from vitmm import export_hf
     export_hf.export_hf("workdirs/llava15_ft", "exported/llava15_ft")
 
-``export_hf`` writes a VLM with prefix attention as ``PaliGemmaForConditionalGeneration`` and any
-other as ``LlavaForConditionalGeneration``, each with its processor (the run's image steps), tokenizer
+``export_hf`` writes a VLM with prefix attention as ``PaliGemmaForConditionalGeneration``, one with
+AnyRes views made by the ``anyres`` op as ``LlavaNextForConditionalGeneration`` and any other as
+``LlavaForConditionalGeneration``, each with its processor (the run's image steps), tokenizer
 and chat template, for ``AutoModelForImageTextToText`` and ``AutoProcessor``; a VLM whose parts do not
 fit is refused with every reason before anything is written. The inverse of ``hf_vlm``'s importers
 (an export imports back to the same parameters; tested, also through transformers).
@@ -19,7 +20,8 @@ from vitmm.interop import hf_lm, io
 
 
 def _export_problems(model: dict, vision: dict, tower: dict) -> list[str]:
-    """Why ``LlavaForConditionalGeneration`` cannot hold this VLM (empty: it can)."""
+    """Why ``LlavaForConditionalGeneration`` (``LlavaNextForConditionalGeneration`` with
+    ``model.anyres``) cannot hold this VLM (empty: it can)."""
     from vitmm.export import clip_vision_problem
 
     problems = [f"the tower: {p}"] if (p := clip_vision_problem(vision, tower)) else []
@@ -30,13 +32,18 @@ def _export_problems(model: dict, vision: dict, tower: dict) -> list[str]:
     if not model.get("vision_layer", -1) <= -2:
         problems.append(f"vision_layer={model.get('vision_layer')} (LLaVA reads hidden_states[-2] or earlier; -1 is "
                         "vitmm's normed output)")
-    for key in ("use_cls", "prefix_lm", "mrope", "anyres"):
+    for key in ("use_cls", "prefix_lm", "mrope"):
         if model.get(key):
             problems.append(f"model.{key}={model[key]!r}")
+    anyres = model.get("anyres")
+    made_for = tower["pos_embedding"].shape[1] * vision["patch_size"] if "pos_embedding" in tower else None
+    if anyres and int(anyres["tile"]) != made_for:
+        problems.append(f"AnyRes tiles of {anyres['tile']}px on a tower whose positions are for {made_for}px "
+                        "(LLaVA-NeXT's tile is its tower's input)")
     return problems
 
 
-def _image_processor(pp: str, size: int, mean, std) -> dict:
+def _image_processor(pp: str, size: int, mean, std, anyres: dict | None = None) -> dict:
     """transformers' image-processor settings doing what the run's pp does to an image, or
     ValueError naming the step they cannot do."""
     from vitmm.data import preprocess
@@ -47,6 +54,15 @@ def _image_processor(pp: str, size: int, mean, std) -> dict:
               "image_mean": list(mean), "image_std": list(std), "do_resize": True,
               "crop_size": {"height": size, "width": size}, "size": {"shortest_edge": size}}
     names = [name for name, _, _ in steps]
+    if anyres:  # LLaVA-NeXT's processor: what the `anyres` op does, at the model's tiles and candidates
+        if names != ["anyres"] or [list(p) for p in steps[0][1][0]] != [list(p) for p in anyres["pinpoints"]] or \
+                steps[0][1][1] != anyres["tile"]:
+            raise ValueError(f"the run's image steps {'|'.join(names) or '(none)'} are not LLaVA-NeXT's processor: "
+                             "it makes the AnyRes views on the host, as one anyres(pinpoints, tile, …) op (a run on "
+                             "flat sequences makes them after normalize: not exportable)")
+        return {**common, "image_processor_type": "LlavaNextImageProcessor", "do_pad": True,
+                "image_grid_pinpoints": [list(p) for p in anyres["pinpoints"]], "do_center_crop": True,
+                "resample": 3 if steps[0][2].get("method") == "bicubic" else 2}
     if names in (["resize", "center_crop"], ["pad_to_square", "resize", "center_crop"]):
         (_, args, kwargs), (_, crop, _) = steps[-2:]
         if kwargs.get("shorter") and crop[0] == size:
@@ -64,9 +80,10 @@ def _image_processor(pp: str, size: int, mean, std) -> dict:
 
 def export_llava(workdir, out) -> dict:
     """The VLM in ``workdir`` as a transformers ``LlavaForConditionalGeneration`` folder in ``out``
-    (weights in the layout every transformers version reads, config, processor, tokenizer, chat
-    template), for ``AutoModelForImageTextToText`` / ``AutoProcessor``; ValueError with every reason
-    it cannot be, before anything is written."""
+    (``LlavaNextForConditionalGeneration`` for one with ``model.anyres``; weights in the layout every
+    transformers version reads, config, processor, tokenizer, chat template), for
+    ``AutoModelForImageTextToText`` / ``AutoProcessor``; ValueError with every reason it cannot be,
+    before anything is written."""
     import ml_collections
     import numpy as np
 
@@ -84,6 +101,9 @@ def export_llava(workdir, out) -> dict:
     if "lora" in params:
         params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
     model = {**config.model.to_dict(), "vision": vision, "lm": lm}
+    anyres = model.get("anyres")
+    architecture, processor_class = ("LlavaNextForConditionalGeneration", "LlavaNextProcessor") if anyres else \
+        ("LlavaForConditionalGeneration", "LlavaProcessor")
     problems = _export_problems(model, vision, params["tower"])
     tokenizer = tasks.tokenizer_for(config)
     if not isinstance(tokenizer, tok_lib.HFTokenizer):
@@ -92,10 +112,10 @@ def export_llava(workdir, out) -> dict:
     if isinstance(tokenizer, tok_lib.HFTokenizer) and image_id is None:
         problems.append("a tokenizer without an <image> token (import a LLaVA, or add one to the LM's tokenizer)")
     if problems:
-        raise ValueError(f"{workdir} cannot be a LlavaForConditionalGeneration: " + "; ".join(problems) + ".")
+        raise ValueError(f"{workdir} cannot be a {architecture}: " + "; ".join(problems) + ".")
     size = int(config.input.image_size)
     mean, std = tasks.image_normalization(config)
-    images = _image_processor(tasks.pp_string(config), size, mean, std)
+    images = _image_processor(tasks.pp_string(config), size, mean, std, anyres)
     out = pathlib.Path(out).expanduser()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; choose a new --out.")
@@ -111,30 +131,34 @@ def export_llava(workdir, out) -> dict:
         tensors[f"multi_modal_projector.linear_{i}.bias"] = np.asarray(fc["bias"], np.float32)
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
     patches = (size // vision["patch_size"]) ** 2
-    hf_config = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+    if anyres:
+        tensors["image_newline"] = np.asarray(params["image_newline"], np.float32)
+    hf_config = {"architectures": [architecture], "model_type": "llava_next" if anyres else "llava",
                  "image_token_index": image_id, "image_seq_length": patches, "projector_hidden_act": "gelu",
                  "vision_feature_layer": int(model["vision_layer"]), "vision_feature_select_strategy": "default",
                  "multimodal_projector_bias": True, "tie_word_embeddings": bool(lm.get("tie_embeddings")),
                  "text_config": {**text_config, **ids}, "vision_config": vision_config, "torch_dtype": "float32"}
+    if anyres:
+        hf_config["image_grid_pinpoints"] = [list(p) for p in anyres["pinpoints"]]
     processor = {"image_processor": images, "image_token": "<image>", "num_additional_image_tokens": 1,
-                 "patch_size": vision["patch_size"], "processor_class": "LlavaProcessor",
+                 "patch_size": vision["patch_size"], "processor_class": processor_class,
                  "vision_feature_select_strategy": "default"}
     token = tokenizer.token
     tokenizer_config = {"bos_token": token(tokenizer.bos_id), "eos_token": token(tokenizer.eos_id),
                         "pad_token": token(tokenizer.pad_id), "extra_special_tokens": ["<image>"],
-                        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "LlavaProcessor",
+                        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": processor_class,
                         "model_max_length": int(config.model.get("max_len") or 2048)}
     out.mkdir(parents=True, exist_ok=True)
     io.write_safetensors(tensors, out / "model.safetensors")
     files = {"config.json": hf_config, "processor_config.json": processor,
-             "preprocessor_config.json": {**images, "processor_class": "LlavaProcessor"},
+             "preprocessor_config.json": {**images, "processor_class": processor_class},
              "tokenizer_config.json": tokenizer_config, "generation_config.json": ids}
     for name, value in files.items():
         (out / name).write_text(json.dumps(value, indent=1) + "\n")
     (out / "tokenizer.json").write_text(tokenizer.to_str())
     if tokenizer.chat_template:
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
-    return {"hf": str(out), "architecture": "LlavaForConditionalGeneration", "image_tokens": patches}
+    return {"hf": str(out), "architecture": architecture, "image_tokens": patches}
 
 
 def _paligemma_problems(model: dict, vision: dict, tower: dict, lm: dict) -> list[str]:

@@ -1,5 +1,6 @@
 """Whole transformers VLMs (LLaVA with its ``LlavaProcessor``, ``tests/fixtures/interop/hf_llava``;
-PaliGemma, ``hf_paligemma``; written by ``make_fixtures.py --only vlm``) imported into a vitmm
+PaliGemma, ``hf_paligemma``; written by ``make_fixtures.py --only vlm``; LLaVA-NeXT,
+``hf_llava_next``, by ``--only llava_next``) imported into a vitmm
 VLM workdir: the processor's pixels and ids, the logits (≤ 1e-5 of the largest) and the greedy
 answers equal transformers'; every tensor layout transformers writes reads alike; what vitmm cannot
 hold is refused in one line with nothing written."""
@@ -50,6 +51,63 @@ def test_llava_gives_transformers_pixels_ids_logits_and_greedy_answers(imported)
         assert logits.shape[1:] == want.shape
         assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+
+
+@pytest.fixture(scope="module")
+def next_imported(tmp_path_factory):
+    from vitmm import chat
+    from vitmm.interop.__main__ import main
+
+    out = tmp_path_factory.mktemp("llava_next") / "w"
+    main(["--from", "hf", "--src", str(FIXTURE.with_name("hf_llava_next")), "--out", str(out)])
+    return out, chat.load(out)
+
+
+def test_llava_next_gives_transformers_views_ids_logits_and_greedy_answers(next_imported, tmp_path):
+    """LLaVA-NeXT (``hf_llava_next``): AnyRes views made as its processor makes them (the base view
+    squashed to a tile, the tiles of the best of 1x2, 2x1, 2x2 with the image centred on black,
+    bicubic), its token count and place (the unpadded grid, a newline ending each row), logits at the
+    real positions ≤ 1e-5 of the largest, the same greedy answers; exported back, the same parameters."""
+    out, vlm = next_imported
+    folder = FIXTURE.with_name("hf_llava_next")
+    ref = np.load(folder / "io.npz")
+    assert vlm.config.model.anyres.to_dict() == {"pinpoints": [[16, 32], [32, 16], [32, 32]], "tile": 16}
+    for i, prompt in enumerate(json.loads((folder / "prompts.json").read_text())):  # 24x40, 30x18, 16x16
+        example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompt["messages"][0]["content"]}])
+        views = ref[f"pixel_values_{i}"][0].transpose(0, 2, 3, 1)
+        np.testing.assert_allclose(example["image"][:len(views)], views, atol=1e-6)
+        n, pos, hf_ids = int(example["prompt_len"]), int(example["image_pos"]), ref[f"input_ids_{i}"][0]
+        assert list(example["ids"][:n]) == [t for t in hf_ids if t != IMAGE_TOKEN]
+        at = np.flatnonzero(hf_ids == IMAGE_TOKEN)
+        assert pos == at[0] and len(at) == vlm.num_prompt_tokens(example) - n
+        mask = example["visual_mask"]
+        logits = np.asarray(vlm.task.model.apply(
+            {"params": vlm.params}, jnp.asarray(example["image"][None]), jnp.asarray(example["ids"][None, :n]),
+            image_pos=jnp.array([pos]), visual_mask=jnp.asarray(mask[None]),
+            layout=jnp.asarray(example["anyres_layout"][None])))[0]
+        real = np.concatenate([np.ones(pos, bool), mask, np.ones(n - pos, bool)])  # the padding views' out
+        want = ref[f"logits_{i}"][0]
+        assert np.abs(logits[real] - want).max() <= 1e-5 * np.abs(want).max()
+        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+    export_hf.export_llava(out, tmp_path / "hf")
+    config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, vlm.params))
+    assert config["input"]["pp"] == vlm.config.input.pp
+
+
+def test_llava_next_tiles_other_than_the_towers_input_are_refused(tmp_path, capsys):
+    from vitmm.interop.__main__ import main
+
+    folder = tmp_path / "src"
+    shutil.copytree(FIXTURE.with_name("hf_llava_next"), folder)
+    processor = json.loads((folder / "processor_config.json").read_text())
+    processor["image_processor"]["crop_size"] = {"height": 12, "width": 12}
+    (folder / "processor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--from", "hf", "--src", str(folder), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "LLaVA-NeXT's tiles of the tower's 16x16 input" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
 def test_paligemma_gives_transformers_pixels_ids_logits_and_greedy_answers(tmp_path):
@@ -234,9 +292,9 @@ def test_paligemma_exports_and_imports_back_to_the_same_parameters(tmp_path, cap
 
 
 @pytest.fixture(scope="module")
-def in_transformers(finetuned, tmp_path_factory):
-    """The fine-tuned LLaVA and the imported PaliGemma exported with ``--format hf`` and run in
-    transformers (``.venv-eval``'s; one process for both): ``{name: (exported folder, outputs)}``."""
+def in_transformers(finetuned, next_imported, tmp_path_factory):
+    """The fine-tuned LLaVA, the imported PaliGemma and LLaVA-NeXT exported with ``--format hf`` and
+    run in transformers (``.venv-eval``'s; one process for all): ``{name: outputs}``."""
     if not pathlib.Path(EVAL_PYTHON or "/nonexistent").is_file():
         pytest.skip("no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
     from vitmm.export import main as export
@@ -246,10 +304,15 @@ def in_transformers(finetuned, tmp_path_factory):
     interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_paligemma")), "--out", str(root / "paligemma_w")])
     pali = np.load(FIXTURE.with_name("hf_paligemma") / "io.npz")
     prompts = json.loads((FIXTURE.with_name("hf_paligemma") / "prompts.json").read_text())
+    nxt = np.load(FIXTURE.with_name("hf_llava_next") / "io.npz")
+    nxt_prompts = json.loads((FIXTURE.with_name("hf_llava_next") / "prompts.json").read_text())
     cases = {"llava": (finetuned[0], {**{f"image_{i}": x for i, x in enumerate(_images())},
                                       **{f"question_{i}": q for i, q in enumerate(QUESTIONS)}}),
              "paligemma": (root / "paligemma_w", {**{f"image_{i}": pali[f"image_{i}"] for i in range(2)},
-                                                  **{f"question_{i}": q for i, q in enumerate(prompts)}})}
+                                                  **{f"question_{i}": q for i, q in enumerate(prompts)}}),
+             "llava_next": (next_imported[0], {
+                 **{f"image_{i}": nxt[f"image_{i}"] for i in range(3)},
+                 **{f"question_{i}": p["messages"][0]["content"] for i, p in enumerate(nxt_prompts)}})}
     args = []
     for name, (workdir, inputs) in cases.items():
         assert export(["--workdir", str(workdir), "--out", str(root / name), "--format", "hf"]) == 0
@@ -284,12 +347,14 @@ def test_the_fine_tuned_llava_exports_to_transformers_with_the_same_pixels_ids_l
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
 
 
-def test_the_exported_paligemma_runs_in_transformers_as_the_original(in_transformers):
-    """The export of the imported PaliGemma gives the original model's ids, pixels, logits (to 1e-6
-    of the largest) and greedy answers in transformers."""
-    out, ref = in_transformers["paligemma"], np.load(FIXTURE.with_name("hf_paligemma") / "io.npz")
-    assert str(out["class"]) == "PaliGemmaForConditionalGeneration"
-    for i in range(2):
+@pytest.mark.parametrize(("name", "architecture", "n"), [("paligemma", "PaliGemmaForConditionalGeneration", 2),
+                                                        ("llava_next", "LlavaNextForConditionalGeneration", 3)])
+def test_the_exported_vlm_runs_in_transformers_as_the_original(in_transformers, name, architecture, n):
+    """The export of an imported PaliGemma or LLaVA-NeXT gives the original model's ids, pixels
+    (LLaVA-NeXT's views), logits (to 1e-6 of the largest) and greedy answers in transformers."""
+    out, ref = in_transformers[name], np.load(FIXTURE.with_name(f"hf_{name}") / "io.npz")
+    assert str(out["class"]) == architecture
+    for i in range(n):
         assert np.array_equal(out[f"input_ids_{i}"], ref[f"input_ids_{i}"])
         np.testing.assert_array_equal(out[f"pixel_values_{i}"], ref[f"pixel_values_{i}"])
         assert np.abs(out[f"logits_{i}"] - ref[f"logits_{i}"]).max() <= 1e-6 * np.abs(ref[f"logits_{i}"]).max()

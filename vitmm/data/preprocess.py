@@ -301,22 +301,23 @@ def letterbox(size, key="image"):
 
 
 @register("anyres")
-def anyres(pinpoints, tile, tile_grid=None, key="image"):
+def anyres(pinpoints, tile, tile_grid=None, key="image", method="bilinear"):
     """AnyRes (``models.anyres``) on the host, for batches of images at their own sizes: ``key``
     becomes the views ``[max_views, tile, tile, C]``: the base view (the image squashed to a tile),
     then the tiles of its best candidate resolution (the image resized with its aspect kept and
     centred on black, as LLaVA-NeXT's processor pads), then zero views up to ``max_views``.
     ``anyres_layout`` (int32 ``[max_tokens]``) says where each visual token comes from
     (``anyres.layout``) and ``visual_mask`` which are real: the image's tokens at the end, padding
-    first, as ``VLM(visual_mask=…)`` reads them (without ``tile_grid``: the views only). Put it
-    before ``value_range``/``normalize``."""
+    first, as ``VLM(visual_mask=…)`` reads them (without ``tile_grid``: the views only). ``method``:
+    the resampling (``images.resize``; LLaVA-NeXT's processor: ``'bicubic'``). Put it before
+    ``value_range``/``normalize``."""
     from vitmm.models import anyres as anyres_lib
 
     pinpoints, views = [tuple(p) for p in pinpoints], anyres_lib.max_views(pinpoints, tile)
 
     def fn(ex, rng):
         image = ex[key]
-        made = anyres_views(image, pinpoints, tile)
+        made = anyres_views(image, pinpoints, tile, method)
         out = np.zeros((views, tile, tile, image.shape[2]), image.dtype)
         out[:len(made)] = made
         ex[key] = out
@@ -330,7 +331,7 @@ def anyres(pinpoints, tile, tile_grid=None, key="image"):
     return fn
 
 
-def anyres_views(image: np.ndarray, pinpoints, tile: int) -> np.ndarray:
+def anyres_views(image: np.ndarray, pinpoints, tile: int, method: str = "bilinear") -> np.ndarray:
     """An image's AnyRes views ``[1 + rows·cols, tile, tile, C]`` (``models.anyres``): the base view
     (the image squashed to a tile), then the tiles of its best candidate resolution (the image
     resized with its aspect kept and centred on black, as LLaVA-NeXT's processor pads)."""
@@ -339,9 +340,9 @@ def anyres_views(image: np.ndarray, pinpoints, tile: int) -> np.ndarray:
     plan = anyres_lib.plan(image.shape[:2], [tuple(p) for p in pinpoints], tile)
     (fh, fw), (top, left), (rows, cols) = plan["fitted"], plan["offset"], plan["tiles"]
     canvas = np.zeros((*plan["best"], image.shape[2]), image.dtype)
-    canvas[top:top + fh, left:left + fw] = _resize(image, (fh, fw))
+    canvas[top:top + fh, left:left + fw] = images_lib.resize(image, (fh, fw), method)
     tiles = canvas.reshape(rows, tile, cols, tile, -1).swapaxes(1, 2).reshape(-1, tile, tile, image.shape[2])
-    return np.concatenate([_resize(image, (tile, tile))[None], tiles])
+    return np.concatenate([images_lib.resize(image, (tile, tile), method)[None], tiles])
 
 
 @register("center_crop")

@@ -5,7 +5,10 @@
 
 A folder is recognised by ``config.json``'s ``architectures``. Supported: ``LlavaForConditionalGeneration``
 (a CLIP vision tower, its ``vision_feature_layer``, the ``default`` feature strategy, LLaVA's
-two-layer GELU projector as the ``mlp`` connector, and a language model ``hf_lm`` reads) and
+two-layer GELU projector as the ``mlp`` connector, and a language model ``hf_lm`` reads),
+``LlavaNextForConditionalGeneration`` (the same with AnyRes: ``model.anyres`` with its candidate
+resolutions and tile, the learned ``image_newline``, the unpadded grid; the views made on the host by
+the ``anyres`` op as its processor makes them, bicubic, the image centred on black) and
 ``PaliGemmaForConditionalGeneration`` (SigLIP's normed output, the ``linear`` connector, Gemma, the
 image first and attention both ways over it and the prompt: ``prefix_lm``; its prompt format, which
 the processor builds and transformers has no chat template for, as ``PALIGEMMA_TEMPLATE``).
@@ -38,14 +41,16 @@ from vitmm.interop.common import StateDict, finish, linear
 from vitmm.interop.convert import OPENAI_CLIP
 from vitmm.interop.hf import clip
 
-ARCHITECTURES = ("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
+ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                 "PaliGemmaForConditionalGeneration")
 # PaliGemma's prompt as its processor builds it: the image first, then BOS, the prompt and a newline;
 # the answer and EOS after (its training suffix). One user turn; the <image> tag may lead it.
 PALIGEMMA_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<image>{{ bos_token }}"
                       "{{ m['content'] | replace('<image>', '') }}{{ '\\n' }}{% elif m['role'] == 'assistant' %}"
                       "{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 CONVERSATION_PP = ("conversation_tokens({max_len}, overflow='truncate_turns', max_answer={loss_positions})|"
-                   "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image')")
+                   "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image'{more})")
+ANYRES_KEYS = ", 'anyres_layout', 'visual_mask'"  # AnyRes views made on the host: where each token comes from
 
 
 def architecture(src) -> str | None:
@@ -73,7 +78,7 @@ def _llava_names(tensors: dict) -> dict:
     out = {}
     for key, value in tensors.items():
         name = key.removeprefix("model.") if key.startswith(("model.vision_tower", "model.multi_modal_projector",
-                                                             "model.language_model")) else key
+                                                             "model.language_model", "model.image_newline")) else key
         for old, new in (("vision_tower.vision_model.", "vision."), ("vision_tower.", "vision."),
                          ("multi_modal_projector.", "projector."), ("language_model.model.", "model."),
                          ("language_model.lm_head.", "lm_head."), ("language_model.", "model.")):
@@ -128,14 +133,42 @@ def _image_pp(images: dict, size: int, src) -> str:
     return f"decode|{pad}resize({shortest}, method='{method}', shorter=True)|center_crop({size})|"
 
 
+def _anyres_pp(images: dict, size: int, patch: int, src) -> tuple[str, list]:
+    """LLaVA-NeXT's image processor as a pp (``anyres``: the base view squashed to a tile, the tiles
+    of the best candidate resolution with the image centred on black; bicubic or bilinear, as
+    ``resample`` says) and its candidate resolutions; then rescale and normalize."""
+    pinpoints = images.get("image_grid_pinpoints")
+    shortest = (images.get("size") or {}).get("shortest_edge")
+    crop = images.get("crop_size") or {}
+    methods = {3: "bicubic", 2: "bilinear"}
+    if not pinpoints or not images.get("do_resize", True) or images.get("resample", 3) not in methods or \
+            shortest != size or (crop.get("height"), crop.get("width")) not in ((size, size), (None, None)):
+        raise ValueError(f"{src}: image processing {json.dumps({k: images.get(k) for k in ('size', 'crop_size', 'resample', 'image_grid_pinpoints')})} "  # noqa: E501
+                         f"is not supported; vitmm reads LLaVA-NeXT's tiles of the tower's {size}x{size} input "
+                         "(shortest_edge and crop_size both that), bicubic (3) or bilinear (2).")
+    pinpoints = [[int(h), int(w)] for h, w in pinpoints]
+    if any(h % size or w % size for h, w in pinpoints):
+        raise ValueError(f"{src}: image_grid_pinpoints {pinpoints} are not whole numbers of {size}px tiles.")
+    grid = (size // patch, size // patch)
+    method = methods[images.get("resample", 3)]
+    return f"decode|anyres({pinpoints}, {size}, {grid}, method='{method}')|", pinpoints
+
+
 def load_llava(src) -> tuple[dict, dict, dict]:
-    """``(run config, VLM params, processor settings)`` of a ``LlavaForConditionalGeneration`` folder."""
+    """``(run config, VLM params, processor settings)`` of a ``LlavaForConditionalGeneration`` or
+    ``LlavaNextForConditionalGeneration`` folder (the latter's AnyRes: ``model.anyres`` with its
+    candidate resolutions and tile, the learned ``image_newline``; its views made on the host by
+    the ``anyres`` op)."""
     from vitmm.models.vit import ViT
     from vitmm.models.vlm import VLM
 
     src = pathlib.Path(src).expanduser()
     config = io.read_json(src)
     tensors = _llava_names(io.read_tensors(src))
+    next_ = "LlavaNextForConditionalGeneration" in (config.get("architectures") or [])
+    newline = tensors.pop("image_newline", None) if next_ else None
+    if next_ and newline is None:
+        raise ValueError(f"{src}: a LLaVA-NeXT checkpoint without image_newline is not supported.")
     if config.get("vision_feature_select_strategy", "default") != "default":
         raise ValueError(f"{src}: vision_feature_select_strategy={config['vision_feature_select_strategy']!r} (the "
                          "CLS token through the projector) is not supported; vitmm reads 'default' (patches only).")
@@ -158,23 +191,32 @@ def load_llava(src) -> tuple[dict, dict, dict]:
     lm, language = hf_lm.lm_from_tensors(text_config, lm_tensors, f"{src} (language model)")
     proj_sd = StateDict({k: v for k, v in tensors.items() if k.startswith("projector.")}, f"{src} (projector)")
     project = {"mlp": {"fc1": linear(proj_sd, "projector.linear_1"), "fc2": linear(proj_sd, "projector.linear_2")}}
+    images, processor = _processor(src)
+    anyres = None
+    if next_:
+        image_pp, pinpoints = _anyres_pp(images, size, vision["patch_size"], src)
+        anyres = {"pinpoints": pinpoints, "tile": size}
+    else:
+        image_pp = _image_pp(images, size, src)
     left = sorted(set(tensors) - set(vision_sd.tensors) - set(lm_tensors) - set(proj_sd.tensors))
     problems = [f"  missing: {k}" for k in proj_sd.missing] + [f"  unused: {k}" for k in proj_sd.unused() + left]
     model = dict(vision=vision, connector={"name": "mlp", "budget": "all"}, lm=lm,
                  vision_layer=_feature_layer(config, vision["depth"], src), use_cls=False, prefix_lm=False,
-                 mrope=False, anyres=None, max_len=2048, loss_positions=None)
+                 mrope=False, anyres=anyres, max_len=2048, loss_positions=None)
     params = {"tower": tower, "project": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), project),
               "language": language}
+    if next_:
+        params["image_newline"] = jnp.asarray(newline, jnp.float32)
     if not problems:
-        vlm = VLM(vision, model["connector"], lm, model["vision_layer"])
+        vlm = VLM(vision, model["connector"], lm, model["vision_layer"], anyres=anyres)
         expected = jax.eval_shape(vlm.init, jax.random.key(0), jnp.zeros((1, size, size, 3)),
                                   jnp.zeros((1, 4), jnp.int32))["params"]
         problems = tree.mismatches(expected, params)
     if problems:
-        raise ValueError(f"Cannot load {src} as a vitmm VLM (LLaVA):\n" + "\n".join(problems))
-
-    images, processor = _processor(src)
-    pp = _image_pp(images, size, src) + "normalize({image_mean}, {image_std})|" + CONVERSATION_PP
+        raise ValueError(f"Cannot load {src} as a vitmm VLM ({'LLaVA-NeXT' if next_ else 'LLaVA'}):\n"
+                         + "\n".join(problems))
+    pp = image_pp + "normalize({image_mean}, {image_std})|" + CONVERSATION_PP.replace(
+        "{more}", ANYRES_KEYS if next_ else "")
     mean, std = OPENAI_CLIP
     run = {"task": "vlm", "seed": 0, "model": model, "init": {"vision": None, "lm": None, "checkpoint": None},
            "lora": {"rank": 0, "alpha": 0.0, "dropout": 0.0, "targets": []},
@@ -224,7 +266,8 @@ def load_paligemma(src) -> tuple[dict, dict, dict]:
         raise ValueError(f"{src}: image processing {json.dumps(images.get('size'))} is not supported; vitmm reads "
                          f"SigLIP's resize to the tower's {size}x{size}.")
     method = "bicubic" if images.get("resample", 3) == 3 else "bilinear"
-    pp = f"decode|resize({size}, method='{method}')|normalize({{image_mean}}, {{image_std}})|" + CONVERSATION_PP
+    pp = f"decode|resize({size}, method='{method}')|normalize({{image_mean}}, {{image_std}})|" + \
+        CONVERSATION_PP.replace("{more}", "")
     run = {"task": "vlm", "seed": 0, "model": model, "init": {"vision": None, "lm": None, "checkpoint": None},
            "lora": {"rank": 0, "alpha": 0.0, "dropout": 0.0, "targets": []},
            "input": {"pp": pp, "image_size": size, "image_mean": list(images.get("image_mean", (0.5,) * 3)),
