@@ -118,6 +118,20 @@ def test_conversation_settings_fail_clearly():
         preprocess.parse("conversation_tokens(64, overflow='cut')")
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         preprocess.parse("conversation_tokens(64, template='chat')")
+    with pytest.raises(ValueError, match="image_text='<|vision_start|>' must hold <image> once"):
+        preprocess.parse("conversation_tokens(64, image_text='<|vision_start|>')")
+
+
+def test_image_text_wraps_each_image_tag_and_the_visual_tokens_go_inside():
+    """``image_text`` (Qwen2-VL's vision markers; a quoted ``|`` does not cut the pp): the tag's text
+    around the image, ``image_pos`` between the two."""
+    turns = [{"from": "human", "value": "<image>hi"}, {"from": "gpt", "value": "yo"}]
+    plain = preprocess.parse("conversation_tokens(64)")({"conversations": turns, "num_images": 1}, None)
+    wrapped = preprocess.parse("conversation_tokens(64, image_text='[|<image>|]')")(
+        {"conversations": turns, "num_images": 1}, None)
+    pos, ids = int(wrapped["image_pos"]), list(wrapped["ids"])
+    assert ids[pos - 2:pos] == [ord("[") + 1, ord("|") + 1] and ids[pos:pos + 2] == [ord("|") + 1, ord("]") + 1]
+    assert int(wrapped["prompt_len"]) == int(plain["prompt_len"]) + 4
 
 
 def test_a_text_only_example_through_the_vlm_is_the_lm_alone():

@@ -180,8 +180,8 @@ def test_every_tensor_layout_transformers_writes_reads_alike(tmp_path, layout):
     ({"vision_feature_layer": [-2, -1]}, "several layers concatenated"),
     ({"vision_feature_layer": -1}, "the last block without the final norm"),
     ({"projector_hidden_act": "relu"}, "projector_hidden_act='relu'"),
-    ({"architectures": ["Qwen2VLForConditionalGeneration"]}, "is a Qwen2VLForConditionalGeneration VLM, which vitmm "
-                                                              "does not import; it imports LlavaForConditional"),
+    ({"architectures": ["Blip2ForConditionalGeneration"]}, "is a Blip2ForConditionalGeneration VLM, which vitmm "
+                                                            "does not import; it imports LlavaForConditional"),
 ])
 def test_what_vitmm_cannot_hold_is_refused_in_one_line_and_nothing_is_written(tmp_path, capsys, change, message):
     from vitmm.interop.__main__ import main

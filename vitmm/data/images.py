@@ -8,6 +8,7 @@ LLaVA's, open_clip's and Hugging Face's processors call (alpha is dropped, not b
 from __future__ import annotations
 
 import io
+import math
 import warnings
 
 import numpy as np
@@ -78,6 +79,23 @@ def resize(image: np.ndarray, size: tuple[int, int], method: str = "bilinear") -
             (size[1], size[0]), RESAMPLING[method])) for c in range(image.shape[-1])]
         return np.stack(channels, axis=-1).astype(image.dtype)
     return np.asarray(Image.fromarray(image).resize((size[1], size[0]), RESAMPLING[method]))
+
+
+def smart_size(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's ``smart_resize``: ``(height, width)``, multiples of ``factor``, the nearest to
+    ``(h, w)`` (Python's rounding, halves to even), scaled down (floor) or up (ceil) with the aspect
+    kept when their pixels fall outside ``[min_pixels, max_pixels]``."""
+    if max(h, w) / min(h, w) > 200:
+        raise ValueError(f"An image of {h}x{w} pixels: its aspect ratio must be below 200 (Qwen2-VL's limit).")
+    nh, nw = round(h / factor) * factor, round(w / factor) * factor
+    if nh * nw > max_pixels:
+        beta = math.sqrt(h * w / max_pixels)
+        nh = max(factor, math.floor(h / beta / factor) * factor)
+        nw = max(factor, math.floor(w / beta / factor) * factor)
+    elif nh * nw < min_pixels:
+        beta = math.sqrt(min_pixels / (h * w))
+        nh, nw = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+    return int(nh), int(nw)
 
 
 def shorter_side_size(hw: tuple[int, int], size: int) -> tuple[int, int]:

@@ -133,7 +133,7 @@ OVERFLOWS = ("truncate_turns", "skip")
 
 
 def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="truncate_turns", max_answer=None,
-                        separator=" "):
+                        separator=" ", image_text=IMAGE_PLACEHOLDER):
     """A LLaVA-style conversation (``conversations``: ``[{"from": "human" | "gpt" | "system",
     "value"}]``) as one VLM sequence: ``ids`` (int32 ``[max_len]``, PAD after), ``answer_mask`` (1 on
     every assistant turn's tokens up to and including its EOS), ``prompt_len`` (the tokens before the
@@ -145,6 +145,9 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
     answer [EOS] user separator answer [EOS] …``; ``"auto"``: chat when the tokenizer has a template.
     With several images (``num_images`` > 1), ``image_positions`` holds each ``<image>``'s place
     (``image_pos`` the first's); only ``data.sequences`` (``input.sequences``) trains on them.
+    ``image_text``: what each ``<image>`` tag becomes before the turns are rendered, the visual
+    tokens going where its own ``<image>`` stands (Qwen2-VL's
+    ``'<|vision_start|><image><|vision_end|>'``).
 
     ``overflow`` (a sequence longer than ``max_len`` text tokens, or with more than ``max_answer``
     answer tokens): ``"truncate_turns"`` drops whole user/assistant exchanges from the end until it
@@ -167,6 +170,9 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
         raise ValueError("conversation_tokens(template='chat') needs a tokenizer with a chat template: set init.lm to "
                          "a converted LM (`python -m vitmm.interop --from hf|gguf`).")
     render = _chat_segments if (template == "chat" or (template == "auto" and has_template)) else _plain_segments
+    if image_text.count(IMAGE_PLACEHOLDER) != 1:
+        raise ValueError(f"conversation_tokens image_text={image_text!r} must hold {IMAGE_PLACEHOLDER} once (where "
+                         "the visual tokens go).")
 
     def fn(ex, rng):
         messages = conversation_messages(ex["conversations"])
@@ -176,6 +182,8 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
             raise BadExample("image_tag_mismatch", f"{tags} {IMAGE_PLACEHOLDER} tag(s) for {num_images} image(s)")
         if any(IMAGE_PLACEHOLDER in m["content"] for m in messages if m["role"] != "user"):
             raise BadExample("image_tag_mismatch", f"an {IMAGE_PLACEHOLDER} tag outside a user turn")
+        if image_text != IMAGE_PLACEHOLDER:
+            messages = [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, image_text)} for m in messages]
         head = 1 if messages[0]["role"] == "system" else 0
         exchanges = keep = (len(messages) - head) // 2
         while True:

@@ -90,7 +90,27 @@ def _parse_op(text: str):
 
 def ops(spec: str) -> list[tuple[str, tuple, dict]]:
     """``spec``'s ops as ``(name, args, kwargs)``, in order (e.g. to describe a run's image steps)."""
-    return [_parse_op(text) for text in filter(str.strip, spec.split("|"))]
+    return [_parse_op(text) for text in filter(str.strip, _split_ops(spec))]
+
+
+def op_names(spec: str) -> list[str]:
+    """The names of ``spec``'s ops, in order; ``spec`` may be a pp template (``{image_mean}`` …)."""
+    return [text.split("(")[0].strip() for text in _split_ops(spec) if text.strip()]
+
+
+def _split_ops(spec: str) -> list[str]:
+    """``spec`` cut at each ``|`` outside quotes (a quoted argument may hold one, e.g. Qwen2-VL's
+    ``'<|vision_start|>'``)."""
+    parts, start, quote = [], 0, None
+    for i, char in enumerate(spec):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "|":
+            parts.append(spec[start:i])
+            start = i + 1
+    return [*parts, spec[start:]]
 
 
 def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], dict]:
@@ -127,8 +147,8 @@ def _each_image(name: str, kwargs: dict, fn, image, rng):
 
 
 # Ops that read or write the image (after which a value mapping cannot move to the device).
-_IMAGE_OPS = {"decode", "resize", "naflex", "letterbox", "anyres", "center_crop", "random_resized_crop", "flip_lr",
-              "value_range", "normalize", "blank", "pad_to_square"}
+_IMAGE_OPS = {"decode", "resize", "naflex", "smart_resize", "letterbox", "anyres", "center_crop", "random_resized_crop",
+              "flip_lr", "value_range", "normalize", "blank", "pad_to_square"}
 
 
 IMAGE_OPS_NAMES = frozenset(_IMAGE_OPS)
@@ -139,7 +159,7 @@ def split_image_affine(spec: str) -> tuple[str, tuple | None]:
     ``image`` and that map as per-channel float32 ``image * scale + offset``, for a device to apply
     to uint8 batches (a quarter of the bytes to move, and the cast fused into the first layer).
     ``(spec, None)`` when the pp has no such op or an image op follows it (e.g. ``blank``)."""
-    ops = [t for t in spec.split("|") if t.strip()]
+    ops = [t for t in _split_ops(spec) if t.strip()]
     for i in range(len(ops) - 1, -1, -1):
         name, args, kwargs = _parse_op(ops[i])
         if name not in _IMAGE_OPS:
@@ -278,6 +298,20 @@ def naflex(max_num_patches, patch, key="image", merge=1):
 
     def fn(ex, rng):
         ex[key] = _resize(ex[key], naflex_size(*ex[key].shape[:2], patch * merge, max_num_patches // merge**2))
+        return ex
+
+    return fn
+
+
+@register("smart_resize")
+def smart_resize(min_pixels, max_pixels, factor, key="image", method="bicubic"):
+    """Qwen2-VL's processor's resize: each side to a multiple of ``factor`` (its patch × merge, e.g.
+    28) nearest the image's, scaled with the aspect kept until the pixels are within
+    ``[min_pixels, max_pixels]`` (``images.smart_size``), with PIL's ``method``."""
+
+    def fn(ex, rng):
+        ex[key] = images_lib.resize(ex[key], images_lib.smart_size(*ex[key].shape[:2], factor, min_pixels,
+                                                                    max_pixels), method)
         return ex
 
     return fn

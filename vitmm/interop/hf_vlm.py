@@ -42,15 +42,20 @@ from vitmm.interop.convert import OPENAI_CLIP
 from vitmm.interop.hf import clip
 
 ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                 "PaliGemmaForConditionalGeneration")
+                 "PaliGemmaForConditionalGeneration", "Qwen2VLForConditionalGeneration")
 # PaliGemma's prompt as its processor builds it: the image first, then BOS, the prompt and a newline;
 # the answer and EOS after (its training suffix). One user turn; the <image> tag may lead it.
 PALIGEMMA_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<image>{{ bos_token }}"
                       "{{ m['content'] | replace('<image>', '') }}{{ '\\n' }}{% elif m['role'] == 'assistant' %}"
                       "{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
-CONVERSATION_PP = ("conversation_tokens({max_len}, overflow='truncate_turns', max_answer={loss_positions})|"
-                   "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image'{more})")
 ANYRES_KEYS = ", 'anyres_layout', 'visual_mask'"  # AnyRes views made on the host: where each token comes from
+
+
+def conversation_pp(args: str = "", keep: str = "") -> str:
+    """The pp's text steps: the conversation through the chat template (``conversation_tokens``,
+    with ``args`` more), then the keys a VLM batch holds (and ``keep`` more)."""
+    return (f"conversation_tokens({{max_len}}, overflow='truncate_turns', max_answer={{loss_positions}}{args})|"
+            f"keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image'{keep})")
 
 
 def architecture(src) -> str | None:
@@ -215,8 +220,7 @@ def load_llava(src) -> tuple[dict, dict, dict]:
     if problems:
         raise ValueError(f"Cannot load {src} as a vitmm VLM ({'LLaVA-NeXT' if next_ else 'LLaVA'}):\n"
                          + "\n".join(problems))
-    pp = image_pp + "normalize({image_mean}, {image_std})|" + CONVERSATION_PP.replace(
-        "{more}", ANYRES_KEYS if next_ else "")
+    pp = image_pp + "normalize({image_mean}, {image_std})|" + conversation_pp(keep=ANYRES_KEYS if next_ else "")
     mean, std = OPENAI_CLIP
     run = {"task": "vlm", "seed": 0, "model": model, "init": {"vision": None, "lm": None, "checkpoint": None},
            "lora": {"rank": 0, "alpha": 0.0, "dropout": 0.0, "targets": []},
@@ -266,8 +270,7 @@ def load_paligemma(src) -> tuple[dict, dict, dict]:
         raise ValueError(f"{src}: image processing {json.dumps(images.get('size'))} is not supported; vitmm reads "
                          f"SigLIP's resize to the tower's {size}x{size}.")
     method = "bicubic" if images.get("resample", 3) == 3 else "bilinear"
-    pp = f"decode|resize({size}, method='{method}')|normalize({{image_mean}}, {{image_std}})|" + \
-        CONVERSATION_PP.replace("{more}", "")
+    pp = f"decode|resize({size}, method='{method}')|normalize({{image_mean}}, {{image_std}})|" + conversation_pp()
     run = {"task": "vlm", "seed": 0, "model": model, "init": {"vision": None, "lm": None, "checkpoint": None},
            "lora": {"rank": 0, "alpha": 0.0, "dropout": 0.0, "targets": []},
            "input": {"pp": pp, "image_size": size, "image_mean": list(images.get("image_mean", (0.5,) * 3)),
@@ -284,8 +287,11 @@ def import_vlm(src, out) -> pathlib.Path:
     if name is None:
         raise ValueError(f"{src} is a {'/'.join(io.read_json(src).get('architectures') or ['?'])} VLM, which vitmm "
                          f"does not import; it imports {', '.join(ARCHITECTURES)}.")
+    from vitmm.interop.hf_qwen2_vl import load_qwen2_vl
+
     out = convert.new_folder(out)
-    run, params, extra = (load_paligemma if name == "PaliGemmaForConditionalGeneration" else load_llava)(src)
+    load = {"PaliGemmaForConditionalGeneration": load_paligemma, "Qwen2VLForConditionalGeneration": load_qwen2_vl}
+    run, params, extra = load.get(name, load_llava)(src)
     if not (src / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{src} has no tokenizer.json; save the processor (or tokenizer) beside the model.")
     ids = {k: v if v is not None else convert.special_ids(io.read_json(src)).get(k)

@@ -111,7 +111,8 @@ class ViT(nn.Module):
     (``gap`` and ``map`` use the patch tokens only); ``pre_norm`` is CLIP's LayerNorm on the
     whole sequence before the encoder; ``fc_norm`` moves the final LayerNorm from the tokens to
     the pooled vector (timm's ``fc_norm``, MAE fine-tuning; ``encoded``/``patch_tokens`` are then
-    the last block's raw outputs); ``num_classes > 0`` adds a (zero-initialised) linear head.
+    the last block's raw outputs); ``final_norm=False`` has no final LayerNorm at all (Qwen2-VL's
+    ViT, whose patch merger normalises); ``num_classes > 0`` adds a (zero-initialised) linear head.
 
     Encoder: ``dropout``, ``drop_path_rate``, ``layerscale``, ``qk_norm``, ``act``, ``norm_eps``,
     ``scan``, ``remat_policy``, ``dtype_mm`` (compute dtype; parameters stay float32),
@@ -148,6 +149,7 @@ class ViT(nn.Module):
     pool: str = "tok"
     pre_norm: bool = False
     fc_norm: bool = False
+    final_norm: bool = True
     num_classes: int = 0
     # Encoder.
     dropout: float = 0.0
@@ -195,6 +197,8 @@ class ViT(nn.Module):
         common.check_choice("posemb_resample", self.posemb_resample, pe.RESAMPLE_METHODS)
         if self.pool == "tok" and not self.class_token:
             raise ValueError("pool='tok' reads the CLS token; set class_token=True or pick gap/map.")
+        if self.fc_norm and not self.final_norm:
+            raise ValueError("fc_norm is the final norm moved to the pooled vector; final_norm=False has none.")
         if self.fc_norm and self.pool == "none":
             raise ValueError("fc_norm normalises the pooled vector; pool='none' has none. Drop fc_norm.")
         if self.posemb_layout == "with_cls" and not self.class_token:
@@ -258,7 +262,7 @@ class ViT(nn.Module):
             depth=arch.depth, num_heads=arch.num_heads, mlp_dim=arch.mlp_dim, dropout=self.dropout,
             drop_path_rate=self.drop_path_rate, layerscale=self.layerscale, qk_norm=self.qk_norm,
             act=self.act, norm_eps=self.norm_eps, scan=self.scan, remat_policy=self.remat_policy,
-            dtype_mm=self.dtype_mm, attn_impl=self.attn_impl, final_norm=not self.fc_norm,
+            dtype_mm=self.dtype_mm, attn_impl=self.attn_impl, final_norm=self.final_norm and not self.fc_norm,
             dtype_residual=self.dtype_residual, name="encoder",
         )(x, rope=rope, mask=mask, deterministic=not train)
         out.update(blocks)

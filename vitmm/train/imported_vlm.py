@@ -11,13 +11,20 @@ from vitmm import checkpoint as ckpt_lib
 # starts from it: the model, its tokenizer and chat template, and its image size and statistics.
 IMPORTED_MODEL = ("vision", "connector", "lm", "vision_layer", "use_cls", "prefix_lm", "mrope", "anyres")
 IMPORTED_INPUT = ("image_size", "image_mean", "image_std")
+# Image steps whose model cannot see square images instead (AnyRes views and their layout, images at
+# their own sizes in two-frame temporal patches): a run takes the imported pp (and flat sequences).
+MODEL_PP_OPS = ("anyres", "smart_resize", "temporal_patch")
 
 
 def from_imported_vlm(config):
     """``config`` with the settings of the imported VLM that ``init.checkpoint`` names, when it names
     one (its config records ``source.architecture``) and the run sets no ``init.vision``/``init.lm``
     of its own: ``IMPORTED_MODEL`` of ``model``, ``IMPORTED_INPUT`` of ``input``, ``tokenizer``,
-    ``chat_template`` and ``tokens``. Otherwise ``config`` as it is."""
+    ``chat_template`` and ``tokens``; and when its pp holds ``MODEL_PP_OPS``, that pp and (unless
+    the run sets ``input.sequences.length``) its ``input.sequences``. Otherwise ``config`` as it is
+    (a LLaVA's run keeps its own image steps, e.g. LLaVA-1.5's pad-to-square)."""
+    from vitmm.data import preprocess
+
     start = (config.get("init") or {}).get("checkpoint")
     if config.get("task") != "vlm" or not start or config.init.get("vision") or config.init.get("lm"):
         return config
@@ -30,6 +37,11 @@ def from_imported_vlm(config):
             config.model[key] = saved["model"].get(key)
         for key in IMPORTED_INPUT:
             config.input[key] = saved["input"].get(key)
+        if set(MODEL_PP_OPS) & set(preprocess.op_names(saved["input"]["pp"])):
+            config.input.pp = saved["input"]["pp"]
+            own = config.input.get("sequences")
+            if saved["input"].get("sequences") and not (own and own.get("length")):
+                config.input.sequences = saved["input"]["sequences"]
         for key in ("tokenizer", "chat_template", "tokens"):
             config[key] = saved.get(key)
     if jax.process_index() == 0:

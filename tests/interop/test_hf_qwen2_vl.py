@@ -1,0 +1,92 @@
+"""Qwen2-VL (``tests/fixtures/interop/hf_qwen2_vl``, written by ``make_fixtures.py --only qwen2_vl``)
+imported into a vitmm VLM workdir: its processor's patches (``smart_resize``, two frames, the 2×2
+windows together), ids and visual tokens' places, the logits (≤ 1e-5 of the largest, M-RoPE) and
+the greedy answers equal transformers', for one image, one resized down and two in one turn."""
+
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vitmm.interop import hf_qwen2_vl
+
+FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/hf_qwen2_vl"
+IMAGE_PAD = 323  # the fixture tokenizer's <|image_pad|>
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    from vitmm import chat
+    from vitmm.interop.__main__ import main
+
+    out = tmp_path_factory.mktemp("qwen2_vl") / "w"
+    main(["--from", "hf", "--src", str(FIXTURE), "--out", str(out)])
+    return out, chat.load(out)
+
+
+def _logits(vlm, example) -> np.ndarray:
+    """The full forward's logits ``[S, vocab]`` of a prepared prompt, as one flat sequence."""
+    from vitmm.data import sequences
+    from vitmm.models.vlm import VLM
+    from vitmm.train.sequence_layout import SequenceLayout
+
+    seq = SequenceLayout.of(vlm.task, 0, (1, 1)).prompt(example)  # the tower packed: grids are the images'
+    row = {k: v[None] for k, v in sequences.one_row(seq, 128, 4, 128).items()}
+    logits = vlm.task.model.apply({"params": vlm.params}, sequences.tower_batch(row), jnp.asarray(row["tokens"]),
+                                  jnp.asarray(row["visual"]), jnp.asarray(row["segment_ids"]),
+                                  jnp.asarray(np.moveaxis(row["mrope"], -1, 0)), method=VLM.packed)
+    return np.asarray(logits[0, :len(seq["tokens"])]), seq
+
+
+def test_qwen2_vl_gives_transformers_patches_ids_logits_and_greedy_answers(imported):
+    _, vlm = imported
+    ref, prompts = np.load(FIXTURE / "io.npz"), json.loads((FIXTURE / "prompts.json").read_text())
+    assert vlm.config.model.mrope and vlm.config.model.connector.to_dict() == {"name": "patch_merger", "merge": 2}
+    for i, prompt in enumerate(prompts):  # 24x40; 50x50 (resized down to 32x32); 30x18 and 16x16 together
+        images = [ref[f"image_{k}"] for k in prompt["images"]]
+        example = vlm.prepare(images, [{"from": "human", "value": prompt["text"]}])
+        logits, seq = _logits(vlm, example)
+        hf_ids, want = ref[f"input_ids_{i}"][0], ref[f"logits_{i}"][0]
+        patches = ref[f"pixel_values_{i}"]  # [N, (RGB, frame, row, col)] in merge-window order
+        n = len(patches)
+        np.testing.assert_allclose(seq["tower_patches"], patches.reshape(n, 3, 2, 4, 4).transpose(0, 3, 4, 2, 1)
+                                   .reshape(n, -1), atol=1e-6)
+        assert [list(g) for g in seq["grids"]] == [list(g[1:]) for g in ref[f"image_grid_thw_{i}"]]
+        assert list(np.where(seq["visual"] >= 0, IMAGE_PAD, seq["tokens"])) == list(hf_ids)  # text and places
+        assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
+        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+
+
+def test_the_rotation_order_swap_is_its_own_inverse_and_keeps_the_scores():
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=(5, 2 * 8)), rng.normal(size=(7, 2 * 8))
+    swapped = hf_qwen2_vl.rope_order(q, 2)
+    assert np.array_equal(hf_qwen2_vl.rope_order(swapped, 2), q) and not np.array_equal(swapped, q)
+    np.testing.assert_allclose(swapped @ hf_qwen2_vl.rope_order(k, 2).T, q @ k.T, rtol=1e-12)
+
+
+def test_an_imported_qwen2_vl_fine_tunes_with_lora_on_its_own_image_steps_and_chats(imported, tmp_path):
+    """``init.checkpoint`` = the imported workdir: the run takes its image steps (own sizes, two
+    frames) with its model; LoRA trains on flat sequences with the tower packed, the tower and the LM
+    stay as imported, and the run chats."""
+    from vitmm import chat, config_args
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.data import examples
+    from vitmm.train import trainer
+
+    out, _ = imported
+    data = examples.write_llava(tmp_path / "data", 8, resolution=24)
+    config = config_args.load(pathlib.Path(__file__).resolve().parents[2] / "configs/llava_finetune.py",
+                              "lora=4,smoke,steps=2", **{
+                                  "init.checkpoint": str(out), "input.data_path": str(data),
+                                  "input.image_folder": str(data.parent), "input.sequences.length": 192,
+                                  "input.sequences.max_images": 2, "input.sequences.tower_length": 128})
+    trainer.train(config, tmp_path / "run")
+    saved = ckpt_lib.load_config(tmp_path / "run")
+    assert "smart_resize" in saved["input"]["pp"] and "temporal_patch(2)" in saved["input"]["pp"]
+    before, after = ckpt_lib.load_params(out), ckpt_lib.load_params(tmp_path / "run")
+    assert np.array_equal(after["tower"]["embedding"]["kernel"], before["tower"]["embedding"]["kernel"])
+    assert "lora" in after
+    assert isinstance(chat.load(tmp_path / "run").ask(np.zeros((20, 40, 3), np.uint8), "what?", 3), str)
