@@ -4,7 +4,8 @@
     export_hf.export_hf("workdirs/llava15_ft", "exported/llava15_ft")
 
 ``export_hf`` writes a VLM with prefix attention as ``PaliGemmaForConditionalGeneration``, one with
-AnyRes views made by the ``anyres`` op as ``LlavaNextForConditionalGeneration`` and any other as
+M-RoPE as ``Qwen2VLForConditionalGeneration`` (``interop.hf_qwen2_vl``), one with AnyRes views made
+by the ``anyres`` op as ``LlavaNextForConditionalGeneration`` and any other as
 ``LlavaForConditionalGeneration``, each with its processor (the run's image steps), tokenizer
 and chat template, for ``AutoModelForImageTextToText`` and ``AutoProcessor``; a VLM whose parts do not
 fit is refused with every reason before anything is written. The inverse of ``hf_vlm``'s importers
@@ -182,12 +183,17 @@ def _paligemma_problems(model: dict, vision: dict, tower: dict, lm: dict) -> lis
 
 def export_hf(workdir, out) -> dict:
     """``python -m vitmm.export --format hf``: a VLM with prefix attention (``prefix_lm``) as
-    ``PaliGemmaForConditionalGeneration``, any other as ``LlavaForConditionalGeneration``."""
+    ``PaliGemmaForConditionalGeneration``, with M-RoPE as ``Qwen2VLForConditionalGeneration``, any
+    other as ``LlavaForConditionalGeneration`` (``LlavaNext…`` with AnyRes)."""
     from vitmm import checkpoint as ckpt_lib
 
     config = ckpt_lib.load_config(workdir)
     if (config.get("model") or {}).get("prefix_lm"):
         return export_paligemma(workdir, out)
+    if (config.get("model") or {}).get("mrope"):
+        from vitmm.interop.hf_qwen2_vl import export_qwen2_vl
+
+        return export_qwen2_vl(workdir, out)
     return export_llava(workdir, out)
 
 

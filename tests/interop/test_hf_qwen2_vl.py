@@ -6,6 +6,7 @@ the greedy answers equal transformers', for one image, one resized down and two 
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -90,3 +91,27 @@ def test_an_imported_qwen2_vl_fine_tunes_with_lora_on_its_own_image_steps_and_ch
     assert np.array_equal(after["tower"]["embedding"]["kernel"], before["tower"]["embedding"]["kernel"])
     assert "lora" in after
     assert isinstance(chat.load(tmp_path / "run").ask(np.zeros((20, 40, 3), np.uint8), "what?", 3), str)
+
+
+def test_an_export_imports_back_to_the_same_parameters_and_image_steps(imported, tmp_path, capsys):
+    """``--format hf`` on the imported Qwen2-VL (M-RoPE: Qwen2-VL's layout), read back; transformers
+    runs it as the original (``test_hf_vlm.py``'s ``in_transformers``)."""
+    from vitmm.export import main as export
+
+    out, vlm = imported
+    assert export(["--workdir", str(out), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert "architecture: Qwen2VLForConditionalGeneration" in capsys.readouterr().out
+    config, params, _ = hf_qwen2_vl.load_qwen2_vl(tmp_path / "hf")
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, vlm.params))
+    assert config["input"]["pp"] == vlm.config.input.pp
+
+
+def test_what_qwen2_vl_cannot_hold_is_named():
+    vision = dict(width=32, mlp_dim=48, num_heads=4, patch_size=4, posemb="learn", class_token=False, pool="none")
+    tower = {"embedding": {"kernel": np.zeros((4, 4, 3, 32))}}
+    model = dict(connector={"name": "pixel_shuffle", "merge": 2}, mrope=True, vision_layer=-1,
+                 lm={"qkv_bias": True})
+    problems = hf_qwen2_vl.export_problems(model, vision, tower, [("naflex", (16, 4), {"merge": 2})])
+    assert len(problems) == 3, problems
+    assert "posemb='learn' (needs 'rope2d')" in problems[0] and "mlp_dim=48" in problems[0]
+    assert "one frame" in problems[0] and "pixel_shuffle" in problems[1] and "['naflex']" in problems[2]

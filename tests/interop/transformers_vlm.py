@@ -1,27 +1,47 @@
 """Run exported VLM folders in transformers (in an environment that has it, e.g. ``.venv-eval``):
 ``python transformers_vlm.py FOLDER INPUTS.npz OUT.npz [FOLDER INPUTS OUT ...]`` loads each with
 ``AutoModelForImageTextToText`` and ``AutoProcessor``, and for each ``image_i`` / ``question_i`` of
-INPUTS (one user turn, rendered by the folder's chat template; PaliGemma's processor takes the text
-as it is) writes the processor's ``input_ids_i`` and ``pixel_values_i``, the ``logits_i`` and a
-greedy ``answer_i`` of 6 tokens to OUT. ``tests/interop/test_hf_vlm.py`` compares them with vitmm's."""
+INPUTS (one user turn, rendered by the folder's chat template; ``messages_i``, JSON, instead of
+``question_i`` gives the turns as they are; PaliGemma's processor takes the text as it is) writes the
+processor's ``input_ids_i`` and ``pixel_values_i``, the ``logits_i`` and a greedy ``answer_i`` of 6
+tokens to OUT. ``tests/interop/test_hf_vlm.py`` compares them with vitmm's. A processor whose video
+half needs torchvision, which this environment lacks (Qwen2-VL's), is built without it."""
 
+import json
 import sys
 
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+
+def processor_for(folder):
+    try:
+        return AutoProcessor.from_pretrained(folder)
+    except (OSError, ImportError):  # no video processor here: its own class, images and text only
+        from transformers import AutoImageProcessor, Qwen2VLProcessor
+
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+        images_only = type("Qwen2VLProcessor", (Qwen2VLProcessor,), {"get_attributes": classmethod(get_attributes)})
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return images_only(image_processor=AutoImageProcessor.from_pretrained(folder), tokenizer=tokenizer,
+                           chat_template=tokenizer.chat_template)
 
 
 def main(folder, inputs, out):
     model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
-    processor = AutoProcessor.from_pretrained(folder)
+    processor = processor_for(folder)
     data, results = np.load(inputs), {"class": np.array(type(model).__name__)}
     for i in range(sum(k.startswith("image_") for k in data.files)):
-        prompt = str(data[f"question_{i}"])
-        if "PaliGemma" not in type(processor).__name__:
-            prompt = processor.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                   tokenize=False)
+        if f"messages_{i}" in data.files:
+            messages = json.loads(str(data[f"messages_{i}"]))
+        else:
+            messages = [{"role": "user", "content": str(data[f"question_{i}"])}]
+        prompt = messages[0]["content"] if "PaliGemma" in type(processor).__name__ else \
+            processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         batch = processor(images=Image.fromarray(data[f"image_{i}"]), text=prompt, return_tensors="pt")
         with torch.no_grad():
             logits = model(**batch).logits

@@ -38,6 +38,15 @@ def rope_order(w: np.ndarray, heads: int) -> np.ndarray:
     return quarters[..., [1, 0, 3, 2], :].reshape(shape)
 
 
+def _swap_qk(qkv: dict, width: int, heads: int) -> dict:
+    """A fused ``qkv`` Dense with its queries' and keys' channels in the other rotation order
+    (``rope_order``; either way)."""
+    kernel, bias = np.array(qkv["kernel"]), np.array(qkv["bias"])
+    for part in (slice(0, width), slice(width, 2 * width)):
+        kernel[:, part], bias[part] = rope_order(kernel[:, part], heads), rope_order(bias[part], heads)
+    return {"kernel": kernel, "bias": bias}
+
+
 def _names(tensors: dict) -> dict:
     """Qwen2-VL's tensors under one set of names (transformers writes ``visual.*`` and
     ``model.layers.*``, or ``model.visual.*`` and ``model.language_model.*``): ``visual.*``,
@@ -73,12 +82,8 @@ def _tower_params(sd: StateDict, vision: dict) -> dict:
     blocks = {}
     for i in range(vision["depth"]):
         b = f"visual.blocks.{i}"
-        qkv = linear(sd, f"{b}.attn.qkv")
-        width, heads = vision["width"], vision["num_heads"]
-        kernel, bias = np.array(qkv["kernel"]), np.array(qkv["bias"])
-        for part in (slice(0, width), slice(width, 2 * width)):  # queries and keys: vitmm's rotation order
-            kernel[:, part], bias[part] = rope_order(kernel[:, part], heads), rope_order(bias[part], heads)
-        attn = {"qkv": {"kernel": kernel, "bias": bias}, "out": linear(sd, f"{b}.attn.proj")}
+        attn = {"qkv": _swap_qk(linear(sd, f"{b}.attn.qkv"), vision["width"], vision["num_heads"]),
+                "out": linear(sd, f"{b}.attn.proj")}
         blocks[f"block_{i:02d}"] = {"norm1": norm(sd, f"{b}.norm1"), "norm2": norm(sd, f"{b}.norm2"), "attn": attn,
                                     "mlp": {"fc1": linear(sd, f"{b}.mlp.fc1"), "fc2": linear(sd, f"{b}.mlp.fc2")}}
     return {"embedding": {"kernel": conv.transpose(3, 4, 2, 1, 0).reshape(p, q, t * c, d)}, "encoder": blocks}
@@ -158,3 +163,142 @@ def load_qwen2_vl(src) -> tuple[dict, dict, dict]:
            "input": {"pp": pp, "image_size": side, "image_mean": list(mean), "image_std": list(std),
                      "sequences": sequences}}
     return run, params, {"text_config": text}
+
+
+def export_problems(model: dict, vision: dict, tower: dict, steps: list) -> list[str]:
+    """Why ``Qwen2VLForConditionalGeneration`` cannot hold this VLM (empty: it can). ``steps``: the
+    run's pp as ``preprocess.ops``."""
+    wants = {"class_token": False, "posemb": "rope2d", "final_norm": False, "embed_bias": False, "pool": "none",
+             "num_registers": 0, "qk_norm": False, "layerscale": None, "pre_norm": False, "stem": "patch"}
+    wrong = [f"{k}={vision.get(k)!r} (needs {v!r})" for k, v in wants.items() if vision.get(k, _DEFAULTS.get(k)) != v]
+    if vision.get("act", "gelu") not in ("quick_gelu", "gelu"):
+        wrong.append(f"act={vision.get('act')!r}")
+    if vision.get("mlp_dim") % vision["width"]:
+        wrong.append(f"mlp_dim={vision.get('mlp_dim')} (Qwen2-VL's is a whole multiple of the width)")
+    if tower["embedding"]["kernel"].shape[2] != 6:
+        wrong.append("a patch embedding over one frame (Qwen2-VL's sees two: temporal_patch(2))")
+    problems = [f"the tower: {'; '.join(wrong)}"] if wrong else []
+    connector = dict(model["connector"])
+    if connector.get("name") != "patch_merger" or connector.get("hidden") not in (None,) or not connector.get("merge"):
+        problems.append(f"connector {connector} (Qwen2-VL's is the patch merger with a fixed merge)")
+    if model.get("vision_layer", -1) != -1 or not model.get("mrope") or model.get("use_cls") or model.get("anyres") \
+            or model.get("prefix_lm"):
+        problems.append("the VLM (Qwen2-VL reads the tower's last block, M-RoPE, no CLS, AnyRes or prefix attention)")
+    if not model["lm"].get("qkv_bias") or model["lm"].get("norm_offset") or model["lm"].get("qk_norm") \
+            or model["lm"].get("sliding_window"):
+        problems.append("the LM (Qwen2-VL's is a Qwen2)")
+    names = [name for name, _, _ in steps]
+    if "smart_resize" not in names or ("temporal_patch", (2,), {}) not in steps:
+        problems.append(f"the image steps {names} (Qwen2-VL's processor: smart_resize, normalize, temporal_patch(2))")
+    return problems
+
+
+_DEFAULTS = {"posemb": "learn", "final_norm": True, "embed_bias": True, "pool": "tok", "class_token": True,
+             "num_registers": 0, "qk_norm": False, "layerscale": None, "pre_norm": False, "stem": "patch"}
+
+
+def export_qwen2_vl(workdir, out) -> dict:
+    """The VLM in ``workdir`` as a transformers ``Qwen2VLForConditionalGeneration`` folder (the
+    inverse of ``load_qwen2_vl``: weights in the layout transformers writes, config, processor,
+    tokenizer, chat template) or ValueError with every reason it cannot be, before anything is
+    written."""
+    import json
+
+    import ml_collections
+
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.data import preprocess
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.models import lora as lora_lib
+    from vitmm.train import tasks
+
+    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
+    vision, lm = tasks.vlm_parts(config)
+    params = ckpt_lib.load_params(workdir)
+    if "lora" in params:
+        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
+    steps = preprocess.ops(tasks.pp_string(config))
+    problems = export_problems({**config.model.to_dict(), "lm": lm}, vision, params["tower"], steps)
+    tokenizer = tasks.tokenizer_for(config)
+    marks = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    ids = {m: tokenizer.token_id(m) if isinstance(tokenizer, tok_lib.HFTokenizer) else None for m in marks}
+    if None in ids.values():
+        problems.append(f"a tokenizer without {', '.join(m for m, i in ids.items() if i is None)}")
+    if problems:
+        raise ValueError(f"{workdir} cannot be a Qwen2VLForConditionalGeneration: " + "; ".join(problems) + ".")
+    out = pathlib.Path(out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new --out.")
+
+    p = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    t = lambda x: np.ascontiguousarray(x.T)  # noqa: E731 - [in, out] -> [out, in]
+    width, heads, merge = vision["width"], vision["num_heads"], int(config.model.connector.merge)
+    kernel = p["tower"]["embedding"]["kernel"]
+    ph, pw, _, d = kernel.shape
+    tensors = {"visual.patch_embed.proj.weight": np.ascontiguousarray(
+        kernel.reshape(ph, pw, 2, 3, d).transpose(4, 3, 2, 0, 1))}
+    for i in range(vision["depth"]):
+        b, name = p["tower"]["encoder"][f"block_{i:02d}"], f"visual.blocks.{i}"
+        layers = {"norm1": b["norm1"], "norm2": b["norm2"], "attn.qkv": _swap_qk(b["attn"]["qkv"], width, heads),
+                  "attn.proj": b["attn"]["out"], "mlp.fc1": b["mlp"]["fc1"], "mlp.fc2": b["mlp"]["fc2"]}
+        tensors.update(_torch_layers(name, layers, t))
+    project = p["project"]
+    tensors.update(_torch_layers("visual.merger", {"ln_q": project["ln_q"], "mlp.0": project["mlp"]["fc1"],
+                                                   "mlp.2": project["mlp"]["fc2"]}, t))
+    language, text_config = hf_lm.export_lm(lm, params["language"], family="qwen2")
+    tensors.update(language)
+    if "lm_head.weight" not in tensors:  # a tied head: written out, what every version reads
+        tensors["lm_head.weight"] = language["model.embed_tokens.weight"]
+    special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    rope = {"rope_type": "default", "rope_theta": lm.get("rope_theta", 10_000.0),
+            "mrope_section": [int(s) for s in lm["mrope_section"]]}
+    text_config = {**{k: v for k, v in text_config.items() if k != "architectures"}, **special,
+                   "model_type": "qwen2_vl_text", "rope_parameters": rope}
+    vision_config = {"model_type": "qwen2_vl_vision", "depth": vision["depth"], "embed_dim": width,
+                     "hidden_size": lm["width"], "hidden_act": "quick_gelu" if vision.get("act") == "quick_gelu"
+                     else "gelu", "mlp_ratio": vision["mlp_dim"] // width, "num_heads": heads, "in_channels": 3,
+                     "patch_size": ph, "spatial_merge_size": merge, "temporal_patch_size": 2,
+                     "rope_parameters": {"rope_type": "axial", "rope_theta": vision.get("rope_theta", 100.0)}}
+    hf_config = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+                 "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+                 "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+                 "tie_word_embeddings": bool(lm.get("tie_embeddings")), "text_config": text_config,
+                 "vision_config": vision_config, "torch_dtype": "float32"}
+    low, high, _ = next(a for n, a, _ in steps if n == "smart_resize")
+    method = next(k for n, _, k in steps if n == "smart_resize").get("method", "bicubic")
+    mean, std = tasks.image_normalization(config)
+    images = {"image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True, "do_resize": True,
+              "size": {"shortest_edge": int(low), "longest_edge": int(high)},
+              "resample": 3 if method == "bicubic" else 2, "do_rescale": True, "rescale_factor": 1 / 255,
+              "do_normalize": True, "image_mean": list(mean),
+              "image_std": list(std), "patch_size": ph, "temporal_patch_size": 2, "merge_size": merge}
+    # Its video processor's settings (AutoProcessor loads one; vitmm imports no video from Qwen2-VL).
+    videos = {**{k: v for k, v in images.items() if k != "image_processor_type"},
+              "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2VLProcessor"}
+    token = tokenizer.token
+    tokenizer_config = {"bos_token": token(tokenizer.bos_id), "eos_token": token(tokenizer.eos_id),
+                        "pad_token": token(tokenizer.pad_id), "extra_special_tokens": list(marks),
+                        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Qwen2VLProcessor",
+                        "model_max_length": int(config.model.get("max_len") or 2048)}
+    out.mkdir(parents=True, exist_ok=True)
+    io.write_safetensors(tensors, out / "model.safetensors")
+    files = {"config.json": hf_config, "generation_config.json": special, "tokenizer_config.json": tokenizer_config,
+             "processor_config.json": {"image_processor": images, "processor_class": "Qwen2VLProcessor"},
+             "preprocessor_config.json": {**images, "processor_class": "Qwen2VLProcessor"},
+             "video_preprocessor_config.json": videos}
+    for name, value in files.items():
+        (out / name).write_text(json.dumps(value, indent=1) + "\n")
+    (out / "tokenizer.json").write_text(tokenizer.to_str())
+    if tokenizer.chat_template:
+        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+    return {"hf": str(out), "architecture": "Qwen2VLForConditionalGeneration"}
+
+
+def _torch_layers(prefix: str, layers: dict, t) -> dict:
+    """vitmm's Dense (``kernel``, ``bias``) and LayerNorm (``scale``, ``bias``) parameters as
+    PyTorch's ``{prefix}.{name}.weight`` / ``.bias``."""
+    out = {}
+    for name, layer in layers.items():
+        out[f"{prefix}.{name}.weight"] = t(layer["kernel"]) if "kernel" in layer else layer["scale"]
+        out[f"{prefix}.{name}.bias"] = layer["bias"]
+    return out
