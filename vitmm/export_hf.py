@@ -194,6 +194,10 @@ def export_hf(workdir, out) -> dict:
         from vitmm.interop.hf_qwen2_vl import export_qwen2_vl
 
         return export_qwen2_vl(workdir, out)
+    if ((config.get("model") or {}).get("connector") or {}).get("name") == "pixel_shuffle":
+        from vitmm.interop.hf_idefics3 import export_idefics3
+
+        return export_idefics3(workdir, out)
     return export_llava(workdir, out)
 
 

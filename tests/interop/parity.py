@@ -50,3 +50,24 @@ def check_siglip(kwargs: dict, params: dict, ref: dict):
     for key, got in checks.items():
         np.testing.assert_allclose(np.asarray(got), ref[key], atol=ATOL, rtol=0, err_msg=key)
     return zimg, ztxt
+
+
+def flat_logits(vlm, example: dict) -> tuple[np.ndarray, dict]:
+    """A prepared prompt of an imported VLM that runs on flat sequences (``vitmm.chat.Chat`` of a
+    Qwen2-VL or Idefics3 workdir) through the full forward, alone in a row: its logits ``[S, vocab]``
+    and its sequence (``data.sequences.prompt_sequence``)."""
+    from vitmm.data import sequences
+    from vitmm.models.vlm import VLM
+    from vitmm.train.sequence_layout import SequenceLayout
+
+    mrope = vlm.task.model.mrope
+    layout = SequenceLayout.of(vlm.task, vlm._num_visual(example["image"]), (1, 1) if mrope else None)
+    seq = layout.prompt(example)  # with the tower packed, M-RoPE's grids are each image's own
+    tower = layout.tower is not None
+    row = {k: v[None] for k, v in sequences.one_row(seq, 128, 16, 128 if tower else 0).items()}
+    images = sequences.tower_batch(row) if tower else jnp.asarray(row["images"])
+    positions = np.moveaxis(row["mrope"], -1, 0) if mrope else row["positions"]
+    logits = vlm.task.model.apply({"params": vlm.params}, images, jnp.asarray(row["tokens"]),
+                                  jnp.asarray(row["visual"]), jnp.asarray(row["segment_ids"]), jnp.asarray(positions),
+                                  method=VLM.packed)
+    return np.asarray(logits[0, :len(seq["tokens"])]), seq

@@ -7,9 +7,9 @@ import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import flat_logits
 
 from vitmm.interop import hf_qwen2_vl
 
@@ -27,20 +27,6 @@ def imported(tmp_path_factory):
     return out, chat.load(out)
 
 
-def _logits(vlm, example) -> np.ndarray:
-    """The full forward's logits ``[S, vocab]`` of a prepared prompt, as one flat sequence."""
-    from vitmm.data import sequences
-    from vitmm.models.vlm import VLM
-    from vitmm.train.sequence_layout import SequenceLayout
-
-    seq = SequenceLayout.of(vlm.task, 0, (1, 1)).prompt(example)  # the tower packed: grids are the images'
-    row = {k: v[None] for k, v in sequences.one_row(seq, 128, 4, 128).items()}
-    logits = vlm.task.model.apply({"params": vlm.params}, sequences.tower_batch(row), jnp.asarray(row["tokens"]),
-                                  jnp.asarray(row["visual"]), jnp.asarray(row["segment_ids"]),
-                                  jnp.asarray(np.moveaxis(row["mrope"], -1, 0)), method=VLM.packed)
-    return np.asarray(logits[0, :len(seq["tokens"])]), seq
-
-
 def test_qwen2_vl_gives_transformers_patches_ids_logits_and_greedy_answers(imported):
     _, vlm = imported
     ref, prompts = np.load(FIXTURE / "io.npz"), json.loads((FIXTURE / "prompts.json").read_text())
@@ -48,7 +34,7 @@ def test_qwen2_vl_gives_transformers_patches_ids_logits_and_greedy_answers(impor
     for i, prompt in enumerate(prompts):  # 24x40; 50x50 (resized down to 32x32); 30x18 and 16x16 together
         images = [ref[f"image_{k}"] for k in prompt["images"]]
         example = vlm.prepare(images, [{"from": "human", "value": prompt["text"]}])
-        logits, seq = _logits(vlm, example)
+        logits, seq = flat_logits(vlm, example)
         hf_ids, want = ref[f"input_ids_{i}"][0], ref[f"logits_{i}"][0]
         patches = ref[f"pixel_values_{i}"]  # [N, (RGB, frame, row, col)] in merge-window order
         n = len(patches)

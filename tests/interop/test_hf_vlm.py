@@ -291,10 +291,18 @@ def test_paligemma_exports_and_imports_back_to_the_same_parameters(tmp_path, cap
     assert jax.tree.all(jax.tree.map(np.array_equal, params, chat.load(tmp_path / "w").params))
 
 
+def _fixture_inputs(name: str, n: int) -> dict:
+    """A fixture's first ``n`` images with their prompts as transformers' messages."""
+    ref, prompts = np.load(FIXTURE.with_name(name) / "io.npz"), json.loads((FIXTURE.with_name(name) / "prompts.json")
+                                                                           .read_text())
+    return {**{f"image_{i}": ref[f"image_{i}"] for i in range(n)},
+            **{f"messages_{i}": json.dumps(prompts[i]["messages"]) for i in range(n)}}
+
+
 @pytest.fixture(scope="module")
 def in_transformers(finetuned, next_imported, tmp_path_factory):
-    """The fine-tuned LLaVA, the imported PaliGemma, LLaVA-NeXT and Qwen2-VL exported with ``--format
-    hf`` and run in transformers (``.venv-eval``'s; one process for all): ``{name: outputs}``."""
+    """The fine-tuned LLaVA and the imported PaliGemma, LLaVA-NeXT, Qwen2-VL and Idefics3 exported with
+    ``--format hf`` and run in transformers (``.venv-eval``'s; one process for all): ``{name: outputs}``."""
     if not pathlib.Path(EVAL_PYTHON or "/nonexistent").is_file():
         pytest.skip("no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
     from vitmm.export import main as export
@@ -303,8 +311,7 @@ def in_transformers(finetuned, next_imported, tmp_path_factory):
     root = tmp_path_factory.mktemp("in_transformers")
     interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_paligemma")), "--out", str(root / "paligemma_w")])
     interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_qwen2_vl")), "--out", str(root / "qwen2_vl_w")])
-    qwen = np.load(FIXTURE.with_name("hf_qwen2_vl") / "io.npz")
-    qwen_prompts = json.loads((FIXTURE.with_name("hf_qwen2_vl") / "prompts.json").read_text())
+    interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_idefics3")), "--out", str(root / "idefics3_w")])
     pali = np.load(FIXTURE.with_name("hf_paligemma") / "io.npz")
     prompts = json.loads((FIXTURE.with_name("hf_paligemma") / "prompts.json").read_text())
     nxt = np.load(FIXTURE.with_name("hf_llava_next") / "io.npz")
@@ -316,9 +323,8 @@ def in_transformers(finetuned, next_imported, tmp_path_factory):
              "llava_next": (next_imported[0], {
                  **{f"image_{i}": nxt[f"image_{i}"] for i in range(3)},
                  **{f"question_{i}": p["messages"][0]["content"] for i, p in enumerate(nxt_prompts)}}),
-             "qwen2_vl": (root / "qwen2_vl_w", {  # its one-image prompts, as transformers' messages
-                 **{f"image_{i}": qwen[f"image_{i}"] for i in range(2)},
-                 **{f"messages_{i}": json.dumps(qwen_prompts[i]["messages"]) for i in range(2)}})}
+             "qwen2_vl": (root / "qwen2_vl_w", _fixture_inputs("hf_qwen2_vl", 2)),  # its one-image prompts
+             "idefics3": (root / "idefics3_w", _fixture_inputs("hf_idefics3", 3))}
     args = []
     for name, (workdir, inputs) in cases.items():
         assert export(["--workdir", str(workdir), "--out", str(root / name), "--format", "hf"]) == 0
@@ -355,11 +361,12 @@ def test_the_fine_tuned_llava_exports_to_transformers_with_the_same_pixels_ids_l
 
 @pytest.mark.parametrize(("name", "architecture", "n"), [("paligemma", "PaliGemmaForConditionalGeneration", 2),
                                                         ("llava_next", "LlavaNextForConditionalGeneration", 3),
-                                                        ("qwen2_vl", "Qwen2VLForConditionalGeneration", 2)])
+                                                        ("qwen2_vl", "Qwen2VLForConditionalGeneration", 2),
+                                                        ("idefics3", "Idefics3ForConditionalGeneration", 3)])
 def test_the_exported_vlm_runs_in_transformers_as_the_original(in_transformers, name, architecture, n):
-    """The export of an imported PaliGemma, LLaVA-NeXT or Qwen2-VL gives the original model's ids,
-    pixels (LLaVA-NeXT's views, Qwen2-VL's patches), logits (to 1e-6 of the largest) and greedy
-    answers in transformers."""
+    """The export of an imported PaliGemma, LLaVA-NeXT, Qwen2-VL or Idefics3 gives the original
+    model's ids, pixels (LLaVA-NeXT's views, Qwen2-VL's patches, Idefics3's tiles), logits (to 1e-6
+    of the largest) and greedy answers in transformers."""
     out, ref = in_transformers[name], np.load(FIXTURE.with_name(f"hf_{name}") / "io.npz")
     assert str(out["class"]) == architecture
     for i in range(n):

@@ -64,7 +64,8 @@ def pad_to_square(image: np.ndarray, fill) -> np.ndarray:
     return out
 
 
-RESAMPLING = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
+RESAMPLING = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
+              "lanczos": Image.Resampling.LANCZOS}
 
 
 def resize(image: np.ndarray, size: tuple[int, int], method: str = "bilinear") -> np.ndarray:

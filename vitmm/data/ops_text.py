@@ -145,9 +145,10 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
     answer [EOS] user separator answer [EOS] …``; ``"auto"``: chat when the tokenizer has a template.
     With several images (``num_images`` > 1), ``image_positions`` holds each ``<image>``'s place
     (``image_pos`` the first's); only ``data.sequences`` (``input.sequences``) trains on them.
-    ``image_text``: what each ``<image>`` tag becomes before the turns are rendered, the visual
-    tokens going where its own ``<image>`` stands (Qwen2-VL's
-    ``'<|vision_start|><image><|vision_end|>'``).
+    ``image_text``: what each ``<image>`` tag becomes after the turns are rendered (as a processor
+    expands the chat template's text), the visual tokens going where its own ``<image>`` stands
+    (Qwen2-VL's ``'<|vision_start|><image><|vision_end|>'``); an example's ``image_texts`` (one a
+    tag, e.g. ``idefics3_tiles``'s for its tiles) come first, each ``<image>`` in them then an image.
 
     ``overflow`` (a sequence longer than ``max_len`` text tokens, or with more than ``max_answer``
     answer tokens): ``"truncate_turns"`` drops whole user/assistant exchanges from the end until it
@@ -182,13 +183,12 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
             raise BadExample("image_tag_mismatch", f"{tags} {IMAGE_PLACEHOLDER} tag(s) for {num_images} image(s)")
         if any(IMAGE_PLACEHOLDER in m["content"] for m in messages if m["role"] != "user"):
             raise BadExample("image_tag_mismatch", f"an {IMAGE_PLACEHOLDER} tag outside a user turn")
-        if image_text != IMAGE_PLACEHOLDER:
-            messages = [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, image_text)} for m in messages]
+        texts = [t.replace(IMAGE_PLACEHOLDER, image_text) for t in ex.get("image_texts", [IMAGE_PLACEHOLDER] * tags)]
         head = 1 if messages[0]["role"] == "system" else 0
         exchanges = keep = (len(messages) - head) // 2
         while True:
             kept = messages[: head + 2 * keep]
-            ids, mask, image_at = _assemble(render(kept, tokenizer, separator), tokenizer)
+            ids, mask, image_at = _assemble(_expand_images(render(kept, tokenizer, separator), texts), tokenizer)
             if len(ids) <= max_len and (max_answer is None or sum(mask) <= max_answer):
                 break
             keep -= 1
@@ -210,6 +210,18 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
         return ex
 
     return fn
+
+
+def _expand_images(segments, texts: list[str]) -> list[tuple[str, str]]:
+    """``segments`` with the k-th ``<image>`` of their text replaced by ``texts[k]``."""
+    out, k = [], 0
+    for kind, text in segments:
+        if kind == "text" and IMAGE_PLACEHOLDER in text:
+            pieces = text.split(IMAGE_PLACEHOLDER)
+            text = pieces[0] + "".join(texts[k + i] + piece for i, piece in enumerate(pieces[1:]))
+            k += len(pieces) - 1
+        out.append((kind, text))
+    return out
 
 
 def conversation_messages(turns) -> list[dict]:

@@ -48,6 +48,7 @@ import numpy as np
 
 from vitmm.data import images as images_lib
 from vitmm.data import ops_text
+from vitmm.data import tiles as tiles_lib
 from vitmm.data import video as video_lib
 from vitmm.data.images import decode_image
 from vitmm.data.scenes import swap_left_right
@@ -523,3 +524,4 @@ tokenize = register("tokenize", takes_tokenizer=True)(ops_text.tokenize)
 qa_tokens = register("qa_tokens", takes_tokenizer=True)(ops_text.qa_tokens)
 conversation_tokens = register("conversation_tokens", takes_tokenizer=True)(ops_text.conversation_tokens)
 temporal_patch = register("temporal_patch")(video_lib.temporal_patch)
+idefics3_tiles = register("idefics3_tiles")(tiles_lib.idefics3_tiles)

@@ -42,7 +42,8 @@ from vitmm.interop.convert import OPENAI_CLIP
 from vitmm.interop.hf import clip
 
 ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                 "PaliGemmaForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+                 "PaliGemmaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                 "Idefics3ForConditionalGeneration")
 # PaliGemma's prompt as its processor builds it: the image first, then BOS, the prompt and a newline;
 # the answer and EOS after (its training suffix). One user turn; the <image> tag may lead it.
 PALIGEMMA_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<image>{{ bos_token }}"
@@ -287,10 +288,12 @@ def import_vlm(src, out) -> pathlib.Path:
     if name is None:
         raise ValueError(f"{src} is a {'/'.join(io.read_json(src).get('architectures') or ['?'])} VLM, which vitmm "
                          f"does not import; it imports {', '.join(ARCHITECTURES)}.")
+    from vitmm.interop.hf_idefics3 import load_idefics3
     from vitmm.interop.hf_qwen2_vl import load_qwen2_vl
 
     out = convert.new_folder(out)
-    load = {"PaliGemmaForConditionalGeneration": load_paligemma, "Qwen2VLForConditionalGeneration": load_qwen2_vl}
+    load = {"PaliGemmaForConditionalGeneration": load_paligemma, "Qwen2VLForConditionalGeneration": load_qwen2_vl,
+            "Idefics3ForConditionalGeneration": load_idefics3}
     run, params, extra = load.get(name, load_llava)(src)
     if not (src / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{src} has no tokenizer.json; save the processor (or tokenizer) beside the model.")

@@ -47,6 +47,10 @@ class PixelShuffle(nn.Module):
     budget: int | None = None
     hidden: int | None = None  # the MLP's hidden width (defaults below)
     merge: int | None = None  # a fixed k (native resolution); otherwise the budget picks it
+    # InternVL's: a LayerNorm and a two-layer MLP; Idefics3's (SmolVLM's): norm=False, depth=1, use_bias=False
+    norm: bool = True
+    depth: int = 2
+    use_bias: bool = True
 
     @staticmethod
     def tokens(budget, grid, merge=None, **settings):
@@ -62,5 +66,7 @@ class PixelShuffle(nn.Module):
     def __call__(self, x, grid):
         check_tokens(x, grid)
         k = merge_factor(self.budget, grid, "pixel_shuffle", self.merge)
-        x = nn.LayerNorm(epsilon=1e-5, name="norm")(space_to_depth(x, grid, k))  # torch default, as InternVL
-        return MLP(self.out_dim, 2, hidden=self.hidden, name="mlp")(x)
+        x = space_to_depth(x, grid, k)
+        if self.norm:
+            x = nn.LayerNorm(epsilon=1e-5, name="norm")(x)  # torch default, as InternVL
+        return MLP(self.out_dim, self.depth, hidden=self.hidden, use_bias=self.use_bias, name="mlp")(x)
