@@ -134,6 +134,47 @@ def test_image_text_wraps_each_image_tag_and_the_visual_tokens_go_inside():
     assert int(wrapped["prompt_len"]) == int(plain["prompt_len"]) + 4
 
 
+# transformers' VLM chat templates take each turn as content parts: llava-hf's (images first, an
+# assistant turn ending with nothing after its text, {% generation %} around it) and SmolVLM's.
+LLAVA_HF = ("{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
+            "{% endif %}{# Render all images first #}{% for content in message['content'] | selectattr('type', "
+            "'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != "
+            "'assistant' %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+            "{{ content['text'] + ' '}}{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', "
+            "'equalto', 'text') %}{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+SMOLVLM = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]"
+           "['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}"
+           "{% if line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+           "{% endfor %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+@pytest.mark.parametrize(("template", "prompt", "answer", "eos"), [
+    (LLAVA_HF, ["USER: ", "\nWhat is shown? ASSISTANT:"], " A cat. ", True),  # EOS added: the template has none
+    (SMOLVLM.replace("<end_of_utterance>", "<|im_end|>"),  # the tiny tokenizer's EOS ends each turn
+     ["<|im_start|>User:", "What is shown?<|im_end|>\nAssistant:"], " A cat.<|im_end|>\n", False),
+])
+def test_templates_that_take_content_parts_render_the_turns_as_transformers_parts(tmp_path, template, prompt, answer,
+                                                                                    eos):
+    """A template that shows no string content gets each turn as parts (``<image>`` an image part,
+    the text around it stripped next to it): the rendering of ``[{"type": "image"}, {"type": "text",
+    "text": "What is shown?"}]``, the visual tokens where the template put its ``<image>``."""
+    from vitmm.interop import gguf_lm
+
+    _, _, tok, _ = gguf_lm.load(FIXTURES / "interop/gguf_llama/tiny.gguf")
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    tokenizer = tok_lib.HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=2, pad_id=2, chat_template=template)
+    turns = [{"from": "human", "value": "<image>\nWhat is shown?"}, {"from": "gpt", "value": "A cat."}]
+    ex = preprocess.parse("conversation_tokens(96)", tokenizer)({"conversations": turns, "num_images": 1}, None)
+    before, after = (tokenizer.encode(text) for text in prompt)
+    n = int(ex["prompt_len"])
+    assert int(ex["image_pos"]) == len(before) and list(ex["ids"][:n]) == before + after
+    want = tokenizer.encode(answer) + ([tokenizer.eos_id] if eos else [])
+    end = want.index(tokenizer.eos_id) + 1  # the answer is learned up to its EOS
+    assert list(ex["ids"][n:n + len(want)]) == want and ex["answer_mask"][n:].sum() == end == \
+        ex["answer_mask"][n:n + end].sum()
+
+
 def test_a_text_only_example_through_the_vlm_is_the_lm_alone():
     """``has_image=False``: the visual tokens are masked out of attention and positions, so every
     text logit equals the LM's on the text alone (float32, 1e-5)."""

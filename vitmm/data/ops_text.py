@@ -249,9 +249,9 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 
 
 def _chat_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
-    """``[(kind, text)]``, kind ``text`` or ``answer``, whose concatenation is the chat template's
-    rendering of ``messages``; each answer segment runs from the end of the generation prompt to the
-    end of that assistant turn."""
+    """``[(kind, text)]``, kind ``text``, ``answer`` or ``answer_eos``, whose concatenation is the chat
+    template's rendering of ``messages``; each answer segment runs from the end of the generation
+    prompt to the end of that assistant turn."""
     del separator
     full = tokenizer.chat(messages)
     segments, at = [], 0
@@ -263,7 +263,11 @@ def _chat_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
         if not (full.startswith(upto) and upto.startswith(prompt) and len(prompt) >= at):
             raise ValueError("conversation_tokens: the chat template must render each prefix of a conversation as a "
                              f"prefix of the whole; got {prompt!r} then {upto!r}.")
-        segments += [("text", full[at:len(prompt)]), ("answer", full[len(prompt):len(upto)])]
+        answer = full[len(prompt):len(upto)]
+        # A template that ends an assistant turn with nothing after its text (llava-hf's) gets EOS
+        # there, as LLaVA's own conversation format has it; one with an end marker keeps its own.
+        bare = answer.rstrip().endswith(message["content"].strip())
+        segments += [("text", full[at:len(prompt)]), ("answer_eos" if bare else "answer", answer)]
         at = len(upto)
     segments.append(("text", full[at:]))
     return segments

@@ -130,12 +130,45 @@ class HFTokenizer:
         return self._tok.to_str()
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """``messages`` (``{"role", "content"}`` dicts) rendered by the LM's chat template."""
+        """``messages`` (``{"role", "content"}`` dicts) rendered by the LM's chat template. A template
+        that shows no text given as a string (transformers' VLM templates: llava-hf's, SmolVLM's)
+        gets each turn as parts, split at ``<image>`` (``content_parts``)."""
         if not self.chat_template:
             raise ValueError("This tokenizer has no chat template; convert an LM that has one "
                              "(`python -m vitmm.interop --from hf|gguf`) and use its tokenizer.")
+        if not self._takes_strings:
+            messages = [{**m, "content": content_parts(m["content"])} if isinstance(m["content"], str) else m
+                        for m in messages]
         return render_chat(self.chat_template, messages, add_generation_prompt,
                            bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_id))
+
+    @functools.cached_property
+    def _takes_strings(self) -> bool:
+        """Whether the chat template shows a turn's text given as one string."""
+        probe = "vitmm probe 7f3a"
+        try:
+            shown = render_chat(self.chat_template, [{"role": "user", "content": probe}], True,
+                                bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_id))
+        except Exception:  # noqa: BLE001 - a template that fails on strings wants parts
+            return False
+        return probe in shown
+
+
+def content_parts(text: str) -> list[dict]:
+    """A turn's text as transformers' content parts: ``{"type": "image"}`` for each ``<image>``
+    and ``{"type": "text", "text": …}`` for the text between, its whitespace next to an image
+    dropped (a template puts its own space or newline there), in order."""
+    pieces = text.split("<image>")
+    parts = []
+    for i, piece in enumerate(pieces):
+        if i:
+            parts.append({"type": "image"})
+            piece = piece.lstrip()
+        if i < len(pieces) - 1:
+            piece = piece.rstrip()
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
 
 
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, **variables) -> str:
@@ -148,12 +181,26 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
 def _compiled(template: str):
     """A template compiled once (rendering a conversation renders it once per assistant turn)."""
     import jinja2
+    import jinja2.ext
+    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class Generation(jinja2.ext.Extension):
+        """transformers' ``{% generation %}…{% endgeneration %}`` (it marks an assistant turn's
+        tokens): its body, rendered as it is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            return jinja2.nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True),
+                                      lineno=lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", Generation])
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template)
 
