@@ -1,6 +1,7 @@
 """Hugging Face causal LMs (Llama with Llama 3 RoPE scaling, sharded; Qwen2 with q/k/v biases;
 Qwen3 with per-head q/k norms; Mistral and Phi-3 with sliding windows, Phi-3's weights fused;
-Gemma; Gemma 2 with output norms, soft caps and a window on alternate layers; Llama 3.2) load
+Gemma; Gemma 2 with output norms, soft caps and a window on alternate layers; Llama 3.2; Gemma 3's
+text model with q/k norms and its sliding layers' own RoPE base, the global one linearly scaled) load
 into vitmm's LM and reproduce transformers' logits on a ragged, left-padded batch (stored by
 ``tests/fixtures/interop/make_fixtures.py``): ≤ 1e-5 of the largest logit."""
 
@@ -16,7 +17,8 @@ from vitmm.interop import hf_lm
 from vitmm.models.lm import LM
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
-FAMILIES = ("hf_llama", "hf_qwen2", "hf_qwen3", "hf_mistral", "hf_phi3", "hf_gemma", "hf_gemma2", "hf_llama32")
+FAMILIES = ("hf_llama", "hf_qwen2", "hf_qwen3", "hf_mistral", "hf_phi3", "hf_gemma", "hf_gemma2", "hf_llama32",
+            "hf_gemma3")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -52,6 +54,9 @@ def test_each_family_sets_its_fields():
     assert set(gemma2_params["block_01"]) == {"attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm", "attn", "mlp"}
     llama32, _ = hf_lm.load_lm(FIXTURES / "hf_llama32")
     assert llama32["tie_embeddings"] and llama32["rope_scaling"]["rope_type"] == "llama3"
+    gemma3, _ = hf_lm.load_lm(FIXTURES / "hf_gemma3")
+    assert gemma3["window_layers"] == (0, 1) and gemma3["qk_norm"] and gemma3["local_rope_theta"] == 100.0
+    assert gemma3["rope_scaling"] == {"rope_type": "linear", "factor": 4.0} and gemma3["attn_softcap"] is None
 
 
 def test_a_sliding_window_holds_in_kv_cache_decoding_as_in_the_full_forward():

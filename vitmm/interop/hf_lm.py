@@ -1,8 +1,10 @@
 """Hugging Face causal language models → vitmm ``LM``: Llama (SmolLM, SmolLM2, TinyLlama, Llama 3
 with its RoPE rescaling), Qwen2/Qwen2.5 (q/k/v biases), Qwen3 (per-head q/k RMSNorms), Mistral
 (sliding-window attention), Phi-3 (fused q/k/v and gate/up weights, a sliding window), Gemma (√width
-embedding scale, RMSNorm with 1 + w, GELU-tanh gate, its own head_dim) and Gemma 2 (Gemma's, plus
-each sub-layer's output normalised, soft-capped scores and logits, a window on every other layer).
+embedding scale, RMSNorm with 1 + w, GELU-tanh gate, its own head_dim), Gemma 2 (Gemma's, plus
+each sub-layer's output normalised, soft-capped scores and logits, a window on every other layer) and
+Gemma 3's text model (Gemma 2's layout with q/k norms, windows on its ``layer_types``' sliding layers
+with their own RoPE base, the global layers' RoPE linearly scaled, no soft caps).
 
     kwargs, params = hf_lm.load_lm("~/models/SmolLM2-135M-Instruct")   # LM(**kwargs)
     logits = LM(**kwargs).apply({"params": params}, ids)
@@ -26,7 +28,8 @@ import numpy as np
 from vitmm.interop import io
 from vitmm.interop.common import StateDict, finish
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text")
+GEMMAS = ("gemma", "gemma2", "gemma3_text")
 
 
 def _rope(config: dict) -> tuple[float, dict | None]:
@@ -39,8 +42,10 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
+    if kind == "linear":
+        return theta, {"rope_type": "linear", "factor": float(scaling["factor"])}
     if kind != "llama3":
-        raise ValueError(f"RoPE scaling {kind!r} is not supported; vitmm reads 'default' and 'llama3'.")
+        raise ValueError(f"RoPE scaling {kind!r} is not supported; vitmm reads 'default', 'linear' and 'llama3'.")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return theta, {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
 
@@ -58,30 +63,40 @@ def lm_kwargs(config: dict, src) -> dict:
     if family == "qwen2" and config.get("use_sliding_window"):
         raise ValueError(f"{src}: Qwen2's use_sliding_window=true (windows on some layers) is not supported.")
     width, heads = config["hidden_size"], config["num_attention_heads"]
-    theta, scaling = _rope(config)
+    per_type = (config.get("rope_parameters") or {}).get("full_attention")  # Gemma 3: per layer type
+    theta, scaling = _rope({**config, "rope_parameters": per_type} if per_type else config)
     head_dim = config.get("head_dim") or width // heads
     act = config.get("hidden_activation") or config.get("hidden_act", "silu")
     acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
     if act not in acts:
         raise ValueError(f"{src}: activation {act!r} is not supported; vitmm has {sorted(acts)}.")
-    gemma = family in ("gemma", "gemma2")
+    gemma = family in GEMMAS
     return dict(vocab_size=config["vocab_size"], width=width, depth=config["num_hidden_layers"], num_heads=heads,
                 num_kv_heads=config.get("num_key_value_heads") or heads,
                 head_dim=None if head_dim * heads == width else head_dim, mlp_dim=config["intermediate_size"],
                 qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)), rope_theta=theta,
                 rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)), norm_offset=gemma,
                 embed_scale=gemma, act=acts[act], tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
-                **({"qk_norm": True} if family == "qwen3" else {}),
+                **({"qk_norm": True} if family in ("qwen3", "gemma3_text") else {}),
                 **({"sliding_window": int(config["sliding_window"])}
                    if family in ("mistral", "phi3") and config.get("sliding_window") else {}),
-                **(_gemma2(config, src) if family == "gemma2" else {}))
+                **(_gemma2(config, src) if family in ("gemma2", "gemma3_text") else {}),
+                **(_gemma3(config) if family == "gemma3_text" else {}))
+
+
+def _gemma3(config: dict) -> dict:
+    """Gemma 3's sliding layers' RoPE base (transformers 5's ``rope_parameters`` per layer type, or
+    the older ``rope_local_base_freq``)."""
+    local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return {"local_rope_theta": float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0)))}
 
 
 def _gemma2(config: dict, src) -> dict:
     """Gemma 2's own fields: the window on its ``sliding_attention`` layers (every other one by
     default), the sub-layers' output norms, its query scale and the two soft caps."""
     depth = config["num_hidden_layers"]
-    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+    pattern = 6 if config.get("model_type") == "gemma3_text" else 2  # Gemma 3: every 6th layer global
+    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                           for i in range(depth)]
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
     if unknown:
@@ -150,7 +165,7 @@ def lm_from_tensors(config: dict, tensors: dict, src) -> tuple[dict, dict]:
         attn["o"] = _linear(sd, f"{p}.self_attn.o_proj", False)
         if kwargs.get("qk_norm"):
             attn.update({f"{r}_norm": {"scale": sd.take(f"{p}.self_attn.{r}_norm.weight")} for r in "qk"})
-        norms = NORMS["gemma2" if kwargs.get("post_norms") else "llama"]
+        norms = NORMS["gemma2" if kwargs.get("post_norms") else "llama"]  # Gemma 3's are Gemma 2's
         params[f"block_{i:02d}"] = {
             **{ours: {"scale": sd.take(f"{p}.{theirs}.weight")} for ours, theirs in norms.items()},
             "attn": attn, "mlp": {r: _linear(sd, f"{p}.mlp.{r}_proj", False) for r in ("gate", "up", "down")}}
@@ -166,22 +181,25 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
     q/k/v biases, else Llama; merge LoRA adapters first (``lora.merge``)."""
     import numpy as np
 
-    family = family or ("gemma2" if kwargs.get("post_norms") else "gemma" if kwargs.get("norm_offset")
+    family = family or ("gemma3_text" if kwargs.get("post_norms") and kwargs.get("qk_norm")
+                        else "gemma2" if kwargs.get("post_norms") else "gemma" if kwargs.get("norm_offset")
                         else "qwen3" if kwargs.get("qk_norm")
                         else "qwen2" if kwargs.get("qkv_bias") else "mistral" if kwargs.get("sliding_window")
                         else "llama")
-    if kwargs.get("sliding_window") and family not in ("mistral", "gemma2"):
+    if kwargs.get("sliding_window") and family not in ("mistral", "gemma2", "gemma3_text"):
         raise ValueError(f"An LM with a sliding window is written as a Mistral; {family!r}'s layout has none.")
-    if kwargs.get("qk_norm") and family != "qwen3":
+    if kwargs.get("qk_norm") and family not in ("qwen3", "gemma3_text"):
         raise ValueError(f"An LM with q/k norms is a Qwen3; {family!r}'s layout has none.")
-    if family in ("gemma", "gemma2") and not (kwargs.get("norm_offset") and kwargs.get("embed_scale")):
+    if kwargs.get("local_rope_theta") and family != "gemma3_text":
+        raise ValueError(f"An LM with a local RoPE base is a Gemma 3; {family!r}'s layout has none.")
+    if family in GEMMAS and not (kwargs.get("norm_offset") and kwargs.get("embed_scale")):
         raise ValueError("Gemma's layout needs norm_offset and embed_scale; this LM has neither.")
     t = lambda x: np.ascontiguousarray(np.asarray(x, np.float32).T)  # noqa: E731 - [in, out] -> [out, in]
     tensors = {"model.embed_tokens.weight": np.asarray(params["token_embedding"]["embedding"], np.float32),
                "model.norm.weight": np.asarray(params["final_norm"]["scale"], np.float32)}
     for i in range(kwargs["depth"]):
         b, p = params[f"block_{i:02d}"], f"model.layers.{i}"
-        for ours, theirs in NORMS["gemma2" if family == "gemma2" else "llama"].items():
+        for ours, theirs in NORMS["gemma2" if family in ("gemma2", "gemma3_text") else "llama"].items():
             tensors[f"{p}.{theirs}.weight"] = np.asarray(b[ours]["scale"], np.float32)
         for role in ("q", "k", "v", "o"):
             tensors[f"{p}.self_attn.{role}_proj.weight"] = t(b["attn"][role]["kernel"])
@@ -195,7 +213,8 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
         tensors["lm_head.weight"] = t(params["head"]["kernel"])
     heads = kwargs["num_heads"]
     classes = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+               "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+               "gemma3_text": "Gemma3ForCausalLM"}
     config = {"model_type": family, "architectures": [classes[family]],
               "vocab_size": kwargs["vocab_size"], "hidden_size": kwargs["width"], "num_hidden_layers": kwargs["depth"],
               "num_attention_heads": heads, "num_key_value_heads": kwargs.get("num_kv_heads") or heads,
@@ -209,7 +228,7 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
         config["attention_bias"] = bool(kwargs.get("qkv_bias"))
     if family == "mistral":
         config["sliding_window"] = kwargs["sliding_window"]
-    if family == "gemma2":
+    if family in ("gemma2", "gemma3_text"):
         depth = kwargs["depth"]
         layers = kwargs.get("window_layers")
         config.update(sliding_window=kwargs["sliding_window"], query_pre_attn_scalar=kwargs["query_scale"],
@@ -217,7 +236,10 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
                       final_logit_softcapping=kwargs.get("logit_softcap"),
                       layer_types=["sliding_attention" if layers is None or i in layers else "full_attention"
                                    for i in range(depth)])
-    if family in ("gemma", "gemma2"):
+    if family == "gemma3_text":  # the RoPE of each layer type: the sliding layers' own base, unscaled
+        config["rope_parameters"] = {"full_attention": config["rope_parameters"], "sliding_attention": {
+            "rope_type": "default", "rope_theta": kwargs.get("local_rope_theta") or 10_000.0}}
+    if family in GEMMAS:
         config["hidden_activation"] = "gelu_pytorch_tanh"
     else:
         config["hidden_act"] = "silu"

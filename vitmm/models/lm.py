@@ -7,8 +7,9 @@ MLP, a final RMSNorm and an output head. What the families differ in are fields:
 ``num_kv_heads`` (grouped-query attention), ``head_dim`` (Gemma's is not width/heads),
 ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral, Phi-3; Gemma 2 on
 ``window_layers``), ``post_norms``, ``query_scale``, ``attn_softcap``, ``logit_softcap`` (Gemma 2), ``rope_theta``
-and ``rope_scaling`` (Llama 3's frequency rescaling), ``norm_eps``, ``norm_offset`` (Gemma's
-RMSNorm scales by 1 + w), ``embed_scale`` (Gemma multiplies embeddings by √width), ``act``
+and ``rope_scaling`` (Llama 3's frequency rescaling; linear), ``local_rope_theta`` (Gemma 3: the window
+layers' own RoPE base, unscaled; its q/k norms scale by 1 + w as its other norms), ``norm_eps``,
+``norm_offset`` (Gemma's RMSNorm scales by 1 + w), ``embed_scale`` (Gemma multiplies embeddings by √width), ``act``
 (``silu``; Gemma ``gelu_tanh``) and ``tie_embeddings`` (the head is the embedding matrix). Takes
 token ids or ready-made input embeddings (the VLM passes visual tokens that way), an optional
 padding mask and positions (a ragged batch), and a causal or prefix-LM mask.
@@ -38,8 +39,10 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         return inv
+    if kind == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        return (inv / np.float32(scaling["factor"])).astype(np.float32)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; vitmm has 'default' and 'llama3'.")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; vitmm has 'default', 'linear' and 'llama3'.")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     context = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -219,6 +222,7 @@ class LMAttention(nn.Module):
     qk_norm: float | None = None  # Qwen3: RMSNorm of each head's queries and keys (this eps) before RoPE
     scale: float | None = None  # the scores' scale (default head_dim^-1/2; Gemma 2: query_pre_attn_scalar^-1/2)
     softcap: float | None = None  # Gemma 2: cap · tanh(scores / cap)
+    norm_offset: bool = False  # Gemma 3's q/k norms scale by 1 + w
 
     @nn.compact
     def __call__(self, x, angles, mask, cache=None):
@@ -234,7 +238,8 @@ class LMAttention(nn.Module):
         v = dense(self.num_kv_heads * self.head_dim, self.qkv_bias, "v")(x).reshape(b, t, self.num_kv_heads,
                                                                                    self.head_dim)
         if self.qk_norm is not None:
-            q, k = RMSNorm(self.qk_norm, name="q_norm")(q), RMSNorm(self.qk_norm, name="k_norm")(k)
+            q = RMSNorm(self.qk_norm, self.norm_offset, name="q_norm")(q)
+            k = RMSNorm(self.qk_norm, self.norm_offset, name="k_norm")(k)
         q, k = rotate(q, angles), rotate(k, angles)
         if cache is not None:
             k_cache, v_cache, slot = cache
@@ -265,7 +270,7 @@ class LMBlock(nn.Module):
     def __call__(self, x, angles, mask, cache=None):
         norm = lambda name: RMSNorm(self.norm_eps, self.norm_offset, name=name)  # noqa: E731
         attn = LMAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.dtype_mm,
-                           self.norm_eps if self.qk_norm else None, self.scale, self.softcap,
+                           self.norm_eps if self.qk_norm else None, self.scale, self.softcap, self.norm_offset,
                            name="attn")(norm("attn_norm")(x), angles, mask, cache)
         attn, kv = (attn, None) if cache is None else attn
         x = x + (norm("attn_post_norm")(attn) if self.post_norms else attn)
@@ -310,6 +315,7 @@ class LM(nn.Module):
     query_scale: float | None = None  # Gemma 2's query_pre_attn_scalar: scores scaled by its ^-1/2
     attn_softcap: float | None = None  # Gemma 2: attention scores capped as cap · tanh(s / cap)
     logit_softcap: float | None = None  # Gemma 2: the output logits capped the same way
+    local_rope_theta: float | None = None  # Gemma 3: the window layers' RoPE base (rope_scaling not applied)
 
     def setup(self):
         common.check_choice("act", self.act, ACTIVATIONS)
@@ -356,6 +362,8 @@ class LM(nn.Module):
             angles = mrope_angles(positions, self.attn_head_dim, self.mrope_section, self.rope_theta)
         else:
             angles = rope_angles(positions, self.attn_head_dim, self.rope_theta, self.rope_scaling)
+        local = angles if self.local_rope_theta is None else rope_angles(positions, self.attn_head_dim,
+                                                                         self.local_rope_theta)
         new_valid = jnp.ones((b, t), bool) if pad_mask is None else pad_mask.astype(bool)
         if segment_ids is not None:
             if cache is not None or prefix_len is not None:
@@ -378,11 +386,12 @@ class LM(nn.Module):
             windowed = mask & ((first + jnp.arange(t))[:, None] - jnp.arange(keys)[None, :] < self.sliding_window)
         layers_kv = []
         for i, block in enumerate(self.blocks):
-            layer_mask = windowed if self.window_layers is None or i in self.window_layers else mask
+            in_window = self.window_layers is None or i in self.window_layers
+            layer_mask, layer_angles = (windowed, local) if in_window else (mask, angles)
             if cache is None:
-                x = block(x, angles, layer_mask)
+                x = block(x, layer_angles, layer_mask)
             else:
-                x, kv = block(x, angles, layer_mask, (cache["k"][i], cache["v"][i], cache["slot"]))
+                x, kv = block(x, layer_angles, layer_mask, (cache["k"][i], cache["v"][i], cache["slot"]))
                 layers_kv.append(kv)
         if logits_at is not None:
             x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[..., None], 1)
