@@ -1,6 +1,7 @@
 """GGUF language models: a tiny SmolLM2-shaped file (Q4_1 / Q8_0 / F32, llama.cpp's Q/K row
-order, tied head, byte-level BPE with control tokens) against transformers reading the same
-file (``tests/fixtures/interop/make_fixtures.py:gguf_llama``)."""
+order, tied head, byte-level BPE with control tokens) and tiny Qwen2 and Qwen3 files against
+transformers reading the same files (``tests/fixtures/interop/make_fixtures.py:gguf_llama``,
+``gguf_families``)."""
 
 import pathlib
 import re
@@ -18,6 +19,19 @@ FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/gguf_l
 @pytest.fixture(scope="session")
 def loaded():
     return gguf_lm.load(FIXTURE / "tiny.gguf")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_match_transformers_gguf_loading(arch):
+    """Qwen2 (q/k/v biases, an untied head) and Qwen3 (q/k norms, 128-wide heads on a 32-wide model)
+    as llama.cpp writes them (Q8_0; no rotary permutation): transformers' logits on the same file."""
+    folder = FIXTURE.with_name(f"gguf_{arch}")
+    kwargs, params, _, _ = gguf_lm.load(folder / "tiny.gguf")
+    ref = np.load(folder / "io.npz")
+    logits = np.asarray(LM(**kwargs).apply({"params": params}, jnp.asarray(ref["input_ids"])))
+    assert np.abs(logits - ref["logits"]).max() <= 1e-5 * np.abs(ref["logits"]).max()
+    assert kwargs["qkv_bias"] == (arch == "qwen2") and kwargs.get("qk_norm", False) == (arch == "qwen3")
+    assert kwargs["head_dim"] == (128 if arch == "qwen3" else None)
 
 
 def test_logits_match_transformers_gguf_loading(loaded):
@@ -56,7 +70,7 @@ def test_unsupported_or_broken_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         gguf_lm.load(tmp_path / "missing.gguf")
     metadata, _ = gguf_lm.read(FIXTURE / "tiny.gguf")
-    with pytest.raises(ValueError, match=r"architecture 'gemma3' is not supported; vitmm reads \('llama',\)"):
+    with pytest.raises(ValueError, match=r"architecture 'gemma3' is not supported; vitmm reads \('llama', 'qwen2'"):
         gguf_lm.lm_kwargs({**metadata, "general.architecture": "gemma3"}, "x.gguf")
     with pytest.raises(ValueError, match=r"tokenizer.ggml.model 'llama' is not supported"):
         gguf_lm.tokenizer({**metadata, "tokenizer.ggml.model": "llama"}, "x.gguf")

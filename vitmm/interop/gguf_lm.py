@@ -3,12 +3,14 @@
     kwargs, params, tokenizer, chat_template = gguf_lm.load("SmolLM2-135M-Instruct.Q4_1.gguf")
     logits = LM(**kwargs).apply({"params": params}, ids)
 
-Llama-architecture files (``general.architecture = llama``: Llama, SmolLM/SmolLM2, TinyLlama).
-Tensors are dequantized to float32 with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1 and the K-quants it reads). llama.cpp's converter stores the rows of the Q and K
-projections in its interleaved rotary order (per head, the two halves of each rotation pair
-side by side); they are put back in Hugging Face's half-split order, which is vitmm's, so
-attention is right — shapes alone would fit either way. The tokenizer is rebuilt from the
+Architectures (``general.architecture``): ``llama`` (Llama, SmolLM/SmolLM2, TinyLlama, Mistral as
+llama.cpp converts it), ``qwen2`` (q/k/v biases) and ``qwen3`` (per-head q/k norms, its
+``attention.key_length`` head size). Tensors are dequantized to float32 with the ``gguf`` package
+(F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants it reads). For ``llama`` llama.cpp's
+converter stores the rows of the Q and K projections in its interleaved rotary order (per head, the
+two halves of each rotation pair side by side); they are put back in Hugging Face's half-split
+order, which is vitmm's, so attention is right — shapes alone would fit either way (Qwen's files
+keep the half-split order). The tokenizer is rebuilt from the
 metadata as a ``tokenizers`` byte-level BPE (``tokenizer.ggml.model = gpt2``) with the control
 tokens kept whole, as transformers' GGUF loading builds it; the ``tokenizer.chat_template``
 string is returned as is. Parity with transformers' own GGUF loading is tested on a tiny file.
@@ -23,7 +25,8 @@ import struct
 
 import numpy as np
 
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+INTERLEAVED = ("llama",)  # the architectures whose Q/K rows llama.cpp stores in its rotary order
 TOKENIZERS = ("gpt2",)
 _AGAIN = "download or copy it again"
 
@@ -183,17 +186,19 @@ def lm_kwargs(metadata: dict, src, tensor_names=()) -> dict:
     if "tokenizer.ggml.tokens" not in metadata:
         raise ValueError(f"{src} carries no tokenizer (tokenizer.ggml.tokens); vitmm needs the vocabulary.")
     width, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("rope.dimension_count", width // heads))
-    if head_dim * heads != width:
-        raise ValueError(f"{src}: rope.dimension_count {head_dim} × {heads} heads ≠ width {width}; partial "
-                         "rotary dimensions are not supported.")
+    head_dim = int(get("attention.key_length", width // heads))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{src}: rope.dimension_count {get('rope.dimension_count')} ≠ the head size {head_dim}; "
+                         "partial rotary dimensions are not supported.")
     if get("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"{src}: RoPE scaling {get('rope.scaling.type')!r} is not supported.")
     return dict(vocab_size=len(metadata["tokenizer.ggml.tokens"]), width=width, depth=int(get("block_count")),
                 num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+                head_dim=None if head_dim * heads == width else head_dim,
                 mlp_dim=int(get("feed_forward_length")), rope_theta=float(get("rope.freq_base", 10_000.0)),
                 norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), act="silu",
-                tie_embeddings="output.weight" not in tensor_names)
+                tie_embeddings="output.weight" not in tensor_names, qkv_bias=arch == "qwen2",
+                **({"qk_norm": True} if arch == "qwen3" else {}))
 
 
 def tokenizer(metadata: dict, src=None):
@@ -219,7 +224,7 @@ def tokenizer(metadata: dict, src=None):
 
 
 def load(src: str | pathlib.Path):
-    """``(LM kwargs, params, tokenizer, chat template or None)`` of a Llama-architecture GGUF."""
+    """``(LM kwargs, params, tokenizer, chat template or None)`` of a GGUF of ``ARCHITECTURES``."""
     import jax.numpy as jnp
 
     from vitmm.interop.common import StateDict, finish
@@ -229,20 +234,31 @@ def load(src: str | pathlib.Path):
     kwargs = lm_kwargs(metadata, src, tuple(tensors))
     sd = StateDict(tensors, str(src))
     heads, kv = kwargs["num_heads"], kwargs["num_kv_heads"]
-    linear = lambda name: {"kernel": sd.take(name).T}  # noqa: E731
+    arch = metadata["general.architecture"]
+    order = unpermute if arch in INTERLEAVED else (lambda w, heads: w)
+
+    def linear(name, bias=False):
+        out = {"kernel": sd.take(f"{name}.weight").T}
+        if bias:
+            out["bias"] = sd.take(f"{name}.bias")
+        return out
+
     params = {"token_embedding": {"embedding": sd.take("token_embd.weight")},
               "final_norm": {"scale": sd.take("output_norm.weight")}}
     for i in range(kwargs["depth"]):
         b = f"blk.{i}"
+        bias = kwargs["qkv_bias"]
+        attn = {"q": linear(f"{b}.attn_q", bias), "k": linear(f"{b}.attn_k", bias), "v": linear(f"{b}.attn_v", bias),
+                "o": linear(f"{b}.attn_output")}
+        for role, n in (("q", heads), ("k", kv)):  # rows (and biases) back in Hugging Face's rotary order
+            attn[role] = {k: order(v.T, n).T if k == "kernel" else order(v, n) for k, v in attn[role].items()}
+        if kwargs.get("qk_norm"):
+            attn.update({f"{r}_norm": {"scale": sd.take(f"{b}.attn_{r}_norm.weight")} for r in "qk"})
         params[f"block_{i:02d}"] = {
             "attn_norm": {"scale": sd.take(f"{b}.attn_norm.weight")},
-            "mlp_norm": {"scale": sd.take(f"{b}.ffn_norm.weight")},
-            "attn": {"q": {"kernel": unpermute(sd.take(f"{b}.attn_q.weight"), heads).T},
-                     "k": {"kernel": unpermute(sd.take(f"{b}.attn_k.weight"), kv).T},
-                     "v": linear(f"{b}.attn_v.weight"), "o": linear(f"{b}.attn_output.weight")},
-            "mlp": {"gate": linear(f"{b}.ffn_gate.weight"), "up": linear(f"{b}.ffn_up.weight"),
-                    "down": linear(f"{b}.ffn_down.weight")}}
+            "mlp_norm": {"scale": sd.take(f"{b}.ffn_norm.weight")}, "attn": attn,
+            "mlp": {"gate": linear(f"{b}.ffn_gate"), "up": linear(f"{b}.ffn_up"), "down": linear(f"{b}.ffn_down")}}
     if not kwargs["tie_embeddings"]:
-        params["head"] = linear("output.weight")
-    params = finish(sd, LM(**kwargs), params, (jnp.zeros((1, 4), jnp.int32),), "a vitmm LM (GGUF llama)")
+        params["head"] = linear("output")
+    params = finish(sd, LM(**kwargs), params, (jnp.zeros((1, 4), jnp.int32),), f"a vitmm LM (GGUF {arch})")
     return kwargs, params, tokenizer(metadata, src), metadata.get("tokenizer.chat_template")
