@@ -109,9 +109,6 @@ def export_llava(workdir, out) -> dict:
     tokenizer = tasks.tokenizer_for(config)
     if not isinstance(tokenizer, tok_lib.HFTokenizer):
         problems.append("a byte tokenizer (transformers needs a tokenizer.json: train on a converted LM)")
-    image_id = tokenizer.token_id("<image>") if isinstance(tokenizer, tok_lib.HFTokenizer) else None
-    if isinstance(tokenizer, tok_lib.HFTokenizer) and image_id is None:
-        problems.append("a tokenizer without an <image> token (import a LLaVA, or add one to the LM's tokenizer)")
     if problems:
         raise ValueError(f"{workdir} cannot be a {architecture}: " + "; ".join(problems) + ".")
     size = int(config.input.image_size)
@@ -123,6 +120,9 @@ def export_llava(workdir, out) -> dict:
 
     tower, vision_config = export_clip_vision(vision, params["tower"], prefix="vision_tower.vision_model.")
     language, text_config = hf_lm.export_lm(lm, params["language"])
+    tokenizer_json, image_id, added = _with_image_token(tokenizer)
+    if image_id >= lm["vocab_size"]:  # a new row for it: never an input (its places take the image), never chosen
+        language, text_config = _grown(language, text_config, image_id + 1)
     tensors = {**tower, **{("language_model." + k): v for k, v in language.items()}}
     if "language_model.lm_head.weight" not in tensors:  # a tied head: written out, what every version reads
         tensors["language_model.lm_head.weight"] = language["model.embed_tokens.weight"]
@@ -153,13 +153,41 @@ def export_llava(workdir, out) -> dict:
     io.write_safetensors(tensors, out / "model.safetensors")
     files = {"config.json": hf_config, "processor_config.json": processor,
              "preprocessor_config.json": {**images, "processor_class": processor_class},
-             "tokenizer_config.json": tokenizer_config, "generation_config.json": ids}
+             "tokenizer_config.json": tokenizer_config,
+             "generation_config.json": {**ids, **({"suppress_tokens": [image_id]} if added else {})}}
     for name, value in files.items():
         (out / name).write_text(json.dumps(value, indent=1) + "\n")
-    (out / "tokenizer.json").write_text(tokenizer.to_str())
+    (out / "tokenizer.json").write_text(tokenizer_json)
     if tokenizer.chat_template:
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
-    return {"hf": str(out), "architecture": architecture, "image_tokens": patches}
+    return {"hf": str(out), "architecture": architecture, "image_tokens": patches,
+            **({"added": f"<image> as token {image_id}"} if added else {})}
+
+
+def _with_image_token(tokenizer) -> tuple[str, int, bool]:
+    """``(tokenizer.json text, <image>'s id, whether it was added)``: a tokenizer without the
+    ``<image>`` LLaVA's processor expands gets it as a special token after its vocabulary (a run
+    on a converted LM trains with the visual tokens spliced in, no such token needed)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    image_id = tokenizer.token_id("<image>")
+    if image_id is not None:
+        return tokenizer.to_str(), image_id, False
+    grown = Tokenizer.from_str(tokenizer.to_str())
+    grown.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    return grown.to_str(), grown.token_to_id("<image>"), True
+
+
+def _grown(language: dict, text_config: dict, vocab: int) -> tuple[dict, dict]:
+    """The LM's tensors and config with zero rows up to ``vocab`` in its embedding (and untied head)."""
+    import numpy as np
+
+    out = dict(language)
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        if key in out:
+            w = out[key]
+            out[key] = np.concatenate([w, np.zeros((vocab - w.shape[0], w.shape[1]), w.dtype)])
+    return out, {**text_config, "vocab_size": vocab}
 
 
 def _paligemma_problems(model: dict, vision: dict, tower: dict, lm: dict) -> list[str]:

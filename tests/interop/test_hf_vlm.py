@@ -291,6 +291,40 @@ def test_paligemma_exports_and_imports_back_to_the_same_parameters(tmp_path, cap
     assert jax.tree.all(jax.tree.map(np.array_equal, params, chat.load(tmp_path / "w").params))
 
 
+@pytest.fixture(scope="module")
+def trained_here(tmp_path_factory):
+    """A VLM vitmm trained (configs/llava_pretrain.py smoke: 4 steps of the connector) from a CLIP
+    tower and the tiny GGUF LM, whose tokenizer has no ``<image>``."""
+    from vitmm import config_args
+    from vitmm.data import examples
+    from vitmm.interop.__main__ import main as interop
+    from vitmm.train import trainer
+
+    root = tmp_path_factory.mktemp("trained_here")
+    interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_clip")), "--out", str(root / "tower"),
+             "--tower", "vision"])
+    interop(["--from", "gguf", "--src", str(FIXTURE.with_name("gguf_llama") / "tiny.gguf"), "--out", str(root / "lm")])
+    data = examples.write_llava(root / "data", 8, resolution=40)
+    config = config_args.load(pathlib.Path(__file__).resolve().parents[2] / "configs/llava_pretrain.py", "smoke", **{
+        "init.vision": str(root / "tower"), "init.lm": str(root / "lm"), "init.allow_random_tower": False,
+        "input.data_path": str(data), "input.image_folder": str(data.parent), "input.image_size": 32})
+    trainer.train(config, root / "run")
+    return root / "run"
+
+
+def test_a_vlm_trained_on_an_lm_without_an_image_token_exports_with_one_added(trained_here, tmp_path):
+    """LLaVA's processor needs ``<image>`` in the tokenizer: the export adds it after the vocabulary
+    (a zero row in the embedding and the tied head; generation suppresses it)."""
+    out = export_hf.export_hf(trained_here, tmp_path / "hf")
+    assert out["added"] == "<image> as token 320"
+    config, generation = (json.loads((tmp_path / "hf" / name).read_text()) for name in ("config.json",
+                                                                                        "generation_config.json"))
+    assert config["image_token_index"] == 320 and config["text_config"]["vocab_size"] == 321
+    assert generation["suppress_tokens"] == [320]
+    embed = io.read_tensors(tmp_path / "hf")["language_model.model.embed_tokens.weight"]
+    assert embed.shape[0] == 321 and not embed[320].any()
+
+
 def _fixture_inputs(name: str, n: int) -> dict:
     """A fixture's first ``n`` images with their prompts as transformers' messages."""
     ref, prompts = np.load(FIXTURE.with_name(name) / "io.npz"), json.loads((FIXTURE.with_name(name) / "prompts.json")
@@ -300,7 +334,7 @@ def _fixture_inputs(name: str, n: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def in_transformers(finetuned, next_imported, tmp_path_factory):
+def in_transformers(finetuned, next_imported, trained_here, tmp_path_factory):
     """The fine-tuned LLaVA and the imported PaliGemma, LLaVA-NeXT, Qwen2-VL and Idefics3 exported with
     ``--format hf`` and run in transformers (``.venv-eval``'s; one process for all): ``{name: outputs}``."""
     if not pathlib.Path(EVAL_PYTHON or "/nonexistent").is_file():
@@ -324,7 +358,9 @@ def in_transformers(finetuned, next_imported, tmp_path_factory):
                  **{f"image_{i}": nxt[f"image_{i}"] for i in range(3)},
                  **{f"question_{i}": p["messages"][0]["content"] for i, p in enumerate(nxt_prompts)}}),
              "qwen2_vl": (root / "qwen2_vl_w", _fixture_inputs("hf_qwen2_vl", 2)),  # its one-image prompts
-             "idefics3": (root / "idefics3_w", _fixture_inputs("hf_idefics3", 3))}
+             "idefics3": (root / "idefics3_w", _fixture_inputs("hf_idefics3", 3)),
+             "trained_here": (trained_here, {**{f"image_{i}": x for i, x in enumerate(_images())},
+                                             **{f"question_{i}": q for i, q in enumerate(QUESTIONS)}})}
     args = []
     for name, (workdir, inputs) in cases.items():
         assert export(["--workdir", str(workdir), "--out", str(root / name), "--format", "hf"]) == 0
@@ -336,14 +372,34 @@ def in_transformers(finetuned, next_imported, tmp_path_factory):
     return {name: np.load(root / f"{name}_out.npz") for name in cases}
 
 
-def test_the_fine_tuned_llava_exports_to_transformers_with_the_same_pixels_ids_logits_and_answers(finetuned,
-                                                                                                 in_transformers):
-    """transformers loads the export with AutoModelForImageTextToText and AutoProcessor and gives
-    vitmm's pixels (LLaVA's pad-to-square, the run's), ids, logits (≤ 1e-5 of the largest) and greedy
-    answers, LoRA merged."""
+def test_each_export_runs_in_transformers_as_in_vitmm_or_as_the_original(finetuned, trained_here, in_transformers):
+    """One test (one xdist worker: transformers runs once) for every export of ``in_transformers``.
+
+    LLaVA trained in vitmm (the imported LLaVA fine-tuned with LoRA, merged; a VLM trained here from a
+    CLIP tower and a GGUF LM): transformers loads the export with AutoModelForImageTextToText and
+    AutoProcessor and gives vitmm's pixels (LLaVA's pad-to-square, the run's), ids, logits (≤ 1e-5 of
+    the largest; the added ``<image>``'s column aside) and greedy answers. An imported PaliGemma,
+    LLaVA-NeXT, Qwen2-VL or Idefics3 exported back: the original model's ids, pixels (views, patches,
+    tiles), logits (to 1e-6 of the largest) and greedy answers."""
+    for name in ("llava", "trained_here"):
+        _check_against_vitmm(in_transformers[name], finetuned[0] if name == "llava" else trained_here)
+    for name, architecture, n in (("paligemma", "PaliGemmaForConditionalGeneration", 2),
+                                  ("llava_next", "LlavaNextForConditionalGeneration", 3),
+                                  ("qwen2_vl", "Qwen2VLForConditionalGeneration", 2),
+                                  ("idefics3", "Idefics3ForConditionalGeneration", 3)):
+        out, ref = in_transformers[name], np.load(FIXTURE.with_name(f"hf_{name}") / "io.npz")
+        assert str(out["class"]) == architecture
+        for i in range(n):
+            assert np.array_equal(out[f"input_ids_{i}"], ref[f"input_ids_{i}"]), (name, i)
+            np.testing.assert_array_equal(out[f"pixel_values_{i}"], ref[f"pixel_values_{i}"], err_msg=name)
+            assert np.abs(out[f"logits_{i}"] - ref[f"logits_{i}"]).max() <= 1e-6 * np.abs(ref[f"logits_{i}"]).max()
+            assert list(out[f"answer_{i}"]) == list(ref[f"answer_{i}"]), (name, i)
+
+
+def _check_against_vitmm(ref, workdir) -> None:
     from vitmm import chat
 
-    ref, vlm = in_transformers["llava"], chat.load(finetuned[0])
+    vlm = chat.load(workdir)
     assert str(ref["class"]) == "LlavaForConditionalGeneration"
     for i, (image, question) in enumerate(zip(_images(), QUESTIONS, strict=True)):
         example = vlm.prepare([image], [{"from": "human", "value": question}])
@@ -354,23 +410,6 @@ def test_the_fine_tuned_llava_exports_to_transformers_with_the_same_pixels_ids_l
         assert pos == np.flatnonzero(hf_ids == IMAGE_TOKEN)[0]
         logits = np.asarray(vlm.task.model.apply({"params": vlm.params}, jnp.asarray(example["image"][None]),
                                                  jnp.asarray(example["ids"][None, :n]), image_pos=jnp.array([pos])))
-        want = ref[f"logits_{i}"][0]
+        want = ref[f"logits_{i}"][0][:, :logits.shape[-1]]  # trained here: <image> is a column more
         assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
-
-
-@pytest.mark.parametrize(("name", "architecture", "n"), [("paligemma", "PaliGemmaForConditionalGeneration", 2),
-                                                        ("llava_next", "LlavaNextForConditionalGeneration", 3),
-                                                        ("qwen2_vl", "Qwen2VLForConditionalGeneration", 2),
-                                                        ("idefics3", "Idefics3ForConditionalGeneration", 3)])
-def test_the_exported_vlm_runs_in_transformers_as_the_original(in_transformers, name, architecture, n):
-    """The export of an imported PaliGemma, LLaVA-NeXT, Qwen2-VL or Idefics3 gives the original
-    model's ids, pixels (LLaVA-NeXT's views, Qwen2-VL's patches, Idefics3's tiles), logits (to 1e-6
-    of the largest) and greedy answers in transformers."""
-    out, ref = in_transformers[name], np.load(FIXTURE.with_name(f"hf_{name}") / "io.npz")
-    assert str(out["class"]) == architecture
-    for i in range(n):
-        assert np.array_equal(out[f"input_ids_{i}"], ref[f"input_ids_{i}"])
-        np.testing.assert_array_equal(out[f"pixel_values_{i}"], ref[f"pixel_values_{i}"])
-        assert np.abs(out[f"logits_{i}"] - ref[f"logits_{i}"]).max() <= 1e-6 * np.abs(ref[f"logits_{i}"]).max()
-        assert list(out[f"answer_{i}"]) == list(ref[f"answer_{i}"])
