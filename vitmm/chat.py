@@ -122,7 +122,10 @@ class Chat:
         shown = np.array([bool(ex.get("has_image", True)) for ex in examples])
         if "anyres_layout" in examples[0]:
             layout = np.stack([ex["anyres_layout"] for ex in examples])
-            return np.stack([ex["visual_mask"] for ex in examples]) & shown[:, None], layout, layout.shape[1]
+            mask = np.stack([ex["visual_mask"] for ex in examples]) & shown[:, None]
+            if "anyres_weights" in examples[0]:  # LLaVA-OneVision's downsampled grids: four tokens mixed a token
+                return mask, (layout, np.stack([ex["anyres_weights"] for ex in examples])), layout.shape[1]
+            return mask, layout, layout.shape[1]
         num_visual = self._num_visual(examples[0]["image"])
         return (None if shown.all() else np.repeat(shown[:, None], num_visual, axis=1)), None, num_visual
 

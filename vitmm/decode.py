@@ -89,10 +89,10 @@ class GreedyDecoder:
         ``cache_len``: a longer KV cache than needed (a server rounds shapes up so that few compile)."""
         b, length = prompt_ids.shape
         num_visual = (self.model.apply(variables, images.shape[1:3], method=VLM.num_visual_tokens) if layout is None
-                      else np.shape(layout)[1])
+                      else np.shape(layout[0] if isinstance(layout, tuple) else layout)[1])
         cache = lm_lib.init_cache(self.model.lm, b, max(cache_len or 0, length + num_visual + max_new_tokens))
         prompt_len = jnp.asarray(np.asarray(prompt_len), jnp.int32)
-        optional = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+        optional = lambda x: None if x is None else jax.tree.map(jnp.asarray, x)  # noqa: E731 - layout: maybe a pair
         logits, cache = self._prefill(variables, images, jnp.asarray(prompt_ids), prompt_len, cache,
                                       None if image_pos is None else jnp.asarray(image_pos, jnp.int32),
                                       prefix_lm, optional(visual_mask), optional(layout))

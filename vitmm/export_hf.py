@@ -37,6 +37,9 @@ def _export_problems(model: dict, vision: dict, tower: dict) -> list[str]:
         if model.get(key):
             problems.append(f"model.{key}={model[key]!r}")
     anyres = model.get("anyres")
+    if anyres and anyres.get("max_patches"):
+        problems.append(f"AnyRes with max_patches={anyres['max_patches']} (LLaVA-OneVision's downsampling; its "
+                        "export is not written yet)")
     made_for = tower["pos_embedding"].shape[1] * vision["patch_size"] if "pos_embedding" in tower else None
     if anyres and int(anyres["tile"]) != made_for:
         problems.append(f"AnyRes tiles of {anyres['tile']}px on a tower whose positions are for {made_for}px "

@@ -95,6 +95,40 @@ def test_llava_next_gives_transformers_views_ids_logits_and_greedy_answers(next_
     assert config["input"]["pp"] == vlm.config.input.pp
 
 
+def test_llava_onevision_gives_transformers_views_ids_logits_and_greedy_answers(tmp_path):
+    """LLaVA-OneVision (``hf_llava_onevision``): SigLIP read at its last block before the final norm,
+    LLaVA-NeXT's views and unpadding, and ``anyres_max_2``: three of the four images' grids
+    downsampled bilinearly (``models.anyres.downsampled``); the token counts, logits at the real
+    positions (≤ 1e-5 of the largest) and greedy answers equal transformers'; its export is refused
+    (not written yet)."""
+    from vitmm import chat
+    from vitmm.interop.__main__ import main
+
+    folder = FIXTURE.with_name("hf_llava_onevision")
+    main(["--from", "hf", "--src", str(folder), "--out", str(tmp_path / "w")])
+    vlm, ref = chat.load(tmp_path / "w"), np.load(folder / "io.npz")
+    assert vlm.config.model.anyres.max_patches == 2 and not vlm.config.model.vision.final_norm
+    for i, prompt in enumerate(json.loads((folder / "prompts.json").read_text())):  # 24x40, 40x40, 30x50, 16x16
+        example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompt["messages"][0]["content"]}])
+        views = ref[f"pixel_values_{i}"][0].transpose(0, 2, 3, 1)
+        np.testing.assert_allclose(example["image"][:len(views)], views, atol=1e-6)
+        n, pos, hf_ids = int(example["prompt_len"]), int(example["image_pos"]), ref[f"input_ids_{i}"][0]
+        assert list(example["ids"][:n]) == [t for t in hf_ids if t != IMAGE_TOKEN]
+        at = np.flatnonzero(hf_ids == IMAGE_TOKEN)
+        assert pos == at[0] and len(at) == vlm.num_prompt_tokens(example) - n
+        mask = example["visual_mask"]
+        logits = np.asarray(vlm.task.model.apply(
+            {"params": vlm.params}, jnp.asarray(example["image"][None]), jnp.asarray(example["ids"][None, :n]),
+            image_pos=jnp.array([pos]), visual_mask=jnp.asarray(mask[None]),
+            layout=(jnp.asarray(example["anyres_layout"][None]), jnp.asarray(example["anyres_weights"][None]))))[0]
+        want = ref[f"logits_{i}"][0]
+        real = np.concatenate([np.ones(pos, bool), mask, np.ones(n - pos, bool)])
+        assert np.abs(logits[real] - want).max() <= 1e-5 * np.abs(want).max()
+        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+    with pytest.raises(ValueError, match="max_patches=2"):
+        export_hf.export_hf(tmp_path / "w", tmp_path / "hf")
+
+
 def test_llava_next_tiles_other_than_the_towers_input_are_refused(tmp_path, capsys):
     from vitmm.interop.__main__ import main
 

@@ -336,7 +336,7 @@ def letterbox(size, key="image"):
 
 
 @register("anyres")
-def anyres(pinpoints, tile, tile_grid=None, key="image", method="bilinear"):
+def anyres(pinpoints, tile, tile_grid=None, key="image", method="bilinear", max_patches=None):
     """AnyRes (``models.anyres``) on the host, for batches of images at their own sizes: ``key``
     becomes the views ``[max_views, tile, tile, C]``: the base view (the image squashed to a tile),
     then the tiles of its best candidate resolution (the image resized with its aspect kept and
@@ -344,8 +344,9 @@ def anyres(pinpoints, tile, tile_grid=None, key="image", method="bilinear"):
     ``anyres_layout`` (int32 ``[max_tokens]``) says where each visual token comes from
     (``anyres.layout``) and ``visual_mask`` which are real: the image's tokens at the end, padding
     first, as ``VLM(visual_mask=…)`` reads them (without ``tile_grid``: the views only). ``method``:
-    the resampling (``images.resize``; LLaVA-NeXT's processor: ``'bicubic'``). Put it before
-    ``value_range``/``normalize``."""
+    the resampling (``images.resize``; LLaVA-NeXT's processor: ``'bicubic'``). ``max_patches``:
+    LLaVA-OneVision's ``anyres_max_N`` (``models.anyres.downsampled``): ``anyres_layout`` is then
+    ``[max_tokens, 4]`` with ``anyres_weights`` beside it. Put it before ``value_range``/``normalize``."""
     from vitmm.models import anyres as anyres_lib
 
     pinpoints, views = [tuple(p) for p in pinpoints], anyres_lib.max_views(pinpoints, tile)
@@ -356,7 +357,13 @@ def anyres(pinpoints, tile, tile_grid=None, key="image", method="bilinear"):
         out = np.zeros((views, tile, tile, image.shape[2]), image.dtype)
         out[:len(made)] = made
         ex[key] = out
-        if tile_grid is not None:
+        if tile_grid is not None and max_patches:
+            index, weights = anyres_lib.downsampled(image.shape[:2], pinpoints, tile, tile_grid, max_patches)
+            length = anyres_lib.max_downsampled_tokens(pinpoints, tile, tile_grid, max_patches)
+            ex["anyres_layout"] = np.concatenate([np.zeros((length - len(index), 4), np.int32), index])
+            ex["anyres_weights"] = np.concatenate([np.zeros((length - len(index), 4), np.float32), weights])
+            ex["visual_mask"] = np.arange(length) >= length - len(index)
+        elif tile_grid is not None:
             index = anyres_lib.layout(image.shape[:2], pinpoints, tile, tile_grid)
             length = anyres_lib.max_tokens(pinpoints, tile, tile_grid)
             ex["anyres_layout"] = np.concatenate([np.zeros(length - len(index), np.int32), index])

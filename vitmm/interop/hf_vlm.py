@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from vitmm.interop.convert import OPENAI_CLIP
 from vitmm.interop.hf import clip
 
 ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                 "LlavaOnevisionForConditionalGeneration",
                  "PaliGemmaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                  "Idefics3ForConditionalGeneration")
 # PaliGemma's prompt as its processor builds it: the image first, then BOS, the prompt and a newline;
@@ -139,12 +141,15 @@ def _image_pp(images: dict, size: int, src) -> str:
     return f"decode|{pad}resize({shortest}, method='{method}', shorter=True)|center_crop({size})|"
 
 
-def _anyres_pp(images: dict, size: int, patch: int, src) -> tuple[str, list]:
-    """LLaVA-NeXT's image processor as a pp (``anyres``: the base view squashed to a tile, the tiles
-    of the best candidate resolution with the image centred on black; bicubic or bilinear, as
-    ``resample`` says) and its candidate resolutions; then rescale and normalize."""
+def _anyres_pp(images: dict, size: int, patch: int, src, max_patches: int | None = None) -> tuple[str, list]:
+    """LLaVA-NeXT's (and LLaVA-OneVision's) image processor as a pp (``anyres``: the base view
+    squashed to a tile, the tiles of the best candidate resolution with the image centred on black;
+    bicubic or bilinear, as ``resample`` says; ``max_patches``: OneVision's downsampling) and its
+    candidate resolutions; then rescale and normalize."""
     pinpoints = images.get("image_grid_pinpoints")
-    shortest = (images.get("size") or {}).get("shortest_edge")
+    given = images.get("size") or {}
+    square = given.get("height") if given.get("height") == given.get("width") else None  # OneVision's size
+    shortest = given.get("shortest_edge") or square
     crop = images.get("crop_size") or {}
     methods = {3: "bicubic", 2: "bilinear"}
     if not pinpoints or not images.get("do_resize", True) or images.get("resample", 3) not in methods or \
@@ -157,7 +162,8 @@ def _anyres_pp(images: dict, size: int, patch: int, src) -> tuple[str, list]:
         raise ValueError(f"{src}: image_grid_pinpoints {pinpoints} are not whole numbers of {size}px tiles.")
     grid = (size // patch, size // patch)
     method = methods[images.get("resample", 3)]
-    return f"decode|anyres({pinpoints}, {size}, {grid}, method='{method}')|", pinpoints
+    more = f", max_patches={max_patches}" if max_patches else ""
+    return f"decode|anyres({pinpoints}, {size}, {grid}, method='{method}'{more})|", pinpoints
 
 
 def load_llava(src) -> tuple[dict, dict, dict]:
@@ -171,28 +177,34 @@ def load_llava(src) -> tuple[dict, dict, dict]:
     src = pathlib.Path(src).expanduser()
     config = io.read_json(src)
     tensors = _llava_names(io.read_tensors(src))
-    next_ = "LlavaNextForConditionalGeneration" in (config.get("architectures") or [])
+    archs = config.get("architectures") or []
+    onevision = "LlavaOnevisionForConditionalGeneration" in archs
+    next_ = onevision or "LlavaNextForConditionalGeneration" in archs
     newline = tensors.pop("image_newline", None) if next_ else None
     if next_ and newline is None:
         raise ValueError(f"{src}: a LLaVA-NeXT checkpoint without image_newline is not supported.")
-    if config.get("vision_feature_select_strategy", "default") != "default":
-        raise ValueError(f"{src}: vision_feature_select_strategy={config['vision_feature_select_strategy']!r} (the "
-                         "CLS token through the projector) is not supported; vitmm reads 'default' (patches only).")
+    vision_type = (config.get("vision_config") or {}).get("model_type", "clip_vision_model")
+    if vision_type not in ("clip_vision_model", "siglip_vision_model") or (vision_type != "clip_vision_model"
+                                                                         and not onevision):
+        raise ValueError(f"{src}: a {vision_type!r} vision tower is not supported in {archs[0]}; vitmm reads CLIP's "
+                         "(and SigLIP's in LLaVA-OneVision).")
+    siglip = vision_type == "siglip_vision_model"
+    strategy = config.get("vision_feature_select_strategy", "full" if onevision else "default")
+    if strategy != ("full" if siglip else "default"):  # the patches, every one: CLIP's without its CLS
+        raise ValueError(f"{src}: vision_feature_select_strategy={strategy!r} on a {vision_type} is not supported; "
+                         f"vitmm reads {'full' if siglip else 'default'!r} (every patch, no CLS).")
     if not config.get("multimodal_projector_bias", True):
         raise ValueError(f"{src}: a projector without biases is not supported; vitmm's mlp connector has them.")
-    vision_type = (config.get("vision_config") or {}).get("model_type", "clip_vision_model")
-    if vision_type != "clip_vision_model":
-        raise ValueError(f"{src}: a {vision_type!r} vision tower is not supported in LLaVA; vitmm reads CLIP's.")
     act = config.get("projector_hidden_act", "gelu")
     if act != "gelu":
         raise ValueError(f"{src}: projector_hidden_act={act!r} is not supported; LLaVA's is 'gelu'.")
     text_config = config.get("text_config") or {"model_type": "llama"}
 
-    vision = clip.vision_kwargs(config, tensors, "vision.")
     size = int((config.get("vision_config") or {}).get("image_size") or clip.VISION_DEFAULTS["image_size"])
     vision_sd = StateDict({k: v for k, v in tensors.items() if k.startswith("vision.")}, f"{src} (vision tower)")
-    tower = finish(vision_sd, ViT(**vision), clip.vision_params(vision_sd, vision, "vision."),
-                   (jnp.zeros((1, size, size, 3)),), "a vitmm ViT (LLaVA's CLIP tower)")
+    vision, tower, vision_layer = _tower(config, vision_sd, tensors, siglip, src)
+    tower = finish(vision_sd, ViT(**vision), tower, (jnp.zeros((1, size, size, 3)),),
+                   f"a vitmm ViT ({'SigLIP' if siglip else 'CLIP'} tower)")
     lm_tensors = {k: v for k, v in tensors.items() if k.startswith(("model.", "lm_head."))}
     lm, language = hf_lm.lm_from_tensors(text_config, lm_tensors, f"{src} (language model)")
     proj_sd = StateDict({k: v for k, v in tensors.items() if k.startswith("projector.")}, f"{src} (projector)")
@@ -200,14 +212,15 @@ def load_llava(src) -> tuple[dict, dict, dict]:
     images, processor = _processor(src)
     anyres = None
     if next_:
-        image_pp, pinpoints = _anyres_pp(images, size, vision["patch_size"], src)
-        anyres = {"pinpoints": pinpoints, "tile": size}
+        max_patches = _max_patches(config, src) if onevision else None
+        image_pp, pinpoints = _anyres_pp(images, size, vision["patch_size"], src, max_patches)
+        anyres = {"pinpoints": pinpoints, "tile": size, **({"max_patches": max_patches} if max_patches else {})}
     else:
         image_pp = _image_pp(images, size, src)
     left = sorted(set(tensors) - set(vision_sd.tensors) - set(lm_tensors) - set(proj_sd.tensors))
     problems = [f"  missing: {k}" for k in proj_sd.missing] + [f"  unused: {k}" for k in proj_sd.unused() + left]
     model = dict(vision=vision, connector={"name": "mlp", "budget": "all"}, lm=lm,
-                 vision_layer=_feature_layer(config, vision["depth"], src), use_cls=False, prefix_lm=False,
+                 vision_layer=vision_layer, use_cls=False, prefix_lm=False,
                  mrope=False, anyres=anyres, max_len=2048, loss_positions=None)
     params = {"tower": tower, "project": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), project),
               "language": language}
@@ -219,15 +232,38 @@ def load_llava(src) -> tuple[dict, dict, dict]:
                                   jnp.zeros((1, 4), jnp.int32))["params"]
         problems = tree.mismatches(expected, params)
     if problems:
-        raise ValueError(f"Cannot load {src} as a vitmm VLM ({'LLaVA-NeXT' if next_ else 'LLaVA'}):\n"
-                         + "\n".join(problems))
-    pp = image_pp + "normalize({image_mean}, {image_std})|" + conversation_pp(keep=ANYRES_KEYS if next_ else "")
+        raise ValueError(f"Cannot load {src} as a vitmm VLM ({archs[0]}):\n" + "\n".join(problems))
+    keep = (ANYRES_KEYS + (", 'anyres_weights'" if onevision else "")) if next_ else ""
+    pp = image_pp + "normalize({image_mean}, {image_std})|" + conversation_pp(keep=keep)
     mean, std = OPENAI_CLIP
     run = {"task": "vlm", "seed": 0, "model": model, "init": {"vision": None, "lm": None, "checkpoint": None},
            "lora": {"rank": 0, "alpha": 0.0, "dropout": 0.0, "targets": []},
            "input": {"pp": pp, "image_size": size, "image_mean": list(images.get("image_mean", mean)),
                      "image_std": list(images.get("image_std", std))}}
     return run, params, {"image_token": processor.get("image_token", "<image>"), "text_config": text_config}
+
+
+def _tower(config: dict, vision_sd: StateDict, tensors: dict, siglip: bool, src) -> tuple[dict, dict, int]:
+    """``(ViT kwargs, params, vision_layer)`` of a LLaVA-family tower: CLIP's, or (LLaVA-OneVision)
+    SigLIP's; ``vision_feature_layer=-1``, HF's last block before the final norm, is a tower
+    without it (``final_norm=False``, its tensors read and left out)."""
+    if not siglip:
+        vision = clip.vision_kwargs(config, tensors, "vision.")
+        return vision, clip.vision_params(vision_sd, vision, "vision."), _feature_layer(config, vision["depth"], src)
+    vision, params = clip._siglip_vision(vision_sd, config, tensors, "vision.")
+    if config.get("vision_feature_layer", -1) == -1:
+        params["encoder"].pop("encoder_norm")
+        return {**vision, "final_norm": False}, params, -1
+    return vision, params, _feature_layer(config, vision["depth"], src)
+
+
+def _max_patches(config: dict, src) -> int:
+    """LLaVA-OneVision's ``vision_aspect_ratio`` ``anyres_max_N``: N."""
+    ratio = str(config.get("vision_aspect_ratio", "anyres_max_9"))
+    match = re.fullmatch(r"anyres_max_(\d+)", ratio)
+    if not match:
+        raise ValueError(f"{src}: vision_aspect_ratio={ratio!r} is not supported; vitmm reads 'anyres_max_N'.")
+    return int(match.group(1))
 
 
 def load_paligemma(src) -> tuple[dict, dict, dict]:

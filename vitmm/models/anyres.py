@@ -100,6 +100,55 @@ def layout(image_hw: Sequence[int], pinpoints, tile: int, tile_grid: Sequence[in
     return np.concatenate([np.arange(gh * gw), index.reshape(-1)]).astype(np.int32)
 
 
+def downsampled(image_hw: Sequence[int], pinpoints, tile: int, tile_grid: Sequence[int],
+                max_patches: int) -> tuple[np.ndarray, np.ndarray]:
+    """LLaVA-OneVision's ``anyres_max_N`` (``max_patches = N``): ``layout``'s tokens as
+    ``(index [M, 4], weights [M, 4])``, each token the weighted sum of up to four view tokens. When
+    the unpadded grid holds more than ``1.1² · N`` tiles' tokens it is resized bilinearly (PyTorch's
+    ``interpolate``, ``align_corners=False``) by ``ratio = √(cells / (N · gh · gw))`` to
+    ``(rows // ratio, cols // ratio)``, before the newlines; otherwise each token is one view token
+    (weights ``[1, 0, 0, 0]``). ``NEWLINE`` rows keep ``NEWLINE`` in the first index."""
+    flat = layout(image_hw, pinpoints, tile, tile_grid)
+    gh, gw = tile_grid
+    base, grid = flat[:gh * gw], flat[gh * gw:]
+    rows = int(np.sum(grid == NEWLINE))
+    grid = grid.reshape(rows, -1)[:, :-1]  # the unpadded grid without its newlines
+    h, w = grid.shape
+    ratio = math.sqrt(h * w / (max_patches * gh * gw))
+    one = lambda idx: (np.stack([idx, idx, idx, idx], -1), np.tile(np.array([1, 0, 0, 0], np.float32),  # noqa: E731
+                                                                      (len(idx), 1)))
+    if ratio <= 1.1:
+        return one(flat)
+    oh, ow = int(h // ratio), int(w // ratio)
+
+    def taps(out: int, size: int):  # each output's two source rows (or columns) and their weights
+        src = np.maximum((np.arange(out, dtype=np.float32) + np.float32(0.5)) * np.float32(size / out)
+                         - np.float32(0.5), 0).astype(np.float32)
+        low = src.astype(np.int64)
+        frac = (src - low).astype(np.float32)
+        return low, np.minimum(low + 1, size - 1), (np.float32(1) - frac).astype(np.float32), frac
+
+    y0, y1, wy0, wy1 = taps(oh, h)
+    x0, x1, wx0, wx1 = taps(ow, w)
+    index = np.stack([grid[y0][:, x0], grid[y0][:, x1], grid[y1][:, x0], grid[y1][:, x1]], -1)
+    weights = np.stack([wy0[:, None] * wx0[None], wy0[:, None] * wx1[None], wy1[:, None] * wx0[None],
+                        wy1[:, None] * wx1[None]], -1).astype(np.float32)
+    newline = np.broadcast_to(np.array([NEWLINE] * 4), (oh, 1, 4))
+    index = np.concatenate([index, newline], axis=1).reshape(-1, 4)
+    weights = np.concatenate([weights, np.broadcast_to(np.array([1, 0, 0, 0], np.float32), (oh, 1, 4))], 1)
+    base_index, base_weights = one(base)
+    return (np.concatenate([base_index, index]).astype(np.int32),
+            np.concatenate([base_weights, weights.reshape(-1, 4)]).astype(np.float32))
+
+
+def max_downsampled_tokens(pinpoints, tile: int, tile_grid: Sequence[int], max_patches: int) -> int:
+    """A bound on ``downsampled``'s token count: the base view, at most ``1.1² · N`` tiles' tokens
+    (more are resized below that) and a newline for each of the tallest canvas's rows."""
+    gh, gw = tile_grid
+    rows = max(h // tile for h, _ in pinpoints) * gh
+    return min(gh * gw + int(1.21 * max_patches * gh * gw) + rows, max_tokens(pinpoints, tile, tile_grid))
+
+
 def max_views(pinpoints, tile: int) -> int:
     """The most views (base + tiles) any image gets: what a batch pads its views to."""
     return 1 + max((h // tile) * (w // tile) for h, w in pinpoints)
@@ -111,14 +160,23 @@ def max_tokens(pinpoints, tile: int, tile_grid: Sequence[int]) -> int:
     return gh * gw + max((h // tile) * gh * ((w // tile) * gw + 1) for h, w in pinpoints)
 
 
-def gather(tokens: jnp.ndarray, index: jnp.ndarray, newline: jnp.ndarray) -> jnp.ndarray:
+def gather(tokens: jnp.ndarray, index, newline: jnp.ndarray) -> jnp.ndarray:
     """The LM's tokens ``[B, M, D]`` from each view's grid of tokens ``[B, V, gh, gw, D]`` and each
-    example's ``layout`` ``[B, M]`` (``NEWLINE``: ``newline [D]``)."""
+    example's ``layout`` ``[B, M]`` (``NEWLINE``: ``newline [D]``), or ``downsampled``'s
+    ``(index [B, M, 4], weights [B, M, 4])``: each token the weighted sum of its four."""
     b, v, gh, gw, d = tokens.shape
     table = jnp.concatenate([tokens.reshape(b, v * gh * gw, d),
                              jnp.broadcast_to(newline.astype(tokens.dtype), (b, 1, d))], axis=1)
+    weights = None
+    if isinstance(index, tuple | list):
+        index, weights = index
     index = jnp.where(index == NEWLINE, v * gh * gw, index)
-    return jnp.take_along_axis(table, index[..., None], axis=1)
+    if weights is None:
+        return jnp.take_along_axis(table, index[..., None], axis=1)
+    picked = jnp.take_along_axis(table, index.reshape(b, -1)[..., None], axis=1).reshape(*index.shape, d)
+    w = weights.astype(tokens.dtype)[..., None]  # summed as interpolate does: rows of two, then the pair
+    return (picked[:, :, 0] * w[:, :, 0] + picked[:, :, 1] * w[:, :, 1]) + \
+        (picked[:, :, 2] * w[:, :, 2] + picked[:, :, 3] * w[:, :, 3])
 
 
 def assemble(tokens: jnp.ndarray, image_hw: Sequence[int], pinpoints, tile: int, newline: jnp.ndarray) -> jnp.ndarray:

@@ -75,6 +75,9 @@ class VLM(nn.Module):
             self.image_newline = self.param("image_newline", common.trunc_normal(0.02), (self.language.width,))
 
     def num_visual_tokens(self, image_hw) -> int:
+        if self.anyres is not None and self.anyres.get("max_patches"):
+            return len(anyres_lib.downsampled(image_hw, self.anyres["pinpoints"], self.anyres["tile"],
+                                              self._tile_grid(), self.anyres["max_patches"])[0])
         if self.anyres is not None:
             return anyres_lib.num_tokens(image_hw, self.anyres["pinpoints"], self.anyres["tile"], self._tile_grid())
         grid = self.tower.grid(image_hw)
@@ -105,7 +108,16 @@ class VLM(nn.Module):
                              f"(the `anyres` preprocessing op); got images of shape {images.shape} and "
                              f"{'a' if layout is not None else 'no'} layout.")
         if layout is not None:
-            return anyres_lib.gather(self._view_tokens(images), jnp.asarray(layout, jnp.int32), self.image_newline)
+            layout = (jnp.asarray(layout[0], jnp.int32), jnp.asarray(layout[1])) if isinstance(layout, tuple | list) \
+                else jnp.asarray(layout, jnp.int32)
+            return anyres_lib.gather(self._view_tokens(images), layout, self.image_newline)
+        if self.anyres.get("max_patches"):  # LLaVA-OneVision's downsampling, laid out for this one size
+            tokens = self._view_tokens(anyres_lib.views(images, pinpoints, tile))
+            index, weights = anyres_lib.downsampled(images.shape[1:3], pinpoints, tile, tokens.shape[2:4],
+                                                    self.anyres["max_patches"])
+            b = images.shape[0]
+            return anyres_lib.gather(tokens, (jnp.broadcast_to(index, (b, *index.shape)),
+                                              jnp.broadcast_to(weights, (b, *weights.shape))), self.image_newline)
         return anyres_lib.assemble(self._view_tokens(anyres_lib.views(images, pinpoints, tile)), images.shape[1:3],
                                    pinpoints, tile, self.image_newline)
 

@@ -38,6 +38,9 @@ class SequenceLayout:
                      "num_registers": vit.num_registers, "merge": task.config.model.connector.get("merge") or 1}
             per_image = 0
         if task.model.anyres is not None:
+            if task.model.anyres.get("max_patches"):
+                raise ValueError("input.sequences (flat sequences) take AnyRes views without max_patches (LLaVA-"
+                                 "OneVision's downsampling mixes tokens); set input.sequences.length=0.")
             tile = task.model.anyres["tile"]
             grid = tuple(connectors.token_grid(task.config.model.connector.to_dict(), vit.grid((tile, tile))))
             anyres, per_image = {**task.model.anyres, "tile_grid": grid}, grid[0] * grid[1]

@@ -118,7 +118,8 @@ class VLMTask:
         self.config, self.tokenizer = config, tokenizer
         anyres = m.get("anyres")
         if anyres is not None:  # LLaVA-NeXT's tiles: the tower sees tile x tile views
-            anyres = {"pinpoints": [tuple(p) for p in anyres["pinpoints"]], "tile": int(anyres["tile"])}
+            anyres = {"pinpoints": [tuple(p) for p in anyres["pinpoints"]], "tile": int(anyres["tile"]),
+                      **({"max_patches": int(anyres["max_patches"])} if anyres.get("max_patches") else {})}
         if m.get("mrope") and self.lm.get("mrope_section") is None:  # Qwen2-VL's 3D positions on any LM
             self.lm = {**self.lm, "mrope_section": lm_lib.mrope_split(lm_lib.LM(**self.lm).attn_head_dim)}
         _check_budget(m.connector.to_dict(), self.vision, anyres["tile"] if anyres else config.input.image_size)
@@ -205,7 +206,7 @@ class VLMTask:
             visual_mask = shown if visual_mask is None else shown & visual_mask
         logits = self._apply(params, batch["image"], batch["ids"], prompt_len=batch["prompt_len"],
                              prefix_lm=self.config.model.prefix_lm, image_pos=image_pos, rng=rng,
-                             visual_mask=visual_mask, layout=batch.get("anyres_layout"), text_logits_at=at)
+                             visual_mask=visual_mask, layout=anyres_layout(batch), text_logits_at=at)
         if at is None:
             logits = vlm.text_logits(logits, logits.shape[1] - batch["ids"].shape[1], image_pos)[:, :-1]
         loss, acc = losses.lm_loss(logits, targets, mask)
@@ -287,6 +288,14 @@ def tokenizer_for(config):
         return tok_lib.get_tokenizer(str(path), chat_template=saved.get("chat_template"), **ids)
     ids = {k: v for k, v in (config.get("tokens") or {}).items() if v is not None}
     return tok_lib.get_tokenizer(config.get("tokenizer"), chat_template=config.get("chat_template"), **ids)
+
+
+def anyres_layout(batch: dict):
+    """A batch's AnyRes layout (the ``anyres`` op's): ``anyres_layout``, or with LLaVA-OneVision's
+    downsampling the pair ``(anyres_layout, anyres_weights)``; None without AnyRes views."""
+    if "anyres_weights" in batch:
+        return batch["anyres_layout"], batch["anyres_weights"]
+    return batch.get("anyres_layout")
 
 
 def image_channels(config) -> int:
