@@ -22,24 +22,30 @@ from vitmm.interop import hf_lm, io
 
 def _export_problems(model: dict, vision: dict, tower: dict) -> list[str]:
     """Why ``LlavaForConditionalGeneration`` (``LlavaNextForConditionalGeneration`` with
-    ``model.anyres``) cannot hold this VLM (empty: it can)."""
+    ``model.anyres``; ``LlavaOnevisionForConditionalGeneration`` with a SigLIP tower and AnyRes's
+    ``max_patches``) cannot hold this VLM (empty: it can)."""
     from vitmm.export import clip_vision_problem
 
-    problems = [f"the tower: {p}"] if (p := clip_vision_problem(vision, tower)) else []
+    anyres = model.get("anyres")
+    if anyres and anyres.get("max_patches"):  # LLaVA-OneVision: a SigLIP tower
+        siglip = not vision.get("class_token", True) and vision.get("posemb", "learn") == "learn" and \
+            not vision.get("pre_norm") and "map_head" not in tower
+        problems = [] if siglip else ["the tower (LLaVA-OneVision's is SigLIP's: no class token, learned positions)"]
+        if model.get("vision_layer", -1) == -1 and vision.get("final_norm", True):
+            problems.append("vision_layer=-1 of a tower with its final norm (OneVision reads its last block "
+                            "before it: final_norm=False)")
+    else:
+        problems = [f"the tower: {p}"] if (p := clip_vision_problem(vision, tower)) else []
+        if not model.get("vision_layer", -1) <= -2:
+            problems.append(f"vision_layer={model.get('vision_layer')} (LLaVA reads hidden_states[-2] or earlier; -1 "
+                            "is vitmm's normed output)")
     connector = dict(model["connector"])
     if connector.get("name") != "mlp" or connector.get("depth", 2) != 2 or connector.get("act", "gelu") != "gelu" \
             or connector.get("hidden") not in (None, model["lm"]["width"]) or connector.get("budget") != "all":
         problems.append(f"connector {connector} (LLaVA's projector is mlp, depth 2, GELU, the LM's width, every patch)")
-    if not model.get("vision_layer", -1) <= -2:
-        problems.append(f"vision_layer={model.get('vision_layer')} (LLaVA reads hidden_states[-2] or earlier; -1 is "
-                        "vitmm's normed output)")
     for key in ("use_cls", "prefix_lm", "mrope"):
         if model.get(key):
             problems.append(f"model.{key}={model[key]!r}")
-    anyres = model.get("anyres")
-    if anyres and anyres.get("max_patches"):
-        problems.append(f"AnyRes with max_patches={anyres['max_patches']} (LLaVA-OneVision's downsampling; its "
-                        "export is not written yet)")
     made_for = tower["pos_embedding"].shape[1] * vision["patch_size"] if "pos_embedding" in tower else None
     if anyres and int(anyres["tile"]) != made_for:
         problems.append(f"AnyRes tiles of {anyres['tile']}px on a tower whose positions are for {made_for}px "
@@ -64,9 +70,14 @@ def _image_processor(pp: str, size: int, mean, std, anyres: dict | None = None) 
             raise ValueError(f"the run's image steps {'|'.join(names) or '(none)'} are not LLaVA-NeXT's processor: "
                              "it makes the AnyRes views on the host, as one anyres(pinpoints, tile, …) op (a run on "
                              "flat sequences makes them after normalize: not exportable)")
+        resample = 3 if steps[0][2].get("method") == "bicubic" else 2
+        if anyres.get("max_patches"):  # LLaVA-OneVision's: every view squashed to the tile's square
+            return {**common, "image_processor_type": "LlavaOnevisionImageProcessor", "do_pad": True,
+                    "image_grid_pinpoints": [list(p) for p in anyres["pinpoints"]], "resample": resample,
+                    "size": {"height": size, "width": size}, "crop_size": None, "do_center_crop": False}
         return {**common, "image_processor_type": "LlavaNextImageProcessor", "do_pad": True,
                 "image_grid_pinpoints": [list(p) for p in anyres["pinpoints"]], "do_center_crop": True,
-                "resample": 3 if steps[0][2].get("method") == "bicubic" else 2}
+                "resample": resample}
     if names in (["resize", "center_crop"], ["pad_to_square", "resize", "center_crop"]):
         (_, args, kwargs), (_, crop, _) = steps[-2:]
         if kwargs.get("shorter") and crop[0] == size:
@@ -106,7 +117,9 @@ def export_llava(workdir, out) -> dict:
         params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
     model = {**config.model.to_dict(), "vision": vision, "lm": lm}
     anyres = model.get("anyres")
-    architecture, processor_class = ("LlavaNextForConditionalGeneration", "LlavaNextProcessor") if anyres else \
+    onevision = bool(anyres and anyres.get("max_patches"))
+    architecture, processor_class = ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionProcessor") \
+        if onevision else ("LlavaNextForConditionalGeneration", "LlavaNextProcessor") if anyres else \
         ("LlavaForConditionalGeneration", "LlavaProcessor")
     problems = _export_problems(model, vision, params["tower"])
     tokenizer = tasks.tokenizer_for(config)
@@ -121,7 +134,15 @@ def export_llava(workdir, out) -> dict:
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; choose a new --out.")
 
-    tower, vision_config = export_clip_vision(vision, params["tower"], prefix="vision_tower.vision_model.")
+    if onevision:  # a tower read before its final norm: an identity norm, which transformers skips there too
+        from vitmm.interop.hf.clip import export_siglip_vision
+
+        width = vision["width"]
+        with_norm = {**params["tower"], "encoder": {"encoder_norm": {"scale": np.ones(width), "bias": np.zeros(width)},
+                                                   **params["tower"]["encoder"]}}
+        tower, vision_config = export_siglip_vision(vision, with_norm, prefix="vision_tower.vision_model.")
+    else:
+        tower, vision_config = export_clip_vision(vision, params["tower"], prefix="vision_tower.vision_model.")
     language, text_config = hf_lm.export_lm(lm, params["language"])
     tokenizer_json, image_id, added = _with_image_token(tokenizer)
     if image_id >= lm["vocab_size"]:  # a new row for it: never an input (its places take the image), never chosen
@@ -137,16 +158,25 @@ def export_llava(workdir, out) -> dict:
     patches = (size // vision["patch_size"]) ** 2
     if anyres:
         tensors["image_newline"] = np.asarray(params["image_newline"], np.float32)
-    hf_config = {"architectures": [architecture], "model_type": "llava_next" if anyres else "llava",
+    hf_config = {"architectures": [architecture],
+                 "model_type": "llava_onevision" if onevision else "llava_next" if anyres else "llava",
                  "image_token_index": image_id, "image_seq_length": patches, "projector_hidden_act": "gelu",
                  "vision_feature_layer": int(model["vision_layer"]), "vision_feature_select_strategy": "default",
                  "multimodal_projector_bias": True, "tie_word_embeddings": bool(lm.get("tie_embeddings")),
                  "text_config": {**text_config, **ids}, "vision_config": vision_config, "torch_dtype": "float32"}
     if anyres:
         hf_config["image_grid_pinpoints"] = [list(p) for p in anyres["pinpoints"]]
+    if onevision:  # every patch of the SigLIP tower; a video token id no text holds (vitmm exports no video)
+        hf_config.update(vision_feature_select_strategy="full", vision_feature_layer=int(model["vision_layer"]),
+                         vision_aspect_ratio=f"anyres_max_{anyres['max_patches']}",
+                         video_token_index=hf_config["text_config"]["vocab_size"])
     processor = {"image_processor": images, "image_token": "<image>", "num_additional_image_tokens": 1,
                  "patch_size": vision["patch_size"], "processor_class": processor_class,
                  "vision_feature_select_strategy": "default"}
+    if onevision:
+        processor = {"image_processor": images, "image_token": "<image>", "video_token": "<video>",
+                     "num_image_tokens": patches, "vision_feature_select_strategy": "full",
+                     "vision_aspect_ratio": hf_config["vision_aspect_ratio"], "processor_class": processor_class}
     token = tokenizer.token
     tokenizer_config = {"bos_token": token(tokenizer.bos_id), "eos_token": token(tokenizer.eos_id),
                         "pad_token": token(tokenizer.pad_id), "extra_special_tokens": ["<image>"],

@@ -99,8 +99,8 @@ def test_llava_onevision_gives_transformers_views_ids_logits_and_greedy_answers(
     """LLaVA-OneVision (``hf_llava_onevision``): SigLIP read at its last block before the final norm,
     LLaVA-NeXT's views and unpadding, and ``anyres_max_2``: three of the four images' grids
     downsampled bilinearly (``models.anyres.downsampled``); the token counts, logits at the real
-    positions (≤ 1e-5 of the largest) and greedy answers equal transformers'; its export is refused
-    (not written yet)."""
+    positions (≤ 1e-5 of the largest) and greedy answers equal transformers'; exported back, the
+    same parameters (transformers runs the export: ``in_transformers``)."""
     from vitmm import chat
     from vitmm.interop.__main__ import main
 
@@ -125,8 +125,9 @@ def test_llava_onevision_gives_transformers_views_ids_logits_and_greedy_answers(
         real = np.concatenate([np.ones(pos, bool), mask, np.ones(n - pos, bool)])
         assert np.abs(logits[real] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
-    with pytest.raises(ValueError, match="max_patches=2"):
-        export_hf.export_hf(tmp_path / "w", tmp_path / "hf")
+    exported = export_hf.export_hf(tmp_path / "w", tmp_path / "hf")
+    assert exported["architecture"] == "LlavaOnevisionForConditionalGeneration"
+    assert jax.tree.all(jax.tree.map(np.array_equal, hf_vlm.load_llava(tmp_path / "hf")[1], vlm.params))
 
 
 def test_llava_next_tiles_other_than_the_towers_input_are_refused(tmp_path, capsys):
@@ -380,6 +381,7 @@ def in_transformers(finetuned, next_imported, trained_here, tmp_path_factory):
     interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_paligemma")), "--out", str(root / "paligemma_w")])
     interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_qwen2_vl")), "--out", str(root / "qwen2_vl_w")])
     interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_idefics3")), "--out", str(root / "idefics3_w")])
+    interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_llava_onevision")), "--out", str(root / "ov_w")])
     pali = np.load(FIXTURE.with_name("hf_paligemma") / "io.npz")
     prompts = json.loads((FIXTURE.with_name("hf_paligemma") / "prompts.json").read_text())
     nxt = np.load(FIXTURE.with_name("hf_llava_next") / "io.npz")
@@ -393,6 +395,7 @@ def in_transformers(finetuned, next_imported, trained_here, tmp_path_factory):
                  **{f"question_{i}": p["messages"][0]["content"] for i, p in enumerate(nxt_prompts)}}),
              "qwen2_vl": (root / "qwen2_vl_w", _fixture_inputs("hf_qwen2_vl", 2)),  # its one-image prompts
              "idefics3": (root / "idefics3_w", _fixture_inputs("hf_idefics3", 3)),
+             "llava_onevision": (root / "ov_w", _fixture_inputs("hf_llava_onevision", 4)),
              "trained_here": (trained_here, {**{f"image_{i}": x for i, x in enumerate(_images())},
                                              **{f"question_{i}": q for i, q in enumerate(QUESTIONS)}})}
     args = []
@@ -413,14 +416,15 @@ def test_each_export_runs_in_transformers_as_in_vitmm_or_as_the_original(finetun
     CLIP tower and a GGUF LM): transformers loads the export with AutoModelForImageTextToText and
     AutoProcessor and gives vitmm's pixels (LLaVA's pad-to-square, the run's), ids, logits (≤ 1e-5 of
     the largest; the added ``<image>``'s column aside) and greedy answers. An imported PaliGemma,
-    LLaVA-NeXT, Qwen2-VL or Idefics3 exported back: the original model's ids, pixels (views, patches,
-    tiles), logits (to 1e-6 of the largest) and greedy answers."""
+    LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL or Idefics3 exported back: the original model's ids, pixels
+    (views, patches, tiles), logits (to 1e-6 of the largest) and greedy answers."""
     for name in ("llava", "trained_here"):
         _check_against_vitmm(in_transformers[name], finetuned[0] if name == "llava" else trained_here)
     for name, architecture, n in (("paligemma", "PaliGemmaForConditionalGeneration", 2),
                                   ("llava_next", "LlavaNextForConditionalGeneration", 3),
                                   ("qwen2_vl", "Qwen2VLForConditionalGeneration", 2),
-                                  ("idefics3", "Idefics3ForConditionalGeneration", 3)):
+                                  ("idefics3", "Idefics3ForConditionalGeneration", 3),
+                                  ("llava_onevision", "LlavaOnevisionForConditionalGeneration", 4)):
         out, ref = in_transformers[name], np.load(FIXTURE.with_name(f"hf_{name}") / "io.npz")
         assert str(out["class"]) == architecture
         for i in range(n):

@@ -19,16 +19,23 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokeniz
 def processor_for(folder):
     try:
         return AutoProcessor.from_pretrained(folder)
-    except (OSError, ImportError):  # no video processor here: its own class, images and text only
-        from transformers import AutoImageProcessor, Qwen2VLProcessor
+    except (OSError, ImportError):  # no video processor here: the folder's class, images and text only
+        import pathlib
+
+        import transformers
+        from transformers import AutoImageProcessor
+
+        settings = json.loads((pathlib.Path(folder) / "processor_config.json").read_text())
+        base = getattr(transformers, settings["processor_class"])
 
         def get_attributes(cls):
             return ["image_processor", "tokenizer"]
 
-        images_only = type("Qwen2VLProcessor", (Qwen2VLProcessor,), {"get_attributes": classmethod(get_attributes)})
+        images_only = type(base.__name__, (base,), {"get_attributes": classmethod(get_attributes)})
         tokenizer = AutoTokenizer.from_pretrained(folder)
+        extra = {k: v for k, v in settings.items() if k not in ("image_processor", "processor_class")}
         return images_only(image_processor=AutoImageProcessor.from_pretrained(folder), tokenizer=tokenizer,
-                           chat_template=tokenizer.chat_template)
+                           chat_template=tokenizer.chat_template, **extra)
 
 
 def main(folder, inputs, out):
