@@ -1,6 +1,6 @@
 """GGUF language models: a tiny SmolLM2-shaped file (Q4_1 / Q8_0 / F32, llama.cpp's Q/K row
-order, tied head, byte-level BPE with control tokens) and tiny Qwen2 and Qwen3 files against
-transformers reading the same files (``tests/fixtures/interop/make_fixtures.py:gguf_llama``,
+order, tied head, byte-level BPE with control tokens) and tiny Qwen2, Qwen3, Gemma 2 and Phi-3 files
+against transformers reading the same files (``tests/fixtures/interop/make_fixtures.py:gguf_llama``,
 ``gguf_families``)."""
 
 import pathlib
@@ -21,17 +21,21 @@ def loaded():
     return gguf_lm.load(FIXTURE / "tiny.gguf")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_qwen_files_match_transformers_gguf_loading(arch):
-    """Qwen2 (q/k/v biases, an untied head) and Qwen3 (q/k norms, 128-wide heads on a 32-wide model)
-    as llama.cpp writes them (Q8_0; no rotary permutation): transformers' logits on the same file."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "phi3"])
+def test_more_families_match_transformers_gguf_loading(arch):
+    """Qwen2 (q/k/v biases, an untied head), Qwen3 (q/k norms, 128-wide heads on a 32-wide model),
+    Gemma 2 (norms stored as 1 + w, output norms, soft caps, a window of 3 on layer 0) and Phi-3 (fused
+    q/k/v and gate/up) as llama.cpp writes them (Q8_0; no rotary permutation): transformers' logits
+    on the same file, ≤ 1e-5 of the largest."""
     folder = FIXTURE.with_name(f"gguf_{arch}")
     kwargs, params, _, _ = gguf_lm.load(folder / "tiny.gguf")
     ref = np.load(folder / "io.npz")
     logits = np.asarray(LM(**kwargs).apply({"params": params}, jnp.asarray(ref["input_ids"])))
     assert np.abs(logits - ref["logits"]).max() <= 1e-5 * np.abs(ref["logits"]).max()
     assert kwargs["qkv_bias"] == (arch == "qwen2") and kwargs.get("qk_norm", False) == (arch == "qwen3")
-    assert kwargs["head_dim"] == (128 if arch == "qwen3" else None)
+    assert kwargs["head_dim"] == {"qwen3": 128, "gemma2": 256}.get(arch)
+    if arch == "gemma2":
+        assert kwargs["window_layers"] == (0,) and kwargs["sliding_window"] == 3 and kwargs["norm_offset"]
 
 
 def test_logits_match_transformers_gguf_loading(loaded):

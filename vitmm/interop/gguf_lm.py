@@ -4,8 +4,11 @@
     logits = LM(**kwargs).apply({"params": params}, ids)
 
 Architectures (``general.architecture``): ``llama`` (Llama, SmolLM/SmolLM2, TinyLlama, Mistral as
-llama.cpp converts it), ``qwen2`` (q/k/v biases) and ``qwen3`` (per-head q/k norms, its
-``attention.key_length`` head size). Tensors are dequantized to float32 with the ``gguf`` package
+llama.cpp converts it), ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k norms, its
+``attention.key_length`` head size), ``phi3`` (fused q/k/v and gate/up, split; its sliding window) and
+``gemma2`` (norms stored as 1 + w, read back as Gemma's; the sub-layers' output norms, soft caps, a
+window on every other layer, the query scaled by the head size as llama.cpp does for Gemma 2's 2B and
+9B). Tensors are dequantized to float32 with the ``gguf`` package
 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants it reads). For ``llama`` llama.cpp's
 converter stores the rows of the Q and K projections in its interleaved rotary order (per head, the
 two halves of each rotation pair side by side); they are put back in Hugging Face's half-split
@@ -25,7 +28,7 @@ import struct
 
 import numpy as np
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
 INTERLEAVED = ("llama",)  # the architectures whose Q/K rows llama.cpp stores in its rotary order
 TOKENIZERS = ("gpt2",)
 _AGAIN = "download or copy it again"
@@ -192,13 +195,22 @@ def lm_kwargs(metadata: dict, src, tensor_names=()) -> dict:
                          "partial rotary dimensions are not supported.")
     if get("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"{src}: RoPE scaling {get('rope.scaling.type')!r} is not supported.")
-    return dict(vocab_size=len(metadata["tokenizer.ggml.tokens"]), width=width, depth=int(get("block_count")),
+    depth = int(get("block_count"))
+    gemma = arch == "gemma2"
+    window = get("attention.sliding_window")
+    extra = {"qk_norm": True} if arch == "qwen3" else {}
+    if window and arch in ("phi3", "gemma2"):
+        extra["sliding_window"] = int(window)
+    if gemma:  # llama.cpp's Gemma 2: a window on the even layers, queries scaled by the head size, soft caps
+        extra.update(post_norms=True, window_layers=tuple(range(0, depth, 2)), query_scale=float(head_dim),
+                     attn_softcap=get("attn_logit_softcapping"), logit_softcap=get("final_logit_softcapping"))
+    return dict(vocab_size=len(metadata["tokenizer.ggml.tokens"]), width=width, depth=depth,
                 num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
                 head_dim=None if head_dim * heads == width else head_dim,
                 mlp_dim=int(get("feed_forward_length")), rope_theta=float(get("rope.freq_base", 10_000.0)),
-                norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), act="silu",
+                norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), act="gelu_tanh" if gemma else "silu",
                 tie_embeddings="output.weight" not in tensor_names, qkv_bias=arch == "qwen2",
-                **({"qk_norm": True} if arch == "qwen3" else {}))
+                norm_offset=gemma, embed_scale=gemma, **extra)
 
 
 def tokenizer(metadata: dict, src=None):
@@ -243,10 +255,18 @@ def load(src: str | pathlib.Path):
             out["bias"] = sd.take(f"{name}.bias")
         return out
 
+    if arch == "gemma2":  # its norms were stored as 1 + w
+        sd.tensors = {k: v - 1 if k.endswith("norm.weight") else v for k, v in sd.tensors.items()}
     params = {"token_embedding": {"embedding": sd.take("token_embd.weight")},
               "final_norm": {"scale": sd.take("output_norm.weight")}}
     for i in range(kwargs["depth"]):
         b = f"blk.{i}"
+        if arch == "phi3":  # fused q/k/v and gate/up, as Phi-3's own checkpoints: one tensor each a role
+            head_dim = kwargs["head_dim"] or kwargs["width"] // heads
+            q, k, v = np.split(sd.take(f"{b}.attn_qkv.weight"), np.cumsum([heads * head_dim, kv * head_dim]))
+            gate, up = np.split(sd.take(f"{b}.ffn_up.weight"), 2)
+            sd.tensors.update({f"{b}.attn_q.weight": q, f"{b}.attn_k.weight": k, f"{b}.attn_v.weight": v,
+                               f"{b}.ffn_gate.weight": gate, f"{b}.ffn_up.weight": up})
         bias = kwargs["qkv_bias"]
         attn = {"q": linear(f"{b}.attn_q", bias), "k": linear(f"{b}.attn_k", bias), "v": linear(f"{b}.attn_v", bias),
                 "o": linear(f"{b}.attn_output")}
@@ -254,9 +274,11 @@ def load(src: str | pathlib.Path):
             attn[role] = {k: order(v.T, n).T if k == "kernel" else order(v, n) for k, v in attn[role].items()}
         if kwargs.get("qk_norm"):
             attn.update({f"{r}_norm": {"scale": sd.take(f"{b}.attn_{r}_norm.weight")} for r in "qk"})
+        norms = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm"}
+        if kwargs.get("post_norms"):
+            norms.update(attn_post_norm="post_attention_norm", mlp_post_norm="post_ffw_norm")
         params[f"block_{i:02d}"] = {
-            "attn_norm": {"scale": sd.take(f"{b}.attn_norm.weight")},
-            "mlp_norm": {"scale": sd.take(f"{b}.ffn_norm.weight")}, "attn": attn,
+            **{ours: {"scale": sd.take(f"{b}.{theirs}.weight")} for ours, theirs in norms.items()}, "attn": attn,
             "mlp": {"gate": linear(f"{b}.ffn_gate"), "up": linear(f"{b}.ffn_up"), "down": linear(f"{b}.ffn_down")}}
     if not kwargs["tie_embeddings"]:
         params["head"] = linear("output")
