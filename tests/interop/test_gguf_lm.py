@@ -21,10 +21,11 @@ def loaded():
     return gguf_lm.load(FIXTURE / "tiny.gguf")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def test_more_families_match_transformers_gguf_loading(arch):
     """Qwen2 (q/k/v biases, an untied head), Qwen3 (q/k norms, 128-wide heads on a 32-wide model),
-    Gemma 2 (norms stored as 1 + w, output norms, soft caps, a window of 3 on layer 0) and Phi-3 (fused
+    Gemma 2 (norms stored as 1 + w, output norms, soft caps, a window of 3 on layer 0), Gemma 3's text
+    model (q/k norms, five windowed layers with their own RoPE base, a global sixth) and Phi-3 (fused
     q/k/v and gate/up) as llama.cpp writes them (Q8_0; no rotary permutation): transformers' logits
     on the same file, ≤ 1e-5 of the largest."""
     folder = FIXTURE.with_name(f"gguf_{arch}")
@@ -32,10 +33,12 @@ def test_more_families_match_transformers_gguf_loading(arch):
     ref = np.load(folder / "io.npz")
     logits = np.asarray(LM(**kwargs).apply({"params": params}, jnp.asarray(ref["input_ids"])))
     assert np.abs(logits - ref["logits"]).max() <= 1e-5 * np.abs(ref["logits"]).max()
-    assert kwargs["qkv_bias"] == (arch == "qwen2") and kwargs.get("qk_norm", False) == (arch == "qwen3")
-    assert kwargs["head_dim"] == {"qwen3": 128, "gemma2": 256}.get(arch)
+    assert kwargs["qkv_bias"] == (arch == "qwen2") and kwargs.get("qk_norm", False) == (arch in ("qwen3", "gemma3"))
+    assert kwargs["head_dim"] == {"qwen3": 128, "gemma2": 256, "gemma3": 256}.get(arch)
     if arch == "gemma2":
         assert kwargs["window_layers"] == (0,) and kwargs["sliding_window"] == 3 and kwargs["norm_offset"]
+    if arch == "gemma3":
+        assert kwargs["window_layers"] == (0, 1, 2, 3, 4) and kwargs["qk_norm"] and kwargs["local_rope_theta"] == 1e4
 
 
 def test_logits_match_transformers_gguf_loading(loaded):
@@ -74,8 +77,8 @@ def test_unsupported_or_broken_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         gguf_lm.load(tmp_path / "missing.gguf")
     metadata, _ = gguf_lm.read(FIXTURE / "tiny.gguf")
-    with pytest.raises(ValueError, match=r"architecture 'gemma3' is not supported; vitmm reads \('llama', 'qwen2'"):
-        gguf_lm.lm_kwargs({**metadata, "general.architecture": "gemma3"}, "x.gguf")
+    with pytest.raises(ValueError, match=r"architecture 'mamba' is not supported; vitmm reads \('llama', 'qwen2'"):
+        gguf_lm.lm_kwargs({**metadata, "general.architecture": "mamba"}, "x.gguf")
     with pytest.raises(ValueError, match=r"tokenizer.ggml.model 'llama' is not supported"):
         gguf_lm.tokenizer({**metadata, "tokenizer.ggml.model": "llama"}, "x.gguf")
     no_vocab = {k: v for k, v in metadata.items() if k != "tokenizer.ggml.tokens"}

@@ -8,8 +8,10 @@ llama.cpp converts it), ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k norms,
 ``attention.key_length`` head size), ``phi3`` (fused q/k/v and gate/up, split; its sliding window) and
 ``gemma2`` (norms stored as 1 + w, read back as Gemma's; the sub-layers' output norms, soft caps, a
 window on every other layer, the query scaled by the head size as llama.cpp does for Gemma 2's 2B and
-9B). Tensors are dequantized to float32 with the ``gguf`` package
-(F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants it reads). For ``llama`` llama.cpp's
+9B) and ``gemma3`` (its text model: Gemma 2's layout without soft caps, q/k norms, every sixth layer
+global, the others windowed with RoPE base 10,000, as llama.cpp runs it). Tensors are dequantized to
+float32 with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants it
+reads). For ``llama`` llama.cpp's
 converter stores the rows of the Q and K projections in its interleaved rotary order (per head, the
 two halves of each rotation pair side by side); they are put back in Hugging Face's half-split
 order, which is vitmm's, so attention is right — shapes alone would fit either way (Qwen's files
@@ -28,7 +30,7 @@ import struct
 
 import numpy as np
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 INTERLEAVED = ("llama",)  # the architectures whose Q/K rows llama.cpp stores in its rotary order
 TOKENIZERS = ("gpt2",)
 _AGAIN = "download or copy it again"
@@ -193,17 +195,23 @@ def lm_kwargs(metadata: dict, src, tensor_names=()) -> dict:
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise ValueError(f"{src}: rope.dimension_count {get('rope.dimension_count')} ≠ the head size {head_dim}; "
                          "partial rotary dimensions are not supported.")
-    if get("rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"{src}: RoPE scaling {get('rope.scaling.type')!r} is not supported.")
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
+        raise ValueError(f"{src}: RoPE scaling {scaling!r} is not supported.")
     depth = int(get("block_count"))
-    gemma = arch == "gemma2"
+    gemma = arch in ("gemma2", "gemma3")
     window = get("attention.sliding_window")
-    extra = {"qk_norm": True} if arch == "qwen3" else {}
-    if window and arch in ("phi3", "gemma2"):
+    extra = {"qk_norm": True} if arch in ("qwen3", "gemma3") else {}
+    if window and arch in ("phi3", "gemma2", "gemma3"):
         extra["sliding_window"] = int(window)
-    if gemma:  # llama.cpp's Gemma 2: a window on the even layers, queries scaled by the head size, soft caps
+    if arch == "gemma2":  # llama.cpp's Gemma 2: a window on the even layers, queries scaled by the head size, soft caps
         extra.update(post_norms=True, window_layers=tuple(range(0, depth, 2)), query_scale=float(head_dim),
                      attn_softcap=get("attn_logit_softcapping"), logit_softcap=get("final_logit_softcapping"))
+    if arch == "gemma3":  # every sixth layer global; the others windowed, RoPE base 10,000 (llama.cpp's)
+        extra.update(post_norms=True, window_layers=tuple(i for i in range(depth) if (i + 1) % 6),
+                     query_scale=float(head_dim), local_rope_theta=10_000.0)
+        if scaling == "linear":
+            extra["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     return dict(vocab_size=len(metadata["tokenizer.ggml.tokens"]), width=width, depth=depth,
                 num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
                 head_dim=None if head_dim * heads == width else head_dim,
@@ -255,7 +263,7 @@ def load(src: str | pathlib.Path):
             out["bias"] = sd.take(f"{name}.bias")
         return out
 
-    if arch == "gemma2":  # its norms were stored as 1 + w
+    if arch in ("gemma2", "gemma3"):  # its norms were stored as 1 + w
         sd.tensors = {k: v - 1 if k.endswith("norm.weight") else v for k, v in sd.tensors.items()}
     params = {"token_embedding": {"embedding": sd.take("token_embd.weight")},
               "final_norm": {"scale": sd.take("output_norm.weight")}}
