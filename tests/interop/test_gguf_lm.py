@@ -41,6 +41,23 @@ def test_more_families_match_transformers_gguf_loading(arch):
         assert kwargs["window_layers"] == (0, 1, 2, 3, 4) and kwargs["qk_norm"] and kwargs["local_rope_theta"] == 1e4
 
 
+def test_llama3_rope_rescaling_comes_from_rope_freqs_as_llama_cpp_writes_it():
+    """``hf_llama32`` written as llama.cpp writes it (F32; Llama 3's rescaling as a ``rope_freqs``
+    tensor, which transformers' GGUF loading drops): vitmm gives the original checkpoint's logits on
+    its ragged batch (≤ 1e-5 of the largest), which it would miss without the factors."""
+    kwargs, params, _, _ = gguf_lm.load(FIXTURE.with_name("gguf_llama32") / "tiny.gguf")
+    ref = np.load(FIXTURE.with_name("hf_llama32") / "io.npz")
+    real = ref["attention_mask"] > 0
+
+    def error(settings):
+        logits = np.asarray(LM(**settings).apply({"params": params}, jnp.asarray(ref["input_ids"]),
+                                                 pad_mask=jnp.asarray(real), positions=jnp.asarray(ref["position_ids"])))
+        return np.abs(logits[real] - ref["logits"][real]).max() / np.abs(ref["logits"][real]).max()
+
+    assert kwargs["rope_scaling"]["rope_type"] == "factors" and error(kwargs) <= 1e-5
+    assert error({**kwargs, "rope_scaling": None}) > 1e-3
+
+
 def test_logits_match_transformers_gguf_loading(loaded):
     kwargs, params, _, _ = loaded
     ref = np.load(FIXTURE / "io.npz")

@@ -15,9 +15,11 @@ reads). For ``llama`` llama.cpp's
 converter stores the rows of the Q and K projections in its interleaved rotary order (per head, the
 two halves of each rotation pair side by side); they are put back in Hugging Face's half-split
 order, which is vitmm's, so attention is right — shapes alone would fit either way (Qwen's files
-keep the half-split order). The tokenizer is rebuilt from the
-metadata as a ``tokenizers`` byte-level BPE (``tokenizer.ggml.model = gpt2``) with the control
-tokens kept whole, as transformers' GGUF loading builds it; the ``tokenizer.chat_template``
+keep the half-split order). Llama 3's RoPE rescaling comes as llama.cpp writes it, a ``rope_freqs``
+tensor of per-frequency factors (``rope_scaling={"rope_type": "factors", ...}``; transformers'
+GGUF loading drops it, vitmm keeps it: tested against the original checkpoint's logits). The
+tokenizer is rebuilt from the metadata as a ``tokenizers`` byte-level BPE (``tokenizer.ggml.model =
+gpt2``) with the control tokens kept whole, as transformers' GGUF loading builds it; the ``tokenizer.chat_template``
 string is returned as is. Parity with transformers' own GGUF loading is tested on a tiny file.
 """
 
@@ -228,10 +230,8 @@ def tokenizer(metadata: dict, src=None):
     kind = metadata.get("tokenizer.ggml.model")
     if kind not in TOKENIZERS:
         raise ValueError(f"{src}: tokenizer.ggml.model {kind!r} is not supported; vitmm builds {TOKENIZERS}.")
-    if "tokenizer.ggml.merges" not in metadata:
-        raise ValueError(f"{src}: a byte-level BPE vocabulary without tokenizer.ggml.merges cannot be rebuilt.")
     tokens = list(metadata["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]  # none: whole tokens
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -253,6 +253,9 @@ def load(src: str | pathlib.Path):
     metadata, tensors = read(src)
     kwargs = lm_kwargs(metadata, src, tuple(tensors))
     sd = StateDict(tensors, str(src))
+    if sd.has("rope_freqs.weight"):  # Llama 3's rescaling, one factor a frequency
+        kwargs["rope_scaling"] = {"rope_type": "factors",
+                                  "factors": tuple(float(f) for f in sd.take("rope_freqs.weight").reshape(-1))}
     heads, kv = kwargs["num_heads"], kwargs["num_kv_heads"]
     arch = metadata["general.architecture"]
     order = unpermute if arch in INTERLEAVED else (lambda w, heads: w)

@@ -41,8 +41,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
         return inv
     if kind == "linear":  # positions divided by the factor (Gemma 3's global layers)
         return (inv / np.float32(scaling["factor"])).astype(np.float32)
+    if kind == "factors":  # each frequency divided by its own factor (llama.cpp's rope_freqs: Llama 3's in GGUF)
+        return (inv / np.asarray(scaling["factors"], np.float32)).astype(np.float32)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; vitmm has 'default', 'linear' and 'llama3'.")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; vitmm has 'default', 'linear', 'factors' and "
+                         "'llama3'.")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     context = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
