@@ -50,8 +50,8 @@ def test_llama3_rope_rescaling_comes_from_rope_freqs_as_llama_cpp_writes_it():
     real = ref["attention_mask"] > 0
 
     def error(settings):
-        logits = np.asarray(LM(**settings).apply({"params": params}, jnp.asarray(ref["input_ids"]),
-                                                 pad_mask=jnp.asarray(real), positions=jnp.asarray(ref["position_ids"])))
+        logits = np.asarray(LM(**settings).apply({"params": params}, jnp.asarray(ref["input_ids"]), pad_mask=real,
+                                                 positions=jnp.asarray(ref["position_ids"])))
         return np.abs(logits[real] - ref["logits"][real]).max() / np.abs(ref["logits"][real]).max()
 
     assert kwargs["rope_scaling"]["rope_type"] == "factors" and error(kwargs) <= 1e-5
