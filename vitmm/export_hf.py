@@ -27,13 +27,14 @@ def _export_problems(model: dict, vision: dict, tower: dict) -> list[str]:
     from vitmm.export import clip_vision_problem
 
     anyres = model.get("anyres")
-    if anyres and anyres.get("max_patches"):  # LLaVA-OneVision: a SigLIP tower
-        siglip = not vision.get("class_token", True) and vision.get("posemb", "learn") == "learn" and \
-            not vision.get("pre_norm") and "map_head" not in tower
-        problems = [] if siglip else ["the tower (LLaVA-OneVision's is SigLIP's: no class token, learned positions)"]
+    if not vision.get("class_token", True):  # a SigLIP tower: every patch (the "full" strategy)
+        siglip = vision.get("posemb", "learn") == "learn" and not vision.get("pre_norm") and "map_head" not in tower
+        problems = [] if siglip else ["the tower (SigLIP's layout: no class token, learned positions, no pre-norm)"]
         if model.get("vision_layer", -1) == -1 and vision.get("final_norm", True):
-            problems.append("vision_layer=-1 of a tower with its final norm (OneVision reads its last block "
-                            "before it: final_norm=False)")
+            problems.append("vision_layer=-1 of a tower with its final norm (transformers reads its last block "
+                            "before it, hidden_states[-1]: final_norm=False)")
+    elif anyres and anyres.get("max_patches"):
+        problems = ["a CLIP tower with max_patches (LLaVA-OneVision's tower is SigLIP's)"]
     else:
         problems = [f"the tower: {p}"] if (p := clip_vision_problem(vision, tower)) else []
         if not model.get("vision_layer", -1) <= -2:
@@ -86,9 +87,10 @@ def _image_processor(pp: str, size: int, mean, std, anyres: dict | None = None) 
                     "size": {"shortest_edge": args[0]}, "do_pad": padded,
                     "resample": 3 if kwargs.get("method") == "bicubic" else 2, "do_center_crop": True}
     if names in (["pad_to_square", "resize"], ["resize"]) and steps[-1][1][0] == size and not steps[-1][2].get(
-            "shorter"):
+            "shorter"):  # (padded to a square, then) squashed to the tower's square: no crop
         return {**common, "image_processor_type": "LlavaImageProcessor", "do_pad": names[0] == "pad_to_square",
-                "resample": 3 if steps[-1][2].get("method") == "bicubic" else 2, "do_center_crop": True}
+                "resample": 3 if steps[-1][2].get("method") == "bicubic" else 2, "do_center_crop": False,
+                "size": {"height": size, "width": size}}
     raise ValueError(f"the run's image steps {'|'.join(names)} have no transformers image processor; LLaVA's "
                      "processors do resize(shorter)|center_crop, or pad_to_square|resize to the tower's size")
 
@@ -134,7 +136,8 @@ def export_llava(workdir, out) -> dict:
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; choose a new --out.")
 
-    if onevision:  # a tower read before its final norm: an identity norm, which transformers skips there too
+    siglip = not vision.get("class_token", True)
+    if siglip:  # a tower read before its final norm gets an identity one, which transformers skips there too
         from vitmm.interop.hf.clip import export_siglip_vision
 
         width = vision["width"]
@@ -166,13 +169,14 @@ def export_llava(workdir, out) -> dict:
                  "text_config": {**text_config, **ids}, "vision_config": vision_config, "torch_dtype": "float32"}
     if anyres:
         hf_config["image_grid_pinpoints"] = [list(p) for p in anyres["pinpoints"]]
-    if onevision:  # every patch of the SigLIP tower; a video token id no text holds (vitmm exports no video)
-        hf_config.update(vision_feature_select_strategy="full", vision_feature_layer=int(model["vision_layer"]),
-                         vision_aspect_ratio=f"anyres_max_{anyres['max_patches']}",
+    if siglip:  # every patch of the SigLIP tower
+        hf_config["vision_feature_select_strategy"] = "full"
+    if onevision:  # a video token id no text holds (vitmm exports no video)
+        hf_config.update(vision_aspect_ratio=f"anyres_max_{anyres['max_patches']}",
                          video_token_index=hf_config["text_config"]["vocab_size"])
-    processor = {"image_processor": images, "image_token": "<image>", "num_additional_image_tokens": 1,
+    processor = {"image_processor": images, "image_token": "<image>", "num_additional_image_tokens": int(not siglip),
                  "patch_size": vision["patch_size"], "processor_class": processor_class,
-                 "vision_feature_select_strategy": "default"}
+                 "vision_feature_select_strategy": "full" if siglip else "default"}
     if onevision:
         processor = {"image_processor": images, "image_token": "<image>", "video_token": "<video>",
                      "num_image_tokens": patches, "vision_feature_select_strategy": "full",

@@ -145,6 +145,36 @@ def test_llava_next_tiles_other_than_the_towers_input_are_refused(tmp_path, caps
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+def test_llava_with_a_siglip_tower_gives_transformers_pixels_ids_logits_and_greedy_answers(tmp_path):
+    """LLaVA with a SigLIP tower (``hf_llava_siglip``, llava-interleave's layout): its last block before
+    the final norm (``final_norm=False``), every patch (``full``), the image squashed to the tower's
+    square; pixels, ids, logits (≤ 1e-5 of the largest) and greedy answers; exported back, the same
+    parameters and image steps (transformers runs the export: ``in_transformers``)."""
+    from vitmm import chat
+    from vitmm.interop.__main__ import main
+
+    folder = FIXTURE.with_name("hf_llava_siglip")
+    main(["--from", "hf", "--src", str(folder), "--out", str(tmp_path / "w")])
+    vlm, ref = chat.load(tmp_path / "w"), np.load(folder / "io.npz")
+    assert not vlm.config.model.vision.final_norm
+    assert vlm.config.input.pp.startswith("decode|resize(16, method='bicubic')")
+    for i, prompt in enumerate(json.loads((folder / "prompts.json").read_text())):  # 24x20, then 16x16
+        example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompt["messages"][0]["content"]}])
+        np.testing.assert_allclose(example["image"], ref[f"pixel_values_{i}"][0].transpose(1, 2, 0), atol=1e-6)
+        n, pos, hf_ids = int(example["prompt_len"]), int(example["image_pos"]), ref[f"input_ids_{i}"][0]
+        assert list(example["ids"][:n]) == [t for t in hf_ids if t != IMAGE_TOKEN]
+        assert pos == np.flatnonzero(hf_ids == IMAGE_TOKEN)[0] and vlm.num_prompt_tokens(example) - n == 16
+        logits = np.asarray(vlm.task.model.apply({"params": vlm.params}, jnp.asarray(example["image"][None]),
+                                                 jnp.asarray(example["ids"][None, :n]), image_pos=jnp.array([pos])))
+        want = ref[f"logits_{i}"][0]
+        assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
+        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+    export_hf.export_hf(tmp_path / "w", tmp_path / "hf")
+    config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, vlm.params))
+    assert config["input"]["pp"] == vlm.config.input.pp
+
+
 def test_paligemma_gives_transformers_pixels_ids_logits_and_greedy_answers(tmp_path):
     """PaliGemma (``tests/fixtures/interop/hf_paligemma``): SigLIP's normed output, the linear projector,
     Gemma; the image first, then BOS, the prompt and a newline, attended both ways (``prefix_lm``) as
@@ -298,8 +328,8 @@ def test_an_exported_vlm_imports_back_to_the_same_parameters_and_image_steps(fin
     config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
     merged = chat.load(run).params  # what chat runs: the adapters merged
     assert "lora" not in merged and jax.tree.all(jax.tree.map(np.array_equal, params, merged))
-    assert config["input"]["pp"].startswith("decode|pad_to_square({image_mean})|resize(16, method='bilinear', "
-                                            "shorter=True)|center_crop(16)|normalize")
+    assert config["input"]["pp"].startswith("decode|pad_to_square({image_mean})|resize(16, method='bilinear')|"
+                                            "normalize")  # the run's own steps
     with pytest.raises(FileExistsError, match="not empty"):
         export_hf.export_llava(run, tmp_path / "hf")
 
@@ -382,6 +412,7 @@ def in_transformers(finetuned, next_imported, trained_here, tmp_path_factory):
     interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_qwen2_vl")), "--out", str(root / "qwen2_vl_w")])
     interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_idefics3")), "--out", str(root / "idefics3_w")])
     interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_llava_onevision")), "--out", str(root / "ov_w")])
+    interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_llava_siglip")), "--out", str(root / "siglip_w")])
     pali = np.load(FIXTURE.with_name("hf_paligemma") / "io.npz")
     prompts = json.loads((FIXTURE.with_name("hf_paligemma") / "prompts.json").read_text())
     nxt = np.load(FIXTURE.with_name("hf_llava_next") / "io.npz")
@@ -396,6 +427,7 @@ def in_transformers(finetuned, next_imported, trained_here, tmp_path_factory):
              "qwen2_vl": (root / "qwen2_vl_w", _fixture_inputs("hf_qwen2_vl", 2)),  # its one-image prompts
              "idefics3": (root / "idefics3_w", _fixture_inputs("hf_idefics3", 3)),
              "llava_onevision": (root / "ov_w", _fixture_inputs("hf_llava_onevision", 4)),
+             "llava_siglip": (root / "siglip_w", _fixture_inputs("hf_llava_siglip", 2)),
              "trained_here": (trained_here, {**{f"image_{i}": x for i, x in enumerate(_images())},
                                              **{f"question_{i}": q for i, q in enumerate(QUESTIONS)}})}
     args = []
@@ -424,7 +456,8 @@ def test_each_export_runs_in_transformers_as_in_vitmm_or_as_the_original(finetun
                                   ("llava_next", "LlavaNextForConditionalGeneration", 3),
                                   ("qwen2_vl", "Qwen2VLForConditionalGeneration", 2),
                                   ("idefics3", "Idefics3ForConditionalGeneration", 3),
-                                  ("llava_onevision", "LlavaOnevisionForConditionalGeneration", 4)):
+                                  ("llava_onevision", "LlavaOnevisionForConditionalGeneration", 4),
+                                  ("llava_siglip", "LlavaForConditionalGeneration", 2)):
         out, ref = in_transformers[name], np.load(FIXTURE.with_name(f"hf_{name}") / "io.npz")
         assert str(out["class"]) == architecture
         for i in range(n):

@@ -125,18 +125,23 @@ def _processor(folder: pathlib.Path) -> tuple[dict, dict]:
 
 def _image_pp(images: dict, size: int, src) -> str:
     """The pp doing the image processor's steps: LLaVA's pad-to-square (``do_pad``, the mean colour),
-    the shorter side resized (bicubic or bilinear, as ``resample`` says), the centre crop; then rescale
-    and normalize (the caller's ``normalize``)."""
-    shortest = (images.get("size") or {}).get("shortest_edge")
+    the shorter side resized (bicubic or bilinear, as ``resample`` says), the centre crop; or (SigLIP's
+    processor: ``size`` height and width) the image squashed to the tower's square; then rescale and
+    normalize (the caller's ``normalize``)."""
+    given = images.get("size") or {}
+    shortest = given.get("shortest_edge")
     crop = images.get("crop_size") or {}
     methods = {3: "bicubic", 2: "bilinear"}
+    pad = "pad_to_square({image_mean})|" if images.get("do_pad") else ""
+    if shortest is None and (given.get("height"), given.get("width")) == (size, size) and \
+            not images.get("do_center_crop") and images.get("resample", 3) in methods and images.get("do_resize", True):
+        return f"decode|{pad}resize({size}, method='{methods[images.get('resample', 3)]}')|"
     if not images.get("do_resize", True) or shortest is None or images.get("resample", 3) not in methods:
         raise ValueError(f"{src}: image processing {json.dumps({k: images.get(k) for k in ('size', 'resample')})} "
                          "is not supported; vitmm reads a shortest-edge resize, bicubic (3) or bilinear (2).")
     if not images.get("do_center_crop", True) or (crop.get("height"), crop.get("width")) != (size, size):
         raise ValueError(f"{src}: crop {crop} (do_center_crop={images.get('do_center_crop')}) does not give the "
                          f"tower's {size}x{size} input.")
-    pad = "pad_to_square({image_mean})|" if images.get("do_pad") else ""
     method = methods[images.get("resample", 3)]
     return f"decode|{pad}resize({shortest}, method='{method}', shorter=True)|center_crop({size})|"
 
@@ -184,10 +189,9 @@ def load_llava(src) -> tuple[dict, dict, dict]:
     if next_ and newline is None:
         raise ValueError(f"{src}: a LLaVA-NeXT checkpoint without image_newline is not supported.")
     vision_type = (config.get("vision_config") or {}).get("model_type", "clip_vision_model")
-    if vision_type not in ("clip_vision_model", "siglip_vision_model") or (vision_type != "clip_vision_model"
-                                                                         and not onevision):
+    if vision_type not in ("clip_vision_model", "siglip_vision_model"):
         raise ValueError(f"{src}: a {vision_type!r} vision tower is not supported in {archs[0]}; vitmm reads CLIP's "
-                         "(and SigLIP's in LLaVA-OneVision).")
+                         "and SigLIP's.")
     siglip = vision_type == "siglip_vision_model"
     strategy = config.get("vision_feature_select_strategy", "full" if onevision else "default")
     if strategy != ("full" if siglip else "default"):  # the patches, every one: CLIP's without its CLS
