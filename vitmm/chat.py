@@ -100,6 +100,11 @@ class Chat:
 
         if self.max_images < 2 or not self._conversation:
             raise ValueError("This model takes no video (a run on input.sequences with frames takes one).")
+        imported = {"smart_resize": "Qwen2-VL", "idefics3_tiles": "Idefics3"}
+        for op in preprocess.op_names(self.config.input.pp):
+            if op in imported:  # their processors' video tokens and frame sizes are not vitmm's video path
+                raise ValueError(f"Video through an imported {imported[op]}'s image steps is not supported yet; send "
+                                 "images.")
         if images:
             raise ValueError("A video goes alone, without images.")
         try:
