@@ -49,7 +49,8 @@ def test_qwen2_vl_gives_transformers_patches_ids_logits_and_greedy_answers(impor
 def test_a_video_is_refused_in_one_line_not_run_another_way(imported):
     _, vlm = imported
     with pytest.raises(ValueError, match="Video through an imported Qwen2-VL's image steps is not supported yet"):
-        vlm.prepare([], [{"from": "human", "value": "<video>\nWhat happens?"}], video=[np.zeros((8, 8, 3), np.uint8)] * 4)
+        vlm.prepare([], [{"from": "human", "value": "<video>\nWhat happens?"}],
+                    video=[np.zeros((8, 8, 3), np.uint8)] * 4)
 
 
 def test_the_rotation_order_swap_is_its_own_inverse_and_keeps_the_scores():
