@@ -130,7 +130,7 @@ def _visual_layout(ex: dict, num_visual: int, tower: dict | None, anyres: dict |
 def _anyres_layout(images: list, first: np.ndarray, num_visual: int, anyres: dict):
     """AnyRes (``models.anyres``) at each image's own size: its views as square images, and the
     layout of their tokens (``num_visual`` a view) with a newline ending each row."""
-    from vitmm.data.preprocess import anyres_views
+    from vitmm.data.ops_image import anyres_views
     from vitmm.models import anyres as anyres_lib
 
     pinpoints, tile, grid = [tuple(p) for p in anyres["pinpoints"]], anyres["tile"], tuple(anyres["tile_grid"])

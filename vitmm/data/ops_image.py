@@ -1,0 +1,213 @@
+"""The preprocessing ops that change an image's geometry (registered by ``data.preprocess``, whose
+docstring lists every op): LLaVA's ``pad_to_square``; ``resize`` (a size, or the shorter side);
+``naflex`` and Qwen2-VL's ``smart_resize`` (images at their own sizes); ``letterbox``; LLaVA-NeXT's
+``anyres`` views; ``center_crop``, ``random_resized_crop`` and ``flip_lr`` (which swaps left and
+right in the text too). Each takes ``key`` (default ``image``) and returns ``fn(example, rng)``."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from vitmm.data import images as images_lib
+from vitmm.data.scenes import swap_left_right
+
+TEXT_DEFAULT = ("caption", "captions", "questions", "question", "answers", "answer", "text")
+
+
+def _pair(size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def pad_to_square(fill=(0.5, 0.5, 0.5), key="image"):
+    """LLaVA's pad-to-square (``expand2square``): the image centred on a square of its longer side
+    filled with ``fill`` (in [0, 1], LLaVA passes the tower's mean: ``pad_to_square({image_mean})``)."""
+    color = tuple(int(x * 255) for x in fill)
+
+    def fn(ex, rng):
+        ex[key] = images_lib.pad_to_square(ex[key], color)
+        return ex
+
+    return fn
+
+
+def resize(size, key="image", method="bilinear", shorter=False):
+    """To ``size`` (a side or ``(height, width)``) with PIL's ``method`` (``bilinear``, ``bicubic``);
+    ``shorter=True``: the shorter side to ``size``, the aspect kept (transformers' CLIP processors'
+    ``shortest_edge``; with ``method='bicubic'`` and ``center_crop``, their exact pixels)."""
+    if method not in images_lib.RESAMPLING:
+        raise ValueError(f"resize(method={method!r}): choose one of {tuple(images_lib.RESAMPLING)}.")
+    if shorter and not isinstance(size, int):
+        raise ValueError(f"resize({size!r}, shorter=True): give the shorter side as one number.")
+
+    def fn(ex, rng):
+        hw = images_lib.shorter_side_size(ex[key].shape[:2], size) if shorter else _pair(size)
+        ex[key] = images_lib.resize(ex[key], hw, method)
+        return ex
+
+    return fn
+
+
+def naflex(max_num_patches, patch, key="image", merge=1):
+    """NaFlex: resize to the largest aspect-preserving size whose patch grid fits the budget
+    (``data.packing.naflex_size``), so the token count follows from the image size alone.
+    ``merge=k``: sides in multiples of ``k`` patches (``max_num_patches / k²`` windows of ``k × k``,
+    for a connector that merges them, as Qwen2-VL's processor sizes images)."""
+    from vitmm.data.packing import naflex_size
+
+    def fn(ex, rng):
+        size = naflex_size(*ex[key].shape[:2], patch * merge, max_num_patches // merge**2)
+        ex[key] = images_lib.resize(ex[key], size)
+        return ex
+
+    return fn
+
+
+def smart_resize(min_pixels, max_pixels, factor, key="image", method="bicubic"):
+    """Qwen2-VL's processor's resize: each side to a multiple of ``factor`` (its patch × merge, e.g.
+    28) nearest the image's, scaled with the aspect kept until the pixels are within
+    ``[min_pixels, max_pixels]`` (``images.smart_size``), with PIL's ``method``."""
+
+    def fn(ex, rng):
+        ex[key] = images_lib.resize(ex[key], images_lib.smart_size(*ex[key].shape[:2], factor, min_pixels,
+                                                                    max_pixels), method)
+        return ex
+
+    return fn
+
+
+def letterbox(size, key="image"):
+    """Padded square batching: resize so the longer side is ``size`` (aspect kept), then pad the
+    bottom/right with zeros to ``size × size``; ``{key}_valid`` holds the image's own ``(h, w)``."""
+
+    def fn(ex, rng):
+        h, w = ex[key].shape[:2]
+        scale = size / max(h, w)
+        new = (max(1, round(h * scale)), max(1, round(w * scale)))
+        out = np.zeros((size, size, ex[key].shape[2]), ex[key].dtype)
+        out[:new[0], :new[1]] = images_lib.resize(ex[key], new)
+        ex[key], ex[f"{key}_valid"] = out, np.array(new, np.int32)
+        return ex
+
+    return fn
+
+
+def anyres(pinpoints, tile, tile_grid=None, key="image", method="bilinear", max_patches=None):
+    """AnyRes (``models.anyres``) on the host, for batches of images at their own sizes: ``key``
+    becomes the views ``[max_views, tile, tile, C]``: the base view (the image squashed to a tile),
+    then the tiles of its best candidate resolution (the image resized with its aspect kept and
+    centred on black, as LLaVA-NeXT's processor pads), then zero views up to ``max_views``.
+    ``anyres_layout`` (int32 ``[max_tokens]``) says where each visual token comes from
+    (``anyres.layout``) and ``visual_mask`` which are real: the image's tokens at the end, padding
+    first, as ``VLM(visual_mask=…)`` reads them (without ``tile_grid``: the views only). ``method``:
+    the resampling (``images.resize``; LLaVA-NeXT's processor: ``'bicubic'``). ``max_patches``:
+    LLaVA-OneVision's ``anyres_max_N`` (``models.anyres.downsampled``): ``anyres_layout`` is then
+    ``[max_tokens, 4]`` with ``anyres_weights`` beside it. Put it before ``value_range``/``normalize``."""
+    from vitmm.models import anyres as anyres_lib
+
+    pinpoints, views = [tuple(p) for p in pinpoints], anyres_lib.max_views(pinpoints, tile)
+
+    def fn(ex, rng):
+        image = ex[key]
+        made = anyres_views(image, pinpoints, tile, method)
+        out = np.zeros((views, tile, tile, image.shape[2]), image.dtype)
+        out[:len(made)] = made
+        ex[key] = out
+        if tile_grid is not None and max_patches:
+            index, weights = anyres_lib.downsampled(image.shape[:2], pinpoints, tile, tile_grid, max_patches)
+            length = anyres_lib.max_downsampled_tokens(pinpoints, tile, tile_grid, max_patches)
+            ex["anyres_layout"] = np.concatenate([np.zeros((length - len(index), 4), np.int32), index])
+            ex["anyres_weights"] = np.concatenate([np.zeros((length - len(index), 4), np.float32), weights])
+            ex["visual_mask"] = np.arange(length) >= length - len(index)
+        elif tile_grid is not None:
+            index = anyres_lib.layout(image.shape[:2], pinpoints, tile, tile_grid)
+            length = anyres_lib.max_tokens(pinpoints, tile, tile_grid)
+            ex["anyres_layout"] = np.concatenate([np.zeros(length - len(index), np.int32), index])
+            ex["visual_mask"] = np.arange(length) >= length - len(index)
+        return ex
+
+    return fn
+
+
+def anyres_views(image: np.ndarray, pinpoints, tile: int, method: str = "bilinear") -> np.ndarray:
+    """An image's AnyRes views ``[1 + rows·cols, tile, tile, C]`` (``models.anyres``): the base view
+    (the image squashed to a tile), then the tiles of its best candidate resolution (the image
+    resized with its aspect kept and centred on black, as LLaVA-NeXT's processor pads)."""
+    from vitmm.models import anyres as anyres_lib
+
+    plan = anyres_lib.plan(image.shape[:2], [tuple(p) for p in pinpoints], tile)
+    (fh, fw), (top, left), (rows, cols) = plan["fitted"], plan["offset"], plan["tiles"]
+    canvas = np.zeros((*plan["best"], image.shape[2]), image.dtype)
+    canvas[top:top + fh, left:left + fw] = images_lib.resize(image, (fh, fw), method)
+    tiles = canvas.reshape(rows, tile, cols, tile, -1).swapaxes(1, 2).reshape(-1, tile, tile, image.shape[2])
+    return np.concatenate([images_lib.resize(image, (tile, tile), method)[None], tiles])
+
+
+def center_crop(size, key="image"):
+    size = _pair(size)
+
+    def fn(ex, rng):
+        h, w = ex[key].shape[:2]
+        if h < size[0] or w < size[1]:
+            raise ValueError(f"center_crop{size} of an image of size {(h, w)}; resize first.")
+        top, left = (h - size[0]) // 2, (w - size[1]) // 2
+        ex[key] = ex[key][top : top + size[0], left : left + size[1]]
+        return ex
+
+    return fn
+
+
+def random_resized_crop(size, scale=(0.5, 1.0), ratio=(3 / 4, 4 / 3), key="image"):
+    """Inception-style crop: a random area fraction in ``scale`` and aspect ratio in ``ratio``."""
+    size = _pair(size)
+
+    def fn(ex, rng):
+        image = ex[key]
+        h, w = image.shape[:2]
+        for _ in range(10):
+            area = h * w * rng.uniform(*scale)
+            aspect = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
+            ch, cw = int(round(np.sqrt(area / aspect))), int(round(np.sqrt(area * aspect)))
+            if 0 < ch <= h and 0 < cw <= w:
+                top, left = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
+                break
+        else:  # fall back to the whole image
+            top, left, ch, cw = 0, 0, h, w
+        ex[key] = images_lib.resize(np.ascontiguousarray(image[top : top + ch, left : left + cw]), size)
+        return ex
+
+    return fn
+
+
+_LEFT_RIGHT = re.compile(r"\b(left|right)\b")
+
+
+def flip_lr(prob=0.5, text_keys=TEXT_DEFAULT, mode="swap", key="image"):
+    if mode not in ("swap", "skip"):
+        raise ValueError(f"flip_lr mode={mode!r}; choose 'swap' (swap left/right in text) or 'skip'.")
+
+    def texts(ex):
+        for k in text_keys:
+            value = ex.get(k)
+            if isinstance(value, str):
+                yield value
+            elif isinstance(value, list):
+                yield from (v for v in value if isinstance(v, str))
+
+    def fn(ex, rng):
+        if rng.random() >= prob:
+            return ex
+        if mode == "skip" and any(_LEFT_RIGHT.search(t) for t in texts(ex)):
+            return ex
+        ex[key] = np.ascontiguousarray(ex[key][:, ::-1])
+        if mode == "swap":
+            for k in text_keys:
+                value = ex.get(k)
+                if isinstance(value, str):
+                    ex[k] = swap_left_right(value)
+                elif isinstance(value, list):
+                    ex[k] = [swap_left_right(v) if isinstance(v, str) else v for v in value]
+        return ex
+
+    return fn
