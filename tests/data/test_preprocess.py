@@ -124,3 +124,13 @@ def test_resize_of_the_shorter_side_keeps_the_aspect_as_transformers_clip_proces
         preprocess.parse("resize(16, method='nearest')")
     with pytest.raises(ValueError, match="give the shorter side as one number"):
         preprocess.parse("resize((16, 20), shorter=True)")
+
+
+def test_normalize_stays_on_the_host_when_images_are_regrouped_after_it():
+    """``temporal_patch`` (two frames a 6-channel image) or ``idefics3_tiles`` after ``normalize``: a
+    per-channel map on the device would meet other images than it was made for, so none is split off
+    (``input.device_normalize`` then says so)."""
+    for spec in ("decode|normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))|temporal_patch(2)|keep('image')",
+                 "decode|normalize()|keep('image')"):
+        host, affine = preprocess.split_image_affine(spec)
+        assert (affine is None) == ("temporal_patch" in spec) and (host == spec) == ("temporal_patch" in spec)

@@ -153,6 +153,9 @@ _IMAGE_OPS = {"decode", "resize", "naflex", "smart_resize", "letterbox", "anyres
 
 
 IMAGE_OPS_NAMES = frozenset(_IMAGE_OPS)
+# Ops that regroup an example's images themselves (not mapped over ``more_images``): two frames a
+# 6-channel image, or an image into tiles.
+_REGROUP_IMAGES = ("temporal_patch", "idefics3_tiles")
 
 
 def split_image_affine(spec: str) -> tuple[str, tuple | None]:
@@ -163,6 +166,8 @@ def split_image_affine(spec: str) -> tuple[str, tuple | None]:
     ops = [t for t in _split_ops(spec) if t.strip()]
     for i in range(len(ops) - 1, -1, -1):
         name, args, kwargs = _parse_op(ops[i])
+        if name in _REGROUP_IMAGES:  # after normalize they change the channels or the images: no device map
+            return spec, None
         if name not in _IMAGE_OPS:
             continue
         if name not in ("value_range", "normalize") or kwargs.get("key", "image") != "image":
