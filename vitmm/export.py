@@ -3,7 +3,7 @@
     python -m vitmm.export --workdir workdirs/llava_s2 --out exported_hf/ --format hf
     python -m vitmm.export --workdir workdirs/smol/smollm2_stage2_lora --out exported/
 
-``--format hf`` writes one transformers folder (``vitmm.export_hf.export_hf``): a VLM whose
+``--format hf`` writes one transformers folder (``vitmm.interop.vlm.export_hf``): a VLM whose
 parts fit ``LlavaForConditionalGeneration`` (a CLIP-layout tower read at ``vision_layer`` ≤ -2, the
 ``mlp`` connector, an LM ``hf_lm`` writes, a tokenizer with ``<image>``) or, with prefix attention,
 ``PaliGemmaForConditionalGeneration`` (a SigLIP-layout tower's normed output, the ``linear``
@@ -115,9 +115,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.format == "hf":
-            from vitmm import export_hf
+            from vitmm.interop import vlm
 
-            written = export_hf.export_hf(args.workdir, args.out)
+            written = vlm.export_hf(args.workdir, args.out)
         else:
             written = export_vlm(args.workdir, args.out)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

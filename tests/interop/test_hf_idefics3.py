@@ -13,7 +13,7 @@ import pytest
 from parity import flat_logits
 
 from vitmm.data import tiles
-from vitmm.interop import hf_idefics3
+from vitmm.interop.vlm import idefics3 as hf_idefics3
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/hf_idefics3"
 IMAGE = 320  # the fixture tokenizer's <image>

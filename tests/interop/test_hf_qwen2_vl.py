@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from parity import flat_logits
 
-from vitmm.interop import hf_qwen2_vl
+from vitmm.interop.vlm import qwen2_vl as hf_qwen2_vl
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/hf_qwen2_vl"
 IMAGE_PAD = 323  # the fixture tokenizer's <|image_pad|>

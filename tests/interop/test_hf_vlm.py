@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vitmm import export_hf
-from vitmm.interop import hf_vlm, io
+from vitmm.interop import io
+from vitmm.interop import vlm as hf_vlm
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/hf_llava"
 IMAGE_TOKEN = 320  # the fixture tokenizer's <image>
@@ -89,7 +89,7 @@ def test_llava_next_gives_transformers_views_ids_logits_and_greedy_answers(next_
         want = ref[f"logits_{i}"][0]
         assert np.abs(logits[real] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
-    export_hf.export_llava(out, tmp_path / "hf")
+    hf_vlm.export_llava(out, tmp_path / "hf")
     config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
     assert jax.tree.all(jax.tree.map(np.array_equal, params, vlm.params))
     assert config["input"]["pp"] == vlm.config.input.pp
@@ -126,7 +126,7 @@ def test_llava_onevision_gives_transformers_views_ids_logits_and_greedy_answers(
         real = np.concatenate([np.ones(pos, bool), mask, np.ones(n - pos, bool)])
         assert np.abs(logits[real] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
-    exported = export_hf.export_hf(tmp_path / "w", tmp_path / "hf")
+    exported = hf_vlm.export_hf(tmp_path / "w", tmp_path / "hf")
     assert exported["architecture"] == "LlavaOnevisionForConditionalGeneration"
     assert jax.tree.all(jax.tree.map(np.array_equal, hf_vlm.load_llava(tmp_path / "hf")[1], vlm.params))
 
@@ -170,7 +170,7 @@ def test_llava_with_a_siglip_tower_gives_transformers_pixels_ids_logits_and_gree
         want = ref[f"logits_{i}"][0]
         assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
-    export_hf.export_hf(tmp_path / "w", tmp_path / "hf")
+    hf_vlm.export_hf(tmp_path / "w", tmp_path / "hf")
     config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
     assert jax.tree.all(jax.tree.map(np.array_equal, params, vlm.params))
     assert config["input"]["pp"] == vlm.config.input.pp
@@ -325,14 +325,14 @@ def test_an_exported_vlm_imports_back_to_the_same_parameters_and_image_steps(fin
     from vitmm import chat
 
     run, _, _ = finetuned
-    export_hf.export_llava(run, tmp_path / "hf")
+    hf_vlm.export_llava(run, tmp_path / "hf")
     config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
     merged = chat.load(run).params  # what chat runs: the adapters merged
     assert "lora" not in merged and jax.tree.all(jax.tree.map(np.array_equal, params, merged))
     assert config["input"]["pp"].startswith("decode|pad_to_square({image_mean})|resize(16, method='bilinear')|"
                                             "normalize")  # the run's own steps
     with pytest.raises(FileExistsError, match="not empty"):
-        export_hf.export_llava(run, tmp_path / "hf")
+        hf_vlm.export_llava(run, tmp_path / "hf")
 
 
 EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
@@ -381,7 +381,7 @@ def trained_here(tmp_path_factory):
 def test_a_vlm_trained_on_an_lm_without_an_image_token_exports_with_one_added(trained_here, tmp_path):
     """LLaVA's processor needs ``<image>`` in the tokenizer: the export adds it after the vocabulary
     (a zero row in the embedding and the tied head; generation suppresses it)."""
-    out = export_hf.export_hf(trained_here, tmp_path / "hf")
+    out = hf_vlm.export_hf(trained_here, tmp_path / "hf")
     assert out["added"] == "<image> as token 320"
     config, generation = (json.loads((tmp_path / "hf" / name).read_text()) for name in ("config.json",
                                                                                         "generation_config.json"))

@@ -291,11 +291,11 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
     jax.tree.map(np.testing.assert_array_equal, hf_lm.load_lm(tmp_path / "exported/lm")[1], merged)
     with pytest.raises(FileExistsError, match="not empty"):
         export.export_vlm(tmp_path / "s2", tmp_path / "exported")
-    from vitmm import export_hf  # not LLaVA-shaped: every reason at once, nothing written
+    from vitmm.interop import vlm  # not LLaVA-shaped: every reason at once, nothing written
 
     with pytest.raises(ValueError, match=r"cannot be a LlavaForConditionalGeneration: the tower \(SigLIP's layout.*"
                                          r"connector \{'budget': 16, 'name': 'pool'\}"):
-        export_hf.export_llava(tmp_path / "s2", tmp_path / "as_hf")
+        vlm.export_llava(tmp_path / "s2", tmp_path / "as_hf")
     assert not (tmp_path / "as_hf").exists()
 
     from vitmm import chat  # the trained VLM answers a question in its chat format, deterministically

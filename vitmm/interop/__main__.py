@@ -13,7 +13,7 @@
 ``--from hf`` reads CLIP (``--tower`` both, vision or text), SigLIP and ViT/DINOv2 folders
 (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``) by their ``model_type``, Llama,
 Qwen2, Qwen3, Mistral, Phi-3, Gemma and Gemma 2 language models (with the folder's
-``tokenizer.json``), and whole VLMs by their ``architectures`` (``vitmm.interop.hf_vlm``: a VLM
+``tokenizer.json``), and whole VLMs by their ``architectures`` (``vitmm.interop.vlm``: a VLM
 workdir for ``vitmm.chat``/``serve``/``train``); ``--from gguf`` a
 Llama-architecture GGUF language model (its tokenizer rebuilt from the metadata);
 ``--from timm`` a ``VisionTransformer`` state dict (``--num_heads``, default width/64;

@@ -149,17 +149,17 @@ def convert_language_model(source: str, src, out) -> pathlib.Path:
 def convert(source: str, src, out, *, tower: str = "both", image_size=None, **options) -> pathlib.Path:
     """Writes ``load(source, src, ...)`` to the new checkpoint folder ``out`` and returns it
     (a language model goes through ``convert_language_model``)."""
-    from vitmm.interop import hf_vlm
     from vitmm.interop import io as io_lib
+    from vitmm.interop import vlm
     from vitmm.models.patch_embed import to_pair
 
-    if source == "hf" and hf_vlm.is_vlm(src):  # a whole VLM: a VLM workdir
+    if source == "hf" and vlm.is_vlm(src):  # a whole VLM: a VLM workdir
         given = {k: v for k, v in options.items() if v is not None}
         if given or image_size is not None or tower != "both":
             names = "/".join(io_lib.read_json(src).get("architectures") or ["VLM"])
             raise ValueError(f"{src} is a whole VLM ({names}); --tower, --image_size and {sorted(given)} do not "
                              "apply.")
-        return hf_vlm.import_vlm(src, out)
+        return vlm.import_vlm(src, out)
     if is_language_model(source, src):
         given = {k: v for k, v in options.items() if v is not None}
         if given or image_size is not None or tower != "both":

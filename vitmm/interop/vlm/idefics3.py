@@ -1,5 +1,5 @@
 """Idefics3 and SmolVLM (``Idefics3ForConditionalGeneration``) → a vitmm VLM workdir
-(``hf_vlm.import_vlm``), and back (``export_idefics3``).
+(``vlm.import_vlm``), and back (``export_idefics3``).
 
 Its vision model is SigLIP's layout (learned positions over a tile's grid, the normed output:
 ``vision_layer=-1``); its connector is the pixel shuffle by ``scale_factor`` (``space_to_depth``'s
@@ -58,7 +58,7 @@ def load_idefics3(src) -> tuple[dict, dict, dict]:
     """``(run config, VLM params, extras)`` of an ``Idefics3ForConditionalGeneration`` folder."""
     from vitmm import tree
     from vitmm.interop.hf import clip
-    from vitmm.interop.hf_vlm import _processor, conversation_pp
+    from vitmm.interop.vlm.common import conversation_pp, processor_settings
     from vitmm.models.vit import ViT
     from vitmm.models.vlm import VLM
 
@@ -89,7 +89,7 @@ def load_idefics3(src) -> tuple[dict, dict, dict]:
         problems = tree.mismatches(expected, params)
     if problems:
         raise ValueError(f"Cannot load {src} as a vitmm VLM (Idefics3):\n" + "\n".join(problems))
-    images, _ = _processor(src)
+    images, _ = processor_settings(src)
     pp = (_image_pp(images, tile, src) + "normalize({image_mean}, {image_std})|"
           + conversation_pp(keep=", optional=('more_images', 'image_positions')"))
     per_image = (int(images["size"]["longest_edge"]) // tile) ** 2 + 1  # the most tiles an image gets, + the whole
@@ -128,32 +128,15 @@ def export_idefics3(workdir, out) -> dict:
     """The VLM in ``workdir`` as a transformers ``Idefics3ForConditionalGeneration`` folder (the
     inverse of ``load_idefics3``) or ValueError with every reason it cannot be, before anything
     is written."""
-    import ml_collections
-
-    from vitmm import checkpoint as ckpt_lib
-    from vitmm.data import preprocess
-    from vitmm.data import tokenizer as tok_lib
     from vitmm.interop.hf.clip import export_siglip_vision
-    from vitmm.models import lora as lora_lib
+    from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
     from vitmm.train import tasks
 
-    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
-    vision, lm = tasks.vlm_parts(config)
-    params = ckpt_lib.load_params(workdir)
-    if "lora" in params:
-        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
-    steps = preprocess.ops(tasks.pp_string(config))
-    problems = export_problems({**config.model.to_dict(), "lm": lm}, vision, params["tower"], steps)
-    tokenizer = tasks.tokenizer_for(config)
+    config, vision, lm, params, tokenizer, steps = export_start(workdir)
     marks = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>")
-    ids = {m: tokenizer.token_id(m) if isinstance(tokenizer, tok_lib.HFTokenizer) else None for m in marks}
-    if None in ids.values():
-        problems.append(f"a tokenizer without {', '.join(m for m, i in ids.items() if i is None)}")
-    if problems:
-        raise ValueError(f"{workdir} cannot be an Idefics3ForConditionalGeneration: " + "; ".join(problems) + ".")
-    out = pathlib.Path(out).expanduser()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; choose a new --out.")
+    ids, missing = marks_ids(tokenizer, marks)
+    problems = export_problems({**config.model.to_dict(), "lm": lm}, vision, params["tower"], steps) + missing
+    out = export_folder(workdir, "Idefics3ForConditionalGeneration", problems, out)
 
     tower, vision_config = export_siglip_vision(vision, params["tower"], prefix="model.vision_model.")
     language, text_config = hf_lm.export_lm(lm, params["language"], family="llama")
@@ -183,15 +166,9 @@ def export_idefics3(workdir, out) -> dict:
                         "pad_token": token(tokenizer.pad_id), "extra_special_tokens": list(marks),
                         "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Idefics3Processor",
                         "model_max_length": int(config.model.get("max_len") or 2048)}
-    out.mkdir(parents=True, exist_ok=True)
-    io.write_safetensors(tensors, out / "model.safetensors")
     files = {"config.json": hf_config, "generation_config.json": special, "tokenizer_config.json": tokenizer_config,
              "processor_config.json": {"image_processor": images, "image_seq_len": seq_len,
                                        "processor_class": "Idefics3Processor"},
              "preprocessor_config.json": {**images, "processor_class": "Idefics3Processor"}}
-    for name, value in files.items():
-        (out / name).write_text(json.dumps(value, indent=1) + "\n")
-    (out / "tokenizer.json").write_text(tokenizer.to_str())
-    if tokenizer.chat_template:
-        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+    write_folder(out, tensors, files, tokenizer.to_str(), tokenizer.chat_template)
     return {"hf": str(out), "architecture": "Idefics3ForConditionalGeneration", "image_tokens": seq_len}

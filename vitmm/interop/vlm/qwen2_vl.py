@@ -1,4 +1,4 @@
-"""Qwen2-VL (``Qwen2VLForConditionalGeneration``) → a vitmm VLM workdir (``hf_vlm.import_vlm``).
+"""Qwen2-VL (``Qwen2VLForConditionalGeneration``) → a vitmm VLM workdir (``vlm.import_vlm``).
 
 Its ViT becomes a vitmm ``ViT`` without class token or final norm, 2D RoPE (``posemb="rope2d"``,
 its theta), QuickGELU, a bias-free patch embedding over two frames: a still image is repeated
@@ -107,7 +107,7 @@ def _image_pp(images: dict, patch: int, merge: int, src) -> str:
 
 def load_qwen2_vl(src) -> tuple[dict, dict, dict]:
     """``(run config, VLM params, extras)`` of a ``Qwen2VLForConditionalGeneration`` folder."""
-    from vitmm.interop.hf_vlm import _processor, conversation_pp
+    from vitmm.interop.vlm.common import conversation_pp, processor_settings
     from vitmm.models.vit import ViT
     from vitmm.models.vlm import VLM
 
@@ -149,7 +149,7 @@ def load_qwen2_vl(src) -> tuple[dict, dict, dict]:
         problems = tree.mismatches(expected, params)
     if problems:
         raise ValueError(f"Cannot load {src} as a vitmm VLM (Qwen2-VL):\n" + "\n".join(problems))
-    images, _ = _processor(src)
+    images, _ = processor_settings(src)
     pp = (_image_pp(images, patch, merge, src) + "normalize({image_mean}, {image_std})|temporal_patch(2)|"
           + conversation_pp(f", image_text='{IMAGE_TEXT}'", ", optional=('more_images', 'image_positions')"))
     mean, std = images.get("image_mean"), images.get("image_std")
@@ -202,33 +202,14 @@ def export_qwen2_vl(workdir, out) -> dict:
     inverse of ``load_qwen2_vl``: weights in the layout transformers writes, config, processor,
     tokenizer, chat template) or ValueError with every reason it cannot be, before anything is
     written."""
-    import json
-
-    import ml_collections
-
-    from vitmm import checkpoint as ckpt_lib
-    from vitmm.data import preprocess
-    from vitmm.data import tokenizer as tok_lib
-    from vitmm.models import lora as lora_lib
+    from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
     from vitmm.train import tasks
 
-    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
-    vision, lm = tasks.vlm_parts(config)
-    params = ckpt_lib.load_params(workdir)
-    if "lora" in params:
-        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
-    steps = preprocess.ops(tasks.pp_string(config))
-    problems = export_problems({**config.model.to_dict(), "lm": lm}, vision, params["tower"], steps)
-    tokenizer = tasks.tokenizer_for(config)
+    config, vision, lm, params, tokenizer, steps = export_start(workdir)
     marks = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-    ids = {m: tokenizer.token_id(m) if isinstance(tokenizer, tok_lib.HFTokenizer) else None for m in marks}
-    if None in ids.values():
-        problems.append(f"a tokenizer without {', '.join(m for m, i in ids.items() if i is None)}")
-    if problems:
-        raise ValueError(f"{workdir} cannot be a Qwen2VLForConditionalGeneration: " + "; ".join(problems) + ".")
-    out = pathlib.Path(out).expanduser()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; choose a new --out.")
+    ids, missing = marks_ids(tokenizer, marks)
+    problems = export_problems({**config.model.to_dict(), "lm": lm}, vision, params["tower"], steps) + missing
+    out = export_folder(workdir, "Qwen2VLForConditionalGeneration", problems, out)
 
     p = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
     t = lambda x: np.ascontiguousarray(x.T)  # noqa: E731 - [in, out] -> [out, in]
@@ -280,17 +261,11 @@ def export_qwen2_vl(workdir, out) -> dict:
                         "pad_token": token(tokenizer.pad_id), "extra_special_tokens": list(marks),
                         "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Qwen2VLProcessor",
                         "model_max_length": int(config.model.get("max_len") or 2048)}
-    out.mkdir(parents=True, exist_ok=True)
-    io.write_safetensors(tensors, out / "model.safetensors")
     files = {"config.json": hf_config, "generation_config.json": special, "tokenizer_config.json": tokenizer_config,
              "processor_config.json": {"image_processor": images, "processor_class": "Qwen2VLProcessor"},
              "preprocessor_config.json": {**images, "processor_class": "Qwen2VLProcessor"},
              "video_preprocessor_config.json": videos}
-    for name, value in files.items():
-        (out / name).write_text(json.dumps(value, indent=1) + "\n")
-    (out / "tokenizer.json").write_text(tokenizer.to_str())
-    if tokenizer.chat_template:
-        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+    write_folder(out, tensors, files, tokenizer.to_str(), tokenizer.chat_template)
     return {"hf": str(out), "architecture": "Qwen2VLForConditionalGeneration"}
 
 

@@ -1,0 +1,156 @@
+"""What the whole-VLM converters share: the architectures ``import_vlm`` reads, a folder's processor
+settings, the pp's text steps, LLaVA-style tensor names, and the export's ``<image>`` token."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from vitmm.interop import io
+
+ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                 "LlavaOnevisionForConditionalGeneration",
+                 "PaliGemmaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                 "Idefics3ForConditionalGeneration")
+
+
+
+def conversation_pp(args: str = "", keep: str = "") -> str:
+    """The pp's text steps: the conversation through the chat template (``conversation_tokens``,
+    with ``args`` more), then the keys a VLM batch holds (and ``keep`` more)."""
+    return (f"conversation_tokens({{max_len}}, overflow='truncate_turns', max_answer={{loss_positions}}{args})|"
+            f"keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_image'{keep})")
+
+
+
+def architecture(src) -> str | None:
+    """The VLM architecture ``src``'s ``config.json`` names, if vitmm imports it (else None)."""
+    try:
+        names = io.read_json(src).get("architectures") or []
+    except FileNotFoundError:
+        return None
+    return next((n for n in names if n in ARCHITECTURES), None)
+
+
+
+def is_vlm(src) -> bool:
+    """Whether ``src`` is a whole transformers VLM (an architecture ``...ForConditionalGeneration``;
+    CLIP and SigLIP hold a vision and a text config too, but are two towers), supported or not."""
+    try:
+        config = io.read_json(src)
+    except FileNotFoundError:
+        return False
+    return any(n.endswith("ForConditionalGeneration") for n in config.get("architectures") or [])
+
+
+
+def llava_names(tensors: dict) -> dict:
+    """LLaVA's tensors under one set of names: ``vision.*`` (CLIP's ``vision_model.*`` without that
+    prefix), ``projector.*``, ``model.*`` and ``lm_head.*`` (the language model's own)."""
+    out = {}
+    for key, value in tensors.items():
+        name = key.removeprefix("model.") if key.startswith(("model.vision_tower", "model.multi_modal_projector",
+                                                             "model.language_model", "model.image_newline")) else key
+        for old, new in (("vision_tower.vision_model.", "vision."), ("vision_tower.", "vision."),
+                         ("multi_modal_projector.", "projector."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."), ("language_model.", "model.")):
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = value
+    return out
+
+
+
+def processor_settings(folder: pathlib.Path) -> tuple[dict, dict]:
+    """``(image processor settings, processor settings)`` from ``processor_config.json``
+    (transformers 5) or ``preprocessor_config.json`` (older folders)."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / name).is_file():
+            data = json.loads((folder / name).read_text())
+            return data.get("image_processor", data), data
+    raise FileNotFoundError(f"{folder} has no processor_config.json or preprocessor_config.json (the image "
+                            "settings); save the processor beside the model.")
+
+
+
+def with_image_token(tokenizer) -> tuple[str, int, bool]:
+    """``(tokenizer.json text, <image>'s id, whether it was added)``: a tokenizer without the
+    ``<image>`` LLaVA's processor expands gets it as a special token after its vocabulary (a run
+    on a converted LM trains with the visual tokens spliced in, no such token needed)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    image_id = tokenizer.token_id("<image>")
+    if image_id is not None:
+        return tokenizer.to_str(), image_id, False
+    grown = Tokenizer.from_str(tokenizer.to_str())
+    grown.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    return grown.to_str(), grown.token_to_id("<image>"), True
+
+
+
+def grown(language: dict, text_config: dict, vocab: int) -> tuple[dict, dict]:
+    """The LM's tensors and config with zero rows up to ``vocab`` in its embedding (and untied head)."""
+    import numpy as np
+
+    out = dict(language)
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        if key in out:
+            w = out[key]
+            out[key] = np.concatenate([w, np.zeros((vocab - w.shape[0], w.shape[1]), w.dtype)])
+    return out, {**text_config, "vocab_size": vocab}
+
+
+
+def export_start(workdir) -> tuple:
+    """``(config, vision, lm, params, tokenizer, steps)`` of the VLM in ``workdir`` for an exporter:
+    its settings, the tower's and the LM's kwargs, its parameters with LoRA merged (what ``vitmm.chat``
+    runs), its tokenizer and its pp's ops (``preprocess.ops``)."""
+    import ml_collections
+
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.data import preprocess
+    from vitmm.models import lora as lora_lib
+    from vitmm.train import tasks
+
+    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
+    if config.get("task") != "vlm":
+        raise ValueError(f"{workdir} holds a {config.get('task', 'contrastive')!r} run, not a VLM.")
+    vision, lm = tasks.vlm_parts(config)
+    params = ckpt_lib.load_params(workdir)
+    if "lora" in params:
+        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
+    return config, vision, lm, params, tasks.tokenizer_for(config), preprocess.ops(tasks.pp_string(config))
+
+
+def marks_ids(tokenizer, marks) -> tuple[dict, list[str]]:
+    """Each of ``marks``' token id, and the problem when the tokenizer lacks some (a byte one has none)."""
+    from vitmm.data import tokenizer as tok_lib
+
+    ids = {m: tokenizer.token_id(m) if isinstance(tokenizer, tok_lib.HFTokenizer) else None for m in marks}
+    missing = [m for m, i in ids.items() if i is None]
+    return ids, [f"a tokenizer without {', '.join(missing)}"] if missing else []
+
+
+def export_folder(workdir, architecture: str, problems: list[str], out) -> pathlib.Path:
+    """``out`` for the export, or ValueError with every problem (FileExistsError for a folder that is
+    not empty), before anything is written."""
+    if problems:
+        raise ValueError(f"{workdir} cannot be a{'n' if architecture[0] in 'AEIOU' else ''} {architecture}: "
+                         + "; ".join(problems) + ".")
+    out = pathlib.Path(out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new --out.")
+    return out
+
+
+def write_folder(out: pathlib.Path, tensors: dict, files: dict, tokenizer_json: str, chat_template: str | None):
+    """A transformers folder: ``model.safetensors``, each of ``files`` as JSON, ``tokenizer.json`` and
+    ``chat_template.jinja``."""
+    out.mkdir(parents=True, exist_ok=True)
+    io.write_safetensors(tensors, out / "model.safetensors")
+    for name, value in files.items():
+        (out / name).write_text(json.dumps(value, indent=1) + "\n")
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    if chat_template:
+        (out / "chat_template.jinja").write_text(chat_template)
