@@ -108,3 +108,41 @@ def test_what_qwen2_vl_cannot_hold_is_named():
     assert len(problems) == 3, problems
     assert "posemb='learn' (needs 'rope2d')" in problems[0] and "mlp_dim=48" in problems[0]
     assert "one frame" in problems[0] and "pixel_shuffle" in problems[1] and "['naflex']" in problems[2]
+
+
+def test_vitmm_serve_decodes_requests_of_different_image_sizes_together_as_alone(imported):
+    """The imported Qwen2-VL behind ``vitmm.serve`` (the real ``openai`` client): two requests with
+    images of different sizes decoded in one batch (the tower's patches packed, M-RoPE a row each)
+    get the greedy answers they get alone."""
+    import base64
+    import threading
+
+    import openai
+
+    from vitmm import serve
+    from vitmm.data import examples
+
+    out, vlm = imported
+    ref = np.load(FIXTURE / "io.npz")
+    images = [ref["image_0"], ref["image_2"]]  # 24x40 and 30x18: 15 and 8 visual tokens
+    alone = [vlm.ask(image, "what is it?", 4) for image in images]
+    engine = serve.Engine(out)
+    url, stop = serve.start_in_thread(engine)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    engine.batcher.window, answers = 0.5, [None, None]
+
+    def ask(i):
+        data = "data:image/png;base64," + base64.b64encode(examples.encode(images[i], "png")).decode()
+        answers[i] = client.chat.completions.create(model=out.name, max_tokens=4, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data}},
+                                         {"type": "text", "text": "what is it?"}]}]).choices[0].message.content
+
+    try:
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        stop()
+    assert answers == alone and max(engine.batcher.batch_sizes) == 2
