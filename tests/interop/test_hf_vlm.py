@@ -201,6 +201,9 @@ def test_paligemma_gives_transformers_pixels_ids_logits_and_greedy_answers(tmp_p
         want = ref[f"logits_{i}"][0]
         assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+    # no image sent: the template still writes its <image> (the black stand-in goes there), as it always has one
+    example = vlm.prepare([], [{"from": "human", "value": "caption en"}])
+    assert int(example["image_pos"]) == 0 and len(list(vlm.generate(example, 2))) == 2
 
 
 def test_the_workdir_holds_the_processors_settings_and_its_own_tokenizer(imported):

@@ -213,12 +213,14 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
 
 
 def _expand_images(segments, texts: list[str]) -> list[tuple[str, str]]:
-    """``segments`` with the k-th ``<image>`` of their text replaced by ``texts[k]``."""
+    """``segments`` with the k-th ``<image>`` of their text replaced by ``texts[k]`` (one the template
+    wrote itself, past the turns' own, as PaliGemma's does, stays as it is)."""
     out, k = [], 0
     for kind, text in segments:
         if kind == "text" and IMAGE_PLACEHOLDER in text:
             pieces = text.split(IMAGE_PLACEHOLDER)
-            text = pieces[0] + "".join(texts[k + i] + piece for i, piece in enumerate(pieces[1:]))
+            text = pieces[0] + "".join((texts[k + i] if k + i < len(texts) else IMAGE_PLACEHOLDER) + piece
+                                       for i, piece in enumerate(pieces[1:]))
             k += len(pieces) - 1
         out.append((kind, text))
     return out
