@@ -68,3 +68,26 @@ def test_what_idefics3_cannot_hold_is_named():
     problems = hf_idefics3.export_problems(model, vision, {}, [("resize", (16,), {})])
     assert len(problems) == 5 and "class token" in problems[0] and "norm=False" in problems[1], problems
     assert "normed output" in problems[2] and "Llama" in problems[3] and "['resize']" in problems[4]
+
+
+def test_an_imported_idefics3_fine_tunes_with_lora_on_its_tiles_and_chats(imported, tmp_path):
+    """``init.checkpoint`` = the imported workdir: the run takes its tiling (``idefics3_tiles``) and
+    trains with LoRA on flat sequences of tiles; the tower stays as imported; the run chats."""
+    from vitmm import chat, config_args
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.data import examples
+    from vitmm.train import trainer
+
+    out, _ = imported
+    data = examples.write_llava(tmp_path / "data", 8, resolution=24)
+    config = config_args.load(pathlib.Path(__file__).resolve().parents[2] / "configs/llava_finetune.py",
+                              "lora=4,smoke,steps=2", **{
+                                  "init.checkpoint": str(out), "input.data_path": str(data),
+                                  "input.image_folder": str(data.parent), "input.sequences.length": 256,
+                                  "input.sequences.max_images": 20})
+    trainer.train(config, tmp_path / "run")
+    assert "idefics3_tiles" in ckpt_lib.load_config(tmp_path / "run")["input"]["pp"]
+    before, after = ckpt_lib.load_params(out), ckpt_lib.load_params(tmp_path / "run")
+    assert np.array_equal(after["tower"]["embedding"]["kernel"], before["tower"]["embedding"]["kernel"])
+    assert "lora" in after
+    assert isinstance(chat.load(tmp_path / "run").ask(np.zeros((20, 40, 3), np.uint8), "what?", 3), str)

@@ -12,8 +12,9 @@ from vitmm import checkpoint as ckpt_lib
 IMPORTED_MODEL = ("vision", "connector", "lm", "vision_layer", "use_cls", "prefix_lm", "mrope", "anyres")
 IMPORTED_INPUT = ("image_size", "image_mean", "image_std")
 # Image steps whose model cannot see square images instead (AnyRes views and their layout, images at
-# their own sizes in two-frame temporal patches): a run takes the imported pp (and flat sequences).
-MODEL_PP_OPS = ("anyres", "smart_resize", "temporal_patch")
+# their own sizes in two-frame temporal patches, Idefics3's tiles and their text): a run takes the
+# imported pp (and flat sequences).
+MODEL_PP_OPS = ("anyres", "smart_resize", "temporal_patch", "idefics3_tiles")
 
 
 def from_imported_vlm(config):
