@@ -63,6 +63,30 @@ def next_imported(tmp_path_factory):
     return out, chat.load(out)
 
 
+def _check_anyres_prompt(vlm, ref: dict, prompts: list, i: int) -> None:
+    """Prompt ``i`` of an AnyRes fixture: views, ids and the image's place and token count equal
+    transformers'; logits at the real positions (the padding views' tokens out) ≤ 1e-5 of the
+    largest; the same greedy answer."""
+    from vitmm.train.tasks import anyres_layout
+
+    example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompts[i]["messages"][0]["content"]}])
+    views = ref[f"pixel_values_{i}"][0].transpose(0, 2, 3, 1)
+    np.testing.assert_allclose(example["image"][:len(views)], views, atol=1e-6)
+    n, pos, hf_ids = int(example["prompt_len"]), int(example["image_pos"]), ref[f"input_ids_{i}"][0]
+    assert list(example["ids"][:n]) == [t for t in hf_ids if t != IMAGE_TOKEN]
+    at = np.flatnonzero(hf_ids == IMAGE_TOKEN)
+    assert pos == at[0] and len(at) == vlm.num_prompt_tokens(example) - n
+    mask = example["visual_mask"]
+    layout = jax.tree.map(lambda x: jnp.asarray(x)[None], anyres_layout(example))  # OneVision's: with weights
+    logits = np.asarray(vlm.task.model.apply(
+        {"params": vlm.params}, jnp.asarray(example["image"][None]), jnp.asarray(example["ids"][None, :n]),
+        image_pos=jnp.array([pos]), visual_mask=jnp.asarray(mask[None]), layout=layout))[0]
+    real = np.concatenate([np.ones(pos, bool), mask, np.ones(n - pos, bool)])
+    want = ref[f"logits_{i}"][0]
+    assert np.abs(logits[real] - want).max() <= 1e-5 * np.abs(want).max()
+    assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+
+
 def test_llava_next_gives_transformers_views_ids_logits_and_greedy_answers(next_imported, tmp_path):
     """LLaVA-NeXT (``hf_llava_next``): AnyRes views made as its processor makes them (the base view
     squashed to a tile, the tiles of the best of 1x2, 2x1, 2x2 with the image centred on black,
@@ -72,23 +96,8 @@ def test_llava_next_gives_transformers_views_ids_logits_and_greedy_answers(next_
     folder = FIXTURE.with_name("hf_llava_next")
     ref = np.load(folder / "io.npz")
     assert vlm.config.model.anyres.to_dict() == {"pinpoints": [[16, 32], [32, 16], [32, 32]], "tile": 16}
-    for i, prompt in enumerate(json.loads((folder / "prompts.json").read_text())):  # 24x40, 30x18, 16x16
-        example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompt["messages"][0]["content"]}])
-        views = ref[f"pixel_values_{i}"][0].transpose(0, 2, 3, 1)
-        np.testing.assert_allclose(example["image"][:len(views)], views, atol=1e-6)
-        n, pos, hf_ids = int(example["prompt_len"]), int(example["image_pos"]), ref[f"input_ids_{i}"][0]
-        assert list(example["ids"][:n]) == [t for t in hf_ids if t != IMAGE_TOKEN]
-        at = np.flatnonzero(hf_ids == IMAGE_TOKEN)
-        assert pos == at[0] and len(at) == vlm.num_prompt_tokens(example) - n
-        mask = example["visual_mask"]
-        logits = np.asarray(vlm.task.model.apply(
-            {"params": vlm.params}, jnp.asarray(example["image"][None]), jnp.asarray(example["ids"][None, :n]),
-            image_pos=jnp.array([pos]), visual_mask=jnp.asarray(mask[None]),
-            layout=jnp.asarray(example["anyres_layout"][None])))[0]
-        real = np.concatenate([np.ones(pos, bool), mask, np.ones(n - pos, bool)])  # the padding views' out
-        want = ref[f"logits_{i}"][0]
-        assert np.abs(logits[real] - want).max() <= 1e-5 * np.abs(want).max()
-        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+    for i in range(3):  # 24x40, 30x18, 16x16
+        _check_anyres_prompt(vlm, ref, json.loads((folder / "prompts.json").read_text()), i)
     hf_vlm.export_llava(out, tmp_path / "hf")
     config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
     assert jax.tree.all(jax.tree.map(np.array_equal, params, vlm.params))
@@ -110,22 +119,7 @@ def test_llava_onevision_gives_transformers_views_ids_logits_and_greedy_answers(
     assert vlm.config.model.anyres.max_patches == 2 and not vlm.config.model.vision.final_norm
     prompts = json.loads((folder / "prompts.json").read_text())
     for i in (0, 3):  # 24x40 (2x3 tiles, downsampled) and 16x16 (one tile, not); the export runs all four
-        example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompts[i]["messages"][0]["content"]}])
-        views = ref[f"pixel_values_{i}"][0].transpose(0, 2, 3, 1)
-        np.testing.assert_allclose(example["image"][:len(views)], views, atol=1e-6)
-        n, pos, hf_ids = int(example["prompt_len"]), int(example["image_pos"]), ref[f"input_ids_{i}"][0]
-        assert list(example["ids"][:n]) == [t for t in hf_ids if t != IMAGE_TOKEN]
-        at = np.flatnonzero(hf_ids == IMAGE_TOKEN)
-        assert pos == at[0] and len(at) == vlm.num_prompt_tokens(example) - n
-        mask = example["visual_mask"]
-        logits = np.asarray(vlm.task.model.apply(
-            {"params": vlm.params}, jnp.asarray(example["image"][None]), jnp.asarray(example["ids"][None, :n]),
-            image_pos=jnp.array([pos]), visual_mask=jnp.asarray(mask[None]),
-            layout=(jnp.asarray(example["anyres_layout"][None]), jnp.asarray(example["anyres_weights"][None]))))[0]
-        want = ref[f"logits_{i}"][0]
-        real = np.concatenate([np.ones(pos, bool), mask, np.ones(n - pos, bool)])
-        assert np.abs(logits[real] - want).max() <= 1e-5 * np.abs(want).max()
-        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+        _check_anyres_prompt(vlm, ref, prompts, i)
     exported = hf_vlm.export_hf(tmp_path / "w", tmp_path / "hf")
     assert exported["architecture"] == "LlavaOnevisionForConditionalGeneration"
     assert jax.tree.all(jax.tree.map(np.array_equal, hf_vlm.load_llava(tmp_path / "hf")[1], vlm.params))
