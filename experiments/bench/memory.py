@@ -1,7 +1,8 @@
 """What fits: per-GPU memory of the GPU configs from ``--dry_run`` (``vitmm.train.dry_run``), for the
 memory table in ``results/memory/``.
 
-    python -m experiments.bench.memory                 # on the machine the runs will train on
+    python -m experiments.bench.memory --target h100   # compiled for H100s on any machine (JAX's CUDA plugin)
+    python -m experiments.bench.memory                 # compiled for this machine's devices (one GPU visible)
     python -m experiments.bench.memory --tiny --out /tmp/memory   # the same rows shrunk (a CPU check)
 
 Rows: CLIP ViT-B/16 (batch 256) and ViT-L/16 (128) at 224 px, SigLIP So400m/14 at 224 px (128, the
@@ -10,14 +11,14 @@ connector, sequences of 2,048 positions) on Qwen2-0.5B, 1.5B and 7B-sized LMs (t
 widths, depths, heads, MLP widths and vocabularies; bfloat16 matmuls), each in LLaVA's stage 1
 (connector only, batch 32 a GPU), stage 2 (connector and LM, 16) and stage 2 with LoRA rank 8.
 
-Each row compiles the training step for this machine's devices (run it with one GPU visible:
-``CUDA_VISIBLE_DEVICES=0``) and records ``plan``'s numbers per device (``results/memory/rows.jsonl``,
-one row at a time: a rerun skips the rows it has). One GPU: the step's peak as XLA assigns it.
-Eight GPUs with FSDP (``fsdp=True``, the same per-GPU batch): the parameters and optimizer state
-divided by 8, the temporaries (the gradients among them) as on one GPU, the parameters FSDP
-gathers for one layer at a time not counted: an estimate, not a compiled 8-GPU program. On a CPU
-the numbers are XLA:CPU's (float32 matmuls, no fused attention): several times a GPU's
-temporaries; the table says which backend made it.
+Each row compiles the training step twice and records ``plan``'s numbers per device
+(``results/memory/rows.jsonl``, one row at a time: a rerun skips the rows it has): for one GPU
+(data parallel) and for eight with FSDP (``fsdp=True``, the same batch a GPU: eight times the
+global batch), each the program XLA compiles for those devices. With ``--target`` the devices are
+compile-only GPUs of that card (``vitmm.train.gpu_targets``): the program and buffer assignment a
+GPU's XLA makes, with default kernel tilings (no autotuning without the card). Without it the
+devices are this machine's: on a CPU the numbers are XLA:CPU's (float32 matmuls, no fused
+attention), several times a GPU's temporaries; the table says which backend made it.
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ STAGES = {"stage 1": ("llava_pretrain", "", 32), "stage 2": ("llava_finetune", "
           "stage 2, LoRA 8": ("llava_finetune", "lora=8,", 16)}
 
 
-def rows(tiny: bool) -> list[tuple[str, str, str, dict]]:
+def rows(tiny: bool, target: str | None = None) -> list[tuple[str, str, str, dict]]:
     """``(name, config file, its args, overrides)`` of each row (``tiny``: every model shrunk)."""
     import jax
 
     out = []
-    attn = "cudnn" if jax.default_backend() == "gpu" else "xla"  # cuDNN's fused attention where there is one
+    attn = "cudnn" if target or jax.default_backend() == "gpu" else "xla"  # cuDNN's fused attention on a GPU
     clip = "clip_scenes.py", f"scale=b16,attn={attn}" + (",smoke" if tiny else "")
     for name, variant, batch, extra in [("CLIP ViT-B/16, 224 px", "B/16", 256, {}),
                                         ("CLIP ViT-L/16, 224 px", "L/16", 128, {}),
@@ -80,29 +81,45 @@ class WideBytes(tok_lib.ByteTokenizer):
         self.vocab_size = vocab_size
 
 
-def measure(name: str, config_file: str, arg: str, overrides: dict, data: pathlib.Path) -> dict:
+def measure(name: str, config_file: str, arg: str, overrides: dict, data: pathlib.Path, target: str | None,
+            devices: int, fsdp: bool) -> dict:
     extra = {"input.data_path": str(data)} if config_file.startswith("llava") else {}
+    overrides = {**overrides, "batch_size": overrides["batch_size"] * devices, "fsdp": fsdp}
     config = load(ROOT / "configs" / config_file, arg, **extra, **overrides)
     start = time.perf_counter()
-    needs = dry_run.plan(config, WideBytes(config.model.lm.vocab_size) if "lm" in overrides.get("model", {}) or
-                         "model.lm" in overrides else None)
-    return {"row": name, "config": f"configs/{config_file}:{arg}", "batch_per_gpu": config.batch_size,
-            **needs, "compile_s": round(time.perf_counter() - start, 1)}
+    tokenizer = WideBytes(config.model.lm.vocab_size) if "model.lm" in overrides else None
+    needs = dry_run.plan(config, tokenizer, target=target, num_devices=devices) if target else \
+        dry_run.plan(config, tokenizer)
+    return {**needs, "batch_per_gpu": config.batch_size // devices, "compile_s": round(time.perf_counter() - start, 1)}
+
+
+def measure_row(name: str, config_file: str, arg: str, overrides: dict, data: pathlib.Path,
+                target: str | None) -> dict:
+    """One GPU (data parallel), and eight with FSDP where there is a target to compile eight for."""
+    one = measure(name, config_file, arg, overrides, data, target, 1, False)
+    row = {"row": name, "config": f"configs/{config_file}:{arg}", **one}
+    if target:
+        eight = measure(name, config_file, arg, overrides, data, target, 8, True)
+        row["fsdp8"] = {k: eight[k] for k in ("parameters", "optimizer_state", "temporaries", "peak", "compile_s")}
+    return row
 
 
 def table(results: list[dict]) -> str:
     """The memory table: one and eight GPUs, GiB a GPU."""
+    gib = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     lines = ["| run | batch a GPU | parameters | optimizer state | temporaries | 1 GPU: peak | 8 GPUs (FSDP): peak | "
-             "TFLOPs a step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "TFLOPs a step a GPU |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        sharded = (r["parameters"] + r["optimizer_state"]) * 7 / 8  # what FSDP takes off each of 8 GPUs
-        lines.append(f"| {r['row']} | {r['batch_per_gpu']} | {r['parameters'] / GIB:.2f} | "
-                     f"{r['optimizer_state'] / GIB:.2f} | {r['temporaries'] / GIB:.2f} | {r['peak'] / GIB:.2f} | "
-                     f"{(r['peak'] - sharded) / GIB:.2f} | {r['flops'] / 1e12:.2f} |")
-    backend = {r["backend"] for r in results}
-    lines += ["", f"GiB a device, from `--dry_run` on {', '.join(sorted(backend))} (`vitmm.train.dry_run`); "
-              "8 GPUs: parameters and optimizer state divided by 8 (gradients are temporaries), "
-              "temporaries as on one GPU at the same per-GPU batch."]
+        # Without eight devices to compile for: parameters and optimizer state divided by 8, the rest as on one.
+        eight = r["fsdp8"]["peak"] if "fsdp8" in r else r["peak"] - (r["parameters"] + r["optimizer_state"]) * 7 / 8
+        lines.append(f"| {r['row']} | {r['batch_per_gpu']} | {gib(r['parameters'])} | {gib(r['optimizer_state'])} | "
+                     f"{gib(r['temporaries'])} | {gib(r['peak'])} | {gib(eight)} | {r['flops'] / 1e12:.2f} |")
+    backend = sorted({r["backend"] for r in results})
+    compiled = all("fsdp8" in r for r in results)
+    lines += ["", f"GiB a device, from `--dry_run` compiled for {', '.join(backend)} (`vitmm.train.dry_run`); "
+              + ("8 GPUs: the step compiled for eight with FSDP at the same batch a GPU."
+                 if compiled else "8 GPUs: parameters and optimizer state divided by 8 (an estimate; gradients are "
+                 "temporaries), temporaries as on one GPU at the same batch a GPU.")]
     return "\n".join(lines)
 
 
@@ -111,23 +128,26 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", default=str(ROOT / "results/memory"))
     parser.add_argument("--tiny", action="store_true", help="every model shrunk: a check of the script on a CPU")
     parser.add_argument("--only", default="", help="rows whose name contains this")
+    parser.add_argument("--target", default=None, help="compile for GPUs of this card (vitmm.train.gpu_targets), "
+                        "not this machine's devices")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     done_path = out / "rows.jsonl"
     done = {json.loads(line)["row"]: json.loads(line) for line in done_path.open()} if done_path.exists() else {}
-    data = examples.write_llava(pathlib.Path(tempfile.mkdtemp(prefix="vitmm_memory_")), 16, resolution=64)
+    data = examples.write_llava(pathlib.Path(tempfile.mkdtemp(prefix="vitmm_memory_")), 256, resolution=64)  # 8 × 32
     results = []
-    for name, config_file, arg, overrides in rows(args.tiny):
+    for name, config_file, arg, overrides in rows(args.tiny, args.target):
         if args.only not in name:
             continue
         if name not in done:
-            done[name] = measure(name, config_file, arg, overrides, data)
+            done[name] = measure_row(name, config_file, arg, overrides, data, args.target)
             with done_path.open("a") as f:
                 f.write(json.dumps(done[name]) + "\n")
             print(f"{name}: {dry_run.report(done[name]).splitlines()[0]}", flush=True)
         results.append(done[name])
-    outputs.write_outputs(out, "memory", {"tiny": args.tiny, "rows": len(results)}, table(results),
+    outputs.write_outputs(out, "memory", {"tiny": args.tiny, "rows": len(results), "target": args.target},
+                          table(results),
                           {"memory.csv": results})
     return results
 

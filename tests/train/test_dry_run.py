@@ -58,3 +58,60 @@ def test_the_cli_prints_the_needs_and_writes_nothing(tmp_path, data_dir):
     assert "GFLOPs a step" in result.stdout and not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="parallel=jit"):
         dry_run.plan(load(ROOT / "configs/vlm_scenes.py", "smoke", **{"input.data_dir": data_dir, "parallel": "pmap"}))
+
+
+def test_a_gpu_target_is_a_known_card_and_needs_jaxs_cuda_plugin(data_dir):
+    """``--dry_run_target``: the card's description as XLA reads it; without JAX's CUDA plugin (as in
+    this environment) one error that names what to install, nothing compiled."""
+    from vitmm.train import gpu_targets
+
+    assert "core_count: 132" in gpu_targets.target_config("h100") and "major: 8" in gpu_targets.target_config("a100")
+    with pytest.raises(ValueError, match=r"dry_run_target='v100'.*\['a100', 'h100', 'h200'\]"):
+        gpu_targets.target_config("v100")
+    with pytest.raises(ValueError, match="dry_run_devices=0"):
+        gpu_targets.devices("h100", 0)
+    config = load(ROOT / "configs/vlm_scenes.py", "smoke", **{"input.data_dir": data_dir})
+    try:
+        import jax_plugins.xla_cuda13  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"CUDA plugin.*pip install \"jax\[cuda13\]\""):
+            dry_run.plan(config, target="h100")
+
+
+GPU_AOT = """
+import json, sys
+from vitmm.config_args import load
+from vitmm.train import dry_run
+out = {}
+for devices, fsdp in [(1, False), (2, True)]:
+    config = load("configs/vlm_scenes.py", "smoke,stage=2",
+                  **{"input.data_dir": sys.argv[1], "batch_size": 64 * devices, "fsdp": fsdp})
+    out[devices] = dry_run.plan(config, target="h100", num_devices=devices)
+print(json.dumps(out))
+"""
+
+
+def test_compiled_for_h100s_on_a_machine_without_one(data_dir):
+    """``plan(target="h100")`` in an environment with JAX's CUDA plugin (``VITMM_GPU_AOT_PYTHON``, see
+    tests/README.md; skipped without it): the step XLA compiles for one H100 and for two with FSDP,
+    per device: FSDP's shards of the parameters in the compiled program's inputs, the batch a GPU the same,
+    the parameters and FLOPs those of XLA:CPU's program of the same step."""
+    import json
+    import os
+    import subprocess
+
+    python = os.environ.get("VITMM_GPU_AOT_PYTHON")
+    if not python:
+        pytest.skip("VITMM_GPU_AOT_PYTHON (a Python with jax[cuda13]) is not set")
+    result = subprocess.run([python, "-c", GPU_AOT, data_dir], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "JAX_PLATFORMS": "", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = json.loads(result.stdout.splitlines()[-1]).values()
+    assert one["backend"] == two["backend"] == "h100" and (one["devices"], two["devices"]) == (1, 2)
+    for needs in one, two:  # XLA's count of a device's inputs: the state as laid out, its batch (less unused fields)
+        assert abs(needs["arguments"] - (needs["parameters"] + needs["optimizer_state"] + needs["batch"])) < 4096
+    assert two["parameters"] < 0.8 * one["parameters"] and two["batch"] == one["batch"]
+    cpu = dry_run.plan(load(ROOT / "configs/vlm_scenes.py", "smoke,stage=2",
+                            **{"input.data_dir": data_dir, "batch_size": 64}))
+    assert cpu["parameters"] == one["parameters"] and one["temporaries"] > 0
+    assert abs(one["flops"] / (cpu["flops"] * cpu["devices"]) - 1) < 0.02  # XLA:CPU's are per (virtual) device

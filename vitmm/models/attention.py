@@ -159,7 +159,7 @@ class Attention(nn.Module):
         if self.implementation not in ATTENTION_IMPLS:
             raise ValueError(f"Attention implementation {self.implementation!r} is not one of {ATTENTION_IMPLS}.")
         impl = self.implementation
-        if impl is None and jax.default_backend() == "cpu":
+        if impl is None and layers.platform() == "cpu":
             impl = "matmul"
         # "matmul" works heads-first ([B, heads, T, head_dim]); the projections are laid out
         # token-major, so it moves q, k and v there with one transpose (and its gradient back with

@@ -21,9 +21,30 @@ written so that JAX's transpose of it gives exactly those products: forward mode
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+_TARGET = contextvars.ContextVar("vitmm_target_platform", default=None)
+
+
+def platform() -> str:
+    """The platform the models are traced for: JAX's default backend, or the one a compile for
+    another machine names (``compiling_for``; e.g. ``--dry_run --dry_run_target=h100`` on a CPU)."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(name: str):
+    """Trace the models as for ``name`` (``"gpu"``, ``"cpu"``) inside the block."""
+    token = _TARGET.set(name)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 def _ones_outer(tokens: int, v: jnp.ndarray) -> jnp.ndarray:
@@ -60,7 +81,7 @@ class Dense(nn.Dense):
 
     @nn.compact
     def __call__(self, inputs: jnp.ndarray) -> jnp.ndarray:
-        if (jax.default_backend() != "cpu" or self.dot_general is not None or self.dot_general_cls is not None
+        if (platform() != "cpu" or self.dot_general is not None or self.dot_general_cls is not None
                 or self.precision is not None):
             return super().__call__(inputs)
         kernel = self.param("kernel", self.kernel_init, (inputs.shape[-1], self.features), self.param_dtype)

@@ -35,6 +35,10 @@ flags.DEFINE_bool("restart", False, "Train from step 0 in a workdir whose earlie
                   "(its metrics.jsonl is kept aside).")
 flags.DEFINE_bool("dry_run", False, "Compile the training step without training and print what it needs per "
                   "device (parameters, optimizer state, batch, temporaries) and its FLOPs; nothing is written.")
+flags.DEFINE_string("dry_run_target", None, "With --dry_run: compile for GPUs of this card (h100, h200, a100) "
+                    "instead of this machine's devices; needs JAX's CUDA plugin, not a GPU.")
+flags.DEFINE_integer("dry_run_devices", 1, "With --dry_run_target: how many such GPUs (batch_size is the global "
+                     "batch).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -127,7 +131,8 @@ def main(argv):
         from vitmm.train import dry_run
 
         try:
-            print(dry_run.report(dry_run.plan(flags.FLAGS.config)))
+            print(dry_run.report(dry_run.plan(flags.FLAGS.config, target=flags.FLAGS.dry_run_target,
+                                              num_devices=flags.FLAGS.dry_run_devices)))
         except USER_ERRORS as err:
             if debug:
                 raise

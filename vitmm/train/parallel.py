@@ -37,16 +37,21 @@ ROWS = re.compile(r"/(o|out|down|fc2)/kernel$")  # split by input: partial sums,
 
 
 class Parallel:
-    def __init__(self, kind: str = "jit", fsdp: bool = False, fsdp_min_size: int = 2**16, tensor_parallel: int = 1):
+    def __init__(self, kind: str = "jit", fsdp: bool = False, fsdp_min_size: int = 2**16, tensor_parallel: int = 1,
+                 devices=None):
+        """``devices``: the mesh's (default: all of JAX's); compile-only devices of another machine
+        (``gpu_targets.devices``) make a mesh to compile for, on which batches are shapes only."""
         if kind not in KINDS:
             raise ValueError(f"Unknown parallel={kind!r}; choose one of {KINDS}.")
-        n = jax.device_count()
+        self.devices = list(devices or jax.devices())
+        self.abstract = devices is not None and self.devices[0] not in jax.devices()
+        n = len(self.devices)
         if not isinstance(tensor_parallel, int) or tensor_parallel < 1 or n % tensor_parallel or \
                 (tensor_parallel > 1 and kind != "jit"):
             raise ValueError(f"tensor_parallel={tensor_parallel!r}: a number of devices dividing the {n} there are, "
                              "with parallel=jit.")
         self.kind, self.fsdp, self.fsdp_min_size, self.tensor_parallel = kind, fsdp, fsdp_min_size, tensor_parallel
-        self.mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // tensor_parallel, tensor_parallel),
+        self.mesh = jax.sharding.Mesh(np.array(self.devices).reshape(n // tensor_parallel, tensor_parallel),
                                       (MESH_AXIS, MODEL_AXIS))
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(MESH_AXIS))
@@ -56,12 +61,12 @@ class Parallel:
 
     @property
     def num_devices(self) -> int:
-        return jax.device_count()
+        return len(self.devices)
 
     @property
     def needs_host_sync(self) -> bool:
         """XLA:CPU deadlocks after ~30 un-synced steps with collectives: block every few steps."""
-        return jax.default_backend() == "cpu" and jax.device_count() > 1
+        return self.devices[0].platform == "cpu" and len(self.devices) > 1
 
     # --- state -----------------------------------------------------------------------------
     def state_sharding(self, abstract_state):
@@ -135,6 +140,9 @@ class Parallel:
                 else:
                     out[key] = value
             return out
+        if self.abstract:  # compiling for devices not here: the batch's shapes on them
+            return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
+                    if isinstance(v, np.ndarray) and v.dtype.kind in "biuf" else v for k, v in batch.items()}
         return pipeline.to_device(batch, self.batch_sharding)
 
     # --- compilation -----------------------------------------------------------------------
