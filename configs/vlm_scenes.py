@@ -14,7 +14,7 @@ or ``all``), ``stage`` (1: connector only; 2: connector and LM, as LLaVA; the to
 frozen), ``lora`` (a rank > 0: LoRA adapters on the LM's attention instead of training it),
 ``chat`` (prompts in the chat template of the LM of ``init.lm``), ``blind`` (images blanked:
 the no-image baseline), ``mrope`` (Qwen2-VL's 3D positions for the visual tokens, the LM's
-rotary bands split by ``lm.mrope_split``; a grid-shaped connector), ``anyres`` (a tile side in
+rotary bands split by ``rope.mrope_split``; a grid-shaped connector), ``anyres`` (a tile side in
 pixels: LLaVA-NeXT's base view + tiles of 1×2, 2×1 or 2×2 tiles, a newline per row, made on the
 host by the ``anyres`` op at each image's own size; a grid-shaped connector), ``any_size``
 (scenes at random sizes and aspect ratios, made on the fly: ``input.scenes_any``; training and

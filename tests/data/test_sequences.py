@@ -187,17 +187,17 @@ def test_decoding_a_prompt_with_several_images_follows_the_full_forward(data_dir
 
 
 def test_mrope_positions_of_a_sequence_follow_qwen2vls_rule():
-    """Images: the same positions as ``lm.mrope_positions`` (checked against transformers'
+    """Images: the same positions as ``rope.mrope_positions`` (checked against transformers'
     ``get_rope_index``); a video of 3 temporal patches: ``(p + τ, p + i, p + j)``, the text after
     it at ``p + max(t, rows, cols)``."""
-    from vitmm.models import lm as lm_lib
+    from vitmm.models import rope
 
     ex = {"ids": np.arange(1, 13, dtype=np.int32), "answer_mask": np.r_[np.zeros(9), np.ones(3)].astype(np.float32),
           "image": np.zeros((4, 4, 3)), "more_images": [np.zeros((4, 4, 3))],
           "image_positions": np.array([1, 5], np.int32)}
     seq = sequences.to_sequence(ex, 6, mrope_grid=(2, 3))
     types = (seq["visual"] >= 0).astype(np.int64)[None]
-    want, _ = lm_lib.mrope_positions(types, [(1, 2, 3), (1, 2, 3)])
+    want, _ = rope.mrope_positions(types, [(1, 2, 3), (1, 2, 3)])
     np.testing.assert_array_equal(seq["mrope"].T, want[:, 0])
     video = {**ex, "more_images": [np.zeros((4, 4, 3))] * 2, "image_positions": np.array([1, 1, 1], np.int32),
              "video_frames": np.int32(3)}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from vitmm.models import lm as lm_lib
+from vitmm.models import rope
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "native"
 
@@ -19,28 +20,28 @@ def test_mrope_positions_are_qwen2vls_get_rope_index():
     assert len(cases) == 6
     for case in cases:
         grids = data[f"{case}_grids"] // np.array([1, merge, merge])  # HF's grids count patches before merging
-        positions, deltas = lm_lib.mrope_positions(data[f"{case}_types"], grids, data[f"{case}_mask"])
+        positions, deltas = rope.mrope_positions(data[f"{case}_types"], grids, data[f"{case}_mask"])
         np.testing.assert_array_equal(positions, data[f"{case}_positions"], err_msg=case)
         np.testing.assert_array_equal(deltas, data[f"{case}_deltas"].ravel(), err_msg=case)
 
 
 def test_mrope_positions_check_the_grids():
     with pytest.raises(ValueError, match=r"image run of 3 tokens where its grid \(1, 2, 2\) gives 4"):
-        lm_lib.mrope_positions(np.array([[0, 1, 1, 1, 0]]), [(1, 2, 2)])
+        rope.mrope_positions(np.array([[0, 1, 1, 1, 0]]), [(1, 2, 2)])
 
 
 def test_mrope_angles_turn_each_band_with_its_component_and_equal_rope_for_text():
     hd, section = 16, (2, 3, 3)
     positions = jnp.asarray(np.random.default_rng(0).integers(0, 50, size=(3, 2, 5)))
-    angles = lm_lib.mrope_angles(positions, hd, section, 100.0)
-    inv = lm_lib.inverse_frequencies(hd, 100.0)
+    angles = rope.mrope_angles(positions, hd, section, 100.0)
+    inv = rope.inverse_frequencies(hd, 100.0)
     component = np.repeat([0, 1, 2], section)
     for j in range(hd // 2):
         np.testing.assert_allclose(angles[..., j], positions[component[j]] * inv[j], rtol=1e-6)
     text = positions[0]
-    np.testing.assert_array_equal(lm_lib.mrope_angles(text, hd, section, 100.0), lm_lib.rope_angles(text, hd, 100.0))
+    np.testing.assert_array_equal(rope.mrope_angles(text, hd, section, 100.0), rope.rope_angles(text, hd, 100.0))
     with pytest.raises(ValueError, match="summing to head_dim/2 = 8"):
-        lm_lib.mrope_angles(text, hd, (2, 2, 2))
+        rope.mrope_angles(text, hd, (2, 2, 2))
 
 
 def test_an_mrope_lm_on_text_is_the_plain_lm():
@@ -87,7 +88,7 @@ def test_vlm_mrope_positions_follow_the_rule_at_native_resolution():
         for image_pos in ([1, 1], [2, 4]):
             got = model.apply(variables, 2, 5, (hw[0] // 4, hw[1] // 4),
                               jnp.asarray(image_pos), method=VLM.positions)
-            want, _ = lm_lib.mrope_positions(_types(5, m, image_pos), [(1, *rows_cols)] * 2)
+            want, _ = rope.mrope_positions(_types(5, m, image_pos), [(1, *rows_cols)] * 2)
             np.testing.assert_array_equal(got, want, err_msg=f"{hw} {image_pos}")
     with pytest.raises(ValueError, match="not a multiple of 2"):
         model.apply(variables, jnp.zeros((1, 12, 16, 3)), method=VLM.visual_tokens)
@@ -289,9 +290,9 @@ def test_a_padded_batch_gives_each_image_its_unpadded_text_logits():
 
 
 def test_mrope_split_keeps_qwen2vls_proportions():
-    assert lm_lib.mrope_split(128) == (16, 24, 24)  # Qwen2-VL's own mrope_section
+    assert rope.mrope_split(128) == (16, 24, 24)  # Qwen2-VL's own mrope_section
     for head_dim in (8, 32, 64, 96):
-        section = lm_lib.mrope_split(head_dim)
+        section = rope.mrope_split(head_dim)
         assert sum(section) == head_dim // 2 and min(section) >= 1 and section[1] == section[2]
     with pytest.raises(ValueError, match="head_dim >= 6"):
-        lm_lib.mrope_split(4)
+        rope.mrope_split(4)

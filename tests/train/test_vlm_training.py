@@ -352,7 +352,7 @@ def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):
 
 @pytest.mark.parametrize("arg", ["mrope=True", "anyres=16", "anyres=16,any_size=True"])
 def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
-    """``mrope`` (Qwen2-VL's positions, the LM's bands split by ``lm.mrope_split``) and ``anyres``
+    """``mrope`` (Qwen2-VL's positions, the LM's bands split by ``rope.mrope_split``) and ``anyres``
     (LLaVA-NeXT's tiles, made on the host; with ``any_size`` of scenes at random sizes, so each
     batch mixes token counts) reach the VLM the run trains, and the QA evaluator decodes with them."""
     from vitmm.data import pipeline

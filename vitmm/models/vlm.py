@@ -22,7 +22,7 @@ both ways (pass ``prompt_len``); otherwise attention is causal throughout.
 ``mrope=True`` gives the LM Qwen2-VL's 3D positions (the LM built with ``mrope_section``; a
 grid-shaped connector, ``connectors.token_grid``): visual token ``(i, j)`` of an image at
 ``p`` sits at ``(p, p + i, p + j)``, text before it at ``p' = (p', p', p')`` and text after it
-continues from ``p + max(rows, cols)`` (``lm.mrope_positions``, tested against transformers).
+continues from ``p + max(rows, cols)`` (``rope.mrope_positions``, tested against transformers).
 With a tower that resamples its positions (``dynamic_img_size`` or sin-cos) and the patch merger,
 that is Qwen2-VL's native-resolution path: every image at its own grid, the token count
 ``num_visual_tokens(image_hw)``.

@@ -21,7 +21,7 @@ from vitmm import losses
 from vitmm.data import preprocess, sequences
 from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
-from vitmm.models import packing, two_towers, vlm
+from vitmm.models import packing, rope, two_towers, vlm
 from vitmm.train import evaluators as eval_lib
 from vitmm.train.parallel import Parallel
 
@@ -121,7 +121,7 @@ class VLMTask:
             anyres = {"pinpoints": [tuple(p) for p in anyres["pinpoints"]], "tile": int(anyres["tile"]),
                       **({"max_patches": int(anyres["max_patches"])} if anyres.get("max_patches") else {})}
         if m.get("mrope") and self.lm.get("mrope_section") is None:  # Qwen2-VL's 3D positions on any LM
-            self.lm = {**self.lm, "mrope_section": lm_lib.mrope_split(lm_lib.LM(**self.lm).attn_head_dim)}
+            self.lm = {**self.lm, "mrope_section": rope.mrope_split(lm_lib.LM(**self.lm).attn_head_dim)}
         _check_budget(m.connector.to_dict(), self.vision, anyres["tile"] if anyres else config.input.image_size)
         if m.get("loss_positions") and "{loss_positions}" not in config.input.pp:
             raise ValueError(f"model.loss_positions={m.loss_positions} reads that many answer tokens per example; the "
