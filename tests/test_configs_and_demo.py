@@ -146,12 +146,13 @@ def test_one_image_size_override_reaches_training_and_evaluation(tmp_path, monke
     one ``input.data_dir`` reaches every evaluator."""
     from vitmm.data import preprocess
     from vitmm.data import tokenizer as tok_lib
-    from vitmm.train import evaluators, tasks
+    from vitmm.train import evaluators, pp_template, tasks
     from vitmm.train.parallel import Parallel
 
     data_dir = str(tmp_path / "tfds")
     c = load_config(ROOT / "configs/clip_scenes.py", "smoke", **{"input.image_size": 48, "input.data_dir": data_dir})
-    assert tasks.pp_string(c).startswith("decode|resize(48)|") and "tokenize('caption', 64," in tasks.pp_string(c)
+    pp = pp_template.pp_string(c)
+    assert pp.startswith("decode|resize(48)|") and "tokenize('caption', 64," in pp
     seen = []
     real_parse = preprocess.parse
     monkeypatch.setattr(evaluators.preprocess, "parse", lambda pp, *a: seen.append(pp) or real_parse(pp, *a))
@@ -166,4 +167,4 @@ def test_one_image_size_override_reaches_training_and_evaluation(tmp_path, monke
     assert seen and all("resize(48)" in pp for pp in seen)
     assert sources and set(sources) == {data_dir}
     with pytest.raises(ValueError, match=r"names the field 'size'.*\{image_size\}, \{max_len\}"):
-        tasks.pp_string(load_config(ROOT / "configs/clip_scenes.py", "smoke", **{"input.pp": "resize({size})"}))
+        pp_template.pp_string(load_config(ROOT / "configs/clip_scenes.py", "smoke", **{"input.pp": "resize({size})"}))

@@ -35,7 +35,7 @@ class Chat:
     _flat = False
 
     def __init__(self, workdir, step: int | None = None):
-        from vitmm.train import tasks
+        from vitmm.train import pp_template, tasks
         from vitmm.train.parallel import Parallel
 
         self.config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir, step))
@@ -53,7 +53,7 @@ class Chat:
         else:
             qa = self.config.evals.qa.get("pp") if self.config.get("evals") and "qa" in self.config.evals else None
             qa = qa or "decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|qa_tokens({max_len})"
-        spec = tasks.pp_string(self.config, qa.replace("choose|", ""))
+        spec = pp_template.pp_string(self.config, qa.replace("choose|", ""))
         self._pp = preprocess.parse(spec, self.tokenizer)
         self._decoder = decode.GreedyDecoder(self.task.model)
         sq = self.config.input.get("sequences")

@@ -12,7 +12,7 @@ import pytest
 from vitmm import config_args, losses
 from vitmm.data import preprocess, sequences
 from vitmm.models import vlm
-from vitmm.train import tasks
+from vitmm.train import pp_template, tasks
 from vitmm.train.parallel import Parallel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ def _task(data_dir, prefix_lm=False):
 
 def _examples(c, num=5, seed=0):
     """pp'd QA examples of different lengths, one of them text-only, with random float images."""
-    pp, rng = preprocess.parse(tasks.pp_string(c)), np.random.default_rng(seed)
+    pp, rng = preprocess.parse(pp_template.pp_string(c)), np.random.default_rng(seed)
     out = []
     for i in range(num):
         q = "how many shapes are there in this picture?"[: 8 + 7 * i]

@@ -73,7 +73,7 @@ def test_videos_and_images_train_packed_with_temporal_patches_from_an_inflated_t
     inflated: a still image embeds as it did."""
     from vitmm import checkpoint as ckpt_lib
     from vitmm.models.vit import ViT
-    from vitmm.train import tasks
+    from vitmm.train import pp_template
 
     path = examples.write_llava(tmp_path / "d", 12, resolution=32, text_only_every=5, multi_image_every=4,
                                 video_every=3)
@@ -113,7 +113,7 @@ def test_videos_and_images_train_packed_with_temporal_patches_from_an_inflated_t
     assert len(example["more_images"]) == 3  # 8 frames, merged two at a time
     kernel = ckpt_lib.load_params(tmp_path / "run")["tower"]["embedding"]["kernel"]
     clip = ckpt_lib.load_params(clip_smoke_run.workdir)["img"]
-    assert kernel.shape[2] == 6 and tasks.image_channels(config) == 6
+    assert kernel.shape[2] == 6 and pp_template.image_channels(config) == 6
     np.testing.assert_allclose(kernel, np.tile(clip["embedding"]["kernel"], (1, 1, 2, 1)) / 2, rtol=1e-6)
     image = np.random.default_rng(0).normal(size=(1, 32, 32, 3)).astype(np.float32)
     tower = ViT(**ckpt_lib.load_config(clip_smoke_run.workdir)["model"]["image"])

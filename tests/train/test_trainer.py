@@ -12,7 +12,7 @@ import pytest
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
-from vitmm.train import trainer
+from vitmm.train import pp_template, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -315,7 +315,7 @@ def test_uint8_batches_normalised_on_the_device_train_as_the_host_normalised_one
     from vitmm.train import tasks
 
     c = smoke_config(clip_smoke_run.data_dir, evals=False, **{"input.device_normalize": True})
-    host_pp, (scale, offset) = tasks.host_pp_and_device_affine(c)
+    host_pp, (scale, offset) = pp_template.host_pp_and_device_affine(c)
     assert "value_range" not in host_pp and scale == pytest.approx([2 / 255] * 3) and offset.tolist() == [-1] * 3
     batch = next(trainer._input(c, tasks.tokenizer_for(c), trainer.Parallel("jit"), None))
     assert batch["image"].dtype == np.uint8
@@ -327,4 +327,4 @@ def test_uint8_batches_normalised_on_the_device_train_as_the_host_normalised_one
     blind = smoke_config(clip_smoke_run.data_dir, **{"input.device_normalize": True,
                                                      "input.pp": "decode|value_range(-1, 1)|blank|keep('image')"})
     with pytest.raises(ValueError, match="does not end its image work with value_range or normalize"):
-        tasks.host_pp_and_device_affine(blind)
+        pp_template.host_pp_and_device_affine(blind)

@@ -11,7 +11,7 @@ from configs import common
 from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
 from vitmm.data import preprocess
-from vitmm.train import trainer
+from vitmm.train import pp_template, trainer
 
 
 def _config(name, arg, data_dir, **overrides):
@@ -110,7 +110,7 @@ def test_the_loss_on_answer_positions_only_equals_the_full_loss_for_less(data_di
     c, full = task_for(None)
     _, some = task_for(3)
     params = full.init_params()
-    pp = preprocess.parse(tasks.pp_string(c))
+    pp = preprocess.parse(pp_template.pp_string(c))
     rng = np.random.default_rng(0)
     exs = [pp({"image": np.zeros((8, 8, 3), np.uint8), "questions": np.array(["how many?", "is there a star?"]),
                "answers": np.array([a, a]), "question_kinds": np.array([0, 1])}, rng)
@@ -205,9 +205,9 @@ def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_
                 **{"init.vision": str(tmp_path / "tower"), "init.lm": str(tmp_path / "lm"),
                    "init.allow_random_tower": False, "input.image_size": 48, "model.max_len": 96 if chat else 64})
     assert ckpt_lib.load_config(tmp_path / "tower")["input"]["image_mean"] == list(convert.OPENAI_CLIP[0])
-    assert f"normalize({convert.OPENAI_CLIP[0]}, {convert.OPENAI_CLIP[1]})" in tasks.pp_string(c)
+    assert f"normalize({convert.OPENAI_CLIP[0]}, {convert.OPENAI_CLIP[1]})" in pp_template.pp_string(c)
     if chat:  # the prompts are the LM's chat template with the image where <image> stood
-        example = preprocess.parse(tasks.pp_string(c), tasks.tokenizer_for(c))(
+        example = preprocess.parse(pp_template.pp_string(c), tasks.tokenizer_for(c))(
             {"image": np.zeros((8, 8, 3), np.uint8), "questions": ["how many stars are there?"], "answers": ["2"],
              "question_kinds": [0]}, np.random.default_rng(0))
         head = "<|im_start|>system\nAnswer with one word or number.<|im_end|>\n<|im_start|>user\n"
@@ -312,7 +312,7 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
     assert export.main(["--workdir", str(clip_smoke_run.workdir), "--out", str(tmp_path / "x")]) == 2
     assert "not a VLM" in capsys.readouterr().err
     blind = _config("vlm_smollm2_scenes", "stage=2,smoke,blind=True", data_dir, **parts)
-    example = preprocess.parse(tasks.pp_string(blind), tasks.tokenizer_for(blind))(
+    example = preprocess.parse(pp_template.pp_string(blind), tasks.tokenizer_for(blind))(
         {"image": np.full((8, 8, 3), 200, np.uint8), "questions": ["how many stars?"], "answers": ["2"],
          "question_kinds": [0]}, np.random.default_rng(0))
     assert not example["image"].any() and "|blank|" in blind.evals.qa.pp
@@ -366,8 +366,9 @@ def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
         assert task.model.anyres == {"pinpoints": [(16, 32), (32, 16), (32, 32)], "tile": 16}
         task.init_params()
         assert task.num_visual == 4 + 16 + 4
-        assert tasks.pp_string(c).startswith("decode|anyres([(16, 32), (32, 16), (32, 32)], 16, (2, 2))|normalize(")
-        pp = preprocess.parse(tasks.pp_string(c), task.tokenizer)
+        spec = pp_template.pp_string(c)
+        assert spec.startswith("decode|anyres([(16, 32), (32, 16), (32, 32)], 16, (2, 2))|normalize(")
+        pp = preprocess.parse(spec, task.tokenizer)
         source = pipeline.source_for(trainer._data_spec(c.input))
         examples = [pp(source[i], np.random.default_rng(i)) for i in range(12)]
         assert {e["image"].shape for e in examples} == {(5, 16, 16, 3)}  # views padded to 1 + 2x2

@@ -18,11 +18,12 @@ import numpy as np
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
-from vitmm.data import preprocess, sequences
+from vitmm.data import sequences
 from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
 from vitmm.models import packing, rope, two_towers, vlm
 from vitmm.train import evaluators as eval_lib
+from vitmm.train import pp_template
 from vitmm.train.parallel import Parallel
 
 CONTRASTIVE_LOSSES = ("softmax", "sigmoid", "sigmoid_chunked")
@@ -134,7 +135,7 @@ class VLMTask:
     def init_params(self):
         c = self.config
         res = c.input.image_size
-        images = jnp.zeros((1, res, res, image_channels(c)), jnp.float32)
+        images = jnp.zeros((1, res, res, pp_template.image_channels(c)), jnp.float32)
         ids = jnp.zeros((1, c.model.max_len), jnp.int32)
         variables = jax.jit(self.model.init)(jax.random.key(c.seed), images, ids)
         self.num_visual = self.model.apply(variables, (res, res), method=vlm.VLM.num_visual_tokens)
@@ -223,7 +224,7 @@ class VLMTask:
         evals = {}
         for name, cfg in evals_config(c).items():
             if cfg.get("type") == "val_loss":  # held-out answer loss, with the training preprocessing by default
-                cfg["pp"] = pp_string(c, cfg.get("pp") or c.input.pp)
+                cfg["pp"] = pp_template.pp_string(c, cfg.get("pp") or c.input.pp)
                 evals[name] = eval_lib.VLMValLoss(self.loss_fn, cfg, self.tokenizer, self._sequence_row())
                 continue
             evals[name] = qa_evaluator(c, cfg, self.model, self.tokenizer)
@@ -240,7 +241,7 @@ class VLMTask:
 
 def qa_evaluator(config, cfg: dict, model, tokenizer) -> eval_lib.QAAccuracy:
     """The ``qa`` evaluator ``cfg`` (an entry of ``evals_config(config)``) with the run's own pp fields."""
-    cfg = {**cfg, "pp": pp_string(config, cfg.get("pp") or eval_lib.QAAccuracy.PP)}
+    cfg = {**cfg, "pp": pp_template.pp_string(config, cfg.get("pp") or eval_lib.QAAccuracy.PP)}
     return eval_lib.QAAccuracy(model, cfg, tokenizer, config.model.prefix_lm)
 
 
@@ -298,13 +299,6 @@ def anyres_layout(batch: dict):
     return batch.get("anyres_layout")
 
 
-def image_channels(config) -> int:
-    """The channels of the images the tower sees: 3, times the pp's ``temporal_patch`` size."""
-    sizes = [(a[0] if a else kw.get("size", 2)) for name, a, kw in preprocess.ops(pp_string(config))
-             if name == "temporal_patch"]
-    return 3 * (sizes[0] if sizes else 1)
-
-
 def _inflate_patch_kernel(tower: dict, model_tower: dict) -> dict:
     """A 3-channel tower's patch kernel for ``t``-frame temporal patches (``temporal_patch``): the
     kernel repeated over the frames and divided by ``t``, so that a still image (its frames equal)
@@ -325,81 +319,6 @@ def _fit_positions(tower: dict, model_tower: dict, vision: dict) -> dict:
     if have is None or want is None or have.shape == want.shape:
         return tower
     return resize_posemb(tower, tuple(want.shape[1:3]), vision.get("posemb_resample", "bicubic_aa"))
-
-
-def image_normalization(config) -> tuple[tuple, tuple]:
-    """``(mean, std)`` the run's images are normalised with: ``input.image_mean``/``image_std``
-    when set, else (a VLM) what the tower checkpoint ``init.vision`` records, else 0.5/0.5
-    (``value_range(-1, 1)``, what vitmm's own configs train with)."""
-    mean, std = config.input.get("image_mean"), config.input.get("image_std")
-    if mean is None and config.get("task") == "vlm" and config.init.get("vision"):
-        saved = ckpt_lib.load_config(config.init.vision).get("input") or {}
-        mean, std = saved.get("image_mean"), saved.get("image_std")
-    half = (0.5, 0.5, 0.5)
-    return tuple(mean or half), tuple(std or half)
-
-
-def pp_string(config, template: str | None = None) -> str:
-    """A pp template (default ``config.input.pp``) with its fields filled from the config:
-    ``{image_size}`` (``input.image_size``), ``{max_len}`` (the LM's ``model.max_len`` or the
-    text tower's ``model.text.max_len``), ``{image_mean}`` and ``{image_std}``
-    (``image_normalization``), ``{loss_positions}`` (``model.loss_positions``)."""
-    template = config.input.pp if template is None else template
-    fields = dict(image_size=config.input.image_size,
-                  max_len=config.model.get("max_len") or config.model.get("text", {}).get("max_len"),
-                  max_num_patches=(config.input.get("packing") or config.input.get("sequences") or {}).get(
-                      "max_num_patches"),
-                  patch_size=(config.model.get("image") or {}).get("patch_size"),
-                  loss_positions=config.model.get("loss_positions"))
-    if "{patch_size}" in template and config.get("task") == "vlm":  # the tower's, init.vision's where it comes from
-        from vitmm.models.patch_embed import to_pair
-        from vitmm.models.vit import ViT
-
-        fields["patch_size"] = to_pair(ViT(**vlm_parts(config)[0]).arch().patch_size)[0]
-    if "{anyres}" in template:
-        fields["anyres"] = _anyres_op(config)
-    if "{image_mean}" in template or "{image_std}" in template:
-        mean, std = image_normalization(config)
-        fields.update(image_mean=mean, image_std=std)
-    try:
-        return template.format(**fields)
-    except (KeyError, IndexError) as err:
-        raise ValueError(f"The pp template {template!r} names the field {err}; a pp template may use "
-                         f"{{image_size}}, {{max_len}}, {{image_mean}}, {{image_std}}, {{max_num_patches}}, "
-                         "{patch_size}, {loss_positions} and {anyres} only.") from None
-
-
-def host_pp_and_device_affine(config) -> tuple[str, tuple | None]:
-    """The training pp the host runs, and the per-channel ``(scale, offset)`` the device applies to
-    the uint8 images (``input.device_normalize``; else None and the pp as it is)."""
-    spec = pp_string(config)
-    if not config.input.get("device_normalize"):
-        return spec, None
-    if config.input.get("packing"):
-        raise ValueError("input.device_normalize works on image batches, not packed patches (input.packing); "
-                         "set it to False.")
-    host, affine = preprocess.split_image_affine(spec)
-    if affine is None:
-        raise ValueError(f"input.device_normalize=True, but the pp {spec!r} does not end its image work with "
-                         "value_range or normalize (e.g. blank comes after it); set it to False.")
-    return host, affine
-
-
-def _anyres_op(config) -> str:
-    """The ``anyres`` preprocessing op of a VLM with ``model.anyres``: its tiles, candidate
-    resolutions and the connector's token grid on a tile (what each view hands the LM)."""
-    from vitmm.models import connectors
-    from vitmm.models.vit import ViT
-
-    settings = config.model.get("anyres")
-    if not settings:
-        raise ValueError("The pp template uses {anyres}, but model.anyres is not set.")
-    tile = int(settings["tile"])
-    tile_grid = connectors.token_grid(config.model.connector.to_dict(), ViT(**vlm_parts(config)[0]).grid((tile, tile)))
-    if tile_grid is None:
-        raise ValueError(f"model.anyres needs a grid-shaped connector; {config.model.connector.name!r} hands the LM "
-                         "learned queries with no place in the image.")
-    return f"anyres({[tuple(p) for p in settings['pinpoints']]}, {tile}, {tuple(tile_grid)})"
 
 
 def _check_budget(connector: dict, vision: dict, image_size) -> None:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
 from vitmm.data import formats, pipeline, preprocess, skips
-from vitmm.train import distributed, imported_vlm, optim, tasks
+from vitmm.train import distributed, imported_vlm, optim, pp_template, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
@@ -45,7 +45,7 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
     """
     accum = config.optim.get("accum_steps", 1)
     names = BASE_METRICS + task.aux_names
-    _, affine = tasks.host_pp_and_device_affine(config)  # uint8 images from the host: normalised here
+    _, affine = pp_template.host_pp_and_device_affine(config)  # uint8 images from the host: normalised here
 
     def step(state, batch):
         if affine is not None:  # the image (or a packed batch's images)
@@ -75,7 +75,7 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
 # ================================================================================================
 def _input(config, tokenizer, par: Parallel, task):
     inp = config.input
-    pp = preprocess.parse(tasks.host_pp_and_device_affine(config)[0], tokenizer)
+    pp = preprocess.parse(pp_template.host_pp_and_device_affine(config)[0], tokenizer)
     if inp.get("packing"):
         host = _packed_input(config, pp)
     elif inp.get("sequences") and inp.sequences.get("length"):
@@ -110,7 +110,7 @@ def _sequences_input(config, pp, task):
         raise ValueError("input.sequences is for VLM runs (task 'vlm'); a contrastive run packs images with "
                          "input.packing.")
     layout = SequenceLayout.of(task)
-    if layout.anyres is not None and any(name == "anyres" for name, _, _ in preprocess.ops(tasks.pp_string(config))):
+    if layout.anyres is not None and "anyres" in preprocess.op_names(pp_template.pp_string(config)):
         raise ValueError("With input.sequences each image's AnyRes views are made by data.sequences: drop the anyres "
                          "op from input.pp (keep the images at their own sizes).")
     raw = formats.raw_format(inp)

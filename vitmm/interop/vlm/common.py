@@ -111,7 +111,7 @@ def export_start(workdir) -> tuple:
     from vitmm import checkpoint as ckpt_lib
     from vitmm.data import preprocess
     from vitmm.models import lora as lora_lib
-    from vitmm.train import tasks
+    from vitmm.train import pp_template, tasks
 
     config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
     if config.get("task") != "vlm":
@@ -120,7 +120,7 @@ def export_start(workdir) -> tuple:
     params = ckpt_lib.load_params(workdir)
     if "lora" in params:
         params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
-    return config, vision, lm, params, tasks.tokenizer_for(config), preprocess.ops(tasks.pp_string(config))
+    return config, vision, lm, params, tasks.tokenizer_for(config), preprocess.ops(pp_template.pp_string(config))
 
 
 def marks_ids(tokenizer, marks) -> tuple[dict, list[str]]:

@@ -130,7 +130,7 @@ def export_idefics3(workdir, out) -> dict:
     is written."""
     from vitmm.interop.hf.clip import export_siglip_vision
     from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
-    from vitmm.train import tasks
+    from vitmm.train import pp_template
 
     config, vision, lm, params, tokenizer, steps = export_start(workdir)
     marks = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>")
@@ -154,7 +154,7 @@ def export_idefics3(workdir, out) -> dict:
                  "vision_config": {**vision_config, "model_type": "idefics3_vision", "image_size": tile},
                  "torch_dtype": "float32"}
     (longest, _), split_kwargs = next((a, k) for n, a, k in steps if n == "idefics3_tiles")
-    mean, std = tasks.image_normalization(config)
+    mean, std = pp_template.image_normalization(config)
     images = {"image_processor_type": "Idefics3ImageProcessor", "do_convert_rgb": True, "do_resize": True,
               "size": {"longest_edge": int(longest)}, "max_image_size": {"longest_edge": tile},
               "do_image_splitting": True, "do_pad": True, "resample": {v: k for k, v in METHODS.items()}[

@@ -293,7 +293,7 @@ def export_llava(workdir, out) -> dict:
     from vitmm.data import tokenizer as tok_lib
     from vitmm.interop.hf import export_clip_vision
     from vitmm.interop.vlm.common import export_folder, export_start, write_folder
-    from vitmm.train import tasks
+    from vitmm.train import pp_template
 
     config, vision, lm, params, tokenizer, _ = export_start(workdir)
     model = {**config.model.to_dict(), "vision": vision, "lm": lm}
@@ -307,8 +307,8 @@ def export_llava(workdir, out) -> dict:
         problems.append("a byte tokenizer (transformers needs a tokenizer.json: train on a converted LM)")
     out = export_folder(workdir, architecture, problems, out)
     size = int(config.input.image_size)
-    mean, std = tasks.image_normalization(config)
-    images = _image_processor(tasks.pp_string(config), size, mean, std, anyres)
+    mean, std = pp_template.image_normalization(config)
+    images = _image_processor(pp_template.pp_string(config), size, mean, std, anyres)
 
     siglip = not vision.get("class_token", True)
     if siglip:  # a tower read before its final norm gets an identity one, which transformers skips there too

@@ -104,7 +104,7 @@ def export_paligemma(workdir, out) -> dict:
     from vitmm.data import preprocess
     from vitmm.interop.hf.clip import export_siglip_vision
     from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
-    from vitmm.train import tasks
+    from vitmm.train import pp_template
 
     config, vision, lm, params, tokenizer, ops = export_start(workdir)
     model = {**config.model.to_dict(), "vision": vision, "lm": lm}
@@ -123,7 +123,7 @@ def export_paligemma(workdir, out) -> dict:
     proj = params["project"]["proj"]
     tensors["multi_modal_projector.linear.weight"] = np.ascontiguousarray(np.asarray(proj["kernel"]).T)
     tensors["multi_modal_projector.linear.bias"] = np.asarray(proj["bias"], np.float32)
-    mean, std = tasks.image_normalization(config)
+    mean, std = pp_template.image_normalization(config)
     patches = (size // vision["patch_size"]) ** 2
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
     hf_config = {"architectures": ["PaliGemmaForConditionalGeneration"], "model_type": "paligemma",

@@ -203,7 +203,7 @@ def export_qwen2_vl(workdir, out) -> dict:
     tokenizer, chat template) or ValueError with every reason it cannot be, before anything is
     written."""
     from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
-    from vitmm.train import tasks
+    from vitmm.train import pp_template
 
     config, vision, lm, params, tokenizer, steps = export_start(workdir)
     marks = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -247,7 +247,7 @@ def export_qwen2_vl(workdir, out) -> dict:
                  "vision_config": vision_config, "torch_dtype": "float32"}
     low, high, _ = next(a for n, a, _ in steps if n == "smart_resize")
     method = next(k for n, _, k in steps if n == "smart_resize").get("method", "bicubic")
-    mean, std = tasks.image_normalization(config)
+    mean, std = pp_template.image_normalization(config)
     images = {"image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True, "do_resize": True,
               "size": {"shortest_edge": int(low), "longest_edge": int(high)},
               "resample": 3 if method == "bicubic" else 2, "do_rescale": True, "rescale_factor": 1 / 255,
