@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitmm.data import examples, formats, pipeline, preprocess, scenes, skips
+from vitmm.data import examples, format_tables, format_wds, formats, pipeline, preprocess, scenes, skips
 from vitmm.data.__main__ import main as data_main
 from vitmm.data.images import decode_image, pad_to_square
 
@@ -64,7 +64,7 @@ def test_wds_caption_falls_back_to_the_json_and_keys_follow_webdataset(tmp_path)
             tar.addfile(info, io.BytesIO(data))
     ex = formats.WdsSource(str(tmp_path / "a.tar"))[0]
     assert ex["_id"] == "a.tar/dir/x" and ex["caption"] == "a black square"
-    assert formats._split_key("dir/x.y.PNG") == ("dir/x", "y.png")
+    assert format_wds.split_key("dir/x.y.PNG") == ("dir/x", "y.png")
 
 
 @pytest.mark.parametrize("separator", [",", "\t"])
@@ -90,7 +90,7 @@ def test_parquet_reader_reads_hf_image_structs_and_chat_messages(tmp_path):
     assert ex["conversations"] == [{"from": "user", "value": "<image>\n" + scene["questions"][0]},
                                    {"from": "assistant", "value": scene["answers"][0]}]
     assert pickle.loads(pickle.dumps(source))[5]["caption"] == source[5]["caption"]  # for worker processes
-    assert formats._as_conversations([{"user": "q", "assistant": "a", "source": "x"}]) == [
+    assert format_tables.as_conversations([{"user": "q", "assistant": "a", "source": "x"}]) == [
         {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]  # the_cauldron's texts
 
 

@@ -1,0 +1,78 @@
+"""LLaVA-style conversations: a JSON list or JSONL of ``{"id", "image", "conversations"}`` with the
+images under ``image_folder`` (``formats`` has the overview)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from vitmm.data import file_io
+from vitmm.data.skips import Skipped
+
+
+class LlavaSource:
+    """A LLaVA JSON list (or JSONL, one object a line) and its image folder (which holds the
+    videos too: ``video`` is a file or a list of frame files, LLaVA-Video's layout)."""
+
+    def __init__(self, data_path, image_folder=None):
+        self.path = file_io.path(data_path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"input.data_path={str(data_path)!r}: no such file (a LLaVA JSON or JSONL).")
+        self.image_folder = file_io.path(image_folder) if image_folder else self.path.parent
+        if image_folder and not self.image_folder.is_dir():
+            raise FileNotFoundError(f"input.image_folder={str(image_folder)!r}: no such folder.")
+        self._records = _load_json_records(self.path)
+        self.name = self.path.name
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, index: int):
+        record = self._records[index]
+        if isinstance(record, Skipped):
+            return record
+        example_id = str(record.get("id", f"{self.name}:{index}")) if isinstance(record, dict) else \
+            f"{self.name}:{index}"
+        if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
+            return Skipped("bad_record", example_id, "no 'conversations' list")
+        images = record.get("image")
+        paths = [] if images is None else [images] if isinstance(images, str) else images
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            return Skipped("bad_record", example_id, f"'image' must be a path or a list of paths, got {images!r}")
+        video = record.get("video")  # LLaVA-Video's: a file, or a list of frame files
+        frames = [] if video is None else [video] if isinstance(video, str) else video
+        if not isinstance(frames, list) or not all(isinstance(p, str) for p in frames):
+            return Skipped("bad_record", example_id, f"'video' must be a path or a list of paths, got {video!r}")
+        loaded = []
+        for p in paths + frames:
+            data = file_io.read_bytes(self.image_folder / p, example_id)
+            if isinstance(data, Skipped):
+                return data
+            loaded.append(data)
+        out = {"_id": example_id, "images": loaded[: len(paths)], "conversations": record["conversations"]}
+        if video is not None:
+            out["video"] = loaded[len(paths)] if isinstance(video, str) else loaded[len(paths):]
+        return out
+
+
+def _load_json_records(path: pathlib.Path) -> list:
+    """A JSON list, or JSONL (a line that is not JSON becomes a ``bad_record`` skip)."""
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); LLaVA data is a JSON list or JSONL.") from None
+        return records
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            records.append(Skipped("bad_record", f"{path.name}:line{number}", str(err)))
+    if not records:
+        raise ValueError(f"{path} holds no examples.")
+    return records

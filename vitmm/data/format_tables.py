@@ -1,0 +1,171 @@
+"""Tables of examples: a CSV/TSV of image paths and captions (open_clip's), and Hugging Face
+datasets' parquet files read with pyarrow (``formats`` has the overview)."""
+
+from __future__ import annotations
+
+import collections
+import csv
+import threading
+
+import numpy as np
+
+from vitmm.data import file_io
+from vitmm.data.skips import Skipped
+
+
+class CsvSource:
+    """Rows of an image path and a caption; relative paths are under ``image_folder`` (default: the
+    CSV's folder). The separator is a tab for ``.tsv`` and a comma otherwise unless given."""
+
+    def __init__(self, path, img_key="filepath", caption_key="title", separator=None, image_folder=None):
+        self.path = file_io.path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"input.csv={str(path)!r}: no such file.")
+        separator = separator or ("\t" if self.path.suffix.lower() == ".tsv" else ",")
+        with open(self.path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter=separator)
+            missing = [k for k in (img_key, caption_key) if k not in (reader.fieldnames or [])]
+            if missing:
+                raise ValueError(f"{self.path} has no column(s) {missing} (its columns: {reader.fieldnames}); set "
+                                 "input.csv_img_key and input.csv_caption_key.")
+            self._rows = [(row[img_key], row[caption_key]) for row in reader]
+        self.image_folder = file_io.path(image_folder) if image_folder else self.path.parent
+        self.name = self.path.name
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int):
+        image, caption = self._rows[index]
+        example_id = f"{self.name}:{index + 2}"  # the file's line (after the header)
+        if not caption or not caption.strip():
+            return Skipped("caption_missing", example_id)
+        data = file_io.read_bytes(self.image_folder / image, example_id)
+        if isinstance(data, Skipped):
+            return data
+        return {"_id": example_id, "image": data, "caption": caption.strip()}
+
+
+# ----------------------------------------------------------------------------------------------
+#                                    Hugging Face datasets parquet
+# ----------------------------------------------------------------------------------------------
+IMAGE_COLUMNS = ("image", "images", "jpg", "png", "img")
+TEXT_COLUMNS = ("messages", "conversations", "texts", "caption", "text", "txt")
+
+
+class ParquetSource:
+    """Rows of local parquet files, a row group read at a time (the last few kept per thread).
+
+    ``image_key``/``text_key``: the columns (default: the first present of ``IMAGE_COLUMNS`` and
+    ``TEXT_COLUMNS``). A text column of strings is a ``caption``; of chat messages
+    (``{"role", "content"}`` or LLaVA's ``{"from", "value"}``) or the_cauldron's ``texts``
+    (``{"user", "assistant"}`` pairs) it is ``conversations``."""
+
+    def __init__(self, files, image_key=None, text_key=None, cache_groups: int = 4):
+        import pyarrow.parquet as pq
+
+        patterns = files.split("::") if isinstance(files, str) else list(files)
+        self.files = [p for pattern in patterns for p in file_io.expand_pattern(pattern)]
+        metadata = [pq.ParquetFile(f).metadata for f in self.files]
+        names = metadata[0].schema.to_arrow_schema().names
+        self.image_key = image_key or next((c for c in IMAGE_COLUMNS if c in names), None)
+        self.text_key = text_key or next((c for c in TEXT_COLUMNS if c in names), None)
+        if self.image_key not in names or self.text_key not in names:
+            raise ValueError(f"{self.files[0]} has columns {names}; set input.parquet_image_key and "
+                             "input.parquet_text_key (an image column and a text or messages column).")
+        self._groups = []  # (file, row group, first row)
+        self._file_starts, start = [], 0
+        for f, meta in enumerate(metadata):
+            self._file_starts.append(start)
+            for g in range(meta.num_row_groups):
+                self._groups.append((f, g, start))
+                start += meta.row_group(g).num_rows
+        self._starts = np.array([s for _, _, s in self._groups] + [start])
+        self._cache_groups = cache_groups
+        self._local = threading.local()
+        self.name = self.files[0].name
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getstate__(self):  # picklable for worker processes: handles are opened where they are used
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _local=threading.local())
+
+    def _group(self, number: int) -> dict:
+        """Row group ``number``'s two columns, from this thread's cache (a ``ParquetFile`` must not
+        be read from two threads at once, so each thread opens its own)."""
+        import pyarrow.parquet as pq
+
+        cache = self._local.__dict__.setdefault("groups", collections.OrderedDict())
+        if number not in cache:
+            f, g, _ = self._groups[number]
+            handles = self._local.__dict__.setdefault("files", {})
+            if f not in handles:
+                handles[f] = pq.ParquetFile(self.files[f])
+            table = handles[f].read_row_group(g, columns=[self.image_key, self.text_key])
+            cache[number] = {k: table.column(k).to_pylist() for k in (self.image_key, self.text_key)}
+            while len(cache) > self._cache_groups:
+                cache.popitem(last=False)
+        cache.move_to_end(number)
+        return cache[number]
+
+    def __getitem__(self, index: int):
+        number = int(np.searchsorted(self._starts, index, side="right") - 1)
+        f, _, first = self._groups[number]
+        row = index - first
+        group = self._group(number)
+        example_id = f"{self.files[f].name}:{index - self._file_starts[f]}"
+        images, text = group[self.image_key][row], group[self.text_key][row]
+        images = images if isinstance(images, list) else [] if images is None else [images]
+        loaded = []
+        for image in images:
+            data = image.get("bytes") if isinstance(image, dict) else image
+            if not data and isinstance(image, dict) and image.get("path"):
+                data = file_io.read_bytes(self.files[f].parent / image["path"], example_id)
+                if isinstance(data, Skipped):
+                    return data
+            if not data:
+                return Skipped("image_missing", example_id)
+            loaded.append(data)
+        example = {"_id": example_id}
+        if isinstance(text, str):
+            if not loaded:
+                return Skipped("image_missing", example_id)
+            if not text.strip():
+                return Skipped("caption_missing", example_id)
+            example.update(image=loaded[0], caption=text.strip())
+            if len(loaded) > 1:
+                return Skipped("too_many_images", example_id)
+            return example
+        conversations = as_conversations(text)
+        if conversations is None:
+            return Skipped("bad_record", example_id, f"column {self.text_key!r} is neither text nor messages")
+        example.update(images=loaded, conversations=conversations)
+        return example
+
+
+def as_conversations(value) -> list | None:
+    """LLaVA's ``[{"from", "value"}]`` from chat messages or the_cauldron's ``texts``; the image
+    goes at the start of the first user turn when no turn names one (the_cauldron's convention)."""
+    if not isinstance(value, list):
+        return None
+    turns = []
+    for item in value:
+        if not isinstance(item, dict):
+            return None
+        if "from" in item and "value" in item:
+            turns.append({"from": item["from"], "value": item["value"]})
+        elif "role" in item and "content" in item:
+            content = item["content"]
+            if isinstance(content, list):  # [{"type": "image"} | {"type": "text", "text": ...}]
+                content = "".join("<image>" if part.get("type") == "image" else part.get("text") or ""
+                                  for part in content)
+            turns.append({"from": item["role"], "value": content})
+        elif "user" in item and "assistant" in item:
+            turns += [{"from": "human", "value": item["user"]}, {"from": "gpt", "value": item["assistant"]}]
+        else:
+            return None
+    return turns

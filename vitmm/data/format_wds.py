@@ -1,0 +1,122 @@
+"""webdataset tar shards in img2dataset's layout (``key.jpg|png|webp``, ``key.txt``, ``key.json``),
+indexed once and read by member offsets (``formats`` has the overview)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import tarfile
+import threading
+
+from vitmm.data import file_io
+from vitmm.data.skips import Skipped
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """webdataset's rule: the key is the path up to the first dot of the file name, the rest
+    (lower-cased) is the field."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext.lower() if dot else ""
+
+
+class WdsSource:
+    """Image–text pairs from tar shards: an index of every member's offset (headers only, read
+    once), then each example read by seeking. A shard that ends inside a member keeps the
+    examples before it; the cut one is skipped as ``shard_truncated``."""
+
+    def __init__(self, pattern: str):
+        self.pattern, self.shards = pattern, file_io.expand_pattern(pattern)
+        self._index = []  # (shard number, key, {field: (offset, size)} or a skip reason)
+        for number, shard in enumerate(self.shards):
+            self._index.extend((number, key, fields) for key, fields in _index_shard(shard).items())
+        self.name = pathlib.Path(pattern).name
+        self._local = threading.local()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getstate__(self):  # picklable for worker processes: handles are opened where they are used
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _local=threading.local())
+
+    def _file(self, number: int):
+        files = self._local.__dict__.setdefault("files", {})
+        if number not in files:
+            files[number] = open(self.shards[number], "rb")  # noqa: SIM115 - one handle per thread and shard
+        return files[number]
+
+    def __getitem__(self, index: int):
+        number, key, fields = self._index[index]
+        example_id = f"{self.shards[number].name}/{key}"
+        if isinstance(fields, str):
+            return Skipped(fields, example_id)
+        handle = self._file(number)
+
+        def read(field):
+            offset, size = fields[field]
+            handle.seek(offset)
+            return handle.read(size)
+
+        image_field = _field(fields, file_io.IMAGE_EXTENSIONS)
+        if image_field is None:
+            return Skipped("image_missing", example_id, f"no {'/'.join(file_io.IMAGE_EXTENSIONS)} member")
+        example = {"_id": example_id, "image": read(image_field)}
+        meta, json_field, txt_field = {}, _field(fields, ("json",)), _field(fields, ("txt",))
+        if json_field:
+            try:
+                meta = json.loads(read(json_field))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return Skipped("bad_record", example_id, "key.json is not JSON")
+        caption = read(txt_field).decode("utf-8", errors="replace") if txt_field else meta.get("caption")
+        if not isinstance(caption, str) or not caption.strip():
+            return Skipped("caption_missing", example_id)
+        example["caption"] = caption.strip()
+        return example
+
+
+def _field(fields: dict, extensions) -> str | None:
+    """The member whose last extension is the first of ``extensions`` present (``jpg``, or
+    ``seg.jpg`` where a key's files have several dots)."""
+    for ext in extensions:
+        for field in fields:
+            if field.rpartition(".")[2] == ext:
+                return field
+    return None
+
+
+def _index_shard(path: pathlib.Path) -> dict:
+    """``{key: {field: (offset, size)}}`` in member order, or ``{key: "shard_truncated"}``."""
+    size = path.stat().st_size
+    index: dict = collections.OrderedDict()
+    end = 0  # where the last member's data (padded to 512-byte blocks) ends
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                end = member.offset_data + -(-member.size // 512) * 512
+                if not member.isfile():
+                    continue
+                key, field = split_key(member.name)
+                if key not in index:
+                    index[key] = {}
+                if member.offset_data + member.size > size:
+                    index[key] = "shard_truncated"
+                    return index
+                if isinstance(index[key], dict):
+                    index[key][field] = (member.offset_data, member.size)
+    except tarfile.ReadError as err:
+        if not index:
+            raise ValueError(f"{path} is not a tar file ({err}).") from None
+        end = size  # cut inside a header: the last key below is incomplete
+    if index:
+        # A complete archive ends with two zero blocks; without them the shard was cut after (or
+        # inside) its last member, and the last key may lack some of its files.
+        with open(path, "rb") as f:
+            f.seek(end)
+            tail = f.read(1024)
+        if len(tail) < 1024 or tail.count(0) != 1024:
+            index[next(reversed(index))] = "shard_truncated"
+    return index
