@@ -63,12 +63,16 @@ def rows(tiny: bool, target: str | None = None) -> list[tuple[str, str, str, dic
         if tiny:
             lm.update(width=64, depth=2, num_heads=4, num_kv_heads=2, mlp_dim=128, vocab_size=300)
         tower = dict(variant="S/16" if tiny else "L/14", pool="tok", class_token=True, dtype_mm="bfloat16")
+        fused = {"attn_impl": "cudnn"} if attn == "cudnn" else {}
         for stage, (config, arg, batch) in STAGES.items():
-            over = {"batch_size": 4 if tiny else batch, "model.lm": lm, "model.vision": tower,
+            over = {"batch_size": 4 if tiny else batch, "model.lm": {**lm, **fused}, "model.vision": {**tower, **fused},
                     "input.image_size": 64 if tiny else 336, "model.max_len": 256 if tiny else 2048 - 576,
                     "init.allow_random_tower": True}
-            out.append((f"VLM: CLIP ViT-L/14-336 + Qwen2-{lm_name}-sized LM, {stage}", f"{config}.py",
-                        f"{arg}connector=mlp,budget=all,steps=10", over))
+            name = f"VLM: CLIP ViT-L/14-336 + Qwen2-{lm_name}-sized LM, {stage}"
+            out.append((name, f"{config}.py", f"{arg}connector=mlp,budget=all,steps=10", over))
+            if fused and lm_name == "0.5B" and stage == "stage 1":  # what the fused attention saves
+                out.append((name + ", XLA's attention (every score held)", f"{config}.py",
+                            f"{arg}connector=mlp,budget=all,steps=10", {**over, "model.lm": lm, "model.vision": tower}))
     return out
 
 

@@ -31,6 +31,20 @@ def test_lm_is_causal_and_prefix_mask_opens_the_prefix():
     np.testing.assert_array_equal(mask[0, 0], [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
 
 
+def test_the_lms_attention_implementation_is_a_setting_not_a_different_model():
+    """``attn_impl`` picks jax.nn.dot_product_attention's kernel (cuDNN's fused one on a GPU:
+    tests/train/test_dry_run.py compiles it for an H100); the same parameters and, with XLA's, the
+    same logits; refused in one line where it cannot apply."""
+    ids = jax.random.randint(jax.random.key(0), (2, 10), 1, 250)
+    variables = lm_lib.LM(**LM_KW).init(jax.random.key(1), ids)
+    np.testing.assert_array_equal(lm_lib.LM(**LM_KW, attn_impl="xla").apply(variables, ids, prefix_len=3),
+                                  lm_lib.LM(**LM_KW).apply(variables, ids, prefix_len=3))
+    with pytest.raises(ValueError, match="attn_impl='flash'"):
+        lm_lib.LM(**LM_KW, attn_impl="flash").init(jax.random.key(1), ids)
+    with pytest.raises(ValueError, match="no soft-capped scores"):
+        lm_lib.LM(**LM_KW, attn_impl="cudnn", attn_softcap=50.0).init(jax.random.key(1), ids)
+
+
 def test_lm_has_no_biases_and_uses_rmsnorm_and_swiglu():
     params = lm_lib.LM(**LM_KW).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     block = params["block_00"]

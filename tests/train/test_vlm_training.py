@@ -275,6 +275,10 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
     s1 = ckpt_lib.load_params(tmp_path / "s1")
     c2 = _config("vlm_smollm2_scenes", "stage=2,smoke", data_dir, **parts, **{"init.checkpoint": str(tmp_path / "s1")})
     assert c2.lora.rank == 8 and "chat=True" in c2.input.pp and "chat=True" in c2.evals.qa.pp
+    with c2.unlocked():  # a kernel setting of the run applies to the converted LM (its weights unchanged)
+        c2.model.lm.attn_impl = "xla"
+    assert tasks.vlm_parts(c2)[1] == {**ckpt_lib.load_config(tmp_path / "lm")["model"]["lm"], "attn_impl": "xla"}
+    c2.model.lm.attn_impl = None
     summary = trainer.train(c2, tmp_path / "s2")
     assert "qa/accuracy" in summary["evals"]
     s2 = ckpt_lib.load_params(tmp_path / "s2")

@@ -86,12 +86,17 @@ class SwiGLU(nn.Module):
         return dense(self.out_dim or x.shape[-1], "down")(hidden)
 
 
-def attend(q, k, v, mask, scale: float | None = None, softcap: float | None = None):
+def attend(q, k, v, mask, scale: float | None = None, softcap: float | None = None, implementation=None):
     """Softmax attention of ``q [B, T, H, d]`` over ``k, v [B, S, KV, d]`` (grouped-query heads)
     under ``mask [B|1, 1, T, S]``, scores scaled by ``scale`` (default ``d^-1/2``); ``softcap``
-    (Gemma 2): the scores become ``cap · tanh(scores / cap)`` before the mask."""
+    (Gemma 2): the scores become ``cap · tanh(scores / cap)`` before the mask. ``implementation``:
+    ``jax.nn.dot_product_attention``'s (None: XLA's, which holds every score; ``"cudnn"``: cuDNN's
+    fused kernel on a GPU, which holds none: bfloat16 or float16 inputs, no ``softcap``)."""
     if softcap is None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+    if implementation == "cudnn":
+        raise ValueError("attn_impl='cudnn' has no soft-capped scores (Gemma 2's attn_softcap); leave attn_impl "
+                         "unset for this LM.")
     groups = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * (scale or q.shape[-1] ** -0.5)
@@ -112,6 +117,7 @@ class LMAttention(nn.Module):
     scale: float | None = None  # the scores' scale (default head_dim^-1/2; Gemma 2: query_pre_attn_scalar^-1/2)
     softcap: float | None = None  # Gemma 2: cap · tanh(scores / cap)
     norm_offset: bool = False  # Gemma 3's q/k norms scale by 1 + w
+    attn_impl: str | None = None  # jax.nn.dot_product_attention's implementation for training (see attend)
 
     @nn.compact
     def __call__(self, x, angles, mask, cache=None):
@@ -135,7 +141,8 @@ class LMAttention(nn.Module):
             k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, slot, 0, 0))
             v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, slot, 0, 0))
         dtype = jnp.dtype(self.dtype_mm)
-        out = attend(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask, self.scale, self.softcap)
+        impl = self.attn_impl if cache is None else None  # decoding: one query a step, XLA's attention
+        out = attend(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask, self.scale, self.softcap, impl)
         out = dense(width, False, "o")(out.reshape(b, t, self.num_heads * self.head_dim))
         return out if cache is None else (out, (k, v))
 
@@ -154,13 +161,14 @@ class LMBlock(nn.Module):
     post_norms: bool = False  # Gemma 2: each sub-layer's output normalised too, before the residual add
     scale: float | None = None
     softcap: float | None = None
+    attn_impl: str | None = None
 
     @nn.compact
     def __call__(self, x, angles, mask, cache=None):
         norm = lambda name: RMSNorm(self.norm_eps, self.norm_offset, name=name)  # noqa: E731
         attn = LMAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.dtype_mm,
                            self.norm_eps if self.qk_norm else None, self.scale, self.softcap, self.norm_offset,
-                           name="attn")(norm("attn_norm")(x), angles, mask, cache)
+                           self.attn_impl, name="attn")(norm("attn_norm")(x), angles, mask, cache)
         attn, kv = (attn, None) if cache is None else attn
         x = x + (norm("attn_post_norm")(attn) if self.post_norms else attn)
         y = SwiGLU(self.mlp_dim, self.dtype_mm, act=self.act, name="mlp")(norm("mlp_norm")(x))
@@ -205,19 +213,22 @@ class LM(nn.Module):
     attn_softcap: float | None = None  # Gemma 2: attention scores capped as cap · tanh(s / cap)
     logit_softcap: float | None = None  # Gemma 2: the output logits capped the same way
     local_rope_theta: float | None = None  # Gemma 3: the window layers' RoPE base (rope_scaling not applied)
+    attn_impl: str | None = None  # training's attention: None (XLA) or "cudnn" (fused, a GPU's; see attend)
 
     def setup(self):
         common.check_choice("act", self.act, ACTIVATIONS)
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={kv}.")
+        if self.attn_impl not in (None, "xla", "cudnn"):
+            raise ValueError(f"attn_impl={self.attn_impl!r}: the LM's attention is None (XLA), 'xla' or 'cudnn'.")
         if self.head_dim is None and self.width % self.num_heads:
             raise ValueError(f"width={self.width} is not divisible by num_heads={self.num_heads}; set head_dim.")
         self.token_embedding = nn.Embed(self.vocab_size, self.width, embedding_init=common.trunc_normal(0.02))
         self.blocks = [LMBlock(self.num_heads, kv, self.attn_head_dim, self.mlp_dim or int(8 * self.width / 3) // 8 * 8,
                                self.norm_eps, self.norm_offset, self.qkv_bias, self.act, self.dtype_mm,
                                self.qk_norm, self.post_norms, self.query_scale and self.query_scale ** -0.5,
-                               self.attn_softcap, name=f"block_{i:02d}") for i in range(self.depth)]
+                               self.attn_softcap, self.attn_impl, name=f"block_{i:02d}") for i in range(self.depth)]
         self.final_norm = RMSNorm(self.norm_eps, self.norm_offset)
         if not self.tie_embeddings:
             self.head = layers.Dense(self.vocab_size, use_bias=False, kernel_init=common.trunc_normal(0.02))

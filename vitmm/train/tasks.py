@@ -245,10 +245,18 @@ def qa_evaluator(config, cfg: dict, model, tokenizer) -> eval_lib.QAAccuracy:
     return eval_lib.QAAccuracy(model, cfg, tokenizer, config.model.prefix_lm)
 
 
+KERNEL_KEYS = ("attn_impl",)  # settings that choose a kernel, not the weights: the run's own hold over a checkpoint's
+
+
+def _with_run_kernels(saved: dict, run: dict | None) -> dict:
+    return {**saved, **{k: run[k] for k in KERNEL_KEYS if run and run.get(k) is not None}}
+
+
 def vlm_parts(config) -> tuple[dict, dict]:
     """``(tower settings, LM settings)`` of a VLM run: read from the checkpoints ``init.vision``
     and ``init.lm`` point at (what built them), otherwise ``model.vision`` / ``model.lm``. A
-    config value that a checkpoint overrides is reported, never silently mixed in."""
+    config value that a checkpoint overrides is reported, never silently mixed in; the run's
+    ``attn_impl`` (e.g. ``cudnn`` on a GPU) applies to a loaded tower or LM too."""
     vision = config.model.vision.to_dict() if config.model.get("vision") else None
     lm = config.model.lm.to_dict()
     if config.init.get("vision"):
@@ -257,6 +265,7 @@ def vlm_parts(config) -> tuple[dict, dict]:
             raise ValueError(f"{config.init.vision} does not say how its image tower was built (no model.image in "
                              "its config); use a `python -m vitmm.train` workdir or a `python -m vitmm.interop` "
                              "folder.")
+        saved = _with_run_kernels(saved, vision)
         if vision is not None and vision != saved and jax.process_index() == 0:
             print(f"model.vision is replaced by the tower saved in {config.init.vision}: {saved}", flush=True)
         vision = saved
@@ -267,7 +276,7 @@ def vlm_parts(config) -> tuple[dict, dict]:
         if saved is None:
             raise ValueError(f"{config.init.lm} holds no language model settings (model.lm); convert one with "
                              "`python -m vitmm.interop --from hf|gguf`.")
-        lm = saved
+        lm = _with_run_kernels(saved, lm)
     return vision, lm
 
 
