@@ -7,9 +7,13 @@ memory table in ``results/memory/``.
 
 Rows: CLIP ViT-B/16 (batch 256) and ViT-L/16 (128) at 224 px, SigLIP So400m/14 at 224 px (128, the
 sigmoid loss), and LLaVA-1.5-shaped VLMs (CLIP ViT-L/14 at 336 px: 576 visual tokens, the MLP
-connector, sequences of 2,048 positions) on Qwen2-0.5B, 1.5B and 7B-sized LMs (their published
-widths, depths, heads, MLP widths and vocabularies; bfloat16 matmuls), each in LLaVA's stage 1
-(connector only, batch 32 a GPU), stage 2 (connector and LM, 16) and stage 2 with LoRA rank 8.
+connector) on Qwen2-0.5B, 1.5B and 7B-sized LMs (their published widths, depths, heads, MLP widths
+and vocabularies; bfloat16 matmuls), trained as LLaVA-1.5 trains: the tower frozen, the LM's blocks
+checkpointed (``remat_policy="nothing_saveable"``, LLaVA's ``--gradient_checkpointing``), fused
+attention on a GPU (``attn_impl="cudnn"``); stage 1 (connector only, batch 32 a GPU, captions in 128
+text positions after the 576 visual ones), stage 2 (connector and LM, batch 16, conversations to
+2,048 positions) and stage 2 with LoRA rank 8. Two more rows show what the 0.5B stage 2 needs
+without checkpointing, and without the fused attention as well.
 
 Each row compiles the training step twice and records ``plan``'s numbers per device
 (``results/memory/rows.jsonl``, one row at a time: a rerun skips the rows it has): for one GPU
@@ -64,15 +68,21 @@ def rows(tiny: bool, target: str | None = None) -> list[tuple[str, str, str, dic
             lm.update(width=64, depth=2, num_heads=4, num_kv_heads=2, mlp_dim=128, vocab_size=300)
         tower = dict(variant="S/16" if tiny else "L/14", pool="tok", class_token=True, dtype_mm="bfloat16")
         fused = {"attn_impl": "cudnn"} if attn == "cudnn" else {}
+        remat = {"remat_policy": "nothing_saveable"}  # LLaVA's --gradient_checkpointing
         for stage, (config, arg, batch) in STAGES.items():
-            over = {"batch_size": 4 if tiny else batch, "model.lm": {**lm, **fused}, "model.vision": {**tower, **fused},
-                    "input.image_size": 64 if tiny else 336, "model.max_len": 256 if tiny else 2048 - 576,
+            text = 64 if tiny else (128 if stage == "stage 1" else 2048 - 576)  # captions; conversations to 2,048
+            over = {"batch_size": 4 if tiny else batch, "model.lm": {**lm, **fused, **remat},
+                    "model.vision": {**tower, **fused}, "input.image_size": 64 if tiny else 336, "model.max_len": text,
                     "init.allow_random_tower": True}
             name = f"VLM: CLIP ViT-L/14-336 + Qwen2-{lm_name}-sized LM, {stage}"
             out.append((name, f"{config}.py", f"{arg}connector=mlp,budget=all,steps=10", over))
-            if fused and lm_name == "0.5B" and stage == "stage 1":  # what the fused attention saves
-                out.append((name + ", XLA's attention (every score held)", f"{config}.py",
-                            f"{arg}connector=mlp,budget=all,steps=10", {**over, "model.lm": lm, "model.vision": tower}))
+            if lm_name == "0.5B" and stage == "stage 2":  # what checkpointing and the fused attention save
+                out.append((name + ", no checkpointing", f"{config}.py", f"{arg}connector=mlp,budget=all,steps=10",
+                            {**over, "model.lm": {**lm, **fused}}))
+                if fused:
+                    out.append((name + ", no checkpointing, XLA's attention", f"{config}.py",
+                                f"{arg}connector=mlp,budget=all,steps=10",
+                                {**over, "model.lm": lm, "model.vision": tower}))
     return out
 
 

@@ -45,6 +45,26 @@ def test_the_lms_attention_implementation_is_a_setting_not_a_different_model():
         lm_lib.LM(**LM_KW, attn_impl="cudnn", attn_softcap=50.0).init(jax.random.key(1), ids)
 
 
+def test_gradient_checkpointing_recomputes_the_same_gradients():
+    """``remat_policy`` (LLaVA's ``--gradient_checkpointing``): the same parameter names, logits
+    and gradients (1e-6); only what the backward pass keeps changes."""
+    ids = jax.random.randint(jax.random.key(0), (2, 10), 1, 250)
+    plain, remat = lm_lib.LM(**LM_KW), lm_lib.LM(**LM_KW, remat_policy="nothing_saveable")
+    variables = plain.init(jax.random.key(1), ids)
+    assert jax.tree.structure(remat.init(jax.random.key(1), ids)) == jax.tree.structure(variables)
+    grads = [jax.grad(lambda v, m=m: m.apply(v, ids, prefix_len=3).sum())(variables) for m in (plain, remat)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), *grads)
+    from vitmm.models import lora  # the adapters' branch is intercepted inside the checkpointed blocks too
+
+    adapters = lora.init(variables["params"], (r".*attn/(q|v)$",), 4, jax.random.key(2))
+    adapters = jax.tree.map(lambda x: x + 0.1, adapters)  # b starts at zero: non-zero to see its gradient
+    grads = [jax.grad(lambda a, m=m: lora.apply(m, variables["params"], a, 8, ids).sum())(adapters)
+             for m in (plain, remat)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), *grads)
+    with pytest.raises(ValueError, match="remat_policy='all'"):
+        lm_lib.LM(**LM_KW, remat_policy="all").init(jax.random.key(1), ids)
+
+
 def test_lm_has_no_biases_and_uses_rmsnorm_and_swiglu():
     params = lm_lib.LM(**LM_KW).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     block = params["block_00"]

@@ -214,6 +214,7 @@ class LM(nn.Module):
     logit_softcap: float | None = None  # Gemma 2: the output logits capped the same way
     local_rope_theta: float | None = None  # Gemma 3: the window layers' RoPE base (rope_scaling not applied)
     attn_impl: str | None = None  # training's attention: None (XLA) or "cudnn" (fused, a GPU's; see attend)
+    remat_policy: str = "none"  # a jax.checkpoint_policies name: each block's activations recomputed in the backward
 
     def setup(self):
         common.check_choice("act", self.act, ACTIVATIONS)
@@ -225,10 +226,16 @@ class LM(nn.Module):
         if self.head_dim is None and self.width % self.num_heads:
             raise ValueError(f"width={self.width} is not divisible by num_heads={self.num_heads}; set head_dim.")
         self.token_embedding = nn.Embed(self.vocab_size, self.width, embedding_init=common.trunc_normal(0.02))
-        self.blocks = [LMBlock(self.num_heads, kv, self.attn_head_dim, self.mlp_dim or int(8 * self.width / 3) // 8 * 8,
-                               self.norm_eps, self.norm_offset, self.qkv_bias, self.act, self.dtype_mm,
-                               self.qk_norm, self.post_norms, self.query_scale and self.query_scale ** -0.5,
-                               self.attn_softcap, self.attn_impl, name=f"block_{i:02d}") for i in range(self.depth)]
+        block = LMBlock
+        if self.remat_policy != "none":  # gradient checkpointing: what the policy does not save is recomputed
+            if not hasattr(jax.checkpoint_policies, self.remat_policy):
+                raise ValueError(f"remat_policy={self.remat_policy!r}: 'none' or a name in jax.checkpoint_policies, "
+                                 "e.g. 'nothing_saveable'.")
+            block = nn.remat(LMBlock, policy=getattr(jax.checkpoint_policies, self.remat_policy))
+        self.blocks = [block(self.num_heads, kv, self.attn_head_dim, self.mlp_dim or int(8 * self.width / 3) // 8 * 8,
+                             self.norm_eps, self.norm_offset, self.qkv_bias, self.act, self.dtype_mm,
+                             self.qk_norm, self.post_norms, self.query_scale and self.query_scale ** -0.5,
+                             self.attn_softcap, self.attn_impl, name=f"block_{i:02d}") for i in range(self.depth)]
         self.final_norm = RMSNorm(self.norm_eps, self.norm_offset)
         if not self.tie_embeddings:
             self.head = layers.Dense(self.vocab_size, use_bias=False, kernel_init=common.trunc_normal(0.02))

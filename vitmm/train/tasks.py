@@ -245,7 +245,8 @@ def qa_evaluator(config, cfg: dict, model, tokenizer) -> eval_lib.QAAccuracy:
     return eval_lib.QAAccuracy(model, cfg, tokenizer, config.model.prefix_lm)
 
 
-KERNEL_KEYS = ("attn_impl",)  # settings that choose a kernel, not the weights: the run's own hold over a checkpoint's
+# Settings that choose how to compute, not the weights: the run's own hold over a checkpoint's.
+KERNEL_KEYS = ("attn_impl", "remat_policy")
 
 
 def _with_run_kernels(saved: dict, run: dict | None) -> dict:
@@ -256,7 +257,7 @@ def vlm_parts(config) -> tuple[dict, dict]:
     """``(tower settings, LM settings)`` of a VLM run: read from the checkpoints ``init.vision``
     and ``init.lm`` point at (what built them), otherwise ``model.vision`` / ``model.lm``. A
     config value that a checkpoint overrides is reported, never silently mixed in; the run's
-    ``attn_impl`` (e.g. ``cudnn`` on a GPU) applies to a loaded tower or LM too."""
+    ``attn_impl`` (e.g. ``cudnn`` on a GPU) and ``remat_policy`` apply to a loaded tower or LM too."""
     vision = config.model.vision.to_dict() if config.model.get("vision") else None
     lm = config.model.lm.to_dict()
     if config.init.get("vision"):
