@@ -102,6 +102,7 @@ def get_config(arg=None):
     # K: the LM's head on each conversation's first K answer tokens only (exchanges past K are
     # truncated like overlong ones); None: on every position. Saves most of a large vocabulary's cost.
     c.model.loss_positions = config_dict.placeholder(int)
+    c.model.loss_chunk = config_dict.placeholder(int)  # tokens whose logits are made at a time (None: all)
 
     c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=0.0, dropout=0.05,
                                             targets=(r"language/block_\d+/attn/(q|k|v|o)",)))

@@ -87,6 +87,7 @@ def get_config(arg=None):
     # K: the LM's head runs on the first K answer tokens of each example only (the pp's qa_tokens
     # refuses a longer answer); None: on every position. What a large vocabulary needs.
     c.model.loss_positions = config_dict.placeholder(int)
+    c.model.loss_chunk = config_dict.placeholder(int)  # tokens whose logits are made at a time (None: all)
 
     # Stage 1 trains the connector; stage 2 the connector and the LM, or with lora=R > 0 the
     # connector and rank-R adapters on the LM's attention projections (the LM itself frozen).

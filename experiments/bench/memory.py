@@ -10,10 +10,10 @@ sigmoid loss), and LLaVA-1.5-shaped VLMs (CLIP ViT-L/14 at 336 px: 576 visual to
 connector) on Qwen2-0.5B, 1.5B and 7B-sized LMs (their published widths, depths, heads, MLP widths
 and vocabularies; bfloat16 matmuls), trained as LLaVA-1.5 trains: the tower frozen, the LM's blocks
 checkpointed (``remat_policy="nothing_saveable"``, LLaVA's ``--gradient_checkpointing``), fused
-attention on a GPU (``attn_impl="cudnn"``); stage 1 (connector only, batch 32 a GPU, captions in 128
-text positions after the 576 visual ones), stage 2 (connector and LM, batch 16, conversations to
-2,048 positions) and stage 2 with LoRA rank 8. Two more rows show what the 0.5B stage 2 needs
-without checkpointing, and without the fused attention as well.
+attention on a GPU (``attn_impl="cudnn"``), and the logits made 4,096 tokens at a time
+(``model.loss_chunk``); stage 1 (connector only, batch 32 a GPU, captions in 128 text positions after
+the 576 visual ones), stage 2 (connector and LM, batch 16, conversations to 2,048 positions) and
+stage 2 with LoRA rank 8. Three more rows take those settings away from the 0.5B stage 2 one by one.
 
 Each row compiles the training step twice and records ``plan``'s numbers per device
 (``results/memory/rows.jsonl``, one row at a time: a rerun skips the rows it has): for one GPU
@@ -73,16 +73,18 @@ def rows(tiny: bool, target: str | None = None) -> list[tuple[str, str, str, dic
             text = 64 if tiny else (128 if stage == "stage 1" else 2048 - 576)  # captions; conversations to 2,048
             over = {"batch_size": 4 if tiny else batch, "model.lm": {**lm, **fused, **remat},
                     "model.vision": {**tower, **fused}, "input.image_size": 64 if tiny else 336, "model.max_len": text,
-                    "init.allow_random_tower": True}
+                    "model.loss_chunk": 64 if tiny else 4096, "init.allow_random_tower": True}
             name = f"VLM: CLIP ViT-L/14-336 + Qwen2-{lm_name}-sized LM, {stage}"
-            out.append((name, f"{config}.py", f"{arg}connector=mlp,budget=all,steps=10", over))
-            if lm_name == "0.5B" and stage == "stage 2":  # what checkpointing and the fused attention save
-                out.append((name + ", no checkpointing", f"{config}.py", f"{arg}connector=mlp,budget=all,steps=10",
-                            {**over, "model.lm": {**lm, **fused}}))
+            args = f"{arg}connector=mlp,budget=all,steps=10"
+            out.append((name, f"{config}.py", args, over))
+            if lm_name == "0.5B" and stage == "stage 2":  # what each setting saves, taken away one by one
+                over = {**over, "model.loss_chunk": None}
+                out.append((name + ", all logits at once", f"{config}.py", args, over))
+                over = {**over, "model.lm": {**lm, **fused}}
+                out.append((name + ", all logits at once, no checkpointing", f"{config}.py", args, over))
                 if fused:
-                    out.append((name + ", no checkpointing, XLA's attention", f"{config}.py",
-                                f"{arg}connector=mlp,budget=all,steps=10",
-                                {**over, "model.lm": lm, "model.vision": tower}))
+                    out.append((name + ", all logits at once, no checkpointing, XLA's attention", f"{config}.py",
+                                args, {**over, "model.lm": lm, "model.vision": tower}))
     return out
 
 

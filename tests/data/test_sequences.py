@@ -18,9 +18,9 @@ from vitmm.train.parallel import Parallel
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _task(data_dir, prefix_lm=False):
+def _task(data_dir, prefix_lm=False, **overrides):
     c = config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,connector=mlp,stage=2",
-                         **{"input.data_dir": data_dir, "model.prefix_lm": prefix_lm})
+                         **{"input.data_dir": data_dir, "model.prefix_lm": prefix_lm, **overrides})
     task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
     return c, task, task.init_params()
 
@@ -47,7 +47,8 @@ def _packed(examples, num_visual, length, rows, pack=True):
 
 def test_a_packed_batch_has_the_unpacked_loss_and_gradients(data_dir, prefix_lm=False):  # prefix-LM: the M-RoPE test
     """Five examples (one text-only) in two packed rows against the VLM's padded batch
-    (``VLMTask.loss_fn`` on ``ids``/``image_pos``/``has_image``): loss ≤ 1e-6, gradients ≤ 1e-6."""
+    (``VLMTask.loss_fn`` on ``ids``/``image_pos``/``has_image``): loss ≤ 1e-6, gradients ≤ 1e-6;
+    the packed rows' loss made a chunk of tokens at a time (``model.loss_chunk``) too."""
     c, task, params = _task(data_dir, prefix_lm)
     examples = _examples(c)
     padded = {k: jnp.asarray(np.stack([e[k] for e in examples])) for k in examples[0]}
@@ -65,6 +66,11 @@ def test_a_packed_batch_has_the_unpacked_loss_and_gradients(data_dir, prefix_lm=
     np.testing.assert_allclose(loss_p, loss, rtol=1e-6)
     np.testing.assert_allclose(aux_p["token_acc"], aux["token_acc"], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_p, grads)
+    if not prefix_lm:
+        chunked = _task(data_dir, prefix_lm, **{"model.loss_chunk": 37})[1]
+        (loss_c, aux_c), grads_c = jax.value_and_grad(chunked.loss_fn, has_aux=True)(params, packed, None)
+        np.testing.assert_allclose([loss_c, aux_c["token_acc"]], [loss, aux["token_acc"]], rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_c, grads)
 
 
 def test_several_images_in_one_example_equal_the_sequence_spelled_out(data_dir):

@@ -253,13 +253,15 @@ class LM(nn.Module):
     def __call__(self, ids: jnp.ndarray | None = None, embeds: jnp.ndarray | None = None, prefix_len=None,
                  pad_mask: jnp.ndarray | None = None, positions: jnp.ndarray | None = None, cache: dict | None = None,
                  logits_at: jnp.ndarray | None = None, segment_ids: jnp.ndarray | None = None,
-                 prefix_mask: jnp.ndarray | None = None):
+                 prefix_mask: jnp.ndarray | None = None, hidden: bool = False):
         """Logits ``[B, T, vocab]``; with ``cache`` (``init_cache``), ``(logits, cache)``: the ``T``
         new tokens are written at ``cache["slot"]`` onward and attend to every valid earlier slot.
         ``logits_at [B, K]`` (positions in ``0 … T-1`` of the new tokens): the head runs at those
         positions only and the logits are ``[B, K, vocab]`` (a loss on a few tokens of a large
         vocabulary, or a prefill that needs each prompt's last position). ``segment_ids`` and
-        ``prefix_mask``: packed rows (``segment_mask``), without ``prefix_len`` or ``cache``."""
+        ``prefix_mask``: packed rows (``segment_mask``), without ``prefix_len`` or ``cache``.
+        ``hidden``: the final-normed states ``[B, T, D]`` instead, for ``logits`` to turn into
+        logits a chunk at a time (``losses.chunked_lm_loss``)."""
         if (ids is None) == (embeds is None):
             raise ValueError("Pass exactly one of ids [B, T] or embeds [B, T, D].")
         x = self.embed(ids) if embeds is None else embeds
@@ -303,13 +305,21 @@ class LM(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[..., None], 1)
         x = self.final_norm(x)
-        logits = (self.token_embedding.attend(x) if self.tie_embeddings else self.head(x)).astype(jnp.float32)
-        if self.logit_softcap:
-            logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
+        if hidden and cache is None:
+            return x
+        logits = self.logits(x)
         if cache is None:
             return logits
         return logits, {"k": [kv[0] for kv in layers_kv], "v": [kv[1] for kv in layers_kv], "valid": valid,
                         "slot": cache["slot"] + t}
+
+    def logits(self, x: jnp.ndarray) -> jnp.ndarray:
+        """The output head on final-normed states (``hidden=True``'s): float32 logits, soft-capped
+        where the LM caps them."""
+        logits = (self.token_embedding.attend(x) if self.tie_embeddings else self.head(x)).astype(jnp.float32)
+        if self.logit_softcap:
+            logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
+        return logits
 
 
 def init_cache(lm_config: dict, batch: int, length: int, dtype=jnp.float32) -> dict:

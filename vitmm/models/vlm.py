@@ -206,7 +206,7 @@ class VLM(nn.Module):
         return jnp.where(((j >= p) & (j < p + m))[..., None], from_image, from_text), m
 
     def __call__(self, images, ids, prompt_len=None, prefix_lm: bool = False, features=None, image_pos=None,
-                 visual_mask=None, layout=None, text_logits_at=None):
+                 visual_mask=None, layout=None, text_logits_at=None, hidden: bool = False):
         """Logits for the sequence ``ids[:p] visual ids[p:]`` (``p = image_pos``, default 1:
         ``ids[:, 0]`` is then BOS).
 
@@ -219,7 +219,8 @@ class VLM(nn.Module):
 
         ``text_logits_at [B, K]`` (text positions): only the logits ``text_logits`` would give at
         those positions, ``[B, K, vocab]`` — position ``i`` predicts ``ids[:, i + 1]`` — with the
-        LM's head run there alone."""
+        LM's head run there alone. ``hidden``: the LM's final-normed states in place of logits
+        (``head`` makes them logits; ``losses.chunked_lm_loss``)."""
         x, m = self.sequence(images, ids, image_pos, features, layout)
         positions = self.positions(ids.shape[0], ids.shape[1], self._grid(images, features), image_pos)
         pad_mask = None
@@ -228,9 +229,14 @@ class VLM(nn.Module):
             positions = jnp.cumsum(pad_mask, axis=1) - 1
         rows = None if text_logits_at is None else text_rows(text_logits_at, m, image_pos)
         return self.language(embeds=x, prefix_len=_prefix(prefix_lm, prompt_len, m), positions=positions,
-                             pad_mask=pad_mask, logits_at=rows)
+                             pad_mask=pad_mask, logits_at=rows, hidden=hidden)
 
-    def packed(self, images, tokens, visual, segment_ids, positions, prefix_mask=None, logits_at=None):
+    def head(self, x: jnp.ndarray) -> jnp.ndarray:
+        """The LM's output head on ``hidden=True``'s states: float32 logits."""
+        return self.language.logits(x)
+
+    def packed(self, images, tokens, visual, segment_ids, positions, prefix_mask=None, logits_at=None,
+               hidden: bool = False):
         """Logits ``[R, T, vocab]`` of packed rows (``data.sequences``): ``images [R, N, H, W, C]``
         (a row's image slots, unused ones zero), ``tokens [R, T]`` the text ids, ``visual [R, T]``
         which visual token sits at each position (``n · M + j``: token ``j`` of the row's image
@@ -241,7 +247,7 @@ class VLM(nn.Module):
         views and ``visual`` -2 is the newline token."""
         x = self._sequence_embeds(images, tokens, visual)
         return self.language(embeds=x, positions=positions, segment_ids=segment_ids, prefix_mask=prefix_mask,
-                             logits_at=logits_at)
+                             logits_at=logits_at, hidden=hidden)
 
     def prefill_sequences(self, images, tokens, visual, lengths, cache, prefix_lm: bool = False, positions=None):
         """``prefill`` for prompts as flat sequences (``data.sequences.prompt_sequence``: any number

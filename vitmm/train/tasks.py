@@ -185,10 +185,10 @@ class VLMTask:
         if "segment_ids" in batch:  # flat sequences, packed or not (input.sequences)
             positions = jnp.moveaxis(batch["mrope"], -1, 0) if "mrope" in batch else batch["positions"]
             images = sequences.tower_batch(batch) if "tower_patches" in batch else batch["images"]
-            logits = self._apply(params, images, batch["tokens"], batch["visual"], batch["segment_ids"],
-                                 positions, batch["prefix"] if self.config.model.prefix_lm else None,
-                                 rng=rng, method=vlm.VLM.packed)
-            loss, acc = losses.lm_loss(logits, batch["targets"], batch["weights"])
+            out = self._apply(params, images, batch["tokens"], batch["visual"], batch["segment_ids"],
+                              positions, batch["prefix"] if self.config.model.prefix_lm else None,
+                              rng=rng, method=vlm.VLM.packed, hidden=self._chunk is not None)
+            loss, acc = self._lm_loss(params, out, batch["targets"], batch["weights"])
             return loss, {"token_acc": acc}
         if "more_images" in batch or "image_positions" in batch:
             raise ValueError("Examples with several images train as flat sequences: set input.sequences (e.g. "
@@ -205,13 +205,26 @@ class VLMTask:
             m = visual_mask.shape[1] if visual_mask is not None else self.num_visual
             shown = jnp.broadcast_to(jnp.asarray(batch["has_image"], bool)[:, None], (batch["ids"].shape[0], m))
             visual_mask = shown if visual_mask is None else shown & visual_mask
-        logits = self._apply(params, batch["image"], batch["ids"], prompt_len=batch["prompt_len"],
-                             prefix_lm=self.config.model.prefix_lm, image_pos=image_pos, rng=rng,
-                             visual_mask=visual_mask, layout=anyres_layout(batch), text_logits_at=at)
+        out = self._apply(params, batch["image"], batch["ids"], prompt_len=batch["prompt_len"],
+                          prefix_lm=self.config.model.prefix_lm, image_pos=image_pos, rng=rng,
+                          visual_mask=visual_mask, layout=anyres_layout(batch), text_logits_at=at,
+                          hidden=self._chunk is not None)
         if at is None:
-            logits = vlm.text_logits(logits, logits.shape[1] - batch["ids"].shape[1], image_pos)[:, :-1]
-        loss, acc = losses.lm_loss(logits, targets, mask)
+            out = vlm.text_logits(out, out.shape[1] - batch["ids"].shape[1], image_pos)[:, :-1]
+        loss, acc = self._lm_loss(params, out, targets, mask)
         return loss, {"token_acc": acc}
+
+    @property
+    def _chunk(self) -> int | None:
+        """``model.loss_chunk``: tokens whose logits are made at a time (None: all at once)."""
+        return self.config.model.get("loss_chunk") or None
+
+    def _lm_loss(self, params, out, targets, mask):
+        """The answer loss of the LM's logits ``out``, or of its states with ``model.loss_chunk``."""
+        if self._chunk is None:
+            return losses.lm_loss(out, targets, mask)
+        head = lambda h: self._apply(params, h, method=vlm.VLM.head)  # noqa: E731
+        return losses.chunked_lm_loss(out, targets, mask, head, self._chunk)
 
     def post_update(self, params):
         return params

@@ -17,9 +17,9 @@ def test_the_memory_rows_follow_what_each_stage_trains(tmp_path):
     assert all(r["peak"] >= r["arguments"] > 0 and r["flops"] > 0 for r in rows)
     plain = next(r for r in rows if r["row"].endswith("no checkpointing"))  # stage 2, every activation kept
     assert plain["parameters"] == stage2["parameters"]  # (its saving: tests/train/test_dry_run.py, on an H100)
-    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 4
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 5
     table = (tmp_path / "memory.md").read_text()
-    assert table.count("\n| VLM") == 4 and "from `--dry_run` compiled for cpu" in table
+    assert table.count("\n| VLM") == 5 and "from `--dry_run` compiled for cpu" in table
     again = memory.main(["--tiny", "--only", "0.5B", "--out", str(tmp_path)])  # nothing compiled again
     assert [r["compile_s"] for r in again] == [r["compile_s"] for r in rows]
     assert json.loads((tmp_path / "setup.json").read_text())["tiny"] is True
