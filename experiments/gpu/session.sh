@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27 in one device call that ends by itself inside its limit: the trainer on the GPU (part 1),
-# the connectors at real sizes (part 3), then the ViT-B/16 profile (part 2) while time is left.
+# the connectors at real sizes (part 3), then the ViT-B/16 profile (part 2) and --dry_run against a real
+# step's memory (part 4, issue 59) while time is left.
 #   bash experiments/gpu/carry.sh                                   # here, once
 #   run(command="BUDGET_S=560 bash experiments/gpu/session.sh", carry=[".whl", ".gpu_data"], timeout_s=590)
 #   TINY_DATA=DIR bash experiments/gpu/session.sh --tiny            # here, on the CPU: every step at smoke scale
@@ -49,6 +50,15 @@ if [ "$(left)" -gt 60 ]; then
     timeout "$(left)" $PY -m experiments.gpu.bench "${PROFILE[@]}" --profile --out "$W/bench_gpu.json" \
         > "$W/bench_gpu.log" 2>&1 || echo "FAILED or cut off: bench_gpu --profile"
     tail -5 "$W/bench_gpu.log"
+    pack
+fi
+echo "=== part 4: --dry_run against the step's measured peak, issue 59 ($(date -u +%H:%M:%S), $(left) s left)"
+if [ "$(left)" -gt 60 ]; then
+    if [ "$tiny" = --tiny ]; then MEM=(--config configs/clip_scenes.py:smoke --set "input.data_dir=$TINY_DATA")
+    else MEM=(--config configs/clip_scenes.py:scale=b16 --set "input.data_dir=$PWD/.gpu_data"); fi
+    timeout "$(left)" $PY -m experiments.gpu.memory_check "${MEM[@]}" --out "$W/memory_check.json" \
+        > "$W/memory_check.log" 2>&1 || echo "FAILED or cut off: memory_check"
+    tail -1 "$W/memory_check.log"
     pack
 fi
 echo "=== done ($(date -u +%H:%M:%S), $(( $(date +%s) - start )) s)"

@@ -1,4 +1,4 @@
-"""`python -m experiments.gpu loop_overhead` on the session's smoke CLIP."""
+"""`python -m experiments.gpu loop_overhead` and `memory_check` on the session's smoke CLIP."""
 
 import importlib
 import pathlib
@@ -24,3 +24,13 @@ def test_loop_overhead_times_the_loop_and_its_bare_step(clip_smoke_run):
     bare = script.main(["--config", "configs/clip_scenes.py:smoke", "--steps", "4", "--log_every", "2",
                         "--bare_only", "--set", f"input.data_dir={clip_smoke_run.data_dir}"])
     assert bare["loop"] is None and bare["ratio"] is None and bare["bare"]["img_per_s"] > 0
+
+
+def test_memory_check_plans_and_runs_the_step(clip_smoke_run, tmp_path):
+    """``experiments/gpu/memory_check.py`` (the device's check of ``--dry_run``): on the CPU the plan
+    and the step run, and the missing allocator statistics are said, not invented."""
+    script = importlib.import_module("experiments.gpu.memory_check")
+    out = script.main(["--config", "configs/clip_scenes.py:smoke", "--set", f"input.data_dir={clip_smoke_run.data_dir}",
+                       "--out", str(tmp_path / "m.json")])
+    assert out["planned_step_bytes"] > 0 and out["measured"] == "no allocator statistics on this backend"
+    assert (tmp_path / "m.json").exists() and out["table"]["backend"] == "h100"
