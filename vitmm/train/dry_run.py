@@ -126,10 +126,18 @@ def _unpartitioned_flops(lowered) -> float:
 def report(needs: dict) -> str:
     """``plan``'s numbers as the lines ``--dry_run`` prints."""
     mib = lambda k: f"{needs[k] / MIB:,.1f} MiB"  # noqa: E731
-    return (f"per device ({needs['devices']} device{'s' * (needs['devices'] > 1)}): parameters {mib('parameters')}, "
-            f"optimizer state {mib('optimizer_state')}, batch {mib('batch')}, temporaries {mib('temporaries')}, "
-            f"outputs {mib('outputs_not_aliased')} beyond the donated state: {mib('peak')} at the step's peak\n"
-            f"{needs['flops'] / 1e9:,.2f} GFLOPs a step (XLA's count of the compiled program, per device)"
-            + ("\nThese are XLA:CPU's buffers: it computes bfloat16 matmuls in float32 and materialises attention "
-               "scores, so a GPU run's temporaries are smaller; run --dry_run where the run will train for its numbers."
-               if needs.get("backend") == "cpu" else ""))
+    backend = needs.get("backend")
+    flops = f"{needs['flops'] / 1e9:,.2f} GFLOPs a step"
+    lines = [f"per device ({needs['devices']} device{'s' * (needs['devices'] > 1)}): parameters {mib('parameters')}, "
+             f"optimizer state {mib('optimizer_state')}, batch {mib('batch')}, temporaries {mib('temporaries')}, "
+             f"outputs {mib('outputs_not_aliased')} beyond the donated state: {mib('peak')} at the step's peak"]
+    if backend in gpu_targets.CARDS:
+        lines.append(f"{flops} (XLA:CPU's count of the program before partitioning, per device); compiled for "
+                     f"{backend} GPUs, none of them here")
+    else:
+        lines.append(f"{flops} (XLA's count of the compiled program, per device)")
+    if backend == "cpu":
+        lines.append("These are XLA:CPU's buffers: it computes bfloat16 matmuls in float32 and materialises attention "
+                     "scores, so a GPU run's temporaries are smaller; --dry_run_target=h100 (or --dry_run on the GPU) "
+                     "gives a GPU's.")
+    return "\n".join(lines)
