@@ -1,6 +1,7 @@
 """Square resize, NaFlex and AnyRes at equal LM tokens, on scenes at their own sizes.
 
-    python -m experiments.native                        # results/native/tokens_6000/
+    python -m experiments.native                        # results/native/cosine/
+    python -m experiments.native --schedule constant --patience 4 --out results/native/tokens_6000  # the first protocol
     python -m experiments.native --smoke --out /tmp/nt  # a minute or two; the tests run it
 
 Scenes drawn at random sizes and aspect ratios (``data.packing.SceneSource``: longer side
@@ -25,9 +26,12 @@ plot compares them at equal mean tokens.
 Every path uses the same connector, ``mlp`` (LLaVA's; it acts on each token alone, so the tower's
 features can be laid out in the LM's order before it, newline slots marked: ``anyres.assemble``),
 and the token-budget sweep's small LM and recipe (``experiments/common/feature_vlm.py``: stage 0 on the questions'
-text once per seed, stage 1 the connector alone, then both until validation accuracy plateaus),
-each path's learning rate chosen from ``--tune_lrs`` on validation at the largest budget and the
-first seed (one rate given: no tuning). In a
+text once per seed, stage 1 the connector alone, then both with the rate decayed to zero at
+``--steps`` (``--schedule cosine``, the token-budget study's protocol; ``constant`` with
+``--patience``: until validation accuracy plateaus, the first protocol), each path's learning rate
+chosen from ``--tune_lrs`` on validation at the largest budget and the first seed, the grid
+continued past an edge that wins (``--tune_extend`` more rates at most; one rate given: no
+tuning). In a
 batch, an image with fewer tokens is left-padded and masked (``VLM(visual_mask=…)``), so each
 example reads exactly its own tokens. ``blind`` (constant visual tokens) is what the questions
 alone give away. Accuracy is reported per question kind and on the questions of wide images
@@ -55,6 +59,7 @@ import numpy as np
 from experiments.common import feature_vlm as run_lib
 from experiments.common import tower as tower_lib
 from experiments.native import features as features_lib
+from experiments.token_budget import tune
 from vitmm import checkpoint as ckpt_lib
 from vitmm import decode, xla_flags
 from vitmm.models import lm, vlm
@@ -67,14 +72,16 @@ PATHS = features_lib.PATHS
 BLIND, KINDS = run_lib.BLIND, run_lib.KINDS
 SPATIAL = ("color_at", "shape_at", "relative")
 PRESETS = {
-    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=6000, batch_size=32, eval_every=250, patience=4,
+    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=6000, batch_size=32, eval_every=250, patience=0,
                     min_delta=0.005, curve_questions=2000, stage0_steps=1000, stage1_steps=200, stage0_lr=3e-3,
-                    warmup=25, tune_lrs="3e-4,1e-3,3e-3", budgets="16,36,64", seeds="0,1,2,3,4,5,6,7,8,9",
+                    warmup=25, schedule="cosine", tune_lrs="3e-4,1e-3,3e-3", tune_extend=2, budgets="16,36,64",
+                    seeds="0,1,2,3,4,5,6,7,8,9",
                     workers=2, train_images=10_000, val_images=1_000, test_images=1_000, difficulty="easy", min_side=32,
                     max_side=160, max_aspect=3.0, wide=2.0, eval_batch=run_lib.EVAL_BATCH),
     "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=16, batch_size=16, eval_every=8, patience=2,
                   min_delta=0.005, curve_questions=64, stage0_steps=40, stage1_steps=4, stage0_lr=3e-3, warmup=2,
-                  tune_lrs="1e-2", budgets="16", seeds="0,1", workers=1, train_images=64, val_images=24,
+                  schedule="constant", tune_lrs="1e-2", tune_extend=0, budgets="16", seeds="0,1", workers=1,
+                  train_images=64, val_images=24,
                   test_images=24, difficulty="easy", min_side=16, max_side=64, max_aspect=3.0, wide=2.0, eval_batch=64),
 }
 
@@ -129,7 +136,7 @@ def _run(c: dict, path: str, budget: int, lr: float) -> NativeTrainer:
     return NativeTrainer(c["tower_cfg"], {"name": "mlp", "budget": "all"}, c["lm_cfg"], (1, view["length"]),
                          c["in_dim"], c["max_len"], c["plan"]["max_steps"], lr, blind=path == BLIND, stage0=c["stage0"],
                          stage1_steps=c["stage1_steps"], warmup=c["warmup"], length=view["length"],
-                         anyres_cfg=view["anyres"])
+                         anyres_cfg=view["anyres"], schedule=c["plan"].get("schedule", "constant"))
 
 
 def tune_job(key, arrays, context, progress) -> dict:
@@ -179,12 +186,15 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
     metrics = [("accuracy", "all"), *((f"acc_{k}", k) for k in KINDS), ("spatial", "spatial"),
                ("acc_wide", "wide images"), ("acc_squarish", "near-square")]
     tokens = {(r["path"], r["budget"]): (r["tokens_mean"], r["tokens_max"]) for r in rows}
+    cosine = setup.get("schedule") == "cosine"  # (the first protocol's setup.json has no schedule)
+    protocol = f"{setup['steps']:,} joint steps, the rate decayed to zero (cosine); " if cosine else ""
     lines = ["# Square resize vs NaFlex vs AnyRes at equal LM tokens", "",
              f"`{setup['command']}` ({setup['date']}, {setup['backend']}); scenes `{setup['difficulty']}` at random "
              f"sizes (longer side {setup['min_side']}–{setup['max_side']} px, aspect ≤ {setup['max_aspect']}), "
              f"{setup['train_images']:,} training images, {setup['test_questions']:,} test questions; tower "
-             f"`{setup['tower']}`; connector `mlp`; LM {setup['lm']}; {len(setup['seeds'])} seeds; learning rates "
-             f"(validation, budget {max(setup['budgets'])}, seed {setup['seeds'][0]}): {setup['chosen']}.", "",
+             f"`{setup['tower']}`; connector `mlp`; LM {setup['lm']}; {len(setup['seeds'])} seeds; {protocol}"
+             f"learning rates (validation, budget {max(setup['budgets'])}, seed {setup['seeds'][0]}): "
+             f"{setup['chosen']}.", "",
              "Exact match in %, mean ± 95% CI over seeds. Tokens: the visual tokens the LM reads per image (mean / "
              "max over the test images). *spatial* = mean of color_at, shape_at, relative; *wide* = questions on "
              f"images with aspect ≥ {setup['wide']} ({setup['wide_share']:.0%} of test questions).", "",
@@ -259,7 +269,7 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--out", default=str(ROOT / "results/native/tokens_6000"))
+    add("--out", default=str(ROOT / "results/native/cosine"))
     add("--tower", default=None, help="CLIP workdir (default workdirs/clip_scenes; smoke: OUT/tower)")
     add("--data_dir", default=None, help="TFDS data_dir for training the tower when it is missing")
     add("--smoke", action="store_true", help="a tiny run of every cell (the tests run it)")
@@ -305,6 +315,8 @@ def main(argv=None) -> pathlib.Path:
     lm_cfg = dict(vocab_size=tokenizer.vocab_size, **args.lm)
     plan = dict(max_steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every, patience=args.patience,
                 min_delta=args.min_delta, curve_questions=args.curve_questions)
+    if args.schedule != "constant":  # a run before the option kept its settings' signature
+        plan["schedule"] = args.schedule
     # A finished run is reused by a sweep with the same settings; the seed list is not one of them
     # (tuning runs at the first seed), so a rerun with more seeds trains only the new ones.
     settings = dict(tower=str(tower_dir.resolve()), lm=lm_cfg, plan=plan, tune_seed=args.seeds[0],
@@ -330,10 +342,20 @@ def main(argv=None) -> pathlib.Path:
                                len(seeds) * (args.stage1_steps + args.steps), seeds, before=ensure_stage0)
 
     top, seed0 = args.budgets[-1], args.seeds[0]
-    tuned = {} if len(args.tune_lrs) == 1 else run_cells(
-        tune_job, [(p, top, lr) for p in (*PATHS, BLIND) for lr in args.tune_lrs], "tuning.jsonl", "tuning", [seed0])
+    lrs = {p: list(args.tune_lrs) for p in (*PATHS, BLIND)}
+    tuned = {}
+    while len(args.tune_lrs) > 1:  # the grid, then one more rate past an edge that wins, until none does
+        tuned = run_cells(tune_job, [(p, top, lr) for p, grid in lrs.items() for lr in grid], "tuning.jsonl", "tuning",
+                          [seed0])
+        extra = tune.extend_grid({(p, b, lr, 0): r for (p, b, lr), r in tuned.items()}, lrs, args.tune_lrs,
+                                 args.tune_extend, args.min_delta)
+        if not extra:
+            break
+        print(f"best rate at an edge of the grid: trying {extra}")
+        for p, lr in extra.items():
+            lrs[p].append(lr)
     # each path's best validation accuracy (ties: the smaller rate)
-    context["chosen"] = chosen = {p: max(args.tune_lrs, key=lambda lr, p=p: (
+    context["chosen"] = chosen = {p: max(lrs[p], key=lambda lr, p=p: (
         tuned[(p, top, lr)][seed0]["accuracy"] if tuned else 0.0, -lr)) for p in (*PATHS, BLIND)}
     settings["chosen"] = chosen
     keys = [(p, b) for b in reversed(args.budgets) for p in PATHS] + [(BLIND, top)]
