@@ -130,7 +130,7 @@ def test_the_loss_on_answer_positions_only_equals_the_full_loss_for_less(data_di
     np.testing.assert_allclose(loss_k, loss, rtol=1e-6)
     np.testing.assert_allclose(aux_k["token_acc"], aux["token_acc"], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g_k, g)
-    (loss_c, aux_c), g_c = grads(task_for(None, 7)[1])  # with loss_positions: tests/data/test_sequences.py's rows
+    (loss_c, aux_c), g_c = grads(task_for(None, 7)[1])  # the text positions picked from the states, then chunked
     np.testing.assert_allclose([loss_c, aux_c["token_acc"]], [loss, aux["token_acc"]], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g_c, g)
     cost = [jax.jit(t.loss_fn).lower(params, batch, None).compile().cost_analysis()["flops"] for t in (full, some)]
