@@ -58,10 +58,13 @@ lint: $(STAMP)
 # The two environments are set up side by side, then the tests run.
 # The project's own modules are byte-compiled first: with PYTHONDONTWRITEBYTECODE set (as on these
 # machines) every one of the dozens of processes the tests start would compile them again (~0.15-0.3 s each).
+# The tests run as the demo does (huge pages for XLA:CPU's temporaries), the two workers stealing each
+# other's queued tests so that neither waits idle behind a long one at the end.
 test:
 	$(MAKE) --no-print-directory -j2 lint $(EVAL_STAMP)
 	$(BIN)/python -m compileall -q -j 0 vitmm experiments configs tests >/dev/null
-	VITMM_LMMS_EVAL_PYTHON=$(CURDIR)/$(EVAL_VENV)/bin/python $(BIN)/python -m pytest -n 2 -m "not slow" $(PYTEST_ARGS)
+	GLIBC_TUNABLES=$(TUNABLES) VITMM_LMMS_EVAL_PYTHON=$(CURDIR)/$(EVAL_VENV)/bin/python \
+		$(BIN)/python -m pytest -n 2 --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 # The tests marked slow: end-to-end runs whose behaviour a cheaper test in make test also checks.
 test-slow: $(STAMP)
