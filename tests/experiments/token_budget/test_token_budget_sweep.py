@@ -64,6 +64,7 @@ def test_the_pinned_tower_is_the_trained_image_tower_and_counts_as_finished(tb, 
     tower_lib.ensure_tower(out, smoke=True)
 
 
+@pytest.mark.slow  # ~60 s of two cores: its pieces (budgets, tuning, tables, claims, resume) are tested alone below
 def test_smoke_sweep_writes_tables_and_plots(tb, tmp_path, clip_smoke_run, capsys):
     """A whole sweep end to end on the session's smoke CLIP (features, two worker processes,
     outputs; training the tower when a workdir has none is the same ``trainer.train``)."""
