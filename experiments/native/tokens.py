@@ -1,6 +1,6 @@
 """Square resize, NaFlex and AnyRes at equal LM tokens, on scenes at their own sizes.
 
-    python -m experiments.native                        # results/native/cosine/
+    python -m experiments.native --tower results/native/cosine/tower   # results/native/cosine/ (its pinned tower)
     python -m experiments.native --schedule constant --patience 4 --out results/native/tokens_6000  # the first protocol
     python -m experiments.native --smoke --out /tmp/nt  # a minute or two; the tests run it
 
