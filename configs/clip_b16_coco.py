@@ -28,6 +28,7 @@ def get_config(arg=None):
                     smoke=False)
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
     c.total_steps = arg.steps
     c.batch_size = arg.batch
     c.parallel = "jit"
@@ -51,7 +52,7 @@ def get_config(arg=None):
     fast = dict(dtype_mm="bfloat16", scan=True, remat_policy="nothing_saveable", norm_eps=1e-5)
     c.model = ml_collections.ConfigDict()
     c.model.image = dict(variant="B/16", pool="tok", posemb_layout="with_cls", pre_norm=True, embed_bias=False,
-                         **fast)
+                         **fast, **common.kernels())
     c.model.text = dict(vocab_size=259, max_len=77, width=512, depth=12, num_heads=8, causal=True, pool="eot",
                         **fast)
     c.model.embed_dim = 512

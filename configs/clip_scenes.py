@@ -26,6 +26,7 @@ def get_config(arg=None):
                     batch=256)
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
     c.total_steps = arg.steps
     c.batch_size = 128  # image-caption pairs per step: each pair's negatives are the other 127
     c.parallel = arg.parallel  # jit (a mesh) or pmap; the same numbers either way
@@ -46,7 +47,7 @@ def get_config(arg=None):
 
     c.model = ml_collections.ConfigDict()
     c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
-                         class_token=False, posemb="sincos2d")
+                         class_token=False, posemb="sincos2d", **common.kernels())
     c.model.text = dict(vocab_size=259, max_len=arg.text_len, width=128, depth=2, mlp_dim=512, num_heads=4, causal=True,
                         pool="eot")
     c.model.embed_dim = 128

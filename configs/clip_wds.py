@@ -29,6 +29,7 @@ def get_config(arg=None):
         raise ValueError(f"loss={arg.loss!r}: choose softmax (CLIP) or sigmoid (SigLIP).")
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
     c.total_steps = arg.steps
     c.batch_size = 128  # image-caption pairs per step: each pair's negatives are the rest of the batch
     c.parallel = "jit"
@@ -52,7 +53,7 @@ def get_config(arg=None):
 
     c.model = ml_collections.ConfigDict()
     c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
-                         class_token=False, posemb="sincos2d")
+                         class_token=False, posemb="sincos2d", **common.kernels())
     c.model.text = dict(vocab_size=259, max_len=64, width=128, depth=2, mlp_dim=512, num_heads=4, causal=True,
                         pool="eot" if arg.loss == "softmax" else "last")
     c.model.embed_dim = 128

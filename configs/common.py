@@ -34,6 +34,13 @@ def init(**more) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(checkpoint=config_dict.placeholder(str), **more))
 
 
+def kernels(**more) -> dict:
+    """How a tower or LM computes, not what it holds (``vitmm.train.tasks.KERNEL_KEYS``), in every model
+    dict so that ``--config.model.vision.attn_impl=cudnn`` works: ``attn_impl`` None is XLA's attention
+    (``cudnn``: cuDNN's fused one, a GPU's); None of any of them keeps what a loaded checkpoint says."""
+    return dict(attn_impl=config_dict.placeholder(str), **more)
+
+
 def multihost() -> ml_collections.ConfigDict:
     """Set ``coordinator`` (e.g. 127.0.0.1:12345), ``num_processes`` and ``process_id`` to
     run one process per host."""

@@ -52,6 +52,7 @@ def get_config(arg=None):
     c = ml_collections.ConfigDict()
     c.task = "vlm"
     c.seed = 0
+    c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
     c.total_steps = arg.steps
     c.batch_size = arg.batch  # conversations per step (LLaVA-1.5: 256 in stage 1, 128 in stage 2)
     c.parallel = "jit"
@@ -86,11 +87,12 @@ def get_config(arg=None):
     c.input.image_std = config_dict.placeholder(tuple)
 
     c.model = ml_collections.ConfigDict()
-    c.model.vision = TOWER
+    c.model.vision = dict(TOWER, **common.kernels())
     c.model.connector = dict(name=arg.connector, budget=arg.budget if arg.budget == "all" else int(arg.budget))
     if arg.native and merge > 1:  # images at their own sizes: each 2×2 window one token
         c.model.connector = dict(name=arg.connector, merge=merge)
-    c.model.lm = dict(vocab_size=259, width=128, depth=4, num_heads=4)  # without init.lm: bytes, from scratch
+    c.model.lm = dict(vocab_size=259, width=128, depth=4, num_heads=4,  # without init.lm: bytes, from scratch
+                      **common.kernels(remat_policy=config_dict.placeholder(str)))
     c.model.vision_layer = -2  # LLaVA's: the second-to-last block, HF's hidden_states[-2]
     c.model.use_cls = False
     c.model.prefix_lm = False

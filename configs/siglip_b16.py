@@ -26,6 +26,7 @@ def get_config(arg=None):
                     smoke=False)
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
     c.total_steps = arg.steps
     c.batch_size = arg.batch
     c.parallel = "jit"
@@ -48,7 +49,7 @@ def get_config(arg=None):
 
     fast = dict(dtype_mm="bfloat16", scan=True, remat_policy="nothing_saveable")
     c.model = ml_collections.ConfigDict()
-    c.model.image = dict(variant="B/16", pool="map", class_token=False, act="gelu_tanh", **fast)
+    c.model.image = dict(variant="B/16", pool="map", class_token=False, act="gelu_tanh", **fast, **common.kernels())
     c.model.text = dict(vocab_size=259, max_len=64, width=768, depth=12, num_heads=12, causal=False, pool="last",
                         act="gelu_tanh", **fast)
     c.model.embed_dim = 768

@@ -22,6 +22,7 @@ def get_config(arg=None):
                     steps=400, data="easy_64", parallel="jit", loss="sigmoid", smoke=False)
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
     c.total_steps = arg.steps
     c.batch_size = 128
     c.parallel = arg.parallel
@@ -42,7 +43,7 @@ def get_config(arg=None):
 
     c.model = ml_collections.ConfigDict()
     c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="map",
-                         class_token=False, posemb="sincos2d")
+                         class_token=False, posemb="sincos2d", **common.kernels())
     c.model.text = dict(vocab_size=259, max_len=64, width=128, depth=2, mlp_dim=512, num_heads=4, causal=False,
                         pool="last")
     c.model.embed_dim = 128

@@ -43,6 +43,7 @@ def get_config(arg=None):
     c = ml_collections.ConfigDict()
     c.task = "vlm"
     c.seed = 0
+    c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
     c.total_steps = arg.steps
     c.batch_size = 64  # (image, question, answer) examples per step
     c.parallel = "jit"
@@ -73,9 +74,10 @@ def get_config(arg=None):
     c.input.image_std = config_dict.placeholder(tuple)
 
     c.model = ml_collections.ConfigDict()
-    c.model.vision = TOWER
+    c.model.vision = dict(TOWER, **common.kernels())
     c.model.connector = dict(name=arg.connector, budget=arg.budget if arg.budget == "all" else int(arg.budget))
-    c.model.lm = dict(vocab_size=259, width=128, depth=4, num_heads=4)
+    c.model.lm = dict(vocab_size=259, width=128, depth=4, num_heads=4,
+                      **common.kernels(remat_policy=config_dict.placeholder(str)))
     c.model.vision_layer = -1  # -1: the tower's output; -n: HF's hidden_states[-n]
     c.model.use_cls = False
     c.model.prefix_lm = False  # True: image and prompt attend both ways

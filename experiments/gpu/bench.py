@@ -13,7 +13,8 @@ tables go to ``profile.md`` beside ``--out``.
 
 ``--sweep`` instead times one case (``--cases``, default the ViT-B/16 cuDNN one) under several
 settings, each in its own process (XLA flags are read once per process), with the baseline run
-first and last to show the drift, and prints step time, MFU and the ratio to the baseline.
+first and last to show the drift, and prints step time, MFU and the ratio to the baseline; its
+deterministic rows measure what the config's ``deterministic=True`` costs.
 
 ``--tiny`` shrinks every case (one-layer Ti/16 towers at 32 px, batch 2, XLA attention) so the
 whole script runs on a CPU in seconds; the tests use it.
@@ -63,6 +64,10 @@ SWEEP = [
     ("bf16 residual stream", "", ["--dtype_residual", "bfloat16"]),
     ("bf16 residual + cuBLASLt + tanh GELU", "--xla_gpu_enable_cublaslt=true",
      ["--dtype_residual", "bfloat16", "--act", "gelu_tanh"]),
+    # deterministic=True (vitmm/train/determinism.py): the flag, and XLA's attention in place of cuDNN's
+    ("deterministic ops + cuDNN attention", "--xla_gpu_deterministic_ops=true", []),  # failed when called, 2026-12-04
+    ("XLA attention", "", ["--attn", "xla"]),
+    ("deterministic=True (deterministic ops + XLA attention)", "--xla_gpu_deterministic_ops=true", ["--attn", "xla"]),
     ("baseline again", "", []),
 ]
 
@@ -234,6 +239,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype_residual", default=None, help="residual stream dtype (e.g. bfloat16; default float32)")
     parser.add_argument("--batch_scale", type=float, default=1.0, help="multiplies every batch size")
     parser.add_argument("--only_cudnn", action="store_true", help="skip the XLA-attention cases")
+    parser.add_argument("--attn", choices=("xla", "cudnn"), default=None,
+                        help="every case's attention (default: its own)")
     parser.add_argument("--cases", default="", help="comma-separated substrings: run the cases that match one")
     parser.add_argument("--profile", action="store_true", help="trace each case and tabulate its device time")
     parser.add_argument("--profile_top", type=int, default=15, help="module rows in each profile table")
@@ -269,6 +276,8 @@ def main(argv=None) -> dict:
     profile_md: list[str] = []
     for name, *spec in cases:
         spec[2] = int(spec[2] * args.batch_scale)
+        if args.attn:
+            spec[3] = None if args.attn == "xla" else args.attn
         try:
             results[name] = run_case(name, tuple(spec), args, profile_md)
         except Exception as err:  # noqa: BLE001 - one failing case must not hide the others

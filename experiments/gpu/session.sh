@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27 in one device call that ends by itself inside its limit: the trainer on the GPU (part 1),
-# the connectors at real sizes (part 3), then the ViT-B/16 profile (part 2) and --dry_run against a real
-# step's memory (part 4, issue 59) while time is left.
+# the connectors at real sizes (part 3), then the ViT-B/16 profile (part 2), --dry_run against a real
+# step's memory (part 4, issue 59) and deterministic=True's cost and repeatability (part 5) while time is left.
 #   bash experiments/gpu/carry.sh                                   # here, once
 #   run(command="BUDGET_S=560 bash experiments/gpu/session.sh", carry=[".whl", ".gpu_data"], timeout_s=590)
 #   TINY_DATA=DIR bash experiments/gpu/session.sh --tiny            # here, on the CPU: every step at smoke scale
@@ -59,6 +59,20 @@ if [ "$(left)" -gt 60 ]; then
     timeout "$(left)" $PY -m experiments.gpu.memory_check "${MEM[@]}" --out "$W/memory_check.json" \
         > "$W/memory_check.log" 2>&1 || echo "FAILED or cut off: memory_check"
     tail -1 "$W/memory_check.log"
+    pack
+fi
+echo "=== part 5: deterministic=True, issue 52 part 5 ($(date -u +%H:%M:%S), $(left) s left)"
+if [ "$(left)" -gt 60 ]; then
+    DET_SWEEP="baseline,deterministic ops + cuDNN attention,XLA attention,deterministic=True (deterministic ops + XLA attention),baseline again"
+    if [ "$tiny" = --tiny ]; then SW=(--tiny --steps 1 --repeats 1) DET=(--config configs/clip_scenes.py:smoke --half 2 --set "input.data_dir=$TINY_DATA")
+    else SW=(--cases "ViT-B/16 cudnn") DET=(--config configs/clip_scenes.py:scale=b16 --half 10 --set "input.data_dir=$PWD/.gpu_data"); fi
+    timeout "$(left)" $PY -m experiments.gpu.bench "${SW[@]}" --sweep --sweep_settings "$DET_SWEEP" \
+        --out "$W/bench_determinism.json" > "$W/bench_determinism.log" 2>&1 || echo "FAILED or cut off: the determinism sweep"
+    grep -E "step .* ms|FAILED" "$W/bench_determinism.log" | head -8
+    pack
+    timeout "$(left)" $PY -m experiments.reliability.resume_check "${DET[@]}" --repeat --set deterministic=True \
+        --out "$W/resume_deterministic_b16.json" > "$W/resume_deterministic_b16.log" 2>&1 || echo "FAILED or cut off: resume"
+    tail -2 "$W/resume_deterministic_b16.log"
     pack
 fi
 echo "=== done ($(date -u +%H:%M:%S), $(( $(date +%s) - start )) s)"

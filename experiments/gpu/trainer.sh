@@ -25,9 +25,9 @@ exec > >(tee -a "$R/log.txt") 2>&1
 PY=python3
 if [ $tiny = 1 ]; then
     PY=.venv/bin/python DATA=${TINY_DATA:?TINY_DATA=a smoke tfds data_dir (the tests build one)}
-    DEMO=":smoke" B16=":scale=b16,smoke,attn=xla" RESUME=":smoke" HALF=4 STEPS=30 LOG=5 DETERMINISTIC=--xla_cpu_enable_fast_math=false
+    DEMO=":smoke" B16=":scale=b16,smoke,attn=xla" RESUME=":smoke" HALF=4 STEPS=30 LOG=5
 else
-    DATA=$PWD/.gpu_data DEMO="" B16=":scale=b16" RESUME="" HALF=30 STEPS=120 LOG=10 DETERMINISTIC=--xla_gpu_deterministic_ops=true
+    DATA=$PWD/.gpu_data DEMO="" B16=":scale=b16" RESUME="" HALF=30 STEPS=120 LOG=10
     if [ -d .whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || echo "FAILED: installing the carried wheels"
@@ -86,8 +86,8 @@ if wanted resume; then
 step "resume"  # as the GPU runs by default (not repeatable run to run), then with deterministic kernels
 timeout ${RESUME_S:-240} $PY -m experiments.reliability.resume_check --config "configs/clip_scenes.py$RESUME" --half $HALF --repeat \
     --set input.data_dir="$DATA" --out "$R/resume_default.json" || echo "FAILED: resume (default)"
-XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$DETERMINISTIC" timeout ${RESUME_S:-240} $PY -m experiments.reliability.resume_check \
-    --config "configs/clip_scenes.py$RESUME" --half $HALF --repeat --set input.data_dir="$DATA" \
+timeout ${RESUME_S:-240} $PY -m experiments.reliability.resume_check --config "configs/clip_scenes.py$RESUME" \
+    --half $HALF --repeat --set input.data_dir="$DATA" --set deterministic=True \
     --out "$R/resume_deterministic.json" || echo "FAILED: resume (deterministic)"
 fi
 rm -rf "$R/demo/checkpoints"

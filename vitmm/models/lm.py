@@ -214,7 +214,8 @@ class LM(nn.Module):
     logit_softcap: float | None = None  # Gemma 2: the output logits capped the same way
     local_rope_theta: float | None = None  # Gemma 3: the window layers' RoPE base (rope_scaling not applied)
     attn_impl: str | None = None  # training's attention: None (XLA) or "cudnn" (fused, a GPU's; see attend)
-    remat_policy: str = "none"  # a jax.checkpoint_policies name: each block's activations recomputed in the backward
+    remat_policy: str | None = "none"  # a jax.checkpoint_policies name: each block's activations recomputed in the
+    # backward pass (None: "none")
 
     def setup(self):
         common.check_choice("act", self.act, ACTIVATIONS)
@@ -227,7 +228,7 @@ class LM(nn.Module):
             raise ValueError(f"width={self.width} is not divisible by num_heads={self.num_heads}; set head_dim.")
         self.token_embedding = nn.Embed(self.vocab_size, self.width, embedding_init=common.trunc_normal(0.02))
         block = LMBlock
-        if self.remat_policy != "none":  # gradient checkpointing: what the policy does not save is recomputed
+        if self.remat_policy not in (None, "none"):  # checkpointing: what the policy does not save is recomputed
             if not hasattr(jax.checkpoint_policies, self.remat_policy):
                 raise ValueError(f"remat_policy={self.remat_policy!r}: 'none' or a name in jax.checkpoint_policies, "
                                  "e.g. 'nothing_saveable'.")

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm.models import layers
-from vitmm.train import distributed, gpu_targets, imported_vlm, optim, tasks, trainer
+from vitmm.train import determinism, distributed, gpu_targets, imported_vlm, optim, tasks, trainer
 from vitmm.train.parallel import Parallel
 
 MIB = 2**20
@@ -92,7 +92,8 @@ def _compile(config, tokenizer, par: Parallel, target: str | None) -> dict:
     lowered = setup.compile(state).lower(state, batch)
     # A GPU not here cannot time candidate kernels: no autotuning, matmuls as cuBLAS calls (XLA's Triton
     # GEMMs need a tiling chosen by timing); the buffers stay what the GPU's compile assigns (±0.1%, CLIP-B/16).
-    compiled = lowered.compile({"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False} if target else None)
+    compiled = lowered.compile({"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False,
+                                **determinism.compile_options(config)} if target else None)
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     if not cost:  # compiled for a machine not here: XLA:CPU's count of the program before partitioning

@@ -22,8 +22,8 @@ from vitmm.data import sequences
 from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
 from vitmm.models import packing, rope, two_towers, vlm
+from vitmm.train import determinism, pp_template
 from vitmm.train import evaluators as eval_lib
-from vitmm.train import pp_template
 from vitmm.train.parallel import Parallel
 
 CONTRASTIVE_LOSSES = ("softmax", "sigmoid", "sigmoid_chunked")
@@ -52,7 +52,9 @@ class ContrastiveTask:
                 f"({config.get('tokenizer') or 'bytes'}) has {tokenizer.vocab_size} tokens; set "
                 f"--config.model.text.vocab_size={tokenizer.vocab_size}.")
         self.config, self.tokenizer = config, tokenizer
-        self.model = two_towers.TwoTowers(**config.model.to_dict())
+        model = config.model.to_dict()
+        self.model = two_towers.TwoTowers(**{**model, "image": determinism.attention(model["image"], config,
+                                                                                     "the image tower")})
         self._loss = _contrastive_impl(config.loss, par)
         if config.input.get("packing") and (par.kind == "pmap" or config.loss == "sigmoid_chunked"):
             raise ValueError("input.packing (images at their own sizes) needs parallel='jit' and loss 'softmax' "
@@ -266,6 +268,13 @@ def _with_run_kernels(saved: dict, run: dict | None) -> dict:
     return {**saved, **{k: run[k] for k in KERNEL_KEYS if run and run.get(k) is not None}}
 
 
+def _kernels_chosen(part: dict, config, name: str) -> dict:
+    """A tower's or LM's settings with the kernel keys the config leaves at None (the model's default)
+    dropped, and the run's determinism applied."""
+    part = {k: v for k, v in part.items() if not (k in KERNEL_KEYS and v is None)}
+    return determinism.attention(part, config, name)
+
+
 def vlm_parts(config) -> tuple[dict, dict]:
     """``(tower settings, LM settings)`` of a VLM run: read from the checkpoints ``init.vision``
     and ``init.lm`` point at (what built them), otherwise ``model.vision`` / ``model.lm``. A
@@ -291,7 +300,7 @@ def vlm_parts(config) -> tuple[dict, dict]:
             raise ValueError(f"{config.init.lm} holds no language model settings (model.lm); convert one with "
                              "`python -m vitmm.interop --from hf|gguf`.")
         lm = _with_run_kernels(saved, lm)
-    return vision, lm
+    return _kernels_chosen(vision, config, "the tower"), _kernels_chosen(lm, config, "the LM")
 
 
 def tokenizer_for(config):

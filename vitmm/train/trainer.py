@@ -24,7 +24,7 @@ from tqdm import tqdm
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
 from vitmm.data import formats, pipeline, preprocess, skips
-from vitmm.train import distributed, imported_vlm, optim, pp_template, tasks
+from vitmm.train import determinism, distributed, imported_vlm, optim, pp_template, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
@@ -181,6 +181,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     is refused (``HistoryWithoutCheckpoint``) unless ``restart``, which keeps its log aside and
     starts at step 0. A run refused before it wrote anything leaves no workdir behind.
     """
+    determinism.set_flags(config)  # before JAX opens a backend
     distributed.maybe_initialize(config)
     config = imported_vlm.from_imported_vlm(config)
     validate(config)

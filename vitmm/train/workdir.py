@@ -31,10 +31,11 @@ import time
 from vitmm import tree
 
 # Keys that may change between a run and its resume: how often things happen, where data and
-# logs are read, and how evaluation is done. Anything else changes what is computed.
+# logs are read, how evaluation is done, the layout (a restore reshards) and whether a GPU's sums
+# round in a fixed order (``deterministic``). Anything else changes what is computed.
 SAFE_TO_CHANGE = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "sync_every",
                   "allow_config_change", "evals", "input/data_dir", "input/num_threads", "input/prefetch",
-                  "input/device_prefetch", "multihost", "fsdp", "tensor_parallel")  # layouts: a restore reshards
+                  "input/device_prefetch", "multihost", "fsdp", "tensor_parallel", "deterministic")
 
 
 class WorkdirLocked(RuntimeError):
@@ -125,11 +126,12 @@ class Lock:
 
 
 def config_differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
-    """``(key, saved value, current value)`` for every leaf that differs, keys ``a/b/c``."""
+    """``(key, saved value, current value)`` for every leaf that differs, keys ``a/b/c``; a key one side
+    lacks and the other leaves at None (a setting added to the configs since, at its default) is no difference."""
     a, b = tree.flatten(saved), tree.flatten(current)
     norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - JSON turns tuples into lists
     return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
-            if norm(a.get(k, "<absent>")) != norm(b.get(k, "<absent>"))]
+            if norm(a.get(k)) != norm(b.get(k))]
 
 
 def check_config_change(saved: dict | None, config, checkpoint_dir) -> list[str]:

@@ -40,12 +40,13 @@ def test_bench_gpu_sweep_runs_each_setting_in_its_own_process(tmp_path, monkeypa
     not know fails that setting alone, and speed-ups are against the baseline runs."""
     bench = bench_gpu
     monkeypatch.setattr(bench, "SWEEP", [("baseline", "", []), ("bogus flag", "--xla_no_such_flag_anywhere=1", []),
-                                         ("tanh GELU", "", ["--act", "gelu_tanh", "--dtype_residual", "bfloat16"])])
+                                         ("tanh GELU", "", ["--act", "gelu_tanh", "--dtype_residual", "bfloat16",
+                                                            "--attn", "xla"])])
     out = tmp_path / "sweep.json"
     rows = bench.main(["--tiny", "--sweep", "--steps", "1", "--repeats", "1", "--out", str(out)])["sweep"]
     assert [r["setting"] for r in rows] == ["baseline", "bogus flag", "tanh GELU"]
     assert rows[0]["speedup"] == pytest.approx(1.0) and rows[2]["step_ms"] > 0 and "speedup" in rows[2]
     assert "error" in rows[1] and "step_ms" not in rows[1]
     markdown = out.with_suffix(".md").read_text()
-    assert "| tanh GELU | `` | `--act gelu_tanh --dtype_residual bfloat16` |" in markdown
+    assert "| tanh GELU | `` | `--act gelu_tanh --dtype_residual bfloat16 --attn xla` |" in markdown
     assert "| bogus flag |" in markdown
