@@ -190,6 +190,18 @@ def test_a_resume_with_a_changed_config_says_what_changed_and_refuses_what_matte
     assert trainer.train(changed, tmp_path)["final_step"] == 4
 
 
+def test_a_setting_added_to_the_configs_at_none_is_no_change():
+    """A checkpoint from before a key existed resumes under a config holding it at None (e.g. the kernel
+    keys, ``configs/common.py:kernels``); at any other value it is a change."""
+    saved = {"model": {"lm": {"width": 8}}, "seed": 0}
+    assert workdir_lib.config_differences(saved, {"model": {"lm": {"width": 8, "attn_impl": None}}, "seed": 0}) == []
+    assert workdir_lib.config_differences(saved, {"model": {"lm": {"width": 8, "attn_impl": "cudnn"}}, "seed": 0}) == \
+        [("model/lm/attn_impl", "<absent>", "cudnn")]
+    assert workdir_lib.config_differences({**saved, "seed": None}, {"model": {"lm": {"width": 8}}}) == []
+    assert workdir_lib.config_differences(saved, {**saved, "deterministic": False}) == \
+        [("deterministic", "<absent>", False)]  # reported; SAFE_TO_CHANGE lets it through
+
+
 def test_one_writer_per_workdir_and_a_stale_lock_is_taken_over(tmp_path, straight, capsys):
     lock = workdir_lib.Lock(tmp_path)
     lock.acquire()
