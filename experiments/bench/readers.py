@@ -27,7 +27,7 @@ import statistics
 import tempfile
 import time
 
-from vitmm.data import examples, formats, pipeline, preprocess
+from vitmm.data import device_feed, examples, formats, pipeline, preprocess
 
 CLIP_PP = ("decode{draft}|random_resized_crop(224, scale=(0.9, 1.0))|value_range(-1, 1)|"
            "tokenize('caption', 64)|keep('image', 'caption_tokens')")
@@ -71,7 +71,7 @@ def rate(spec: dict, pp: str, threads: int, workers: int, batch: int, batches: i
                 next(it)
             rates.append(batches * batch / (time.perf_counter() - start))
     finally:
-        pipeline.close(it)
+        device_feed.close(it)
     return rates
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitmm.data import examples, format_tables, format_wds, formats, pipeline, preprocess, scenes, skips
+from vitmm.data import device_feed, examples, format_tables, format_wds, formats, pipeline, preprocess, scenes, skips
 from vitmm.data.__main__ import main as data_main
 from vitmm.data.images import decode_image, pad_to_square
 
@@ -340,9 +340,9 @@ def test_each_process_gets_its_own_iterator_state_back():
             x, other = np.pad(x, (0, width - len(x))), np.pad(other, (0, width - len(other)))
         return np.stack([x, other])
 
-    saved = pipeline.gather_states(states[mine], allgather)
+    saved = device_feed.gather_states(states[mine], allgather)
     saved = json.loads(json.dumps(saved))  # through the checkpoint's JSON
-    assert [pipeline.own_state(saved, i, 2) for i in range(2)] == states
-    assert pipeline.own_state({"next_index": 3}, 1, 2) == {"next_index": 3}  # one state for everyone, as before
+    assert [device_feed.own_state(saved, i, 2) for i in range(2)] == states
+    assert device_feed.own_state({"next_index": 3}, 1, 2) == {"next_index": 3}  # one state for everyone, as before
     with pytest.raises(ValueError, match="saved by 2 processes; this run has 4. Resume with 2 processes"):
-        pipeline.own_state(saved, 0, 4)
+        device_feed.own_state(saved, 0, 4)

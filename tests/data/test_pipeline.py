@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from vitmm.data import pipeline, preprocess
+from vitmm.data import device_feed, pipeline, preprocess
 
 PP = "decode|value_range(-1, 1)|tokenize('caption', 24)|keep('image', 'caption_tokens', 'label')"
 
@@ -58,11 +58,11 @@ def test_device_iterator_state_points_after_the_last_returned_batch(data_dir, sm
     src = _source(data_dir, small_name)
     pp = preprocess.parse(PP)
     reference = _take(pipeline.train_iterator(src, pp, 8, seed=1), 6)
-    it = pipeline.DeviceIterator(pipeline.train_iterator(src, pp, 8, seed=1), size=3)
+    it = device_feed.DeviceIterator(pipeline.train_iterator(src, pp, 8, seed=1), size=3)
     first = _take(it, 2)
     assert isinstance(first[0]["image"], jax.Array)
     state = it.get_state()  # three more batches already sit in the prefetch queue
-    again = pipeline.DeviceIterator(pipeline.train_iterator(src, pp, 8, seed=1), size=3)
+    again = device_feed.DeviceIterator(pipeline.train_iterator(src, pp, 8, seed=1), size=3)
     again.set_state(state)
     for expected, got in zip(reference[2:], _take(again, 4), strict=True):
         np.testing.assert_array_equal(expected["caption_tokens"], np.asarray(got["caption_tokens"]))
@@ -103,7 +103,7 @@ def test_eval_batches_see_every_record_once_with_padding_masked(data_dir, small_
 
 def test_to_device_keeps_strings_on_host():
     batch = {"x": np.ones((2, 3), np.float32), "text": ["a", "b"]}
-    out = pipeline.to_device(batch)
+    out = device_feed.to_device(batch)
     assert isinstance(out["x"], jax.Array) and out["text"] == ["a", "b"]
 
 

@@ -14,8 +14,6 @@ example is lost or counted twice.
 
 from __future__ import annotations
 
-import collections
-import json
 import math
 import pathlib
 from collections.abc import Callable, Iterator
@@ -200,7 +198,8 @@ def collate(examples: list[dict]) -> dict:
     return batch
 
 
-def _process_slot(process_index, process_count) -> tuple[int, int]:
+def process_slot(process_index, process_count) -> tuple[int, int]:
+    """``(index, count)`` of this process among the readers (JAX's unless given)."""
     index = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
     if not 0 <= index < count:
@@ -232,7 +231,7 @@ def train_iterator(
     number of workers. A resumed run must use the same number. ``close()`` stops the workers; they
     also exit when the trainer dies (even by SIGKILL).
     """
-    index, count = _process_slot(process_index, process_count)
+    index, count = process_slot(process_index, process_count)
     if global_batch_size % count:
         raise ValueError(f"Global batch {global_batch_size} does not split over {count} processes.")
     workers = workers_lib.auto_workers() if workers == -1 else workers
@@ -288,7 +287,7 @@ def eval_batches(
     data (``skips.BadExample``) is masked out the same way. ``_index`` is the
     record's index in the split (-1 for padding).
     """
-    index, count = _process_slot(process_index, process_count)
+    index, count = process_slot(process_index, process_count)
     shards = np.array_split(np.arange(len(source)), count)
     num_batches = max(1, math.ceil(max(len(s) for s in shards) / batch_size))
     mine = np.full(num_batches * batch_size, -1, np.int64)
@@ -323,112 +322,3 @@ def _first_good(source, pp_fn) -> dict:
             return out
     raise ValueError(f"Every one of the {len(source)} evaluation records is bad; check them with "
                      "`python -m vitmm.data check`.")
-
-
-# ----------------------------------------------------------------------------------------------
-# Iterator states of several processes.
-# ----------------------------------------------------------------------------------------------
-def gather_states(state, allgather=None) -> dict:
-    """Every process's iterator state, for one checkpoint written by the first process.
-
-    Processes that skip bad examples read different numbers of records, so their states differ
-    and each must get its own back (``own_state``). ``allgather(array)`` stacks an array from every
-    process (default: ``multihost_utils.process_allgather``); with one process the state is kept
-    as it is."""
-    if allgather is None:
-        if jax.process_count() == 1:
-            return state
-        from jax.experimental import multihost_utils
-
-        allgather = multihost_utils.process_allgather
-    blob = np.frombuffer(json.dumps(state).encode(), np.uint8)
-    lengths = np.asarray(allgather(np.int32(len(blob)))).reshape(-1)
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[: len(blob)] = blob
-    rows = np.asarray(allgather(padded))
-    return {"per_process": [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths, strict=True)]}
-
-
-def own_state(state, process_index: int | None = None, process_count: int | None = None):
-    """This process's part of a ``gather_states`` state (any other state is everyone's)."""
-    if not (isinstance(state, dict) and "per_process" in state):
-        return state
-    index, count = _process_slot(process_index, process_count)
-    states = state["per_process"]
-    if len(states) != count:
-        raise ValueError(f"The checkpoint's data position was saved by {len(states)} processes; this run has {count}. "
-                         f"Resume with {len(states)} processes (each reads its own slice of the data).")
-    return states[index]
-
-
-# ----------------------------------------------------------------------------------------------
-# Device transfer.
-# ----------------------------------------------------------------------------------------------
-def to_device(batch: dict, sharding=None) -> dict:
-    """Moves the numeric arrays of a host batch to devices; other fields stay on the host.
-
-    With a ``sharding`` (e.g. ``NamedSharding(mesh, P("data"))``) each process's rows become its
-    part of one global array (``jax.make_array_from_process_local_data``).
-    """
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
-            if sharding is None:
-                out[key] = jax.device_put(value)
-            else:
-                out[key] = jax.make_array_from_process_local_data(sharding, value)
-        else:
-            out[key] = value
-    return out
-
-
-class DeviceIterator:
-    """Prefetches ``size`` batches onto devices while keeping an exact, resumable state.
-
-    ``get_state()`` is the host iterator's state right after the last batch *returned* (not the
-    ones waiting in the prefetch queue), so saving it with a checkpoint and calling ``set_state``
-    later continues with the next unseen batch.
-    """
-
-    def __init__(self, host_iterator, size: int = 2, put: Callable[[dict], dict] = to_device):
-        self._it, self._size, self._put = host_iterator, size, put
-        self._queue: collections.deque = collections.deque()
-        self._state = host_iterator.get_state()
-
-    def _fill(self):
-        while len(self._queue) < self._size:
-            try:
-                batch = next(self._it)
-            except StopIteration:
-                return
-            self._queue.append((self._put(batch), self._it.get_state()))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        self._fill()
-        if not self._queue:
-            raise StopIteration
-        batch, self._state = self._queue.popleft()
-        self._fill()
-        return batch
-
-    def get_state(self):
-        return self._state
-
-    def set_state(self, state) -> None:
-        self._queue.clear()
-        self._it.set_state(state)
-        self._state = state
-
-    def close(self) -> None:
-        """Stops the host iterator's worker processes, if it has any."""
-        self._queue.clear()
-        close(self._it)
-
-
-def close(iterator) -> None:
-    """``iterator.close()`` where it has one (worker processes to stop)."""
-    if hasattr(iterator, "close"):
-        iterator.close()

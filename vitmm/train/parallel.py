@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vitmm.data import pipeline
+from vitmm.data import device_feed
 
 AXIS = "batch"  # pmap axis name
 MESH_AXIS = "data"
@@ -143,7 +143,7 @@ class Parallel:
         if self.abstract:  # compiling for devices not here: the batch's shapes on them
             return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
                     if isinstance(v, np.ndarray) and v.dtype.kind in "biuf" else v for k, v in batch.items()}
-        return pipeline.to_device(batch, self.batch_sharding)
+        return device_feed.to_device(batch, self.batch_sharding)
 
     # --- compilation -----------------------------------------------------------------------
     def compile(self, step: Callable, state_example, donate: bool = True) -> Callable:

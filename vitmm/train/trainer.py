@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
-from vitmm.data import formats, pipeline, preprocess, skips
+from vitmm.data import device_feed, formats, pipeline, preprocess, skips
 from vitmm.train import determinism, distributed, imported_vlm, optim, pp_template, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
@@ -89,7 +89,7 @@ def _input(config, tokenizer, par: Parallel, task):
         host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
                                        num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8),
                                        workers=inp.get("workers", 0))
-    return pipeline.DeviceIterator(host, size=inp.get("device_prefetch", 2), put=par.put_batch)
+    return device_feed.DeviceIterator(host, size=inp.get("device_prefetch", 2), put=par.put_batch)
 
 
 def _data_spec(inp) -> dict:
@@ -264,7 +264,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     setup = build(config)
     par, tokenizer, task, state = setup.par, setup.tokenizer, setup.task, setup.state
     data = _input(config, tokenizer, par, task)
-    cleanup.callback(pipeline.close, data)  # input worker processes stop however the run ends
+    cleanup.callback(device_feed.close, data)  # input worker processes stop however the run ends
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
     start = 0
     if checkpointer.all_steps() or checkpointer.step_folders():  # an unreadable one must not mean a fresh start
@@ -274,7 +274,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
         changes = workdir_lib.check_config_change(json.loads(saved) if isinstance(saved, str) else saved, config,
                                                   checkpointer.directory)
         state = restored
-        data.set_state(pipeline.own_state(data_state))
+        data.set_state(device_feed.own_state(data_state))
         if is_main:
             print(f"Resumed from step {start} in {checkpointer.directory}", flush=True)
             if changes:
@@ -319,7 +319,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                 shown = {k: f"{host[k]:.3g}" for k in ("loss",) + task.aux_names[:1]}
                 progress.set_postfix(**shown, img_s=f"{host['img_per_s']:.0f}", refresh=False)
             if at_ckpt:  # before evaluating: a failing evaluator never costs the checkpoint
-                _save(checkpointer, step, par.host_state(state), pipeline.gather_states(data.get_state()), config)
+                _save(checkpointer, step, par.host_state(state), device_feed.gather_states(data.get_state()), config)
             checkpointer.check_saves(step)
             if at_eval:
                 host_metrics = par.first(metrics)
