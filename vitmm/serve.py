@@ -21,7 +21,7 @@ text-only with its chat template (``vitmm.chat.LMChat``). Images come as base64 
 only under ``--allow_local_files``; remote URLs are refused (nothing is fetched). A bad request gets
 OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status and
 the server carries on; SIGTERM lets in-flight requests finish, then exits 0. Concurrent greedy
-requests are decoded together (``Batcher``), each answered as it would be alone.
+requests are decoded together (``vitmm.serve_batching.Batcher``), each answered as it would be alone.
 """
 
 import argparse
@@ -29,7 +29,6 @@ import base64
 import binascii
 import json
 import pathlib
-import queue
 import signal
 import sys
 import threading
@@ -37,6 +36,8 @@ import time
 import uuid
 
 import numpy as np
+
+from vitmm import serve_batching
 
 MAX_TOKENS = 4096  # the most tokens a request may ask for
 MAX_IMAGE_BYTES = 20 * 2**20
@@ -67,7 +68,7 @@ class Engine:
         self.model_name = model_name or pathlib.Path(workdir).expanduser().resolve().name
         self.local_root = pathlib.Path(allow_local_files).expanduser().resolve() if allow_local_files else None
         self.created = int(time.time())
-        self.batcher = Batcher(self.chat, max_batch, window_ms / 1000)
+        self.batcher = serve_batching.Batcher(self.chat, max_batch, window_ms / 1000)
 
     # --- requests ----------------------------------------------------------------------------
     def parse(self, body) -> dict:
@@ -218,74 +219,6 @@ class Engine:
             yield text[len(shown):], None
         usage = {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
         yield "", (finish, usage)
-
-
-class Batcher:
-    """Concurrent requests decoded together: the first request waits ``window`` seconds for others
-    (up to ``max_batch``), then one KV-cache decode serves them all, each request's tokens handed
-    to it as they come. Greedy requests (temperature 0) share a batch, and their answers are those
-    of one request at a time (tested); a sampled request decodes alone, so its seed alone decides
-    its draw. One thread does all device work, so requests never interleave on the device."""
-
-    def __init__(self, chat, max_batch: int = 8, window: float = 0.005):
-        self.chat, self.max_batch, self.window = chat, max_batch, window
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = None
-        self.batch_sizes: list[int] = []  # every decode's batch, for tests and the load test
-
-    def submit(self, request: dict):
-        """Yields the request's token ids (EOS last if the answer ends within ``max_tokens``)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, daemon=True, name="vitmm-serve-decoder")
-            self._thread.start()
-        tokens: queue.Queue = queue.Queue()
-        self._queue.put((request, tokens))
-        while True:
-            token = tokens.get()
-            if isinstance(token, BaseException):
-                raise token
-            if token is None:
-                return
-            yield token
-
-    def _loop(self):
-        while True:
-            batch = [self._queue.get()]
-            deadline = time.monotonic() + self.window
-            while len(batch) < self.max_batch:
-                try:
-                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
-            greedy = [item for item in batch if item[0]["temperature"] == 0]
-            groups = ([greedy] if greedy else []) + [[item] for item in batch if item[0]["temperature"] != 0]
-            for group in groups:
-                try:
-                    self._decode(group)
-                except Exception as err:  # noqa: BLE001 - every waiting request gets the error
-                    for _, tokens in group:
-                        tokens.put(err)
-
-    def _decode(self, group):
-        """One decode for ``group``, its rows rounded up to a power of two (filled with copies of the
-        first; the chat rounds the other shapes) so that a server compiles a handful of programs."""
-        rows = 1 << (len(group) - 1).bit_length()
-        examples = [request["example"] for request, _ in group]
-        examples += examples[:1] * (rows - len(examples))
-        first, eos = group[0][0], self.chat.tokenizer.eos_id
-        budget = [request["max_tokens"] for request, _ in group]
-        open_rows = set(range(len(group)))
-        self.batch_sizes.append(len(group))
-        for step, row_tokens in enumerate(self.chat.stream_batch(examples, max(budget), first["temperature"],
-                                                                 first["top_p"], first["seed"])):
-            for row in list(open_rows):
-                token = int(row_tokens[row])
-                group[row][1].put(token)
-                if token == eos or step + 1 == budget[row]:
-                    group[row][1].put(None)
-                    open_rows.discard(row)
-        for row in open_rows:
-            group[row][1].put(None)
 
 
 def _check_number(name, value, low, high, integer=False, low_open=False):
