@@ -1,6 +1,6 @@
 """What the interop parity tests share: the fixture folder, the tolerance, reading a fixture's
-inputs and reference outputs, and the SigLIP two-tower comparison (transformers' outputs, read
-from the hf and the big_vision files alike)."""
+inputs and reference outputs, the SigLIP two-tower comparison (transformers' outputs, read
+from the hf and the big_vision files alike), and a LoRA run from an imported whole VLM."""
 
 import pathlib
 
@@ -71,3 +71,23 @@ def flat_logits(vlm, example: dict) -> tuple[np.ndarray, dict]:
                                   jnp.asarray(row["visual"]), jnp.asarray(row["segment_ids"]), jnp.asarray(positions),
                                   method=VLM.packed)
     return np.asarray(logits[0, :len(seq["tokens"])]), seq
+
+
+def finetune_imported(imported: pathlib.Path, tmp_path: pathlib.Path, sequences: dict) -> tuple[dict, dict, dict]:
+    """Two LoRA steps (``configs/llava_finetune.py``) from the imported VLM workdir ``imported`` on eight
+    LLaVA examples of 24 px, as flat sequences (``input.sequences``); ``(the run's saved config, the
+    imported parameters, the run's)``. The run is ``tmp_path / "run"``."""
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm import config_args
+    from vitmm.data import examples
+    from vitmm.train import trainer
+
+    data = examples.write_llava(tmp_path / "data", 8, resolution=24)
+    config = config_args.load(pathlib.Path(__file__).resolve().parents[2] / "configs/llava_finetune.py",
+                              "lora=4,smoke,steps=2", **{
+                                  "init.checkpoint": str(imported), "input.data_path": str(data),
+                                  "input.image_folder": str(data.parent),
+                                  **{f"input.sequences.{k}": v for k, v in sequences.items()}})
+    run = tmp_path / "run"
+    trainer.train(config, run)
+    return ckpt_lib.load_config(run), ckpt_lib.load_params(imported), ckpt_lib.load_params(run)

@@ -10,7 +10,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from parity import flat_logits
+from parity import finetune_imported, flat_logits
 
 from vitmm.data import tiles
 from vitmm.interop.vlm import idefics3 as hf_idefics3
@@ -73,21 +73,11 @@ def test_what_idefics3_cannot_hold_is_named():
 def test_an_imported_idefics3_fine_tunes_with_lora_on_its_tiles_and_chats(imported, tmp_path):
     """``init.checkpoint`` = the imported workdir: the run takes its tiling (``idefics3_tiles``) and
     trains with LoRA on flat sequences of tiles; the tower stays as imported; the run chats."""
-    from vitmm import chat, config_args
-    from vitmm import checkpoint as ckpt_lib
-    from vitmm.data import examples
-    from vitmm.train import trainer
+    from vitmm import chat
 
     out, _ = imported
-    data = examples.write_llava(tmp_path / "data", 8, resolution=24)
-    config = config_args.load(pathlib.Path(__file__).resolve().parents[2] / "configs/llava_finetune.py",
-                              "lora=4,smoke,steps=2", **{
-                                  "init.checkpoint": str(out), "input.data_path": str(data),
-                                  "input.image_folder": str(data.parent), "input.sequences.length": 256,
-                                  "input.sequences.max_images": 20})
-    trainer.train(config, tmp_path / "run")
-    assert "idefics3_tiles" in ckpt_lib.load_config(tmp_path / "run")["input"]["pp"]
-    before, after = ckpt_lib.load_params(out), ckpt_lib.load_params(tmp_path / "run")
+    saved, before, after = finetune_imported(out, tmp_path, {"length": 256, "max_images": 20})
+    assert "idefics3_tiles" in saved["input"]["pp"]
     assert np.array_equal(after["tower"]["embedding"]["kernel"], before["tower"]["embedding"]["kernel"])
     assert "lora" in after
     assert isinstance(chat.load(tmp_path / "run").ask(np.zeros((20, 40, 3), np.uint8), "what?", 3), str)

@@ -9,7 +9,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from parity import flat_logits
+from parity import finetune_imported, flat_logits
 
 from vitmm.interop.vlm import qwen2_vl as hf_qwen2_vl
 
@@ -65,22 +65,11 @@ def test_an_imported_qwen2_vl_fine_tunes_with_lora_on_its_own_image_steps_and_ch
     """``init.checkpoint`` = the imported workdir: the run takes its image steps (own sizes, two
     frames) with its model; LoRA trains on flat sequences with the tower packed, the tower and the LM
     stay as imported, and the run chats."""
-    from vitmm import chat, config_args
-    from vitmm import checkpoint as ckpt_lib
-    from vitmm.data import examples
-    from vitmm.train import trainer
+    from vitmm import chat
 
     out, _ = imported
-    data = examples.write_llava(tmp_path / "data", 8, resolution=24)
-    config = config_args.load(pathlib.Path(__file__).resolve().parents[2] / "configs/llava_finetune.py",
-                              "lora=4,smoke,steps=2", **{
-                                  "init.checkpoint": str(out), "input.data_path": str(data),
-                                  "input.image_folder": str(data.parent), "input.sequences.length": 192,
-                                  "input.sequences.max_images": 2, "input.sequences.tower_length": 128})
-    trainer.train(config, tmp_path / "run")
-    saved = ckpt_lib.load_config(tmp_path / "run")
+    saved, before, after = finetune_imported(out, tmp_path, {"length": 192, "max_images": 2, "tower_length": 128})
     assert "smart_resize" in saved["input"]["pp"] and "temporal_patch(2)" in saved["input"]["pp"]
-    before, after = ckpt_lib.load_params(out), ckpt_lib.load_params(tmp_path / "run")
     assert np.array_equal(after["tower"]["embedding"]["kernel"], before["tower"]["embedding"]["kernel"])
     assert "lora" in after
     assert isinstance(chat.load(tmp_path / "run").ask(np.zeros((20, 40, 3), np.uint8), "what?", 3), str)
