@@ -63,25 +63,14 @@ def get_config(arg=None):
     c.evals.retrieval = dict(type="retrieval", data=val, num_examples=1000)
     c.evals.val = dict(type="val_loss", data=val, num_examples=1000, batch_size=256)
 
-    if arg.scale == "b16":
-        fast = dict(dtype_mm="bfloat16", attn_impl=arg.attn)
-        c.batch_size = arg.batch
-        c.input.image_size = 224
-        c.input.workers, c.input.num_threads = -1, 2  # one reader process per spare core, 2 threads each
-        c.input.device_normalize = True  # uint8 to the GPU: a quarter of the bytes, the cast fused
-        c.input.prefetch = 16  # grain runs no more reader threads than batches it may hold ahead
-        c.model.image = dict(variant="B/16", pool="gap", class_token=False, posemb="sincos2d", **fast)
-        c.model.text = dict(c.model.text.to_dict(), width=512, depth=12, mlp_dim=2048, num_heads=8, dtype_mm="bfloat16")
-        c.model.embed_dim = 512
-        c.optim.lr = 5e-4
+    if arg.scale == "b16":  # OpenAI CLIP-B/16's towers
+        common.b16_scale(c, batch=arg.batch, attn=arg.attn, image=dict(pool="gap"),
+                         text=dict(width=512, mlp_dim=2048, num_heads=8), embed_dim=512, lr=5e-4, smoke=arg.smoke)
     elif arg.scale != "demo":
         raise ValueError(f"scale={arg.scale!r}: choose demo or b16.")
 
     c.multihost = common.multihost()
     if arg.smoke:
         common.smoke(c, steps=arg.steps)
-        if arg.scale == "b16":
-            c.model.image.depth = c.model.text.depth = 1
-            c.input.workers, c.input.num_threads = 0, 1
     c.lock()
     return c

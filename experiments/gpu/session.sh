@@ -3,7 +3,8 @@
 # the connectors at real sizes (part 3), then the ViT-B/16 profile (part 2), --dry_run against a real
 # step's memory (part 4, issue 59) and deterministic=True's cost and repeatability (part 5) while time is left.
 #   bash experiments/gpu/carry.sh                                   # here, once
-#   run(command="BUDGET_S=560 bash experiments/gpu/session.sh", carry=[".whl", ".gpu_data"], timeout_s=590)
+#   run(command="BUDGET_S=560 bash experiments/gpu/session.sh", carry=[".whl", ".gpu_data", ".gpu_smollm2"],
+#       timeout_s=590)
 #   TINY_DATA=DIR bash experiments/gpu/session.sh --tiny            # here, on the CPU: every step at smoke scale
 # Each step gets what is left of BUDGET_S (seconds, default 560) and is cut off before it runs over; a
 # failing step is logged and the next runs. Everything is packed into $OUT/gpu_session.tgz (the device
@@ -22,12 +23,12 @@ PY=python3
 if [ "$tiny" = --tiny ]; then
     PY=.venv/bin/python
     CONNECTORS=(--tiny) PROFILE=(--tiny --cases "ViT-B/16 cudnn")
-    DEMO_S=300 LOOP_S=300 RESUME_S=300 PARTS=${PARTS:-demo loop resume}
+    DEMO_S=300 LOOP_S=300 RESUME_S=300 PARTS=${PARTS:-demo loop loop_siglip loop_vlm resume}
 else
     CONNECTORS=(--lms smollm2_135m) PROFILE=(--cases "ViT-B/16 cudnn" --no_agreement)
     DEMO_S=${DEMO_S:-150} LOOP_S=${LOOP_S:-150} RESUME_S=${RESUME_S:-120}
     # the demo config and the resume check ran on 2026-12-04 (results/gpu_trainer/): the loop's ratio remains
-    PARTS=${PARTS:-loop}
+    PARTS=${PARTS:-loop loop_siglip loop_vlm}  # issue 52 part 4: CLIP-B/16, SigLIP-B/16, a SmolLM2 VLM stage 1
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv

@@ -61,7 +61,8 @@ def fake_coco(tmp_path_factory):
 
 @pytest.mark.parametrize("name, expected_millions", [("clip_b16_coco", (120, 130)),
                                                      ("siglip_b16", (175, 185)),
-                                                     ("clip_scenes:scale=b16,attn=xla", (120, 130))])
+                                                     ("clip_scenes:scale=b16,attn=xla", (120, 130)),
+                                                     ("siglip_scenes:scale=b16,attn=xla", (175, 180))])
 def test_full_size_models_build(name, expected_millions):
     c = _config(*name.split(":"))
     model = two_towers.TwoTowers(**c.model.to_dict())
@@ -72,7 +73,8 @@ def test_full_size_models_build(name, expected_millions):
     assert lo < millions < hi, millions  # byte vocabulary: no 49k/32k token embedding table
     assert c.model.image.dtype_mm == "bfloat16" and c.model.text.dtype_mm == "bfloat16"
     assert c.model.image.get("scan") or c.model.image.attn_impl == "xla"  # the scenes job at GPU scale, on a CPU
-    assert _config("clip_scenes", "scale=b16").model.image.attn_impl == "cudnn"  # its default
+    for scenes in ("clip_scenes", "siglip_scenes"):
+        assert _config(scenes, "scale=b16").model.image.attn_impl == "cudnn"  # its default
 
 
 # clip_b16_coco takes the same reader and smoke path as siglip_b16 (~14 s; its model is built above)
