@@ -149,7 +149,7 @@ def test_patch_step_smoke_times_both_embeddings_that_agree(tmp_path, lesson):
     assert (out / "patch_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_channels_inputs_and_smoke_run(tmp_path, lesson):
+def test_channels_inputs(lesson):
     ch = lesson("channels")
     rgb = np.array([[[[255, 0, 0], [0, 0, 255]]]], np.uint8)  # a red and a blue pixel
     np.testing.assert_array_equal(ch.to_channels(rgb, 1)[..., 0], [[[76, 29]]])  # 0.299·255, 0.114·255
@@ -162,6 +162,10 @@ def test_channels_inputs_and_smoke_run(tmp_path, lesson):
     assert 3 < np.abs(a - b).mean() < 10 and abs((a - b).mean()) < 0.5
     with pytest.raises(ValueError, match="channels must be 1, 3 or 8"):
         ch.to_channels(rgb, 4)
+
+
+@pytest.mark.slow  # the inputs are checked above, the report from the committed runs below; this is the script (17 s)
+def test_channels_smoke_run(tmp_path, lesson):
     out = tmp_path / "ch"
     _smoke(lesson, "channels", out)
     cost = {(r["channels"], r["stem"]): r for r in csv.DictReader(open(out / "cost.csv"))}
