@@ -43,7 +43,8 @@ class JobContext(TypedDict, total=False):
     stage1_steps: int  # connector-only steps before the joint phase
     jobs: dict  # {job key: {"connector": cfg, "view": name}}
     views: dict  # {view name: {"grid": ...}}
-    tune_seed: int  # the seed tuning runs at
+    tune_seeds: list  # the seeds tuning runs at
+    tune_done: dict  # {tuning key: {seed: result}} already kept: not trained again
     chosen: dict  # {family: (lr, warmup)}
     snapshots: tuple  # (folder, signature): where a run's mid-run snapshot lives
     seed_log: tuple  # (path, signature): each finished seed is appended there

@@ -342,20 +342,20 @@ def main(argv=None) -> pathlib.Path:
                                len(seeds) * (args.stage1_steps + args.steps), seeds, before=ensure_stage0)
 
     top, seed0 = args.budgets[-1], args.seeds[0]
-    lrs = {p: list(args.tune_lrs) for p in (*PATHS, BLIND)}
+    lrs = {(p, top): list(args.tune_lrs) for p in (*PATHS, BLIND)}
     tuned = {}
     while len(args.tune_lrs) > 1:  # the grid, then one more rate past an edge that wins, until none does
-        tuned = run_cells(tune_job, [(p, top, lr) for p, grid in lrs.items() for lr in grid], "tuning.jsonl", "tuning",
-                          [seed0])
+        tuned = run_cells(tune_job, [(p, b, lr) for (p, b), grid in lrs.items() for lr in grid], "tuning.jsonl",
+                          "tuning", [seed0])
         extra = tune.extend_grid({(p, b, lr, 0): r for (p, b, lr), r in tuned.items()}, lrs, args.tune_lrs,
                                  args.tune_extend, args.min_delta)
         if not extra:
             break
-        print(f"best rate at an edge of the grid: trying {extra}")
-        for p, lr in extra.items():
-            lrs[p].append(lr)
+        print(f"best rate at an edge of the grid: trying { {p: lr for (p, _), lr in extra.items()} }")
+        for point, lr in extra.items():
+            lrs[point].append(lr)
     # each path's best validation accuracy (ties: the smaller rate)
-    context["chosen"] = chosen = {p: max(lrs[p], key=lambda lr, p=p: (
+    context["chosen"] = chosen = {p: max(lrs[(p, top)], key=lambda lr, p=p: (
         tuned[(p, top, lr)][seed0]["accuracy"] if tuned else 0.0, -lr)) for p in (*PATHS, BLIND)}
     settings["chosen"] = chosen
     keys = [(p, b) for b in reversed(args.budgets) for p in PATHS] + [(BLIND, top)]

@@ -67,6 +67,10 @@ def parse_args(argv=None):
         "lr grid)")
     add("--tune_budget", type=int, default=None, help="visual tokens at which each family is tuned (its nearest "
         "reachable count)")
+    add("--tune_each_budget", action="store_true", help="tune every family at every budget of the grid on its own "
+        "(default: once, at --tune_budget, the rate used at every budget)")
+    add("--tune_seeds", type=int, default=1, help="the first this many of --seeds train each tuning point, the rate "
+        "chosen on their mean")
     add("--param_budget", type=int, default=None, help="the equal-parameter comparison: every family with a size "
         "knob sized to this many connector parameters (0: skip)")
     add("--param_tokens", type=int, default=None, help="the token budget of the equal-parameter comparison")
@@ -117,6 +121,8 @@ def parse_args(argv=None):
         if missing:
             parser.error(f"--chosen names no lr/warmup for {missing}; add e.g. {missing[0]}=1e-3/25.")
     args.chosen = args.chosen or None
+    if not 1 <= args.tune_seeds <= len(args.seeds):
+        parser.error(f"--tune_seeds {args.tune_seeds}: between 1 and the {len(args.seeds)} seeds of --seeds.")
     args.parser = parser
     return args
 

@@ -13,6 +13,7 @@ from experiments.common.feature_vlm import (
     time_steps,
     train_and_eval,
 )
+from experiments.token_budget import tune
 from vitmm.models import connectors, lm
 
 
@@ -31,7 +32,7 @@ def job(key, arrays: dict, context: JobContext, progress) -> dict:
     signature)`` each finished seed is appended there as it ends, and seeds found there
     (``context["seeds_done"]``) are not trained again: a sweep stopped mid-job loses one seed's run."""
     c = context
-    lr, warmup = c["chosen"][key[0]]
+    lr, warmup = tune.rate(c["chosen"], key[0], key[1])
     run, view = _run(c, key, lr, warmup), c["jobs"][key]["view"]
 
     def one(seed):
@@ -45,13 +46,16 @@ def job(key, arrays: dict, context: JobContext, progress) -> dict:
 
 def tune_job(key, arrays: dict, context: JobContext, progress) -> dict:
     """``{seed: result}`` on the whole validation split for one (family, tokens, lr, warmup) of
-    the tuning grid, at the tuning seed."""
+    the tuning grid, at each tuning seed (``context["tune_seeds"]``; those in ``tune_done``, e.g. a
+    sweep that tuned on fewer seeds before, are not trained again)."""
     c, (family, tokens, lr, warmup) = context, key
     job_key = (family, tokens, "")
     run, view = _run(c, job_key, lr, warmup), c["jobs"][job_key]["view"]
-    seed = c["tune_seed"]
-    return {seed: train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["val"], c["plan"], view,
-                                 progress=progress, snapshot=snapshot_path(c, "tuning", key, seed))}
+    done = c.get("tune_done", {}).get(tuple(key), {})
+    return {seed: done[seed] if seed in done else
+            train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["val"], c["plan"], view,
+                           progress=progress, snapshot=snapshot_path(c, "tuning", key, seed))
+            for seed in c["tune_seeds"]}
 
 
 def costs(connector_cfg: dict | None, lm_cfg: dict, in_dim: int, grid, tokens: int, seq_text: int) -> dict:

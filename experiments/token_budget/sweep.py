@@ -25,7 +25,10 @@ curves) and the best check's parameters are scored per question kind on the test
 family's learning rate and warmup are chosen first on the validation split at ``--tune_budget``
 tokens and the first seed: the best of ``--tune_lrs`` at the first of ``--tune_warmups`` (a best
 rate at an edge of the grid tries the next one past it, up to ``--tune_extend`` more), then the
-other warmups at that rate (``tuning.jsonl``; ``--lr`` skips tuning). Exact match is computed
+other warmups at that rate (``tuning.jsonl``; ``--lr`` skips tuning). ``--tune_each_budget`` tunes
+every family at every budget on its own, each run then at its own budget's rate (an encoder-side row
+at its family's nearest tuned count), and ``--tune_seeds K`` trains each tuning point on the first K
+seeds and chooses on their mean (points already tuned on fewer seeds train only the new ones). Exact match is computed
 teacher-forced in one forward pass, which equals greedy decoding's exact match
 (``vitmm.decode.answer_scores``).
 
@@ -194,44 +197,55 @@ def encode_features(args, out: pathlib.Path) -> Features:
 
 
 def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature: str) -> tuple[dict, dict]:
-    """``(tuning results, {family: (lr, warmup)})``: at the token count nearest ``--tune_budget``
-    and the first seed, on validation, the lr grid at the first warmup (a best rate at an edge of
-    the grid tries the next one past it), then the other warmups at the family's best lr; or the
-    rates ``--chosen`` names, or (one lr, one warmup) no tuning at all."""
+    """``(tuning results, {label: (lr, warmup)})`` (``tune.label``: per family, or per family and token
+    count with ``--tune_each_budget``): on validation, at the token count nearest ``--tune_budget`` (or
+    at each of the grid's), over the first ``--tune_seeds`` seeds (their mean decides), the lr grid at
+    the first warmup (a best rate at an edge of the grid tries the next one past it), then the other
+    warmups at the best lr; or the rates ``--chosen`` names, or (one lr, one warmup) no tuning at all."""
     run_steps = args.stage1_steps + args.steps
-    tune_at = {}
-    for family, tokens, variant in jobs:
-        if variant == "" and (family not in tune_at or abs(math.log(tokens / args.tune_budget))
-                              < abs(math.log(tune_at[family] / args.tune_budget))):
-            tune_at[family] = tokens
+    families = {family for family, _, variant in jobs if variant == ""}
+    if args.tune_each_budget:
+        points = sorted({(family, tokens) for family, tokens, variant in jobs if variant == ""})
+    else:
+        tune_at = {}
+        for family, tokens, variant in jobs:
+            if variant == "" and (family not in tune_at or abs(math.log(tokens / args.tune_budget))
+                                  < abs(math.log(tune_at[family] / args.tune_budget))):
+                tune_at[family] = tokens
+        points = sorted(tune_at.items())
     tuned, tuning = {}, args.chosen is None and (len(args.tune_lrs) > 1 or len(args.tune_warmups) > 1)
     if args.chosen is not None:
-        return tuned, {f: args.chosen[f] for f in tune_at}
+        return tuned, {f: args.chosen[f] for f in families}
     if not tuning:
-        return tuned, {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in tune_at}
+        return tuned, {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in families}
+    seeds = args.seeds[:args.tune_seeds]
     if args.interim:
-        tuned = store.load_cells(out / "tuning.jsonl", signature)
-        chosen = tune.choose(tuned)
-        if set(chosen) != set(tune_at):
+        tuned = {k: v for k, v in store.load_cells(out / "tuning.jsonl", signature).items()
+                 if set(seeds) <= set(v)}
+        chosen = tune.choose(tuned, args.tune_each_budget)
+        wanted = {tune.label(f, t, args.tune_each_budget) for f, t in points}
+        if not wanted <= set(chosen):
             args.parser.error(f"--interim: tuning has finished for {sorted(chosen)} only, so the main stage has no "
                               f"runs yet; its {len(tuned)} runs are in {out / 'tuning.jsonl'}.")
         return tuned, chosen
-    lrs = {f: list(args.tune_lrs) for f in tune_at}
+    lrs = {point: list(args.tune_lrs) for point in points}
     while True:  # the grid, then one more rate past an edge that wins, until none does
-        keys = [(f, t, x, args.tune_warmups[0]) for f, t in tune_at.items() for x in lrs[f]]
+        keys = [(f, t, x, args.tune_warmups[0]) for (f, t), grid in lrs.items() for x in grid]
         tuned = run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", signature,
-                          "tuning (lr)", args.seeds[:1], run_steps)
+                          "tuning (lr)", seeds, run_steps)
         extra = tune.extend_grid(tuned, lrs, args.tune_lrs, args.tune_extend, args.min_delta)
         if not extra:
             break
         print(f"best rate at an edge of the grid: trying {extra}")
-        for f, x in extra.items():
-            lrs[f].append(x)
-    best_lr = {f: lr for f, (lr, _) in tune.choose(tuned).items()}
-    keys = [(f, t, best_lr[f], w) for f, t in tune_at.items() for w in args.tune_warmups[1:]]
-    tuned.update(run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl", signature,
-                           "tuning (warmup)", args.seeds[:1], run_steps))
-    return tuned, tune.choose(tuned)
+        for point, x in extra.items():
+            lrs[point].append(x)
+    best = tune.choose(tuned, args.tune_each_budget)
+    keys = [(f, t, best[tune.label(f, t, args.tune_each_budget)][0], w) for f, t in points
+            for w in args.tune_warmups[1:]]
+    if keys:
+        tuned.update(run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl",
+                               signature, "tuning (warmup)", seeds, run_steps))
+    return tuned, tune.choose(tuned, args.tune_each_budget)
 
 
 def result_rows(args, plan: list, same: dict, results: dict, chosen: dict, costs: dict) -> tuple[list, dict]:
@@ -248,8 +262,8 @@ def result_rows(args, plan: list, same: dict, results: dict, chosen: dict, costs
         for seed in [seed for seed in args.seeds if seed in results.get(key, {})]:
             res = {k: v for k, v in results[key][seed].items() if k != "curve"}
             res["late_gain"] = report.late_gain(results[key][seed]["curve"])
-            rows.append({**base, "seed": seed, "status": "ok", "lr": chosen[family][0], "warmup": chosen[family][1],
-                         **costs[key], **res})
+            lr, warmup = tune.rate(chosen, family, tokens)
+            rows.append({**base, "seed": seed, "status": "ok", "lr": lr, "warmup": warmup, **costs[key], **res})
     curves = {f"{f}|{t}|{v}|{seed}": res["curve"] for (f, t, v), by_seed in results.items()
               for seed, res in by_seed.items()}
     return rows, curves
@@ -300,7 +314,7 @@ def main(argv=None) -> pathlib.Path:
     views = {"": {"grid": f.grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}}
     context = feature_vlm.JobContext(
         tower_cfg=f.tower_cfg, lm_cfg=lm_cfg, in_dim=in_dim, max_len=f.max_len, seeds=args.seeds, stage0={},
-        stage1_steps=args.stage1_steps, jobs=jobs, tune_seed=args.seeds[0],
+        stage1_steps=args.stage1_steps, jobs=jobs, tune_seeds=args.seeds[:args.tune_seeds],
         views={k.removeprefix("grid"): v for k, v in views.items()},
         snapshots=(str(out / "snapshots"), store.signature({**settings, "plan": train_plan})),  # a killed run resumes
         plan={**train_plan, "eval_batch": args.eval_batch})  # a setting of speed, left out of the signatures
@@ -319,9 +333,12 @@ def main(argv=None) -> pathlib.Path:
         return store.run_cells(path, signature, keys, fn, arrays, context, args.workers, desc,
                                len(seeds) * steps_per_seed, seeds, before=ensure_stage0, holds=holds)
 
-    tuned, chosen = tune_families(args, jobs, run_cells, out, store.signature({**settings, "tune_seed": args.seeds[0]}))
+    tune_sig = store.signature({**settings, "tune_seed": args.seeds[0]})  # the tuning seeds' list left out, as the
+    context["tune_done"] = store.load_cells(out / "tuning.jsonl", tune_sig)  # main seeds': more train only the new
+    tuned, chosen = tune_families(args, jobs, run_cells, out, tune_sig)
     context["chosen"] = chosen
-    print(f"(lr, warmup) per family (validation, seed {args.seeds[0]}, {len(tuned)} tuning runs): {chosen}")
+    print(f"(lr, warmup) per {'family and token count' if args.tune_each_budget else 'family'} (validation, seeds "
+          f"{args.seeds[:args.tune_seeds]}, {len(tuned)} tuning points): {chosen}")
 
     cells_sig = store.signature({**settings, "chosen": chosen})
     # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
@@ -346,9 +363,10 @@ def main(argv=None) -> pathlib.Path:
     shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # no machine paths in results
     if not stage0_loss and (out / "setup.json").is_file():  # every cell was reused: so is stage 0's record
         stage0_loss = json.loads((out / "setup.json").read_text()).get("stage0_final_loss", {})
-    tuning = {}  # {"family@tokens": {"lr/warmup": validation accuracy}}
+    tuning = {}  # {"family@tokens": {"lr/warmup": validation accuracy, the tuning seeds' mean}}
     for (family, tokens, x, w), res in sorted(tuned.items()):
-        tuning.setdefault(f"{family}@{tokens}", {})[f"{x:g}/{w}"] = res[args.seeds[0]]["accuracy"]
+        tuning.setdefault(f"{family}@{tokens}", {})[f"{x:g}/{w}"] = float(
+            np.mean([res[s]["accuracy"] for s in args.seeds[:args.tune_seeds]]))
     setup = {"tower": str(shown), "tower_fingerprint": f.fingerprint, "tower_config": f.tower_cfg, "data": f.data,
              "image_size": f.image_size, "grid": list(f.grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
              "tune_lrs": args.tune_lrs, "tune_warmups": args.tune_warmups, "tune_budget": args.tune_budget,
@@ -361,6 +379,8 @@ def main(argv=None) -> pathlib.Path:
              "train_questions": len(train["ids"]), "val_questions": len(val["ids"]),
              "test_questions": len(test["ids"]), "workers": args.workers,
              "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": outputs.command()}
+    if args.tune_each_budget or args.tune_seeds > 1:  # (absent: tuned at tune_budget on tune_seed alone)
+        setup.update(tune_each_budget=args.tune_each_budget, tune_seeds=args.seeds[:args.tune_seeds])
     if args.interim:
         setup["interim"] = dict(runs=sum(len(set(by_seed) & set(args.seeds)) for by_seed in results.values()),
                                 of=len(jobs) * len(args.seeds))

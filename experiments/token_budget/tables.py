@@ -59,8 +59,8 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
     plan = setup["plan"]
     tuned = (f"; each family's learning rate and warmup (column lr/warmup) the best of lr {setup['tune_lrs']} "
              f"(warmup {setup['tune_warmups'][0]}), then warmup {setup['tune_warmups']} at that lr, on all "
-             f"{setup['val_questions']:,} validation questions at {setup['tune_budget']} tokens, seed "
-             f"{setup['tune_seed']}" if len(setup["tune_lrs"]) > 1 or len(setup["tune_warmups"]) > 1 else "")
+             f"{setup['val_questions']:,} validation questions {_tuned_where(setup)}"
+             if len(setup["tune_lrs"]) > 1 or len(setup["tune_warmups"]) > 1 else "")
     if setup.get("chosen_given"):
         tuned = "; each family's learning rate and warmup (column lr/warmup) given with `--chosen`, not tuned here"
     interim, lines = setup.get("interim"), []
@@ -110,6 +110,13 @@ def to_markdown(summary: list[dict], setup: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tuned_where(setup: dict) -> str:
+    """Where and on which seeds the rates were tuned (a setup from before these options: one budget, one seed)."""
+    where = "at each budget on its own" if setup.get("tune_each_budget") else f"at {setup['tune_budget']} tokens"
+    seeds = setup.get("tune_seeds") or [setup["tune_seed"]]
+    return where + (f", the mean of seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f", seed {seeds[0]}")
+
+
 def tuning_lines(setup: dict) -> list[str]:
     """The tuning grid as a table: each family's validation accuracy (%) per learning rate at the
     first warmup, then at the other warmups (run at the family's best rate), the chosen setting in bold."""
@@ -128,20 +135,25 @@ def tuning_lines(setup: dict) -> list[str]:
         text = f"{100 * r[setting]:.1f}"
         return f"**{text}**" if list(setting) == [float(x) for x in chosen.get(family, ())] else text
 
+    each = bool(setup.get("tune_each_budget"))
+    seeds = setup.get("tune_seeds") or [setup["tune_seed"]]
+
     # Each family's best rate at the first warmup (ties: the smaller rate); runs at another warmup
     # and another rate (e.g. a pilot's) are off the grid and listed apart.
     best = {name: max((lr for lr, w in r if w == first), key=lambda lr: (r[(lr, first)], -lr), default=None)
             for name, r in runs.items()}
     extra = {name: sorted(s for s in r if s[1] != first and s[0] != best[name]) for name, r in runs.items()}
-    lines = [f"Tuning (validation exact match in %, all {setup['val_questions']:,} validation questions, seed "
-             f"{setup['tune_seed']}, one run each; the chosen lr/warmup in bold, used for every row of its family; "
+    runs_each = (f"seed {seeds[0]}, one run each" if len(seeds) == 1 else
+                 f"the mean of seeds {', '.join(map(str, seeds))}, {len(seeds)} runs each")
+    lines = [f"Tuning (validation exact match in %, all {setup['val_questions']:,} validation questions, {runs_each}; "
+             f"the chosen lr/warmup in bold, used for every row of its family{' at these tokens' if each else ''}; "
              "blank: not run, the grid grows past its edge only for a family best there):", "",
              "| family @ tokens | " + " | ".join(f"lr {lr:g}" for lr in lrs)
              + "".join(f" | warmup {w} (at the best lr)" for w in warmups) + " | chosen lr/warmup |"
              + (" other runs |" if any(extra.values()) else ""),
              "|---|" + "---:|" * (len(lrs) + len(warmups)) + "---:|" + ("---|" if any(extra.values()) else "")]
     for name, r in runs.items():
-        family = name.split("@")[0]
+        family = name if each else name.split("@")[0]  # the key of its choice
         lr_w = chosen.get(family)
         lines.append(f"| {name} | " + " | ".join(cell(r, (lr, first), family) for lr in lrs)
                      + "".join(f" | {cell(r, (best[name], w), family)}" for w in warmups)

@@ -1,5 +1,8 @@
 """How the token-budget sweep chooses each family's learning rate and warmup: the best on
-validation in a grid that grows past an edge while the edge wins."""
+validation (the mean over the tuning seeds) in a grid that grows past an edge while the edge wins.
+A family is tuned once, at one token count, or at every budget on its own (``--tune_each_budget``):
+the tuning results are keyed ``(family, tokens, lr, warmup)`` either way, and a choice is kept under
+``family`` or ``family@tokens`` (``label``; ``rate`` finds a run's)."""
 
 from __future__ import annotations
 
@@ -8,15 +11,33 @@ import math
 import numpy as np
 
 
-def choose(tuned: dict) -> dict:
-    """``{family: (lr, warmup)}`` with the best validation accuracy in the tuning grid (ties: the
-    smaller lr, then the shorter warmup)."""
+def label(family: str, tokens: int, each_budget: bool) -> str:
+    """The key of a choice: ``family``, or ``family@tokens`` when every budget is tuned on its own."""
+    return f"{family}@{tokens}" if each_budget else family
+
+
+def rate(chosen: dict, family: str, tokens: int) -> tuple:
+    """The ``(lr, warmup)`` a run of ``family`` at ``tokens`` uses: the family's choice, or the one
+    tuned at these tokens (at the nearest tuned count, e.g. for an encoder-side row)."""
+    if family in chosen:
+        return tuple(chosen[family])
+    tuned = {int(k.rsplit("@", 1)[1]): v for k, v in chosen.items() if k.rsplit("@", 1)[0] == family}
+    if not tuned:
+        raise KeyError(f"no learning rate chosen for {family}")
+    return tuple(tuned[min(tuned, key=lambda t: (abs(math.log(t / tokens)), t))])
+
+
+def choose(tuned: dict, each_budget: bool = False) -> dict:
+    """``{label: (lr, warmup)}`` with the best validation accuracy (the mean over the tuning seeds)
+    in the tuning grid of each family (or each family and token count; ``label``); ties: the smaller
+    lr, then the shorter warmup."""
     best = {}
-    for (family, _, lr, warmup), results in tuned.items():
+    for (family, tokens, lr, warmup), results in tuned.items():
+        unit = label(family, tokens, each_budget)
         acc = np.mean([r["accuracy"] for r in results.values()])
-        if family not in best or (acc, -lr, -warmup) > (best[family][1], -best[family][0][0], -best[family][0][1]):
-            best[family] = ((lr, warmup), acc)
-    return {family: setting for family, (setting, _) in best.items()}
+        if unit not in best or (acc, -lr, -warmup) > (best[unit][1], -best[unit][0][0], -best[unit][0][1]):
+            best[unit] = ((lr, warmup), acc)
+    return {unit: setting for unit, (setting, _) in best.items()}
 
 
 def next_rate(lr: float, up: bool) -> float:
@@ -27,14 +48,14 @@ def next_rate(lr: float, up: bool) -> float:
 
 
 def extend_grid(tuned: dict, lrs: dict, base: list, max_extra: int, min_gain: float) -> dict:
-    """``{family: next lr}`` for each family whose best rate sits at an edge of its grid ``lrs[family]``
-    and beats its neighbour there by at least ``min_gain``: the grid continues one step past that
-    edge on the 1-3-10 ladder, at most ``max_extra`` rates beyond ``base`` on each side. A flat
-    edge (blind, whose rate hardly matters) is not extended."""
+    """``{(family, tokens): next lr}`` for each tuned point whose best rate sits at an edge of its grid
+    ``lrs[(family, tokens)]`` and beats its neighbour there by at least ``min_gain``: the grid continues
+    one step past that edge on the 1-3-10 ladder, at most ``max_extra`` rates beyond ``base`` on each
+    side. A flat edge (blind, whose rate hardly matters) is not extended."""
     out = {}
-    for family, grid in lrs.items():
-        acc = {lr: np.mean([r["accuracy"] for r in res.values()]) for (f, _, lr, _), res in tuned.items()
-               if f == family and lr in grid}
+    for unit, grid in lrs.items():
+        acc = {lr: np.mean([r["accuracy"] for r in res.values()]) for (f, t, lr, _), res in tuned.items()
+               if (f, t) == unit and lr in grid}
         if len(acc) < 2:
             continue
         ordered = sorted(acc)
@@ -42,5 +63,5 @@ def extend_grid(tuned: dict, lrs: dict, base: list, max_extra: int, min_gain: fl
         for edge, neighbour, up, beyond in ((ordered[0], ordered[1], False, sum(x < min(base) for x in grid)),
                                             (ordered[-1], ordered[-2], True, sum(x > max(base) for x in grid))):
             if best == edge and acc[edge] >= acc[neighbour] + min_gain and beyond < max_extra:
-                out[family] = next_rate(edge, up)
+                out[unit] = next_rate(edge, up)
     return out

@@ -1,5 +1,6 @@
 """The token-budget experiment: budget resolution, and a smoke sweep that writes every output."""
 
+import argparse
 import csv
 import json
 import os
@@ -594,19 +595,48 @@ def test_the_lr_grid_grows_past_an_edge_only_while_the_edge_wins(tb):
     def tuned(family, accs):
         return {(family, 16, lr, 25): {0: {"accuracy": a}} for lr, a in accs.items()}
 
-    grid = {"low": list(base), "high": list(base), "mid": list(base), "flat": list(base)}
+    low, high = ("low", 16), ("high", 16)
+    grid = {(f, 16): list(base) for f in ("low", "high", "mid", "flat")}
     results = {**tuned("low", {1e-4: 0.9, 3e-4: 0.85, 1e-3: 0.8, 3e-3: 0.7}),
                **tuned("high", {1e-4: 0.6, 3e-4: 0.7, 1e-3: 0.8, 3e-3: 0.85}),
                **tuned("mid", {1e-4: 0.6, 3e-4: 0.9, 1e-3: 0.8, 3e-3: 0.7}),
                **tuned("flat", {1e-4: 0.446, 3e-4: 0.445, 1e-3: 0.446, 3e-3: 0.444})}
-    assert tune.extend_grid(results, grid, base, 2, 0.005) == {"low": 3e-5, "high": 1e-2}
-    grid["low"].append(3e-5)
+    assert tune.extend_grid(results, grid, base, 2, 0.005) == {low: 3e-5, high: 1e-2}
+    grid[low].append(3e-5)
     results.update(tuned("low", {3e-5: 0.95}))
-    assert tune.extend_grid(results, {"low": grid["low"]}, base, 2, 0.005) == {"low": 1e-5}
-    grid["low"].append(1e-5)
+    assert tune.extend_grid(results, {low: grid[low]}, base, 2, 0.005) == {low: 1e-5}
+    grid[low].append(1e-5)
     results.update(tuned("low", {1e-5: 0.97}))
-    assert tune.extend_grid(results, {"low": grid["low"]}, base, 2, 0.005) == {}  # two past the grid: enough
-    assert tune.extend_grid(results, {"high": grid["high"]}, base, 0, 0.005) == {}
+    assert tune.extend_grid(results, {low: grid[low]}, base, 2, 0.005) == {}  # two past the grid: enough
+    assert tune.extend_grid(results, {high: grid[high]}, base, 0, 0.005) == {}
+
+
+def test_each_budget_tuned_on_its_own_over_two_seeds(tb):
+    """``--tune_each_budget --tune_seeds 2``: a choice per family and token count on the mean of the
+    seeds, a grid extended per token count, and each run's rate found by its family and tokens (an
+    encoder-side row's at the nearest tuned count)."""
+    accuracy = {("pool", 4): {1e-4: 0.4, 3e-4: 0.5}, ("pool", 16): {1e-4: 0.6, 3e-4: 0.5},
+                ("blind", 1): {1e-4: 0.3, 3e-4: 0.3}}
+    calls = []
+
+    def run_cells(fn, keys, path, signature, desc, seeds, steps):  # seed 1 a little worse: the mean decides
+        calls.append((desc, sorted(keys), list(seeds)))
+        return {k: {s: {"accuracy": accuracy[k[:2]].get(k[2], 0.55) - 0.01 * s} for s in seeds} for k in keys}
+
+    args = argparse.Namespace(stage1_steps=0, steps=10, tune_budget=16, chosen=None, tune_lrs=[1e-4, 3e-4],
+                              tune_warmups=[25], interim=False, tune_extend=1, min_delta=0.005, seeds=[0, 1, 2],
+                              tune_each_budget=True, tune_seeds=2)
+    jobs = {("pool", 4, ""): {}, ("pool", 16, ""): {}, ("pool", 16, "patch 32"): {}, ("blind", 1, ""): {}}
+    tuned, chosen = sweep.tune_families(args, jobs, run_cells, pathlib.Path("unused"), "sig")
+    assert [seeds for _, _, seeds in calls] == [[0, 1], [0, 1]]
+    # each edge that won, one step past it (the store skips what the first call ran)
+    assert sorted(set(calls[1][1]) - set(calls[0][1])) == [("pool", 4, 1e-3, 25), ("pool", 16, 3e-5, 25)]
+    assert chosen == {"pool@4": (1e-3, 25), "pool@16": (1e-4, 25), "blind@1": (1e-4, 25)}
+    assert tune.rate(chosen, "pool", 16) == (1e-4, 25) and tune.rate(chosen, "pool", 8) == (1e-3, 25)
+    assert tune.rate({"pool": (3e-4, 250)}, "pool", 64) == (3e-4, 250)
+    args.tune_each_budget, args.tune_seeds, calls[:] = False, 1, []
+    _, chosen = sweep.tune_families(args, jobs, run_cells, pathlib.Path("unused"), "sig")
+    assert chosen == {"pool": (1e-4, 25), "blind": (1e-4, 25)} and calls[0][2] == [0]
 
 
 def test_budget_or_connector_anova_matches_a_least_squares_fit(tb):
