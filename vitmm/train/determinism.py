@@ -54,14 +54,20 @@ def set_flags(config) -> None:
         raise ValueError(f"deterministic=True, but XLA_FLAGS sets --{FLAG}=false; drop one of the two.")
     if value:
         return
-    from jax._src import xla_bridge
-
-    if not xla_bridge.backends_are_initialized():
+    if not _backends_started():
         os.environ["XLA_FLAGS"] = f"{flags} --{FLAG}=true".strip()
     elif jax.default_backend() != "cpu":  # a CPU's kernels repeat as they are
         raise ValueError(f"deterministic=True: JAX's {jax.default_backend()} backend started before the run, without "
                          f"--{FLAG}; start the process with XLA_FLAGS=--{FLAG}=true (or call vitmm.train.trainer.train "
                          "before any JAX computation).")
+
+
+def _backends_started() -> bool:
+    try:  # JAX's own record (private, stable since 2023); without it, the flag is set and takes effect if in time
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:
+        return False
+    return backends_are_initialized()
 
 
 def compile_options(config) -> dict:
