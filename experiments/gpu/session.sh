@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 27 in one device call that ends by itself inside its limit: the trainer on the GPU (part 1),
-# the connectors at real sizes (part 3), then the ViT-B/16 profile (part 2), --dry_run against a real
-# step's memory (part 4, issue 59) and deterministic=True's cost and repeatability (part 5) while time is left.
+# One device call that ends by itself inside its limit, issue 52's parts first: the trainer's loop against its
+# bare step (part 1), deterministic=True's cost and repeatability (part 5), then while time is left the
+# connectors at real sizes (part 3), the ViT-B/16 profile (part 2) and --dry_run against a real step's memory
+# (part 4, issue 59). A second call, if the session's device time allows: bash experiments/gpu/bench.sh --sweep.
 #   bash experiments/gpu/carry.sh                                   # here, once
 #   run(command="BUDGET_S=560 bash experiments/gpu/session.sh", carry=[".whl", ".gpu_data", ".gpu_smollm2"],
 #       timeout_s=590)
@@ -26,17 +27,32 @@ if [ "$tiny" = --tiny ]; then
     DEMO_S=300 LOOP_S=300 RESUME_S=300 PARTS=${PARTS:-demo loop loop_siglip loop_vlm resume}
 else
     CONNECTORS=(--lms smollm2_135m) PROFILE=(--cases "ViT-B/16 cudnn" --no_agreement)
-    DEMO_S=${DEMO_S:-150} LOOP_S=${LOOP_S:-150} RESUME_S=${RESUME_S:-120}
+    DEMO_S=${DEMO_S:-150} LOOP_S=${LOOP_S:-120} RESUME_S=${RESUME_S:-120}
     # the demo config and the resume check ran on 2026-12-04 (results/gpu_trainer/): the loop's ratio remains
     PARTS=${PARTS:-loop loop_siglip loop_vlm}  # issue 52 part 4: CLIP-B/16, SigLIP-B/16, a SmolLM2 VLM stage 1
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 
-echo "=== part 1: the trainer ($(date -u +%H:%M:%S), $(left) s left)"
-OUT=$W DEMO_S=$DEMO_S LOOP_S=$LOOP_S RESUME_S=$RESUME_S PARTS=$PARTS timeout "$(left)" bash experiments/gpu/trainer.sh $tiny \
+echo "=== part 1: the trainer ($(date -u +%H:%M:%S), $(left) s left; ${KEEP_FOR_PART5:-200} s kept for part 5)"
+OUT=$W DEMO_S=$DEMO_S LOOP_S=$LOOP_S RESUME_S=$RESUME_S PARTS=$PARTS timeout "$(( $(left) - ${KEEP_FOR_PART5:-200} ))" bash experiments/gpu/trainer.sh $tiny \
     || echo "FAILED or cut off: gpu_trainer.sh"
 pack
+
+echo "=== part 5: deterministic=True, issue 52 part 5 ($(date -u +%H:%M:%S), $(left) s left)"
+if [ "$(left)" -gt 60 ]; then
+    DET_SWEEP="baseline,deterministic ops + cuDNN attention,XLA attention,deterministic=True (deterministic ops + XLA attention),baseline again"
+    if [ "$tiny" = --tiny ]; then SW=(--tiny --steps 1 --repeats 1) DET=(--config configs/clip_scenes.py:smoke --half 2 --set "input.data_dir=$TINY_DATA")
+    else SW=(--cases "ViT-B/16 cudnn") DET=(--config configs/clip_scenes.py:scale=b16 --half 10 --set "input.data_dir=$PWD/.gpu_data"); fi
+    timeout "$(left)" $PY -m experiments.gpu.bench "${SW[@]}" --sweep --sweep_settings "$DET_SWEEP" \
+        --out "$W/bench_determinism.json" > "$W/bench_determinism.log" 2>&1 || echo "FAILED or cut off: the determinism sweep"
+    grep -E "step .* ms|FAILED" "$W/bench_determinism.log" | head -8
+    pack
+    timeout "$(left)" $PY -m experiments.reliability.resume_check "${DET[@]}" --repeat --set deterministic=True \
+        --out "$W/resume_deterministic_b16.json" > "$W/resume_deterministic_b16.log" 2>&1 || echo "FAILED or cut off: resume"
+    tail -2 "$W/resume_deterministic_b16.log"
+    pack
+fi
 
 echo "=== part 3: connectors at real sizes ($(date -u +%H:%M:%S), $(left) s left)"
 if [ "$(left)" -gt 60 ]; then
@@ -60,20 +76,6 @@ if [ "$(left)" -gt 60 ]; then
     timeout "$(left)" $PY -m experiments.gpu.memory_check "${MEM[@]}" --out "$W/memory_check.json" \
         > "$W/memory_check.log" 2>&1 || echo "FAILED or cut off: memory_check"
     tail -1 "$W/memory_check.log"
-    pack
-fi
-echo "=== part 5: deterministic=True, issue 52 part 5 ($(date -u +%H:%M:%S), $(left) s left)"
-if [ "$(left)" -gt 60 ]; then
-    DET_SWEEP="baseline,deterministic ops + cuDNN attention,XLA attention,deterministic=True (deterministic ops + XLA attention),baseline again"
-    if [ "$tiny" = --tiny ]; then SW=(--tiny --steps 1 --repeats 1) DET=(--config configs/clip_scenes.py:smoke --half 2 --set "input.data_dir=$TINY_DATA")
-    else SW=(--cases "ViT-B/16 cudnn") DET=(--config configs/clip_scenes.py:scale=b16 --half 10 --set "input.data_dir=$PWD/.gpu_data"); fi
-    timeout "$(left)" $PY -m experiments.gpu.bench "${SW[@]}" --sweep --sweep_settings "$DET_SWEEP" \
-        --out "$W/bench_determinism.json" > "$W/bench_determinism.log" 2>&1 || echo "FAILED or cut off: the determinism sweep"
-    grep -E "step .* ms|FAILED" "$W/bench_determinism.log" | head -8
-    pack
-    timeout "$(left)" $PY -m experiments.reliability.resume_check "${DET[@]}" --repeat --set deterministic=True \
-        --out "$W/resume_deterministic_b16.json" > "$W/resume_deterministic_b16.log" 2>&1 || echo "FAILED or cut off: resume"
-    tail -2 "$W/resume_deterministic_b16.log"
     pack
 fi
 echo "=== done ($(date -u +%H:%M:%S), $(( $(date +%s) - start )) s)"
