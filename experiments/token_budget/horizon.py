@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from experiments.token_budget import sweep as tb
+from experiments.token_budget import tune
 from vitmm.study import stats, verdicts
 
 # What must be equal for a run at the longer horizon to pair with the sweep's run of the same seed.
@@ -130,7 +131,13 @@ def main(argv=None) -> pathlib.Path:
     setup = json.loads((main_dir / "setup.json").read_text())
     chosen = setup["chosen"]
     families = [f for f in args.families.split(",") if f]
-    missing = [f for f in families if f not in chosen]
+    rates = {}
+    for f in families:  # the family's choice, or (tuned at each budget) the one at the budget compared
+        try:
+            rates[f] = tune.rate(chosen, f, args.budget)
+        except KeyError:
+            pass
+    missing = [f for f in families if f not in rates]
     if missing:
         args.parser.error(f"the sweep in {main_dir} has no chosen lr/warmup for {missing}; it ran {sorted(chosen)}.")
     steps = setup["plan"]["max_steps"]
@@ -141,7 +148,7 @@ def main(argv=None) -> pathlib.Path:
     tb.main([*passthrough, *tower, "--out", str(out), "--families", ",".join(families), "--budgets",
              str(args.budget), "--seeds", args.seeds, "--steps", str(args.factor * steps), "--param_budget", "0",
              "--encoder_budgets", "", "--no_blind",
-             "--chosen", ",".join(f"{f}={chosen[f][0]:g}/{chosen[f][1]}" for f in families),
+             "--chosen", ",".join(f"{f}={rates[f][0]:g}/{rates[f][1]}" for f in families),
              *(["--workers", str(args.workers)] if args.workers else [])])
     long_setup = json.loads((out / "setup.json").read_text())
     differ = differences(setup, long_setup)
