@@ -75,25 +75,31 @@ def compare(main_rows: list[dict], long_rows: list[dict], steps: tuple[int, int]
     lines = [f"Each cell at {steps[0]:,} joint steps (the sweep's runs) and at {steps[1]:,} (the same runs, the "
              "cosine stretched), test exact match in %, mean ± 95% CI over the seeds both ran; gains: paired by "
              "seed (p: t-test on the overall gain); learn color_at: seeds at least "
-             f"{100 * tb.report.LEARNED_MARGIN:g} points above the sweep's blind on colour-at-location.", "",
+             f"{100 * tb.report.LEARNED_MARGIN:g} points above the sweep's blind on colour-at-location; rising: seeds "
+             "whose best validation check came in the last quarter of their steps, at each horizon (a run whose best "
+             "check is earlier has reached a plateau; one whose best is late may still be rising, or the decayed "
+             "rate's last checks are its best).", "",
              f"| connector | tokens | seeds | all at {steps[0]:,} | all at {steps[1]:,} | gain | p | color_at gain | "
-             "shape_at gain | learn color_at |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "shape_at gain | learn color_at | rising |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     blind = [float(r["acc_color_at"]) for r in main_rows if r["family"] == tb.BLIND and r["status"] == "ok"]
     bar = np.mean(blind) + tb.report.LEARNED_MARGIN if blind else None
     for family, tokens in dict.fromkeys((r["family"], r["tokens"]) for r in long_rows if r["status"] == "ok"):
         cell = {key: [by_seed(rows, family, tokens, key) for rows in (main_rows, long_rows)]
-                for key in ("accuracy", "acc_color_at", "acc_shape_at")}
+                for key in ("accuracy", "acc_color_at", "acc_shape_at", "best_step", "steps_trained")}
         seeds = sorted(set(cell["accuracy"][0]) & set(cell["accuracy"][1]))
         if len(seeds) < 2:
-            lines.append(f"| {family} | {tokens} | {len(seeds)} | too few seeds in both |" + " |" * 6)
+            lines.append(f"| {family} | {tokens} | {len(seeds)} | too few seeds in both |" + " |" * 7)
             continue
-        gain = {key: stats.one_sample([b[k] - a[k] for k in seeds]) for key, (a, b) in cell.items()}
+        gain = {key: stats.one_sample([b[k] - a[k] for k in seeds]) for key, (a, b) in cell.items()
+                if key.startswith("acc")}
+        rising = " → ".join(str(sum(best[k] > 0.75 * trained[k] for k in seeds))
+                            for best, trained in zip(cell["best_step"], cell["steps_trained"], strict=True))
         shown = {key: f"{100 * g[0]:+.1f} ± {100 * g[1]:.1f}" for key, g in gain.items()}
         short, long = cell["accuracy"]
         learn = "" if bar is None else " → ".join(str(sum(c[k] >= bar for k in seeds)) for c in cell["acc_color_at"])
         lines.append(f"| {family} | {tokens} | {len(seeds)} | {_pm([short[k] for k in seeds])} | "
                      f"{_pm([long[k] for k in seeds])} | {shown['accuracy']} | {gain['accuracy'][2]:.2g} | "
-                     f"{shown['acc_color_at']} | {shown['acc_shape_at']} | {learn} |")
+                     f"{shown['acc_color_at']} | {shown['acc_shape_at']} | {learn} | {rising} |")
     return lines + ["", *verdicts.table_lines(verdicts.correct(horizon_tests(main_rows, long_rows, steps)),
                                               "**Verdicts.** The gains above and the gaps between the families at "
                                               "each horizon (points, paired by seed).")]

@@ -552,13 +552,16 @@ def test_the_horizon_check_pairs_each_seed_with_its_shorter_run():
 
     from experiments.token_budget import horizon
 
-    def row(family, seed, acc, color_at):
+    def row(family, seed, acc, color_at, best=4000, steps=8000):
         return {"family": family, "tokens": "16", "variant": "", "seed": str(seed), "status": "ok",
-                "accuracy": str(acc), "acc_color_at": str(color_at), "acc_shape_at": "0.7"}
+                "accuracy": str(acc), "acc_color_at": str(color_at), "acc_shape_at": "0.7", "best_step": str(best),
+                "steps_trained": str(steps)}
 
-    short = [row("pool", k, a, c) for k, (a, c) in enumerate(((0.80, 0.70), (0.76, 0.18), (0.79, 0.60)))]
+    short = [row("pool", k, a, c, b) for k, (a, c, b) in enumerate(((0.80, 0.70, 7000), (0.76, 0.18, 6250),
+                                                                     (0.79, 0.60, 5750)))]  # late: > 6,000 of 8,000
     short += [row("blind", k, 0.45, 0.18) for k in range(3)] + [row("pool", 3, 0.5, 0.5)]  # seed 3: not rerun
-    long = [row("pool", k, a, c) for k, (a, c) in enumerate(((0.82, 0.72), (0.81, 0.65), (0.80, 0.61)))]
+    long = [row("pool", k, a, c, b, 16000) for k, (a, c, b) in enumerate(((0.82, 0.72, 15000), (0.81, 0.65, 9000),
+                                                                           (0.80, 0.61, 12000)))]
     lines = horizon.compare(short, long, (8000, 16000))
     gain = np.array([0.02, 0.05, 0.01])
     p = stats.ttest_1samp(gain, 0).pvalue
@@ -566,7 +569,7 @@ def test_the_horizon_check_pairs_each_seed_with_its_shorter_run():
     assert pool.startswith(f"| pool | 16 | 3 | 78.3 ± {study_stats.ci95(100 * np.array([.80, .76, .79])):.1f} | "
                            f"81.0 ± {study_stats.ci95(100 * np.array([.82, .81, .80])):.1f} | "
                            f"+2.7 ± {100 * study_stats.ci95(gain):.1f} | {p:.2g} |")
-    assert pool.endswith("| +0.0 ± 0.0 | 2 → 3 |")  # colour_at bar: 18 + 10 points
+    assert pool.endswith("| +0.0 ± 0.0 | 2 → 3 | 2 → 1 |")  # colour_at bar: 18 + 10 points; best check late
     setup = {"tower_fingerprint": "a", "data": "d", "lm": {}, "stage0_final_loss": {"0": 1.0, "4": 2.0},
              "plan": {"batch_size": 32, "max_steps": 8000}}
     assert horizon.differences(setup, dict(setup, plan={"batch_size": 32, "max_steps": 16000})) == []
