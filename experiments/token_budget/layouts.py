@@ -20,16 +20,13 @@ import pathlib
 import re
 
 from experiments.token_budget import report
-from vitmm.study import outputs, verdicts
+from vitmm.study import verdicts
 
 
 def load(folder: pathlib.Path) -> list[dict]:
     if not (folder / "runs.csv").is_file():
         raise SystemExit(f"{folder} has no runs.csv: a sweep writes it when every job has finished.")
-    rows = outputs.read_rows(folder / "runs.csv")
-    for r in rows:
-        r["variant"], r["note"] = r["variant"] or "", r["note"] or ""
-    return rows
+    return report.read_runs(folder / "runs.csv")
 
 
 def shared_design(sweeps: dict[str, list[dict]]) -> dict[str, list[dict]]:

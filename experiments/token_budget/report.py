@@ -9,7 +9,7 @@ import numpy as np
 
 from experiments.common.feature_vlm import BLIND
 from vitmm.data import scenes
-from vitmm.study import stats, verdicts
+from vitmm.study import outputs, stats, verdicts
 
 KINDS = scenes.QUESTION_KINDS
 
@@ -29,6 +29,14 @@ def late_gain(curve: list) -> float:
     steps: what the final quarter of training still added (a run at its plateau adds ~0)."""
     end = curve[-1][0]
     return float(curve[-1][1] - [acc for step, acc in curve if step <= LATE * end][-1])
+
+
+def read_runs(path) -> list[dict]:
+    """A sweep's ``runs.csv`` as rows (a CSV's empty variant and note read back as "")."""
+    rows = outputs.read_rows(path)
+    for r in rows:
+        r["variant"], r["note"] = r["variant"] or "", r["note"] or ""
+    return rows
 
 
 def summarise(rows: list[dict]) -> list[dict]:

@@ -275,9 +275,7 @@ def write_report(out: pathlib.Path) -> pathlib.Path:
     missing = [name for name in ("runs.csv", "setup.json") if not (out / name).is_file()]
     if missing:
         raise SystemExit(f"--report: {out} has no {' or '.join(missing)}; a sweep that has finished writes them.")
-    rows = outputs.read_rows(out / "runs.csv")
-    for r in rows:
-        r["variant"], r["note"] = r["variant"] or "", r["note"] or ""
+    rows = report.read_runs(out / "runs.csv")
     setup = json.loads((out / "setup.json").read_text())
     (out / "token_budget.md").write_text(tables.to_markdown(report.summarise(rows), setup))
     print(f"wrote {out}/token_budget.md from runs.csv and setup.json")
