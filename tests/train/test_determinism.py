@@ -93,15 +93,9 @@ print(json.dumps(out))
 """
 
 
-def test_a_deterministic_step_compiled_for_an_h100_uses_xlas_attention(data_dir):
+def test_a_deterministic_step_compiled_for_an_h100_uses_xlas_attention(data_dir, gpu_aot):
     """Compiled for an H100 (``VITMM_GPU_AOT_PYTHON``, skipped without it; see tests/README.md): the
     deterministic run with ``attn_impl=cudnn`` is the XLA-attention program (the same temporaries),
     not the cuDNN one."""
-    python = os.environ.get("VITMM_GPU_AOT_PYTHON")
-    if not python:
-        pytest.skip("VITMM_GPU_AOT_PYTHON (a Python with jax[cuda13]) is not set")
-    result = subprocess.run([python, "-c", GPU_AOT, data_dir], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "JAX_PLATFORMS": "", "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    temps = json.loads(result.stdout.splitlines()[-1])
+    temps = gpu_aot(GPU_AOT, data_dir)
     assert temps["cudnn True"] == temps["xla True"] != temps["cudnn False"], temps

@@ -91,22 +91,12 @@ print(json.dumps(out))
 """
 
 
-def test_compiled_for_h100s_on_a_machine_without_one(data_dir):
+def test_compiled_for_h100s_on_a_machine_without_one(data_dir, gpu_aot):
     """``plan(target="h100")`` in an environment with JAX's CUDA plugin (``VITMM_GPU_AOT_PYTHON``, see
     tests/README.md; skipped without it): the step XLA compiles for one H100 and for two with FSDP,
     per device: FSDP's shards of the parameters in the compiled program's inputs, the batch a GPU the same,
     the parameters and FLOPs those of XLA:CPU's program of the same step."""
-    import json
-    import os
-    import subprocess
-
-    python = os.environ.get("VITMM_GPU_AOT_PYTHON")
-    if not python:
-        pytest.skip("VITMM_GPU_AOT_PYTHON (a Python with jax[cuda13]) is not set")
-    result = subprocess.run([python, "-c", GPU_AOT, data_dir], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "JAX_PLATFORMS": "", "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    one, two = json.loads(result.stdout.splitlines()[-1]).values()
+    one, two = gpu_aot(GPU_AOT, data_dir).values()
     assert one["backend"] == two["backend"] == "h100" and (one["devices"], two["devices"]) == (1, 2)
     for needs in one, two:  # XLA's count of a device's inputs: the state as laid out, its batch (less unused fields)
         assert abs(needs["arguments"] - (needs["parameters"] + needs["optimizer_state"] + needs["batch"])) < 4096
@@ -139,22 +129,12 @@ print(json.dumps(out))
 """
 
 
-def test_the_lms_fused_attention_holds_no_scores_on_an_h100():
+def test_the_lms_fused_attention_holds_no_scores_on_an_h100(gpu_aot):
     """The LM's ``attn_impl="cudnn"`` compiled for an H100 (``VITMM_GPU_AOT_PYTHON``, skipped without
     it), training at 1,024 positions with a prefix mask and grouped heads: XLA's attention holds every
     score (float32, batch × heads × 1,024² a layer) for the backward pass, cuDNN's a few vectors
     (measured 1.09 GiB against 0.32); with the blocks checkpointed (``remat_policy``) half the rest (0.16)."""
-    import json
-    import os
-    import subprocess
-
-    python = os.environ.get("VITMM_GPU_AOT_PYTHON")
-    if not python:
-        pytest.skip("VITMM_GPU_AOT_PYTHON (a Python with jax[cuda13]) is not set")
-    result = subprocess.run([python, "-c", LM_AOT], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "JAX_PLATFORMS": "", "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    temps = json.loads(result.stdout.splitlines()[-1])
+    temps = gpu_aot(LM_AOT)
     scores = 4 * 8 * 4 * 1024**2 * 4  # four layers' float32 scores
     assert temps["None none"] > scores and temps["None none"] > 3 * temps["cudnn none"], temps
     assert temps["cudnn nothing_saveable"] < 0.7 * temps["cudnn none"], temps
