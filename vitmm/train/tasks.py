@@ -268,13 +268,6 @@ def _with_run_kernels(saved: dict, run: dict | None) -> dict:
     return {**saved, **{k: run[k] for k in KERNEL_KEYS if run and run.get(k) is not None}}
 
 
-def _kernels_chosen(part: dict, config, name: str) -> dict:
-    """A tower's or LM's settings with the kernel keys the config leaves at None (the model's default)
-    dropped, and the run's determinism applied."""
-    part = {k: v for k, v in part.items() if not (k in KERNEL_KEYS and v is None)}
-    return determinism.attention(part, config, name)
-
-
 def vlm_parts(config) -> tuple[dict, dict]:
     """``(tower settings, LM settings)`` of a VLM run: read from the checkpoints ``init.vision``
     and ``init.lm`` point at (what built them), otherwise ``model.vision`` / ``model.lm``. A
@@ -300,7 +293,7 @@ def vlm_parts(config) -> tuple[dict, dict]:
             raise ValueError(f"{config.init.lm} holds no language model settings (model.lm); convert one with "
                              "`python -m vitmm.interop --from hf|gguf`.")
         lm = _with_run_kernels(saved, lm)
-    return _kernels_chosen(vision, config, "the tower"), _kernels_chosen(lm, config, "the LM")
+    return determinism.attention(vision, config, "the tower"), determinism.attention(lm, config, "the LM")
 
 
 def tokenizer_for(config):
