@@ -140,7 +140,10 @@ def _patch_gradients(cfg, grid, d_in=D_IN):
 def test_every_patch_reaches_the_output(name, budget, grid):
     """Coverage: the output depends on every patch token, for every family and budget."""
     assert name in C.REGISTRY
-    per_patch = _patch_gradients({"name": name, "budget": budget}, grid, D_OUT if name == "identity" else D_IN)
+    cfg = {"name": name, "budget": budget}
+    if name == "c_abstractor" and (budget, grid) != (9, (5, 7)):
+        cfg["depth"] = 1  # what reaches which token is the pooling's; 3 blocks a stage compile ~8 s a budget
+    per_patch = _patch_gradients(cfg, grid, D_OUT if name == "identity" else D_IN)
     assert (per_patch > 0).all(), f"{name} at {budget} tokens ignores {int((per_patch == 0).sum())} patches"
 
 

@@ -53,6 +53,7 @@ def test_shuffle_patches_moves_whole_patches(positions):
     np.testing.assert_array_equal(positions.shuffle_patches(moved, 8, np.argsort(perm)), images)
 
 
+@pytest.mark.slow  # permutation invariance without positions is tests/models/test_vit.py's; this is the script (~20 s)
 def test_positions_smoke_writes_tables_and_shows_equivariance_without_positions(positions, tmp_path, lesson):
     out = tmp_path / "pos"
     proc = _smoke(lesson, "positions", out)
@@ -85,6 +86,7 @@ def test_linear_probe_separates_separable_features_and_not_noise(lesson):
     assert noise["accuracy"] < 0.45  # chance is 0.25
 
 
+@pytest.mark.slow  # the poolings are tests/models/test_vit.py's, the probe is tested above; this is the script (~14 s)
 def test_pooling_smoke_writes_both_tables(tmp_path, clip_smoke_run, lesson):
     out = tmp_path / "pool"
     _smoke(lesson, "pooling", out, "--tower", str(clip_smoke_run.workdir))
@@ -97,6 +99,7 @@ def test_pooling_smoke_writes_both_tables(tmp_path, clip_smoke_run, lesson):
     assert (out / "pooling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # (reuse: the positions test)
 
 
+@pytest.mark.slow  # registers are tests/models/test_vit.py's; this is the script's measurements (~13 s)
 def test_registers_smoke_measures_norms_and_cls_attention(tmp_path, lesson):
     out = tmp_path / "reg"
     _smoke(lesson, "registers", out)

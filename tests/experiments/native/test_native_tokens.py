@@ -87,6 +87,8 @@ def test_budgets_must_be_four_squares(nf):
     nf.check_budget(36)
 
 
+@pytest.mark.slow  # ~30 s: its cells are the feature VLM tested above, more seeds training only the new ones is
+# tests/study/test_store.py's, the report is the committed one's test below
 def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
     """The study's protocol (a cosine decay over the steps; one rate, so no tuning: the grid and its
     extension are the token-budget sweep's, ``tune.extend_grid``) at smoke size: every cell, resumed

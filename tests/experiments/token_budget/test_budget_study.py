@@ -26,6 +26,8 @@ def _rows(path: pathlib.Path) -> list[dict]:
     return list(study.outputs.csv.DictReader(path.open()))
 
 
+@pytest.mark.slow  # ~28 s, 4 vitmm.train processes: study.main end to end is the LLaVA test's below, the choice
+# of rates test_choose_lrs_takes_the_best_score_then_the_smaller_rate's
 def test_the_frozen_smollm2_config_tunes_then_runs_the_grid_and_blind_and_resumes(tmp_path, tiny_lm, clip_smoke_run,
                                                                                   capsys):
     """The lr chosen per family on validation is the one the grid runs with, on the test split;
@@ -96,3 +98,12 @@ def test_the_llava_config_runs_on_a_converted_tower_lm_and_llava_data(tmp_path, 
     report = (tmp_path / "out/study.md").read_text()
     assert "| pool | 4 | 0.001 | 1 |" in report and "Unreachable budgets: mlp at 4" in report
     assert json.loads((tmp_path / "out/tower.json").read_text())["workdir"] == str(tower)
+
+
+def test_choose_lrs_takes_the_best_score_then_the_smaller_rate():
+    tuned = [{"family": f, "lr": lr, "accuracy": acc} for f, lr, acc in [
+        ("pool", "0.001", "0.5"), ("pool", "0.003", "0.7"), ("qformer", "0.003", "0.6"), ("qformer", "0.001", "0.6"),
+        ("mlp", "0.01", "0.9")]]
+    assert study.choose_lrs(tuned, ["pool", "qformer"], higher=True) == {"pool": 0.003, "qformer": 0.001}
+    # A loss is lower-is-better: the other rate wins.
+    assert study.choose_lrs(tuned, ["pool"], higher=False) == {"pool": 0.001}
