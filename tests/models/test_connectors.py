@@ -12,6 +12,14 @@ from vitmm.models import connectors as C
 from vitmm.models.connectors import base
 
 D_IN, D_OUT = 24, 32
+
+
+def _cfg(name, budget, **settings):
+    """A connector config; C-Abstractor with one residual block a stage (3 compile ~8 s a case): what
+    it counts, reaches and sees is its pooling's and positions', and its default depth is built in
+    ``test_every_patch_reaches_the_output`` on the non-square grid."""
+    return {"name": name, "budget": budget, **({"depth": 1} if name == "c_abstractor" else {}), **settings}
+
 CASES = [
     ("identity", None, (4, 6)), ("linear", None, (4, 6)), ("linear", 24, (4, 6)), ("mlp", "all", (4, 6)),
     ("qwen_resampler", 4, (4, 6)), ("qwen_resampler", 16, (8, 8)),
@@ -28,7 +36,7 @@ CASES = [
 
 @pytest.mark.parametrize("name, budget, grid", CASES)
 def test_num_visual_tokens_equals_the_real_output_shape(name, budget, grid):
-    cfg = {"name": name, "budget": budget}
+    cfg = _cfg(name, budget)
     x = jax.random.normal(jax.random.key(0), (2, grid[0] * grid[1], D_OUT if name == "identity" else D_IN))
     module = C.build(cfg, D_OUT)
     out, variables = jax.jit(module.init_with_output, static_argnums=2)(jax.random.key(1), x, grid)
@@ -140,9 +148,7 @@ def _patch_gradients(cfg, grid, d_in=D_IN):
 def test_every_patch_reaches_the_output(name, budget, grid):
     """Coverage: the output depends on every patch token, for every family and budget."""
     assert name in C.REGISTRY
-    cfg = {"name": name, "budget": budget}
-    if name == "c_abstractor" and (budget, grid) != (9, (5, 7)):
-        cfg["depth"] = 1  # what reaches which token is the pooling's; 3 blocks a stage compile ~8 s a budget
+    cfg = _cfg(name, budget) if (name, budget, grid) != ("c_abstractor", 9, (5, 7)) else {"name": name, "budget": 9}
     per_patch = _patch_gradients(cfg, grid, D_OUT if name == "identity" else D_IN)
     assert (per_patch > 0).all(), f"{name} at {budget} tokens ignores {int((per_patch == 0).sum())} patches"
 
@@ -190,7 +196,7 @@ def test_which_resamplers_see_where_patches_are(name, position_aware):
     """Perceiver and Q-Former attend to an unordered set (no spatial positions); Qwen-VL's
     resampler adds 2D sin-cos to keys and Honeybee a learned table, so permuting patches matters."""
     grid = (4, 4)
-    cfg = {"name": name, "budget": 4}
+    cfg = _cfg(name, 4)
     x = jax.random.normal(jax.random.key(0), (1, 16, D_IN))
     module = C.build(cfg, D_OUT)
     perm = jax.random.permutation(jax.random.key(2), 16)

@@ -6,9 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # ~15 s: packing and FLIP are tests/models/test_packing.py's; this is the script's tables
 def test_native_costs_smoke(tmp_path):
     env = dict(os.environ, XLA_FLAGS=os.environ.get("VITMM_TEST_XLA_FLAGS", ""))
     cmd = [sys.executable, "-m", "experiments.native.costs", "--out", str(tmp_path), "--examples", "32",
