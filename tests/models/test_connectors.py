@@ -39,9 +39,9 @@ def test_num_visual_tokens_equals_the_real_output_shape(name, budget, grid):
     cfg = _cfg(name, budget)
     x = jax.random.normal(jax.random.key(0), (2, grid[0] * grid[1], D_OUT if name == "identity" else D_IN))
     module = C.build(cfg, D_OUT)
-    out, variables = jax.jit(module.init_with_output, static_argnums=2)(jax.random.key(1), x, grid)
+    # Shapes only (the forward runs, finite, in test_every_patch_reaches_the_output; cost compiles it).
+    out, variables = jax.eval_shape(lambda key, x: module.init_with_output(key, x, grid), jax.random.key(1), x)
     assert out.shape == (2, C.num_visual_tokens(cfg, grid), D_OUT)
-    assert np.all(np.isfinite(out))
     report = C.cost(cfg, x.shape[-1], D_OUT, grid)
     assert report["tokens"] == out.shape[1]
     assert report["params"] == tree.count(variables.get("params", {}))
@@ -150,7 +150,8 @@ def test_every_patch_reaches_the_output(name, budget, grid):
     assert name in C.REGISTRY
     cfg = _cfg(name, budget) if (name, budget, grid) != ("c_abstractor", 9, (5, 7)) else {"name": name, "budget": 9}
     per_patch = _patch_gradients(cfg, grid, D_OUT if name == "identity" else D_IN)
-    assert (per_patch > 0).all(), f"{name} at {budget} tokens ignores {int((per_patch == 0).sum())} patches"
+    assert np.isfinite(per_patch).all() and (per_patch > 0).all(), \
+        f"{name} at {budget} tokens ignores {int((per_patch == 0).sum())} patches"
 
 
 def test_coverage_list_names_every_family():
