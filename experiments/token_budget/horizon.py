@@ -17,7 +17,6 @@ had levelled off, the longer runs gain ~0.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import pathlib
 import sys
@@ -59,10 +58,15 @@ def differences(main: dict, long: dict) -> list[str]:
     return out + [f"plan.{k}" for k in PLAN_SAME if main["plan"].get(k) != long["plan"].get(k)]
 
 
+def cell_runs(rows: list[dict], family: str, tokens) -> dict:
+    """``{seed: row}`` of a cell's finished main-table runs."""
+    return {int(r["seed"]): r for r in rows if r["status"] == "ok" and r["variant"] == ""
+            and r["family"] == family and str(r["tokens"]) == str(tokens)}
+
+
 def by_seed(rows: list[dict], family: str, tokens, key: str) -> dict:
     """``{seed: float(row[key])}`` of a cell's finished main-table runs."""
-    return {int(r["seed"]): float(r[key]) for r in rows if r["status"] == "ok" and r["variant"] == ""
-            and r["family"] == family and str(r["tokens"]) == str(tokens)}
+    return {seed: float(r[key]) for seed, r in cell_runs(rows, family, tokens).items()}
 
 
 def _pm(values) -> str:
@@ -76,24 +80,24 @@ def compare(main_rows: list[dict], long_rows: list[dict], steps: tuple[int, int]
              "cosine stretched), test exact match in %, mean ± 95% CI over the seeds both ran; gains: paired by "
              "seed (p: t-test on the overall gain); learn color_at: seeds at least "
              f"{100 * tb.report.LEARNED_MARGIN:g} points above the sweep's blind on colour-at-location; rising: seeds "
-             "whose best validation check came in the last quarter of their steps, at each horizon (a run whose best "
-             "check is earlier has reached a plateau; one whose best is late may still be rising, or the decayed "
-             "rate's last checks are its best).", "",
+             "whose highest validation check came in the last quarter of their steps, at each horizon (a run whose "
+             "highest check is earlier has reached a plateau; one whose highest is late may still be rising, or the "
+             "decayed rate's last checks are its best).", "",
              f"| connector | tokens | seeds | all at {steps[0]:,} | all at {steps[1]:,} | gain | p | color_at gain | "
              "shape_at gain | learn color_at | rising |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     blind = [float(r["acc_color_at"]) for r in main_rows if r["family"] == tb.BLIND and r["status"] == "ok"]
     bar = np.mean(blind) + tb.report.LEARNED_MARGIN if blind else None
     for family, tokens in dict.fromkeys((r["family"], r["tokens"]) for r in long_rows if r["status"] == "ok"):
         cell = {key: [by_seed(rows, family, tokens, key) for rows in (main_rows, long_rows)]
-                for key in ("accuracy", "acc_color_at", "acc_shape_at", "best_step", "steps_trained")}
+                for key in ("accuracy", "acc_color_at", "acc_shape_at")}
         seeds = sorted(set(cell["accuracy"][0]) & set(cell["accuracy"][1]))
         if len(seeds) < 2:
             lines.append(f"| {family} | {tokens} | {len(seeds)} | too few seeds in both |" + " |" * 7)
             continue
         gain = {key: stats.one_sample([b[k] - a[k] for k in seeds]) for key, (a, b) in cell.items()
                 if key.startswith("acc")}
-        rising = " → ".join(str(sum(best[k] > 0.75 * trained[k] for k in seeds))
-                            for best, trained in zip(cell["best_step"], cell["steps_trained"], strict=True))
+        rising = " → ".join(str(sum(tb.report.late(runs[k]) for k in seeds))
+                            for runs in (cell_runs(rows, family, tokens) for rows in (main_rows, long_rows)))
         shown = {key: f"{100 * g[0]:+.1f} ± {100 * g[1]:.1f}" for key, g in gain.items()}
         short, long = cell["accuracy"]
         learn = "" if bar is None else " → ".join(str(sum(c[k] >= bar for k in seeds)) for c in cell["acc_color_at"])
@@ -167,7 +171,7 @@ def main(argv=None) -> pathlib.Path:
 def write(main_dir: pathlib.Path, out: pathlib.Path, families: list[str], budget: int, steps: tuple[int, int],
           argv: list[str]) -> pathlib.Path:
     """``horizon.md`` from both sweeps' ``runs.csv``, dated by the longer runs' ``setup.json``."""
-    main_rows, long_rows = (list(csv.DictReader(open(d / "runs.csv"))) for d in (main_dir, out))
+    main_rows, long_rows = (tb.report.read_runs(d / "runs.csv") for d in (main_dir, out))
     date = json.loads((out / "setup.json").read_text()).get("date", time.strftime("%Y-%m-%d"))
     lines = [f"# Longer training: {', '.join(families)} at {budget} tokens ({date})", "",
              f"`python -m experiments.token_budget.horizon {' '.join(argv)}`"

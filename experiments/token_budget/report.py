@@ -5,6 +5,9 @@ detail, budget against connector as an analysis of variance, the seeds that lear
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import numpy as np
 
 from experiments.common.feature_vlm import BLIND
@@ -31,12 +34,33 @@ def late_gain(curve: list) -> float:
     return float(curve[-1][1] - [acc for step, acc in curve if step <= LATE * end][-1])
 
 
+def peak_step(curve: list) -> int:
+    """The step of the highest validation check (the earliest of equal ones). Not ``best_step``, the
+    checkpoint a run is tested at: that moves only on a gain of at least ``min_delta``, so a run can
+    still be reaching new, smaller highs after it."""
+    return int(max(curve, key=lambda point: (point[1], -point[0]))[0])
+
+
 def read_runs(path) -> list[dict]:
-    """A sweep's ``runs.csv`` as rows (a CSV's empty variant and note read back as "")."""
+    """A sweep's ``runs.csv`` as rows (a CSV's empty variant and note read back as ""), each run's
+    ``peak_step`` taken from the ``curves.json`` beside it where the CSV predates the column."""
+    path = pathlib.Path(path)
     rows = outputs.read_rows(path)
+    curves = path.parent / "curves.json"
+    curves = json.loads(curves.read_text()) if curves.is_file() else {}
     for r in rows:
         r["variant"], r["note"] = r["variant"] or "", r["note"] or ""
+        curve = curves.get(f"{r['family']}|{r['tokens']}|{r['variant']}|{r['seed']}")
+        if r.get("peak_step") is None and curve:
+            r["peak_step"] = peak_step(curve)
     return rows
+
+
+def late(r: dict) -> bool:
+    """Whether a run's highest validation check came after ``LATE`` of its steps (it may still be
+    rising); runs stored without their curve fall back to ``best_step``."""
+    step = r.get("peak_step")
+    return float(r["best_step"] if step in (None, "") else step) > LATE * float(r["steps_trained"])
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -65,8 +89,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             s[key + "_ci"] = stats.ci95(values)
         s["by_seed"] = {int(r["seed"]): float(r["accuracy"]) for r in ok}
         s["kinds_by_seed"] = {int(r["seed"]): {k: float(r[f"acc_{k}"]) for k in kinds} for r in ok}
-        s["late_best"] = sum(float(r["best_step"]) > LATE * float(r["steps_trained"]) for r in ok
-                             if r.get("best_step") is not None)
+        s["late_best"] = sum(late(r) for r in ok if r.get("best_step") is not None)
         s["status"] = first["status"]
         out.append(s)
     blind = next((s for s in out if s["family"] == BLIND and s["status"] == "ok"), None)

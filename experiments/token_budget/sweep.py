@@ -262,6 +262,7 @@ def result_rows(args, plan: list, same: dict, results: dict, chosen: dict, costs
         for seed in [seed for seed in args.seeds if seed in results.get(key, {})]:
             res = {k: v for k, v in results[key][seed].items() if k != "curve"}
             res["late_gain"] = report.late_gain(results[key][seed]["curve"])
+            res["peak_step"] = report.peak_step(results[key][seed]["curve"])
             lr, warmup = tune.rate(chosen, family, tokens)
             rows.append({**base, "seed": seed, "status": "ok", "lr": lr, "warmup": warmup, **costs[key], **res})
     curves = {f"{f}|{t}|{v}|{seed}": res["curve"] for (f, t, v), by_seed in results.items()

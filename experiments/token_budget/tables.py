@@ -351,13 +351,13 @@ def honeybee_kind_lines(summary: list[dict], counts: list[int]) -> list[str]:
 def seed_lines(summary: list[dict]) -> list[str]:
     """Outcomes that a mean over seeds hides: how many seeds learn each spatial kind (some kinds are
     learned or not, per seed, so their mean ± CI describes no run), and whether training had levelled
-    off (the seeds whose best check came in the last quarter, and what that quarter added)."""
+    off (the seeds whose highest check came in the last quarter, and what that quarter added)."""
     got = learned(summary)
     if got is None:
         return []
     lines = [f"Per seed: a seed learns a kind when its test accuracy on it is at least {100 * LEARNED_MARGIN:g} "
              "points above blind's mean (" + ", ".join(f"{k} ≥ {100 * v:.1f}" for k, v in got["bar"].items())
-             + f"); late best: seeds whose best validation check came after {100 * LATE:g}% of their steps; last "
+             + f"); late best: seeds whose highest validation check came after {100 * LATE:g}% of their steps; last "
              f"quarter: validation points gained from {100 * LATE:g}% of the steps to the end (mean ± 95% CI):", "",
              f"| connector | tokens | seeds | {' | '.join(f'learn {k}' for k in SPATIAL)} | late best | last quarter |",
              "|---|---:|---:|" + "---:|" * len(SPATIAL) + "---:|---:|"]

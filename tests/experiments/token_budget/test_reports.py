@@ -15,8 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     dst.mkdir(parents=True)
-    for name in ("runs.csv", "setup.json"):
-        shutil.copy(src / name, dst / name)
+    for name in ("runs.csv", "setup.json", "curves.json"):  # (the curves: each run's highest check)
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
     return dst
 
 

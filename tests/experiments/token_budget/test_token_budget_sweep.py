@@ -544,6 +544,27 @@ def test_seed_outcomes_count_the_seeds_that_learn_a_kind_and_late_best_checks(tb
     assert tables.seed_lines(report.summarise(rows[3:])) == []  # no blind yet: no bar to count against
 
 
+def test_a_run_is_late_by_its_highest_check_not_by_the_checkpoint_it_is_tested_at(tb, tmp_path):
+    """``best_step`` moves only on a gain of ``min_delta`` (0.005); a run still making smaller new highs
+    in its last quarter is rising all the same. Rows stored before the column read it from curves.json."""
+    import json
+
+    from vitmm.study import outputs
+
+    creeping = [[0, 0.3], [250, 0.6], [500, 0.6], [750, 0.603], [1000, 0.604]]  # best_step stays 250
+    assert report.peak_step(creeping) == 1000
+    assert report.peak_step([[0, 0.3], [250, 0.6], [500, 0.6], [1000, 0.55]]) == 250  # the earliest of equal highs
+    base = {"family": "pool", "budget": 16, "tokens": 16, "variant": "", "note": "", "status": "ok",
+            "best_step": 250, "steps_trained": 1000, "accuracy": 0.6}
+    outputs.write_rows([dict(base, seed=0), dict(base, seed=1), dict(base, family="blind", tokens=1, seed=0)],
+                       tmp_path / "runs.csv")
+    (tmp_path / "curves.json").write_text(json.dumps({"pool|16||0": creeping, "pool|16||1": creeping[:3]}))
+    rows = report.read_runs(tmp_path / "runs.csv")
+    assert [r.get("peak_step") for r in rows] == [1000, 250, None]
+    assert [report.late(r) for r in rows] == [True, False, False]  # no curve: its best_step, 250 of 1000
+    assert report.summarise(rows[:2])[0]["late_best"] == 1
+
+
 def test_the_horizon_check_pairs_each_seed_with_its_shorter_run():
     """horizon.md on known rows: gains paired by seed, seeds that learn colour-at-location at each
     horizon against the sweep's blind; a setting that differs is named, so nothing unpaired is compared."""
@@ -570,6 +591,9 @@ def test_the_horizon_check_pairs_each_seed_with_its_shorter_run():
                            f"81.0 ± {study_stats.ci95(100 * np.array([.82, .81, .80])):.1f} | "
                            f"+2.7 ± {100 * study_stats.ci95(gain):.1f} | {p:.2g} |")
     assert pool.endswith("| +0.0 ± 0.0 | 2 → 3 | 2 → 1 |")  # colour_at bar: 18 + 10 points; best check late
+    long[1]["peak_step"] = 14000  # its highest check after the one it is tested at (9,000)
+    assert next(line for line in horizon.compare(short, long, (8000, 16000))
+                if line.startswith("| pool |")).endswith("| 2 → 2 |")
     setup = {"tower_fingerprint": "a", "data": "d", "lm": {}, "stage0_final_loss": {"0": 1.0, "4": 2.0},
              "plan": {"batch_size": 32, "max_steps": 8000}}
     assert horizon.differences(setup, dict(setup, plan={"batch_size": 32, "max_steps": 16000})) == []
