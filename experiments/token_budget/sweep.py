@@ -219,9 +219,9 @@ def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature: str
     if not tuning:
         return tuned, {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in families}
     seeds = args.seeds[:args.tune_seeds]
-    if args.interim:
-        tuned = {k: v for k, v in store.load_cells(out / "tuning.jsonl", signature).items()
-                 if set(seeds) <= set(v)}
+    if args.interim:  # as the full run chooses: this sweep's tuning points, on the tuning seeds only
+        tuned = {k: {s: v[s] for s in seeds} for k, v in store.load_cells(out / "tuning.jsonl", signature).items()
+                 if k[:2] in points and set(seeds) <= set(v)}
         chosen = tune.choose(tuned, args.tune_each_budget)
         wanted = {tune.label(f, t, args.tune_each_budget) for f, t in points}
         if not wanted <= set(chosen):
@@ -333,7 +333,8 @@ def main(argv=None) -> pathlib.Path:
                                len(seeds) * steps_per_seed, seeds, before=ensure_stage0, holds=holds)
 
     tune_sig = store.signature({**settings, "tune_seed": args.seeds[0]})  # the tuning seeds' list left out, as the
-    context["tune_done"] = store.load_cells(out / "tuning.jsonl", tune_sig)  # main seeds': more train only the new
+    context["tune_done"] = store.load_cells(out / "tuning.jsonl", tune_sig, holds)  # main seeds': more train only
+    # the new ones (a result ``holds`` rejects, e.g. under a raised --min_steps, is trained again, as in run_cells)
     tuned, chosen = tune_families(args, jobs, run_cells, out, tune_sig)
     context["chosen"] = chosen
     print(f"(lr, warmup) per {'family and token count' if args.tune_each_budget else 'family'} (validation, seeds "

@@ -666,6 +666,39 @@ def test_each_budget_tuned_on_its_own_over_two_seeds(tb):
     assert chosen == {"pool": (1e-4, 25), "blind": (1e-4, 25)} and calls[0][2] == [0]
 
 
+def test_interim_chooses_as_the_full_run_from_this_sweeps_points_and_tuning_seeds(tb, tmp_path):
+    """Other tuning stored under the same settings (another token count, more seeds) must not move the
+    interim choice away from the one the finished sweep makes."""
+    from vitmm.study import store
+
+    path = tmp_path / "tuning.jsonl"
+    store.save_cell(path, "sig", ("pool", 16, 1e-4, 25), {0: {"accuracy": 0.6}, 1: {"accuracy": 0.1}})
+    store.save_cell(path, "sig", ("pool", 16, 3e-4, 25), {0: {"accuracy": 0.5}, 1: {"accuracy": 0.5}})
+    store.save_cell(path, "sig", ("pool", 4, 1e-3, 25), {0: {"accuracy": 0.9}})  # tuned at 4 tokens before
+    args = argparse.Namespace(stage1_steps=0, steps=10, tune_budget=16, chosen=None, tune_lrs=[1e-4, 3e-4],
+                              tune_warmups=[25], interim=True, tune_extend=1, min_delta=0.005, seeds=[0, 1],
+                              tune_each_budget=False, tune_seeds=1)
+    jobs = {("pool", 4, ""): {}, ("pool", 16, ""): {}}
+    tuned, chosen = sweep.tune_families(args, jobs, None, tmp_path, "sig")
+    assert chosen == {"pool": (1e-4, 25)}  # seed 0 at 16 tokens; not seed 1's mean, not the 4-token run
+    assert sorted(tuned) == [("pool", 16, 1e-4, 25), ("pool", 16, 3e-4, 25)] and all(
+        list(v) == [0] for v in tuned.values())
+
+
+def test_a_tuning_point_trains_only_the_seeds_not_tuned_before(monkeypatch):
+    from experiments.token_budget import jobs as cell_jobs
+
+    trained = []
+    monkeypatch.setattr(cell_jobs, "_run", lambda c, key, lr, warmup: "run")
+    monkeypatch.setattr(cell_jobs, "snapshot_path", lambda *a: None)
+    monkeypatch.setattr(cell_jobs, "train_and_eval",
+                        lambda run, seed, *a, **k: trained.append(seed) or {"accuracy": 0.1 * seed})
+    context = {"jobs": {("pool", 16, ""): {"view": "square"}}, "plan": {}, "tune_seeds": [0, 1],
+               "tune_done": {("pool", 16, 1e-3, 25): {0: {"accuracy": 0.7}}}}
+    got = cell_jobs.tune_job(["pool", 16, 1e-3, 25], {"train": None, "val": None}, context, None)  # a list, as stored
+    assert trained == [1] and got == {0: {"accuracy": 0.7}, 1: {"accuracy": 0.1}}
+
+
 def test_budget_or_connector_anova_matches_a_least_squares_fit(tb):
     """The two-way analysis of variance (families × budgets, seeds as blocks) on a balanced grid
     with a known budget effect: its F-tests equal the extra-sum-of-squares F of nested
