@@ -3,14 +3,15 @@
     python -m experiments.token_budget.layouts easy=results/token_budget hard=results/token_budget/hard \\
         [medium=results/token_budget/medium] [--out results/token_budget/layouts.md]
 
-Each sweep (a folder with ``runs.csv``) is cut to the design every sweep ran: the families, token
-counts and seeds they share, the main rows and blind (no equal-parameter or encoder-side rows). On
+Each sweep (a folder with ``runs.csv``) is cut to the runs every sweep finished: the (family, token
+count, seed) triples they share, main rows and blind (no equal-parameter or encoder-side rows). On
 that cut, each layout's tests are the ones its own report makes (``report.verdict_tests``: each cell
 against blind, each family's gain from its fewest to its most tokens, the best against the worst
 family, the analysis of variance, Honeybee's groups, fine detail), corrected together (Holm) within
 the layout, as its Verdicts table does. The table puts the tests the layouts share in one row, each
 layout's verdict tag in its column, and says what holds across them: the same sign shown in every
-layout, opposite signs shown, or shown in some layouts only. It adds no test of its own.
+layout, opposite signs shown, or shown in some layouts only (a best − worst test holds only where the
+layouts' best and worst are the same pair). It adds no test of its own.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def load(folder: pathlib.Path) -> list[dict]:
 
 
 def shared_design(sweeps: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    """Each sweep's finished main and blind rows on the families, token counts and seeds all of them ran."""
+    """Each sweep's finished main and blind rows of the (family, token count, seed) runs all of them finished."""
     def cells(rows):
         return {(r["family"], str(r["tokens"]), str(r["seed"])) for r in rows
                 if r["status"] == "ok" and not r["variant"]}
@@ -71,7 +72,7 @@ def compare(sweeps: dict[str, list[dict]]) -> str:
     tokens = sorted({int(r["tokens"]) for r in any_rows if r["family"] != report.BLIND})
     seeds = sorted({int(r["seed"]) for r in any_rows})
     sizes = ", ".join(f"{name} {len(tests)}" for name, tests in per_layout.items())
-    lines = [f"The tests the layouts share, on the design every sweep ran: {', '.join(families)} at "
+    lines = [f"The tests the layouts share, on the runs every sweep finished: {', '.join(families)} at "
              f"{', '.join(map(str, tokens))} tokens and blind, seeds {', '.join(map(str, seeds))}. Each layout's "
              f"tests are corrected together within the layout (Holm; {sizes} tests), as its own report's "
              "Verdicts table does on its full design; this table adds no test.", "",
@@ -79,7 +80,9 @@ def compare(sweeps: dict[str, list[dict]]) -> str:
     for n in shared:
         found = [per_layout[layout][n] for layout in per_layout]
         cells = [f"`{verdicts.tag(t)}`" + (f" ({pair})" if pair else "") for t, pair in found]
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {across([t for t, _ in found])} |")
+        pairs = {pair for _, pair in found}
+        together = across([t for t, _ in found]) if len(pairs) == 1 else "different pairs: not one test"
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {together} |")
     only = [n for n in names if n not in shared]
     if only:
         lines += ["", "Tests only some layouts make (e.g. a class test whose families one cut lacks): "

@@ -28,5 +28,14 @@ def test_layouts_cut_to_the_shared_design_and_say_what_holds(tmp_path):
     assert "qformer" not in text.split("\n")[0] and "pixel_shuffle, pool" in text.split("\n")[0]
     row = next(line for line in text.splitlines() if line.startswith("| pixel_shuffle 4 → 64 tokens |"))
     assert "`[shown: -5.1," in row and "`[shown: +9.9," in row and row.endswith("| opposite signs shown |")
-    assert next(line for line in text.splitlines() if line.startswith("| pool@16 − blind |")).endswith(
-        "| holds in every layout |")
+    best = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| best − worst")}
+    assert best["| best − worst family at 4 tokens"].endswith("| shown in none |")  # the same pair in both
+    assert "(ldp − c_abstractor)" in best["| best − worst family at 64 tokens"]  # pixel shuffle the best in other:
+    assert best["| best − worst family at 64 tokens"].endswith("| different pairs: not one test |")  # no verdict
+    blind_row = next(line for line in text.splitlines() if line.startswith("| pool@16 − blind |"))
+    assert blind_row.endswith("| holds in every layout |")
+    # Each layout corrected on its own: its tags count its own tests, as the header says.
+    sizes = dict(part.split() for part in text.split("(Holm; ")[1].split(" tests)")[0].split(", "))
+    assert sizes["easy"] == sizes["other"] == "49"  # the same cut, the same tests: 49 each, not 98 together
+    for layout, n in sizes.items():
+        assert f"of {n}]`" in blind_row.split(" | ")[1 + list(sizes).index(layout)]
