@@ -16,13 +16,15 @@ class Batcher:
         self.chat, self.max_batch, self.window = chat, max_batch, window
         self._queue: queue.Queue = queue.Queue()
         self._thread = None
+        self._starting = threading.Lock()  # two first requests at once must not start two decoders
         self.batch_sizes: list[int] = []  # every decode's batch, for tests and the load test
 
     def submit(self, request: dict):
         """Yields the request's token ids (EOS last if the answer ends within ``max_tokens``)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, daemon=True, name="vitmm-serve-decoder")
-            self._thread.start()
+        with self._starting:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="vitmm-serve-decoder")
+                self._thread.start()
         tokens: queue.Queue = queue.Queue()
         self._queue.put((request, tokens))
         while True:

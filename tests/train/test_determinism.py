@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from vitmm.config_args import load
-from vitmm.train import determinism, tasks
+from vitmm.train import determinism, dry_run, tasks
 from vitmm.train.parallel import Parallel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -52,6 +52,10 @@ def test_too_late_or_contradicted_is_refused_in_one_line(monkeypatch):
         determinism.set_flags({"deterministic": True})
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")  # set by the user: fine, even that late
     determinism.set_flags({"deterministic": True})
+    # --dry_run on this machine compiles the step as the run would: the same flags, the same refusals.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    with pytest.raises(ValueError, match="drop one of the two"):
+        dry_run.plan(load(ROOT / "configs/clip_scenes.py", "smoke", deterministic=True))
 
 
 def test_cudnn_attention_runs_as_xlas_in_a_deterministic_run(data_dir, capsys, monkeypatch):

@@ -388,3 +388,18 @@ def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
     assert "qa/accuracy" in summary["evals"]
     assert all(np.isfinite(h["loss"]) for h in summary["history"])
     assert ("image_newline" in ckpt_lib.load_params(tmp_path)) == arg.startswith("anyres")
+
+
+def test_a_loaded_tower_is_reported_only_where_it_differs_from_the_config(data_dir, capsys, monkeypatch):
+    """A config holds the kernel keys at None (the model's default); a tower saved before they existed
+    does not: that alone is no difference to report. A different width is."""
+    from vitmm.train import tasks
+
+    c = _config("vlm_scenes", "smoke", data_dir, **{"init.vision": "saved_tower"})
+    saved = {k: v for k, v in c.model.vision.to_dict().items() if v is not None or k not in tasks.KERNEL_KEYS}
+    assert saved != c.model.vision.to_dict()  # the config's None kernel keys are not in the saved tower
+    monkeypatch.setattr(tasks.ckpt_lib, "load_config", lambda path: {"model": {"image": dict(saved)}})
+    assert tasks.vlm_parts(c)[0] == saved and capsys.readouterr().out == ""
+    saved["width"] = 2 * saved["width"]
+    assert tasks.vlm_parts(c)[0]["width"] == saved["width"]
+    assert "model.vision is replaced by the tower saved in saved_tower" in capsys.readouterr().out

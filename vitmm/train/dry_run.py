@@ -54,6 +54,8 @@ def plan(config, tokenizer=None, target: str | None = None, num_devices: int = 1
     tokenizer is not at hand: the memory table's). ``target``: compile for ``num_devices`` GPUs of
     that kind (``gpu_targets.CARDS``) instead of this machine's devices, with ``batch_size`` the
     global batch over them."""
+    if not target:  # this machine's step, as the run would compile it (a target's flag is a compile option)
+        determinism.set_flags(config)
     devices = gpu_targets.devices(target, num_devices) if target else None
     distributed.maybe_initialize(config)
     config = imported_vlm.from_imported_vlm(config)

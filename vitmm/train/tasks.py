@@ -268,6 +268,12 @@ def _with_run_kernels(saved: dict, run: dict | None) -> dict:
     return {**saved, **{k: run[k] for k in KERNEL_KEYS if run and run.get(k) is not None}}
 
 
+def _set(settings: dict) -> dict:
+    """``settings`` without kernel keys left at None (the model's default), which a config always holds
+    and a checkpoint from before the keys existed does not: no difference to report."""
+    return {k: v for k, v in settings.items() if not (k in KERNEL_KEYS and v is None)}
+
+
 def vlm_parts(config) -> tuple[dict, dict]:
     """``(tower settings, LM settings)`` of a VLM run: read from the checkpoints ``init.vision``
     and ``init.lm`` point at (what built them), otherwise ``model.vision`` / ``model.lm``. A
@@ -282,7 +288,7 @@ def vlm_parts(config) -> tuple[dict, dict]:
                              "its config); use a `python -m vitmm.train` workdir or a `python -m vitmm.interop` "
                              "folder.")
         saved = _with_run_kernels(saved, vision)
-        if vision is not None and vision != saved and jax.process_index() == 0:
+        if vision is not None and _set(vision) != _set(saved) and jax.process_index() == 0:
             print(f"model.vision is replaced by the tower saved in {config.init.vision}: {saved}", flush=True)
         vision = saved
     if vision is None:
