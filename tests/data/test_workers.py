@@ -135,3 +135,20 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_auto_workers_count_the_cores_this_process_may_use(monkeypatch):
+    from vitmm.data import workers
+
+    for cores, expected in ((2, 1), (6, 4), (64, 16)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        monkeypatch.setattr(os, "cpu_count", lambda: 256)  # the machine's, not this process's
+        assert workers.auto_workers() == expected
+
+
+def test_a_bad_example_crosses_from_a_worker_process_as_it_was_raised():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(skips.BadExample("too_long", "300 tokens")))
+    assert (type(err), err.reason, err.detail, str(err)) == (skips.BadExample, "too_long", "300 tokens",
+                                                             "too_long: 300 tokens")

@@ -328,3 +328,7 @@ def test_uint8_batches_normalised_on_the_device_train_as_the_host_normalised_one
                                                      "input.pp": "decode|value_range(-1, 1)|blank|keep('image')"})
     with pytest.raises(ValueError, match="does not end its image work with value_range or normalize"):
         pp_template.host_pp_and_device_affine(blind)
+    native = config_args.load(ROOT / "configs/llava_pretrain.py", "smoke,native=16,pack=256",
+                              **{"input.device_normalize": True})  # images at their own sizes: packed patches
+    with pytest.raises(ValueError, match=r"not the tower's packed patches \(input.sequences.tower_length\)"):
+        pp_template.host_pp_and_device_affine(native)

@@ -39,6 +39,9 @@ class BadExample(Exception):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason, self.detail = reason, detail
 
+    def __reduce__(self):  # from an input worker process to the trainer as it was raised
+        return BadExample, (self.reason, self.detail)
+
 
 @dataclasses.dataclass(frozen=True)
 class Skipped:

@@ -68,6 +68,9 @@ def host_pp_and_device_affine(config) -> tuple[str, tuple | None]:
     if config.input.get("packing"):
         raise ValueError("input.device_normalize works on image batches, not packed patches (input.packing); "
                          "set it to False.")
+    if (config.input.get("sequences") or {}).get("tower_length"):
+        raise ValueError("input.device_normalize works on image batches, not the tower's packed patches "
+                         "(input.sequences.tower_length); set it to False.")
     host, affine = preprocess.split_image_affine(spec)
     if affine is None:
         raise ValueError(f"input.device_normalize=True, but the pp {spec!r} does not end its image work with "

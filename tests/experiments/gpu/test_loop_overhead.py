@@ -36,7 +36,7 @@ def test_memory_check_plans_and_runs_the_step(clip_smoke_run, tmp_path):
     assert (tmp_path / "m.json").exists() and out["table"]["backend"] == "h100"
 
 
-@pytest.mark.parametrize("script", ["session.sh", "trainer.sh", "carry.sh", "bench.sh"])
+@pytest.mark.parametrize("script", ["session.sh", "trainer.sh", "carry.sh", "bench.sh", "site.sh"])
 def test_the_device_scripts_parse(script):
     """The shell scripts a lent GPU runs once, unrehearsed there: at least they parse (``bash -n``); the
     whole session runs at smoke size with ``TINY_DATA=DIR bash experiments/gpu/session.sh --tiny`` (~4 minutes)."""
