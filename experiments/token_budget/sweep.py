@@ -23,8 +23,9 @@ when a run happened to stop: ``results/token_budget/v2_constant/README.md``). Th
 ``--curve_questions`` validation questions is checked every ``--eval_every`` steps (the learning
 curves) and the best check's parameters are scored per question kind on the test questions. Each
 family's learning rate and warmup are chosen first on the validation split at ``--tune_budget``
-tokens and the first seed (the first K: ``--tune_seeds K``): the best of ``--tune_lrs`` at the first of ``--tune_warmups`` (a best
-rate at an edge of the grid tries the next one past it, up to ``--tune_extend`` more), then the
+tokens and the first seed (the first K: ``--tune_seeds K``): the best of ``--tune_lrs`` at the first
+of ``--tune_warmups`` (a best rate at an edge of the grid tries the next one past it, up to
+``--tune_extend`` more), then the
 other warmups at that rate (``tuning.jsonl``; ``--lr`` skips tuning). ``--tune_each_budget`` tunes
 every family at every budget on its own, each run then at its own budget's rate (an encoder-side row
 at its family's nearest tuned count), and ``--tune_seeds K`` trains each tuning point on the first K
