@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -207,8 +208,12 @@ def sweep(args, passthrough: list[str]) -> list[dict]:
         else:
             row.update(step_ms=case["step_s"] * 1e3, mfu=case["mfu"], examples_per_s=case["examples_per_s"])
         rows.append(row)
+        if args.out:  # row by row: a sweep cut off keeps the settings it finished
+            pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
         print(f"{name:<42} " + (f"step {row['step_ms']:8.2f} ms  MFU {row['mfu']:.1%}" if "step_ms" in row
                                  else f"FAILED: {row['error']}") + f"  ({row['wall_s']:.0f} s)", flush=True)
+    shutil.rmtree(parts, ignore_errors=True)
     base = [r["step_ms"] for r in rows if r["setting"].startswith("baseline") and "step_ms" in r]
     for r in rows:
         if base and "step_ms" in r:
@@ -250,11 +255,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and XLA attention: a CPU smoke run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
     cases = [c for c in CASES if not (args.only_cudnn and c[4] is None)]
     if args.cases:
         cases = [c for c in cases if any(sub in c[0] for sub in args.cases.split(","))]
-    if args.sweep:
+    if args.sweep:  # (this process opens no device: each setting's process does, under its own flags)
         case = args.cases or "ViT-B/16 cudnn"
         passthrough = ["--cases", case, "--steps", str(args.steps), "--repeats", str(args.repeats),
                        "--remat", args.remat, "--batch_scale", str(args.batch_scale)]
@@ -267,6 +271,7 @@ def main(argv=None) -> dict:
             pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
             pathlib.Path(args.out).with_suffix(".md").write_text(markdown + "\n")
         return {"sweep": rows}
+    print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
     if not cases:
         raise SystemExit(f"--cases {args.cases!r} matches none of {[c[0] for c in CASES]}.")
     results = {}

