@@ -82,30 +82,51 @@ class Checkpointer:
             meta=ocp.args.JsonRestore()))
         return restored.state, restored.data, restored.meta
 
-    def restore_newest_readable(self, abstract_state):
-        """``(state, data_state, meta, step)`` of the newest checkpoint that reads. Each newer one
-        that fails to read (a truncated or missing file, an empty step folder) is skipped with one
-        warning naming the step and the reason; a checkpoint that reads but does not fit the model
-        is an error, and so is a workdir whose checkpoints all fail (never a silent fresh start)."""
-        skipped = []
+    def restore_newest_readable(self, abstract_state, check=None, restart: bool = False):
+        """``(state, data_state, meta, step)`` of the newest checkpoint that reads. ``check(meta)``
+        runs on each one's saved metadata before its state is read (the trainer's config check: a
+        changed optimizer is refused in one line, not met as a read error); its errors propagate, as
+        does a checkpoint that does not fit the model. Newer checkpoints that fail to read (a
+        truncated or missing file, an empty step folder) are set aside as ``<step>.unreadable``, each
+        with one warning, once an older one has read. If none reads, nothing is renamed (the failure
+        may be this run's, not the files') and ``NoReadableCheckpoint`` names each cause; with
+        ``restart`` they are set aside and None is returned: a fresh start."""
         listed = set(self.all_steps())
-        for step in sorted(set(self.step_folders()) - listed, reverse=True):  # orbax does not even list it
-            skipped.append(self._set_aside(step, "an incomplete or emptied step folder"))
+        failed = [(step, "an incomplete or emptied step folder")  # orbax does not even list it
+                  for step in sorted(set(self.step_folders()) - listed, reverse=True)]
         for step in sorted(listed, reverse=True):
+            try:
+                meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            except Exception as err:  # noqa: BLE001 - any failure to read makes the checkpoint unusable
+                failed.append((step, self._read_failure(step, err)))
+                continue
+            if check is not None:
+                check(meta)
             try:
                 found = (*self.restore(abstract_state, step), step)
             except CheckpointMismatch:
                 raise
-            except Exception as err:  # noqa: BLE001 - any failure to read makes the checkpoint unusable
-                console.log_error(self.errors_log, f"reading the checkpoint at step {step} failed", err)
-                skipped.append(self._set_aside(step, f"{console.cause(err)}; the full error is in {self.errors_log}"))
+            except Exception as err:  # noqa: BLE001 - as above
+                failed.append((step, self._read_failure(step, err)))
                 continue
-            if skipped:
+            for s, reason in failed:  # one has read, so theirs were the files' faults
+                self._set_aside(s, reason)
+            if failed:
                 self._mngr.reload()
             return found
-        raise NoReadableCheckpoint(f"No readable checkpoint in {self.directory} ({'; '.join(skipped)}). Nothing was "
-                                   "restored; rerun with --restart to train it again from step 0 (the unreadable "
-                                   "folders stay for a look).")
+        if restart:
+            for s, reason in failed:
+                self._set_aside(s, reason)
+            self._mngr.reload()
+            return None
+        causes = "; ".join(f"step {s}: {reason}" for s, reason in failed)
+        raise NoReadableCheckpoint(f"No readable checkpoint in {self.directory} ({causes}). Nothing was restored or "
+                                   "renamed; if the files are damaged, rerun with --restart to set them aside (as "
+                                   "<step>.unreadable) and train again from step 0.")
+
+    def _read_failure(self, step: int, err: Exception) -> str:
+        console.log_error(self.errors_log, f"reading the checkpoint at step {step} failed", err)
+        return f"{console.cause(err)}; the full error is in {self.errors_log}"
 
     def _set_aside(self, step: int, reason: str) -> str:
         """Warns, and renames the unreadable step folder to ``<step>.unreadable`` (kept for a look,

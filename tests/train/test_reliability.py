@@ -63,28 +63,45 @@ def test_an_unreadable_latest_checkpoint_is_skipped_for_the_previous_one(tmp_pat
     assert resumed["param_checksum"] == pytest.approx(summary["param_checksum"], rel=1e-6)
 
 
-def test_no_readable_checkpoint_stops_and_only_restart_starts_afresh(tmp_path, straight, capsys):
-    """Every checkpoint unreadable: the run stops; rerun, it still refuses (the folders set aside and
-    the log are an earlier run's); ``restart`` keeps that log aside and trains from step 0."""
+def test_no_readable_checkpoint_stops_renames_nothing_and_only_restart_starts_afresh(tmp_path, straight, capsys):
+    """Every checkpoint unreadable: the run stops and renames nothing (the fault may be the run's, not the
+    files'); rerun, it still refuses; ``restart`` sets them aside, keeps the log aside and trains from step 0."""
     workdir, summary, config = straight
     for name in ("checkpoints", "metrics.jsonl"):
         (shutil.copytree if name == "checkpoints" else shutil.copy)(workdir / name, tmp_path / name)
     for step in (3, 4):  # the two it keeps
         shutil.rmtree(tmp_path / "checkpoints" / str(step))
         (tmp_path / "checkpoints" / str(step)).mkdir()
-    with pytest.raises(ckpt_lib.NoReadableCheckpoint, match=r"No readable checkpoint in .*step 4.*step 3.*--restart"):
-        trainer.train(config, tmp_path)
+    for _ in range(2):
+        with pytest.raises(ckpt_lib.NoReadableCheckpoint, match=r"No readable checkpoint in .*step 4.*step 3.*Nothing "
+                           r"was restored or renamed.*--restart"):
+            trainer.train(config, tmp_path)
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "4"]
     log = (tmp_path / "metrics.jsonl").read_text()
-    with pytest.raises(workdir_lib.HistoryWithoutCheckpoint, match=r"holds an earlier run \(checkpoints set aside as "
-                       r"unreadable \(3.unreadable, 4.unreadable\); metrics.jsonl logged up to step 4\).*--restart"):
-        trainer.train(config, tmp_path)
-    assert (tmp_path / "metrics.jsonl").read_text() == log  # nothing lost
     capsys.readouterr()
     again = trainer.train(config, tmp_path, restart=True)
     assert "Restarting from step 0" in capsys.readouterr().out
+    assert {"3.unreadable", "4.unreadable"} <= {p.name for p in (tmp_path / "checkpoints").iterdir()}
     assert (tmp_path / "metrics.before-restart.jsonl").read_text() == log
     assert again["param_checksum"] == pytest.approx(summary["param_checksum"], rel=1e-6)
     assert _losses(tmp_path) == _losses(workdir)
+
+
+def test_a_changed_optimizer_is_refused_in_one_line_and_no_checkpoint_is_touched(tmp_path, straight):
+    """A new optimizer layout (``optim.freeze`` wraps it in a multi-transform) cannot read the saved
+    state: the config check runs before any state is read, so the run is refused, not set aside."""
+    workdir, _, config = straight
+    shutil.copytree(workdir / "checkpoints", tmp_path / "checkpoints")
+    frozen = smoke_config(config.input.data_dir, evals=False, log_every=1, checkpoint_every=1,
+                          **{"optim.freeze": ("txt/.*",)})
+    with pytest.raises(workdir_lib.ConfigChanged, match=r"would change optim/freeze"):
+        trainer.train(frozen, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "4"]
+    with frozen.unlocked():
+        frozen.allow_config_change = True  # told to go on: the state does not read, and still nothing is renamed
+    with pytest.raises(ckpt_lib.NoReadableCheckpoint, match=r"step 4: .*step 3: .*Nothing was restored or renamed"):
+        trainer.train(frozen, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "4"]
 
 
 def test_a_log_past_the_first_checkpoints_with_no_checkpoint_is_an_earlier_run(tmp_path):

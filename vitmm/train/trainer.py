@@ -195,7 +195,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
             _check_history(workdir, config, restart)
         with (console.library_errors_to(workdir / console.ERRORS_LOG), StopRequests() as stop,
               contextlib.ExitStack() as cleanup):
-            return _train(config, workdir, stop_at, is_main, stop, cleanup)
+            return _train(config, workdir, stop_at, is_main, stop, cleanup, restart)
     finally:
         lock.release()
         if created and is_main:
@@ -260,7 +260,8 @@ def build(config) -> Setup:
     return Setup(par, tokenizer, task, tx, lr_schedule, state, config)
 
 
-def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequests, cleanup) -> dict:
+def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequests, cleanup,
+           restart: bool = False) -> dict:
     setup = build(config)
     par, tokenizer, task, state = setup.par, setup.tokenizer, setup.task, setup.state
     data = _input(config, tokenizer, par, task)
@@ -269,16 +270,26 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     start = 0
     if checkpointer.all_steps() or checkpointer.step_folders():  # an unreadable one must not mean a fresh start
         abstract = par.abstract_for_restore(jax.eval_shape(lambda: state))
-        restored, data_state, meta, start = checkpointer.restore_newest_readable(abstract)
-        saved = meta.get("config")
-        changes = workdir_lib.check_config_change(json.loads(saved) if isinstance(saved, str) else saved, config,
-                                                  checkpointer.directory)
-        state = restored
-        data.set_state(device_feed.own_state(data_state))
-        if is_main:
-            print(f"Resumed from step {start} in {checkpointer.directory}", flush=True)
-            if changes:
-                print("Config changes since that checkpoint:\n" + "\n".join(changes), flush=True)
+        changes = []
+
+        def check(meta):  # before the state is read: what the config changes, refused where it matters
+            saved = meta.get("config")
+            changes[:] = workdir_lib.check_config_change(json.loads(saved) if isinstance(saved, str) else saved,
+                                                         config, checkpointer.directory)
+
+        found = checkpointer.restore_newest_readable(abstract, check, restart=restart)
+        if found is None:  # --restart over checkpoints none of which read: set aside
+            kept = workdir_lib.set_aside_for_restart(workdir) if is_main else None
+            if is_main:
+                print(f"Restarting from step 0 in {workdir} (--restart; no checkpoint read, set aside as "
+                      "<step>.unreadable)" + (f"; the earlier log is {kept.name}." if kept else "."), flush=True)
+        else:
+            state, data_state, _, start = found
+            data.set_state(device_feed.own_state(data_state))
+            if is_main:
+                print(f"Resumed from step {start} in {checkpointer.directory}", flush=True)
+                if changes:
+                    print("Config changes since that checkpoint:\n" + "\n".join(changes), flush=True)
     if is_main:
         workdir_lib.write_config(workdir, config)
     state = par.put_state(state)
@@ -386,7 +397,8 @@ def _check_finite(bad, checkpointer, names) -> None:
             f"Non-finite {names[int(bad[1])]} at step {int(bad[0]) + 1}; the run stops. "
             + (f"The last good checkpoint (step {last}) is kept in {checkpointer.directory}."
                if last is not None else "No checkpoint had been written yet.")
-            + " Lower the learning rate, raise warmup or clip harder, then resume."
+            + " Lower the learning rate, raise warmup or clip harder, then resume with "
+              "--config.allow_config_change=True."
         )
 
 
