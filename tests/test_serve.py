@@ -75,11 +75,13 @@ def test_streaming_gives_the_same_text_and_usage_last(server):
     client = _client(server)
     kwargs = dict(model="vlm_smoke", messages=_ask(IMAGE, "What is there?"), max_tokens=8, temperature=0)
     whole = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    plain = list(client.chat.completions.create(stream=True, **kwargs))  # usage only when asked: every chunk a choice
+    assert all(c.choices for c in plain) and "".join(c.choices[0].delta.content or "" for c in plain) == text
 
 
 def test_text_only_multi_turn_seeded_sampling_and_stop_strings(server):
@@ -98,6 +100,22 @@ def test_text_only_multi_turn_seeded_sampling_and_stop_strings(server):
         cut = client.chat.completions.create(model="vlm_smoke", messages=_ask(IMAGE, "?"), max_tokens=8,
                                              temperature=0, stop=[stop])
         assert cut.choices[0].message.content == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+
+def test_a_reply_is_to_the_last_question_with_the_earlier_turns_in_its_prompt(server):
+    """The prompt runs to the last (empty) answer, not the first; a conversation too long to keep its
+    last question is refused, not answered as its first exchange."""
+    chat = server["engine"].chat
+    turns = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Spell 'red'."},
+             {"from": "gpt", "value": "r e d"}, {"from": "human", "value": "And 'blue'?"}]
+    example = chat.prepare([], turns)
+    prompt = chat.tokenizer.decode(list(example["ids"][: int(example["prompt_len"])]))
+    assert "Spell 'red'." in prompt and "r e d" in prompt and prompt.rstrip().endswith("And 'blue'?")
+    long = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 4} for i in range(21)]
+    status, body = _http(server["url"] + "/v1/chat/completions",
+                         json.dumps({"model": "vlm_smoke", "messages": long, "max_tokens": 4}).encode())
+    assert status == 400 and "too long for this model" in body["error"]["message"]
 
 
 def test_models_health_and_a_local_file_under_the_allowed_folder(server):
@@ -133,6 +151,11 @@ BAD = [
      400, "'temperature' must be a number"),
     ("ends with the assistant", {"model": "vlm_smoke", "messages": [{"role": "assistant", "content": "hi"}]},
      400, "must end with a user turn"),
+    ("temperature NaN", {"model": "vlm_smoke", "messages": [{"role": "user", "content": "hi"}],
+                         "temperature": float("nan")}, 400, "'temperature' must be a number"),
+    ("max_completion_tokens 0", {"model": "vlm_smoke", "messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": None, "max_completion_tokens": 0}, 400,
+     "'max_completion_tokens' must be an integer"),
 ]
 
 
@@ -294,3 +317,72 @@ def test_vitmm_chat_refuses_a_workdir_that_is_not_a_vlm_in_one_line(clip_smoke_r
     assert chat.main(["--workdir", str(clip_smoke_run.workdir), "--question", "what is it?"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m vitmm.chat: ") and "not a VLM" in err[0]
+
+
+class _FakeChat:
+    """A chat whose decoder emits token 7 (EOS 0 where ``eos_at`` says) one step a millisecond,
+    counting its steps: the batcher's bookkeeping without a model."""
+
+    def __init__(self, eos_at=None, text=None):
+        self.eos_at, self.steps = eos_at or {}, 0
+        self.tokenizer = type("Tok", (), {"eos_id": 0, "decode": staticmethod(text or (lambda ids: "x" * len(ids)))})
+
+    def stream_batch(self, examples, max_new_tokens, temperature, top_p, seed):
+        import numpy as np
+
+        for step in range(max_new_tokens):
+            self.steps = step + 1
+            time.sleep(0.001)
+            yield np.array([0 if self.eos_at.get(row) == step else 7 for row in range(len(examples))])
+
+    def num_prompt_tokens(self, example):
+        return 1
+
+
+def _request(max_tokens, **more):
+    return dict(example={}, max_tokens=max_tokens, temperature=0, top_p=1.0, seed=0, stop=[], **more)
+
+
+def test_the_decoder_stops_when_every_answer_is_complete_or_no_longer_read():
+    from vitmm import serve_batching
+
+    chat = _FakeChat(eos_at={0: 2})  # the first request's answer ends at its third token
+    batcher = serve_batching.Batcher(chat, window=0.2)
+    answers = [None, None]
+    threads = [threading.Thread(target=lambda i=i, n=n: answers.__setitem__(i, list(batcher.submit(_request(n)))))
+               for i, n in enumerate((1000, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert answers == [[7, 7, 0], [7, 7, 7]] and batcher.batch_sizes == [2] and chat.steps == 3  # not 1000
+    chat.steps = 0
+    reader = batcher.submit(_request(1000))
+    assert [next(reader), next(reader)] == [7, 7]
+    reader.close()  # a stop string found, or the client gone
+    time.sleep(0.5)
+    assert chat.steps < 100
+
+
+def test_a_character_spelled_out_over_several_tokens_is_streamed_whole():
+    """A byte-fallback tokenizer (Llama 2's, Mistral's, Gemma's) decodes each pending byte of a
+    character as U+FFFD until the character is complete: none of them may reach the client."""
+    from vitmm import serve_batching
+
+    data = "X€Y".encode()  # € is three bytes: three tokens
+
+    def decode(ids):
+        raw = bytes(data[i - 1] for i in ids)
+        for cut in range(len(raw), -1, -1):
+            try:
+                return raw[:cut].decode() + "\ufffd" * (len(raw) - cut)
+            except UnicodeDecodeError:
+                continue
+
+    chat = _FakeChat(text=decode)
+    chat.stream_batch = lambda examples, n, *a: iter([[k] for k in range(1, len(data) + 1)] + [[0]])
+    engine = serve.Engine.__new__(serve.Engine)
+    engine.chat, engine.batcher = chat, serve_batching.Batcher(chat)
+    pieces = list(engine.completion(_request(16)))
+    assert "".join(p for p, end in pieces) == "X€Y" and not any("\ufffd" in p for p, _ in pieces)
+    assert pieces[-1][1][0] == "stop"

@@ -84,8 +84,8 @@ class Chat:
             from vitmm.data.skips import BadExample
 
             try:
-                return self._pp({"images": list(images), "conversations": [*turns, {"from": "gpt", "value": ""}]},
-                                rng)
+                return _reply_prompt(self._pp({"images": list(images),
+                                               "conversations": [*turns, {"from": "gpt", "value": ""}]}, rng))
             except BadExample as bad:
                 raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
         users = [t for t in turns if t["from"] == "human"]
@@ -108,8 +108,9 @@ class Chat:
         if images:
             raise ValueError("A video goes alone, without images.")
         try:
-            return self._pp({"images": [], "video": video, "conversations": [*turns, {"from": "gpt", "value": ""}]},
-                            np.random.default_rng(0))
+            return _reply_prompt(self._pp({"images": [], "video": video,
+                                           "conversations": [*turns, {"from": "gpt", "value": ""}]},
+                                          np.random.default_rng(0)))
         except BadExample as bad:
             raise ValueError(f"The video cannot be used ({bad.reason}: {bad.detail}).") from None
 
@@ -247,7 +248,7 @@ class LMChat:
         if not turns or turns[-1]["from"] != "human":
             raise ValueError("The conversation must end with a user turn.")
         try:
-            out = self._tokens({"conversations": [*turns, {"from": "gpt", "value": ""}]}, None)
+            out = _reply_prompt(self._tokens({"conversations": [*turns, {"from": "gpt", "value": ""}]}, None))
         except BadExample as bad:
             raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
         return {"ids": out["ids"], "prompt_len": out["prompt_len"]}
@@ -279,6 +280,20 @@ class LMChat:
         example = self.prepare([], [{"from": "human", "value": question}])
         eos = self.tokenizer.eos_id
         return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
+
+
+def _reply_prompt(example: dict) -> dict:
+    """A preprocessed conversation (ending with an empty answer) as a prompt for the reply to its last
+    user turn: ``prompt_len`` at the last answer's start, earlier turns and answers in it. Training's
+    overflow rule drops exchanges from the end, which here would drop the question: refused instead."""
+    from vitmm.data import ops_text
+
+    if int(example.get("_truncated", 0)):
+        raise ValueError(f"The conversation is too long for this model ({int(example['_truncated'])} of its exchanges "
+                         "would not fit, the last question among them); send fewer earlier turns.")
+    if "answer_mask" in example:
+        example = dict(example, prompt_len=np.int32(ops_text.reply_start(example["answer_mask"])))
+    return example
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -28,7 +28,9 @@ import argparse
 import base64
 import binascii
 import json
+import math
 import pathlib
+import secrets
 import signal
 import sys
 import threading
@@ -93,14 +95,17 @@ class Engine:
         if len(images) > limit:
             raise RequestError(f"{len(images)} images; this model takes at most {limit} per request"
                                f"{' (a language model)' if limit == 0 else ''}.", param="messages")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 256))
+        length_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = 256 if body.get(length_key) is None else body[length_key]  # (null: the default, as OpenAI's)
         temperature, top_p = body.get("temperature", 1.0), body.get("top_p", 1.0)
         temperature = 1.0 if temperature is None else temperature
         top_p = 1.0 if top_p is None else top_p
-        _check_number("max_tokens", max_tokens, 1, MAX_TOKENS, integer=True)
+        _check_number(length_key, max_tokens, 1, MAX_TOKENS, integer=True)
         _check_number("temperature", temperature, 0.0, 2.0)
         _check_number("top_p", top_p, 0.0, 1.0, low_open=True)
-        seed = body.get("seed") if body.get("seed") is not None else 0
+        seed = body.get("seed")
+        if seed is None:  # no seed: a draw of its own each request (OpenAI's way), not always the same one
+            seed = secrets.randbelow(2**31)
         _check_number("seed", seed, 0, 2**31 - 1, integer=True)
         if body.get("n", 1) not in (1, None):
             raise RequestError("Only n=1 is supported.", param="n")
@@ -110,12 +115,15 @@ class Engine:
             raise RequestError("'stop' must be a string or a list of at most 4 non-empty strings.", param="stop")
         if len(videos) > 1:
             raise RequestError(f"{len(videos)} videos; one a request.", param="messages")
+        if videos and limit == 0:
+            raise RequestError("This is a language model: it takes no video.", param="messages")
         try:
             example = self.chat.prepare(images, turns, videos[0]) if videos else self.chat.prepare(images, turns)
         except ValueError as err:
             raise RequestError(str(err), param="messages") from None
         return dict(example=example, max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
-                    seed=int(seed), stop=stop, stream=bool(body.get("stream", False)))
+                    seed=int(seed), stop=stop, stream=bool(body.get("stream", False)),
+                    include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
 
     def _content(self, content, i: int, images: list, videos: list) -> str:
         if isinstance(content, str):
@@ -209,9 +217,8 @@ class Engine:
             if cut >= 0:
                 text, finish = text[:cut], "stop"
                 break
-            ready = len(text) - hold
-            if text.endswith("\ufffd"):  # half a character: wait for the rest
-                ready = min(ready, len(text) - 1)
+            # a character still being spelled out (byte-fallback tokenizers show each byte so far as U+FFFD)
+            ready = min(len(text) - hold, len(text.rstrip("\ufffd")))
             if ready > len(shown):
                 yield text[len(shown):ready], None
                 shown = text[:ready]
@@ -222,7 +229,7 @@ class Engine:
 
 
 def _check_number(name, value, low, high, integer=False, low_open=False):
-    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    ok = isinstance(value, int) if integer else isinstance(value, int | float) and math.isfinite(value)
     if isinstance(value, bool) or not ok or value > high or value < low or (low_open and value == low):
         raise RequestError(f"'{name}' must be {'an integer' if integer else 'a number'} in "
                            f"{'(' if low_open else '['}{low}, {high}]; got {value!r}.", param=name)
@@ -286,7 +293,8 @@ def make_app(engine: Engine):
 
 
 def _events(engine: Engine, parsed: dict, head: dict):
-    """Server-sent events: a role chunk, content deltas, a finish chunk, a usage chunk, [DONE]."""
+    """Server-sent events: a role chunk, content deltas, a finish chunk, a usage chunk (asked for with
+    ``stream_options: {"include_usage": true}``, as OpenAI sends it), [DONE]."""
     def chunk(delta=None, finish=None, usage=None):
         body = {**head, "object": "chat.completion.chunk",
                 "choices": [] if usage else [{"index": 0, "delta": delta or {}, "finish_reason": finish,
@@ -301,7 +309,8 @@ def _events(engine: Engine, parsed: dict, head: dict):
             yield chunk({"content": piece})
         else:
             yield chunk(finish=end[0])
-            yield chunk(usage=end[1])
+            if parsed["include_usage"]:
+                yield chunk(usage=end[1])
     yield "data: [DONE]\n\n"
 
 

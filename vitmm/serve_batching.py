@@ -20,20 +20,25 @@ class Batcher:
         self.batch_sizes: list[int] = []  # every decode's batch, for tests and the load test
 
     def submit(self, request: dict):
-        """Yields the request's token ids (EOS last if the answer ends within ``max_tokens``)."""
+        """Yields the request's token ids (EOS last if the answer ends within ``max_tokens``). When the
+        caller stops reading (a stop string, a client gone) the decoder stops its row at the next step."""
         with self._starting:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="vitmm-serve-decoder")
                 self._thread.start()
         tokens: queue.Queue = queue.Queue()
+        request = dict(request, cancelled=threading.Event())
         self._queue.put((request, tokens))
-        while True:
-            token = tokens.get()
-            if isinstance(token, BaseException):
-                raise token
-            if token is None:
-                return
-            yield token
+        try:
+            while True:
+                token = tokens.get()
+                if isinstance(token, BaseException):
+                    raise token
+                if token is None:
+                    return
+                yield token
+        finally:
+            request["cancelled"].set()
 
     def _loop(self):
         while True:
@@ -68,8 +73,10 @@ class Batcher:
             for row in list(open_rows):
                 token = int(row_tokens[row])
                 group[row][1].put(token)
-                if token == eos or step + 1 == budget[row]:
+                if token == eos or step + 1 == budget[row] or group[row][0]["cancelled"].is_set():
                     group[row][1].put(None)
                     open_rows.discard(row)
+            if not open_rows:  # every answer is complete (or no longer read): no step more
+                break
         for row in open_rows:
             group[row][1].put(None)

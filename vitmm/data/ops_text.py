@@ -212,6 +212,14 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
     return fn
 
 
+def reply_start(answer_mask) -> int:
+    """Where a conversation's last answer begins (each answer ends with EOS, so each is a run of the
+    mask): the prompt from which a reply to its final user turn is generated. ``prompt_len`` is the
+    first answer's start, what training's prefix and evaluators of single questions use."""
+    m = np.asarray(answer_mask) > 0
+    return int(np.flatnonzero(m & ~np.concatenate([[False], m[:-1]]))[-1])
+
+
 def _expand_images(segments, texts: list[str]) -> list[tuple[str, str]]:
     """``segments`` with the k-th ``<image>`` of their text replaced by ``texts[k]`` (one the template
     wrote itself, past the turns' own, as PaliGemma's does, stays as it is)."""
