@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -235,6 +236,29 @@ def test_one_writer_per_workdir_and_a_stale_lock_is_taken_over(tmp_path, straigh
     assert json.loads((tmp_path / "lock").read_text())["pid"] == os.getpid()
     second.release()
     assert not (tmp_path / "lock").exists()
+    # A file naming a live pid (ours: a restarted container reuses pids) whose run holds no lock is stale too.
+    (tmp_path / "lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "x"}))
+    third = workdir_lib.Lock(tmp_path)
+    third.acquire()
+    third.release()
+    # Another process holding it (on any host: the lock is the file system's) is refused until it dies, kill -9 too.
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, json, os, sys, time
+        fd = os.open({str(tmp_path / "lock")!r}, os.O_CREAT | os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps({{"host": "elsewhere", "pid": 12345, "started": "y"}}).encode())
+        print("held", flush=True)
+        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(workdir_lib.WorkdirLocked, match=r"in use by pid 12345 on elsewhere"):
+            workdir_lib.Lock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    fourth = workdir_lib.Lock(tmp_path)
+    fourth.acquire()
+    fourth.release()
 
 
 # ------------------------------------------------------------------------------------ preemption

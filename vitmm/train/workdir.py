@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import pathlib
@@ -76,41 +78,75 @@ def remove_if_empty(workdir: pathlib.Path) -> None:
 
 
 class Lock:
+    """One writer per workdir: an exclusive ``flock`` on ``W/lock``, held while the run lives (the
+    kernel lets go when the process dies, ``kill -9`` too, so a restart on the same pid, another
+    host after a requeue or two runs starting at once are all decided by the lock itself); the file
+    says who holds it. Where the file system has no ``flock`` (ENOLCK, ENOSYS, EOPNOTSUPP), a
+    holder is judged by its pid on this host."""
+
     def __init__(self, workdir: pathlib.Path):
         self.path = pathlib.Path(workdir) / "lock"
-        self.held = False
+        self.held, self._fd = False, None
 
     def acquire(self) -> None:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(2):
+        for _ in range(3):  # the path may be replaced while we open it: try the file that is there now
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is not None and not self._stale(holder):
-                    raise WorkdirLocked(
-                        f"{self.path.parent} is in use by pid {holder.get('pid')} on {holder.get('host')} "
-                        f"(since {holder.get('started')}); wait for it, stop it, or use another --workdir.") from None
-                print(f"Taking over the stale lock of pid {(holder or {}).get('pid')} (no longer running) "
-                      f"in {self.path.parent}.", flush=True)
-                self.path.unlink(missing_ok=True)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise self._locked(self._holder()) from None
+            except OSError as err:
+                os.close(fd)
+                if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                return self._acquire_by_pid(me)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # released (and removed) between our open and our lock
+                os.close(fd)
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
+            previous = self._holder()
+            if previous and previous.get("pid") is not None:
+                print(f"Taking over the stale lock of pid {previous.get('pid')} on {previous.get('host')} (no longer "
+                      f"running) in {self.path.parent}.", flush=True)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            self._fd, self.held = fd, True
             return
-        raise WorkdirLocked(f"Could not take the lock {self.path}; another run started at the same moment.")
+        raise WorkdirLocked(f"Could not take the lock {self.path}; other runs are starting and stopping there.")
 
     def release(self) -> None:
         if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
+            self.path.unlink(missing_ok=True)  # removed while still locked: a waiting opener sees it gone
+            if self._fd is not None:
+                os.close(self._fd)
+            self.held, self._fd = False, None
+
+    def _locked(self, holder: dict | None) -> WorkdirLocked:
+        who = (f"pid {holder.get('pid')} on {holder.get('host')} (since {holder.get('started')})" if holder else
+               "another run (starting)")
+        return WorkdirLocked(f"{self.path.parent} is in use by {who}; wait for it, stop it, or use another --workdir.")
+
+    def _acquire_by_pid(self, me: dict) -> None:
+        """Without ``flock``: the file's holder, if its pid on this host is alive, keeps it."""
+        holder = self._holder()
+        if holder is not None and not self._stale(holder):
+            raise self._locked(holder)
+        if holder is not None:
+            print(f"Taking over the stale lock of pid {holder.get('pid')} (no longer running) in {self.path.parent}.",
+                  flush=True)
+        self.path.write_text(json.dumps(me))
+        self.held = True
 
     def _holder(self) -> dict | None:
         try:
             return json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return None  # unreadable: half-written by a writer that died at once
+            return None  # empty or unreadable: being written, or left half-written
 
     @staticmethod
     def _stale(holder: dict) -> bool:
