@@ -40,6 +40,9 @@ try:
 except trainer.Preempted as stop:
     print("PREEMPTED " + json.dumps(dict(process=jax.process_index(), step=stop.step)), flush=True)
     sys.exit(75)
+except trainer.REFUSALS as refused:
+    print("REFUSED " + json.dumps(dict(process=jax.process_index(), message=str(refused))), flush=True)
+    sys.exit(2)
 print("RESULT " + json.dumps(dict(process=jax.process_index(), count=jax.process_count(),
       devices=jax.device_count(), losses=[h["loss"] for h in summary["history"]],
       checksum=summary["param_checksum"], evals=summary["evals"])), flush=True)
@@ -134,6 +137,21 @@ def test_two_processes_train_as_one_and_stop_together_on_sigterm(tmp_path):
 
     mine, straight = ckpt_lib.load_params(resumed, 5), ckpt_lib.load_params(tmp_path / "workdir", 5)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(straight), strict=True))
+
+
+    # A workdir process 0 refuses (held by another run) stops both at once, each in one line, nothing written.
+    from vitmm.train import workdir as workdir_lib
+
+    held = workdir_lib.Lock(tmp_path / "busy")
+    (tmp_path / "busy").mkdir()
+    held.acquire()
+    try:
+        refused = sorted(_results(_run_two(tmp_path, tmp_path / "busy", data_dir, expect=2), "REFUSED "),
+                         key=lambda r: r["process"])
+    finally:
+        held.release()
+    assert "is in use by pid" in refused[0]["message"] and "process 0 refused this run" in refused[1]["message"]
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == []
 
 
 @pytest.mark.parametrize(("env", "found"), [

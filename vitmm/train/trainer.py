@@ -190,9 +190,14 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     is_main = jax.process_index() == 0
     lock = workdir_lib.Lock(workdir)
     try:
+        refusal = None
         if is_main:
-            lock.acquire()
-            _check_history(workdir, config, restart)
+            try:
+                lock.acquire()
+                _check_history(workdir, config, restart)
+            except REFUSALS as err:
+                refusal = err
+        _refuse_together(refusal, workdir)
         with (console.library_errors_to(workdir / console.ERRORS_LOG), StopRequests() as stop,
               contextlib.ExitStack() as cleanup):
             return _train(config, workdir, stop_at, is_main, stop, cleanup, restart)
@@ -200,6 +205,23 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
         lock.release()
         if created and is_main:
             workdir_lib.remove_if_empty(workdir)
+
+
+REFUSALS = (workdir_lib.WorkdirLocked, workdir_lib.HistoryWithoutCheckpoint)
+
+
+def _refuse_together(refusal: Exception | None, workdir: pathlib.Path) -> None:
+    """Process 0 alone checks the workdir; every process stops with it (the others would wait at the
+    first checkpoint's barrier until the coordination timeout)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        code = REFUSALS.index(type(refusal)) + 1 if refusal is not None else 0
+        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+        if code and refusal is None:
+            raise REFUSALS[code - 1](f"{workdir}: process 0 refused this run; its output says why.")
+    if refusal is not None:
+        raise refusal
 
 
 def _check_history(workdir: pathlib.Path, config, restart: bool) -> None:
