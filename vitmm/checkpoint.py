@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -169,8 +170,19 @@ class Checkpointer:
             raise self.save_failed(err) from err
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
-        self._mngr.close()
+        """Waits for background saves and closes. Called while another error propagates (a NaN, a failed
+        evaluation, a preemption), a failed save is logged and said, and that error stays the one raised."""
+        failing, error = sys.exc_info()[1] is not None, None
+        for finish in (self._mngr.wait_until_finished, self._mngr.close):  # (close waits again)
+            try:
+                finish()
+            except Exception as err:  # noqa: BLE001 - re-raised with what the user needs, or said beside another
+                error = error or err
+        if error is not None:
+            failed = self.save_failed(error)
+            if not failing:
+                raise failed from error
+            print(f"Warning: {failed}", flush=True)
 
 
 def _read_only(path: str | pathlib.Path, **handlers):

@@ -448,3 +448,24 @@ def test_a_loop_of_sigkill_and_sigterm_ends_where_an_uninterrupted_run_ends(tmp_
     sigterm = result["interruptions"][1]
     assert sigterm["returncode"] in (75, 0) and sigterm["lost"] == 0  # 0: it reached the last step first
     assert (tmp_path / "preemption_loop.md").is_file()
+
+
+def test_a_save_failing_while_another_error_stops_the_run_is_said_beside_it(tmp_path, monkeypatch, capsys):
+    """The checkpointer closes in the loop's ``finally``: a background save failing there must not
+    replace the error that stopped the run (a NaN, an evaluator's, a preemption)."""
+    checkpointer = ckpt_lib.Checkpointer(tmp_path)
+
+    def broken():
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointer._mngr, "wait_until_finished", broken)
+    with pytest.raises(FloatingPointError, match="the run's own error"):
+        try:
+            raise FloatingPointError("the run's own error")
+        finally:
+            checkpointer.close()
+    assert "Warning: Saving a checkpoint to" in capsys.readouterr().out
+    again = ckpt_lib.Checkpointer(tmp_path)
+    monkeypatch.setattr(again._mngr, "wait_until_finished", broken)
+    with pytest.raises(ckpt_lib.SaveFailed, match="No space left on device"):
+        again.close()  # alone, it is the error
