@@ -18,7 +18,8 @@ def send_at_batch(trainer, batch: int, sig: str = "SIGTERM") -> None:
             def __next__(self):
                 Signalling.count += 1
                 if Signalling.count == batch:
-                    os.kill(os.getpid(), getattr(signal, sig))
+                    for name in sig.split(","):  # e.g. "SIGINT,SIGINT": Ctrl-C twice
+                        os.kill(os.getpid(), getattr(signal, name))
                 return next(it)
 
             def get_state(self):

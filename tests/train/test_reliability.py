@@ -283,6 +283,19 @@ app.run(cli.main, flags_parser=cli.parse_flags)
 """
 
 
+def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path, straight):
+    script = tmp_path / "signalling.py"
+    script.write_text(SIGNALLING.replace("{sig}", "SIGINT,SIGINT"))
+    env = dict(os.environ, XLA_FLAGS=os.environ["VITMM_TEST_XLA_FLAGS_4_DEVICES"])
+    run = subprocess.run([sys.executable, str(script), "--config", "configs/clip_scenes.py:smoke", "--workdir",
+                          str(tmp_path / "run"), f"--config.input.data_dir={straight[2].input.data_dir}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 130 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert [line for line in run.stderr.splitlines() if line.startswith("python -m vitmm.train:")] == [
+        "python -m vitmm.train: Ctrl-C twice: stopped at once, without a checkpoint of this step; rerun the same "
+        "command to resume from the last one."]
+
+
 def test_a_signal_saves_the_current_step_and_the_resumed_run_matches(tmp_path, straight):
     """SIGINT (Ctrl-C) at a known step. SIGTERM takes the same handler and is sent at a known step
     by the multi-host test (both processes save, the pair resumed from a checkpoint matches) and at random moments

@@ -24,6 +24,7 @@ from vitmm.train import trainer
 from vitmm.train import workdir as workdir_lib
 
 PREEMPTED = 75  # EX_TEMPFAIL: try again (resume)
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports an interrupted command
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, workdir_lib.WorkdirLocked)
 RUN_FAILURES = (FloatingPointError, ckpt_lib.SaveFailed, ckpt_lib.NoReadableCheckpoint)
 
@@ -143,6 +144,11 @@ def main(argv):
             summary = trainer.train(flags.FLAGS.config, flags.FLAGS.workdir, restart=flags.FLAGS.restart)
     except trainer.Preempted as stop:
         _fail(str(stop), PREEMPTED)
+    except KeyboardInterrupt:  # a second Ctrl-C while the first one's checkpoint was on its way
+        if debug:
+            raise
+        _fail("Ctrl-C twice: stopped at once, without a checkpoint of this step; rerun the same command to resume "
+              "from the last one.", INTERRUPTED)
     except USER_ERRORS as err:
         if debug:
             raise
