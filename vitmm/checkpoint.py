@@ -67,6 +67,15 @@ class Checkpointer:
         """``(state, data_state, meta)`` of ``step`` (default: latest); the state takes the
         shardings of ``abstract_state``'s ``ShapeDtypeStruct`` leaves."""
         step = self.latest_step() if step is None else step
+        self._check_fits(abstract_state, step)
+        restored = self._mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore()))
+        return restored.state, restored.data, restored.meta
+
+    def _check_fits(self, abstract_state, step: int) -> None:
+        """``CheckpointMismatch`` if the parameters saved at ``step`` are not the model's (read from
+        the checkpoint's metadata: nothing is loaded)."""
         stored = self._mngr.item_metadata(step)["state"]
         problems = tree.mismatches(abstract_state["params"], stored["params"])
         if problems:
@@ -78,10 +87,6 @@ class Checkpointer:
                    if tree.fitting(abstract_state["params"], stored["params"]) else
                    " (nothing in this checkpoint fits it: a different model trained here).")
             )
-        restored = self._mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
-        return restored.state, restored.data, restored.meta
 
     def restore_newest_readable(self, abstract_state, check=None, restart: bool = False):
         """``(state, data_state, meta, step)`` of the newest checkpoint that reads. ``check(meta)``
@@ -98,6 +103,9 @@ class Checkpointer:
         for step in sorted(listed, reverse=True):
             try:
                 meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+                self._check_fits(abstract_state, step)  # another model's checkpoint: said as such, first
+            except CheckpointMismatch:
+                raise
             except Exception as err:  # noqa: BLE001 - any failure to read makes the checkpoint unusable
                 failed.append((step, self._read_failure(step, err)))
                 continue
