@@ -73,6 +73,10 @@ def test_sampling_is_seeded_top_p_tiny_is_greedy_and_eos_stops_a_row(llama):
     assert not np.array_equal(a, c)
     np.testing.assert_array_equal(gen.generate(params, ids, mask, 8, eos_id=95, temperature=1.0, top_p=1e-6, seed=3),
                                   greedy)
+    compiled = gen._step._cache_size()
+    for temperature, top_p in ((0.7, 0.9), (1.3, 1.0), (0.2, 0.5)):  # what clients send: no new program each
+        gen.generate(params, ids, mask, 8, eos_id=95, temperature=temperature, top_p=top_p, seed=4)
+    assert gen._step._cache_size() == compiled
     eos = int(greedy[0, 2])  # pretend the third greedy token of row 0 is EOS
     stopped = gen.generate(params, ids, mask, 8, eos_id=eos)
     assert stopped[0, :3].tolist() == greedy[0, :3].tolist() and (stopped[0, 3:] == eos).all()

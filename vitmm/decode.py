@@ -54,9 +54,9 @@ class GreedyDecoder:
             return model.apply(variables, images, ids, prompt_len, cache, image_pos, prefix_lm, visual_mask, layout,
                                method=VLM.prefill)
 
-        def step(variables, token, position, cache, key, temperature, top_p):
+        def step(variables, token, position, cache, key, temperature, top_p, greedy):
             logits, cache = model.apply(variables, token, position, cache, method=VLM.step)
-            return sample(logits, key, temperature, top_p), cache
+            return sample(logits, key, temperature, top_p, greedy), cache
 
         def prefill_sequences(variables, images, tokens, visual, lengths, cache, prefix_lm, positions):
             return model.apply(variables, images, tokens, visual, lengths, cache, prefix_lm, positions,
@@ -64,7 +64,8 @@ class GreedyDecoder:
 
         self._prefill = jax.jit(prefill, static_argnames=("prefix_lm",))
         self._prefill_sequences = jax.jit(prefill_sequences, static_argnames=("prefix_lm",))
-        self._step = jax.jit(step, donate_argnums=(3,), static_argnames=("temperature", "top_p"))
+        # temperature and top_p traced: one program serves every setting a client sends (greedy or not: two)
+        self._step = jax.jit(step, donate_argnums=(3,), static_argnames=("greedy",))
 
     def __call__(self, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray, max_new_tokens: int,
                  eos_id: int, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None,
@@ -120,7 +121,8 @@ class GreedyDecoder:
 
         def step(now, i):
             token, state["cache"] = self._step(variables, jnp.asarray(now), state["position"] + i, state["cache"],
-                                               jax.random.fold_in(key, i + 1), temperature, top_p)
+                                               jax.random.fold_in(key, i + 1), temperature, top_p,
+                                               greedy=temperature == 0)
             return token
 
         first = sample(logits, jax.random.fold_in(key, 0), temperature, top_p)
@@ -159,20 +161,21 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
     return ids, mask
 
 
-def sample(logits: jnp.ndarray, key, temperature: float, top_p: float) -> jnp.ndarray:
+def sample(logits: jnp.ndarray, key, temperature, top_p, greedy: bool | None = None) -> jnp.ndarray:
     """Next tokens ``[B]`` from ``logits [B, vocab]``: argmax at temperature 0, else a draw from
     the softmax at ``temperature`` restricted to the smallest set of tokens whose probability
-    reaches ``top_p`` (nucleus sampling; the most likely token always stays)."""
-    if temperature == 0:
+    reaches ``top_p`` (nucleus sampling; the most likely token always stays; ``top_p`` 1: every
+    token). ``temperature`` and ``top_p`` may be traced; ``greedy`` (static) then says which of
+    the two it is (default: ``temperature == 0`` for a number)."""
+    if temperature == 0 if greedy is None else greedy:
         return logits.argmax(-1).astype(jnp.int32)
     logits = logits / temperature
-    if top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, -1)
-        before = jnp.cumsum(jax.nn.softmax(sorted_logits, -1), -1) - jax.nn.softmax(sorted_logits, -1)
-        keep_sorted = before < top_p  # the mass before a token is below top_p: it is in the nucleus
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-        logits = jnp.where(keep, logits, -jnp.inf)
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, -1)
+    before = jnp.cumsum(jax.nn.softmax(sorted_logits, -1), -1) - jax.nn.softmax(sorted_logits, -1)
+    keep_sorted = (before < top_p) | (top_p >= 1.0)  # the mass before a token is below top_p: in the nucleus
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
@@ -189,16 +192,16 @@ class Generator:
         self.lm_config = dict(lm_config)
         self.model = lm_lib.LM(**self.lm_config)
         self._prefill = jax.jit(self._prefill_fn)
-        self._step = jax.jit(self._step_fn, static_argnames=("temperature", "top_p"), donate_argnums=(1,))
+        self._step = jax.jit(self._step_fn, static_argnames=("greedy",), donate_argnums=(1,))
 
     def _prefill_fn(self, params, ids, mask, cache):
         positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
         logits, cache = self.model.apply({"params": params}, ids, pad_mask=mask, positions=positions, cache=cache)
         return logits[:, -1], cache
 
-    def _step_fn(self, params, cache, token, position, key, temperature, top_p):
+    def _step_fn(self, params, cache, token, position, key, temperature, top_p, greedy):
         logits, cache = self.model.apply({"params": params}, token[:, None], positions=position[:, None], cache=cache)
-        return sample(logits[:, -1], key, temperature, top_p), logits[:, -1], cache
+        return sample(logits[:, -1], key, temperature, top_p, greedy), logits[:, -1], cache
 
     def logits(self, params, ids, mask, continuation: np.ndarray) -> np.ndarray:
         """Logits ``[B, 1 + n, vocab]`` after the prompt and after each of the ``n`` forced
@@ -209,7 +212,7 @@ class Generator:
         out, position = [last], jnp.asarray(np.asarray(mask).sum(-1), jnp.int32)
         for i in range(continuation.shape[1]):
             _, last, cache = self._step(params, cache, jnp.asarray(continuation[:, i], jnp.int32), position,
-                                        jax.random.key(0), 0.0, 1.0)
+                                        jax.random.key(0), 0.0, 1.0, greedy=True)
             out.append(last)
             position = position + 1
         return np.stack([np.asarray(x) for x in out], axis=1)
@@ -233,7 +236,8 @@ class Generator:
 
         def step(now, i):
             token, _, state["cache"] = self._step(params, state["cache"], jnp.asarray(now), state["position"] + i,
-                                                  jax.random.fold_in(key, i + 1), float(temperature), float(top_p))
+                                                  jax.random.fold_in(key, i + 1), float(temperature), float(top_p),
+                                                  greedy=float(temperature) == 0)
             return token
 
         yield from stream_until_eos(sample(last, jax.random.fold_in(key, 0), temperature, top_p), max_new_tokens,
