@@ -129,6 +129,18 @@ def test_models_health_and_a_local_file_under_the_allowed_folder(server):
 
 
 PNG = _data_url(IMAGE)
+def _huge_png() -> str:
+    """A 7000 × 7000 PNG of ~10 KB (one bit a pixel): refused from its header, never decoded."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("1", (7000, 7000)).save(buffer, "png")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+HUGE = _huge_png()
 BAD = [
     ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
     ("no messages", {"model": "vlm_smoke", "messages": []}, 400, "'messages' must be a non-empty list"),
@@ -151,6 +163,8 @@ BAD = [
      400, "'temperature' must be a number"),
     ("ends with the assistant", {"model": "vlm_smoke", "messages": [{"role": "assistant", "content": "hi"}]},
      400, "must end with a user turn"),
+    ("too many pixels", {"model": "vlm_smoke", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": HUGE}}]}]}, 413, "7000x7000, more than 40,000,000 pixels"),
     ("temperature NaN", {"model": "vlm_smoke", "messages": [{"role": "user", "content": "hi"}],
                          "temperature": float("nan")}, 400, "'temperature' must be a number"),
     ("max_completion_tokens 0", {"model": "vlm_smoke", "messages": [{"role": "user", "content": "hi"}],

@@ -27,6 +27,7 @@ requests are decoded together (``vitmm.serve_batching.Batcher``), each answered 
 import argparse
 import base64
 import binascii
+import io
 import json
 import math
 import pathlib
@@ -138,6 +139,10 @@ class Engine:
                 text.append(part["text"])
             elif kind == "image_url":
                 url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                limit = self.chat.max_images
+                if len(images) >= limit:  # before decoding any more of them
+                    raise RequestError(f"More than {limit} images; this model takes at most {limit} per request"
+                                       f"{' (a language model)' if limit == 0 else ''}.", param="messages")
                 images.append(self._image(url, i))
                 text.append("<image>\n")
             elif kind == "video_url":  # vLLM's part for a video: a data URL or a local file
@@ -156,6 +161,15 @@ class Engine:
 
         param = f"messages[{i}].content"
         data = self._bytes(url, param, "image")
+        try:  # its size from the header first: a huge image is refused before it is decoded
+            from PIL import Image
+
+            with Image.open(io.BytesIO(data)) as header:
+                width, height = header.size
+        except Exception:  # noqa: BLE001 - not an image PIL can read: decode_image names why below
+            width = height = 0
+        if width * height > MAX_IMAGE_PIXELS:
+            raise RequestError(f"The image is {width}x{height}, more than {MAX_IMAGE_PIXELS:,} pixels.", 413, param)
         try:
             image = decode_image(data)
         except BadExample as bad:
