@@ -73,13 +73,23 @@ def test_pmap_and_jit_give_the_same_losses(tmp_path, request, shared, name, arg)
     assert jit_run.summary["param_checksum"] == pytest.approx(pmap["param_checksum"], rel=1e-5)
 
 
-def test_resume_continues_exactly(tmp_path, clip_smoke_run):
-    """Stopped at step 2 and resumed, a run ends where the session's uninterrupted run ended."""
+def test_resume_continues_exactly(tmp_path, clip_smoke_run, capsys):
+    """Stopped at step 2 and resumed, a run ends where the session's uninterrupted run ended; an
+    evaluation its log lacks at the step it resumes from (killed after saving, before evaluating) is run."""
     straight = clip_smoke_run.summary
-    c = smoke_config(clip_smoke_run.data_dir, evals=False, log_every=1, checkpoint_every=100)
+    c = smoke_config(clip_smoke_run.data_dir, log_every=1, checkpoint_every=100, eval_every=2)
     first = trainer.train(c, tmp_path, stop_at=2)
     assert first["final_step"] == 2 and first["checkpoints"] == [2]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in rows if "zeroshot/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [2]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r not in evaluated))
+    capsys.readouterr()
     second = trainer.train(c, tmp_path)
+    assert "step 2: evaluated on resuming" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "zeroshot/accuracy" in r] == [2, 4]
+    assert [r["zeroshot/accuracy"] for r in rows if "zeroshot/accuracy" in r][0] == evaluated[0]["zeroshot/accuracy"]
     assert [h["step"] for h in second["history"]] == [3, 4]
     assert [h["step"] for h in straight["history"]] == [2, 4]
     np.testing.assert_allclose([first["history"][1]["loss"], second["history"][1]["loss"]],

@@ -324,6 +324,12 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     writer = workdir_lib.MetricWriter(workdir, enabled=is_main, resumed_at=start)
 
     total = config.total_steps
+    if _evaluation_lost(workdir, start, total, config, evaluators, is_main):
+        params = _host_params(par.host_state(state)["params"])
+        writer.write(start, _evaluate(evaluators, task.eval_params(params), task.final_aux(params)))
+        if is_main:
+            print(f"step {start}: evaluated on resuming (the run stopped after saving it, before evaluating it)",
+                  flush=True)
     sync_every = config.get("sync_every", 8) if par.needs_host_sync else None
     progress = tqdm(total=total, initial=start, desc="train", unit="step", disable=not is_main,
                     dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
@@ -383,6 +389,19 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     checksum = float(sum(np.asarray(x, np.float64).sum() for x in jax.tree.leaves(params)))
     return dict(history=history, evals=evals, final_step=int(to_host(par.host_state(state)["step"])),
                 workdir=str(workdir), checkpoints=checkpointer.all_steps(), param_checksum=checksum)
+
+
+def _evaluation_lost(workdir, start: int, total: int, config, evaluators, is_main: bool) -> bool:
+    """A run stopped between saving an evaluation step and evaluating it (a kill, or a preemption at
+    that step) resumes there: the evaluation the log lacks is run first (process 0 decides for all)."""
+    if not evaluators or not 0 < start < total or start % config.eval_every:
+        return False
+    lost = is_main and not workdir_lib.evaluated_at(workdir, start, evaluators)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        lost = bool(multihost_utils.broadcast_one_to_all(np.int32(lost)))
+    return lost
 
 
 def _data_counts(data_state, shown: int | None, is_main: bool) -> int | None:

@@ -227,6 +227,21 @@ def _logged_steps(path: pathlib.Path) -> list[int]:
     return steps
 
 
+def evaluated_at(workdir: pathlib.Path, step: int, evaluators) -> bool:
+    """Whether ``metrics.jsonl`` holds an evaluation row at ``step`` (a key of one of ``evaluators``,
+    e.g. ``zeroshot/accuracy``)."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    prefixes = tuple(f"{name}/" for name in evaluators)
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("step") == step and any(k.startswith(prefixes) for k in row):
+            return True
+    return False
+
+
 def history_without_checkpoint(workdir: pathlib.Path, checkpoint_every: int) -> list[str]:
     """What in ``workdir`` shows an earlier run that no checkpoint folder is left to resume ([] if
     nothing, or if a step folder exists: resuming, or reporting why it cannot, is the checkpoint's
