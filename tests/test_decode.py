@@ -88,3 +88,4 @@ def test_top_p_keeps_the_nucleus_only():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     draws = np.asarray([decode.sample(logits, jax.random.key(i), 1.0, 0.7)[0] for i in range(200)])
     assert set(draws) == {0, 1}  # 0.5 + 0.3 reach 0.7; 0.15 and 0.05 never drawn
+    assert {int(decode.sample(logits, jax.random.key(i), 1.0, 0.0)[0]) for i in range(20)} == {0}  # top_p 0: greedy

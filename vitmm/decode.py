@@ -174,6 +174,7 @@ def sample(logits: jnp.ndarray, key, temperature, top_p, greedy: bool | None = N
     sorted_logits = jnp.take_along_axis(logits, order, -1)
     before = jnp.cumsum(jax.nn.softmax(sorted_logits, -1), -1) - jax.nn.softmax(sorted_logits, -1)
     keep_sorted = (before < top_p) | (top_p >= 1.0)  # the mass before a token is below top_p: in the nucleus
+    keep_sorted = keep_sorted.at[:, 0].set(True)  # the most likely token, even at top_p 0 (greedy then)
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -103,7 +103,7 @@ class Engine:
         top_p = 1.0 if top_p is None else top_p
         _check_number(length_key, max_tokens, 1, MAX_TOKENS, integer=True)
         _check_number("temperature", temperature, 0.0, 2.0)
-        _check_number("top_p", top_p, 0.0, 1.0, low_open=True)
+        _check_number("top_p", top_p, 0.0, 1.0)  # 0: the most likely token only, as OpenAI takes it
         seed = body.get("seed")
         if seed is None:  # no seed: a draw of its own each request (OpenAI's way), not always the same one
             seed = secrets.randbelow(2**31)
