@@ -126,6 +126,15 @@ def test_models_health_and_a_local_file_under_the_allowed_folder(server):
                                              {"type": "text", "text": "?"}]}]
     reply = _client(server).chat.completions.create(model="vlm_smoke", messages=messages, max_tokens=2, temperature=0)
     assert reply.usage.completion_tokens >= 1
+    # The same file as file://localhost/…, as a path relative to the allowed folder, and inline as base64 with
+    # MIME line breaks: the same prompt each time.
+    wrapped = base64.encodebytes(path.read_bytes()).decode()  # a line break every 76 characters
+    engine = server["engine"]
+    same = [engine.parse({"model": "vlm_smoke", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]})["example"]["image"]
+        for url in (f"file://{path}", f"file://localhost{path}", "images/000000.jpg",
+                    "data:image/jpeg;base64," + wrapped)]
+    assert all((image == same[0]).all() for image in same[1:])
 
 
 PNG = _data_url(IMAGE)

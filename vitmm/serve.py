@@ -188,14 +188,14 @@ class Engine:
             if ";base64" not in header:
                 raise RequestError(f"An {kind} data URL must be base64 (data:{kind}/...;base64,...).", param=param)
             try:
-                data = base64.b64decode(payload, validate=True)
+                data = base64.b64decode("".join(payload.split()), validate=True)  # (MIME-style line breaks)
             except (binascii.Error, ValueError):
                 raise RequestError(f"The {kind} data URL is not valid base64.", param=param) from None
         elif url.startswith(("http://", "https://")):
             raise RequestError(f"Remote {kind} URLs are not fetched; send the {kind} as a base64 data URL.",
                                param=param)
         else:
-            data = self._local_file(url.removeprefix("file://"), param)
+            data = self._local_file(url.removeprefix("file://localhost").removeprefix("file://"), param)
         limit = MAX_IMAGE_BYTES if kind == "image" else MAX_VIDEO_BYTES
         if len(data) > limit:
             raise RequestError(f"The {kind} is {len(data):,} bytes, more than {limit:,}.", 413, param)
@@ -205,7 +205,7 @@ class Engine:
         if self.local_root is None:
             raise RequestError("Local image paths are refused; start the server with --allow_local_files ROOT, or "
                                "send the image as a base64 data URL.", param=param)
-        resolved = pathlib.Path(path).expanduser().resolve()
+        resolved = (self.local_root / pathlib.Path(path).expanduser()).resolve()  # a relative path: under the root
         if not resolved.is_relative_to(self.local_root):
             raise RequestError(f"{path} is outside --allow_local_files {self.local_root}.", 403, param)
         try:
