@@ -111,6 +111,15 @@ def test_mixture_sampling_rules_and_weights_are_deterministic(tmp_path):
     assert ids == [formats.source_from(mixture)[i]["_id"] for i in range(40)]  # rebuilt: the same stream
     assert sum(i.startswith("text") for i in ids) == 10  # one in four from the second source
     assert sum(i.startswith("text") for i in ids[:20]) == 5  # in every stretch, not just overall
+    # Each pass reads every example of every source (grain's mix read 5 of these 100 each pass, and no more).
+    big, small = list(range(100)), [1000 + i for i in range(5)]
+    mixed = formats.Mixed([big, small], [1.0, 1.0])
+    seen = [mixed[i] for i in range(len(mixed))]
+    assert len(mixed) == 199 and set(seen) == set(big) | set(small) and seen[:4] == [0, 1000, 1, 1001]
+    three = formats.Mixed([list(range(7)), list(range(100, 1000)), ["x"] * 3], [1.0, 2.0, 0.5])
+    seen = [three[i] for i in range(len(three))]
+    assert set(range(7)) | set(range(100, 1000)) <= set(seen)
+    assert abs(sum(isinstance(x, int) and x >= 100 for x in seen) / len(seen) - 2 / 3.5) < 0.01
     with pytest.raises(ValueError, match="give every entry a positive weight, or none"):
         formats.source_from({"mixture": [dict(data_path=str(a), weight=1.0), dict(data_path=str(b))]})
     with pytest.raises(ValueError, match="set only one of"):

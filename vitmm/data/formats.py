@@ -106,8 +106,8 @@ def source_from(inp, seed: int = 0):
     ``mixture``: a list of entries, each with one of ``data_path`` (+ ``image_folder``), ``wds``,
     ``csv``, ``parquet`` and optional ``sampling`` (LLaVA-NeXT's rule) and ``weight``. Without
     weights the sources are concatenated (LLaVA-NeXT); with a weight on every entry they are
-    interleaved deterministically in those proportions (grain's ``mix``: a source smaller than its
-    share repeats)."""
+    interleaved deterministically in those proportions (``Mixed``: every example of every source is
+    read each pass, a source smaller than its share repeats)."""
     get = inp.get
     kind = raw_format(inp)
     if kind == "data_path" and str(get("data_path")).endswith((".yaml", ".yml")):
@@ -149,8 +149,6 @@ def llava_next_yaml(path, image_folder=None) -> list[dict]:
 
 
 def _mixture(entries, seed: int):
-    import grain
-
     entries = [dict(e) for e in entries]
     for e in entries:
         unknown = set(e) - {*RAW_KEYS, "image_folder", "csv_img_key", "csv_caption_key", "csv_separator",
@@ -163,18 +161,43 @@ def _mixture(entries, seed: int):
         return Concat(sources)
     if any(w is None or w <= 0 for w in weights):
         raise ValueError(f"input.mixture weights {weights}: give every entry a positive weight, or none.")
-    mixed = grain.MapDataset.mix([grain.MapDataset.source(s) for s in sources], [float(w) for w in weights])
-    return _MixedSource(mixed)
+    return Mixed(sources, [float(w) for w in weights])
 
 
-class _MixedSource:
-    """grain's weighted interleave as a plain sequence (so it slices and shuffles like any source)."""
+class Mixed:
+    """Sources interleaved in proportion to ``weights``, deterministically, as a plain sequence (it
+    slices and shuffles like any source). A block of ``BLOCK`` positions gives each source its share
+    of slots, spread evenly (largest remainder); source ``s``'s ``n``-th slot overall reads its
+    example ``n mod len(s)``. The length runs to where the source with the most examples for its
+    share has been read once, so every example of every source is read each pass (a smaller share
+    repeats). grain's ``mix`` instead stops at the first source to run out: of a 100-example source
+    mixed 1:1 with a 5-example one, it read the same 5 each pass."""
 
-    def __init__(self, mixed):
-        self._mixed = mixed
+    BLOCK = 1000
+
+    def __init__(self, sources: list, weights: list[float]):
+        total = sum(weights)
+        exact = [self.BLOCK * w / total for w in weights]
+        slots = [int(x) for x in exact]
+        for i in sorted(range(len(exact)), key=lambda i: slots[i] - exact[i])[: self.BLOCK - sum(slots)]:
+            slots[i] += 1  # largest remainders
+        if any(n == 0 for n in slots):
+            raise ValueError(f"input.mixture weights {weights}: a share below 1/{self.BLOCK} of the mixture; "
+                             "raise the smallest weight.")
+        self._sources, self._slots = sources, slots
+        # where each source's slots fall in a block: evenly spread (its k-th slot near (k + 0.5) / n of it)
+        order = sorted((((k + 0.5) / n, i, k) for i, n in enumerate(slots) for k in range(n)))
+        self._pattern = [(i, k) for _, i, k in order]
+        at = {ik: slot for slot, ik in enumerate(self._pattern)}
+        # up to the position of the last example of the source that reaches its end last
+        self._len = max((len(src) - 1) // n * self.BLOCK + at[(i, (len(src) - 1) % n)] + 1
+                        for i, (src, n) in enumerate(zip(sources, slots, strict=True)))
 
     def __len__(self) -> int:
-        return len(self._mixed)
+        return self._len
 
     def __getitem__(self, index: int):
-        return self._mixed[index]
+        block, slot = divmod(int(index), self.BLOCK)
+        i, k = self._pattern[slot]
+        source = self._sources[i]
+        return source[(block * self._slots[i] + k) % len(source)]
