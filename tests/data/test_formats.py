@@ -13,7 +13,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitmm.data import device_feed, examples, format_tables, format_wds, formats, pipeline, preprocess, scenes, skips
+from vitmm.data import (
+    device_feed,
+    examples,
+    format_tables,
+    format_wds,
+    formats,
+    ops_text,
+    pipeline,
+    preprocess,
+    scenes,
+    skips,
+)
 from vitmm.data.__main__ import main as data_main
 from vitmm.data.images import decode_image, pad_to_square
 
@@ -92,6 +103,11 @@ def test_parquet_reader_reads_hf_image_structs_and_chat_messages(tmp_path):
     assert pickle.loads(pickle.dumps(source))[5]["caption"] == source[5]["caption"]  # for worker processes
     assert format_tables.as_conversations([{"user": "q", "assistant": "a", "source": "x"}]) == [
         {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]  # the_cauldron's texts
+    # with its images: at the start of the first user turn, as the_cauldron means them, so the row trains
+    cauldron = format_tables.as_conversations([{"user": "q", "assistant": "a", "source": "x"}], num_images=2)
+    assert cauldron[0] == {"from": "human", "value": "<image><image>\nq"}
+    tokens = ops_text.conversation_tokens(64)({"conversations": cauldron, "num_images": 2}, None)
+    assert int(tokens["answer_mask"].sum()) > 0
 
 
 def test_mixture_sampling_rules_and_weights_are_deterministic(tmp_path):

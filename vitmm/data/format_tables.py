@@ -140,16 +140,26 @@ class ParquetSource:
             if len(loaded) > 1:
                 return Skipped("too_many_images", example_id)
             return example
-        conversations = as_conversations(text)
+        conversations = as_conversations(text, len(loaded))
         if conversations is None:
             return Skipped("bad_record", example_id, f"column {self.text_key!r} is neither text nor messages")
         example.update(images=loaded, conversations=conversations)
         return example
 
 
-def as_conversations(value) -> list | None:
-    """LLaVA's ``[{"from", "value"}]`` from chat messages or the_cauldron's ``texts``; the image
-    goes at the start of the first user turn when no turn names one (the_cauldron's convention)."""
+def as_conversations(value, num_images: int = 0) -> list | None:
+    """LLaVA's ``[{"from", "value"}]`` from chat messages or the_cauldron's ``texts``; the
+    ``num_images`` images go at the start of the first user turn when no turn names one (the_cauldron's
+    convention)."""
+    turns = _turns(value)
+    if turns and num_images and not any("<image>" in str(t["value"]) for t in turns):
+        first = next((i for i, t in enumerate(turns) if t["from"] in ("human", "user")), None)
+        if first is not None:
+            turns[first] = dict(turns[first], value="<image>" * num_images + "\n" + turns[first]["value"])
+    return turns
+
+
+def _turns(value) -> list | None:
     if not isinstance(value, list):
         return None
     turns = []
