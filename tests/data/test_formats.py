@@ -88,6 +88,24 @@ def test_csv_reader_reads_open_clip_columns(tmp_path, separator):
         formats.CsvSource(path, img_key="url")
 
 
+def test_csv_and_jsonl_as_editors_write_them(tmp_path):
+    """Excel's byte-order mark, a quoted caption over two lines, a row without its image path (skipped
+    and named, not a crash); JSONL whose text holds U+2028 (a line separator to splitlines only)."""
+    image = examples.encode(scenes.generate("easy", 16, 0)["image"], "png")
+    (tmp_path / "a.png").write_bytes(image)
+    (tmp_path / "data.csv").write_text('\ufefffilepath,title\na.png,"two\nlines"\n,no image\na.png,last\n',
+                                       encoding="utf-8")
+    source = formats.CsvSource(tmp_path / "data.csv")
+    assert [source[i].get("caption") for i in (0, 2)] == ["two\nlines", "last"]
+    assert source[1] == skips.Skipped("image_missing", "data.csv:4", "the row has no image path")
+    assert source[2]["_id"] == "data.csv:5"  # the line it starts on, after the two-line caption
+    record = {"id": "x", "image": "a.png", "conversations": [{"from": "human", "value": "<image>\nwhat\u2028is it?"},
+                                                            {"from": "gpt", "value": "a\u2029b"}]}
+    (tmp_path / "data.jsonl").write_text("\ufeff" + json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
+    llava = formats.LlavaSource(str(tmp_path / "data.jsonl"), str(tmp_path))
+    assert len(llava) == 1 and llava[0]["conversations"][1]["value"] == "a\u2029b"
+
+
 def test_parquet_reader_reads_hf_image_structs_and_chat_messages(tmp_path):
     path = examples.write_parquet(tmp_path / "caps", 7, resolution=32, row_group_size=3)
     source = formats.ParquetSource(str(path))
@@ -166,7 +184,11 @@ def test_images_decode_as_pil_converts_them_with_exif_orientation_applied():
     np.testing.assert_array_equal(decode_image(buf.getvalue()), np.rot90(rgb, -1))
     sixteen = io.BytesIO()
     Image.fromarray(np.arange(12, dtype=np.uint16).reshape(3, 4) * 4000).save(sixteen, "PNG")
-    assert decode_image(sixteen.getvalue())[..., 0].max() == 255  # scaled, not clipped to white
+    got = decode_image(sixteen.getvalue())[..., 0]
+    np.testing.assert_array_equal(got.ravel(), np.round(np.arange(12) * 4000 / 257))  # scaled, not clipped to white
+    dark = io.BytesIO()
+    Image.fromarray(np.full((2, 2), 1000, np.uint16)).save(dark, "PNG")
+    assert (decode_image(dark.getvalue()) == 4).all()  # dark stays dark: one mapping, not each image's own maximum
     with pytest.raises(skips.BadExample, match="image_unreadable"):
         decode_image(b"not an image")
     with pytest.raises(skips.BadExample, match="image_unreadable"):

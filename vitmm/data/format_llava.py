@@ -57,7 +57,7 @@ class LlavaSource:
 
 def _load_json_records(path: pathlib.Path) -> list:
     """A JSON list, or JSONL (a line that is not JSON becomes a ``bad_record`` skip)."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is not data)
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -66,7 +66,7 @@ def _load_json_records(path: pathlib.Path) -> list:
             raise ValueError(f"{path} is not valid JSON ({err}); LLaVA data is a JSON list or JSONL.") from None
         return records
     records = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):  # (splitlines would also cut at U+2028 inside a string)
         if not line.strip():
             continue
         try:

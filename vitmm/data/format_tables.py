@@ -22,13 +22,17 @@ class CsvSource:
         if not self.path.is_file():
             raise FileNotFoundError(f"input.csv={str(path)!r}: no such file.")
         separator = separator or ("\t" if self.path.suffix.lower() == ".tsv" else ",")
-        with open(self.path, newline="", encoding="utf-8") as f:
+        with open(self.path, newline="", encoding="utf-8-sig") as f:  # (Excel's byte-order mark is not a name)
             reader = csv.DictReader(f, delimiter=separator)
             missing = [k for k in (img_key, caption_key) if k not in (reader.fieldnames or [])]
             if missing:
                 raise ValueError(f"{self.path} has no column(s) {missing} (its columns: {reader.fieldnames}); set "
                                  "input.csv_img_key and input.csv_caption_key.")
-            self._rows = [(row[img_key], row[caption_key]) for row in reader]
+            # each row with the file's line it starts on (a quoted caption may span several)
+            self._rows, line = [], reader.line_num + 1
+            for row in reader:
+                self._rows.append((row[img_key], row[caption_key], line))
+                line = reader.line_num + 1
         self.image_folder = file_io.path(image_folder) if image_folder else self.path.parent
         self.name = self.path.name
 
@@ -36,10 +40,12 @@ class CsvSource:
         return len(self._rows)
 
     def __getitem__(self, index: int):
-        image, caption = self._rows[index]
-        example_id = f"{self.name}:{index + 2}"  # the file's line (after the header)
+        image, caption, line = self._rows[index]
+        example_id = f"{self.name}:{line}"  # the file's line the row starts on
         if not caption or not caption.strip():
             return Skipped("caption_missing", example_id)
+        if not image or not image.strip():
+            return Skipped("image_missing", example_id, "the row has no image path")
         data = file_io.read_bytes(self.image_folder / image, example_id)
         if isinstance(data, Skipped):
             return data

@@ -1,8 +1,9 @@
 """Image files as researchers have them (JPEG, PNG, WebP, ...) → uint8 RGB ``[H, W, 3]``.
 
-EXIF orientation is applied (a phone's portrait photo stands up); greyscale, palette, alpha,
-CMYK and 16-bit images become RGB the way PIL's ``convert("RGB")`` does it, which is what
-LLaVA's, open_clip's and Hugging Face's processors call (alpha is dropped, not blended).
+EXIF orientation is applied (a phone's portrait photo stands up); greyscale, palette, alpha and
+CMYK images become RGB the way PIL's ``convert("RGB")`` does it, which is what LLaVA's, open_clip's
+and Hugging Face's processors call (alpha is dropped, not blended); 16-bit images map their full
+range onto 8 bits (value / 257, the same for every image), where PIL would clip them at 255.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def decode_image(data: bytes, draft: int | None = None) -> np.ndarray:
 def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "RGB":
         return image
-    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # high bit depth: scaled to 8 bits, not clipped
-        values = np.asarray(image, np.float64)
-        top = values.max() or 1.0
-        return Image.fromarray(np.round(values * (255.0 / top)).astype(np.uint8)).convert("RGB")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit (PNG, TIFF): its full range onto 8 bits, one
+        # mapping for every image (PIL's convert would clip at 255: nearly every 16-bit image white)
+        values = np.asarray(image, np.float64) / 257.0
+        return Image.fromarray(np.round(np.clip(values, 0, 255)).astype(np.uint8)).convert("RGB")
+    if image.mode == "F":  # floats: clipped to 0-255 as PIL's convert does (negative values wrapped before)
+        return Image.fromarray(np.round(np.clip(np.asarray(image, np.float64), 0, 255)).astype(np.uint8)).convert("RGB")
     if image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")
     return image.convert("RGB")
