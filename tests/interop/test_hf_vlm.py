@@ -238,6 +238,40 @@ def test_every_tensor_layout_transformers_writes_reads_alike(tmp_path, layout):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), params, base))
 
 
+def _as_transformers_4_saves(src: pathlib.Path, folder: pathlib.Path) -> None:
+    """``src`` as transformers 4 writes a VLM: sub-configs without the fields at their class's default
+    (``to_diff_dict``), the image processor's settings in ``preprocessor_config.json`` and only the
+    processor's own in ``processor_config.json``."""
+    from vitmm.interop import hf_lm
+    from vitmm.interop.hf import clip
+
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    defaults = {**hf_lm.LM_DEFAULTS, **clip.SIGLIP_DEFAULTS, "clip_vision_model": clip.VISION_DEFAULTS}
+    for part in ("text_config", "vision_config"):
+        table = defaults[config[part]["model_type"]]
+        config[part] = {k: v for k, v in config[part].items() if k not in table or table[k] != v}
+    (folder / "config.json").write_text(json.dumps(config))
+    processor = json.loads((folder / "processor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(processor.pop("image_processor")))
+    (folder / "processor_config.json").write_text(json.dumps(processor))
+
+
+@pytest.mark.parametrize("name", ["hf_llava", "hf_paligemma"])
+def test_a_folder_saved_by_transformers_4_reads_alike(tmp_path, name):
+    """llava-1.5-7b-hf's text_config names no hidden_size (Llama's default), PaliGemma's of its time no
+    activation (Gemma's gelu_tanh, not silu): they read as transformers reads them."""
+    src = FIXTURE.parent / name
+    load = hf_vlm.load_llava if name == "hf_llava" else hf_vlm.load_paligemma
+    _as_transformers_4_saves(src, tmp_path / "v4")
+    dropped = json.loads((tmp_path / "v4/config.json").read_text())["text_config"]
+    assert "hidden_act" not in dropped  # at its default: left out
+    settings, params, _ = load(tmp_path / "v4")
+    base_settings, base_params, _ = load(src)
+    assert settings == base_settings
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), params, base_params))
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"vision_feature_select_strategy": "full"}, "vision_feature_select_strategy='full'"),
     ({"vision_feature_layer": [-2, -1]}, "several layers concatenated"),
@@ -482,3 +516,35 @@ def _check_against_vitmm(ref, workdir) -> None:
         want = ref[f"logits_{i}"][0][:, :logits.shape[-1]]  # trained here: <image> is a column more
         assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+
+
+DEFAULTS_SCRIPT = """
+import json, transformers as T
+from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+classes = dict(llama=T.LlamaConfig, qwen2=T.Qwen2Config, qwen3=T.Qwen3Config, mistral=T.MistralConfig,
+               phi3=T.Phi3Config, gemma=T.GemmaConfig, gemma2=T.Gemma2Config, gemma3_text=T.Gemma3TextConfig,
+               clip_vision_model=T.CLIPVisionConfig, siglip_vision_model=T.SiglipVisionConfig,
+               idefics3_vision=Idefics3VisionConfig)
+out = {}
+for name, cls in classes.items():
+    c = cls().to_dict()
+    rope = c.get("rope_parameters") or {}
+    c["rope_theta"] = (rope.get("full_attention") or rope).get("rope_theta")
+    out[name] = c
+print(json.dumps(out))
+"""
+
+
+def test_the_defaults_for_fields_a_saved_config_leaves_out_are_transformers_own():
+    if not EVAL_PYTHON or not os.path.exists(EVAL_PYTHON):
+        pytest.skip("no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+    from vitmm.interop import hf_lm
+    from vitmm.interop.hf import clip
+
+    run = subprocess.run([EVAL_PYTHON, "-c", DEFAULTS_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    ours = {**hf_lm.LM_DEFAULTS, **clip.SIGLIP_DEFAULTS, "clip_vision_model": clip.VISION_DEFAULTS}
+    differ = {(name, k): (v, theirs[name].get(k)) for name, table in ours.items() for k, v in table.items()
+              if theirs[name].get(k) != v}
+    assert differ == {}

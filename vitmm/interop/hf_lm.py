@@ -50,11 +50,41 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     return theta, {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
 
 
+# transformers' config classes' defaults (5.25; the same in 4.x) for the fields vitmm reads: transformers 4
+# writes a VLM's text_config with only the fields that differ from them (llava-1.5-7b-hf's names no
+# hidden_size). Fields computed from others (head_dim, Llama's and Phi-3's KV heads) are left to them;
+# tests/interop checks this table against transformers' classes.
+_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, num_hidden_layers=32,
+               num_attention_heads=32)
+LM_DEFAULTS = {
+    "llama": dict(_COMMON, vocab_size=32000, hidden_size=4096, intermediate_size=11008),
+    "qwen2": dict(_COMMON, vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_key_value_heads=32),
+    "qwen3": dict(_COMMON, vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_key_value_heads=32,
+                  head_dim=128),
+    "mistral": dict(_COMMON, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_key_value_heads=8,
+                    sliding_window=4096),
+    "phi3": dict(_COMMON, vocab_size=32064, hidden_size=3072, intermediate_size=8192, rms_norm_eps=1e-5),
+    "gemma": dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=16, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                  rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=4096, query_pre_attn_scalar=256,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+                        sliding_window=4096, query_pre_attn_scalar=256, rope_theta=1_000_000.0),
+}
+
+
 def lm_kwargs(config: dict, src) -> dict:
-    """vitmm ``LM`` fields from a transformers ``config.json``."""
+    """vitmm ``LM`` fields from a transformers ``config.json`` (a VLM's ``text_config`` too: fields it
+    leaves out take transformers' defaults, ``LM_DEFAULTS``)."""
     family = config.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"{src}: model_type {family!r} is not a language model vitmm reads; supported: {FAMILIES}.")
+    config = {**LM_DEFAULTS[family], **config}
     if config.get("mlp_bias"):
         raise ValueError(f"{src}: MLP biases (mlp_bias=true) are not supported.")
     if float(config.get("partial_rotary_factor", 1.0)) != 1.0:

@@ -199,9 +199,17 @@ def _map_head(sd: StateDict, prefix: str, width: int) -> dict:
     }
 
 
+# SigLIP's and Idefics3's vision configs: their own defaults for what a saved config leaves out.
+SIGLIP_DEFAULTS = {
+    "siglip_vision_model": dict(VISION_DEFAULTS, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6),
+    "idefics3_vision": dict(VISION_DEFAULTS, hidden_size=1152, num_attention_heads=16, hidden_act="gelu_pytorch_tanh",
+                            layer_norm_eps=1e-6),
+}
+
+
 def _siglip_vision(sd: StateDict, config: dict, tensors: dict, prefix: str) -> tuple[dict, dict]:
-    v = {**VISION_DEFAULTS, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
-         **config.get("vision_config", config if config.get("model_type") == "siglip_vision_model" else {})}
+    v = config.get("vision_config", config if config.get("model_type") == "siglip_vision_model" else {})
+    v = {**SIGLIP_DEFAULTS.get(v.get("model_type"), SIGLIP_DEFAULTS["siglip_vision_model"]), **v}
     width, channels, ph, pw = tensors[f"{prefix}embeddings.patch_embedding.weight"].shape
     depth = layer_count(tensors, f"{prefix}encoder.layers")
     pos = sd.take(f"{prefix}embeddings.position_embedding.weight")

@@ -63,14 +63,20 @@ def llava_names(tensors: dict) -> dict:
 
 
 def processor_settings(folder: pathlib.Path) -> tuple[dict, dict]:
-    """``(image processor settings, processor settings)`` from ``processor_config.json``
-    (transformers 5) or ``preprocessor_config.json`` (older folders)."""
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        if (folder / name).is_file():
-            data = json.loads((folder / name).read_text())
-            return data.get("image_processor", data), data
-    raise FileNotFoundError(f"{folder} has no processor_config.json or preprocessor_config.json (the image "
-                            "settings); save the processor beside the model.")
+    """``(image processor settings, processor settings)``: transformers 5 nests the image processor's
+    in ``processor_config.json``; transformers 4 keeps them in ``preprocessor_config.json`` and, where
+    it writes a ``processor_config.json``, only the processor's own keys there (``image_token``,
+    ``patch_size``, ...)."""
+    read = {name: json.loads((folder / name).read_text())
+            for name in ("processor_config.json", "preprocessor_config.json") if (folder / name).is_file()}
+    processor = read.get("processor_config.json", {})
+    if "image_processor" in processor:
+        return processor["image_processor"], processor
+    if "preprocessor_config.json" in read:
+        image = read["preprocessor_config.json"]
+        return image, {**image, **processor}
+    raise FileNotFoundError(f"{folder} has no image processor settings (processor_config.json with an "
+                            "image_processor, or preprocessor_config.json); save the processor beside the model.")
 
 
 
