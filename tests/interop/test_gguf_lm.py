@@ -56,6 +56,10 @@ def test_llama3_rope_rescaling_comes_from_rope_freqs_as_llama_cpp_writes_it():
 
     assert kwargs["rope_scaling"]["rope_type"] == "factors" and error(kwargs) <= 1e-5
     assert error({**kwargs, "rope_scaling": None}) > 1e-3
+    from vitmm.interop import hf_lm
+
+    with pytest.raises(ValueError, match=r"per-frequency factors \(rope_freqs\), which transformers has no rope_type"):
+        hf_lm.export_lm(kwargs, params)  # an export transformers could not load: refused
 
 
 def test_logits_match_transformers_gguf_loading(loaded):

@@ -145,3 +145,20 @@ def test_an_lm_with_merged_lora_exports_what_the_adapted_model_computes(tmp_path
     again_kwargs, again = hf_lm.load_lm(tmp_path)
     np.testing.assert_allclose(np.asarray(LM(**again_kwargs).apply({"params": again}, ids)), np.asarray(adapted),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_safetensors_read_in_a_process_that_has_not_imported_jax(tmp_path):
+    """Released VLMs ship bf16 weights; NumPy knows bfloat16 only once ml_dtypes is imported (JAX does
+    it): the reader must not depend on what was imported before it."""
+    import subprocess
+    import sys
+
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    code = ("import sys; from vitmm.interop import io; t = io.read_tensors(sys.argv[1]); "
+            "assert 'jax' not in sys.modules; print(t['w'].astype('float32').tolist())")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]", run.stderr[-2000:]

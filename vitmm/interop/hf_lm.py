@@ -242,6 +242,10 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
     if not kwargs.get("tie_embeddings"):
         tensors["lm_head.weight"] = t(params["head"]["kernel"])
     heads = kwargs["num_heads"]
+    if (kwargs.get("rope_scaling") or {}).get("rope_type") == "factors":
+        raise ValueError("the LM's RoPE holds a GGUF's per-frequency factors (rope_freqs), which transformers has no "
+                         "rope_type for; convert the LM from its transformers folder (its llama3 rope_parameters) "
+                         "to export it.")
     classes = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                "gemma3_text": "Gemma3ForCausalLM"}

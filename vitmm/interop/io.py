@@ -43,6 +43,7 @@ def read_tensors(src: str | pathlib.Path) -> dict[str, np.ndarray]:
                              "first.") from None
     try:
         if path.suffix == ".safetensors":
+            import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy (released VLMs' weights), as JAX does
             from safetensors.numpy import load_file
 
             return {k: np.asarray(v) for k, v in load_file(str(path)).items()}
