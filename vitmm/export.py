@@ -3,13 +3,13 @@
     python -m vitmm.export --workdir workdirs/llava_s2 --out exported_hf/ --format hf
     python -m vitmm.export --workdir workdirs/smol/smollm2_stage2_lora --out exported/
 
-``--format hf`` writes one transformers folder (``vitmm.interop.vlm.export_hf``): a VLM whose
-parts fit ``LlavaForConditionalGeneration`` (a CLIP-layout tower read at ``vision_layer`` ≤ -2, the
-``mlp`` connector, an LM ``hf_lm`` writes, a tokenizer with ``<image>``) or, with prefix attention,
-``PaliGemmaForConditionalGeneration`` (a SigLIP-layout tower's normed output, the ``linear``
-connector, Gemma), LoRA merged, with its processor (the run's image steps), tokenizer and chat
-template, for ``AutoModelForImageTextToText`` and ``AutoProcessor``; any other VLM is refused with
-every reason. The default, ``parts``, writes
+``--format hf`` writes one transformers folder (``vitmm.interop.vlm.export_hf``), LoRA merged, with
+its processor (the run's image steps), tokenizer and chat template, for ``AutoModelForImageTextToText``
+and ``AutoProcessor`` (transformers 5's file layout): with prefix attention
+``PaliGemmaForConditionalGeneration``, with M-RoPE ``Qwen2VLForConditionalGeneration``, with the pixel
+shuffle ``Idefics3ForConditionalGeneration``, else ``LlavaForConditionalGeneration`` (a CLIP- or
+SigLIP-layout tower; ``LlavaNext…`` with AnyRes, ``LlavaOnevision…`` with ``max_patches``); weights
+as float32 in one ``model.safetensors``. A VLM none of them holds is refused with every reason. The default, ``parts``, writes
 ``out/lm/`` (transformers' ``config.json`` + ``model.safetensors``, LoRA adapters merged,
 with the tokenizer and chat template of the run's ``init.lm``), ``out/vision/`` (transformers'
 ``CLIPVisionModel`` layout, for towers of that form: a CLS token, learned positions with a CLS
