@@ -9,8 +9,8 @@ and ``AutoProcessor`` (transformers 5's file layout): with prefix attention
 ``PaliGemmaForConditionalGeneration``, with M-RoPE ``Qwen2VLForConditionalGeneration``, with the pixel
 shuffle ``Idefics3ForConditionalGeneration``, else ``LlavaForConditionalGeneration`` (a CLIP- or
 SigLIP-layout tower; ``LlavaNext…`` with AnyRes, ``LlavaOnevision…`` with ``max_patches``); weights
-as float32 in one ``model.safetensors``. A VLM none of them holds is refused with every reason. The default, ``parts``, writes
-``out/lm/`` (transformers' ``config.json`` + ``model.safetensors``, LoRA adapters merged,
+as float32 in one ``model.safetensors``. A VLM none of them holds is refused with every reason. The
+default, ``parts``, writes ``out/lm/`` (transformers' ``config.json`` + ``model.safetensors``, LoRA adapters merged,
 with the tokenizer and chat template of the run's ``init.lm``), ``out/vision/`` (transformers'
 ``CLIPVisionModel`` layout, for towers of that form: a CLS token, learned positions with a CLS
 slot, pre-norm, LayerNorm, a square grid; a tower of another form is not written and the
