@@ -106,6 +106,18 @@ def test_csv_and_jsonl_as_editors_write_them(tmp_path):
     assert len(llava) == 1 and llava[0]["conversations"][1]["value"] == "a\u2029b"
 
 
+def test_parquet_row_groups_too_large_to_read_at_random_are_named(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = format_tables.LARGE_GROUP + 1
+    pq.write_table(pa.table({"image": [b"x"] * rows, "caption": ["c"] * rows}), tmp_path / "big.parquet",
+                   row_group_size=rows)
+    source = formats.ParquetSource(str(tmp_path / "big.parquet"))
+    assert source[rows - 1]["caption"] == "c"  # read a row at a time from the Arrow column
+    assert f"big.parquet and the rest hold row groups of up to {rows:,} rows" in capsys.readouterr().out
+
+
 def test_parquet_reader_reads_hf_image_structs_and_chat_messages(tmp_path):
     path = examples.write_parquet(tmp_path / "caps", 7, resolution=32, row_group_size=3)
     source = formats.ParquetSource(str(path))
