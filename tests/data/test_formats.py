@@ -146,6 +146,7 @@ def test_mixture_sampling_rules_and_weights_are_deterministic(tmp_path):
     assert formats.subsample(10, "first:3").tolist() == [0, 1, 2]
     assert formats.subsample(10, "end:2").tolist() == [8, 9]
     assert formats.subsample(10, "random:50%").tolist() == formats.subsample(10, "random:5").tolist()
+    assert len(formats.subsample(10, "random:5%")) == len(formats.subsample(10, "first:1%")) == 1  # rounded up
     with pytest.raises(ValueError, match="sampling='some'"):
         formats.subsample(10, "some")
     concat = formats.source_from({"mixture": [dict(data_path=str(a), sampling="first:4"),

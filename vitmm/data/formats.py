@@ -28,6 +28,8 @@ and mixes them.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from vitmm.data import file_io
@@ -49,7 +51,7 @@ def subsample(n: int, rule: str, seed: int = 0) -> np.ndarray:
         return np.arange(n)
     if kind in ("first", "end", "random") and amount:
         try:
-            k = round(n * float(amount[:-1]) / 100) if amount.endswith("%") else int(amount)
+            k = math.ceil(n * float(amount[:-1]) / 100) if amount.endswith("%") else int(amount)  # (LLaVA-NeXT: ceil)
         except ValueError:
             k = -1
         if k >= 0:
