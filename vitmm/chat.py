@@ -28,6 +28,7 @@ import numpy as np
 from vitmm import checkpoint as ckpt_lib
 from vitmm import decode
 from vitmm.data import preprocess
+from vitmm.lm_chat import LMChat, reply_prompt, round_up
 
 
 class Chat:
@@ -84,7 +85,7 @@ class Chat:
             from vitmm.data.skips import BadExample
 
             try:
-                return _reply_prompt(self._pp({"images": list(images),
+                return reply_prompt(self._pp({"images": list(images),
                                                "conversations": [*turns, {"from": "gpt", "value": ""}]}, rng))
             except BadExample as bad:
                 raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
@@ -108,7 +109,7 @@ class Chat:
         if images:
             raise ValueError("A video goes alone, without images.")
         try:
-            return _reply_prompt(self._pp({"images": [], "video": video,
+            return reply_prompt(self._pp({"images": [], "video": video,
                                            "conversations": [*turns, {"from": "gpt", "value": ""}]},
                                           np.random.default_rng(0)))
         except BadExample as bad:
@@ -170,7 +171,7 @@ class Chat:
             yield from self._stream_sequences(examples, max_new_tokens, temperature, top_p, seed)
             return
         lengths = np.array([int(ex["prompt_len"]) for ex in examples])
-        ids = np.full((len(examples), _round_up(int(lengths.max()), 32)), self.tokenizer.pad_id, np.int32)
+        ids = np.full((len(examples), round_up(int(lengths.max()), 32)), self.tokenizer.pad_id, np.int32)
         for row, ex in enumerate(examples):
             ids[row, : lengths[row]] = ex["ids"][: lengths[row]]
         visual_mask, layout, num_visual = self._visual(examples)
@@ -178,7 +179,7 @@ class Chat:
             {"params": self.params}, np.stack([ex["image"] for ex in examples]), ids, lengths, max_new_tokens,
             self.tokenizer.eos_id, bool(self.config.model.get("prefix_lm")),
             np.array([ex["image_pos"] for ex in examples]), visual_mask, layout, temperature, top_p, seed,
-            _round_up(ids.shape[1] + num_visual + max_new_tokens, 64))
+            round_up(ids.shape[1] + num_visual + max_new_tokens, 64))
 
     def _stream_sequences(self, examples: list[dict], max_new_tokens: int, temperature: float, top_p: float,
                           seed: int):
@@ -195,15 +196,15 @@ class Chat:
         seqs = [layout.prompt(ex) for ex in examples]
         lengths = np.array([len(seq["tokens"]) for seq in seqs])
         slots = max(self.max_images, *(len(seq["grids" if tower else "images"]) for seq in seqs))  # video: more
-        tower_length = _round_up(max(len(seq.get("tower_kinds", ())) for seq in seqs), 64) if tower else 0
-        rows = [sequences.one_row(seq, _round_up(int(lengths.max()), 32), slots, tower_length) for seq in seqs]
+        tower_length = round_up(max(len(seq.get("tower_kinds", ())) for seq in seqs), 64) if tower else 0
+        rows = [sequences.one_row(seq, round_up(int(lengths.max()), 32), slots, tower_length) for seq in seqs]
         stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
         images = sequences.tower_batch(stacked) if tower else stacked["images"]
         yield from self._decoder.stream_sequences(
             {"params": self.params}, images, np.stack([r["tokens"] for r in rows]),
             np.stack([r["visual"] for r in rows]), lengths, max_new_tokens, self.tokenizer.eos_id,
             bool(self.config.model.get("prefix_lm")), temperature, top_p, seed,
-            _round_up(rows[0]["tokens"].shape[0] + max_new_tokens, 64),
+            round_up(rows[0]["tokens"].shape[0] + max_new_tokens, 64),
             None if grid is None else np.moveaxis(np.stack([r["mrope"] for r in rows]), -1, 0))
 
     def ask(self, image, question: str, max_new_tokens: int = 16) -> str:
@@ -216,88 +217,6 @@ class Chat:
         example = self.prepare(images, [{"from": "human", "value": f"{tags}{question}"}])
         eos = self.tokenizer.eos_id
         return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
-
-
-class LMChat:
-    """A converted language model (a ``python -m vitmm.interop --from hf|gguf`` LM folder) asked
-    the way ``Chat`` asks a VLM, text only: the LM's chat template (plain ``[BOS] question``
-    without one), the KV-cache generator; what ``vitmm.serve`` serves for an LM folder."""
-
-    max_images = 0
-    max_len = 4096  # prompt tokens taken
-
-    def __init__(self, folder, step: int | None = None):
-        from vitmm.data import ops_text
-        from vitmm.data import tokenizer as tok_lib
-
-        config = ckpt_lib.load_config(folder, step)
-        path = f"{folder}/tokenizer.json"
-        ids = {k: v for k, v in (config.get("tokens") or {}).items() if v is not None}
-        self.tokenizer = tok_lib.get_tokenizer(path, chat_template=config.get("chat_template"), **ids)
-        self.params = ckpt_lib.load_params(folder, step)["lm"]
-        self.generator = decode.Generator(config["model"]["lm"])
-        self._tokens = ops_text.conversation_tokens(self.max_len, self.tokenizer)
-
-    def prepare(self, images: list, turns: list[dict]) -> dict:
-        """The prompt's ``ids`` and ``prompt_len`` for LLaVA-style text ``turns`` ending with a user
-        turn (system turns and earlier answers kept); ``ValueError`` for images or a bad conversation."""
-        from vitmm.data.skips import BadExample
-
-        if images or any("<image>" in t["value"] for t in turns):
-            raise ValueError("This is a language model: it takes no images.")
-        if not turns or turns[-1]["from"] != "human":
-            raise ValueError("The conversation must end with a user turn.")
-        try:
-            out = _reply_prompt(self._tokens({"conversations": [*turns, {"from": "gpt", "value": ""}]}, None))
-        except BadExample as bad:
-            raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
-        return {"ids": out["ids"], "prompt_len": out["prompt_len"]}
-
-    def num_prompt_tokens(self, example: dict) -> int:
-        return int(example["prompt_len"])
-
-    def stream_batch(self, examples: list[dict], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                     seed: int = 0):
-        """``Chat.stream_batch`` for the LM: prompts left-padded (to a multiple of 32 columns)."""
-        ids, mask = decode.left_pad([list(ex["ids"][: int(ex["prompt_len"])]) for ex in examples],
-                                    self.tokenizer.pad_id)
-        extra = _round_up(ids.shape[1], 32) - ids.shape[1]
-        ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=self.tokenizer.pad_id)
-        mask = np.pad(mask, ((0, 0), (extra, 0)))
-        yield from self.generator.stream(self.params, ids, mask, max_new_tokens, self.tokenizer.eos_id, temperature,
-                                         top_p, seed, _round_up(ids.shape[1] + max_new_tokens, 64))
-
-    def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0):
-        """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
-        for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
-            yield int(row[0])
-            if int(row[0]) == self.tokenizer.eos_id:
-                return
-
-    def ask(self, question: str, max_new_tokens: int = 16) -> str:
-        """The greedy answer to ``question``."""
-        example = self.prepare([], [{"from": "human", "value": question}])
-        eos = self.tokenizer.eos_id
-        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
-
-
-def _reply_prompt(example: dict) -> dict:
-    """A preprocessed conversation (ending with an empty answer) as a prompt for the reply to its last
-    user turn: ``prompt_len`` at the last answer's start, earlier turns and answers in it. Training's
-    overflow rule drops exchanges from the end, which here would drop the question: refused instead."""
-    from vitmm.data import ops_text
-
-    if int(example.get("_truncated", 0)):
-        raise ValueError(f"The conversation is too long for this model ({int(example['_truncated'])} of its exchanges "
-                         "would not fit, the last question among them); send fewer earlier turns.")
-    if "answer_mask" in example:
-        example = dict(example, prompt_len=np.int32(ops_text.reply_start(example["answer_mask"])))
-    return example
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 _IMAGE_TAKEN = "The image must be uint8 [H, W, 3] ([H, W], [H, W, 1] and [H, W, 4] are made RGB) or a PIL image"

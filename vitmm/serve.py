@@ -17,7 +17,7 @@ run that took videos; ``max_tokens``/``max_completion_tokens``, ``temperature``,
 usage chunk), ``GET /v1/models`` (the model id: the workdir's name unless ``--model_name``) and
 ``GET /health``. The run's own preprocessing, prompt format and chat template, merged LoRA and the
 KV-cache decoder answer (``vitmm.chat.Chat``); a ``python -m vitmm.interop`` LM folder is served
-text-only with its chat template (``vitmm.chat.LMChat``). Images come as base64 ``data:`` URLs; local paths
+text-only with its chat template (``vitmm.lm_chat.LMChat``). Images come as base64 ``data:`` URLs; local paths
 only under ``--allow_local_files``; remote URLs are refused (nothing is fetched). A bad request gets
 OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status and
 the server carries on; SIGTERM lets in-flight requests finish, then exits 0. Concurrent greedy

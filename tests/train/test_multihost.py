@@ -29,7 +29,7 @@ with c.unlocked():
         c.multihost.coordinator = sys.argv[4]
         c.multihost.num_processes = 2
         c.multihost.process_id = int(sys.argv[5])
-from vitmm.train import trainer
+from vitmm.train import startup, trainer
 import jax
 if len(sys.argv) > 6 and int(sys.argv[5]) == int(sys.argv[6]):  # this process is sent SIGTERM at batch argv[8]
     sys.path.insert(0, sys.argv[7])
@@ -40,7 +40,7 @@ try:
 except trainer.Preempted as stop:
     print("PREEMPTED " + json.dumps(dict(process=jax.process_index(), step=stop.step)), flush=True)
     sys.exit(75)
-except trainer.REFUSALS as refused:
+except startup.REFUSALS as refused:
     print("REFUSED " + json.dumps(dict(process=jax.process_index(), message=str(refused))), flush=True)
     sys.exit(2)
 print("RESULT " + json.dumps(dict(process=jax.process_index(), count=jax.process_count(),

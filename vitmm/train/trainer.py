@@ -24,7 +24,7 @@ from tqdm import tqdm
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
 from vitmm.data import device_feed, formats, pipeline, preprocess, skips
-from vitmm.train import determinism, distributed, imported_vlm, optim, pp_template, tasks
+from vitmm.train import determinism, distributed, imported_vlm, optim, pp_template, startup, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
@@ -194,10 +194,10 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
         if is_main:
             try:
                 lock.acquire()
-                _check_history(workdir, config, restart)
-            except REFUSALS as err:
+                startup.check_history(workdir, config, restart)
+            except startup.REFUSALS as err:
                 refusal = err
-        _refuse_together(refusal, workdir)
+        startup.refuse_together(refusal, workdir)
         with (console.library_errors_to(workdir / console.ERRORS_LOG), StopRequests() as stop,
               contextlib.ExitStack() as cleanup):
             return _train(config, workdir, stop_at, is_main, stop, cleanup, restart)
@@ -205,35 +205,6 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
         lock.release()
         if created and is_main:
             workdir_lib.remove_if_empty(workdir)
-
-
-REFUSALS = (workdir_lib.WorkdirLocked, workdir_lib.HistoryWithoutCheckpoint)
-
-
-def _refuse_together(refusal: Exception | None, workdir: pathlib.Path) -> None:
-    """Process 0 alone checks the workdir; every process stops with it (the others would wait at the
-    first checkpoint's barrier until the coordination timeout)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        code = REFUSALS.index(type(refusal)) + 1 if refusal is not None else 0
-        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
-        if code and refusal is None:
-            raise REFUSALS[code - 1](f"{workdir}: process 0 refused this run; its output says why.")
-    if refusal is not None:
-        raise refusal
-
-
-def _check_history(workdir: pathlib.Path, config, restart: bool) -> None:
-    found = workdir_lib.history_without_checkpoint(workdir, config.checkpoint_every)
-    if found and not restart:
-        raise workdir_lib.HistoryWithoutCheckpoint(
-            f"{workdir} holds an earlier run ({'; '.join(found)}) but no checkpoint to resume it from; rerun with "
-            "--restart to train it again from step 0 (its metrics.jsonl is kept aside), or use a fresh --workdir.")
-    if found:
-        kept = workdir_lib.set_aside_for_restart(workdir)
-        print(f"Restarting from step 0 in {workdir} (--restart)" + (f"; the earlier log is {kept.name}." if kept else
-                                                                  "."), flush=True)
 
 
 @dataclasses.dataclass
@@ -324,7 +295,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     writer = workdir_lib.MetricWriter(workdir, enabled=is_main, resumed_at=start)
 
     total = config.total_steps
-    if _evaluation_lost(workdir, start, total, config, evaluators, is_main):
+    if startup.evaluation_lost(workdir, start, total, config, evaluators, is_main):
         params = _host_params(par.host_state(state)["params"])
         writer.write(start, _evaluate(evaluators, task.eval_params(params), task.final_aux(params)))
         if is_main:
@@ -389,19 +360,6 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     checksum = float(sum(np.asarray(x, np.float64).sum() for x in jax.tree.leaves(params)))
     return dict(history=history, evals=evals, final_step=int(to_host(par.host_state(state)["step"])),
                 workdir=str(workdir), checkpoints=checkpointer.all_steps(), param_checksum=checksum)
-
-
-def _evaluation_lost(workdir, start: int, total: int, config, evaluators, is_main: bool) -> bool:
-    """A run stopped between saving an evaluation step and evaluating it (a kill, or a preemption at
-    that step) resumes there: the evaluation the log lacks is run first (process 0 decides for all)."""
-    if not evaluators or not 0 < start < total or start % config.eval_every:
-        return False
-    lost = is_main and not workdir_lib.evaluated_at(workdir, start, evaluators)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        lost = bool(multihost_utils.broadcast_one_to_all(np.int32(lost)))
-    return lost
 
 
 def _data_counts(data_state, shown: int | None, is_main: bool) -> int | None:

@@ -1,0 +1,91 @@
+"""A converted language model asked as ``vitmm.chat`` asks a VLM (``LMChat``, what ``vitmm.serve``
+serves for an LM folder), and the prompt helpers both share."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vitmm import checkpoint as ckpt_lib
+from vitmm import decode
+
+
+class LMChat:
+    """A converted language model (a ``python -m vitmm.interop --from hf|gguf`` LM folder) asked
+    the way ``Chat`` asks a VLM, text only: the LM's chat template (plain ``[BOS] question``
+    without one), the KV-cache generator; what ``vitmm.serve`` serves for an LM folder."""
+
+    max_images = 0
+    max_len = 4096  # prompt tokens taken
+
+    def __init__(self, folder, step: int | None = None):
+        from vitmm.data import ops_text
+        from vitmm.data import tokenizer as tok_lib
+
+        config = ckpt_lib.load_config(folder, step)
+        path = f"{folder}/tokenizer.json"
+        ids = {k: v for k, v in (config.get("tokens") or {}).items() if v is not None}
+        self.tokenizer = tok_lib.get_tokenizer(path, chat_template=config.get("chat_template"), **ids)
+        self.params = ckpt_lib.load_params(folder, step)["lm"]
+        self.generator = decode.Generator(config["model"]["lm"])
+        self._tokens = ops_text.conversation_tokens(self.max_len, self.tokenizer)
+
+    def prepare(self, images: list, turns: list[dict]) -> dict:
+        """The prompt's ``ids`` and ``prompt_len`` for LLaVA-style text ``turns`` ending with a user
+        turn (system turns and earlier answers kept); ``ValueError`` for images or a bad conversation."""
+        from vitmm.data.skips import BadExample
+
+        if images or any("<image>" in t["value"] for t in turns):
+            raise ValueError("This is a language model: it takes no images.")
+        if not turns or turns[-1]["from"] != "human":
+            raise ValueError("The conversation must end with a user turn.")
+        try:
+            out = reply_prompt(self._tokens({"conversations": [*turns, {"from": "gpt", "value": ""}]}, None))
+        except BadExample as bad:
+            raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
+        return {"ids": out["ids"], "prompt_len": out["prompt_len"]}
+
+    def num_prompt_tokens(self, example: dict) -> int:
+        return int(example["prompt_len"])
+
+    def stream_batch(self, examples: list[dict], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: int = 0):
+        """``Chat.stream_batch`` for the LM: prompts left-padded (to a multiple of 32 columns)."""
+        ids, mask = decode.left_pad([list(ex["ids"][: int(ex["prompt_len"])]) for ex in examples],
+                                    self.tokenizer.pad_id)
+        extra = round_up(ids.shape[1], 32) - ids.shape[1]
+        ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=self.tokenizer.pad_id)
+        mask = np.pad(mask, ((0, 0), (extra, 0)))
+        yield from self.generator.stream(self.params, ids, mask, max_new_tokens, self.tokenizer.eos_id, temperature,
+                                         top_p, seed, round_up(ids.shape[1] + max_new_tokens, 64))
+
+    def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0):
+        """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
+        for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
+            yield int(row[0])
+            if int(row[0]) == self.tokenizer.eos_id:
+                return
+
+    def ask(self, question: str, max_new_tokens: int = 16) -> str:
+        """The greedy answer to ``question``."""
+        example = self.prepare([], [{"from": "human", "value": question}])
+        eos = self.tokenizer.eos_id
+        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
+
+
+def reply_prompt(example: dict) -> dict:
+    """A preprocessed conversation (ending with an empty answer) as a prompt for the reply to its last
+    user turn: ``prompt_len`` at the last answer's start, earlier turns and answers in it. Training's
+    overflow rule drops exchanges from the end, which here would drop the question: refused instead."""
+    from vitmm.data import ops_text
+
+    if int(example.get("_truncated", 0)):
+        raise ValueError(f"The conversation is too long for this model ({int(example['_truncated'])} of its exchanges "
+                         "would not fit, the last question among them); send fewer earlier turns.")
+    if "answer_mask" in example:
+        example = dict(example, prompt_len=np.int32(ops_text.reply_start(example["answer_mask"])))
+    return example
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

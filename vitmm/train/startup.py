@@ -1,0 +1,58 @@
+"""What a run checks as it starts in a workdir: an earlier run no checkpoint can resume
+(``--restart``), a refusal every process shares, and an evaluation a stopped run still owes."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import numpy as np
+
+from vitmm.train.workdir import (
+    HistoryWithoutCheckpoint,
+    WorkdirLocked,
+    evaluated_at,
+    history_without_checkpoint,
+    set_aside_for_restart,
+)
+
+REFUSALS = (WorkdirLocked, HistoryWithoutCheckpoint)
+
+
+def refuse_together(refusal: Exception | None, workdir: pathlib.Path) -> None:
+    """Process 0 alone checks the workdir; every process stops with it (the others would wait at the
+    first checkpoint's barrier until the coordination timeout)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        code = REFUSALS.index(type(refusal)) + 1 if refusal is not None else 0
+        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+        if code and refusal is None:
+            raise REFUSALS[code - 1](f"{workdir}: process 0 refused this run; its output says why.")
+    if refusal is not None:
+        raise refusal
+
+
+def check_history(workdir: pathlib.Path, config, restart: bool) -> None:
+    found = history_without_checkpoint(workdir, config.checkpoint_every)
+    if found and not restart:
+        raise HistoryWithoutCheckpoint(
+            f"{workdir} holds an earlier run ({'; '.join(found)}) but no checkpoint to resume it from; rerun with "
+            "--restart to train it again from step 0 (its metrics.jsonl is kept aside), or use a fresh --workdir.")
+    if found:
+        kept = set_aside_for_restart(workdir)
+        print(f"Restarting from step 0 in {workdir} (--restart)" + (f"; the earlier log is {kept.name}." if kept else
+                                                                  "."), flush=True)
+
+
+def evaluation_lost(workdir, start: int, total: int, config, evaluators, is_main: bool) -> bool:
+    """A run stopped between saving an evaluation step and evaluating it (a kill, or a preemption at
+    that step) resumes there: the evaluation the log lacks is run first (process 0 decides for all)."""
+    if not evaluators or not 0 < start < total or start % config.eval_every:
+        return False
+    lost = is_main and not evaluated_at(workdir, start, evaluators)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        lost = bool(multihost_utils.broadcast_one_to_all(np.int32(lost)))
+    return lost
