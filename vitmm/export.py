@@ -36,13 +36,9 @@ from vitmm.interop import hf, hf_lm, io
 
 def clip_vision_problem(kwargs: dict, params: dict) -> str | None:
     """Why transformers' CLIP vision layout cannot hold this tower (None: it can)."""
-    wants = {"class_token": True, "posemb": "learn", "posemb_layout": "with_cls", "pre_norm": True}
-    wrong = [f"{k}={kwargs.get(k)!r} (needs {v!r})" for k, v in wants.items() if kwargs.get(k) != v]
-    if kwargs.get("act", "gelu") not in ("quick_gelu", "gelu", "gelu_tanh"):
-        wrong.append(f"act={kwargs.get('act')!r}")
-    if "pos_embedding" in params and params["pos_embedding"].shape[1] != params["pos_embedding"].shape[2]:
-        wrong.append(f"a {params['pos_embedding'].shape[1:3]} position grid (needs a square one)")
-    return "; ".join(wrong) or None
+    from vitmm.interop.hf.clip import tower_problems
+
+    return "; ".join(p.removeprefix("the tower: ") for p in tower_problems(kwargs, params, siglip=False)) or None
 
 
 def export_vlm(workdir, out) -> dict:

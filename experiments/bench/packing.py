@@ -34,7 +34,7 @@ import numpy as np
 from vitmm.config_args import load
 from vitmm.data import examples
 from vitmm.study import outputs
-from vitmm.train import trainer
+from vitmm.train import inputs, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORDS = ("the shape red blue circle square triangle left right top bottom small large near far above below next "
@@ -101,7 +101,7 @@ class Mode:
         config = _config(data, rows, **MODES[name])
         self.name = name
         setup = trainer.build(config)
-        it = trainer._input(config, setup.tokenizer, setup.par, setup.task)
+        it = inputs.make(config, setup.tokenizer, setup.par, setup.task)
         self.host = [next(it) for _ in range(batches)]
         if hasattr(it, "close"):
             it.close()

@@ -28,7 +28,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 from vitmm import config_args  # noqa: E402
-from vitmm.train import profiling, trainer  # noqa: E402
+from vitmm.train import inputs, profiling, trainer  # noqa: E402
 
 
 def _value(text: str):
@@ -62,7 +62,7 @@ def bare_speed(config, steps: int, repeats: int = 3) -> dict:
     """The compiled step alone on one device-resident batch: ``steps`` steps back to back, the
     median over ``repeats`` of img/s."""
     setup = trainer.build(config)
-    data = trainer._input(config, setup.tokenizer, setup.par, setup.task)
+    data = inputs.make(config, setup.tokenizer, setup.par, setup.task)
     batch = next(data)
     state = setup.par.put_state(setup.state)
     times, _ = profiling.time_step(setup.compile(state), state, batch, steps, repeats)

@@ -22,7 +22,7 @@ import pathlib
 import jax
 
 from experiments.gpu.loop_overhead import ROOT, load_config
-from vitmm.train import dry_run, trainer
+from vitmm.train import dry_run, inputs, trainer
 
 
 def measure(config) -> dict:
@@ -30,7 +30,7 @@ def measure(config) -> dict:
     needs = dry_run.plan(config)
     setup = trainer.build(config)
     placed = setup.par.put_state(setup.state)
-    data = trainer._input(config, setup.tokenizer, setup.par, setup.task)
+    data = inputs.make(config, setup.tokenizer, setup.par, setup.task)
     batch = next(data)
     data.close()
     step = setup.compile(placed)

@@ -89,10 +89,10 @@ def kind_counts(workdir: pathlib.Path) -> dict:
     n = min(cfg.get("num_examples") or len(source), len(source))
     pick = preprocess.parse("choose(('questions', 'question_kinds'), ('question', 'question_kind'))|"
                             "keep('question_kind')")
-    from vitmm.train.evaluators import _Prefix
+    from vitmm.train.evaluators import Prefix
 
     kinds = np.concatenate([b["question_kind"][b["_mask"] > 0] for b in pipeline.eval_batches(
-        _Prefix(source, n), pick, cfg.get("batch_size", 64), process_index=0, process_count=1, num_threads=1)])
+        Prefix(source, n), pick, cfg.get("batch_size", 64), process_index=0, process_count=1, num_threads=1)])
     from vitmm.data import scenes
 
     return {name: int((kinds == i).sum()) for i, name in enumerate(scenes.QUESTION_KINDS)} | {"all": int(len(kinds))}

@@ -82,6 +82,33 @@ def test_vision_export_round_trips_exactly(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("siglip", [False, True], ids=["clip", "siglip"])
+def test_a_tower_trained_here_exports_as_the_network_it_is(tmp_path, siglip):
+    """A config names only what it changes: vitmm's defaults (GELU, LayerNorm eps 1e-6, a patch
+    bias) are written out as such, not transformers' (quick_GELU and 1e-5 for CLIP); CLIP's
+    bias-free patch conv gets the bias in its patch positions, SigLIP a zero bias where the tower
+    has none. Read back, the tower gives the same tokens; what the layout cannot hold is refused."""
+    import jax
+
+    kwargs = dict(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=8, pool="none")
+    kwargs |= dict(class_token=False, embed_bias=False) if siglip else \
+        dict(posemb_layout="with_cls", pre_norm=True)
+    x = jax.random.normal(jax.random.key(1), (1, 32, 32, 3))
+    params = ViT(**kwargs).init(jax.random.key(0), x)["params"]
+    params = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(2), a.shape), params)
+    export = hf.clip.export_siglip_vision if siglip else hf.export_clip_vision
+    tensors, config = export(kwargs, params)
+    assert (config["hidden_act"], config["layer_norm_eps"]) == ("gelu", 1e-6)
+    io.write_safetensors(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    back_kwargs, back = (hf.load_siglip_vision if siglip else hf.load_clip_vision)(tmp_path)
+    want = ViT(**kwargs).apply({"params": params}, x)[1]["block_01"]
+    got = ViT(**{**back_kwargs, "pool": "none"}).apply({"params": back}, x)[1]["block_01"]
+    assert_close_relative(got, want, "the last block's tokens", 1e-6)
+    with pytest.raises(ValueError, match=r"cannot hold this tower: qk_norm=True \(needs False\)"):
+        export({**kwargs, "qk_norm": True}, params)
+
+
 def test_loading_at_a_new_resolution_resamples_positions():
     kwargs, params = hf.load_clip_vision(FIXTURES / "hf_clip", image_size=48)
     assert params["pos_embedding"].shape == (1, 6, 6, kwargs["width"])

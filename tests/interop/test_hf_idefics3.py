@@ -63,10 +63,11 @@ def test_an_export_imports_back_to_the_same_parameters_and_image_steps(imported,
 
 
 def test_what_idefics3_cannot_hold_is_named():
-    vision = dict(class_token=True, posemb="learn")
+    vision = dict(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=4, class_token=True, posemb="learn")
     model = dict(connector={"name": "pixel_shuffle", "merge": 2}, vision_layer=-2, lm={"qkv_bias": True})
     problems = hf_idefics3.export_problems(model, vision, {}, [("resize", (16,), {})])
-    assert len(problems) == 5 and "class token" in problems[0] and "norm=False" in problems[1], problems
+    assert len(problems) == 5 and "class_token=True (needs False)" in problems[0] and "norm=False" in problems[1], \
+        problems
     assert "normed output" in problems[2] and "Llama" in problems[3] and "['resize']" in problems[4]
 
 

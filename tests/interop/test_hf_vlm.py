@@ -481,7 +481,7 @@ def test_each_export_runs_in_transformers_as_in_vitmm_or_as_the_original(finetun
     AutoProcessor and gives vitmm's pixels (LLaVA's pad-to-square, the run's), ids, logits (≤ 1e-5 of
     the largest; the added ``<image>``'s column aside) and greedy answers. An imported PaliGemma,
     LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL or Idefics3 exported back: the original model's ids, pixels
-    (views, patches, tiles), logits (to 1e-6 of the largest) and greedy answers."""
+    (views, patches, tiles), logits (to 1e-5 of the largest) and greedy answers."""
     for name in ("llava", "trained_here"):
         _check_against_vitmm(in_transformers[name], finetuned[0] if name == "llava" else trained_here)
     for name, architecture, n in (("paligemma", "PaliGemmaForConditionalGeneration", 2),
@@ -495,7 +495,10 @@ def test_each_export_runs_in_transformers_as_in_vitmm_or_as_the_original(finetun
         for i in range(n):
             assert np.array_equal(out[f"input_ids_{i}"], ref[f"input_ids_{i}"]), (name, i)
             np.testing.assert_array_equal(out[f"pixel_values_{i}"], ref[f"pixel_values_{i}"], err_msg=name)
-            assert np.abs(out[f"logits_{i}"] - ref[f"logits_{i}"]).max() <= 1e-6 * np.abs(ref[f"logits_{i}"]).max()
+            # 1e-5: the stored logits come from another machine, whose CPU kernels round differently (PaliGemma's
+            # differed by 1.6e-6 of the largest on one machine with the same weights, config, ids and pixels)
+            assert np.abs(out[f"logits_{i}"] - ref[f"logits_{i}"]).max() <= 1e-5 * np.abs(ref[f"logits_{i}"]).max(), \
+                (name, i)
             assert list(out[f"answer_{i}"]) == list(ref[f"answer_{i}"]), (name, i)
 
 

@@ -108,6 +108,16 @@ def test_unknown_connector_and_wrong_token_count():
         C.build({"name": "mlp2x"}, 8)
     with pytest.raises(ValueError, match="drop CLS"):
         C.build({"name": "linear"}, 8).init(jax.random.key(0), jnp.zeros((1, 17, 4)), (4, 4))
+    with pytest.raises(ValueError, match=r"Connector 'pool' has no setting 'mod'; it takes \['budget', 'hidden', "):
+        C.num_visual_tokens({"name": "pool", "budget": 16, "mod": "llava_average"}, (8, 8))
+    assert C.num_visual_tokens({"name": "perceiver", "budget": np.int64(16)}, (8, 8)) == 16
+    with pytest.raises(ValueError, match="width divisible by 4.*got 10"):
+        C.build({"name": "qwen_resampler", "budget": 4, "width": 10}, 8).init(jax.random.key(0),
+                                                                              jnp.zeros((1, 16, 4)), (4, 4))
+    abstractor = C.build(_cfg("c_abstractor", 4), 8)  # its position table is tied to the grid it was built for
+    params = abstractor.init(jax.random.key(0), jnp.zeros((1, 16, 4)), (4, 4))
+    with pytest.raises(ValueError, match=r"built for 16 input tokens, not the 36 of grid \(6, 6\)"):
+        abstractor.apply(params, jnp.zeros((1, 36, 4)), (6, 6))
 
 
 def test_pool_token_counts_ceil_except_llava_average():

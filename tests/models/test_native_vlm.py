@@ -40,6 +40,13 @@ def test_mrope_angles_turn_each_band_with_its_component_and_equal_rope_for_text(
         np.testing.assert_allclose(angles[..., j], positions[component[j]] * inv[j], rtol=1e-6)
     text = positions[0]
     np.testing.assert_array_equal(rope.mrope_angles(text, hd, section, 100.0), rope.rope_angles(text, hd, 100.0))
+    llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=64)  # the LM's own scaled frequencies, for text as its RoPE
+    np.testing.assert_array_equal(rope.mrope_angles(text, hd, section, 100.0, llama3),
+                                  rope.rope_angles(text, hd, 100.0, llama3))
+    assert not np.allclose(rope.rope_angles(text, hd, 100.0, llama3), rope.rope_angles(text, hd, 100.0))
+    np.testing.assert_array_equal(rope.inverse_frequencies(hd, 100.0, {"type": "linear", "factor": 4.0}),
+                                  rope.inverse_frequencies(hd, 100.0, {"rope_type": "linear", "factor": 4.0}))
     with pytest.raises(ValueError, match="summing to head_dim/2 = 8"):
         rope.mrope_angles(text, hd, (2, 2, 2))
 

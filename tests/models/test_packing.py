@@ -129,6 +129,19 @@ def test_packed_params_are_the_unpacked_models_and_padding_changes_nothing():
                                packing.unpack(short, packing.pack(images, 4, 24, 3)), atol=3e-5)
 
 
+@pytest.mark.parametrize("method", ["bicubic_aa", "torch_bicubic", "big_vision"])
+def test_a_row_without_an_image_leaves_the_gradients_finite(method):
+    """A packed row of padding only (text-only examples in a VLM's batch): its tokens' grid is
+    (0, 0), and the resampled position table's gradient stays finite (a NaN there ruins a run)."""
+    model = ViT(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=4, posemb_grid=(3, 3), pool="gap",
+                posemb_resample=method)
+    batch = packing.pack(_images(1), 4, 24, 2, rows=[[0], []])
+    params = model.init(jax.random.key(0), batch)["params"]
+    grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, batch)[1]["encoded"][0] ** 2))(params)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    assert float(jnp.abs(grads["pos_embedding"]).max()) > 0
+
+
 @pytest.mark.parametrize("posemb", ["learn", "sincos2d", "rope2d"])
 def test_flip_patch_dropout_is_the_forward_of_the_kept_patches(posemb):
     """Dropping patches (FLIP) equals packing only the kept patches at their grid positions."""

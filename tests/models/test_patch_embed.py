@@ -148,7 +148,8 @@ def test_pi_resize_to_a_smaller_patch_is_the_least_squares_fit():
     kernel = jax.random.normal(jax.random.key(0), (8, 8, 1, 4))
     small = pe_lib.resize_kernel(kernel, 4)
     basis = jnp.eye(64).reshape(64, 8, 8)
-    rt = np.asarray(jax.vmap(lambda e: jax.image.resize(e, (4, 4), "bilinear"))(basis)).reshape(64, 16)
+    resize = lambda e: jax.image.resize(e, (4, 4), "bilinear", antialias=False)  # noqa: E731 - big_vision's
+    rt = np.asarray(jax.vmap(resize)(basis)).reshape(64, 16)
     residual = rt @ np.asarray(small).reshape(16, 4) - np.asarray(kernel).reshape(64, 4)
     np.testing.assert_allclose(rt.T @ residual, 0.0, atol=1e-4)  # normal equations: residual ⟂ range(Rᵀ)
     assert np.linalg.norm(residual) > 1e-2  # a real fit, not an identity

@@ -326,6 +326,10 @@ def test_bad_image_sizes_rank_and_channels_raise():
         model.apply(variables, jnp.zeros((1, 32, 32, 1)))
     padded = vit.ViT(**TINY, size_policy="pad", dynamic_img_size=True)
     assert padded.apply(variables, jnp.zeros((1, 30, 30, 3)))[0].shape == (1, 32)
+    assert padded.grid((36, 20)) == (5, 3)  # the grid the padded stem makes (what a VLM counts its tokens from)
+    assert padded.apply(variables, jnp.zeros((1, 36, 20, 3)))[1]["stem"].shape[1:3] == (5, 3)
+    with pytest.raises(ValueError, match=r"height 36 is not a multiple of the patch height 8"):
+        model.grid((36, 20))
 
 
 @pytest.mark.parametrize(
@@ -335,7 +339,9 @@ def test_bad_image_sizes_rank_and_channels_raise():
      (dict(posemb="sincos"), "Unknown posemb='sincos'"),
      (dict(posemb_layout="with_cls", class_token=False, pool="gap"), "needs class_token"),
      (dict(num_heads=5), "not divisible"),
-     (dict(remat_policy="everything"), "Unknown remat_policy")],
+     (dict(remat_policy="everything"), "Unknown remat_policy"),
+     (dict(stem="conv", stride=4), r"stem='conv' .* takes no stride=4"),
+     (dict(embed_impl="bogus"), "Unknown embed_impl='bogus'")],
 )
 def test_bad_options_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):

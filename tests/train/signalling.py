@@ -5,9 +5,11 @@ import os
 import signal
 
 
-def send_at_batch(trainer, batch: int, sig: str = "SIGTERM") -> None:
+def send_at_batch(batch: int, sig: str = "SIGTERM") -> None:
     """From now on, ``trainer.train`` sends ``sig`` to this process while fetching batch ``batch``."""
-    make = trainer._input
+    from vitmm.train import inputs
+
+    make = inputs.make
 
     def wrapped(*args):
         it = make(*args)
@@ -30,4 +32,4 @@ def send_at_batch(trainer, batch: int, sig: str = "SIGTERM") -> None:
 
         return Signalling()
 
-    trainer._input = wrapped
+    inputs.make = wrapped

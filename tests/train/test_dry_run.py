@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from vitmm.config_args import load
-from vitmm.train import dry_run, trainer
+from vitmm.train import dry_run, inputs, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_the_dry_run_predicts_a_real_steps_memory_growth(data_dir):
     devices = needs["devices"]  # the numbers are per device; this process holds every (virtual) CPU device
     assert devices * needs["temporaries"] > 100 * 2**20 and needs["flops"] > 1e9 / devices
     placed = setup.par.put_state(setup.state)
-    data = trainer._input(config, setup.tokenizer, setup.par, setup.task)
+    data = inputs.make(config, setup.tokenizer, setup.par, setup.task)
     batch = next(data)
     data.close()
     compiled = setup.compile(placed).lower(placed, batch).compile()

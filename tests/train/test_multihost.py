@@ -34,7 +34,7 @@ import jax
 if len(sys.argv) > 6 and int(sys.argv[5]) == int(sys.argv[6]):  # this process is sent SIGTERM at batch argv[8]
     sys.path.insert(0, sys.argv[7])
     import signalling
-    signalling.send_at_batch(trainer, int(sys.argv[8]), "SIGTERM")
+    signalling.send_at_batch(int(sys.argv[8]), "SIGTERM")
 try:
     summary = trainer.train(c, sys.argv[2])
 except trainer.Preempted as stop:

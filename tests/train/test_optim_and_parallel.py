@@ -23,7 +23,7 @@ PARAMS = {
     "img": {"embedding": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "pos_embedding": jnp.ones(2),
             "cls": jnp.ones(2), "encoder": {"block_00": {"norm1": {"scale": jnp.ones(2), "bias": jnp.ones(2)}}}},
     "txt": {"token_embedding": {"embedding": jnp.ones((3, 2))}},
-    "t": jnp.ones(1), "b": jnp.ones(1),
+    "t": jnp.ones(1), "b": jnp.ones(1), "connector": {"ln_q": {"scale": jnp.ones(2)}},  # a norm named ln_*
 }
 
 
@@ -151,3 +151,43 @@ def test_pmap_host_state_is_replica_zero_read_from_its_own_device():
     np.testing.assert_array_equal(to_host(host["w"]), per_replica[0])
     assert host["w"].shape == (2, 3) and host["step"].shape == () and int(to_host(host["step"])) == 7
     assert host["w"].sharding.device_set == {jax.local_devices()[0]}
+
+
+def test_a_token_mean_loss_is_the_same_whatever_the_micro_batches_and_devices():
+    """A VLM's answer loss is a mean over the batch's answer tokens: rows with long and short
+    answers split into micro-batches (accum_steps) or over devices (pmap) give the full batch's
+    loss, gradients and token-weighted aux, not a mean of per-part means (which differs here)."""
+    from vitmm.train.parallel import AXIS
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 6, 3)), jnp.float32)
+    lengths = np.array([6, 1, 5, 1, 6, 2, 1, 4])  # answer tokens per row: parts hold unequal counts
+    batch = {"x": x, "mask": jnp.asarray(np.arange(6)[None] < lengths[:, None], jnp.float32)}
+    w = jnp.asarray(rng.normal(size=(3,)), jnp.float32)
+
+    def loss_fn(w, b, _):
+        per_token = jnp.tanh(b["x"] @ w) ** 2
+        tokens = b["mask"].sum()
+        return (per_token * b["mask"]).sum() / jnp.maximum(tokens, 1), {"acc": (per_token * b["mask"]).max(),
+                                                                         "tokens": tokens}
+
+    (ref_loss, _), ref_grads = jax.value_and_grad(loss_fn, has_aux=True)(w, batch, None)
+    for accum in (1, 2, 4):
+        loss, aux, grads = step_lib.loss_and_grads(loss_fn, w, batch, jax.random.key(0), accum, weight="tokens")
+        np.testing.assert_allclose([loss, *grads], [ref_loss, *ref_grads], rtol=1e-6, err_msg=f"accum {accum}")
+        assert float(aux["tokens"]) == lengths.sum()
+    plain, _, _ = step_lib.loss_and_grads(loss_fn, w, batch, jax.random.key(0), 4)  # a mean of means
+    assert abs(float(plain) - float(ref_loss)) > 1e-3
+
+    par = Parallel("pmap")
+    n = jax.device_count()
+
+    def on_device(b):
+        loss, aux, grads = step_lib.loss_and_grads(loss_fn, w, b, jax.random.key(0), 2 if n < 8 else 1,
+                                                   weight="tokens")
+        return par.reduce((loss, grads), aux["tokens"])
+
+    split = jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), batch)
+    (loss, grads), total = jax.pmap(on_device, axis_name=AXIS)(split)
+    np.testing.assert_allclose([loss[0], *grads[0]], [ref_loss, *ref_grads], rtol=1e-6)
+    assert float(total[0]) == lengths.sum()

@@ -276,8 +276,8 @@ from absl import app
 from vitmm import xla_flags
 xla_flags.use_vitmm_defaults()
 import signalling
-from vitmm.train import __main__ as cli, trainer
-signalling.send_at_batch(trainer, 3, "{{sig}}")
+from vitmm.train import __main__ as cli
+signalling.send_at_batch(3, "{{sig}}")
 sys.argv = ["vitmm.train"] + sys.argv[1:]
 app.run(cli.main, flags_parser=cli.parse_flags)
 """

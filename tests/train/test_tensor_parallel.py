@@ -11,7 +11,7 @@ import pytest
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm.config_args import load
-from vitmm.train import trainer
+from vitmm.train import inputs, trainer
 from vitmm.train.parallel import MODEL_AXIS, Parallel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def _step(setup, par):
     """One training step of ``setup``'s state on its first batch under ``par``'s layout."""
     setup = dataclasses.replace(setup, par=par)
     placed = par.put_state(jax.tree.map(np.asarray, setup.state))  # fresh buffers: the step donates them
-    data = trainer._input(setup.config, setup.tokenizer, par, setup.task)
+    data = inputs.make(setup.config, setup.tokenizer, par, setup.task)
     batch = next(data)
     data.close()
     state, metrics = setup.compile(placed)(placed, batch)

@@ -12,7 +12,7 @@ import pytest
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
-from vitmm.train import pp_template, trainer
+from vitmm.train import inputs, pp_template, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -98,7 +98,7 @@ def test_resume_continues_exactly(tmp_path, clip_smoke_run, capsys):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
-    make_input = trainer._input
+    make_input = inputs.make
 
     def poisoned(*args):
         it = make_input(*args)
@@ -121,7 +121,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data
 
         return Poison()
 
-    monkeypatch.setattr(trainer, "_input", poisoned)
+    monkeypatch.setattr(inputs, "make", poisoned)
     c = smoke_config(data_dir, evals=False, checkpoint_every=1)
     with pytest.raises(FloatingPointError, match=r"Non-finite loss at step 3.*last good checkpoint \(step 2\)"):
         trainer.train(c, tmp_path)
@@ -327,7 +327,7 @@ def test_uint8_batches_normalised_on_the_device_train_as_the_host_normalised_one
     c = smoke_config(clip_smoke_run.data_dir, evals=False, **{"input.device_normalize": True})
     host_pp, (scale, offset) = pp_template.host_pp_and_device_affine(c)
     assert "value_range" not in host_pp and scale == pytest.approx([2 / 255] * 3) and offset.tolist() == [-1] * 3
-    batch = next(trainer._input(c, tasks.tokenizer_for(c), trainer.Parallel("jit"), None))
+    batch = next(inputs.make(c, tasks.tokenizer_for(c), trainer.Parallel("jit"), None))
     assert batch["image"].dtype == np.uint8
     summary = trainer.train(c, tmp_path)
     straight = clip_smoke_run.summary

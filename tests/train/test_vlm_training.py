@@ -11,7 +11,7 @@ from configs import common
 from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
 from vitmm.data import preprocess
-from vitmm.train import pp_template, trainer
+from vitmm.train import inputs, pp_template, trainer
 
 
 def _config(name, arg, data_dir, **overrides):
@@ -154,12 +154,12 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
     ``acc_count`` is 1, every other kind 0, and ``accuracy`` the share of counting questions."""
     from vitmm.data import scenes
     from vitmm.data import tokenizer as tok_lib
-    from vitmm.train import evaluators as eval_lib
+    from vitmm.train import vlm_evaluators
 
     tok = tok_lib.ByteTokenizer()
     count = scenes.QUESTION_KINDS.index("count")
     seen = []
-    real_batches = eval_lib.pipeline.eval_batches
+    real_batches = vlm_evaluators.pipeline.eval_batches
 
     def recording(*args, **kwargs):
         for batch in real_batches(*args, **kwargs):
@@ -174,11 +174,11 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
             out[i, : len(ids)] = ids
         return out
 
-    monkeypatch.setattr(eval_lib.pipeline, "eval_batches", recording)
+    monkeypatch.setattr(vlm_evaluators.pipeline, "eval_batches", recording)
     cfg = {"data": {"name": common.SMOKE_DATA, "split": "validation", "data_dir": clip_smoke_run.data_dir},
            "num_examples": 48, "batch_size": 16, "max_new_tokens": 16,
            "pp": "decode|resize(32)|normalize()|choose|qa_tokens(64)"}
-    evaluator = eval_lib.QAAccuracy(None, cfg, tok, False)
+    evaluator = vlm_evaluators.QAAccuracy(None, cfg, tok, False)
     evaluator.decode = oracle
     result = evaluator.run({})
     kinds = np.concatenate([b["question_kind"][b["_mask"] > 0] for b in seen])
@@ -265,6 +265,10 @@ def test_lora_trains_the_adapters_and_the_connector_only(tmp_path, data_dir):
     assert "lora" not in merged and changed(merged["language"], after["language"])
     expected = lora_lib.merge(after, after["lora"], c.lora.alpha)["language"]["block_00"]["attn"]["q"]["kernel"]
     np.testing.assert_array_equal(merged["language"]["block_00"]["attn"]["q"]["kernel"], expected)
+    c.optim.freeze = (r"tower/.*",)  # adapters on an LM that would train too: refused before any step
+    with pytest.raises(ValueError, match=r"lora.rank=2 adapts language/block_00/attn/k \(and 3 more layers\).*"
+                                         r"add 'language/\.\*' to optim.freeze"):
+        tasks.from_config(c, Parallel("jit"), tasks.tokenizer_for(c)).init_params()
 
 
 def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, data_dir, clip_smoke_run, capsys):
@@ -303,7 +307,8 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
         export.export_vlm(tmp_path / "s2", tmp_path / "exported")
     from vitmm.interop import vlm  # not LLaVA-shaped: every reason at once, nothing written
 
-    with pytest.raises(ValueError, match=r"cannot be a LlavaForConditionalGeneration: the tower \(SigLIP's layout.*"
+    with pytest.raises(ValueError, match=r"cannot be a LlavaForConditionalGeneration: the tower: posemb='sincos2d' "
+                                         r"\(needs 'learn'\).*"
                                          r"connector \{'budget': 16, 'name': 'pool'\}"):
         vlm.export_llava(tmp_path / "s2", tmp_path / "as_hf")
     assert not (tmp_path / "as_hf").exists()
@@ -336,13 +341,13 @@ def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):
     from vitmm.data import pipeline
     from vitmm.data import tokenizer as tok_lib
     from vitmm.data.scenes import QUESTION_KINDS
-    from vitmm.train import evaluators
+    from vitmm.train import vlm_evaluators
 
     tok = tok_lib.ByteTokenizer()
     pp = "decode|resize(32)|value_range(-1, 1)|choose|qa_tokens(48)"
     cfg = dict(data=dict(name=common.SMOKE_DATA, split="validation", data_dir=data_dir), pp=pp, num_examples=40,
                batch_size=16, max_new_tokens=5)
-    qa = evaluators.QAAccuracy(None, cfg, tok, prefix_lm=False)
+    qa = vlm_evaluators.QAAccuracy(None, cfg, tok, prefix_lm=False)
     yes = tok.encode("yes") + [tok.eos_id]
     qa.decode = lambda variables, images, *args: np.tile(np.array(yes + [0] * (5 - len(yes))), (len(images), 1))
     result = qa.run(params={})
@@ -379,7 +384,7 @@ def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
         spec = pp_template.pp_string(c)
         assert spec.startswith("decode|anyres([(16, 32), (32, 16), (32, 32)], 16, (2, 2))|normalize(")
         pp = preprocess.parse(spec, task.tokenizer)
-        source = pipeline.source_for(trainer._data_spec(c.input))
+        source = pipeline.source_for(inputs.data_spec(c.input))
         examples = [pp(source[i], np.random.default_rng(i)) for i in range(12)]
         assert {e["image"].shape for e in examples} == {(5, 16, 16, 3)}  # views padded to 1 + 2x2
         counts = {int(e["visual_mask"].sum()) for e in examples}

@@ -269,7 +269,8 @@ class LM(nn.Module):
         b, t = x.shape[:2]
         positions = jnp.arange(t)[None] if positions is None else positions
         if self.mrope_section is not None:
-            angles = rope.mrope_angles(positions, self.attn_head_dim, self.mrope_section, self.rope_theta)
+            angles = rope.mrope_angles(positions, self.attn_head_dim, self.mrope_section, self.rope_theta,
+                                       self.rope_scaling)
         else:
             angles = rope.rope_angles(positions, self.attn_head_dim, self.rope_theta, self.rope_scaling)
         local = angles if self.local_rope_theta is None else rope.rope_angles(positions, self.attn_head_dim,

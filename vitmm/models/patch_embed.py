@@ -83,15 +83,23 @@ def grid_size(
     return out[0], out[1]
 
 
+def fitted_size(
+    image_hw: Sequence[int], patch_size: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]
+) -> tuple[int, int]:
+    """``(H, W)`` after ``pad_to_fit``: the smallest size at least ``image_hw`` that ``grid_size`` accepts."""
+    out = []
+    for size, p, s, pad in zip(image_hw, patch_size, stride, padding, strict=True):
+        span = size + 2 * pad - p
+        out.append(size + ((-span) % s if span >= 0 else p - 2 * pad - size))
+    return out[0], out[1]
+
+
 def pad_to_fit(
     images: jnp.ndarray, patch_size: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]
 ) -> jnp.ndarray:
     """Zero-pads the bottom/right edge so that ``grid_size`` accepts the image."""
-    pads = []
-    for size, p, s, pad in zip(images.shape[1:3], patch_size, stride, padding, strict=True):
-        span = size + 2 * pad - p
-        pads.append((-span) % s if span >= 0 else p - 2 * pad - size)
-    return jnp.pad(images, ((0, 0), (0, pads[0]), (0, pads[1]), (0, 0)))
+    h, w = fitted_size(images.shape[1:3], patch_size, stride, padding)
+    return jnp.pad(images, ((0, 0), (0, h - images.shape[1]), (0, w - images.shape[2]), (0, 0)))
 
 
 def unfold_patches(
@@ -247,11 +255,13 @@ class ConvStem(nn.Module):
                        name="proj")(x)
 
 
-def resize_kernel(kernel: jnp.ndarray, new_patch: int | Sequence[int], antialias: bool = True) -> jnp.ndarray:
+def resize_kernel(kernel: jnp.ndarray, new_patch: int | Sequence[int], antialias: bool = False) -> jnp.ndarray:
     """FlexiViT's PI-resize (Beyer et al. 2023): a patch-embedding kernel ``[ph, pw, C, D]`` for
     patches of ``new_patch`` pixels.
 
-    Resizing a patch (``jax.image.resize``, bilinear) is linear, ``resize(x) = R x``; the new kernel
+    Resizing a patch (``jax.image.resize``, bilinear; without antialiasing, as big_vision's
+    ``resample_patchemb`` calls ``tf.image.resize``, which matters when the patch shrinks) is
+    linear, ``resize(x) = R x``; the new kernel
     ``ŵ = pinv(Rᵀ) w`` makes ``<resize(x), ŵ> = <x, w>``: a patch resized to the new size gives
     the token the old kernel gave the original patch. Exact when the patch grows (``Rᵀ`` has full
     row rank), the least-squares fit when it shrinks. The bias is unchanged.

@@ -178,7 +178,8 @@ def axis_weights_at(size: int, new_size: jnp.ndarray, index: jnp.ndarray, method
     when ``new_size == size``.
     """
     f32 = jnp.float32
-    n, r = jnp.asarray(new_size).astype(f32), jnp.asarray(index).astype(f32)
+    # a padding token's grid is (0, 0) (a packed row without an image): 1 keeps its weights, and their gradients, finite
+    n, r = jnp.maximum(jnp.asarray(new_size).astype(f32), 1.0), jnp.asarray(index).astype(f32)
     taps = jnp.arange(size, dtype=f32)
     if method == "bicubic_aa":
         inv = f32(size) / n
@@ -253,9 +254,11 @@ def rope_2d_angles(
 ) -> jnp.ndarray:
     """Rotation angles ``[num_prefix + h*w, head_dim // 2]`` for axial 2D RoPE.
 
-    Axial layout (RoPE-ViT "axial", Qwen2-VL vision): the first ``head_dim // 4`` rotation pairs
-    turn with the column index, the last ``head_dim // 4`` with the row index, each over the
-    frequencies ``theta ** -(4k / head_dim)``. RoPE-ViT uses ``theta = 100`` for axial RoPE.
+    Axial layout (RoPE-ViT "axial"): the first ``head_dim // 4`` rotation pairs turn with the
+    column index, the last ``head_dim // 4`` with the row index, each over the frequencies
+    ``theta ** -(4k / head_dim)``. Qwen2-VL's vision tower puts the rows first: its import swaps
+    the two quarters of each head's q/k channels (``interop.vlm.qwen2_vl.rope_order``). RoPE-ViT
+    uses ``theta = 100`` for axial RoPE.
     Prefix tokens (CLS, registers) get angle 0, i.e. no rotation, so their attention is
     position-free as in RoPE-ViT.
     """

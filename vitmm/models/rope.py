@@ -17,7 +17,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
     ``… / high_freq_factor`` stay, and the band between is interpolated."""
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
-    kind = (scaling or {}).get("rope_type", "default")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))  # "type": older configs
     if kind == "default":
         return inv
     if kind == "linear":  # positions divided by the factor (Gemma 3's global layers)
@@ -43,16 +43,19 @@ def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float = 10_000.0, 
     return positions[..., None].astype(jnp.float32) * inv
 
 
-def mrope_angles(positions: jnp.ndarray, head_dim: int, section, theta: float = 10_000.0) -> jnp.ndarray:
+def mrope_angles(positions: jnp.ndarray, head_dim: int, section, theta: float = 10_000.0,
+                 scaling: dict | None = None) -> jnp.ndarray:
     """Qwen2-VL's multimodal RoPE: ``positions [3, B, T]`` (temporal, height, width; a plain
     ``[B, T]`` means the three are equal, as for text) → angles ``[B, T, head_dim/2]`` whose first
     ``section[0]`` frequencies turn with the temporal position, the next ``section[1]`` with the
-    height and the last ``section[2]`` with the width (``sum(section) = head_dim/2``)."""
+    height and the last ``section[2]`` with the width (``sum(section) = head_dim/2``). The
+    frequencies are the LM's own (``scaling`` as ``rope_angles``), so text positions turn as
+    its 1D RoPE does."""
     if sum(section) != head_dim // 2 or len(section) != 3:
         raise ValueError(f"mrope_section {tuple(section)} must be three counts summing to head_dim/2 "
                          f"= {head_dim // 2}.")
     positions = jnp.broadcast_to(positions, (3, *positions.shape[-2:])) if positions.ndim == 2 else positions
-    inv = jnp.asarray(inverse_frequencies(head_dim, theta))
+    inv = jnp.asarray(inverse_frequencies(head_dim, theta, scaling))
     bounds = np.cumsum([0, *section])
     return jnp.concatenate([positions[c][..., None].astype(jnp.float32) * inv[bounds[c]:bounds[c + 1]]
                             for c in range(3)], axis=-1)

@@ -31,7 +31,7 @@ import numpy as np
 
 from vitmm.models import common, layers, packing
 from vitmm.models import posemb as pe
-from vitmm.models.patch_embed import ConvStem, PatchEmbed, check_images, grid_size, to_pair
+from vitmm.models.patch_embed import ConvStem, PatchEmbed, check_images, fitted_size, grid_size, to_pair
 from vitmm.models.transformer import REMAT_NONE, Encoder, MAPHead
 
 POSEMBS = ("learn", "sincos2d", "rope2d", "none")
@@ -181,9 +181,12 @@ class ViT(nn.Module):
     def grid(self, image_hw: Sequence[int]) -> tuple[int, int]:
         """Token grid ``(h, w)`` this model makes from an ``(H, W)`` image (raises if it cannot)."""
         arch = self.arch()
-        if self.stem == "conv":
-            return grid_size(image_hw, arch.patch_size)
-        return grid_size(image_hw, arch.patch_size, self.stride, self.padding)
+        patch = arch.patch_size
+        stride, padding = (patch, (0, 0)) if self.stem == "conv" else \
+            (to_pair(self.stride or patch, "stride"), to_pair(self.padding, "padding"))
+        if self.size_policy == "pad":  # as the stem pads the bottom/right edge
+            image_hw = fitted_size(image_hw, patch, stride, padding)
+        return grid_size(image_hw, patch, stride, padding)
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -205,6 +208,12 @@ class ViT(nn.Module):
             raise ValueError("posemb_layout='with_cls' needs class_token=True.")
         if not 0 < self.patch_keep <= 1:
             raise ValueError(f"patch_keep is the share of patches kept in training, in (0, 1]; got {self.patch_keep}.")
+        if self.stem == "conv" and (self.stride is not None or to_pair(self.padding) != (0, 0)
+                                    or self.embed_impl != "conv"):
+            raise ValueError(f"stem='conv' (strided 3x3 convs to the patch size) takes no stride={self.stride}, "
+                             f"padding={self.padding} or embed_impl={self.embed_impl!r}: drop them, or use "
+                             "stem='patch'.")
+        common.check_choice("embed_impl", self.embed_impl, ("conv", "unfold"))
         if self.num_registers < 0:
             raise ValueError(f"num_registers must be >= 0, got {self.num_registers}.")
         if arch.width % arch.num_heads:
@@ -340,7 +349,8 @@ class ViT(nn.Module):
 
     def _packed(self, batch: packing.Packed, arch: Arch, train: bool):
         """The forward of a packed batch (see the class docstring)."""
-        if self.stem != "patch" or to_pair(self.stride or arch.patch_size) != arch.patch_size or self.padding:
+        if self.stem != "patch" or to_pair(self.stride or arch.patch_size) != arch.patch_size or \
+                to_pair(self.padding) != (0, 0):
             raise ValueError("Packed sequences need stem='patch' with stride equal to the patch and no padding.")
         seg, kinds = batch.segment_ids, batch.kinds
         b, length = seg.shape

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vitmm.models import layers
-from vitmm.train import determinism, distributed, gpu_targets, imported_vlm, optim, tasks, trainer
+from vitmm.train import determinism, distributed, gpu_targets, imported_vlm, inputs, optim, tasks, trainer
 from vitmm.train.parallel import Parallel
 
 MIB = 2**20
@@ -83,7 +83,7 @@ def _compile(config, tokenizer, par: Parallel, target: str | None) -> dict:
                  step=jax.ShapeDtypeStruct((), jnp.int32),
                  rng=jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
                  bad=jax.ShapeDtypeStruct((2,), jnp.int32))
-    data = trainer._input(config, tokenizer, par, task)
+    data = inputs.make(config, tokenizer, par, task)
     try:
         batch = next(data)
     finally:

@@ -11,8 +11,9 @@ import ml_collections
 import optax
 from flax import traverse_util
 
-# No weight decay on biases, norm scales, temperature/bias, positions, CLS/registers, MAP probe.
-NO_DECAY = (r".*/bias$", r".*norm.*/scale$", r"^t$", r"^b$", r".*pos_embedding$", r".*/cls$",
+# No weight decay on biases, norm scales (every "scale" in vitmm is a LayerNorm's or an RMSNorm's,
+# whatever the norm is called: norm1, ln_q, ...), temperature/bias, positions, CLS/registers, MAP probe.
+NO_DECAY = (r".*/bias$", r"(.*/)?scale$", r"^t$", r"^b$", r".*pos_embedding$", r".*/cls$",
             r"^cls$", r".*registers$", r".*/probe$", r".*/ls[12]$")
 
 

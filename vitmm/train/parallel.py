@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vitmm.data import device_feed
+from vitmm.train.step import weighted_mean
 
 AXIS = "batch"  # pmap axis name
 MESH_AXIS = "data"
@@ -155,9 +156,17 @@ class Parallel:
                        out_shardings=(shardings, self.replicated),
                        donate_argnums=(0,) if donate else ())
 
-    def reduce(self, tree):
-        """Mean over devices of per-device values (pmap); identity for global arrays (jit)."""
-        return jax.lax.pmean(tree, AXIS) if self.kind == "pmap" else tree
+    def reduce(self, tree, weight=None):
+        """Mean over devices of per-device values (pmap); identity for global arrays (jit). With
+        ``weight`` (each device's count its values are means over, e.g. answer tokens), the mean
+        weighted by it, and the devices' total: ``(tree, total)``."""
+        if weight is None:
+            return jax.lax.pmean(tree, AXIS) if self.kind == "pmap" else tree
+        if self.kind != "pmap":
+            return tree, weight
+        total = jax.lax.psum(weight, AXIS)
+        sums = jax.lax.psum(jax.tree.map(lambda x: x * weight.astype(x.dtype), tree), AXIS)
+        return weighted_mean(sums, total), total
 
     def device_rng(self, rng):
         return jax.random.fold_in(rng, jax.lax.axis_index(AXIS)) if self.kind == "pmap" else rng

@@ -15,10 +15,16 @@ import jax.numpy as jnp
 import optax
 
 
-def loss_and_grads(loss_fn: Callable, params, batch, rng, accum_steps: int = 1, trainable=None):
+def loss_and_grads(loss_fn: Callable, params, batch, rng, accum_steps: int = 1, trainable=None,
+                   weight: str | None = None):
     """``(loss, aux, grads)`` of ``loss_fn(params, batch, rng) -> (loss, aux)``. With
     ``accum_steps = k`` the batch is split into k micro-batches (micro-batch i gets
     ``fold_in(rng, i)``) whose losses and gradients are averaged; ``aux`` is the last one's.
+
+    ``weight`` names an ``aux`` count the loss is a mean over (a VLM's answer tokens): the
+    micro-batches are then weighted by it, so the loss and gradients are the mean over every token
+    of the batch whatever ``k`` (a plain mean of micro-batch means weighs a short answer's tokens
+    more); ``aux`` is weighted alike, and ``aux[weight]`` is the batch's total.
 
     ``trainable`` (booleans shaped like ``params``, e.g. ``optim.trainable_mask``): only those
     parameters are differentiated, and ``grads`` holds ``None`` for the others. A frozen LM or
@@ -40,12 +46,28 @@ def loss_and_grads(loss_fn: Callable, params, batch, rng, accum_steps: int = 1, 
     def body(carry, inputs):
         mb, i = inputs
         (loss, aux), grads = grad_fn(wrt, mb, jax.random.fold_in(rng, i))
-        return jax.tree.map(jnp.add, carry, (loss, grads)), aux
+        if weight is None:
+            return jax.tree.map(jnp.add, carry, (loss, grads)), aux
+        w = aux[weight]
+        return jax.tree.map(lambda c, x: c + (w * x).astype(c.dtype), carry, (loss, grads, aux)), w
 
-    zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, wrt))
-    (loss, grads), aux = jax.lax.scan(body, zero, (micro, jnp.arange(accum_steps)))
-    grads = jax.tree.map(lambda g: g / accum_steps, grads)
-    return loss / accum_steps, jax.tree.map(lambda a: a[-1], aux), grads
+    if weight is None:
+        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, wrt))
+        (loss, grads), aux = jax.lax.scan(body, zero, (micro, jnp.arange(accum_steps)))
+        grads = jax.tree.map(lambda g: g / accum_steps, grads)
+        return loss / accum_steps, jax.tree.map(lambda a: a[-1], aux), grads
+    first = jax.tree.map(lambda x: x[0], micro)
+    aux_shape = jax.eval_shape(lambda: grad_fn(wrt, first, rng)[0][1])
+    zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (jnp.zeros(()), wrt, aux_shape))
+    sums, weights = jax.lax.scan(body, zero, (micro, jnp.arange(accum_steps)))
+    total = weights.sum()
+    loss, grads, aux = weighted_mean(sums, total)
+    return loss, {**aux, weight: total}, grads
+
+
+def weighted_mean(sums, total):
+    """``sums / total`` leaf by leaf (zeros where ``total`` is 0: nothing was weighed)."""
+    return jax.tree.map(lambda x: x / jnp.where(total > 0, total, 1).astype(x.dtype), sums)
 
 
 def apply(tx: optax.GradientTransformation, grads, opt_state, params):

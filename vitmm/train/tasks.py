@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ from vitmm.data import sequences
 from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
 from vitmm.models import packing, rope, two_towers, vlm
-from vitmm.train import determinism, pp_template
+from vitmm.train import determinism, pp_template, vlm_evaluators
 from vitmm.train import evaluators as eval_lib
 from vitmm.train.parallel import Parallel
 
@@ -44,6 +46,7 @@ def _contrastive_impl(kind: str, par: Parallel):
 
 class ContrastiveTask:
     aux_names = ("t", "b")
+    loss_weight = None  # each (micro-)batch is its own contrastive problem: a plain mean of their losses
 
     def __init__(self, config, par: Parallel, tokenizer):
         if config.model.text.vocab_size != tokenizer.vocab_size:
@@ -109,7 +112,8 @@ class VLMTask:
     whose image tower the VLM starts from; which parts train is ``config.optim.freeze``.
     """
 
-    aux_names = ("token_acc",)
+    aux_names = ("token_acc", "answer_tokens")
+    loss_weight = "answer_tokens"  # the loss is a mean over answer tokens, also across micro-batches and devices
 
     def __init__(self, config, par: Parallel, tokenizer):
         m = config.model
@@ -159,6 +163,7 @@ class VLMTask:
                              "init.checkpoint=a VLM's (or init.allow_random_tower=True for tests).")
         if c.get("lora") and c.lora.rank > 0:  # adapters beside the parameters; the optimizer freezes the rest
             params["lora"] = lora_lib.init(params, tuple(c.lora.targets), c.lora.rank, jax.random.key(c.seed + 1))
+            _check_lora_bases_frozen(c, params["lora"])
         if c.init.get("lm"):
             saved = ckpt_lib.load_params(c.init.lm)
             if "lm" not in saved:
@@ -191,7 +196,7 @@ class VLMTask:
                               positions, batch["prefix"] if self.config.model.prefix_lm else None,
                               rng=rng, method=vlm.VLM.packed, hidden=self._chunk is not None)
             loss, acc = self._lm_loss(params, out, batch["targets"], batch["weights"])
-            return loss, {"token_acc": acc}
+            return loss, {"token_acc": acc, "answer_tokens": batch["weights"].astype(jnp.float32).sum()}
         if "more_images" in batch or "image_positions" in batch:
             raise ValueError("Examples with several images train as flat sequences: set input.sequences (e.g. "
                              "--config.input.sequences.length=1024 --config.input.sequences.max_images=4).")
@@ -214,7 +219,7 @@ class VLMTask:
         if at is None:
             out = vlm.text_logits(out, out.shape[1] - batch["ids"].shape[1], image_pos)[:, :-1]
         loss, acc = self._lm_loss(params, out, targets, mask)
-        return loss, {"token_acc": acc}
+        return loss, {"token_acc": acc, "answer_tokens": mask.astype(jnp.float32).sum()}
 
     @property
     def _chunk(self) -> int | None:
@@ -240,7 +245,7 @@ class VLMTask:
         for name, cfg in evals_config(c).items():
             if cfg.get("type") == "val_loss":  # held-out answer loss, with the training preprocessing by default
                 cfg["pp"] = pp_template.pp_string(c, cfg.get("pp") or c.input.pp)
-                evals[name] = eval_lib.VLMValLoss(self.loss_fn, cfg, self.tokenizer, self._sequence_row())
+                evals[name] = vlm_evaluators.VLMValLoss(self.loss_fn, cfg, self.tokenizer, self._sequence_row())
                 continue
             evals[name] = qa_evaluator(c, cfg, self.model, self.tokenizer)
         return evals
@@ -254,10 +259,22 @@ class VLMTask:
         return None if layout is None else layout.row
 
 
-def qa_evaluator(config, cfg: dict, model, tokenizer) -> eval_lib.QAAccuracy:
+def _check_lora_bases_frozen(config, adapters: dict) -> None:
+    """LoRA trains its adapters instead of the kernels they adapt: ``optim.freeze`` must hold them."""
+    freeze = tuple(config.optim.get("freeze") or ())
+    trained = [name.replace(".", "/") for name in sorted(adapters)
+               if not any(re.fullmatch(p, name.replace(".", "/") + "/kernel") for p in freeze)]
+    if trained:
+        raise ValueError(f"lora.rank={config.lora.rank} adapts {trained[0]} (and {len(trained) - 1} more layers), but "
+                         f"optim.freeze={freeze} leaves their kernels training beside the adapters: add "
+                         "'language/.*' to optim.freeze (as configs/llava_finetune.py:lora=8 does), or set "
+                         "lora.rank=0 to train the LM itself.")
+
+
+def qa_evaluator(config, cfg: dict, model, tokenizer) -> vlm_evaluators.QAAccuracy:
     """The ``qa`` evaluator ``cfg`` (an entry of ``evals_config(config)``) with the run's own pp fields."""
-    cfg = {**cfg, "pp": pp_template.pp_string(config, cfg.get("pp") or eval_lib.QAAccuracy.PP)}
-    return eval_lib.QAAccuracy(model, cfg, tokenizer, config.model.prefix_lm)
+    cfg = {**cfg, "pp": pp_template.pp_string(config, cfg.get("pp") or vlm_evaluators.QAAccuracy.PP)}
+    return vlm_evaluators.QAAccuracy(model, cfg, tokenizer, config.model.prefix_lm)
 
 
 # Settings that choose how to compute, not the weights: the run's own hold over a checkpoint's.

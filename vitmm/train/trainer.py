@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
-from vitmm.data import device_feed, formats, pipeline, preprocess, skips
-from vitmm.train import determinism, distributed, imported_vlm, optim, pp_template, startup, tasks
+from vitmm.data import device_feed, formats, skips
+from vitmm.train import determinism, distributed, imported_vlm, inputs, optim, pp_template, startup, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
@@ -41,7 +41,8 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
 
     With ``accum_steps = k`` the batch is split into ``k`` micro-batches whose gradients are
     averaged before one update (for a contrastive task each micro-batch is its own contrastive
-    problem: its negatives are the other pairs of the same micro-batch, across all devices).
+    problem: its negatives are the other pairs of the same micro-batch, across all devices; a VLM's
+    are weighted by their answer tokens, as are the devices': ``task.loss_weight``).
     """
     accum = config.optim.get("accum_steps", 1)
     names = BASE_METRICS + task.aux_names
@@ -53,8 +54,13 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
             batch = dict(batch, **{key: batch[key].astype(jnp.float32) * affine[0] + affine[1]})
         rng = par.device_rng(jax.random.fold_in(state["rng"], state["step"]))
         trainable = optim.trainable_mask(config.optim, state["params"])  # frozen parts get no gradient
-        loss, aux, grads = step_lib.loss_and_grads(task.loss_fn, state["params"], batch, rng, accum, trainable)
-        loss, grads, aux = par.reduce((loss, grads, aux))
+        loss, aux, grads = step_lib.loss_and_grads(task.loss_fn, state["params"], batch, rng, accum, trainable,
+                                                   weight=task.loss_weight)
+        if task.loss_weight is None:
+            loss, grads, aux = par.reduce((loss, grads, aux))
+        else:  # a mean over every answer token of the batch, whichever device or micro-batch holds it
+            (loss, grads, aux), total = par.reduce((loss, grads, aux), aux[task.loss_weight])
+            aux = {**aux, task.loss_weight: total}
         params, opt_state, updates = step_lib.apply(tx, grads, state["opt_state"], state["params"])
         params = task.post_update(params)
         metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params),
@@ -68,82 +74,6 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
         return new_state, metrics
 
     return step
-
-
-# ================================================================================================
-#                                          Setup
-# ================================================================================================
-def _input(config, tokenizer, par: Parallel, task):
-    inp = config.input
-    pp = preprocess.parse(pp_template.host_pp_and_device_affine(config)[0], tokenizer)
-    if inp.get("packing"):
-        host = _packed_input(config, pp)
-    elif inp.get("sequences") and inp.sequences.get("length"):
-        host = _sequences_input(config, pp, task)
-    elif formats.raw_format(inp):  # the user's files (LLaVA JSON, tar shards, CSV, parquet, a mixture)
-        host = pipeline.train_iterator(formats.source_from(inp, config.seed), pp, config.batch_size, seed=config.seed,
-                                       num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8),
-                                       skip_bad=inp.get("max_skipped_share", 0.01), workers=inp.get("workers", 0))
-    else:
-        source = pipeline.source_for(_data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
-        host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
-                                       num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8),
-                                       workers=inp.get("workers", 0))
-    return device_feed.DeviceIterator(host, size=inp.get("device_prefetch", 2), put=par.put_batch)
-
-
-def _data_spec(inp) -> dict:
-    """The training input's data spec: ``input.data`` in ``input.data_dir``, or scenes at random
-    sizes (``input.scenes_any``, with their own split)."""
-    if inp.get("scenes_any"):
-        return {"scenes_any": inp.scenes_any.to_dict(), "split": inp.scenes_any.get("split", "train")}
-    return {"name": inp.data.name, "split": inp.data.split, "data_dir": inp.get("data_dir")}
-
-
-def _sequences_input(config, pp, task):
-    """VLM examples as flat sequences with any number of images (``input.sequences``;
-    ``batch_size`` counts rows), packed several to a row unless ``pack=False``."""
-    from vitmm.train.sequence_layout import SequenceLayout
-
-    inp, sq = config.input, config.input.sequences
-    if not hasattr(task, "num_visual"):
-        raise ValueError("input.sequences is for VLM runs (task 'vlm'); a contrastive run packs images with "
-                         "input.packing.")
-    layout = SequenceLayout.of(task)
-    if layout.anyres is not None and "anyres" in preprocess.op_names(pp_template.pp_string(config)):
-        raise ValueError("With input.sequences each image's AnyRes views are made by data.sequences: drop the anyres "
-                         "op from input.pp (keep the images at their own sizes).")
-    raw = formats.raw_format(inp)
-    source = formats.source_from(inp, config.seed) if raw else \
-        pipeline.source_for(_data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
-    count = jax.process_count()
-    if config.batch_size % count:
-        raise ValueError(f"batch_size={config.batch_size} rows do not split over {count} processes.")
-    return layout.batches(source, pp, rows=config.batch_size // count, pack=sq.get("pack", True),
-                          bins=sq.get("bins", 8), seed=config.seed, process_index=jax.process_index(),
-                          process_count=count, skip_bad=inp.get("max_skipped_share", 0.01) if raw else None,
-                          workers=inp.get("workers", 0))
-
-
-def _packed_input(config, pp):
-    """Packed rows of images at their own sizes (``input.packing``; ``batch_size`` counts rows):
-    scenes drawn at random sizes (``input.scenes_any``) or a TFDS dataset, through ``pp`` (e.g.
-    NaFlex), packed by ``data.packing.packed_iterator`` with each image's caption tokens."""
-    from vitmm.data import packing as data_packing
-    from vitmm.models.patch_embed import to_pair
-    from vitmm.models.vit import ViT
-
-    inp, pk = config.input, config.input.packing
-    source = pipeline.source_for(_data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
-    tower = ViT(**config.model.image)
-    count, index = jax.process_count(), jax.process_index()
-    if config.batch_size % count:
-        raise ValueError(f"batch_size={config.batch_size} packed rows do not split over {count} processes.")
-    return data_packing.packed_iterator(
-        source, pp, patch_size=to_pair(tower.arch().patch_size)[0], seq_len=pk.seq_len, max_images=pk.max_images,
-        rows=config.batch_size // count, num_bins=pk.bins, class_token=tower.class_token,
-        num_registers=tower.num_registers, meta_keys=("caption_tokens",), seed=config.seed,
-        process_index=index, process_count=count, patch_keep=tower.patch_keep)
 
 
 # ================================================================================================
@@ -257,7 +187,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
            restart: bool = False) -> dict:
     setup = build(config)
     par, tokenizer, task, state = setup.par, setup.tokenizer, setup.task, setup.state
-    data = _input(config, tokenizer, par, task)
+    data = inputs.make(config, tokenizer, par, task)
     cleanup.callback(device_feed.close, data)  # input worker processes stop however the run ends
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
     start = 0

@@ -104,10 +104,9 @@ def load_idefics3(src) -> tuple[dict, dict, dict]:
 
 def export_problems(model: dict, vision: dict, tower: dict, steps: list) -> list[str]:
     """Why ``Idefics3ForConditionalGeneration`` cannot hold this VLM (empty: it can)."""
-    problems = []
-    if vision.get("class_token", True) or vision.get("posemb", "learn") != "learn" or "map_head" in tower \
-            or vision.get("pre_norm") or vision.get("posemb_layout", "patches") != "patches":
-        problems.append("the tower (Idefics3's is SigLIP's: no class token, learned positions, no pre-norm)")
+    from vitmm.interop.hf.clip import tower_problems
+
+    problems = tower_problems(vision, tower, siglip=True)  # Idefics3's tower is SigLIP's
     c = dict(model["connector"])
     if c.get("name") != "pixel_shuffle" or c.get("norm", True) or c.get("depth", 2) != 1 or c.get("use_bias", True) \
             or not c.get("merge"):

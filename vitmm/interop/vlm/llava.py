@@ -209,19 +209,18 @@ def _export_problems(model: dict, vision: dict, tower: dict) -> list[str]:
     """Why ``LlavaForConditionalGeneration`` (``LlavaNextForConditionalGeneration`` with
     ``model.anyres``; ``LlavaOnevisionForConditionalGeneration`` with a SigLIP tower and AnyRes's
     ``max_patches``) cannot hold this VLM (empty: it can)."""
-    from vitmm.export import clip_vision_problem
+    from vitmm.interop.hf.clip import tower_problems
 
     anyres = model.get("anyres")
     if not vision.get("class_token", True):  # a SigLIP tower: every patch (the "full" strategy)
-        siglip = vision.get("posemb", "learn") == "learn" and not vision.get("pre_norm") and "map_head" not in tower
-        problems = [] if siglip else ["the tower (SigLIP's layout: no class token, learned positions, no pre-norm)"]
+        problems = tower_problems(vision, tower, siglip=True)
         if model.get("vision_layer", -1) == -1 and vision.get("final_norm", True):
             problems.append("vision_layer=-1 of a tower with its final norm (transformers reads its last block "
                             "before it, hidden_states[-1]: final_norm=False)")
     elif anyres and anyres.get("max_patches"):
         problems = ["a CLIP tower with max_patches (LLaVA-OneVision's tower is SigLIP's)"]
     else:
-        problems = [f"the tower: {p}"] if (p := clip_vision_problem(vision, tower)) else []
+        problems = tower_problems(vision, tower, siglip=False)
         if not model.get("vision_layer", -1) <= -2:
             problems.append(f"vision_layer={model.get('vision_layer')} (LLaVA reads hidden_states[-2] or earlier; -1 "
                             "is vitmm's normed output)")

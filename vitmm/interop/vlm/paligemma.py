@@ -77,10 +77,9 @@ def load_paligemma(src) -> tuple[dict, dict, dict]:
 
 def _paligemma_problems(model: dict, vision: dict, tower: dict, lm: dict) -> list[str]:
     """Why ``PaliGemmaForConditionalGeneration`` cannot hold this VLM (empty: it can)."""
-    problems = []
-    if vision.get("class_token") or vision.get("posemb", "learn") != "learn" or "map_head" in tower \
-            or vision.get("pre_norm"):
-        problems.append("the tower (PaliGemma's is SigLIP's: no class token, learned positions, no pre-norm)")
+    from vitmm.interop.hf.clip import tower_problems
+
+    problems = tower_problems(vision, tower, siglip=True)  # PaliGemma's tower is SigLIP's
     connector = dict(model["connector"])
     if connector.get("name") != "linear" or connector.get("budget") != "all":
         problems.append(f"connector {connector} (PaliGemma's projector is linear, every patch)")

@@ -10,7 +10,9 @@ a sweep. The tests check each family's answer against the shape it really produc
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 
 
 class BudgetError(ValueError):
@@ -75,7 +77,14 @@ def lookup(cfg: dict):
     name = settings.pop("name", None)
     if name not in REGISTRY:
         raise ValueError(f"Unknown connector {name!r}; choose one of {tuple(REGISTRY)}.")
-    return REGISTRY[name], settings
+    family = REGISTRY[name]
+    known = {f.name for f in dataclasses.fields(family)} - {"parent", "name", "out_dim"}
+    unknown = sorted(set(settings) - known)
+    if unknown:  # a typo would otherwise size a sweep by the family's default (tokens() ignores extras)
+        raise ValueError(f"Connector {name!r} has no setting {unknown[0]!r}; it takes {sorted(known)}.")
+    if isinstance(settings.get("budget"), numbers.Integral) and not isinstance(settings["budget"], bool):
+        settings["budget"] = int(settings["budget"])  # e.g. numpy's integers from a sweep
+    return family, settings
 
 
 def num_visual_tokens(cfg: dict, grid: tuple[int, int]) -> int:

@@ -57,6 +57,11 @@ class CAbstractor(nn.Module):
         check_tokens(x, grid)
         side = square_side(self.budget, "c_abstractor")
         b, n, c = x.shape
+        if self.has_variable("params", "pos_emb") and self.get_variable("params", "pos_emb").shape[1] != n:
+            built = self.get_variable("params", "pos_emb").shape[1]
+            raise ValueError(f"c_abstractor's position table was built for {built} input tokens, not the {n} of grid "
+                             f"{tuple(grid)}: give it images of the size it was built for, or use a connector "
+                             "without one (e.g. pixel_shuffle, pool).")
         x = x + self.param("pos_emb", common.trunc_normal(0.02), (1, n, c))
         y = x.reshape(b, *grid, c)
         for i in range(self.depth):

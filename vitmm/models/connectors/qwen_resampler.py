@@ -34,6 +34,9 @@ class QwenResampler(nn.Module):
         check_tokens(x, grid)
         side = square_side(self.budget, "qwen_resampler")
         d = self.width or self.out_dim
+        if d % 4:  # its 2D sin-cos positions: sin/cos x rows/cols
+            raise ValueError(f"qwen_resampler needs an attention width divisible by 4 (its 2D sin-cos positions), "
+                             f"got {d}: set the connector's width to a multiple of 4.")
         heads = max(d // self.head_dim, 1)
         query = self.param("query", common.trunc_normal(0.02), (side * side, d))
         pos_q = posemb.sincos_2d(side, side, d, convention="mae")
