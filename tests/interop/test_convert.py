@@ -57,3 +57,21 @@ def test_language_models_convert_with_their_tokenizer_and_chat_template(tmp_path
                   "--image_size", "224"])
     assert "is a language model" in capsys.readouterr().err
     assert json.loads((tmp_path / "g" / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+
+
+def test_an_lm_conversion_stopped_before_its_checkpoint_can_be_run_again(tmp_path, monkeypatch):
+    """The tokenizer is written first and the checkpoint last (whole or not at all): a conversion
+    stopped between them leaves a folder a rerun completes, not one refused for its checkpoint."""
+    from vitmm.interop import convert
+
+    def stopped(*args):
+        raise KeyboardInterrupt
+
+    src = FIXTURES / "gguf_llama" / "tiny.gguf"
+    monkeypatch.setattr(convert, "write", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert_language_model("gguf", src, tmp_path / "g")
+    assert (tmp_path / "g" / "tokenizer.json").is_file() and not (tmp_path / "g" / "checkpoints").exists()
+    monkeypatch.undo()
+    assert convert.convert_language_model("gguf", src, tmp_path / "g") == tmp_path / "g"
+    assert (tmp_path / "g" / "checkpoints").is_dir()

@@ -41,6 +41,16 @@ def test_more_families_match_transformers_gguf_loading(arch):
         assert kwargs["window_layers"] == (0, 1, 2, 3, 4) and kwargs["qk_norm"] and kwargs["local_rope_theta"] == 1e4
 
 
+@pytest.mark.parametrize("arch, depth, width, heads, head_dim, scale", [
+    ("gemma2", 46, 4608, 32, 128, 144.0), ("gemma2", 42, 3584, 16, 256, 256.0),  # 27B: width / heads; 9B: head size
+    ("gemma3", 62, 5376, 32, 128, 168.0), ("gemma3", 48, 3840, 16, 256, 256.0)])
+def test_gemmas_27b_scale_queries_by_width_over_heads_as_llama_cpp(arch, depth, width, heads, head_dim, scale):
+    metadata = {"general.architecture": arch, "tokenizer.ggml.tokens": ["a"], f"{arch}.embedding_length": width,
+                f"{arch}.block_count": depth, f"{arch}.feed_forward_length": 4 * width,
+                f"{arch}.attention.head_count": heads, f"{arch}.attention.key_length": head_dim}
+    assert gguf_lm.lm_kwargs(metadata, "test")["query_scale"] == scale
+
+
 def test_llama3_rope_rescaling_comes_from_rope_freqs_as_llama_cpp_writes_it():
     """``hf_llama32`` written as llama.cpp writes it (F32; Llama 3's rescaling as a ``rope_freqs``
     tensor, which transformers' GGUF loading drops): vitmm gives the original checkpoint's logits on

@@ -128,6 +128,17 @@ def test_export_round_trips_and_transformers_layout_loads_back(tmp_path, name):
         np.testing.assert_array_equal(value, original[key])  # the very tensors transformers saved
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"act": "gelu_tanh"}, r"act='gelu_tanh': 'llama''s layout runs silu"),
+    ({"embed_scale": True}, r"embed_scale or norm_offset alone"),
+    ({"logit_softcap": 30.0}, r"\['logit_softcap'\] are Gemma 2/3 settings; 'llama'"),
+])
+def test_an_lm_the_layout_cannot_hold_is_refused_not_exported_as_another(change, message):
+    kwargs, params = hf_lm.load_lm(FIXTURES / "hf_llama")
+    with pytest.raises(ValueError, match=message):
+        hf_lm.export_lm({**kwargs, **change}, params)
+
+
 def test_an_lm_with_merged_lora_exports_what_the_adapted_model_computes(tmp_path):
     import jax
 

@@ -88,6 +88,15 @@ def test_an_export_imports_back_to_the_same_parameters_and_image_steps(imported,
     assert config["input"]["pp"] == vlm.config.input.pp
 
 
+def test_min_and_max_pixels_override_size_as_transformers_reads_them():
+    """Editing ``max_pixels`` is how a user caps Qwen2-VL's image tokens; transformers'
+    ``Qwen2VLImageProcessor`` lets ``min_pixels``/``max_pixels`` override ``size``."""
+    images = {"size": {"shortest_edge": 3136, "longest_edge": 12845056}, "resample": 3}
+    assert "smart_resize(3136, 12845056, 8," in hf_qwen2_vl._image_pp(images, 4, 2, "src")
+    assert "smart_resize(64, 256, 8," in hf_qwen2_vl._image_pp({**images, "min_pixels": 64, "max_pixels": 256},
+                                                                4, 2, "src")
+
+
 def test_what_qwen2_vl_cannot_hold_is_named():
     vision = dict(width=32, mlp_dim=48, num_heads=4, patch_size=4, posemb="learn", class_token=False, pool="none")
     tower = {"embedding": {"kernel": np.zeros((4, 4, 3, 32))}}

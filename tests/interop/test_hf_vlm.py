@@ -168,6 +168,9 @@ def test_llava_with_a_siglip_tower_gives_transformers_pixels_ids_logits_and_gree
     config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
     assert jax.tree.all(jax.tree.map(np.array_equal, params, vlm.params))
     assert config["input"]["pp"] == vlm.config.input.pp
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())  # hidden_states[depth] is [-1]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**hf_config, "vision_feature_layer": 2}))
+    assert jax.tree.all(jax.tree.map(np.array_equal, hf_vlm.load_llava(tmp_path / "hf")[1], vlm.params))
 
 
 def test_paligemma_gives_transformers_pixels_ids_logits_and_greedy_answers(tmp_path):
@@ -460,8 +463,12 @@ def in_transformers(finetuned, next_imported, trained_here, tmp_path_factory):
              "idefics3": (root / "idefics3_w", _fixture_inputs("hf_idefics3", 3)),
              "llava_onevision": (root / "ov_w", _fixture_inputs("hf_llava_onevision", 4)),
              "llava_siglip": (root / "siglip_w", _fixture_inputs("hf_llava_siglip", 2)),
+             # its first question as lmms-eval's llava_hf sends it: typed parts, which the LM's text-only
+             # template reads once exported (QUESTIONS[0] is the same turn as a string)
              "trained_here": (trained_here, {**{f"image_{i}": x for i, x in enumerate(_images())},
-                                             **{f"question_{i}": q for i, q in enumerate(QUESTIONS)}})}
+                                             "messages_0": json.dumps([{"role": "user", "content": [
+                                                 {"type": "image"}, {"type": "text", "text": QUESTIONS[0][8:]}]}]),
+                                             "question_1": QUESTIONS[1]})}
     args = []
     for name, (workdir, inputs) in cases.items():
         assert export(["--workdir", str(workdir), "--out", str(root / name), "--format", "hf"]) == 0
@@ -551,3 +558,38 @@ def test_the_defaults_for_fields_a_saved_config_leaves_out_are_transformers_own(
     differ = {(name, k): (v, theirs[name].get(k)) for name, table in ours.items() for k, v in table.items()
               if theirs[name].get(k) != v}
     assert differ == {}
+
+
+def test_an_lms_text_template_reads_typed_parts_once_exported():
+    """transformers' and lmms-eval's messages carry a list of typed parts; the template a converted
+    LM brings reads strings: exported, it reads both (an image part as ``<image>\\n``), as
+    transformers renders templates; a VLM's own template that reads parts is left as it is."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from vitmm.interop.vlm.common import with_typed_parts
+
+    text_only = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    render = lambda template, messages: env.from_string(template).render(  # noqa: E731
+        messages=messages, add_generation_prompt=True)
+    typed = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+             {"role": "user", "content": "and the shape?"}]
+    plain = [{"role": "user", "content": "<image>\nwhat colour?"}, {"role": "assistant", "content": "red"},
+             {"role": "user", "content": "and the shape?"}]
+    assert render(with_typed_parts(text_only), typed) == render(text_only, plain)
+    assert render(with_typed_parts(text_only), plain) == render(text_only, plain)
+    own = "{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<img>{% endif %}{% endfor %}"
+    assert with_typed_parts(own + "{% endfor %}") == own + "{% endfor %}"
+
+
+@pytest.mark.parametrize("method, code", [("bicubic", 3), (None, 2), ("lanczos", 1)])
+def test_the_processors_resampling_is_the_runs(method, code):
+    """PIL's codes (what every transformers image processor's ``resample`` reads): a run resizing
+    with Lanczos exports Lanczos, not bilinear."""
+    from vitmm.interop.vlm import llava
+
+    how = f", method='{method}'" if method else ""
+    pp = f"decode|pad_to_square|resize(32{how})|normalize(0.5, 0.5)"
+    assert llava._image_processor(pp, 32, (0.5,) * 3, (0.5,) * 3)["resample"] == code

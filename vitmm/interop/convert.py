@@ -140,10 +140,10 @@ def convert_language_model(source: str, src, out) -> pathlib.Path:
     kwargs, params, tokenizer, template, ids = load_language_model(source, src)
     config = {"model": {"lm": kwargs}, "source": {"from": source, "src": str(src)}, "chat_template": template,
               "tokens": ids}
-    write(out, {"lm": params}, config)
-    if tokenizer is not None:
+    if tokenizer is not None:  # before the checkpoint, whose presence marks the folder done (a rerun may redo it)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "tokenizer.json").write_text(tokenizer)
-    return out
+    return write(out, {"lm": params}, config)
 
 
 def convert(source: str, src, out, *, tower: str = "both", image_size=None, **options) -> pathlib.Path:

@@ -206,12 +206,15 @@ def lm_kwargs(metadata: dict, src, tensor_names=()) -> dict:
     extra = {"qk_norm": True} if arch in ("qwen3", "gemma3") else {}
     if window and arch in ("phi3", "gemma2", "gemma3"):
         extra["sliding_window"] = int(window)
-    if arch == "gemma2":  # llama.cpp's Gemma 2: a window on the even layers, queries scaled by the head size, soft caps
-        extra.update(post_norms=True, window_layers=tuple(range(0, depth, 2)), query_scale=float(head_dim),
+    # Queries scaled by the head size, except in the 27B models (46 / 62 layers), scaled by width / heads
+    # (llama.cpp's rule; transformers' query_pre_attn_scalar 144 and 168)
+    query_scale = float(width // heads) if (arch, depth) in (("gemma2", 46), ("gemma3", 62)) else float(head_dim)
+    if arch == "gemma2":  # llama.cpp's Gemma 2: a window on the even layers, soft caps
+        extra.update(post_norms=True, window_layers=tuple(range(0, depth, 2)), query_scale=query_scale,
                      attn_softcap=get("attn_logit_softcapping"), logit_softcap=get("final_logit_softcapping"))
     if arch == "gemma3":  # every sixth layer global; the others windowed, RoPE base 10,000 (llama.cpp's)
         extra.update(post_norms=True, window_layers=tuple(i for i in range(depth) if (i + 1) % 6),
-                     query_scale=float(head_dim), local_rope_theta=10_000.0)
+                     query_scale=query_scale, local_rope_theta=10_000.0)
         if scaling == "linear":
             extra["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     return dict(vocab_size=len(metadata["tokenizer.ggml.tokens"]), width=width, depth=depth,

@@ -224,6 +224,15 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
         raise ValueError(f"An LM with a local RoPE base is a Gemma 3; {family!r}'s layout has none.")
     if family in GEMMAS and not (kwargs.get("norm_offset") and kwargs.get("embed_scale")):
         raise ValueError("Gemma's layout needs norm_offset and embed_scale; this LM has neither.")
+    if family not in GEMMAS and (kwargs.get("embed_scale") or kwargs.get("norm_offset")):
+        raise ValueError(f"An LM with embed_scale or norm_offset alone has no transformers layout ({family!r} has "
+                         "neither; Gemma has both).")
+    act = kwargs.get("act", "silu")  # LM's default
+    if act != ("gelu_tanh" if family in GEMMAS else "silu"):
+        raise ValueError(f"act={act!r}: {family!r}'s layout runs {'gelu_tanh' if family in GEMMAS else 'silu'}.")
+    extra = [k for k in ("query_scale", "attn_softcap", "logit_softcap", "window_layers") if kwargs.get(k) is not None]
+    if extra and family not in ("gemma2", "gemma3_text"):
+        raise ValueError(f"{extra} are Gemma 2/3 settings; {family!r}'s layout has none.")
     t = lambda x: np.ascontiguousarray(np.asarray(x, np.float32).T)  # noqa: E731 - [in, out] -> [out, in]
     tensors = {"model.embed_tokens.weight": np.asarray(params["token_embedding"]["embedding"], np.float32),
                "model.norm.weight": np.asarray(params["final_norm"]["scale"], np.float32)}

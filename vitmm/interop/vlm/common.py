@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 from vitmm.interop import io
 
@@ -150,13 +151,52 @@ def export_folder(workdir, architecture: str, problems: list[str], out) -> pathl
     return out
 
 
-def write_folder(out: pathlib.Path, tensors: dict, files: dict, tokenizer_json: str, chat_template: str | None):
+PIL_RESAMPLE = {"lanczos": 1, "bilinear": 2, "bicubic": 3}  # an image processor's "resample": PIL's codes
+
+
+def pil_resample(method: str | None) -> int:
+    """The ``resample`` code an image processor reads for a resize op's ``method`` (its default: bilinear)."""
+    method = method or "bilinear"
+    if method not in PIL_RESAMPLE:
+        raise ValueError(f"resize method {method!r} has no transformers image processor code; vitmm's are "
+                         f"{sorted(PIL_RESAMPLE)}.")
+    return PIL_RESAMPLE[method]
+
+
+# Turns messages whose content is a list of typed parts (transformers' and lmms-eval's form: {"type": "image"},
+# {"type": "text", "text": ...}) into plain strings, each image part as IMAGE_TEXT, for a template written for
+# strings (a converted LM's); string contents pass unchanged.
+TYPED_PARTS = """{%- set ns = namespace(messages=[]) -%}
+{%- for message in messages -%}
+{%- if message['content'] is string -%}{%- set ns.messages = ns.messages + [message] -%}
+{%- else -%}{%- set text = namespace(value='') -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'image' -%}{%- set text.value = text.value + IMAGE_TEXT -%}
+{%- elif part['type'] == 'text' -%}{%- set text.value = text.value + part['text'] -%}{%- endif -%}
+{%- endfor -%}
+{%- set ns.messages = ns.messages + [{'role': message['role'], 'content': text.value}] -%}
+{%- endif -%}
+{%- endfor -%}
+{%- set messages = ns.messages -%}
+"""
+
+
+def with_typed_parts(chat_template: str, image_text: str = "<image>\n") -> str:
+    """``chat_template`` that also reads typed-part contents (``TYPED_PARTS``), unless it already
+    reads a part's ``type`` (an imported VLM's own template places its images itself)."""
+    if re.search(r"""\[['"]type['"]\]|\.type\b""", chat_template):
+        return chat_template
+    return TYPED_PARTS.replace("IMAGE_TEXT", json.dumps(image_text)) + chat_template
+
+
+def write_folder(out: pathlib.Path, tensors: dict, files: dict, tokenizer_json: str, chat_template: str | None,
+                 image_text: str = "<image>\n"):
     """A transformers folder: ``model.safetensors``, each of ``files`` as JSON, ``tokenizer.json`` and
-    ``chat_template.jinja``."""
+    ``chat_template.jinja`` (``with_typed_parts``: an image part is ``image_text``)."""
     out.mkdir(parents=True, exist_ok=True)
     io.write_safetensors(tensors, out / "model.safetensors")
     for name, value in files.items():
         (out / name).write_text(json.dumps(value, indent=1) + "\n")
     (out / "tokenizer.json").write_text(tokenizer_json)
     if chat_template:
-        (out / "chat_template.jinja").write_text(chat_template)
+        (out / "chat_template.jinja").write_text(with_typed_parts(chat_template, image_text))

@@ -31,7 +31,14 @@ from vitmm.interop import hf_lm, io
 from vitmm.interop.common import StateDict, finish, linear
 from vitmm.interop.convert import OPENAI_CLIP
 from vitmm.interop.hf import clip
-from vitmm.interop.vlm.common import conversation_pp, grown, llava_names, processor_settings, with_image_token
+from vitmm.interop.vlm.common import (
+    conversation_pp,
+    grown,
+    llava_names,
+    pil_resample,
+    processor_settings,
+    with_image_token,
+)
 
 ANYRES_KEYS = ", 'anyres_layout', 'visual_mask'"  # AnyRes views made on the host: where each token comes from
 
@@ -188,7 +195,7 @@ def _tower(config: dict, vision_sd: StateDict, tensors: dict, siglip: bool, src)
         vision = clip.vision_kwargs(config, tensors, "vision.")
         return vision, clip.vision_params(vision_sd, vision, "vision."), _feature_layer(config, vision["depth"], src)
     vision, params = clip._siglip_vision(vision_sd, config, tensors, "vision.")
-    if config.get("vision_feature_layer", -1) == -1:
+    if config.get("vision_feature_layer", -1) in (-1, vision["depth"]):  # hidden_states[depth] is [-1]
         params["encoder"].pop("encoder_norm")
         return {**vision, "final_norm": False}, params, -1
     return vision, params, _feature_layer(config, vision["depth"], src)
@@ -256,7 +263,7 @@ def _image_processor(pp: str, size: int, mean, std, anyres: dict | None = None) 
             raise ValueError(f"the run's image steps {'|'.join(names) or '(none)'} are not LLaVA-NeXT's processor: "
                              "it makes the AnyRes views on the host, as one anyres(pinpoints, tile, …) op (a run on "
                              "flat sequences makes them after normalize: not exportable)")
-        resample = 3 if steps[0][2].get("method") == "bicubic" else 2
+        resample = pil_resample(steps[0][2].get("method"))
         if anyres.get("max_patches"):  # LLaVA-OneVision's: every view squashed to the tile's square
             return {**common, "image_processor_type": "LlavaOnevisionImageProcessor", "do_pad": True,
                     "image_grid_pinpoints": [list(p) for p in anyres["pinpoints"]], "resample": resample,
@@ -270,11 +277,11 @@ def _image_processor(pp: str, size: int, mean, std, anyres: dict | None = None) 
             padded = len(names) == 3
             return {**common, "image_processor_type": "LlavaImageProcessor" if padded else "CLIPImageProcessor",
                     "size": {"shortest_edge": args[0]}, "do_pad": padded,
-                    "resample": 3 if kwargs.get("method") == "bicubic" else 2, "do_center_crop": True}
+                    "resample": pil_resample(kwargs.get("method")), "do_center_crop": True}
     if names in (["pad_to_square", "resize"], ["resize"]) and steps[-1][1][0] == size and not steps[-1][2].get(
             "shorter"):  # (padded to a square, then) squashed to the tower's square: no crop
         return {**common, "image_processor_type": "LlavaImageProcessor", "do_pad": names[0] == "pad_to_square",
-                "resample": 3 if steps[-1][2].get("method") == "bicubic" else 2, "do_center_crop": False,
+                "resample": pil_resample(steps[-1][2].get("method")), "do_center_crop": False,
                 "size": {"height": size, "width": size}}
     raise ValueError(f"the run's image steps {'|'.join(names)} have no transformers image processor; LLaVA's "
                      "processors do resize(shorter)|center_crop, or pad_to_square|resize to the tower's size")

@@ -15,7 +15,7 @@ from vitmm import tree
 from vitmm.interop import hf_lm, io
 from vitmm.interop.common import StateDict, finish, linear
 from vitmm.interop.hf import clip
-from vitmm.interop.vlm.common import conversation_pp, llava_names, processor_settings
+from vitmm.interop.vlm.common import conversation_pp, llava_names, pil_resample, processor_settings
 
 # PaliGemma's prompt as its processor builds it: the image first, then BOS, the prompt and a newline;
 # the answer and EOS after (its training suffix). One user turn; the <image> tag may lead it.
@@ -133,7 +133,7 @@ def export_paligemma(workdir, out) -> dict:
                  "vision_config": {**vision_config, "projection_dim": lm["width"]}, "torch_dtype": "float32"}
     method = steps[0][2].get("method", "bilinear")
     images = {"image_processor_type": "SiglipImageProcessor", "do_convert_rgb": True, "do_resize": True,
-              "size": {"height": size, "width": size}, "resample": 3 if method == "bicubic" else 2,
+              "size": {"height": size, "width": size}, "resample": pil_resample(method),
               "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(mean),
               "image_std": list(std), "image_seq_length": patches}
     token = tokenizer.token

@@ -92,9 +92,9 @@ def _tower_params(sd: StateDict, vision: dict) -> dict:
 def _image_pp(images: dict, patch: int, merge: int, src) -> str:
     """Qwen2-VL's image processor as a pp: ``smart_resize`` to multiples of patch × merge between its
     pixel bounds (bicubic or bilinear, as ``resample`` says), then normalize and the two frames."""
-    size = images.get("size") or {}
-    low = size.get("shortest_edge", images.get("min_pixels"))
-    high = size.get("longest_edge", images.get("max_pixels"))
+    size = images.get("size") or {}  # min_pixels / max_pixels, when given, override it (as transformers reads them)
+    low = images["min_pixels"] if images.get("min_pixels") is not None else size.get("shortest_edge")
+    high = images["max_pixels"] if images.get("max_pixels") is not None else size.get("longest_edge")
     methods = {3: "bicubic", 2: "bilinear"}
     if not images.get("do_resize", True) or low is None or high is None or images.get("resample", 3) not in methods \
             or int(images.get("patch_size", patch)) != patch or int(images.get("merge_size", merge)) != merge:
@@ -202,7 +202,7 @@ def export_qwen2_vl(workdir, out) -> dict:
     inverse of ``load_qwen2_vl``: weights in the layout transformers writes, config, processor,
     tokenizer, chat template) or ValueError with every reason it cannot be, before anything is
     written."""
-    from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
+    from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, pil_resample, write_folder
     from vitmm.train import pp_template
 
     config, vision, lm, params, tokenizer, steps = export_start(workdir)
@@ -250,7 +250,7 @@ def export_qwen2_vl(workdir, out) -> dict:
     mean, std = pp_template.image_normalization(config)
     images = {"image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True, "do_resize": True,
               "size": {"shortest_edge": int(low), "longest_edge": int(high)},
-              "resample": 3 if method == "bicubic" else 2, "do_rescale": True, "rescale_factor": 1 / 255,
+              "resample": pil_resample(method), "do_rescale": True, "rescale_factor": 1 / 255,
               "do_normalize": True, "image_mean": list(mean),
               "image_std": list(std), "patch_size": ph, "temporal_patch_size": 2, "merge_size": merge}
     # Its video processor's settings (AutoProcessor loads one; vitmm imports no video from Qwen2-VL).
@@ -265,7 +265,8 @@ def export_qwen2_vl(workdir, out) -> dict:
              "processor_config.json": {"image_processor": images, "processor_class": "Qwen2VLProcessor"},
              "preprocessor_config.json": {**images, "processor_class": "Qwen2VLProcessor"},
              "video_preprocessor_config.json": videos}
-    write_folder(out, tensors, files, tokenizer.to_str(), tokenizer.chat_template)
+    write_folder(out, tensors, files, tokenizer.to_str(), tokenizer.chat_template,
+                 image_text="<|vision_start|><|image_pad|><|vision_end|>")
     return {"hf": str(out), "architecture": "Qwen2VLForConditionalGeneration"}
 
 
