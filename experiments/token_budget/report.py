@@ -194,19 +194,28 @@ def verdict_tests(summary: list[dict]) -> list[verdicts.Test]:
     against the worst family at each token count, each equal-parameter row against its default size
     and the spread at equal parameters, each encoder-side row against the best connector side and
     against ``pool`` at its count, the analysis of variance, Honeybee's groups with seeds and with
-    families as the unit, and fine detail. ``verdicts.correct`` corrects them as one family."""
+    families as the unit, and fine detail. ``verdicts.correct`` corrects them as one family; a
+    comparison chosen after seeing the means first pays for the choice (``add``'s ``chosen_from``)."""
     tests: list[verdicts.Test] = []
 
-    def add(name, test, unit="seeds", note="", scale=100.0):
+    def add(name, test, unit="seeds", note="", scale=100.0, chosen_from=1):
+        """``chosen_from``: a comparison picked among that many after seeing the means: its p is
+        multiplied by their number (Bonferroni for the choice) before the report's correction."""
         if test is not None:
             est, ci, p = (test[0], None, test[1]) if len(test) == 2 else test
+            if chosen_from > 1:
+                p, note = min(1.0, chosen_from * p), f"{note}: p × {chosen_from} (Bonferroni for the choice)"
             tests.append(verdicts.Test(name, scale * est, None if ci is None else scale * ci, p, unit, note))
 
     ok = [s for s in ok_rows(summary) if s["family"] != BLIND]
     blind = next((s for s in ok_rows(summary) if s["family"] == BLIND), None)
-    for s in ok if blind is not None else ():
-        add(f"{_cell(s)} − blind", _with_ci(s, blind))
     main = [s for s in ok if s["variant"] == ""]
+    default = {(s["family"], s["tokens"]): s for s in main}
+    for s in ok if blind is not None else ():
+        same = default.get((s["family"], s["tokens"]))
+        if s["variant"] and same is not None and same["by_seed"] == s["by_seed"]:
+            continue  # a variant that is the default cell (its size already the default): the same runs, one test
+        add(f"{_cell(s)} − blind", _with_ci(s, blind))
     by_family: dict[str, dict[int, dict]] = {}
     for s in main:
         by_family.setdefault(s["family"], {})[int(s["tokens"])] = s
@@ -219,8 +228,8 @@ def verdict_tests(summary: list[dict]) -> list[verdicts.Test]:
         if len(at) > 1:
             best, worst = max(at, key=lambda s: s["accuracy"]), min(at, key=lambda s: s["accuracy"])
             add(f"best − worst family at {tokens} tokens ({best['family']} − {worst['family']})",
-                _with_ci(best, worst), note="the pair chosen after seeing the means")
-    default = {(s["family"], s["tokens"]): s for s in main}
+                _with_ci(best, worst), note="the pair chosen after seeing the means",
+                chosen_from=len(at) * (len(at) - 1) // 2)
     sized = [s for s in ok if s["variant"].startswith("params")]
     for s in sized:
         base = default.get((s["family"], s["tokens"]))
@@ -229,13 +238,13 @@ def verdict_tests(summary: list[dict]) -> list[verdicts.Test]:
     if len(sized) > 1:
         best, worst = max(sized, key=lambda s: s["accuracy"]), min(sized, key=lambda s: s["accuracy"])
         add(f"best − worst at equal parameters ({best['family']} − {worst['family']})", _with_ci(best, worst),
-            note="the pair chosen after seeing the means")
+            note="the pair chosen after seeing the means", chosen_from=len(sized) * (len(sized) - 1) // 2)
     for s in [s for s in ok if s["variant"].startswith(("image", "patch"))]:
         side = [c for c in main if c["tokens"] == s["tokens"]]
         if side:
             best = max(side, key=lambda c: c["accuracy"])
             add(f"{s['variant']} − best connector at {s['tokens']} tokens ({best['family']})", _with_ci(s, best),
-                note="the connector chosen after seeing the means")
+                note="the connector chosen after seeing the means", chosen_from=len(side))
         pool = default.get(("pool", s["tokens"]))
         if pool is not None:
             add(f"{s['variant']} − pool at {s['tokens']} tokens", _with_ci(s, pool))

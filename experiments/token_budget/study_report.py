@@ -52,25 +52,32 @@ def report(study, tuned: list[dict], rows: list[dict], chosen: dict, unreachable
                          + " |")
         if kinds:
             lines += ["", *tables.spread_lines(summary), "", *tables.claim_lines(summary)]
-        tests = _holm_lines(summary) if has_blind else _pairwise_lines(summary)
+        corrected = verdicts.correct(tbr.verdict_tests(summary)) if kinds else None
+        tests = _holm_lines(summary, corrected) if has_blind else _pairwise_lines(summary)
         lines += ["", *tests, "", *_cost_lines(grid)] if tests else ["", *_cost_lines(grid)]
-        if kinds:
-            lines += ["", *verdicts.table_lines(verdicts.correct(tbr.verdict_tests(summary)),
-                                                "**Verdicts.** The tables' tests (points; the analysis of variance: "
-                                                "shares of the variance in %).")]
+        if corrected is not None:
+            lines += ["", *verdicts.table_lines(corrected, "**Verdicts.** The tables' tests (points; the analysis of "
+                                                           "variance: shares of the variance in %).")]
     if unreachable:
         lines += ["", "Unreachable budgets: " + "; ".join(f"{f} at {b} ({note})" for f, b, note in unreachable) + "."]
     return "\n".join(lines) + "\n"
 
 
-def _holm_lines(summary: list[dict]) -> list[str]:
+def _holm_lines(summary: list[dict], corrected: list | None = None) -> list[str]:
+    """Every row against blind with its adjusted p: the report's own (``corrected``, its Verdicts
+    table's tests, so each test has one adjusted p in the report), else Holm across these rows."""
     tests = [(s["family"], s["tokens"], s["vs_blind"]) for s in summary if s.get("vs_blind")]
     if not tests:
         return []
-    adjusted = stats.holm([t[2][1] for t in tests])
-    return ["Every row against blind, Holm-adjusted across the table's "
-            f"{len(tests)} tests: " + ", ".join(f"{f}@{t} {100 * d:+.1f} (p={p:.2g})"
-                                                 for (f, t, (d, _)), p in zip(tests, adjusted, strict=True)) + "."]
+    if corrected is None:
+        adjusted, what = stats.holm([t[2][1] for t in tests]), f"Holm-adjusted across the table's {len(tests)} tests"
+    else:
+        by_name = {t.name: t.p_adj for t in corrected}
+        adjusted = [by_name[f"{f}@{t} − blind"] for f, t, _ in tests]
+        what = f"Holm-adjusted with all {len(corrected)} tests of this report (as in the Verdicts table)"
+    return [f"Every row against blind, {what}: " + ", ".join(f"{f}@{t} {100 * d:+.1f} (p={p:.2g})"
+                                                            for (f, t, (d, _)), p in zip(tests, adjusted, strict=True))
+            + "."]
 
 
 def _pairwise_lines(summary: list[dict]) -> list[str]:

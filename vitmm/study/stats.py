@@ -63,17 +63,24 @@ def welch(a, b) -> tuple[float, float, float] | None:
 
 def mann_whitney(a, b) -> float:
     """Two-sided exact p of the Mann–Whitney U test (no assumption of normal family means; with 5
-    against 3 families its smallest possible p is 2/56 = 0.036)."""
+    against 3 families its smallest possible p is 2/56 = 0.036). With tied values, the exact
+    permutation distribution of U (scipy's exact method assumes no ties); two-sided as twice the
+    smaller tail, as scipy's exact method."""
     from scipy import stats
 
-    return float(stats.mannwhitneyu(np.asarray(a, float), np.asarray(b, float), alternative="two-sided",
-                                    method="exact").pvalue)
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if len(np.unique(np.concatenate([a, b]))) == len(a) + len(b):
+        return float(stats.mannwhitneyu(a, b, alternative="two-sided", method="exact").pvalue)
+    u = lambda x, y: stats.mannwhitneyu(x, y, method="asymptotic").statistic  # noqa: E731 - U of x, ties averaged
+    return float(stats.permutation_test((a, b), u, permutation_type="independent", n_resamples=np.inf,
+                                        alternative="two-sided").pvalue)
 
 
 def holm(ps: list[float]) -> list[float]:
     """Holm's step-down adjustment of ``ps`` (one claim tested several times, e.g. at every token
     count): the smallest p times n, the next times n - 1, ..., each at least the one before, at most
     1. Controls the chance of any false positive among the n at the nominal level."""
+    ps = [1.0 if p != p else p for p in ps]  # a test that could not be made (NaN) shows nothing
     order = sorted(range(len(ps)), key=lambda i: ps[i])
     adjusted, running = [0.0] * len(ps), 0.0
     for rank, i in enumerate(order):
