@@ -1,6 +1,6 @@
 """Front-end demo: a deterministic synthetic image through a ViT, with token counts and costs.
 
-The main job until pretraining lands (``make demo`` runs the default):
+Run it (``make demo`` trains CLIP instead: ``configs/clip_scenes.py``):
 
     python -m vitmm.demo --config configs/frontend_demo.py
     python -m vitmm.demo --config configs/frontend_demo.py:variant=L/14,image_size=336

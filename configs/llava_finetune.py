@@ -27,7 +27,7 @@ def get_config(arg=None):
                                   f"frames={arg.frames},temporal={arg.temporal},native={arg.native},"
                                   f"anyres={arg.anyres}")
     with c.unlocked():
-        c.lora.update(dict(rank=arg.lora, alpha=2.0 * arg.lora))
+        c.lora.rank = arg.lora  # alpha: 2 x rank unless set
         c.optim.lr = 2e-4 if arg.lora else 2e-5
         c.optim.freeze = (r"tower/.*", r"language/.*") if arg.lora else (r"tower/.*",)
         c.init.dont_load = (r"lora/.*",) if arg.lora else ()  # adapters start fresh after stage 1

@@ -106,7 +106,8 @@ def get_config(arg=None):
     c.model.loss_positions = config_dict.placeholder(int)
     c.model.loss_chunk = config_dict.placeholder(int)  # tokens whose logits are made at a time (None: all)
 
-    c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=0.0, dropout=0.05,
+    c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=config_dict.placeholder(float),  # unset: 2 x rank
+                                            dropout=0.05,
                                             targets=(r"language/block_\d+/attn/(q|k|v|o)",)))
     c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps * 3 // 100, 1), weight_decay=0.0,
                            freeze=(r"tower/.*", r"language/.*"))  # stage 1: the connector alone

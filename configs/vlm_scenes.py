@@ -94,7 +94,8 @@ def get_config(arg=None):
     # Stage 1 trains the connector; stage 2 the connector and the LM, or with lora=R > 0 the
     # connector and rank-R adapters on the LM's attention projections (the LM itself frozen).
     freeze = (r"tower/.*", r"language/.*") if arg.stage == 1 or arg.lora else (r"tower/.*",)
-    c.lora = ml_collections.ConfigDict(dict(rank=arg.lora, alpha=2.0 * arg.lora, dropout=0.05,
+    c.lora = ml_collections.ConfigDict(dict(rank=arg.lora, alpha=config_dict.placeholder(float),  # unset: 2 x rank
+                                            dropout=0.05,
                                             targets=(r"language/block_\d+/attn/(q|k|v|o)",)))
     c.optim = common.optim(lr=1e-3 if arg.stage == 1 else 3e-4, warmup_steps=max(arg.steps // 20, 1),
                            weight_decay=0.0, freeze=freeze)

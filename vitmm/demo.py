@@ -1,4 +1,4 @@
-"""Front-end demo (the main job until pretraining lands): ``make demo``.
+"""Front-end demo: one image through a ViT, its tokens and costs (``make demo`` trains CLIP instead).
 
     python -m vitmm.demo --config configs/frontend_demo.py[:variant=B/16] [--config.key=value]
 

@@ -58,7 +58,8 @@ def export_vlm(workdir, out) -> dict:
     vision, lm = tasks.vlm_parts(config)
     params = ckpt_lib.load_params(workdir)
     if "lora" in params:
-        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
+        base = {k: v for k, v in params.items() if k != "lora"}
+        params = lora_lib.merge(base, params["lora"], tasks.lora_alpha(config))
     written = {}
 
     tensors, hf_config = hf_lm.export_lm(lm, params["language"])

@@ -263,8 +263,13 @@ def test_lora_trains_the_adapters_and_the_connector_only(tmp_path, data_dir):
     assert not changed(after["language"], before["language"]) and not changed(after["tower"], before["tower"])
     merged = task.eval_params(after)
     assert "lora" not in merged and changed(merged["language"], after["language"])
-    expected = lora_lib.merge(after, after["lora"], c.lora.alpha)["language"]["block_00"]["attn"]["q"]["kernel"]
+    expected = lora_lib.merge(after, after["lora"], tasks.lora_alpha(c))["language"]["block_00"]["attn"]["q"]["kernel"]
     np.testing.assert_array_equal(merged["language"]["block_00"]["attn"]["q"]["kernel"], expected)
+    raised = _config("vlm_scenes", "smoke,stage=2", data_dir, **{"lora.rank": 8})  # a rank without the lora= arg
+    assert tasks.lora_alpha(raised) == 16.0  # alpha unset: 2 x rank (alpha 0 would train adapters scaled to nothing)
+    raised.lora.alpha = 0.0
+    with pytest.raises(ValueError, match=r"lora.alpha=0.0 scales the adapters to nothing.*2 x rank = 16"):
+        tasks.lora_alpha(raised)
     c.optim.freeze = (r"tower/.*",)  # adapters on an LM that would train too: refused before any step
     with pytest.raises(ValueError, match=r"lora.rank=2 adapts language/block_00/attn/k \(and 3 more layers\).*"
                                          r"add 'language/\.\*' to optim.freeze"):
@@ -301,7 +306,7 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
 
     written = export.export_vlm(tmp_path / "s2", tmp_path / "exported")
     assert written["vision"].startswith("not written") and "class_token=False" in written["vision"]
-    merged = lora_lib.merge({k: v for k, v in s2.items() if k != "lora"}, s2["lora"], c2.lora.alpha)["language"]
+    merged = lora_lib.merge({k: v for k, v in s2.items() if k != "lora"}, s2["lora"], tasks.lora_alpha(c2))["language"]
     jax.tree.map(np.testing.assert_array_equal, hf_lm.load_lm(tmp_path / "exported/lm")[1], merged)
     with pytest.raises(FileExistsError, match="not empty"):
         export.export_vlm(tmp_path / "s2", tmp_path / "exported")

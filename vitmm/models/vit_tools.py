@@ -2,7 +2,7 @@
 grid, parameter counts, the analytic forward FLOPs and the token-count table of lesson 004.
 
     params = vit_tools.resize_posemb(params, model.grid((384, 384)), model.posemb_resample)
-    vit_tools.count_params(ViT(variant="B/16"))                   # 85,798,656
+    vit_tools.count_params(ViT(variant="B/16", posemb_layout="with_cls"))  # 85,798,656 (timm's)
     vit_tools.forward_flops(decode_variant("B/16"), (224, 224))   # 2 FLOPs per multiply-add
 """
 

@@ -164,6 +164,7 @@ class VLMTask:
         if c.get("lora") and c.lora.rank > 0:  # adapters beside the parameters; the optimizer freezes the rest
             params["lora"] = lora_lib.init(params, tuple(c.lora.targets), c.lora.rank, jax.random.key(c.seed + 1))
             _check_lora_bases_frozen(c, params["lora"])
+            lora_alpha(c)  # refused here, before any step, when it would scale the adapters to nothing
         if c.init.get("lm"):
             saved = ckpt_lib.load_params(c.init.lm)
             if "lm" not in saved:
@@ -179,14 +180,14 @@ class VLMTask:
             return self.model.apply({"params": params}, *args, **kwargs)
         base = {k: v for k, v in params.items() if k != "lora"}
         c = self.config.lora
-        return lora_lib.apply(self.model, base, params["lora"], c.alpha, *args, dropout=c.dropout if rng is not None
-                              else 0.0, rng=rng, **kwargs)
+        return lora_lib.apply(self.model, base, params["lora"], lora_alpha(self.config), *args,
+                              dropout=c.dropout if rng is not None else 0.0, rng=rng, **kwargs)
 
     def eval_params(self, params):
         """What evaluators see: adapters merged into the kernels."""
         if "lora" not in params:
             return params
-        return lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], self.config.lora.alpha)
+        return lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], lora_alpha(self.config))
 
     def loss_fn(self, params, batch, rng):
         if "segment_ids" in batch:  # flat sequences, packed or not (input.sequences)
@@ -257,6 +258,17 @@ class VLMTask:
 
         layout = SequenceLayout.of(self)
         return None if layout is None else layout.row
+
+
+def lora_alpha(config) -> float:
+    """``lora.alpha``, or twice the rank when unset (the adapters' scale is alpha / rank)."""
+    alpha = config.lora.get("alpha")
+    if alpha is None:
+        return 2.0 * config.lora.rank
+    if alpha <= 0 and config.lora.rank > 0:
+        raise ValueError(f"lora.alpha={alpha} scales the adapters to nothing (their scale is alpha / rank): leave it "
+                         f"unset (2 x rank = {2 * config.lora.rank}) or set a positive value.")
+    return float(alpha)
 
 
 def _check_lora_bases_frozen(config, adapters: dict) -> None:

@@ -126,7 +126,8 @@ def export_start(workdir) -> tuple:
     vision, lm = tasks.vlm_parts(config)
     params = ckpt_lib.load_params(workdir)
     if "lora" in params:
-        params = lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], config.lora.alpha)
+        base = {k: v for k, v in params.items() if k != "lora"}
+        params = lora_lib.merge(base, params["lora"], tasks.lora_alpha(config))
     return config, vision, lm, params, tasks.tokenizer_for(config), preprocess.ops(pp_template.pp_string(config))
 
 
