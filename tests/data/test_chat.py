@@ -33,6 +33,16 @@ def test_chat_templates_render_as_transformers_renders_them(case, tiny_tokenizer
     assert tiny_tokenizer.chat(case["messages"], case["add_generation_prompt"]) == case["text"]
 
 
+def test_templates_get_transformers_date_and_tojson():
+    """Llama 3's templates write today's date (``strftime_now``) and tools as JSON (transformers'
+    ``tojson``, which escapes nothing)."""
+    import datetime
+
+    template = "{{ strftime_now('%d %b %Y') }} {{ messages[0]['content'] | tojson }}"
+    today = datetime.datetime.now().strftime("%d %b %Y")
+    assert tok_lib.render_chat(template, [{"role": "user", "content": "<a & b>"}], False) == f'{today} "<a & b>"'
+
+
 def test_a_template_can_refuse_a_conversation(tiny_tokenizer):
     tiny_tokenizer.chat_template = CHAT["templates"]["inst"]
     with pytest.raises(jinja2.exceptions.TemplateError, match="Only user and assistant roles"):

@@ -52,6 +52,35 @@ def test_conversations_tokenize_as_transformers_with_the_image_where_its_token_w
     assert ex["_truncated"] == 0
 
 
+# Qwen3's rule, in brief: only the answers after the last question carry a <think> block, so the
+# rendering of a conversation's first exchange is not a prefix of the whole conversation's.
+LAST_QUERY_TEMPLATE = """{%- set ns = namespace(last=0) -%}
+{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' %}<u>{{ m.content }}EOS
+{% elif loop.index0 > ns.last %}<a><think></think>{{ m.content }}EOS
+{% else %}<a>{{ m.content }}EOS
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<a>{% endif -%}"""
+
+
+def test_a_template_that_renders_earlier_answers_anew_still_masks_each_answer(tiny_tokenizer):
+    """Each answer is found in the one rendering: its text and the EOS after it, nothing of the
+    questions (the second question quotes the first answer, which must not be taken for it)."""
+    eos = tiny_tokenizer.token(HF["eos_id"])
+    tiny_tokenizer.chat_template = LAST_QUERY_TEMPLATE.replace("EOS", eos)
+    fn = preprocess.parse("conversation_tokens(256)", tiny_tokenizer)
+    turns = [{"from": "human", "value": "<image>\nwhat colour?"}, {"from": "gpt", "value": "red"},
+             {"from": "human", "value": "you said red"}, {"from": "gpt", "value": "red"}]
+    ex = fn({"conversations": turns, "num_images": 1}, None)
+    ids, mask = ex["ids"], ex["answer_mask"] > 0
+    spans = np.split(np.flatnonzero(mask), np.flatnonzero(np.diff(np.flatnonzero(mask)) > 1) + 1)
+    assert [tiny_tokenizer.decode(ids[s[:-1]]).strip() for s in spans] == ["red", "red"]
+    assert [int(ids[s[-1]]) for s in spans] == [HF["eos_id"]] * 2
+    assert tiny_tokenizer.decode(ids[:spans[1][0]]).endswith("</think>")  # read before the last answer, not trained
+
+
 def _scene_conversation(exchanges: int, image: bool = True):
     turns = []
     for i in range(exchanges):

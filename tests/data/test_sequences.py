@@ -137,6 +137,27 @@ def test_an_example_longer_than_a_row_is_refused_with_the_fix(data_dir):
         next(it)
 
 
+def test_raw_conversations_too_long_for_a_row_are_skipped_and_dropped_exchanges_counted():
+    """Raw data (``skip_bad``): a conversation whose text fits ``max_len`` but not a row with its
+    image is one skipped example, not the run's end; exchanges ``truncate_turns`` drops are counted."""
+    from vitmm.data import preprocess, skips
+
+    pp = preprocess.parse("conversation_tokens(60, overflow='truncate_turns')")
+    turns = [{"from": "human", "value": "<image>\nq1?"}, {"from": "gpt", "value": "a1"},
+             {"from": "human", "value": "q2 is a rather long question?"}, {"from": "gpt", "value": "a2 long answer"},
+             {"from": "human", "value": "q3 is another long question?"}, {"from": "gpt", "value": "a3 long answer"}]
+    image = np.zeros((4, 4, 3), np.float32)
+    raw = [{"conversations": turns, "num_images": 1, "image": image, "_id": str(i)} for i in range(4)]
+    it = sequences.packed_batches(raw, pp, num_visual=2, length=64, max_images=2, rows=1, pack=False,
+                                  skip_bad=1.0, num_epochs=1)
+    assert sum(1 for _ in it) == 4 and skips.metrics(it.get_state())["data/truncated"] == 4
+    long = [{"conversations": turns[:4], "num_images": 1, "image": image, "_id": "long"}]
+    short = [{"conversations": turns[:2], "num_images": 1, "image": image, "_id": f"s{i}"} for i in range(3)]
+    it = sequences.packed_batches(short + long, pp, num_visual=30, length=48, max_images=2, rows=1, pack=False,
+                                  skip_bad=0.5, num_epochs=1)
+    assert sum(1 for _ in it) == 3 and skips.metrics(it.get_state())["data/skipped/too_long_for_row"] == 1
+
+
 def test_to_sequence_places_targets_weights_and_prefix():
     ex = {"ids": np.array([1, 10, 11, 12, 13, 2, 0, 0], np.int32),
           "answer_mask": np.array([0, 0, 0, 1, 1, 1, 0, 0], np.float32),

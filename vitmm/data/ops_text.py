@@ -271,14 +271,42 @@ def _chat_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
         prompt = tokenizer.chat(messages[:j], add_generation_prompt=True)
         upto = tokenizer.chat(messages[: j + 1])
         if not (full.startswith(upto) and upto.startswith(prompt) and len(prompt) >= at):
-            raise ValueError("conversation_tokens: the chat template must render each prefix of a conversation as a "
-                             f"prefix of the whole; got {prompt!r} then {upto!r}.")
+            return _located_segments(messages, tokenizer, full)
         answer = full[len(prompt):len(upto)]
         # A template that ends an assistant turn with nothing after its text (llava-hf's) gets EOS
         # there, as LLaVA's own conversation format has it; one with an end marker keeps its own.
         bare = answer.rstrip().endswith(message["content"].strip())
         segments += [("text", full[at:len(prompt)]), ("answer_eos" if bare else "answer", answer)]
         at = len(upto)
+    segments.append(("text", full[at:]))
+    return segments
+
+
+def _located_segments(messages, tokenizer, full: str) -> list[tuple[str, str]]:
+    """``_chat_segments`` for a template that renders a conversation's earlier turns differently
+    once it goes on (Qwen3's: only the answer after the last question carries its ``<think>``
+    block), so a prefix's rendering is not a prefix of the whole: each answer is found in the one
+    rendering, as the text before the first end-of-turn (EOS) token that follows it."""
+    from vitmm.data.skips import BadExample
+
+    end = tokenizer.token(tokenizer.eos_id)
+    segments, at, read = [], 0, 0  # read: past the last turn found (a question may quote an answer)
+    for message in messages:
+        content = message["content"].strip()
+        if message["role"] != "assistant":
+            found = full.find(content, read) if content else -1
+            read = read if found < 0 else found + len(content)
+            continue
+        stop = full.find(end, read)
+        while stop >= 0 and not (content and full[:stop].rstrip().endswith(content)
+                                 and full[:stop].rstrip().rindex(content) >= read):
+            stop = full.find(end, stop + len(end))
+        if stop < 0:
+            raise BadExample("answer_not_rendered", f"the chat template does not render the answer {content[:60]!r} "
+                                                    f"before an end-of-turn {end!r}")
+        start = full[:stop].rstrip().rindex(content)
+        segments += [("text", full[at:start]), ("answer", full[start:stop + len(end)])]
+        at = read = stop + len(end)
     segments.append(("text", full[at:]))
     return segments
 

@@ -240,15 +240,19 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
     from vitmm.data.pipeline import collate
 
     def sequence(ex, rng):
-        seq = to_sequence(pp_fn(ex, rng), num_visual, mrope_grid, tower, anyres)
+        out = pp_fn(ex, rng)
+        seq = to_sequence(out, num_visual, mrope_grid, tower, anyres)
         n = len(seq["grids" if tower else "images"])
         if len(seq["tokens"]) > length or n > max_images or len(seq.get("tower_kinds", ())) > tower_length:
-            raise ValueError(f"An example of {len(seq['tokens'])} positions and {n} images does not fit a row of "
-                             f"input.sequences.length={length} and max_images={max_images}"
-                             + (f" (tower_length={tower_length}; it has {len(seq['tower_kinds'])} tower tokens)"
-                                if tower else f" (each image is {num_visual} positions)")
-                             + ": raise them or lower model.max_len.")
-        seq["_truncated"] = ex.get("_truncated", 0)
+            message = (f"An example of {len(seq['tokens'])} positions and {n} images does not fit a row of "
+                       f"input.sequences.length={length} and max_images={max_images}"
+                       + (f" (tower_length={tower_length}; it has {len(seq['tower_kinds'])} tower tokens)"
+                          if tower else f" (each image is {num_visual} positions)")
+                       + ": raise them or lower model.max_len.")
+            if skip_bad is not None:  # raw data: one such example is skipped and counted, not the run's end
+                raise skips.BadExample("too_long_for_row", message)
+            raise ValueError(message)
+        seq["_truncated"] = out.get("_truncated", 0)  # the pp's count (it copies the example)
         return seq
 
     ds = grain.MapDataset.source(source)[process_index::process_count].shuffle(seed=seed).repeat(num_epochs)

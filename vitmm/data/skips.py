@@ -23,6 +23,8 @@ REASONS = {
     "image_tag_mismatch": "the number of <image> tags differs from the number of images",
     "too_many_images": "more images than the model takes per example",
     "too_long": "even the first exchange does not fit model.max_len",
+    "too_long_for_row": "with its images' tokens the example does not fit a row of input.sequences",
+    "answer_not_rendered": "the chat template does not render an assistant turn's text as given",
     "caption_missing": "no caption (no .txt, or an empty caption)",
     "shard_truncated": "the tar shard ends inside this example",
     "bad_record": "the record is not valid JSON or lacks a required field",

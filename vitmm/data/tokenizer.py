@@ -9,7 +9,9 @@ length and truncates explicitly, telling the caller whether it did.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
+import json
 import pathlib
 import re
 
@@ -199,9 +201,16 @@ def _compiled(template: str):
             return jinja2.nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True),
                                       lineno=lineno)
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # transformers' (no escaping)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):  # today's date, as transformers gives it (Llama 3's "Today Date:")
+        return datetime.datetime.now().strftime(fmt)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols", Generation])
-    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     return env.from_string(template)
 
 
