@@ -340,6 +340,25 @@ def test_shards_resume_exactly_with_a_truncated_shard_counted(tmp_path):
     _resumes_exactly(source, preprocess.parse(CLIP_PP))
 
 
+@pytest.mark.parametrize("into_header, listed, whole", [(300, 3, 2), (20, 3, 2), (5, 2, 1)])
+def test_a_shard_cut_inside_a_header_keeps_the_examples_before_it(tmp_path, into_header, listed, whole):
+    """Cut inside the third example's first header after its name (``000000002.jpg`` and a NUL):
+    the two before it are read and the third is counted; cut inside the name, it may be another file
+    of the second example, so the second is counted instead."""
+    pattern = examples.write_wds(tmp_path, 3, per_shard=3, resolution=16)
+    shard = tmp_path / "00000.tar"
+    with tarfile.open(shard) as tar:
+        members = tar.getmembers()
+    keys = list(dict.fromkeys(format_wds.split_key(m.name)[0] for m in members))
+    third = next(m for m in members if format_wds.split_key(m.name)[0] == keys[2])
+    shard.write_bytes(shard.read_bytes()[:third.offset + into_header])
+    source = formats.WdsSource(pattern)
+    assert len(source) == listed
+    read = [source[i] for i in range(listed)]
+    assert sum(not isinstance(r, skips.Skipped) for r in read) == whole
+    assert all(r.reason == "shard_truncated" for r in read if isinstance(r, skips.Skipped))
+
+
 def test_a_weighted_mixture_resumes_exactly(tmp_path):
     csv_source = dict(csv=str(examples.write_csv(tmp_path / "c", 9, resolution=16)), weight=1.0)
     pq_source = dict(parquet=str(examples.write_parquet(tmp_path / "p", 8, resolution=16, row_group_size=3)),

@@ -118,5 +118,22 @@ def _index_shard(path: pathlib.Path) -> dict:
             f.seek(end)
             tail = f.read(1024)
         if len(tail) < 1024 or tail.count(0) != 1024:
-            index[next(reversed(index))] = "shard_truncated"
+            last, cut = next(reversed(index)), _cut_header_key(tail)
+            if cut is not None and cut != last:  # cut inside the next example's header: the last one is whole
+                index[cut] = "shard_truncated"
+            else:
+                index[last] = "shard_truncated"
     return index
+
+
+def _cut_header_key(tail: bytes) -> str | None:
+    """The key of the member whose header ``tail`` (the bytes after the last whole member) begins,
+    when its name field (the header's first 100 bytes, NUL-padded) is there whole; else None."""
+    name = tail[:100]
+    if not tail or (len(name) < 100 and b"\0" not in name):
+        return None
+    name = name.split(b"\0", 1)[0]
+    try:
+        return split_key(name.decode("utf-8"))[0] if name else None
+    except UnicodeDecodeError:
+        return None
