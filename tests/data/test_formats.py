@@ -377,6 +377,21 @@ def test_processes_read_disjoint_examples(tmp_path):
     assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 12
 
 
+def test_processes_shuffle_and_augment_with_their_own_draws(tmp_path):
+    """Each host's seed is its own: the same positions hold neither the same augmentation draws nor
+    records 2j and 2j+1 together in every epoch (process 0 keeps the run's seed)."""
+    source = formats.CsvSource(examples.write_csv(tmp_path, 16, resolution=16))
+
+    def pp(ex, rng):
+        return {"draw": np.int64(rng.integers(1 << 30)), "row": np.int64(int(ex["_id"].rsplit(":", 1)[-1]))}
+
+    runs = [next(pipeline.train_iterator(source, pp, 8, seed=0, process_index=i, process_count=2, num_threads=1,
+                                         skip_bad=0.0, num_epochs=1)) for i in range(2)]
+    assert not set(runs[0]["draw"].tolist()) & set(runs[1]["draw"].tolist())
+    assert [r // 2 for r in runs[0]["row"].tolist()] != [r // 2 for r in runs[1]["row"].tolist()]
+    assert pipeline.process_seed(3, 0) == 3 and len({pipeline.process_seed(3, i) for i in range(4)}) == 4
+
+
 def test_examples_command_writes_each_format(tmp_path):
     for fmt in examples.FORMATS:
         out = subprocess.run([sys.executable, "-m", "vitmm.data", "examples", "--format", fmt, "--out",

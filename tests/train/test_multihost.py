@@ -25,6 +25,7 @@ with c.unlocked():
     c.total_steps = 6
     c.log_every = c.checkpoint_every = 1
     c.keep_checkpoints = 6  # every step's parameters stay, to compare a resumed pair's with
+    c.parallel = os.environ.get("VITMM_TEST_PARALLEL", c.parallel)
     if sys.argv[4] != "slurm":  # else no coordinator: the trainer finds the SLURM variables the test set
         c.multihost.coordinator = sys.argv[4]
         c.multihost.num_processes = 2
@@ -68,7 +69,8 @@ def _slurm_job_id() -> int:
     raise RuntimeError("no free port in 61440-65535")
 
 
-def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, at_batch=3, slurm=False) -> list[str]:
+def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, at_batch=3, slurm=False,
+             parallel="jit") -> list[str]:
     """Both processes' stdout, after each exits with ``expect``; ``slurm``: no coordinator in the
     config, the processes started as ``srun -n 2`` starts them (its environment variables)."""
     script = tmp_path / "worker.py"
@@ -76,7 +78,7 @@ def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, at_batch=3, 
     coordinator = "slurm" if slurm else f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = f"{os.environ.get('VITMM_TEST_XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"], env["VITMM_TEST_PARALLEL"] = str(ROOT), parallel
     job = _slurm_job_id() if slurm else None
     slurm_env = lambda i: {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",  # noqa: E731
                            "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)} if slurm else {}
@@ -152,6 +154,12 @@ def test_two_processes_train_as_one_and_stop_together_on_sigterm(tmp_path):
         held.release()
     assert "is in use by pid" in refused[0]["message"] and "process 0 refused this run" in refused[1]["message"]
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == []
+
+    # The pair under pmap: each process's replica is saved as one global array (orbax saves no
+    # process-local one), with the losses of the jit pair.
+    pmap = _results(_run_two(tmp_path, tmp_path / "pmap", data_dir, parallel="pmap"))
+    assert pmap[0]["losses"] == pytest.approx(a["losses"], rel=1e-4) == pmap[1]["losses"]
+    assert (tmp_path / "pmap" / "checkpoints" / "6").is_dir()
 
 
 @pytest.mark.parametrize(("env", "found"), [

@@ -191,3 +191,18 @@ def test_a_token_mean_loss_is_the_same_whatever_the_micro_batches_and_devices():
     (loss, grads), total = jax.pmap(on_device, axis_name=AXIS)(split)
     np.testing.assert_allclose([loss[0], *grads[0]], [ref_loss, *ref_grads], rtol=1e-6)
     assert float(total[0]) == lengths.sum()
+
+
+def test_pmap_accumulation_must_split_each_devices_rows():
+    """pmap splits each device's rows into the micro-batches: 8 rows on 4 devices take 2 at most."""
+    import pathlib
+
+    from vitmm import config_args
+    from vitmm.train import trainer
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "configs/clip_scenes.py"
+    c = config_args.load(path, "smoke", **{"parallel": "pmap", "batch_size": 8, "optim.accum_steps": 4})
+    with pytest.raises(ValueError, match=r"accum_steps=4: .* dividing batch_size=8 / 4 devices \(pmap\)"):
+        trainer.validate(c)
+    c.parallel = "jit"
+    trainer.validate(c)

@@ -105,6 +105,7 @@ def packed_iterator(source, pp_fn, *, patch_size: int, seq_len: int, max_images:
     import grain
     import grain.experimental
 
+    from vitmm.data.pipeline import process_seed
     from vitmm.models import packing
 
     def to_tokens(ex: dict, rng) -> dict:
@@ -131,6 +132,7 @@ def packed_iterator(source, pp_fn, *, patch_size: int, seq_len: int, max_images:
             out["grids" if key == "grid" else "image_ids" if key == "image_id" else key] = padded
         return out
 
+    seed = process_seed(seed, process_index)
     ds = grain.MapDataset.source(_Indexed(source))[process_index::process_count].shuffle(seed=seed).repeat(num_epochs)
     ds = ds.random_map(to_tokens, seed=seed).to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=8))
     ds = grain.experimental.FirstFitPackIterDataset(

@@ -207,6 +207,15 @@ def process_slot(process_index, process_count) -> tuple[int, int]:
     return index, count
 
 
+def process_seed(seed: int, process_index: int) -> int:
+    """The shuffle and augmentation seed of process ``process_index``: its own, so hosts neither draw
+    the same augmentations nor pair the same neighbouring records in every batch (process 0 keeps
+    ``seed``: a one-process run is unchanged)."""
+    if process_index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, process_index]).generate_state(1)[0])
+
+
 def train_iterator(
     source, pp_fn: Callable, global_batch_size: int, seed: int = 0, *,
     process_index: int | None = None, process_count: int | None = None,
@@ -242,6 +251,7 @@ def train_iterator(
     if len(ds) < per_process:
         raise ValueError(f"This process holds {len(ds)} records, fewer than its batch of {per_process}.")
     epoch = len(ds)
+    seed = process_seed(seed, index)
     ds = ds.shuffle(seed=seed).repeat(num_epochs)
     if skip_bad is not None:
         ds = ds.random_map(skips.guard(pp_fn), seed=seed)

@@ -237,7 +237,7 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
     import grain.experimental
 
     from vitmm.data import workers as workers_lib
-    from vitmm.data.pipeline import collate
+    from vitmm.data.pipeline import collate, process_seed
 
     def sequence(ex, rng):
         out = pp_fn(ex, rng)
@@ -255,6 +255,7 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
         seq["_truncated"] = out.get("_truncated", 0)  # the pp's count (it copies the example)
         return seq
 
+    seed = process_seed(seed, process_index)
     ds = grain.MapDataset.source(source)[process_index::process_count].shuffle(seed=seed).repeat(num_epochs)
     read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=8)
     if skip_bad is None:

@@ -187,6 +187,24 @@ def total_counts(state) -> dict | None:
     return total
 
 
+def metrics_of_all_processes(state) -> dict:
+    """``metrics`` summed over every process, each of which reads its own share (a collective:
+    every process calls it at the same step)."""
+    import jax
+
+    local = metrics(state)
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    keys = ("data/read", "data/skipped", "data/truncated", *(f"data/skipped/{r}" for r in REASONS))
+    counts = np.array([local.get(k, 0) for k in keys] + [bool(local)], np.int32)
+    total = np.asarray(multihost_utils.process_allgather(counts)).sum(0)
+    if not total[-1]:
+        return {}
+    return {k: np.float64(v) for k, v in zip(keys, total[:-1], strict=True) if v or not k.startswith("data/skipped/")}
+
+
 def metrics(state) -> dict:
     """The numbers a log step writes (``data/read``, ``data/skipped``, ``data/skipped/<reason>``,
     ``data/truncated``) from a ``SkippingBatches`` state (or several, one per worker process);

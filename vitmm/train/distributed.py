@@ -33,10 +33,9 @@ def maybe_initialize(config) -> None:
     (or the ``JAX_*`` variables); a single process is left alone."""
     mh = config.get("multihost")
     if mh and mh.get("coordinator"):
-        jax.distributed.initialize(
-            coordinator_address=mh.coordinator, num_processes=mh.num_processes, process_id=mh.process_id,
-            coordinator_bind_address=mh.get("bind_address") or mh.coordinator,
-        )
+        bind = {"coordinator_bind_address": mh.bind_address} if mh.get("bind_address") else {}  # else every interface
+        jax.distributed.initialize(coordinator_address=mh.coordinator, num_processes=mh.num_processes,
+                                   process_id=mh.process_id, **bind)
         return
     found = launcher()
     if found == "env":

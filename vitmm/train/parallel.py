@@ -51,6 +51,11 @@ class Parallel:
                 (tensor_parallel > 1 and kind != "jit"):
             raise ValueError(f"tensor_parallel={tensor_parallel!r}: a number of devices dividing the {n} there are, "
                              "with parallel=jit.")
+        local = len([d for d in self.devices if d.process_index == jax.process_index()])
+        if not self.abstract and tensor_parallel > 1 and local % tensor_parallel:
+            # a row of the mesh across processes would take each process's rows for the whole batch
+            raise ValueError(f"tensor_parallel={tensor_parallel} must divide the {local} devices of each process: "
+                             "a model split spans one host's devices.")
         self.kind, self.fsdp, self.fsdp_min_size, self.tensor_parallel = kind, fsdp, fsdp_min_size, tensor_parallel
         self.mesh = jax.sharding.Mesh(np.array(self.devices).reshape(n // tensor_parallel, tensor_parallel),
                                       (MESH_AXIS, MODEL_AXIS))
@@ -99,8 +104,8 @@ class Parallel:
             # flax's replicate (device_put_sharded, a mesh of its own) the first step's inputs
             # differ in sharding from every later step's, and pmap traced and compiled the step twice.
             n = jax.local_device_count()
-            return jax.tree.map(
-                lambda x: jax.device_put(np.broadcast_to(np.asarray(x), (n, *np.shape(x))), self.local_sharding), state)
+            return jax.tree.map(lambda x: jax.device_put(np.broadcast_to(_local_copy(x), (n, *np.shape(x))),
+                                                         self.local_sharding), state)
         shardings = self.state_sharding(jax.eval_shape(lambda: state))
         return jax.device_put(state, shardings)
 
@@ -114,14 +119,25 @@ class Parallel:
                 shard = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
                 return shard.data.reshape(x.shape[1:])
 
-            return jax.tree.map(first_replica, state)
+            if jax.process_count() == 1:
+                return jax.tree.map(first_replica, state)
+            # Several processes: orbax saves global arrays only. Each local device's replica becomes
+            # that device's copy of one array replicated over every device of every process.
+            every = self._every_device()
+            return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+                x.shape[1:], every, [s.data.reshape(x.shape[1:]) for s in x.addressable_shards]), state)
         return state
+
+    def _every_device(self) -> NamedSharding:
+        """Replicated over all devices of all processes (pmap's state as one global array)."""
+        return NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("all",)), P())
 
     def abstract_for_restore(self, abstract_state):
         """``ShapeDtypeStruct``s with the shardings a restored state should land on."""
         if self.kind == "pmap":
-            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]),
-                                     abstract_state)
+            one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if jax.process_count() == 1 else \
+                self._every_device()
+            shardings = jax.tree.map(lambda _: one, abstract_state)
         else:
             shardings = self.state_sharding(abstract_state)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -176,6 +192,13 @@ class Parallel:
         if self.kind == "pmap":
             return jax.tree.map(lambda x: to_host(x)[0], metrics)
         return jax.tree.map(to_host, metrics)
+
+
+def _local_copy(x) -> np.ndarray:
+    """``x`` on this host: a replicated array spanning several processes gives its local copy."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
 
 
 def to_host(x) -> np.ndarray:

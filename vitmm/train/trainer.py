@@ -90,9 +90,10 @@ def validate(config) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"config.{key}={value!r}: must be a positive integer.")
     accum = config.optim.get("accum_steps", 1)
-    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % accum:
+    per = jax.device_count() if config.get("parallel") == "pmap" else 1  # pmap splits each device's rows
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % (accum * per):
         raise ValueError(f"config.optim.accum_steps={accum!r}: must be a positive integer dividing "
-                         f"batch_size={config.batch_size}.")
+                         f"batch_size={config.batch_size}" + (f" / {per} devices (pmap)." if per > 1 else "."))
     inp = config.input
     if not formats.raw_format(inp) and "data" not in inp and not inp.get("scenes_any"):
         raise ValueError("The run names no training data: set one of --config.input.data_path (LLaVA JSON/JSONL/YAML, "
@@ -252,7 +253,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                 host = {k: float(v) for k, v in par.first(metrics).items()}
                 host["img_per_s"] = (step - last_log[1]) * config.batch_size / max(now - last_log[0], 1e-9)
                 skipped = _data_counts(data.get_state(), skipped, is_main)
-                host.update(skips.metrics(data.get_state()))
+                host.update(skips.metrics_of_all_processes(data.get_state()))  # every host's share counted
                 last_log = (now, step)
                 history.append({"step": step, **host})
                 writer.write(step, host)
