@@ -10,14 +10,14 @@ captions run to ~220), ``parallel`` (``jit`` or ``pmap``), ``smoke`` (a seconds-
 ``demo`` (the towers above) or ``b16``, the GPU run of the same job: OpenAI CLIP-B/16-sized
 towers (ViT-B/16 at 224 px, the scenes upsampled; a 12-layer width-512 text tower) in bfloat16
 matmuls with ``attn`` attention (default ``cudnn``; ``xla`` on a CPU), ``batch`` pairs a step
-(default 256) and 16 reader threads (``scale=b16,smoke``: one block per tower, on a CPU).
+(default 256; 128 at ``demo`` scale) and 16 reader threads (``scale=b16,smoke``: one block per tower, on a CPU).
 """
 
 import ml_collections
 from ml_collections import config_dict
 
 from configs import common
-from vitmm.config_args import parse_arg
+from vitmm.config_args import given, parse_arg
 
 
 def get_config(arg=None):
@@ -28,7 +28,7 @@ def get_config(arg=None):
     c.seed = 0
     c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
     c.total_steps = arg.steps
-    c.batch_size = 128  # image-caption pairs per step: each pair's negatives are the other 127
+    c.batch_size = arg.batch if "batch" in given(arg) else 128  # pairs a step: each pair's negatives are the others
     c.parallel = arg.parallel  # jit (a mesh) or pmap; the same numbers either way
     c.fsdp = False
     c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
@@ -71,6 +71,6 @@ def get_config(arg=None):
 
     c.multihost = common.multihost()
     if arg.smoke:
-        common.smoke(c, steps=arg.steps)
+        common.smoke(c, steps=arg.steps, given=given(arg))
     c.lock()
     return c

@@ -117,19 +117,25 @@ SMOKE_FULL_SCALE_ARGS = {"smoke": {"steps": 1, "batch": 8}}  # smoke_full_scale'
 SMOKE_LLAVA_ARGS = {"smoke": {"steps": 4, "batch": 4}}  # the LLaVA stages' smoke
 
 
-def smoke(c: ml_collections.ConfigDict, steps: int = 4, batch_size: int = 16) -> ml_collections.ConfigDict:
-    """The same run shrunk to seconds on a small scenes build at 32 px (tests execute it)."""
-    c.input.data.name = SMOKE_DATA
+def smoke(c: ml_collections.ConfigDict, steps: int = 4, batch_size: int = 16,
+          given: frozenset = frozenset()) -> ml_collections.ConfigDict:
+    """The same run shrunk to seconds on a small scenes build at 32 px (tests execute it). Config
+    args ``given`` explicitly (``config_args.given``: ``data``, ``batch``) keep their values."""
+    if "data" not in given:
+        c.input.data.name = SMOKE_DATA
     c.input.image_size = 32
     c.input.workers = 0
-    c.total_steps, c.batch_size = steps, batch_size
+    c.total_steps = steps
+    if "batch" not in given:
+        c.batch_size = batch_size
     c.log_every, c.eval_every, c.checkpoint_every = 2, steps, steps
     c.optim.warmup_steps = 1
     for tower in ("image", "text", "vision"):  # one block a tower: a smoke process traces and lowers ~30%
         if "depth" in c.model.get(tower, {}):  # less (8.3 s against 11.5 s for clip_scenes:smoke, cache warm)
             c.model[tower].depth = 1
     for ev in c.evals.values():
-        ev.data.name = SMOKE_DATA
+        if "data" not in given:
+            ev.data.name = SMOKE_DATA
         ev.num_examples = 64
         if "batch_size" in ev:
             ev.batch_size = 32

@@ -8,7 +8,7 @@ Args: ``steps``, ``data`` (scenes config), ``parallel`` (``jit``/``pmap``), ``lo
 (``sigmoid`` or ``sigmoid_chunked``, the ppermute ring), ``smoke``, ``scale``: ``demo`` (tiny towers)
 or ``b16``, the GPU run of the same job with SigLIP-B/16's towers (MAP-pooled ViT-B/16 at 224 px, the
 scenes upsampled; a 12-layer width-768 text tower; tanh-GELU) in bfloat16 matmuls with ``attn``
-attention (default ``cudnn``; ``xla`` on a CPU) and ``batch`` pairs a step (default 256; as
+attention (default ``cudnn``; ``xla`` on a CPU) and ``batch`` pairs a step (default 256, 128 at ``demo`` scale; as
 ``clip_scenes.py:scale=b16``). As in SigLIP: a bidirectional text tower pooled at the last position
 (sticky EOS padding), a MAP-pooled image tower, temperature 10 and bias -10 at init, no temperature clamp.
 """
@@ -17,7 +17,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from configs import common
-from vitmm.config_args import parse_arg
+from vitmm.config_args import given, parse_arg
 
 
 def get_config(arg=None):
@@ -28,7 +28,7 @@ def get_config(arg=None):
     c.seed = 0
     c.deterministic = False  # True: a GPU run repeats bit for bit (vitmm/train/determinism.py)
     c.total_steps = arg.steps
-    c.batch_size = 128
+    c.batch_size = arg.batch if "batch" in given(arg) else 128  # (scale=b16: batch, default 256)
     c.parallel = arg.parallel
     c.fsdp = False
     c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
@@ -72,6 +72,6 @@ def get_config(arg=None):
 
     c.multihost = common.multihost()
     if arg.smoke:
-        common.smoke(c, steps=arg.steps)
+        common.smoke(c, steps=arg.steps, given=given(arg))
     c.lock()
     return c

@@ -28,7 +28,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from configs import common
-from vitmm.config_args import parse_arg
+from vitmm.config_args import given, parse_arg
 
 TOWER = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap", class_token=False,
              posemb="sincos2d")  # must match configs/clip_scenes.py's image tower
@@ -118,7 +118,7 @@ def get_config(arg=None):
 
     c.multihost = common.multihost()
     if arg.smoke:
-        common.smoke(c, steps=arg.steps, batch_size=8)
+        common.smoke(c, steps=arg.steps, batch_size=8, given=given(arg))
         c.model.lm.update(dict(width=32, depth=1))
         c.evals.qa.num_examples, c.evals.qa.batch_size = 16, 8
         if arg.any_size:

@@ -168,3 +168,13 @@ def test_one_image_size_override_reaches_training_and_evaluation(tmp_path, monke
     assert sources and set(sources) == {data_dir}
     with pytest.raises(ValueError, match=r"names the field 'size'.*\{image_size\}, \{max_len\}"):
         pp_template.pp_string(load_config(ROOT / "configs/clip_scenes.py", "smoke", **{"input.pp": "resize({size})"}))
+
+
+def test_config_args_given_explicitly_survive_smoke():
+    """``smoke`` shrinks what the user left alone: ``smoke,data=medium_64,batch=64`` trains on
+    medium scenes, 64 pairs a step (it used to be the smoke build and 16, silently)."""
+    c = config_args.load(ROOT / "configs/clip_scenes.py", "smoke,batch=64,data=medium_64")
+    assert (c.batch_size, c.input.data.name, c.evals.zeroshot.data.name) == (64, "scenes/medium_64", "scenes/medium_64")
+    c = config_args.load(ROOT / "configs/clip_scenes.py", "smoke")
+    assert (c.batch_size, c.total_steps) == (16, 4) and c.input.data.name.startswith("scenes/easy_32")
+    assert config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,data=hard_64").input.data.name == "scenes/hard_64"

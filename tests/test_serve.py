@@ -409,3 +409,20 @@ def test_a_character_spelled_out_over_several_tokens_is_streamed_whole():
     pieces = list(engine.completion(_request(16)))
     assert "".join(p for p, end in pieces) == "X€Y" and not any("\ufffd" in p for p, _ in pieces)
     assert pieces[-1][1][0] == "stop"
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path):
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "vitmm.serve", "--workdir", str(tmp_path / "never_read"),
+                              "--port", str(port)], capture_output=True, text=True, timeout=120,
+                             cwd=str(serve.__file__).rsplit("/vitmm/", 1)[0])
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip().splitlines() == [f"python -m vitmm.serve: --host 127.0.0.1 --port {port}: cannot listen "
+                                               "there (Address already in use); choose another --port, or stop what "
+                                               "holds it."]

@@ -91,7 +91,13 @@ def parse_arg(arg: str | None, presets: dict | None = None, **spec) -> ml_collec
     values.update(given)
     config = ml_collections.ConfigDict(values)
     config.lock()
+    object.__setattr__(config, "_given", frozenset(given))  # not a key: what ``given`` reports
     return config
+
+
+def given(arg: ml_collections.ConfigDict) -> frozenset:
+    """The names ``parse_arg`` was given explicitly (a preset such as ``smoke`` must leave them)."""
+    return getattr(arg, "_given", frozenset())
 
 
 def load(path, arg: str | None = None, **overrides) -> ml_collections.ConfigDict:

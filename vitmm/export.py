@@ -30,7 +30,7 @@ import sys
 
 import numpy as np
 
-from vitmm import tree
+from vitmm import cli, tree
 from vitmm.interop import hf, hf_lm, io
 
 
@@ -52,9 +52,7 @@ def export_vlm(workdir, out) -> dict:
     config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
     if config.get("task") != "vlm":
         raise ValueError(f"{workdir} holds a {config.get('task', 'contrastive')!r} run, not a VLM.")
-    out = pathlib.Path(out).expanduser()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; choose a new --out.")
+    out = cli.new_output_folder(out)
     vision, lm = tasks.vlm_parts(config)
     params = ckpt_lib.load_params(workdir)
     if "lora" in params:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -56,10 +57,14 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
     returns ``{"task", "questions", "kinds"}``. ``ValueError`` for a workdir without that evaluator."""
     from PIL import Image
 
+    from vitmm import cli
     from vitmm.data import preprocess
     from vitmm.train import tasks
 
-    workdir, out = Path(workdir), Path(out)
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", task):
+        raise ValueError(f"--task {task!r}: a task name is letters, digits, '_', '.' and '-' (lmms-eval's "
+                         "--tasks names it; it is the YAML's file name).")
+    workdir, out = Path(workdir), cli.new_output_folder(out)
     config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir, step))
     evals = tasks.evals_config(config) if config.get("task") == "vlm" else {}
     if evals.get(evaluator, {}).get("type") != "qa":
@@ -136,7 +141,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         info = write(args.workdir, args.out, args.task, args.evaluator)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"python -m vitmm.lmms_task: {err}", file=sys.stderr)
         return 2
     print(f"{args.out}: task {info['task']!r}, {info['questions']} questions ({', '.join(info['kinds'])})")

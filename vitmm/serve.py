@@ -369,9 +369,18 @@ def main(argv=None) -> int:
     parser.add_argument("--verbose", action="store_true", help="the libraries' INFO lines and usual warnings too")
     args = parser.parse_args(argv)
     console.quiet(args.verbose)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: a port is 0 to 65535.")
+    try:  # the address first: a port in use is said before the model is loaded, not after
+        sock = _listening_socket(args.host, args.port)
+    except OSError as err:
+        print(f"python -m vitmm.serve: --host {args.host} --port {args.port}: cannot listen there "
+              f"({err.strerror or err}); choose another --port, or stop what holds it.", file=sys.stderr)
+        return 2
     try:
         engine = Engine(args.workdir, args.model_name, args.allow_local_files)
     except (ValueError, FileNotFoundError) as err:
+        sock.close()
         print(f"python -m vitmm.serve: {err}", file=sys.stderr)
         return 2
     import uvicorn
@@ -380,10 +389,26 @@ def main(argv=None) -> int:
     # again for the handler that was there before: with these, the server then exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    print(f"serving {engine.model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(make_app(engine), host=args.host, port=args.port, log_level="warning")
+    print(f"serving {engine.model_name!r} on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
+    uvicorn.Server(uvicorn.Config(make_app(engine), log_level="warning")).run(sockets=[sock])
     print("stopped", flush=True)
     return 0
+
+
+def _listening_socket(host: str, port: int):
+    """A socket bound to ``(host, port)`` for uvicorn (port 0: a free one)."""
+    import socket
+
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":

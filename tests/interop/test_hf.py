@@ -179,7 +179,7 @@ def test_convert_cli_writes_a_checkpoint_that_vitmm_initialises_from(tmp_path, c
     np.testing.assert_array_equal(merged["tower"]["pos_embedding"], params["img"]["pos_embedding"])
     with pytest.raises(SystemExit, match="2"):
         cli.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip"), "--out", str(out)])
-    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert "is not empty; choose a new folder" in capsys.readouterr().err
     vision_out = tmp_path / "vision336"
     cli.main(["--from", "hf", "--src", str(FIXTURES / "hf_clip_vision"), "--out", str(vision_out),
                   "--tower", "vision", "--image_size", "48"])

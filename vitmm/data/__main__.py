@@ -98,9 +98,18 @@ def main(argv=None) -> int:
 
     if args.command == "examples":
         kwargs = {"text_only_every": 10, "multi_image_every": args.multi_image_every} if args.format == "llava" else {}
+        from vitmm import cli
         from vitmm.data import examples
 
-        path = examples.write(args.format, args.out, args.num, resolution=args.resolution, split=args.split, **kwargs)
+        if args.num < 1 or args.resolution < 8 or args.split not in ("train", "validation", "test"):
+            parser.error(f"--num {args.num} (at least 1), --resolution {args.resolution} (at least 8 pixels) and "
+                         f"--split {args.split!r} (train, validation or test): one of them is not.")
+        try:
+            out = cli.new_output_folder(args.out)
+        except (ValueError, FileExistsError) as err:
+            print(f"python -m vitmm.data examples: {err}", file=sys.stderr)
+            return 2
+        path = examples.write(args.format, out, args.num, resolution=args.resolution, split=args.split, **kwargs)
         print(f"wrote {args.num} {args.format} examples: {path}")
         return 0
     spec = {k: v for k, v in vars(args).items() if v is not None}

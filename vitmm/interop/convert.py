@@ -117,11 +117,14 @@ def image_normalization(source: str, src) -> tuple[tuple, tuple]:
 
 
 def new_folder(out) -> pathlib.Path:
-    """``out`` as an absolute path, refused when it already holds a checkpoint."""
+    """``out`` as an absolute path: a new (or empty) folder that can be written (``cli.new_output_folder``),
+    or what a stopped conversion left there (its tokenizer, written first; no checkpoint yet)."""
+    from vitmm import cli
+
     out = pathlib.Path(out).expanduser().absolute()
-    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-        raise FileExistsError(f"{out} already holds a checkpoint; choose a new --out.")
-    return out
+    if out.is_dir() and {p.name for p in out.iterdir()} == {"tokenizer.json"}:
+        return out
+    return cli.new_output_folder(out)
 
 
 def write(out: pathlib.Path, params: dict, config: dict) -> pathlib.Path:

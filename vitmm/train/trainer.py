@@ -85,8 +85,10 @@ POSITIVE = ("total_steps", "batch_size", "log_every", "eval_every", "checkpoint_
 
 def validate(config) -> None:
     """Counts and intervals are positive integers; checked before anything is built or compiled."""
-    for key in POSITIVE:
-        value = config.get(key)
+    counts = [(key, config.get(key)) for key in POSITIVE]
+    counts += [(f"evals.{name}.{key}", ev.get(key)) for name, ev in (config.get("evals") or {}).items()
+               for key in ("num_examples", "batch_size", "embed_batch_size", "max_new_tokens")]
+    for key, value in counts:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"config.{key}={value!r}: must be a positive integer.")
     accum = config.optim.get("accum_steps", 1)
@@ -190,6 +192,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     par, tokenizer, task, state = setup.par, setup.tokenizer, setup.task, setup.state
     data = inputs.make(config, tokenizer, par, task)
     cleanup.callback(device_feed.close, data)  # input worker processes stop however the run ends
+    evaluators = task.evaluators()  # before anything is written: a bad evaluation setting costs no run
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
     start = 0
     if checkpointer.all_steps() or checkpointer.step_folders():  # an unreadable one must not mean a fresh start
@@ -218,7 +221,6 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
         workdir_lib.write_config(workdir, config)
     state = par.put_state(state)
     step_fn = setup.compile(state)
-    evaluators = task.evaluators()
     metric_names = BASE_METRICS + task.aux_names
     if is_main and (rebuilt := workdir_lib.rebuild_metrics(workdir, start)):
         print(rebuilt, flush=True)

@@ -146,10 +146,9 @@ def export_folder(workdir, architecture: str, problems: list[str], out) -> pathl
     if problems:
         raise ValueError(f"{workdir} cannot be a{'n' if architecture[0] in 'AEIOU' else ''} {architecture}: "
                          + "; ".join(problems) + ".")
-    out = pathlib.Path(out).expanduser()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; choose a new --out.")
-    return out
+    from vitmm import cli
+
+    return cli.new_output_folder(out)
 
 
 PIL_RESAMPLE = {"lanczos": 1, "bilinear": 2, "bicubic": 3}  # an image processor's "resample": PIL's codes
