@@ -11,7 +11,7 @@ Args: ``variant`` (e.g. ``B/16``), ``image_size``, ``smoke`` (a seconds-long run
 
 import ml_collections
 
-from vitmm.config_args import parse_arg
+from vitmm.config_args import given, parse_arg
 
 
 def get_config(arg=None):
@@ -21,7 +21,7 @@ def get_config(arg=None):
     config.image_size = arg.image_size
     config.model = ml_collections.ConfigDict(
         dict(
-            variant="Ti/16" if arg.smoke else arg.variant,
+            variant="Ti/16" if arg.smoke and "variant" not in given(arg) else arg.variant,
             posemb="learn",
             # The learned table covers the CLS position (timm/CLIP layout), so the parameter
             # count printed is the published one (ViT-B/16: 85,798,656).

@@ -111,8 +111,11 @@ def test_demo_command_line_with_overrides_and_typo():
     assert ok.returncode == 0, ok.stderr
     assert "token shape           (1, 101, 192)" in ok.stdout  # 10x10 patches + CLS; registers dropped
     bad = _run_cli("--config", "configs/frontend_demo.py:smoke", "--config.model.num_registrs=2")
-    assert bad.returncode != 0
-    assert "num_registrs" in bad.stderr
+    assert bad.returncode == 2 and "num_registrs" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    bad = _run_cli("--config", "configs/frontend_demo.py:variant=Q/99,smoke")  # given: not replaced by smoke's Ti/16
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1
+    assert lines[0].startswith("python -m vitmm.demo: Unknown ViT variant 'Q/99'")
 
 
 def test_every_readme_model_example_builds():

@@ -285,6 +285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max_new_tokens", type=int, default=16)
     parser.add_argument("--verbose", action="store_true", help="the libraries' INFO lines and usual warnings too")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max_new_tokens {args.max_new_tokens}: at least 1.")
     console.quiet(args.verbose)
     from vitmm.data import pipeline
 
@@ -337,8 +339,16 @@ def main(argv=None) -> int:
               "pass --image FILE.", file=sys.stderr)
         return 2
     data = vlm.config.evals.qa.data
-    source = pipeline.get_source(data.name, args.split, data.get("data_dir") or vlm.config.input.get("data_dir"),
-                                 keys=("image", "caption"))
+    try:
+        source = pipeline.get_source(data.name, args.split, data.get("data_dir") or vlm.config.input.get("data_dir"),
+                                     keys=("image", "caption"))
+    except ValueError as err:
+        print(f"python -m vitmm.chat: --split: {err}", file=sys.stderr)
+        return 2
+    if not 0 <= args.index < len(source):
+        print(f"python -m vitmm.chat: --index {args.index}: {data.name} {args.split} has examples 0 to "
+              f"{len(source) - 1}.", file=sys.stderr)
+        return 2
     example = preprocess.parse("decode")(dict(source[args.index]), None)
     print(f"[{data.name} {args.split} #{args.index}: {example['caption']}]")
     for question in args.question:

@@ -37,9 +37,11 @@ def _fmt(value, spec: str) -> str:
 
 def run(config, print_fn=print) -> dict:
     """Runs the demo for ``config`` (see ``configs/frontend_demo.py``); returns what it printed."""
+    size = config.image_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"image_size={size!r}: a positive number of pixels (e.g. 224).")
     model = vit.ViT(**config.model.to_dict())
     arch = model.arch()
-    size = config.image_size
     image = synthetic_image(size)
     images = jnp.asarray(image[None], jnp.float32) / 127.5 - 1.0  # value range [-1, 1]
 
@@ -108,17 +110,40 @@ def run(config, print_fn=print) -> dict:
 
 
 def main(argv=None) -> None:
+    """The demo; a bad config file, arg, key or value is one line and exit 2 (``VITMM_DEBUG=1``: the
+    traceback)."""
+    import os
+
     from absl import app, flags, logging
     from ml_collections import config_flags
 
     config_flags.DEFINE_config_file("config", "configs/frontend_demo.py", "Demo config file.",
                                     lock_config=True)
+    debug = os.environ.get("VITMM_DEBUG", "") not in ("", "0")
+
+    def fail(err: BaseException):
+        if debug:
+            raise err
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        print(f"python -m vitmm.demo: {lines[-1] if lines else repr(err)}", file=sys.stderr)
+        sys.exit(2)
+
+    def parse(args):
+        try:
+            parsed = flags.FLAGS(args)
+            flags.FLAGS.config.get("model")  # a config file that failed to load raises only when used
+            return parsed
+        except Exception as err:  # noqa: BLE001 - config_flags raises whatever the config file raised
+            fail(err)
 
     def _main(_):
         logging.set_verbosity(logging.WARNING)  # hide JAX's "no TPU/GPU backend" INFO lines
-        run(flags.FLAGS.config)
+        try:
+            run(flags.FLAGS.config)
+        except (ValueError, KeyError, TypeError) as err:
+            fail(err)
 
-    app.run(_main, argv=argv or sys.argv)
+    app.run(_main, argv=argv or sys.argv, flags_parser=parse)
 
 
 if __name__ == "__main__":

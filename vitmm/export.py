@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     parser.add_argument("--format", default="parts", choices=("parts", "hf"),
                         help="parts: the LM, tower and connector apart; hf: one transformers VLM folder")
     args = parser.parse_args(argv)
+    from vitmm import console
+
+    console.quiet()  # the libraries' expected warnings (vitmm/console.py)
     try:
         if args.format == "hf":
             from vitmm.interop import vlm

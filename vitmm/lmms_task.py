@@ -139,6 +139,9 @@ def main(argv=None) -> int:
     parser.add_argument("--task", default="vitmm_qa", help="the task's name (lmms-eval's --tasks)")
     parser.add_argument("--evaluator", default="qa", help="which qa evaluator of config.evals")
     args = parser.parse_args(argv)
+    from vitmm import console
+
+    console.quiet()  # the libraries' expected warnings (vitmm/console.py)
     try:
         info = write(args.workdir, args.out, args.task, args.evaluator)
     except (ValueError, FileNotFoundError, FileExistsError) as err:

@@ -105,13 +105,14 @@ def compare(main_rows: list[dict], long_rows: list[dict], steps: tuple[int, int]
                      f"{_pm([long[k] for k in seeds])} | {shown['accuracy']} | {gain['accuracy'][2]:.2g} | "
                      f"{shown['acc_color_at']} | {shown['acc_shape_at']} | {learn} | {rising} |")
     return lines + ["", *verdicts.table_lines(verdicts.correct(horizon_tests(main_rows, long_rows, steps)),
-                                              "**Verdicts.** The gains above and the gaps between the families at "
-                                              "each horizon (points, paired by seed).")]
+                                              "**Verdicts.** The gains above, the gaps between the families at "
+                                              "each horizon and each gap's change (points, paired by seed).")]
 
 
 def horizon_tests(main_rows: list[dict], long_rows: list[dict], steps: tuple[int, int]) -> list[verdicts.Test]:
-    """Each cell's gain from the shorter to the longer horizon, and at each horizon the gap between
-    every two families (does their order hold when the runs train longer?), over the seeds both ran."""
+    """Each cell's gain from the shorter to the longer horizon, at each horizon the gap between every
+    two families (does their order hold when the runs train longer?), and each gap's change between
+    the horizons, over the seeds both ran."""
     cells = list(dict.fromkeys((r["family"], r["tokens"]) for r in long_rows if r["status"] == "ok"))
     acc = {cell: [by_seed(rows, *cell, "accuracy") for rows in (main_rows, long_rows)] for cell in cells}
     seeds = sorted(set.intersection(*(set(a) & set(b) for a, b in acc.values()))) if acc else []
@@ -127,6 +128,10 @@ def horizon_tests(main_rows: list[dict], long_rows: list[dict], steps: tuple[int
         for i, a in enumerate(cells):
             for b in cells[i + 1:]:
                 add(f"{a[0]} − {b[0]} at {n:,} steps", [acc[a][h][k] - acc[b][h][k] for k in seeds])
+    for i, a in enumerate(cells):  # does a gap close with training? (the spread partly how fast each learns)
+        for b in cells[i + 1:]:
+            add(f"{a[0]} − {b[0]}: change from {steps[0]:,} to {steps[1]:,} steps",
+                [(acc[a][1][k] - acc[b][1][k]) - (acc[a][0][k] - acc[b][0][k]) for k in seeds])
     return tests
 
 

@@ -62,7 +62,7 @@ def test_wds_reader_reads_img2dataset_shards_through_a_brace_pattern(tmp_path):
     assert ex["caption"] == scenes.generate("easy", 32, 13)["caption"]
     np.testing.assert_array_equal(decode_image(ex["image"]), scenes.generate("easy", 32, 13)["image"])
     assert pickle.loads(pickle.dumps(source))[13]["image"] == ex["image"]  # for worker processes
-    with pytest.raises(FileNotFoundError, match=r"1 of 4 shards do not exist \(first: .*00003.tar\)"):
+    with pytest.raises(FileNotFoundError, match=r"input.wds=.*: 1 of 4 files do not exist \(first: .*00003.tar\)"):
         formats.WdsSource(pattern.replace("00002", "00003"))
 
 

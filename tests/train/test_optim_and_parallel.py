@@ -206,3 +206,11 @@ def test_pmap_accumulation_must_split_each_devices_rows():
         trainer.validate(c)
     c.parallel = "jit"
     trainer.validate(c)
+    # Values checked before anything is built (the command line shows them as one line, exit 2).
+    for key, value, message in (("evals.zeroshot.num_examples", -1, "config.evals.zeroshot.num_examples=-1: must be"),
+                                ("optim.lr", -1.0, "config.optim.lr=-1.0: must be a number, at least 0."),
+                                ("input.image_size", 0, "config.input.image_size=0: must be a positive integer."),
+                                ("input.prefetch", -2, "config.input.prefetch=-2: must be an integer, at least 0.")):
+        bad = config_args.load(path, "smoke", **{key: value})
+        with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+            trainer.validate(bad)

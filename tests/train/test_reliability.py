@@ -345,7 +345,6 @@ def test_a_missing_config_file_fails_in_one_line_and_writes_nothing(tmp_path):
     (["--config.optim.lrr=1"], "unknown config key 'optim.lrr'; did you mean optim.lr?"),
     (["--config.log_every=0"], "config.log_every=0: must be a positive integer."),
     (["configs/clip_scenes.py:smoke,steps=-5"], "config.total_steps=-5: must be a positive integer."),
-    (["--config.evals.zeroshot.num_examples=-1"], "config.evals.zeroshot.num_examples=-1: must be a positive integer."),
     (["--config.input.data.name=nope"], "Unknown dataset 'nope': TFDS has no builder of that name"),
     (["--workdir", "{tmp}/file/w"], "--workdir {tmp}/file/w: cannot write there (Not a directory); choose a folder"),
 ])

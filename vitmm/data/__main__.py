@@ -95,6 +95,9 @@ def main(argv=None) -> int:
     e.add_argument("--multi_image_every", type=int, default=0,
                    help="llava: every N-th conversation shows 2 or 3 images (0: none)")
     args = parser.parse_args(argv)
+    from vitmm import console
+
+    console.quiet()  # the libraries' expected warnings (vitmm/console.py)
 
     if args.command == "examples":
         kwargs = {"text_only_every": 10, "multi_image_every": args.multi_image_every} if args.format == "llava" else {}

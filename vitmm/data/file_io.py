@@ -25,7 +25,7 @@ def read_bytes(path: pathlib.Path, example_id: str) -> bytes | Skipped:
         return Skipped("image_unreadable", example_id, f"{path}: {err}")
 
 
-def expand_pattern(pattern: str) -> list[pathlib.Path]:
+def expand_pattern(pattern: str, key: str = "input.wds") -> list[pathlib.Path]:
     """Shard files of a brace pattern (``shards/{00000..00009}.tar``, ``{a,b}.tar``; several
     patterns joined by ``::`` as webdataset does); a pattern with ``*`` or ``?`` is globbed."""
     import braceexpand
@@ -39,7 +39,7 @@ def expand_pattern(pattern: str) -> list[pathlib.Path]:
                 paths.append(pathlib.Path(name))
     missing = [str(p) for p in paths if not p.is_file()]
     if missing or not paths:
-        what = f"{len(missing)} of {len(paths)} shards do not exist (first: {missing[0]})." if missing else \
-            "no shards match."
-        raise FileNotFoundError(f"input.wds={pattern!r}: {what}")
+        what = f"{len(missing)} of {len(paths)} files do not exist (first: {missing[0]})." if missing else \
+            "no files match."
+        raise FileNotFoundError(f"{key}={pattern!r}: {what}")
     return paths

@@ -72,7 +72,7 @@ class ParquetSource:
         import pyarrow.parquet as pq
 
         patterns = files.split("::") if isinstance(files, str) else list(files)
-        self.files = [p for pattern in patterns for p in file_io.expand_pattern(pattern)]
+        self.files = [p for pattern in patterns for p in file_io.expand_pattern(pattern, "input.parquet")]
         metadata = [pq.ParquetFile(f).metadata for f in self.files]
         names = metadata[0].schema.to_arrow_schema().names
         self.image_key = image_key or next((c for c in IMAGE_COLUMNS if c in names), None)

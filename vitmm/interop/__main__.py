@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 
 from vitmm.interop.common import TOWERS
@@ -54,9 +55,17 @@ def main(argv=None) -> None:
     parser.add_argument("--quick_gelu", default=None, choices=("true", "false"),
                         help="open_clip: QuickGELU MLPs (default: open_clip_config.json beside the weights)")
     args = parser.parse_args(argv)
+    from vitmm import console
+
+    console.quiet()  # the libraries' expected warnings (vitmm/console.py)
     options = dict(num_heads=args.num_heads, global_pool=args.global_pool,
                    quick_gelu=None if args.quick_gelu is None else args.quick_gelu == "true")
     try:
+        if not pathlib.Path(args.src).expanduser().exists():  # before any format's own reading of it
+            raise FileNotFoundError(f"--src {args.src} does not exist (vitmm only reads local files; nothing is "
+                                    "downloaded).")
+        if args.source == "gguf" and not pathlib.Path(args.src).expanduser().is_file():
+            raise ValueError(f"--src {args.src} is a folder; --from gguf reads one .gguf file.")
         out = convert(args.source, args.src, args.out, tower=args.tower, image_size=args.image_size, **options)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one message, exit 2
         if os.environ.get("VITMM_DEBUG", "") not in ("", "0"):

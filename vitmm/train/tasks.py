@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import jax
@@ -310,6 +311,12 @@ def vlm_parts(config) -> tuple[dict, dict]:
     ``attn_impl`` (e.g. ``cudnn`` on a GPU) and ``remat_policy`` apply to a loaded tower or LM too."""
     vision = config.model.vision.to_dict() if config.model.get("vision") else None
     lm = config.model.lm.to_dict()
+    for key in ("vision", "lm"):
+        source = config.init.get(key)
+        if source and not pathlib.Path(source).expanduser().is_dir():
+            raise FileNotFoundError(f"init.{key}={source} does not exist; the run reads its {key} settings (and "
+                                    "at the start its weights) from that folder: restore it there, or pass "
+                                    f"--config.init.{key}=its new place.")
     if config.init.get("vision"):
         saved = (ckpt_lib.load_config(config.init.vision).get("model") or {}).get("image")
         if saved is None:

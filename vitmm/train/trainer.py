@@ -85,7 +85,15 @@ POSITIVE = ("total_steps", "batch_size", "log_every", "eval_every", "checkpoint_
 
 def validate(config) -> None:
     """Counts and intervals are positive integers; checked before anything is built or compiled."""
-    counts = [(key, config.get(key)) for key in POSITIVE]
+    counts = [(key, config.get(key)) for key in POSITIVE] + [("input.image_size", config.input.get("image_size"))]
+    counts += [(f"input.{key}", config.input.get(key)) for key in ("num_threads",)]
+    for key in ("prefetch", "device_prefetch"):  # 0 allowed: nothing ahead
+        value = config.input.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"config.input.{key}={value!r}: must be an integer, at least 0.")
+    lr = config.optim.get("lr")
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or lr < 0:
+        raise ValueError(f"config.optim.lr={lr!r}: must be a number, at least 0.")
     counts += [(f"evals.{name}.{key}", ev.get(key)) for name, ev in (config.get("evals") or {}).items()
                for key in ("num_examples", "batch_size", "embed_batch_size", "max_new_tokens")]
     for key, value in counts:

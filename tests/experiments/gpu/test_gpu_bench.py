@@ -14,6 +14,7 @@ def bench_gpu():
     return importlib.import_module("experiments.gpu.bench")
 
 
+@pytest.mark.slow  # the device script at tiny size (~12 s); `session.sh --tiny` runs it before every device call
 def test_bench_gpu_tiny_runs_every_case_and_profiles_it(tmp_path, bench_gpu):
     """experiments/gpu/bench.py end to end at --tiny size on the CPU: every case times, its
     profile attributes the step's ops, and the tables are written."""

@@ -177,6 +177,9 @@ def load_clip_text(src: str | pathlib.Path) -> tuple[dict, dict]:
 
     tensors, config = io.read_tensors(src), io.read_json(src)
     prefix = "text_model." if any(k.startswith("text_model.") for k in tensors) else ""
+    if f"{prefix}embeddings.token_embedding.weight" not in tensors:
+        raise ValueError(f"{src} holds no CLIP text tower (a CLIPTextModel's or CLIPModel's); for its vision tower "
+                         "pass --tower vision.")
     own = {k: v for k, v in tensors.items() if k.startswith(prefix) and not k.startswith("vision_model.")
            and not k.startswith(("visual_projection", "text_projection", "logit_scale"))}
     sd = StateDict(own, str(src))
