@@ -36,7 +36,7 @@ from vitmm.interop import hf, hf_lm, io
 
 def clip_vision_problem(kwargs: dict, params: dict) -> str | None:
     """Why transformers' CLIP vision layout cannot hold this tower (None: it can)."""
-    from vitmm.interop.hf.clip import tower_problems
+    from vitmm.interop.hf.clip_export import tower_problems
 
     return "; ".join(p.removeprefix("the tower: ") for p in tower_problems(kwargs, params, siglip=False)) or None
 
@@ -47,7 +47,7 @@ def export_vlm(workdir, out) -> dict:
 
     from vitmm import checkpoint as ckpt_lib
     from vitmm.models import lora as lora_lib
-    from vitmm.train import tasks
+    from vitmm.train import tasks, vlm_start
 
     config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
     if config.get("task") != "vlm":
@@ -57,7 +57,7 @@ def export_vlm(workdir, out) -> dict:
     params = ckpt_lib.load_params(workdir)
     if "lora" in params:
         base = {k: v for k, v in params.items() if k != "lora"}
-        params = lora_lib.merge(base, params["lora"], tasks.lora_alpha(config))
+        params = lora_lib.merge(base, params["lora"], vlm_start.lora_alpha(config))
     written = {}
 
     tensors, hf_config = hf_lm.export_lm(lm, params["language"])

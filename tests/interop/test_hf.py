@@ -96,7 +96,7 @@ def test_a_tower_trained_here_exports_as_the_network_it_is(tmp_path, siglip):
     x = jax.random.normal(jax.random.key(1), (1, 32, 32, 3))
     params = ViT(**kwargs).init(jax.random.key(0), x)["params"]
     params = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(2), a.shape), params)
-    export = hf.clip.export_siglip_vision if siglip else hf.export_clip_vision
+    export = hf.export_siglip_vision if siglip else hf.export_clip_vision
     tensors, config = export(kwargs, params)
     assert (config["hidden_act"], config["layer_norm_eps"]) == ("gelu", 1e-6)
     io.write_safetensors(tensors, tmp_path / "model.safetensors")

@@ -11,7 +11,7 @@ from configs import common
 from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args
 from vitmm.data import preprocess
-from vitmm.train import inputs, pp_template, trainer
+from vitmm.train import inputs, pp_template, trainer, vlm_start
 
 
 def _config(name, arg, data_dir, **overrides):
@@ -263,13 +263,14 @@ def test_lora_trains_the_adapters_and_the_connector_only(tmp_path, data_dir):
     assert not changed(after["language"], before["language"]) and not changed(after["tower"], before["tower"])
     merged = task.eval_params(after)
     assert "lora" not in merged and changed(merged["language"], after["language"])
-    expected = lora_lib.merge(after, after["lora"], tasks.lora_alpha(c))["language"]["block_00"]["attn"]["q"]["kernel"]
+    alpha = vlm_start.lora_alpha(c)
+    expected = lora_lib.merge(after, after["lora"], alpha)["language"]["block_00"]["attn"]["q"]["kernel"]
     np.testing.assert_array_equal(merged["language"]["block_00"]["attn"]["q"]["kernel"], expected)
     raised = _config("vlm_scenes", "smoke,stage=2", data_dir, **{"lora.rank": 8})  # a rank without the lora= arg
-    assert tasks.lora_alpha(raised) == 16.0  # alpha unset: 2 x rank (alpha 0 would train adapters scaled to nothing)
+    assert vlm_start.lora_alpha(raised) == 16.0  # unset: 2 x rank (alpha 0 would train adapters scaled to nothing)
     raised.lora.alpha = 0.0
     with pytest.raises(ValueError, match=r"lora.alpha=0.0 scales the adapters to nothing.*2 x rank = 16"):
-        tasks.lora_alpha(raised)
+        vlm_start.lora_alpha(raised)
     c.optim.freeze = (r"tower/.*",)  # adapters on an LM that would train too: refused before any step
     with pytest.raises(ValueError, match=r"lora.rank=2 adapts language/block_00/attn/k \(and 3 more layers\).*"
                                          r"add 'language/\.\*' to optim.freeze"):
@@ -306,7 +307,8 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
 
     written = export.export_vlm(tmp_path / "s2", tmp_path / "exported")
     assert written["vision"].startswith("not written") and "class_token=False" in written["vision"]
-    merged = lora_lib.merge({k: v for k, v in s2.items() if k != "lora"}, s2["lora"], tasks.lora_alpha(c2))["language"]
+    base = {k: v for k, v in s2.items() if k != "lora"}
+    merged = lora_lib.merge(base, s2["lora"], vlm_start.lora_alpha(c2))["language"]
     jax.tree.map(np.testing.assert_array_equal, hf_lm.load_lm(tmp_path / "exported/lm")[1], merged)
     with pytest.raises(FileExistsError, match="not empty"):
         export.export_vlm(tmp_path / "s2", tmp_path / "exported")
@@ -400,16 +402,17 @@ def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
     assert ("image_newline" in ckpt_lib.load_params(tmp_path)) == arg.startswith("anyres")
 
 
-def test_a_loaded_tower_is_reported_only_where_it_differs_from_the_config(data_dir, capsys, monkeypatch):
+def test_a_loaded_tower_is_reported_only_where_it_differs_from_the_config(data_dir, capsys, monkeypatch, tmp_path):
     """A config holds the kernel keys at None (the model's default); a tower saved before they existed
     does not: that alone is no difference to report. A different width is."""
     from vitmm.train import tasks
 
-    c = _config("vlm_scenes", "smoke", data_dir, **{"init.vision": "saved_tower"})
+    (tmp_path / "saved_tower").mkdir()  # its config is the monkeypatched one below
+    c = _config("vlm_scenes", "smoke", data_dir, **{"init.vision": str(tmp_path / "saved_tower")})
     saved = {k: v for k, v in c.model.vision.to_dict().items() if v is not None or k not in tasks.KERNEL_KEYS}
     assert saved != c.model.vision.to_dict()  # the config's None kernel keys are not in the saved tower
     monkeypatch.setattr(tasks.ckpt_lib, "load_config", lambda path: {"model": {"image": dict(saved)}})
     assert tasks.vlm_parts(c)[0] == saved and capsys.readouterr().out == ""
     saved["width"] = 2 * saved["width"]
     assert tasks.vlm_parts(c)[0]["width"] == saved["width"]
-    assert "model.vision is replaced by the tower saved in saved_tower" in capsys.readouterr().out
+    assert f"model.vision is replaced by the tower saved in {tmp_path / 'saved_tower'}" in capsys.readouterr().out

@@ -13,11 +13,9 @@
 from __future__ import annotations
 
 import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
@@ -25,7 +23,7 @@ from vitmm.data import sequences
 from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
 from vitmm.models import packing, rope, two_towers, vlm
-from vitmm.train import determinism, pp_template, vlm_evaluators
+from vitmm.train import determinism, pp_template, vlm_evaluators, vlm_start
 from vitmm.train import evaluators as eval_lib
 from vitmm.train.parallel import Parallel
 
@@ -130,7 +128,8 @@ class VLMTask:
                       **({"max_patches": int(anyres["max_patches"])} if anyres.get("max_patches") else {})}
         if m.get("mrope") and self.lm.get("mrope_section") is None:  # Qwen2-VL's 3D positions on any LM
             self.lm = {**self.lm, "mrope_section": rope.mrope_split(lm_lib.LM(**self.lm).attn_head_dim)}
-        _check_budget(m.connector.to_dict(), self.vision, anyres["tile"] if anyres else config.input.image_size)
+        vlm_start.check_budget(m.connector.to_dict(), self.vision,
+                               anyres["tile"] if anyres else config.input.image_size)
         if m.get("loss_positions") and "{loss_positions}" not in config.input.pp:
             raise ValueError(f"model.loss_positions={m.loss_positions} reads that many answer tokens per example; the "
                              "train pp must check that no answer is longer: add max_answer={loss_positions} to its "
@@ -155,7 +154,8 @@ class VLMTask:
             if "img" not in tower:
                 raise ValueError(f"The checkpoint in {c.init.vision} has no image tower ('img'); it has "
                                  f"{sorted(tower)}.")
-            tower = _inflate_patch_kernel(_fit_positions(tower["img"], params["tower"], self.vision), params["tower"])
+            tower = vlm_start.inflate_patch_kernel(vlm_start.fit_positions(tower["img"], params["tower"], self.vision),
+                                                   params["tower"])
             params["tower"] = ckpt_lib.merge_params(params["tower"], tower, dont_load,
                                                     source=f"{c.init.vision} (img)", prefix="tower/")
         elif not (c.init.get("allow_random_tower") or c.init.get("checkpoint")):
@@ -164,8 +164,8 @@ class VLMTask:
                              "init.checkpoint=a VLM's (or init.allow_random_tower=True for tests).")
         if c.get("lora") and c.lora.rank > 0:  # adapters beside the parameters; the optimizer freezes the rest
             params["lora"] = lora_lib.init(params, tuple(c.lora.targets), c.lora.rank, jax.random.key(c.seed + 1))
-            _check_lora_bases_frozen(c, params["lora"])
-            lora_alpha(c)  # refused here, before any step, when it would scale the adapters to nothing
+            vlm_start.check_lora_bases_frozen(c, params["lora"])
+            vlm_start.lora_alpha(c)  # refused here, before any step, when it would scale the adapters to nothing
         if c.init.get("lm"):
             saved = ckpt_lib.load_params(c.init.lm)
             if "lm" not in saved:
@@ -181,14 +181,15 @@ class VLMTask:
             return self.model.apply({"params": params}, *args, **kwargs)
         base = {k: v for k, v in params.items() if k != "lora"}
         c = self.config.lora
-        return lora_lib.apply(self.model, base, params["lora"], lora_alpha(self.config), *args,
+        return lora_lib.apply(self.model, base, params["lora"], vlm_start.lora_alpha(self.config), *args,
                               dropout=c.dropout if rng is not None else 0.0, rng=rng, **kwargs)
 
     def eval_params(self, params):
         """What evaluators see: adapters merged into the kernels."""
         if "lora" not in params:
             return params
-        return lora_lib.merge({k: v for k, v in params.items() if k != "lora"}, params["lora"], lora_alpha(self.config))
+        base = {k: v for k, v in params.items() if k != "lora"}
+        return lora_lib.merge(base, params["lora"], vlm_start.lora_alpha(self.config))
 
     def loss_fn(self, params, batch, rng):
         if "segment_ids" in batch:  # flat sequences, packed or not (input.sequences)
@@ -259,29 +260,6 @@ class VLMTask:
 
         layout = SequenceLayout.of(self)
         return None if layout is None else layout.row
-
-
-def lora_alpha(config) -> float:
-    """``lora.alpha``, or twice the rank when unset (the adapters' scale is alpha / rank)."""
-    alpha = config.lora.get("alpha")
-    if alpha is None:
-        return 2.0 * config.lora.rank
-    if alpha <= 0 and config.lora.rank > 0:
-        raise ValueError(f"lora.alpha={alpha} scales the adapters to nothing (their scale is alpha / rank): leave it "
-                         f"unset (2 x rank = {2 * config.lora.rank}) or set a positive value.")
-    return float(alpha)
-
-
-def _check_lora_bases_frozen(config, adapters: dict) -> None:
-    """LoRA trains its adapters instead of the kernels they adapt: ``optim.freeze`` must hold them."""
-    freeze = tuple(config.optim.get("freeze") or ())
-    trained = [name.replace(".", "/") for name in sorted(adapters)
-               if not any(re.fullmatch(p, name.replace(".", "/") + "/kernel") for p in freeze)]
-    if trained:
-        raise ValueError(f"lora.rank={config.lora.rank} adapts {trained[0]} (and {len(trained) - 1} more layers), but "
-                         f"optim.freeze={freeze} leaves their kernels training beside the adapters: add "
-                         "'language/.*' to optim.freeze (as configs/llava_finetune.py:lora=8 does), or set "
-                         "lora.rank=0 to train the LM itself.")
 
 
 def qa_evaluator(config, cfg: dict, model, tokenizer) -> vlm_evaluators.QAAccuracy:
@@ -364,44 +342,6 @@ def anyres_layout(batch: dict):
     if "anyres_weights" in batch:
         return batch["anyres_layout"], batch["anyres_weights"]
     return batch.get("anyres_layout")
-
-
-def _inflate_patch_kernel(tower: dict, model_tower: dict) -> dict:
-    """A 3-channel tower's patch kernel for ``t``-frame temporal patches (``temporal_patch``): the
-    kernel repeated over the frames and divided by ``t``, so that a still image (its frames equal)
-    embeds as before (I3D's inflation)."""
-    have, want = tower.get("embedding", {}).get("kernel"), model_tower.get("embedding", {}).get("kernel")
-    if have is None or want is None or have.shape == want.shape or want.shape[2] % have.shape[2]:
-        return tower
-    t = want.shape[2] // have.shape[2]
-    return {**tower, "embedding": {**tower["embedding"], "kernel": np.tile(np.asarray(have), (1, 1, t, 1)) / t}}
-
-
-def _fit_positions(tower: dict, model_tower: dict, vision: dict) -> dict:
-    """A pretrained tower's learned position table resampled to the run's grid (the source's
-    method, ``posemb_resample``) when the run's image size differs from the tower's."""
-    from vitmm.models.vit_tools import resize_posemb
-
-    have, want = tower.get("pos_embedding"), model_tower.get("pos_embedding")
-    if have is None or want is None or have.shape == want.shape:
-        return tower
-    return resize_posemb(tower, tuple(want.shape[1:3]), vision.get("posemb_resample", "bicubic_aa"))
-
-
-def _check_budget(connector: dict, vision: dict, image_size) -> None:
-    """The connector's token count on the tower's grid, checked before anything is allocated:
-    a budget the family cannot produce, or more visual tokens than the patches they summarise."""
-    from vitmm.models import connectors
-    from vitmm.models.patch_embed import to_pair
-    from vitmm.models.vit import ViT
-
-    grid = tuple(ViT(**vision).grid(to_pair(image_size, "image_size")))
-    tokens = connectors.num_visual_tokens(connector, grid)
-    if tokens > grid[0] * grid[1]:
-        raise connectors.BudgetError(
-            f"connector {connector.get('name')!r} with budget {connector.get('budget')!r} gives {tokens} visual "
-            f"tokens, more than the {grid[0]}x{grid[1]} = {grid[0] * grid[1]} patches it summarises; choose a "
-            f"budget of at most {grid[0] * grid[1]}.")
 
 
 def evals_config(config) -> dict:

@@ -1,6 +1,6 @@
 """Hugging Face transformers checkpoints → vitmm: CLIP and SigLIP (``clip.py``), ViT and DINOv2
 backbones (``vit.py``), sharing one block mapping (``layers.py``); ``load`` reads any of them by
-its ``model_type``.
+its ``model_type``; ``clip_export.py`` writes towers back.
 
     kwargs, params = hf.load_clip("path/to/clip")          # CLIPModel folder or file
     kwargs, params = hf.load_clip_vision("path/to/clip")   # a ViT (CLIPModel or CLIPVisionModel)
@@ -15,17 +15,17 @@ import pathlib
 from vitmm.interop import io
 from vitmm.interop.common import pick_tower, text_only, vision_only
 from vitmm.interop.hf.clip import (
-    export_clip_vision,
     load_clip,
     load_clip_text,
     load_clip_vision,
     load_siglip,
     load_siglip_vision,
 )
+from vitmm.interop.hf.clip_export import export_clip_vision, export_siglip_vision
 from vitmm.interop.hf.vit import VIT_TYPES, load_vit
 
 __all__ = ["load", "load_clip", "load_clip_vision", "load_clip_text", "load_siglip", "load_siglip_vision",
-           "load_vit", "export_clip_vision", "VIT_TYPES"]
+           "load_vit", "export_clip_vision", "export_siglip_vision", "VIT_TYPES"]
 
 
 def load(src: str | pathlib.Path, *, tower: str = "both",

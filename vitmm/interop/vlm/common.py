@@ -118,7 +118,7 @@ def export_start(workdir) -> tuple:
     from vitmm import checkpoint as ckpt_lib
     from vitmm.data import preprocess
     from vitmm.models import lora as lora_lib
-    from vitmm.train import pp_template, tasks
+    from vitmm.train import pp_template, tasks, vlm_start
 
     config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
     if config.get("task") != "vlm":
@@ -127,7 +127,7 @@ def export_start(workdir) -> tuple:
     params = ckpt_lib.load_params(workdir)
     if "lora" in params:
         base = {k: v for k, v in params.items() if k != "lora"}
-        params = lora_lib.merge(base, params["lora"], tasks.lora_alpha(config))
+        params = lora_lib.merge(base, params["lora"], vlm_start.lora_alpha(config))
     return config, vision, lm, params, tasks.tokenizer_for(config), preprocess.ops(pp_template.pp_string(config))
 
 

@@ -104,7 +104,7 @@ def load_idefics3(src) -> tuple[dict, dict, dict]:
 
 def export_problems(model: dict, vision: dict, tower: dict, steps: list) -> list[str]:
     """Why ``Idefics3ForConditionalGeneration`` cannot hold this VLM (empty: it can)."""
-    from vitmm.interop.hf.clip import tower_problems
+    from vitmm.interop.hf.clip_export import tower_problems
 
     problems = tower_problems(vision, tower, siglip=True)  # Idefics3's tower is SigLIP's
     c = dict(model["connector"])
@@ -127,7 +127,7 @@ def export_idefics3(workdir, out) -> dict:
     """The VLM in ``workdir`` as a transformers ``Idefics3ForConditionalGeneration`` folder (the
     inverse of ``load_idefics3``) or ValueError with every reason it cannot be, before anything
     is written."""
-    from vitmm.interop.hf.clip import export_siglip_vision
+    from vitmm.interop.hf.clip_export import export_siglip_vision
     from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
     from vitmm.train import pp_template
 

@@ -216,7 +216,7 @@ def _export_problems(model: dict, vision: dict, tower: dict) -> list[str]:
     """Why ``LlavaForConditionalGeneration`` (``LlavaNextForConditionalGeneration`` with
     ``model.anyres``; ``LlavaOnevisionForConditionalGeneration`` with a SigLIP tower and AnyRes's
     ``max_patches``) cannot hold this VLM (empty: it can)."""
-    from vitmm.interop.hf.clip import tower_problems
+    from vitmm.interop.hf.clip_export import tower_problems
 
     anyres = model.get("anyres")
     if not vision.get("class_token", True):  # a SigLIP tower: every patch (the "full" strategy)
@@ -318,7 +318,7 @@ def export_llava(workdir, out) -> dict:
 
     siglip = not vision.get("class_token", True)
     if siglip:  # a tower read before its final norm gets an identity one, which transformers skips there too
-        from vitmm.interop.hf.clip import export_siglip_vision
+        from vitmm.interop.hf.clip_export import export_siglip_vision
 
         width = vision["width"]
         with_norm = {**params["tower"], "encoder": {"encoder_norm": {"scale": np.ones(width), "bias": np.zeros(width)},

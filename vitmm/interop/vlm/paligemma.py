@@ -77,7 +77,7 @@ def load_paligemma(src) -> tuple[dict, dict, dict]:
 
 def _paligemma_problems(model: dict, vision: dict, tower: dict, lm: dict) -> list[str]:
     """Why ``PaliGemmaForConditionalGeneration`` cannot hold this VLM (empty: it can)."""
-    from vitmm.interop.hf.clip import tower_problems
+    from vitmm.interop.hf.clip_export import tower_problems
 
     problems = tower_problems(vision, tower, siglip=True)  # PaliGemma's tower is SigLIP's
     connector = dict(model["connector"])
@@ -101,7 +101,7 @@ def export_paligemma(workdir, out) -> dict:
     import numpy as np
 
     from vitmm.data import preprocess
-    from vitmm.interop.hf.clip import export_siglip_vision
+    from vitmm.interop.hf.clip_export import export_siglip_vision
     from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
     from vitmm.train import pp_template
 

@@ -1,0 +1,70 @@
+"""A VLM's start, checked and fitted before anything trains: the connector's token budget on the
+tower's grid, a pretrained tower's positions and patch kernel fitted to the run, LoRA's scale and
+the kernels its adapters stand in for (frozen)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+
+def lora_alpha(config) -> float:
+    """``lora.alpha``, or twice the rank when unset (the adapters' scale is alpha / rank)."""
+    alpha = config.lora.get("alpha")
+    if alpha is None:
+        return 2.0 * config.lora.rank
+    if alpha <= 0 and config.lora.rank > 0:
+        raise ValueError(f"lora.alpha={alpha} scales the adapters to nothing (their scale is alpha / rank): leave it "
+                         f"unset (2 x rank = {2 * config.lora.rank}) or set a positive value.")
+    return float(alpha)
+
+
+def check_lora_bases_frozen(config, adapters: dict) -> None:
+    """LoRA trains its adapters instead of the kernels they adapt: ``optim.freeze`` must hold them."""
+    freeze = tuple(config.optim.get("freeze") or ())
+    trained = [name.replace(".", "/") for name in sorted(adapters)
+               if not any(re.fullmatch(p, name.replace(".", "/") + "/kernel") for p in freeze)]
+    if trained:
+        raise ValueError(f"lora.rank={config.lora.rank} adapts {trained[0]} (and {len(trained) - 1} more layers), but "
+                         f"optim.freeze={freeze} leaves their kernels training beside the adapters: add "
+                         "'language/.*' to optim.freeze (as configs/llava_finetune.py:lora=8 does), or set "
+                         "lora.rank=0 to train the LM itself.")
+
+
+def inflate_patch_kernel(tower: dict, model_tower: dict) -> dict:
+    """A 3-channel tower's patch kernel for ``t``-frame temporal patches (``temporal_patch``): the
+    kernel repeated over the frames and divided by ``t``, so that a still image (its frames equal)
+    embeds as before (I3D's inflation)."""
+    have, want = tower.get("embedding", {}).get("kernel"), model_tower.get("embedding", {}).get("kernel")
+    if have is None or want is None or have.shape == want.shape or want.shape[2] % have.shape[2]:
+        return tower
+    t = want.shape[2] // have.shape[2]
+    return {**tower, "embedding": {**tower["embedding"], "kernel": np.tile(np.asarray(have), (1, 1, t, 1)) / t}}
+
+
+def fit_positions(tower: dict, model_tower: dict, vision: dict) -> dict:
+    """A pretrained tower's learned position table resampled to the run's grid (the source's
+    method, ``posemb_resample``) when the run's image size differs from the tower's."""
+    from vitmm.models.vit_tools import resize_posemb
+
+    have, want = tower.get("pos_embedding"), model_tower.get("pos_embedding")
+    if have is None or want is None or have.shape == want.shape:
+        return tower
+    return resize_posemb(tower, tuple(want.shape[1:3]), vision.get("posemb_resample", "bicubic_aa"))
+
+
+def check_budget(connector: dict, vision: dict, image_size) -> None:
+    """The connector's token count on the tower's grid, checked before anything is allocated:
+    a budget the family cannot produce, or more visual tokens than the patches they summarise."""
+    from vitmm.models import connectors
+    from vitmm.models.patch_embed import to_pair
+    from vitmm.models.vit import ViT
+
+    grid = tuple(ViT(**vision).grid(to_pair(image_size, "image_size")))
+    tokens = connectors.num_visual_tokens(connector, grid)
+    if tokens > grid[0] * grid[1]:
+        raise connectors.BudgetError(
+            f"connector {connector.get('name')!r} with budget {connector.get('budget')!r} gives {tokens} visual "
+            f"tokens, more than the {grid[0]}x{grid[1]} = {grid[0] * grid[1]} patches it summarises; choose a "
+            f"budget of at most {grid[0] * grid[1]}.")
