@@ -42,3 +42,17 @@ def test_data_examples_refuses_in_one_line_and_writes_nothing(tmp_path, capsys, 
     assert code == 2 and message in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"] and [p.name for p in (tmp_path / "full").iterdir()] \
         == ["run.json"]
+
+
+def test_a_folder_of_what_the_command_writes_there_is_written_again(tmp_path, capsys):
+    """Parquet splits sit side by side in one folder (the Hub's layout): another split is written
+    beside the first; the same split again is refused."""
+    from vitmm.data.__main__ import main
+
+    out = str(tmp_path / "pq")
+    args = ["examples", "--format", "parquet", "--out", out, "--num", "4", "--resolution", "16"]
+    assert main(args) == 0 and main([*args, "--split", "validation"]) == 0
+    assert sorted(p.name for p in (tmp_path / "pq").iterdir()) == ["train-00000-of-00001.parquet",
+                                                                   "validation-00000-of-00001.parquet"]
+    assert main(args) == 2 and "is not empty" in capsys.readouterr().err
+    assert cli.new_output_folder(tmp_path / "pq", reusable=lambda names: all(n.endswith(".parquet") for n in names))

@@ -423,6 +423,6 @@ def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path):
                               "--port", str(port)], capture_output=True, text=True, timeout=120,
                              cwd=str(serve.__file__).rsplit("/vitmm/", 1)[0])
     assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.strip().splitlines() == [f"python -m vitmm.serve: --host 127.0.0.1 --port {port}: cannot listen "
-                                               "there (Address already in use); choose another --port, or stop what "
-                                               "holds it."]
+    assert run.stderr.strip().splitlines() == [
+        f"python -m vitmm.serve: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use); "
+        "check --host, choose another --port, or stop what holds it."]

@@ -11,14 +11,17 @@ import os
 import pathlib
 
 
-def new_output_folder(path, flag: str = "--out") -> pathlib.Path:
+def new_output_folder(path, flag: str = "--out", reusable=None) -> pathlib.Path:
     """``path`` (expanded, absolute) when a command may create it and write into it; otherwise
-    ``FileExistsError`` (not empty) or ``ValueError`` (a file; not writable), naming ``flag``."""
+    ``FileExistsError`` (not empty) or ``ValueError`` (a file; not writable), naming ``flag``.
+    ``reusable(names)``: True for a folder holding only what the command itself writes there
+    (written again, e.g. another split beside the first)."""
     out = pathlib.Path(path).expanduser().absolute()
     if out.is_file():
         raise ValueError(f"{flag} {out} is a file; choose a folder.")
     if out.is_dir():
-        if any(out.iterdir()):
+        names = {p.name for p in out.iterdir()}
+        if names and not (reusable is not None and reusable(names)):
             raise FileExistsError(f"{flag} {out} is not empty; choose a new folder.")
         if not os.access(out, os.W_OK | os.X_OK):
             raise ValueError(f"{flag} {out}: cannot write there (permission denied); choose another folder.")

@@ -64,7 +64,11 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", task):
         raise ValueError(f"--task {task!r}: a task name is letters, digits, '_', '.' and '-' (lmms-eval's "
                          "--tasks names it; it is the YAML's file name).")
-    workdir, out = Path(workdir), cli.new_output_folder(out)
+    def own(names):  # a task folder written before (e.g. moved, and written again where it now is)
+        return names <= {"images", "test.jsonl", "kinds.json", "utils.py", "lmms"} | \
+            {n for n in names if n.endswith(".yaml")}
+
+    workdir, out = Path(workdir), cli.new_output_folder(out, reusable=own)
     config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir, step))
     evals = tasks.evals_config(config) if config.get("task") == "vlm" else {}
     if evals.get(evaluator, {}).get("type") != "qa":

@@ -375,7 +375,7 @@ def main(argv=None) -> int:
         sock = _listening_socket(args.host, args.port)
     except OSError as err:
         print(f"python -m vitmm.serve: --host {args.host} --port {args.port}: cannot listen there "
-              f"({err.strerror or err}); choose another --port, or stop what holds it.", file=sys.stderr)
+              f"({err.strerror or err}); check --host, choose another --port, or stop what holds it.", file=sys.stderr)
         return 2
     try:
         engine = Engine(args.workdir, args.model_name, args.allow_local_files)
@@ -399,11 +399,12 @@ def _listening_socket(host: str, port: int):
     """A socket bound to ``(host, port)`` for uvicorn (port 0: a free one)."""
     import socket
 
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    info = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(info[0], socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(info[4])
+        sock.listen(2048)  # held from here: no other server takes the port while the model loads
     except OSError:
         sock.close()
         raise

@@ -580,8 +580,13 @@ def test_an_lms_text_template_reads_typed_parts_once_exported():
              {"role": "user", "content": "and the shape?"}]
     assert render(with_typed_parts(text_only), typed) == render(text_only, plain)
     assert render(with_typed_parts(text_only), plain) == render(text_only, plain)
-    own = "{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<img>{% endif %}{% endfor %}"
-    assert with_typed_parts(own + "{% endfor %}") == own + "{% endfor %}"
+    own = ("{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<img>{% else %}"
+           "{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    assert with_typed_parts(own) == own
+    llava_hf = ("{% for m in messages %}{{ m['role'].upper() + ': ' }}{% for c in m['content'] | selectattr('type', "
+                "'equalto', 'image') %}<image>\n{% endfor %}{% for c in m['content'] | selectattr('type', 'equalto', "
+                "'text') %}{{ c['text'] }}{% endfor %}{% endfor %}")  # reads parts with selectattr: left as it is
+    assert with_typed_parts(llava_hf) == llava_hf
 
 
 @pytest.mark.parametrize("method, code", [("bicubic", 3), (None, 2), ("lanczos", 1)])

@@ -108,7 +108,9 @@ def main(argv=None) -> int:
             parser.error(f"--num {args.num} (at least 1), --resolution {args.resolution} (at least 8 pixels) and "
                          f"--split {args.split!r} (train, validation or test): one of them is not.")
         try:
-            out = cli.new_output_folder(args.out)
+            other_splits = (lambda names: args.format == "parquet"  # splits side by side, as the Hub lays them
+                            and all(n.endswith(".parquet") and not n.startswith(f"{args.split}-") for n in names))
+            out = cli.new_output_folder(args.out, reusable=other_splits)
         except (ValueError, FileExistsError) as err:
             print(f"python -m vitmm.data examples: {err}", file=sys.stderr)
             return 2

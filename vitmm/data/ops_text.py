@@ -291,12 +291,15 @@ def _located_segments(messages, tokenizer, full: str) -> list[tuple[str, str]]:
 
     end = tokenizer.token(tokenizer.eos_id)
     segments, at, read = [], 0, 0  # read: past the last turn found (a question may quote an answer)
-    for message in messages:
+    for j, message in enumerate(messages):
         content = message["content"].strip()
         if message["role"] != "assistant":
             found = full.find(content, read) if content else -1
             read = read if found < 0 else found + len(content)
             continue
+        content = content.split("</think>")[-1].strip()  # a template may drop a reasoning block it was given
+        before = tokenizer.chat(messages[:j])  # the assistant's header: e.g. "<|im_start|>assistant\n"
+        header = tokenizer.chat(messages[:j], add_generation_prompt=True)[len(before):]
         stop = full.find(end, read)
         while stop >= 0 and not (content and full[:stop].rstrip().endswith(content)
                                  and full[:stop].rstrip().rindex(content) >= read):
@@ -305,6 +308,9 @@ def _located_segments(messages, tokenizer, full: str) -> list[tuple[str, str]]:
             raise BadExample("answer_not_rendered", f"the chat template does not render the answer {content[:60]!r} "
                                                     f"before an end-of-turn {end!r}")
         start = full[:stop].rstrip().rindex(content)
+        opened = full.rfind(header, read, start) if header else -1
+        if opened >= 0:  # from the end of the assistant's header, as the prefix rule takes it (a think block too)
+            start = opened + len(header)
         segments += [("text", full[at:start]), ("answer", full[start:stop + len(end)])]
         at = read = stop + len(end)
     segments.append(("text", full[at:]))

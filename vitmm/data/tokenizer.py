@@ -9,7 +9,6 @@ length and truncates explicitly, telling the caller whether it did.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import json
 import pathlib
@@ -204,13 +203,12 @@ def _compiled(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # transformers' (no escaping)
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def strftime_now(fmt):  # today's date, as transformers gives it (Llama 3's "Today Date:")
-        return datetime.datetime.now().strftime(fmt)
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols", Generation])
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    # No strftime_now: transformers' gives today's date (Llama 3 writes it), and a run's text must be the same
+    # every day (a resumed run, or one crossing midnight); such templates then write their own fixed date.
+    env.globals["raise_exception"] = raise_exception
     return env.from_string(template)
 
 

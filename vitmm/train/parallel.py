@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -180,9 +181,10 @@ class Parallel:
             return jax.lax.pmean(tree, AXIS) if self.kind == "pmap" else tree
         if self.kind != "pmap":
             return tree, weight
+        weight = weight.astype(jnp.float32)  # summed in float32: a bf16 count rounds past 256
         total = jax.lax.psum(weight, AXIS)
-        sums = jax.lax.psum(jax.tree.map(lambda x: x * weight.astype(x.dtype), tree), AXIS)
-        return weighted_mean(sums, total), total
+        sums = jax.lax.psum(jax.tree.map(lambda x: x.astype(jnp.float32) * weight, tree), AXIS)
+        return jax.tree.map(lambda m, x: m.astype(x.dtype), weighted_mean(sums, total), tree), total
 
     def device_rng(self, rng):
         return jax.random.fold_in(rng, jax.lax.axis_index(AXIS)) if self.kind == "pmap" else rng

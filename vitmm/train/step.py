@@ -48,8 +48,8 @@ def loss_and_grads(loss_fn: Callable, params, batch, rng, accum_steps: int = 1, 
         (loss, aux), grads = grad_fn(wrt, mb, jax.random.fold_in(rng, i))
         if weight is None:
             return jax.tree.map(jnp.add, carry, (loss, grads)), aux
-        w = aux[weight]
-        return jax.tree.map(lambda c, x: c + (w * x).astype(c.dtype), carry, (loss, grads, aux)), w
+        w = aux[weight].astype(jnp.float32)
+        return jax.tree.map(lambda c, x: c + w * x.astype(jnp.float32), carry, (loss, grads, aux)), w
 
     if weight is None:
         zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, wrt))
@@ -58,10 +58,11 @@ def loss_and_grads(loss_fn: Callable, params, batch, rng, accum_steps: int = 1, 
         return loss / accum_steps, jax.tree.map(lambda a: a[-1], aux), grads
     first = jax.tree.map(lambda x: x[0], micro)
     aux_shape = jax.eval_shape(lambda: grad_fn(wrt, first, rng)[0][1])
-    zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (jnp.zeros(()), wrt, aux_shape))
+    shapes = (jnp.zeros(()), wrt, aux_shape)  # the sums in float32: a bf16 count rounds past 256
+    zero = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shapes)
     sums, weights = jax.lax.scan(body, zero, (micro, jnp.arange(accum_steps)))
     total = weights.sum()
-    loss, grads, aux = weighted_mean(sums, total)
+    loss, grads, aux = jax.tree.map(lambda m, a: m.astype(a.dtype), weighted_mean(sums, total), shapes)
     return loss, {**aux, weight: total}, grads
 
 

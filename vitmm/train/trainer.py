@@ -99,11 +99,6 @@ def validate(config) -> None:
     for key, value in counts:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"config.{key}={value!r}: must be a positive integer.")
-    accum = config.optim.get("accum_steps", 1)
-    per = jax.device_count() if config.get("parallel") == "pmap" else 1  # pmap splits each device's rows
-    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % (accum * per):
-        raise ValueError(f"config.optim.accum_steps={accum!r}: must be a positive integer dividing "
-                         f"batch_size={config.batch_size}" + (f" / {per} devices (pmap)." if per > 1 else "."))
     inp = config.input
     if not formats.raw_format(inp) and "data" not in inp and not inp.get("scenes_any"):
         raise ValueError("The run names no training data: set one of --config.input.data_path (LLaVA JSON/JSONL/YAML, "
@@ -111,6 +106,11 @@ def validate(config) -> None:
     if config.batch_size % jax.device_count():
         raise ValueError(f"batch_size={config.batch_size} does not split over {jax.device_count()} devices; "
                          f"use a multiple of {jax.device_count()}.")
+    accum = config.optim.get("accum_steps", 1)
+    per = jax.device_count() if config.get("parallel") == "pmap" else 1  # pmap splits each device's rows
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % (accum * per):
+        raise ValueError(f"config.optim.accum_steps={accum!r}: must be a positive integer dividing "
+                         f"batch_size={config.batch_size}" + (f" / {per} devices (pmap)." if per > 1 else "."))
 
 
 def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, restart: bool = False) -> dict:

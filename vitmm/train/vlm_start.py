@@ -26,7 +26,8 @@ def check_lora_bases_frozen(config, adapters: dict) -> None:
     trained = [name.replace(".", "/") for name in sorted(adapters)
                if not any(re.fullmatch(p, name.replace(".", "/") + "/kernel") for p in freeze)]
     if trained:
-        raise ValueError(f"lora.rank={config.lora.rank} adapts {trained[0]} (and {len(trained) - 1} more layers), but "
+        more = f" (and {len(trained) - 1} more layers)" if len(trained) > 1 else ""
+        raise ValueError(f"lora.rank={config.lora.rank} adapts {trained[0]}{more}, but "
                          f"optim.freeze={freeze} leaves their kernels training beside the adapters: add "
                          "'language/.*' to optim.freeze (as configs/llava_finetune.py:lora=8 does), or set "
                          "lora.rank=0 to train the LM itself.")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 
 from vitmm.interop import io
 
@@ -183,9 +182,17 @@ TYPED_PARTS = """{%- set ns = namespace(messages=[]) -%}
 
 def with_typed_parts(chat_template: str, image_text: str = "<image>\n") -> str:
     """``chat_template`` that also reads typed-part contents (``TYPED_PARTS``), unless it already
-    reads a part's ``type`` (an imported VLM's own template places its images itself)."""
-    if re.search(r"""\[['"]type['"]\]|\.type\b""", chat_template):
-        return chat_template
+    does (an imported VLM's own template places its images itself): decided by rendering a
+    typed-part question, as transformers would give it."""
+    from vitmm.data.tokenizer import render_chat
+
+    probe = "vitmm-typed-part-probe"
+    try:  # a template for strings prints the list as it is (its repr), one for parts the text alone
+        out = render_chat(chat_template, [{"role": "user", "content": [{"type": "text", "text": probe}]}], True)
+        if probe in out and "'type'" not in out:
+            return chat_template
+    except Exception:  # noqa: BLE001 - a template that fails on a list reads strings only
+        pass
     return TYPED_PARTS.replace("IMAGE_TEXT", json.dumps(image_text)) + chat_template
 
 
