@@ -105,7 +105,7 @@ class Parallel:
             # flax's replicate (device_put_sharded, a mesh of its own) the first step's inputs
             # differ in sharding from every later step's, and pmap traced and compiled the step twice.
             n = jax.local_device_count()
-            return jax.tree.map(lambda x: jax.device_put(np.broadcast_to(_local_copy(x), (n, *np.shape(x))),
+            return jax.tree.map(lambda x: jax.device_put(np.broadcast_to(to_host(x), (n, *np.shape(x))),
                                                          self.local_sharding), state)
         shardings = self.state_sharding(jax.eval_shape(lambda: state))
         return jax.device_put(state, shardings)
@@ -194,13 +194,6 @@ class Parallel:
         if self.kind == "pmap":
             return jax.tree.map(lambda x: to_host(x)[0], metrics)
         return jax.tree.map(to_host, metrics)
-
-
-def _local_copy(x) -> np.ndarray:
-    """``x`` on this host: a replicated array spanning several processes gives its local copy."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(x)
 
 
 def to_host(x) -> np.ndarray:
