@@ -22,7 +22,6 @@ import argparse
 import os
 import sys
 
-import ml_collections
 import numpy as np
 
 from vitmm import checkpoint as ckpt_lib
@@ -36,10 +35,10 @@ class Chat:
     _flat = False
 
     def __init__(self, workdir, step: int | None = None):
-        from vitmm.train import pp_template, tasks
+        from vitmm.train import pp_template, sources, tasks
         from vitmm.train.parallel import Parallel
 
-        self.config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir, step))
+        self.config = sources.run_config(workdir, step)
         if self.config.get("task") != "vlm":
             raise ValueError(f"{workdir} holds a {self.config.get('task', 'contrastive')!r} run, not a VLM (or a "
                              "`python -m vitmm.interop` LM folder).")

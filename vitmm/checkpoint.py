@@ -48,9 +48,7 @@ class Checkpointer:
 
     def step_folders(self) -> list[int]:
         """Every step-numbered folder in the checkpoints folder, readable or not."""
-        if not self.directory.is_dir():
-            return []
-        return sorted(int(p.name) for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit())
+        return step_folders(self.directory.parent)
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
@@ -68,6 +66,7 @@ class Checkpointer:
         shardings of ``abstract_state``'s ``ShapeDtypeStruct`` leaves."""
         step = self.latest_step() if step is None else step
         self._check_fits(abstract_state, step)
+        self._check_state_fits(abstract_state, step)
         restored = self._mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore()))
@@ -87,6 +86,21 @@ class Checkpointer:
                    if tree.fitting(abstract_state["params"], stored["params"]) else
                    " (nothing in this checkpoint fits it: a different model trained here).")
             )
+
+    def _check_state_fits(self, abstract_state, step: int) -> None:
+        """``CheckpointMismatch`` if the rest of the state saved at ``step`` (the optimizer's) has another
+        structure than this run's: a changed ``optim.freeze`` or set of transforms, not damaged files."""
+        stored = _leaf_shapes({k: v for k, v in self._mngr.item_metadata(step)["state"].items() if k != "params"})
+        wanted = _leaf_shapes({k: v for k, v in abstract_state.items() if k != "params"})
+        differ = sorted(k for k in set(stored) | set(wanted) if stored.get(k, "absent") != wanted.get(k, "absent"))
+        if differ:
+            shown = "; ".join(f"{'/'.join(k)}: saved {stored.get(k, 'absent')}, now {wanted.get(k, 'absent')}"
+                              for k in differ[:3])
+            raise CheckpointMismatch(
+                f"The optimizer state saved at step {step} in {self.directory} does not fit this run's optimizer "
+                f"({len(differ)} entries differ, e.g. {shown}): optim.freeze, LoRA or the optimizer's transforms "
+                "changed. Resume with the settings it was saved with, or start a fresh --workdir from its weights "
+                f"with --config.init.checkpoint={self.directory.parent}.")
 
     def restore_newest_readable(self, abstract_state, check=None, restart: bool = False):
         """``(state, data_state, meta, step)`` of the newest checkpoint that reads. ``check(meta)``
@@ -121,12 +135,12 @@ class Checkpointer:
             for s, reason in failed:  # one has read, so theirs were the files' faults
                 self._set_aside(s, reason)
             if failed:
-                self._mngr.reload()
+                self._reload_after_renames()
             return found
         if restart:
             for s, reason in failed:
                 self._set_aside(s, reason)
-            self._mngr.reload()
+            self._reload_after_renames()
             return None
         causes = "; ".join(f"step {s}: {reason}" for s, reason in failed)
         raise NoReadableCheckpoint(f"No readable checkpoint in {self.directory} ({causes}). Nothing was restored or "
@@ -149,6 +163,15 @@ class Checkpointer:
             (self.directory / str(step)).rename(target)
         return f"step {step}: {reason}"
 
+    def _reload_after_renames(self) -> None:
+        """Every process lists the steps again once process 0's renames are done (another process's
+        stale list would save a set-aside step a second time)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("vitmm: unreadable checkpoints set aside")
+        self._mngr.reload()
+
     @property
     def errors_log(self) -> pathlib.Path:
         """Where the libraries' full errors of a failed save or read go (``console``)."""
@@ -158,13 +181,18 @@ class Checkpointer:
         """Raises ``SaveFailed`` (path and cause) if a background save has failed."""
         try:
             self._mngr.check_for_errors()
+            # orbax's finalize thread keeps a failed commit's error to itself until waited on: a thread
+            # that has ended with one is waited on (at once) to raise it, not at the next save.
+            thread = getattr(self._mngr, "_finalize_thread", None)
+            if thread is not None and thread.map(lambda t: t is not None and not t.is_alive() and t.exception):
+                self._mngr.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - re-raised with what the user needs
             raise self.save_failed(err) from err
 
     def save_failed(self, err: Exception) -> SaveFailed:
         """The one-line error for a failed save: the folder, the cause, the newest intact step."""
         console.log_error(self.errors_log, f"saving a checkpoint to {self.directory} failed", err)
-        good = self.all_steps()
+        good = self.step_folders()  # on disk: orbax's own list already drops the steps a save would delete
         return SaveFailed(f"Saving a checkpoint to {self.directory} failed: {console.cause(err)} (the full error is in "
                           f"{self.errors_log}). "
                           + (f"The checkpoint at step {max(good)} is intact; free space or fix the path, then "
@@ -191,6 +219,25 @@ class Checkpointer:
             if not failing:
                 raise failed from error
             print(f"Warning: {failed}", flush=True)
+
+
+def _leaf_shapes(state) -> dict[tuple[str, ...], tuple]:
+    """``{path: shape}`` of a state's leaves, the path's parts as names whichever container held
+    them (orbax's metadata keeps an optimizer's named tuples as dicts and its tuples as lists)."""
+    def name(k):
+        return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+
+    return {tuple(name(k) for k in path): tuple(getattr(leaf, "shape", ()))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def step_folders(workdir: str | pathlib.Path) -> list[int]:
+    """Every step-numbered folder in ``workdir/checkpoints``, readable or not (orbax's temporary
+    folders of a save that never finished are not step-numbered)."""
+    folder = pathlib.Path(workdir).expanduser().absolute() / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def _read_only(path: str | pathlib.Path, **handlers):
@@ -226,8 +273,15 @@ def load_params(path: str | pathlib.Path, step: int | None = None) -> dict:
     return jax.tree.map(np.asarray, restored.state["params"])
 
 
+PINNED_SETTINGS = "settings.json"  # a folder a run pinned its init folder's settings in (vitmm.train.sources)
+
+
 def load_config(path: str | pathlib.Path, step: int | None = None) -> dict:
-    """The config (a plain dict) that another ``vitmm.train`` run saved with its checkpoint."""
+    """The config (a plain dict) that another ``vitmm.train`` run saved with its checkpoint, or the
+    one a run pinned in ``W/sources/<key>/``."""
+    pinned = pathlib.Path(path).expanduser() / PINNED_SETTINGS
+    if step is None and pinned.is_file():
+        return json.loads(pinned.read_text())
     path, mngr = _read_only(path, meta=ocp.JsonCheckpointHandler())
     with mngr:
         step = _step(mngr, path, step)

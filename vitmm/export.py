@@ -43,13 +43,12 @@ def clip_vision_problem(kwargs: dict, params: dict) -> str | None:
 
 def export_vlm(workdir, out) -> dict:
     """Writes the parts of the VLM in ``workdir`` under ``out``; returns what was written."""
-    import ml_collections
 
     from vitmm import checkpoint as ckpt_lib
     from vitmm.models import lora as lora_lib
-    from vitmm.train import tasks, vlm_start
+    from vitmm.train import sources, tasks, vlm_start
 
-    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
+    config = sources.run_config(workdir)
     if config.get("task") != "vlm":
         raise ValueError(f"{workdir} holds a {config.get('task', 'contrastive')!r} run, not a VLM.")
     out = cli.new_output_folder(out)
@@ -64,8 +63,8 @@ def export_vlm(workdir, out) -> dict:
     (out / "lm").mkdir(parents=True)
     io.write_safetensors(tensors, out / "lm" / "model.safetensors")
     (out / "lm" / "config.json").write_text(json.dumps(hf_config, indent=1))
-    if config.init.get("lm"):  # the tokenizer and chat template travel with the LM
-        source = pathlib.Path(config.init.lm).expanduser()
+    if sources.folder(config, "lm"):  # the tokenizer and chat template travel with the LM
+        source = pathlib.Path(sources.folder(config, "lm")).expanduser()
         if (source / "tokenizer.json").is_file():
             shutil.copy(source / "tokenizer.json", out / "lm" / "tokenizer.json")
         saved = ckpt_lib.load_config(source)

@@ -24,10 +24,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import ml_collections
-
-from vitmm import checkpoint as ckpt_lib
-
 _YAML = """\
 # Written by `python -m vitmm.lmms_task` from {workdir}: its `{evaluator}` evaluator's questions.
 task: {task}
@@ -59,7 +55,7 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
 
     from vitmm import cli
     from vitmm.data import preprocess
-    from vitmm.train import tasks
+    from vitmm.train import sources, tasks
 
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", task):
         raise ValueError(f"--task {task!r}: a task name is letters, digits, '_', '.' and '-' (lmms-eval's "
@@ -69,7 +65,7 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
             {n for n in names if n.endswith(".yaml")}
 
     workdir, out = Path(workdir), cli.new_output_folder(out, reusable=own)
-    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir, step))
+    config = sources.run_config(workdir, step)
     evals = tasks.evals_config(config) if config.get("task") == "vlm" else {}
     if evals.get(evaluator, {}).get("type") != "qa":
         have = sorted(k for k, v in evals.items() if v.get("type") == "qa")

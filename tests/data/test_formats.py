@@ -437,6 +437,8 @@ def test_each_process_gets_its_own_iterator_state_back():
     saved = device_feed.gather_states(states[mine], allgather)
     saved = json.loads(json.dumps(saved))  # through the checkpoint's JSON
     assert [device_feed.own_state(saved, i, 2) for i in range(2)] == states
-    assert device_feed.own_state({"next_index": 3}, 1, 2) == {"next_index": 3}  # one state for everyone, as before
+    assert device_feed.own_state({"next_index": 3}, 0, 1) == {"next_index": 3}  # one process's, saved bare before
+    with pytest.raises(ValueError, match="saved by 1 process; this run has 2. Resume with 1 process "):  # its slice
+        device_feed.own_state({"next_index": 3}, 1, 2)
     with pytest.raises(ValueError, match="saved by 2 processes; this run has 4. Resume with 2 processes"):
         device_feed.own_state(saved, 0, 4)

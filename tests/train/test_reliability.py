@@ -99,10 +99,11 @@ def test_a_changed_optimizer_is_refused_in_one_line_and_no_checkpoint_is_touched
         trainer.train(frozen, tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "4"]
     with frozen.unlocked():
-        frozen.allow_config_change = True  # told to go on: the state does not read, and still nothing is renamed
-    with pytest.raises(ckpt_lib.NoReadableCheckpoint, match=r"step 4: .*step 3: .*Nothing was restored or renamed"):
+        frozen.allow_config_change = True  # told to go on: the optimizer state does not fit, said as such
+    with pytest.raises(ckpt_lib.CheckpointMismatch, match=r"optimizer state saved at step 4 .* does not fit this "
+                                                          r"run's optimizer .*optim.freeze.*init.checkpoint="):
         trainer.train(frozen, tmp_path)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "4"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "4"]  # not damaged: not set aside
 
 
 def test_a_log_past_the_first_checkpoints_with_no_checkpoint_is_an_earlier_run(tmp_path):
@@ -158,6 +159,37 @@ def test_a_failed_background_save_stops_the_run_naming_the_cause(tmp_path, strai
     assert "Traceback" in (tmp_path / "errors.log").read_text()
 
 
+def test_a_failed_background_save_is_seen_before_the_next_save_and_the_intact_step_named(tmp_path, monkeypatch):
+    """orbax keeps a failed commit's error in its finalize thread: it is raised as soon as that
+    thread ends (not at the next save, steps later), and the message names the step still on disk
+    although orbax's own list has dropped it (keep=1: the failed save was to replace it)."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    real = ocp.StandardCheckpointHandler.async_save
+
+    class NoSpace:
+        def result(self, timeout=None):
+            raise OSError(28, "No space left on device")
+
+    async def async_save(self, directory, *args, **kwargs):
+        futures = await real(self, directory, *args, **kwargs)
+        return list(futures or []) + [NoSpace()] if "2" in str(directory) else futures
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", async_save)
+    checkpointer = ckpt_lib.Checkpointer(tmp_path, keep=1)
+    state = {"params": {"w": jnp.ones(3)}, "step": jnp.zeros((), jnp.int32)}
+    checkpointer.save(1, state, {}, {})
+    checkpointer.wait()
+    checkpointer.save(2, state, {}, {})
+    with pytest.raises(ckpt_lib.SaveFailed, match=r"No space left on device .*The checkpoint at step 1 is intact"):
+        for _ in range(200):
+            checkpointer.check_saves(3)
+            time.sleep(0.05)
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", real)
+    assert ckpt_lib.step_folders(tmp_path) == [1]
+
+
 def test_the_checkpoint_is_saved_before_a_failing_evaluation(tmp_path, clip_smoke_run, monkeypatch):
     from vitmm.train import tasks
 
@@ -175,6 +207,12 @@ def test_the_checkpoint_is_saved_before_a_failing_evaluation(tmp_path, clip_smok
     with pytest.raises(RuntimeError, match="evaluator failed"):
         trainer.train(smoke_config(clip_smoke_run.data_dir), tmp_path)
     assert ckpt_lib.Checkpointer(tmp_path).all_steps() == [4]
+    # The last step's evaluation, owed by a run that stopped there, is run and logged by the rerun.
+    monkeypatch.undo()
+    summary = trainer.train(smoke_config(clip_smoke_run.data_dir), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "zeroshot/accuracy" in r] == [4]
+    assert summary["evals"] == clip_smoke_run.summary["evals"]
 
 
 # ------------------------------------------------------------------------------------ logs, config, lock
@@ -203,9 +241,61 @@ def test_a_resume_with_a_changed_config_says_what_changed_and_refuses_what_matte
     harmless = smoke_config(straight[2].input.data_dir, evals=False, log_every=2, checkpoint_every=1)
     assert trainer.train(harmless, tmp_path, stop_at=3)["final_step"] == 3
     assert "log_every: 1 -> 2" in capsys.readouterr().out
+    assert trainer.train(harmless, tmp_path, stop_at=2)["final_step"] == 3  # already past it: nothing trained
     with changed.unlocked():
         changed.allow_config_change = True
     assert trainer.train(changed, tmp_path)["final_step"] == 4
+
+
+def test_what_a_stop_tells_the_user_to_change_and_where_the_run_started_may_change_on_resume():
+    """A stop on bad data says to raise ``input.max_skipped_share``; a resume reads its own checkpoint
+    and pinned settings, not the ``init`` folders (which may have moved)."""
+    import ml_collections
+
+    saved = {"input": {"max_skipped_share": 0.01}, "init": {"lm": "/old/lm"}, "optim": {"lr": 1e-3}}
+    now = ml_collections.ConfigDict({"input": {"max_skipped_share": 0.05}, "init": {"lm": "/new/lm"},
+                                     "optim": {"lr": 1e-3}})
+    assert len(workdir_lib.check_config_change(saved, now, "ckpt")) == 2
+    now.optim.lr = 0.5
+    with pytest.raises(workdir_lib.ConfigChanged, match="would change optim/lr:"):
+        workdir_lib.check_config_change(saved, now, "ckpt")
+
+
+def test_a_full_disk_stops_the_command_in_one_line(tmp_path, monkeypatch, capsys):
+    """An OSError the run meets outside a checkpoint save (the metrics log on a full disk) is one
+    line naming the file and what to do, exit 1; its traceback goes to errors.log."""
+    from vitmm.train import __main__ as cli
+
+    log = tmp_path / "w" / "metrics.jsonl"
+
+    def full_disk(*args, **kwargs):
+        (tmp_path / "w").mkdir()
+        raise OSError(28, "No space left on device", str(log))
+
+    monkeypatch.setattr(cli.trainer, "train", full_disk)
+    cli.parse_flags(["vitmm.train", f"--config={ROOT / 'configs/clip_scenes.py'}:smoke", f"--workdir={log.parent}"])
+    with pytest.raises(SystemExit) as stop:
+        cli.main([])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"python -m vitmm.train: [Errno 28] No space left on device: '{log}'; the full error is in "
+        f"{log.parent / 'errors.log'}. Free space or fix the path, then rerun the same command: it resumes from "
+        "the last checkpoint."]
+    assert "Traceback" in (log.parent / "errors.log").read_text()
+
+
+def test_restart_sets_the_old_log_aside_only_once_the_run_is_checked(tmp_path, straight, monkeypatch):
+    _, _, config = straight
+    rows = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 10))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+
+    def bad_data(*args, **kwargs):
+        raise ValueError("input.data_path=typo: no such file")
+
+    monkeypatch.setattr(trainer.inputs, "make", bad_data)
+    with pytest.raises(ValueError, match="typo"):
+        trainer.train(config, tmp_path, restart=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == rows and not list(tmp_path.glob("metrics.before*"))
 
 
 def test_a_setting_added_to_the_configs_at_none_is_no_change():

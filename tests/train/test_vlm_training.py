@@ -2,6 +2,7 @@
 CLIP run of `vitmm.train`, and the QA evaluator reports accuracy per question kind."""
 
 import pathlib
+import shutil
 
 import jax
 import numpy as np
@@ -218,8 +219,19 @@ def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_
              "question_kinds": [0]}, np.random.default_rng(0))
         head = "<|im_start|>system\nAnswer with one word or number.<|im_end|>\n<|im_start|>user\n"
         assert int(example["image_pos"]) == len(tasks.tokenizer_for(c).encode(head))
-    summary = trainer.train(c, tmp_path / "vlm")
+    summary = trainer.train(c, tmp_path / "vlm", stop_at=1 if chat else None)
     assert "model.vision is replaced by the tower saved in" in capsys.readouterr().out
+    if chat:  # the run outlives its init folders: it resumes, exports and chats with them moved away
+        for name in ("tower", "lm"):
+            (tmp_path / name).rename(tmp_path / f"moved_{name}")
+        assert sorted(p.name for p in (tmp_path / "vlm/sources").iterdir()) == ["lm", "vision"]
+        summary = trainer.train(c, tmp_path / "vlm")
+        assert summary["final_step"] == c.total_steps > 1
+        from vitmm import chat as chat_lib
+
+        assert chat_lib.load(tmp_path / "vlm").tokenizer.chat_template
+        for name in ("tower", "lm"):
+            (tmp_path / f"moved_{name}").rename(tmp_path / name)
     assert np.isfinite(summary["history"][-1]["loss"]) and "qa/accuracy" in summary["evals"]
     params = ckpt_lib.load_params(tmp_path / "vlm")
     tower, lm = ckpt_lib.load_params(tmp_path / "tower")["img"], ckpt_lib.load_params(tmp_path / "lm")["lm"]
@@ -233,6 +245,8 @@ def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_
     from vitmm import export
     from vitmm.interop import hf, hf_lm
 
+    if chat:
+        shutil.rmtree(tmp_path / "lm")  # the LM's tokenizer and template travel from the run's pinned copy
     written = export.export_vlm(tmp_path / "vlm", tmp_path / "exported")
     assert set(written) == {"lm", "vision", "connector"}
     same = lambda a, b: jax.tree.map(np.testing.assert_array_equal, a, jax.tree.map(np.asarray, b))  # noqa: E731
@@ -244,6 +258,7 @@ def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_
     same(connector, params["project"])
     assert settings["connector"] == {"name": "pool", "budget": 4}
     assert (tmp_path / "exported/lm/tokenizer.json").is_file()
+    assert (tmp_path / "exported/lm/tokenizer_config.json").is_file()  # the GGUF carries a chat template
 
 
 def test_lora_trains_the_adapters_and_the_connector_only(tmp_path, data_dir):

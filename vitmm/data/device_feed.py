@@ -27,11 +27,11 @@ def gather_states(state, allgather=None) -> dict:
 
     Processes that skip bad examples read different numbers of records, so their states differ
     and each must get its own back (``own_state``). ``allgather(array)`` stacks an array from every
-    process (default: ``multihost_utils.process_allgather``); with one process the state is kept
-    as it is."""
+    process (default: ``multihost_utils.process_allgather``); one process's state is a list of one,
+    so a resume on another number of processes is refused, not read as everyone's."""
     if allgather is None:
         if jax.process_count() == 1:
-            return state
+            return {"per_process": [state]}
         from jax.experimental import multihost_utils
 
         allgather = multihost_utils.process_allgather
@@ -44,14 +44,14 @@ def gather_states(state, allgather=None) -> dict:
 
 
 def own_state(state, process_index: int | None = None, process_count: int | None = None):
-    """This process's part of a ``gather_states`` state (any other state is everyone's)."""
-    if not (isinstance(state, dict) and "per_process" in state):
-        return state
+    """This process's part of a ``gather_states`` state (a bare state, as one process saved it before
+    states were lists, is a list of one)."""
     index, count = pipeline.process_slot(process_index, process_count)
-    states = state["per_process"]
+    states = state["per_process"] if isinstance(state, dict) and "per_process" in state else [state]
     if len(states) != count:
-        raise ValueError(f"The checkpoint's data position was saved by {len(states)} processes; this run has {count}. "
-                         f"Resume with {len(states)} processes (each reads its own slice of the data).")
+        saved = f"{len(states)} process" + ("es" if len(states) > 1 else "")
+        raise ValueError(f"The checkpoint's data position was saved by {saved}; this run has {count}. "
+                         f"Resume with {saved} (each reads its own slice of the data).")
     return states[index]
 
 

@@ -30,8 +30,17 @@ def paired(a: dict, b: dict) -> tuple[float, float] | None:
         return None
     x, y = np.array([a[k] for k in seeds], float), np.array([b[k] for k in seeds], float)
     diff = x - y
-    p = 1.0 if np.allclose(diff, diff[0]) and diff[0] == 0 else float(stats.ttest_rel(x, y).pvalue)
-    return float(diff.mean()), p
+    p = _constant_p(diff)
+    return float(diff.mean()), float(stats.ttest_rel(x, y).pvalue) if p is None else p
+
+
+def _constant_p(values) -> float | None:
+    """The two-sided p of values that do not vary (float noise apart), where a t-test's zero variance
+    would say p = 0 at any number of seeds: 1 when they are 0, else the exact sign-flip test's
+    (only all signs flipped together are as extreme: 2 / 2^n, 0.25 with 3 seeds). None otherwise."""
+    if not np.allclose(values, values[0]):
+        return None
+    return 1.0 if values[0] == 0 else min(1.0, 2.0 / 2 ** len(values))
 
 
 def one_sample(values) -> tuple[float, float, float] | None:
@@ -41,8 +50,8 @@ def one_sample(values) -> tuple[float, float, float] | None:
     values = np.asarray(values, float)
     if len(values) < 2:
         return None
-    p = 1.0 if np.allclose(values, values[0]) and values[0] == 0 else float(stats.ttest_1samp(values, 0).pvalue)
-    return float(values.mean()), ci95(values), p
+    p = _constant_p(values)
+    return float(values.mean()), ci95(values), float(stats.ttest_1samp(values, 0).pvalue) if p is None else p
 
 
 def welch(a, b) -> tuple[float, float, float] | None:

@@ -157,6 +157,12 @@ def main(argv):
         if debug:
             raise
         _fail(str(err), 1)
+    except OSError as err:  # e.g. a full disk met by the metrics log; a checkpoint is never half-written
+        if debug:
+            raise
+        console.log_error(errors_log, "the run stopped", err)
+        _fail(f"{console.cause(err)}; the full error is in {errors_log}. Free space or fix the path, then rerun "
+              "the same command: it resumes from the last checkpoint.", 1)
     if summary["evals"]:
         print(summary_table(summary))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 
 from vitmm import checkpoint as ckpt_lib
+from vitmm.train import sources
 
 # What an imported VLM (``python -m vitmm.interop --from hf`` on a whole VLM) fixes for a run that
 # starts from it: the model, its tokenizer and chat template, and its image size and statistics.
@@ -29,7 +30,7 @@ def from_imported_vlm(config):
     start = (config.get("init") or {}).get("checkpoint")
     if config.get("task") != "vlm" or not start or config.init.get("vision") or config.init.get("lm"):
         return config
-    saved = ckpt_lib.load_config(start)
+    saved = ckpt_lib.load_config(sources.folder(config, "checkpoint"))  # as pinned, for a resumed run
     if saved.get("task") != "vlm" or not (saved.get("source") or {}).get("architecture"):
         return config
     config = config.copy_and_resolve_references()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm.data import preprocess
+from vitmm.train import sources
 
 
 def image_channels(config) -> int:
@@ -21,8 +22,8 @@ def image_normalization(config) -> tuple[tuple, tuple]:
     when set, else (a VLM) what the tower checkpoint ``init.vision`` records, else 0.5/0.5
     (``value_range(-1, 1)``, what vitmm's own configs train with)."""
     mean, std = config.input.get("image_mean"), config.input.get("image_std")
-    if mean is None and config.get("task") == "vlm" and config.init.get("vision"):
-        saved = ckpt_lib.load_config(config.init.vision).get("input") or {}
+    if mean is None and config.get("task") == "vlm" and sources.folder(config, "vision"):
+        saved = ckpt_lib.load_config(sources.folder(config, "vision")).get("input") or {}
         mean, std = saved.get("image_mean"), saved.get("image_std")
     half = (0.5, 0.5, 0.5)
     return tuple(mean or half), tuple(std or half)

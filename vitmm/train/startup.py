@@ -33,22 +33,28 @@ def refuse_together(refusal: Exception | None, workdir: pathlib.Path) -> None:
         raise refusal
 
 
-def check_history(workdir: pathlib.Path, config, restart: bool) -> None:
+def check_history(workdir: pathlib.Path, config, restart: bool) -> bool:
+    """Whether ``workdir`` holds an earlier run's log that ``--restart`` sets aside (``set_aside_history``,
+    once the run's settings are checked); without ``restart`` such a workdir is refused."""
     found = history_without_checkpoint(workdir, config.checkpoint_every)
     if found and not restart:
         raise HistoryWithoutCheckpoint(
             f"{workdir} holds an earlier run ({'; '.join(found)}) but no checkpoint to resume it from; rerun with "
             "--restart to train it again from step 0 (its metrics.jsonl is kept aside), or use a fresh --workdir.")
-    if found:
-        kept = set_aside_for_restart(workdir)
-        print(f"Restarting from step 0 in {workdir} (--restart)" + (f"; the earlier log is {kept.name}." if kept else
-                                                                  "."), flush=True)
+    return bool(found)
+
+
+def set_aside_history(workdir: pathlib.Path) -> None:
+    kept = set_aside_for_restart(workdir)
+    print(f"Restarting from step 0 in {workdir} (--restart)" + (f"; the earlier log is {kept.name}." if kept else "."),
+          flush=True)
 
 
 def evaluation_lost(workdir, start: int, total: int, config, evaluators, is_main: bool) -> bool:
     """A run stopped between saving an evaluation step and evaluating it (a kill, or a preemption at
-    that step) resumes there: the evaluation the log lacks is run first (process 0 decides for all)."""
-    if not evaluators or not 0 < start < total or start % config.eval_every:
+    that step; the last step's too) resumes there: the evaluation the log lacks is run first
+    (process 0 decides for all)."""
+    if not evaluators or not 0 < start <= total or (start % config.eval_every and start != total):
         return False
     lost = is_main and not evaluated_at(workdir, start, evaluators)
     if jax.process_count() > 1:

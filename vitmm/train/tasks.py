@@ -23,7 +23,7 @@ from vitmm.data import sequences
 from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
 from vitmm.models import packing, rope, two_towers, vlm
-from vitmm.train import determinism, pp_template, vlm_evaluators, vlm_start
+from vitmm.train import determinism, pp_template, sources, vlm_evaluators, vlm_start
 from vitmm.train import evaluators as eval_lib
 from vitmm.train.parallel import Parallel
 
@@ -62,7 +62,7 @@ class ContrastiveTask:
             raise ValueError("input.packing (images at their own sizes) needs parallel='jit' and loss 'softmax' "
                              f"or 'sigmoid'; got parallel={par.kind!r}, loss={config.loss!r}.")
 
-    def init_params(self):
+    def init_params(self, load: bool = True):  # noqa: ARG002 - a CLIP starts from no init folder
         res = self.config.input.image_size
         images = jnp.zeros((1, res, res, 3), jnp.float32)
         ids = jnp.zeros((1, self.config.model.text.max_len), jnp.int32)
@@ -138,7 +138,9 @@ class VLMTask:
                              mrope=bool(m.get("mrope", False)), anyres=anyres)
         self.num_visual = self.mrope_grid = None  # known once the parameters exist (init_params)
 
-    def init_params(self):
+    def init_params(self, load: bool = True):
+        """The VLM's parameters: the tower's and LM's from ``init.vision`` / ``init.lm`` unless not
+        ``load`` (a run that resumes: its own checkpoint holds them)."""
         c = self.config
         res = c.input.image_size
         images = jnp.zeros((1, res, res, pp_template.image_channels(c)), jnp.float32)
@@ -149,7 +151,7 @@ class VLMTask:
             else None  # flat sequences' M-RoPE positions are made on the host (data.sequences)
         params = dict(variables["params"])
         dont_load = c.init.get("dont_load") or ()
-        if c.init.get("vision"):
+        if c.init.get("vision") and load:
             tower = ckpt_lib.load_params(c.init.vision)
             if "img" not in tower:
                 raise ValueError(f"The checkpoint in {c.init.vision} has no image tower ('img'); it has "
@@ -158,7 +160,7 @@ class VLMTask:
                                                    params["tower"])
             params["tower"] = ckpt_lib.merge_params(params["tower"], tower, dont_load,
                                                     source=f"{c.init.vision} (img)", prefix="tower/")
-        elif not (c.init.get("allow_random_tower") or c.init.get("checkpoint")):
+        elif not (c.init.get("vision") or c.init.get("allow_random_tower") or c.init.get("checkpoint")):
             raise ValueError("A VLM starts from a pretrained tower: set --config.init.vision=WORKDIR of a "
                              "`python -m vitmm.train` CLIP run or a `python -m vitmm.interop` folder, or "
                              "init.checkpoint=a VLM's (or init.allow_random_tower=True for tests).")
@@ -166,7 +168,7 @@ class VLMTask:
             params["lora"] = lora_lib.init(params, tuple(c.lora.targets), c.lora.rank, jax.random.key(c.seed + 1))
             vlm_start.check_lora_bases_frozen(c, params["lora"])
             vlm_start.lora_alpha(c)  # refused here, before any step, when it would scale the adapters to nothing
-        if c.init.get("lm"):
+        if c.init.get("lm") and load:
             saved = ckpt_lib.load_params(c.init.lm)
             if "lm" not in saved:
                 raise ValueError(f"The checkpoint in {c.init.lm} holds no language model ('lm'); convert one with "
@@ -289,28 +291,28 @@ def vlm_parts(config) -> tuple[dict, dict]:
     ``attn_impl`` (e.g. ``cudnn`` on a GPU) and ``remat_policy`` apply to a loaded tower or LM too."""
     vision = config.model.vision.to_dict() if config.model.get("vision") else None
     lm = config.model.lm.to_dict()
-    for key in ("vision", "lm"):
-        source = config.init.get(key)
+    found = {key: sources.folder(config, key) for key in sources.FOLDERS}
+    for key, source in found.items():
         if source and not pathlib.Path(source).expanduser().is_dir():
             raise FileNotFoundError(f"init.{key}={source} does not exist; the run reads its {key} settings (and "
                                     "at the start its weights) from that folder: restore it there, or pass "
                                     f"--config.init.{key}=its new place.")
-    if config.init.get("vision"):
-        saved = (ckpt_lib.load_config(config.init.vision).get("model") or {}).get("image")
+    if found["vision"]:
+        saved = (ckpt_lib.load_config(found["vision"]).get("model") or {}).get("image")
         if saved is None:
-            raise ValueError(f"{config.init.vision} does not say how its image tower was built (no model.image in "
+            raise ValueError(f"{found['vision']} does not say how its image tower was built (no model.image in "
                              "its config); use a `python -m vitmm.train` workdir or a `python -m vitmm.interop` "
                              "folder.")
         saved = _with_run_kernels(saved, vision)
         if vision is not None and _set(vision) != _set(saved) and jax.process_index() == 0:
-            print(f"model.vision is replaced by the tower saved in {config.init.vision}: {saved}", flush=True)
+            print(f"model.vision is replaced by the tower saved in {found['vision']}: {saved}", flush=True)
         vision = saved
     if vision is None:
         raise ValueError("The VLM has no tower: set --config.init.vision=DIR (or model.vision for a random tower).")
-    if config.init.get("lm"):
-        saved = (ckpt_lib.load_config(config.init.lm).get("model") or {}).get("lm")
+    if found["lm"]:
+        saved = (ckpt_lib.load_config(found["lm"]).get("model") or {}).get("lm")
         if saved is None:
-            raise ValueError(f"{config.init.lm} holds no language model settings (model.lm); convert one with "
+            raise ValueError(f"{found['lm']} holds no language model settings (model.lm); convert one with "
                              "`python -m vitmm.interop --from hf|gguf`.")
         lm = _with_run_kernels(saved, lm)
     return determinism.attention(vision, config, "the tower"), determinism.attention(lm, config, "the LM")
@@ -324,7 +326,7 @@ def tokenizer_for(config):
 
     from vitmm.data import tokenizer as tok_lib
 
-    lm_dir = config.get("init", {}).get("lm") if config.get("task") == "vlm" else None
+    lm_dir = sources.folder(config, "lm") if config.get("task") == "vlm" else None
     if lm_dir:
         path = pathlib.Path(lm_dir).expanduser() / "tokenizer.json"
         if not path.is_file():
@@ -333,7 +335,7 @@ def tokenizer_for(config):
         ids = {k: v for k, v in (saved.get("tokens") or {}).items() if v is not None}
         return tok_lib.get_tokenizer(str(path), chat_template=saved.get("chat_template"), **ids)
     ids = {k: v for k, v in (config.get("tokens") or {}).items() if v is not None}
-    return tok_lib.get_tokenizer(config.get("tokenizer"), chat_template=config.get("chat_template"), **ids)
+    return tok_lib.get_tokenizer(sources.tokenizer_file(config), chat_template=config.get("chat_template"), **ids)
 
 
 def anyres_layout(batch: dict):

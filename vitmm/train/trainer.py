@@ -24,7 +24,7 @@ from tqdm import tqdm
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
 from vitmm.data import device_feed, formats, skips
-from vitmm.train import determinism, distributed, imported_vlm, inputs, optim, pp_template, startup, tasks
+from vitmm.train import determinism, distributed, imported_vlm, inputs, optim, pp_template, sources, startup, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
@@ -117,31 +117,33 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     """Trains ``config`` in ``workdir`` (resuming from its newest readable checkpoint).
 
     ``stop_at`` ends the run after that step with a checkpoint (the schedule still runs to
-    ``config.total_steps``; calling ``train`` again resumes). SIGTERM or SIGINT does the same at
-    the current step and raises ``Preempted``. A workdir that held a run no checkpoint can resume
-    is refused (``HistoryWithoutCheckpoint``) unless ``restart``, which keeps its log aside and
-    starts at step 0. A run refused before it wrote anything leaves no workdir behind.
+    ``config.total_steps``; calling ``train`` again resumes; a run already there trains nothing).
+    SIGTERM or SIGINT does the same at the current step and raises ``Preempted``. A workdir that
+    held a run no checkpoint can resume is refused (``HistoryWithoutCheckpoint``) unless ``restart``,
+    which keeps its log aside and starts at step 0. A run refused before it wrote anything leaves no workdir behind.
     """
     determinism.set_flags(config)  # before JAX opens a backend
     distributed.maybe_initialize(config)
-    config = imported_vlm.from_imported_vlm(config)
-    validate(config)
     workdir = pathlib.Path(workdir).expanduser()
+    resuming = bool(ckpt_lib.step_folders(workdir))  # an unreadable one must not mean a fresh start
+    # A resumed run reads its init folders' settings as it pinned them at its start (sources).
+    config = imported_vlm.from_imported_vlm(sources.with_pinned(config, workdir) if resuming else config)
+    validate(config)
     created = workdir_lib.make(workdir)
     is_main = jax.process_index() == 0
     lock = workdir_lib.Lock(workdir)
     try:
-        refusal = None
+        refusal, set_aside = None, False
         if is_main:
             try:
                 lock.acquire()
-                startup.check_history(workdir, config, restart)
+                set_aside = startup.check_history(workdir, config, restart)
             except startup.REFUSALS as err:
                 refusal = err
         startup.refuse_together(refusal, workdir)
         with (console.library_errors_to(workdir / console.ERRORS_LOG), StopRequests() as stop,
               contextlib.ExitStack() as cleanup):
-            return _train(config, workdir, stop_at, is_main, stop, cleanup, restart)
+            return _train(config, workdir, stop_at, is_main, stop, cleanup, restart, set_aside, resuming)
     finally:
         lock.release()
         if created and is_main:
@@ -161,6 +163,17 @@ class Setup:
     state: dict
     config: Any
 
+    def fresh_state(self, params=None, load: bool = True) -> dict:
+        """Step 0's state: ``params`` (default: the task's), with the ``init.*`` weights unless not
+        ``load`` (a run that resumes overwrites them: their shapes are all it needs)."""
+        params = self.task.init_params(load=load) if params is None else params
+        if load and self.config.init.get("checkpoint"):
+            loaded = ckpt_lib.load_params(self.config.init.checkpoint)
+            params = ckpt_lib.merge_params(params, loaded, self.config.init.get("dont_load") or (),
+                                           source=self.config.init.checkpoint)
+        return dict(params=params, opt_state=jax.jit(self.tx.init)(params), step=jnp.zeros((), jnp.int32),
+                    rng=jax.random.key_data(jax.random.key(self.config.seed)), bad=jnp.full((2,), -1, jnp.int32))
+
     def compile(self, placed):
         """``step(state, batch) -> (state, metrics)``, jitted or pmapped, the state donated;
         ``placed``: a state as ``par.put_state`` lays it out."""
@@ -174,46 +187,46 @@ class Setup:
         return self.par.compile(step_with_key, jax.tree.map(lambda x: x, self.par.host_state(placed)))
 
 
-def build(config) -> Setup:
-    """The task, optimizer and fresh state of ``config`` (``init.checkpoint`` loaded)."""
+def build(config, load: bool = True) -> Setup:
+    """The task, optimizer and fresh state of ``config`` (the ``init.*`` weights loaded unless not
+    ``load``: a run that resumes reads its own checkpoint, not the folders it started from)."""
     par = Parallel(config.parallel, fsdp=config.get("fsdp", False), tensor_parallel=config.get("tensor_parallel", 1))
     tokenizer = tasks.tokenizer_for(config)
     task = tasks.from_config(config, par, tokenizer)
-    params = task.init_params()
+    params = task.init_params(load=load)
     optim_cfg = config.optim.copy_and_resolve_references()
     with optim_cfg.unlocked():
         optim_cfg.total_steps = config.total_steps
     tx, lr_schedule = optim.make_optimizer(optim_cfg, params)
-    if config.init.get("checkpoint"):
-        loaded = ckpt_lib.load_params(config.init.checkpoint)
-        params = ckpt_lib.merge_params(params, loaded, config.init.get("dont_load") or (),
-                                       source=config.init.checkpoint)
-    state = dict(params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32),
-                 rng=jax.random.key_data(jax.random.key(config.seed)),
-                 bad=jnp.full((2,), -1, jnp.int32))
-    return Setup(par, tokenizer, task, tx, lr_schedule, state, config)
+    setup = Setup(par, tokenizer, task, tx, lr_schedule, {}, config)
+    setup.state = setup.fresh_state(params, load)
+    return setup
 
 
 def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequests, cleanup,
-           restart: bool = False) -> dict:
-    setup = build(config)
+           restart: bool = False, set_aside: bool = False, resuming: bool = False) -> dict:
+    given = sources.without_pinned(config)  # what the run records: the config as it was given
+    setup = build(config, load=not resuming)
     par, tokenizer, task, state = setup.par, setup.tokenizer, setup.task, setup.state
     data = inputs.make(config, tokenizer, par, task)
     cleanup.callback(device_feed.close, data)  # input worker processes stop however the run ends
     evaluators = task.evaluators()  # before anything is written: a bad evaluation setting costs no run
+    if set_aside:  # --restart over an earlier run's log, once this run's settings have all been checked
+        startup.set_aside_history(workdir)
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
     start = 0
-    if checkpointer.all_steps() or checkpointer.step_folders():  # an unreadable one must not mean a fresh start
+    if resuming:
         abstract = par.abstract_for_restore(jax.eval_shape(lambda: state))
         changes = []
 
         def check(meta):  # before the state is read: what the config changes, refused where it matters
             saved = meta.get("config")
             changes[:] = workdir_lib.check_config_change(json.loads(saved) if isinstance(saved, str) else saved,
-                                                         config, checkpointer.directory)
+                                                         given, checkpointer.directory)
 
         found = checkpointer.restore_newest_readable(abstract, check, restart=restart)
         if found is None:  # --restart over checkpoints none of which read: set aside
+            state = setup.fresh_state()
             kept = workdir_lib.set_aside_for_restart(workdir) if is_main else None
             if is_main:
                 print(f"Restarting from step 0 in {workdir} (--restart; no checkpoint read, set aside as "
@@ -225,8 +238,11 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                 print(f"Resumed from step {start} in {checkpointer.directory}", flush=True)
                 if changes:
                     print("Config changes since that checkpoint:\n" + "\n".join(changes), flush=True)
+                for line in sources.changed_since_pinned(config):
+                    print(line, flush=True)
     if is_main:
-        workdir_lib.write_config(workdir, config)
+        sources.pin(workdir, given, replace=not resuming)  # the settings of the folders step 0 was loaded from
+        workdir_lib.write_config(workdir, given)
     state = par.put_state(state)
     step_fn = setup.compile(state)
     metric_names = BASE_METRICS + task.aux_names
@@ -236,20 +252,24 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     writer = workdir_lib.MetricWriter(workdir, enabled=is_main, resumed_at=start)
 
     total = config.total_steps
+    evals = {}
     if startup.evaluation_lost(workdir, start, total, config, evaluators, is_main):
-        params = _host_params(par.host_state(state)["params"])
-        writer.write(start, _evaluate(evaluators, task.eval_params(params), task.final_aux(params)))
+        evals = _evaluate_state(evaluators, task, par, state)
+        writer.write(start, evals)
         if is_main:
             print(f"step {start}: evaluated on resuming (the run stopped after saving it, before evaluating it)",
                   flush=True)
+    elif start >= total and evaluators:  # a finished run: its final evaluation reported again, not logged twice
+        evals = _evaluate_state(evaluators, task, par, state)
     sync_every = config.get("sync_every", 8) if par.needs_host_sync else None
     progress = tqdm(total=total, initial=start, desc="train", unit="step", disable=not is_main,
                     dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
-    history, evals, last_log = [], {}, (time.perf_counter(), start)
+    history, last_log = [], (time.perf_counter(), start)
     skipped = _data_counts(data.get_state(), None, False)  # bad examples skipped so far (raw data)
     metrics = None
     try:
-        for step in range(start + 1, total + 1):
+        last = total if stop_at is None else max(min(stop_at, total), start)  # at or past stop_at: nothing to train
+        for step in range(start + 1, last + 1):
             batch = next(data)
             state, metrics = step_fn(state, batch)
             stopping = stop.requested() and step < total  # at the last step the run simply ends
@@ -273,9 +293,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                 _save(checkpointer, step, par.host_state(state), device_feed.gather_states(data.get_state()), config)
             checkpointer.check_saves(step)
             if at_eval:
-                host_metrics = par.first(metrics)
-                evals = _evaluate(evaluators, task.eval_params(_host_params(par.host_state(state)["params"])),
-                                  {k: host_metrics[k] for k in task.aux_names})
+                evals = _evaluate_state(evaluators, task, par, state)
                 writer.write(step, evals)
                 if is_main:
                     tqdm.write(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in evals.items()
@@ -286,11 +304,6 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                 checkpointer.wait()
                 checkpointer.check_saves(step + 1)
                 raise Preempted(step, workdir, stop.name)
-            if step == stop_at:
-                break
-        if start >= total and evaluators:  # a finished run: report its final evaluation again
-            params = _host_params(par.host_state(state)["params"])
-            evals = _evaluate(evaluators, task.eval_params(params), task.final_aux(params))
         checkpointer.wait()
         checkpointer.check_saves(total + 1)
     finally:
@@ -317,7 +330,8 @@ def _data_counts(data_state, shown: int | None, is_main: bool) -> int | None:
 def _save(checkpointer, step: int, state, data_state, config) -> None:
     """Starts the (background) save of ``step``; a failure to start it is a ``SaveFailed``."""
     try:
-        checkpointer.save(step, state, data_state, {"step": step, "config": config.to_json_best_effort()})
+        checkpointer.save(step, state, data_state,
+                          {"step": step, "config": sources.without_pinned(config).to_json_best_effort()})
     except ckpt_lib.SaveFailed:
         raise
     except Exception as err:  # noqa: BLE001 - e.g. no space left (this save, or the previous one in the background)
@@ -340,6 +354,13 @@ def _check_finite(bad, checkpointer, names) -> None:
             + " Lower the learning rate, raise warmup or clip harder, then resume with "
               "--config.allow_config_change=True."
         )
+
+
+def _evaluate_state(evaluators, task, par, state) -> dict:
+    """The evaluation of ``state``'s parameters, with what they imply (a CLIP's temperature and bias
+    after the step's update): the same numbers in the loop, on resuming and for a finished run."""
+    params = _host_params(par.host_state(state)["params"])
+    return _evaluate(evaluators, task.eval_params(params), task.final_aux(params))
 
 
 def _evaluate(evaluators, params, aux) -> dict:

@@ -27,17 +27,21 @@ import os
 import pathlib
 import socket
 import struct
+import sys
 import tempfile
 import time
 
 from vitmm import tree
 
 # Keys that may change between a run and its resume: how often things happen, where data and
-# logs are read, how evaluation is done, the layout (a restore reshards) and whether a GPU's sums
-# round in a fixed order (``deterministic``). Anything else changes what is computed.
+# logs are read, how evaluation is done, when bad data stops the run, the layout (a restore
+# reshards), whether a GPU's sums round in a fixed order (``deterministic``) and where the run
+# started from (``init``: a resume reads its own checkpoint and the settings it pinned, not those
+# folders). Anything else changes what is computed.
 SAFE_TO_CHANGE = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "sync_every",
                   "allow_config_change", "evals", "input/data_dir", "input/num_threads", "input/prefetch",
-                  "input/device_prefetch", "multihost", "fsdp", "tensor_parallel", "deterministic")
+                  "input/device_prefetch", "input/max_skipped_share", "multihost", "fsdp", "tensor_parallel",
+                  "deterministic", "init")
 
 
 class WorkdirLocked(RuntimeError):
@@ -345,6 +349,14 @@ class MetricWriter:
         self._tb.flush()
 
     def close(self) -> None:
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
+        """Closes both; while another error propagates (e.g. a full disk met by ``write``), a failure
+        to close stays behind it instead of replacing it."""
+        if not self.enabled:
+            return
+        failing = sys.exc_info()[1] is not None
+        for close in (self._jsonl.close, self._tb.close):
+            try:
+                close()
+            except OSError:
+                if not failing:
+                    raise

@@ -112,14 +112,13 @@ def export_start(workdir) -> tuple:
     """``(config, vision, lm, params, tokenizer, steps)`` of the VLM in ``workdir`` for an exporter:
     its settings, the tower's and the LM's kwargs, its parameters with LoRA merged (what ``vitmm.chat``
     runs), its tokenizer and its pp's ops (``preprocess.ops``)."""
-    import ml_collections
 
     from vitmm import checkpoint as ckpt_lib
     from vitmm.data import preprocess
     from vitmm.models import lora as lora_lib
-    from vitmm.train import pp_template, tasks, vlm_start
+    from vitmm.train import pp_template, sources, tasks, vlm_start
 
-    config = ml_collections.ConfigDict(ckpt_lib.load_config(workdir))
+    config = sources.run_config(workdir)
     if config.get("task") != "vlm":
         raise ValueError(f"{workdir} holds a {config.get('task', 'contrastive')!r} run, not a VLM.")
     vision, lm = tasks.vlm_parts(config)
