@@ -10,8 +10,9 @@ template where the run used one), merged LoRA adapters and KV-cache greedy decod
     vlm = chat.load("workdirs/smol/smollm2_stage2_lora")
     answer = vlm.ask(image_uint8_hwc, "How many stars are there?")
 
-The run's ``init.vision`` / ``init.lm`` folders must still exist (they say how the tower and LM
-were built); the parameters come from the workdir's newest checkpoint. A converted LM folder
+How the tower and LM were built and the tokenizer come from the copies the run pinned of its
+``init.vision`` / ``init.lm`` folders (``WORKDIR/sources``; ``vitmm.train.sources``); the
+parameters from the workdir's newest checkpoint. A converted LM folder
 (``python -m vitmm.interop --from hf|gguf``) is asked text only: ``--workdir workdirs/smollm2
 --question "..."``, ``chat.load(folder).ask(question)``.
 """

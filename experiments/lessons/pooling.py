@@ -30,7 +30,7 @@ from vitmm import checkpoint as ckpt_lib
 from vitmm import xla_flags
 from vitmm.data import scenes
 from vitmm.models.vit import ViT
-from vitmm.study import outputs, stats, verdicts
+from vitmm.study import outputs, stats, store, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -112,6 +112,7 @@ def main(argv=None) -> pathlib.Path:
                    batch_size=preset["batch_size"], lr=preset["lr"], seeds=seeds, tower_cfg=tower_cfg,
                    tower_params=jax.tree.map(np.asarray, ckpt_lib.load_params(tower_dir)["img"]),
                    num_shapes=len(scenes.DIFFICULTIES["easy"].shapes), probe_fit=preset["probe_fit"])
+    store.check_tower(out, tower_dir, context["tower_params"])  # a tower retrained at the same path is refused
     settings = {k: v for k, v in context.items() if k != "tower_params"}
     settings.update(tower=str(tower_dir.resolve()), difficulty=preset["difficulty"], res=preset["res"],
                     sizes=[preset[k] for k in ("train_images", "test_images", "probe_train", "probe_test")])

@@ -1,7 +1,8 @@
 """Square resize, NaFlex and AnyRes at equal LM tokens, on scenes at their own sizes.
 
     python -m experiments.native --tower results/native/cosine/tower   # results/native/cosine/ (its pinned tower)
-    python -m experiments.native --schedule constant --patience 4 --out results/native/tokens_6000  # the first protocol
+    python -m experiments.native --schedule constant --patience 4 --tune_extend 0 --steps 6000 \
+        --seeds 0,1,2,3,4,5,6,7,8,9 --out results/native/tokens_6000  # the first protocol (trains it again)
     python -m experiments.native --smoke --out /tmp/nt  # a minute or two; the tests run it
 
 Scenes drawn at random sizes and aspect ratios (``data.packing.SceneSource``: longer side
@@ -290,6 +291,17 @@ def parse_args(argv=None):
     return args
 
 
+def _resign_snapshots(context, old_signature: str, keys, seeds, chosen) -> None:
+    """The grid's mid-run snapshot named after the legacy signature, renamed to the current one."""
+    folder = pathlib.Path(context["snapshots"][0])
+    for key in keys:
+        for seed in seeds:
+            identity = (key, seed, chosen[key[0]])
+            old = folder / f"{store.signature([old_signature, *identity])}.pkl"
+            if old.is_file():
+                old.rename(run_lib.snapshot_path(context, *identity))
+
+
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
@@ -302,7 +314,7 @@ def main(argv=None) -> pathlib.Path:
     if tower_cfg.get("posemb", "learn") == "learn":
         tower_cfg = {**tower_cfg, "dynamic_img_size": True}  # the learned table resampled to each grid
     tower, params = ViT(**tower_cfg), ckpt_lib.load_params(tower_dir)["img"]
-    store.check_tower(out, tower_dir, params)
+    tower_id = store.check_tower(out, tower_dir, params)  # what the runs' signatures name: the tower, not its path
 
     splits, tokenizer, max_len = features_lib.make_splits(args, tower, params)
     train, val, test = splits["train"], splits["validation"], splits["test"]
@@ -319,7 +331,7 @@ def main(argv=None) -> pathlib.Path:
         plan["schedule"] = args.schedule
     # A finished run is reused by a sweep with the same settings; the seed list is not one of them
     # (tuning runs at the first seed), so a rerun with more seeds trains only the new ones.
-    settings = dict(tower=str(tower_dir.resolve()), lm=lm_cfg, plan=plan, tune_seed=args.seeds[0],
+    settings = dict(tower=tower_id, lm=lm_cfg, plan=plan, tune_seed=args.seeds[0],
                     stage0=args.stage0_steps,
                     stage0_lr=args.stage0_lr, stage1=args.stage1_steps, warmup=args.warmup, data=[
                         args.difficulty, args.train_images, args.val_images, args.test_images, args.min_side,
@@ -329,6 +341,8 @@ def main(argv=None) -> pathlib.Path:
                    stage1_steps=args.stage1_steps, warmup=args.warmup, views=views)  # eval_batch: speed, not settings
     arrays = {"train": train, "val": val, "test": test}
     context["snapshots"] = (str(out / "snapshots"), store.signature(settings))  # a killed run resumes mid-way
+    legacy = {**settings, "tower": str(tower_dir.resolve())}  # runs before 2026-12-07 named the tower by its path
+    store.resign([out / "tuning.jsonl"], store.signature(legacy), store.signature(settings))
 
     def ensure_stage0():
         for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
@@ -360,6 +374,10 @@ def main(argv=None) -> pathlib.Path:
     settings["chosen"] = chosen
     keys = [(p, b) for b in reversed(args.budgets) for p in PATHS] + [(BLIND, top)]
     signature = store.signature(settings)  # each finished seed of a cell too: a stop loses one seed's run
+    legacy.update(chosen=chosen)
+    if store.resign([out / "cells.jsonl", out / "seeds.jsonl"], store.signature(legacy), signature):
+        _resign_snapshots(context, store.signature({k: v for k, v in legacy.items() if k != "chosen"}),
+                          keys, args.seeds, chosen)
     context["seed_log"] = (str(out / "seeds.jsonl"), signature)
     context["seeds_done"] = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], signature)
     results = run_cells(cell_job, keys, "cells.jsonl", "cells", args.seeds)

@@ -40,5 +40,10 @@ def test_intervals_and_paired_tests_against_scipy():
     diff, p = stats.paired(a, b)
     assert diff == pytest.approx(0.1) and p == pytest.approx(sp.ttest_rel([0.5, 0.6, 0.9], [0.4, 0.6, 0.7]).pvalue)
     assert stats.paired({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0}) == (0.0, 1.0) and stats.paired({0: 1.0}, {0: 2.0}) is None
+    # A difference that does not vary (one image of 1,000 on every seed) is not p = 0: the exact
+    # sign-flip test's 2 / 2^n, and a one-sample test alike.
+    diff, p = stats.paired({0: 1.0, 1: 1.0, 2: 1.0}, {0: 0.999, 1: 0.999, 2: 0.999})
+    assert diff == pytest.approx(0.001) and p == 0.25
+    assert stats.one_sample([0.3] * 5)[2] == 2 / 32 and stats.one_sample([0.0] * 5)[2] == 1.0
     lo, hi = stats.wilson(0.5, 100)
     assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
