@@ -29,15 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vitmm.models import common, layers, packing
+from vitmm.models import common, layers, packing, vit_options
 from vitmm.models import posemb as pe
 from vitmm.models.patch_embed import ConvStem, PatchEmbed, check_images, fitted_size, grid_size, to_pair
 from vitmm.models.transformer import REMAT_NONE, Encoder, MAPHead
-
-POSEMBS = ("learn", "sincos2d", "rope2d", "none")
-POSEMB_LAYOUTS = ("patches", "with_cls")
-POOLS = ("tok", "gap", "map", "none")
-STEMS = ("patch", "conv")
 
 # Width, depth, MLP width, heads. Reference: Zhai et al. 2021 ("Scaling Vision Transformers"),
 # Table 2, as in big_vision's ``decode_variant``.
@@ -192,33 +187,6 @@ class ViT(nn.Module):
     def num_prefix_tokens(self) -> int:
         return int(self.class_token) + self.num_registers
 
-    def _check_options(self, arch: Arch) -> None:
-        common.check_choice("posemb", self.posemb, POSEMBS)
-        common.check_choice("posemb_layout", self.posemb_layout, POSEMB_LAYOUTS)
-        common.check_choice("pool", self.pool, POOLS)
-        common.check_choice("stem", self.stem, STEMS)
-        common.check_choice("posemb_resample", self.posemb_resample, pe.RESAMPLE_METHODS)
-        if self.pool == "tok" and not self.class_token:
-            raise ValueError("pool='tok' reads the CLS token; set class_token=True or pick gap/map.")
-        if self.fc_norm and not self.final_norm:
-            raise ValueError("fc_norm is the final norm moved to the pooled vector; final_norm=False has none.")
-        if self.fc_norm and self.pool == "none":
-            raise ValueError("fc_norm normalises the pooled vector; pool='none' has none. Drop fc_norm.")
-        if self.posemb_layout == "with_cls" and not self.class_token:
-            raise ValueError("posemb_layout='with_cls' needs class_token=True.")
-        if not 0 < self.patch_keep <= 1:
-            raise ValueError(f"patch_keep is the share of patches kept in training, in (0, 1]; got {self.patch_keep}.")
-        if self.stem == "conv" and (self.stride is not None or to_pair(self.padding) != (0, 0)
-                                    or self.embed_impl != "conv"):
-            raise ValueError(f"stem='conv' (strided 3x3 convs to the patch size) takes no stride={self.stride}, "
-                             f"padding={self.padding} or embed_impl={self.embed_impl!r}: drop them, or use "
-                             "stem='patch'.")
-        common.check_choice("embed_impl", self.embed_impl, ("conv", "unfold"))
-        if self.num_registers < 0:
-            raise ValueError(f"num_registers must be >= 0, got {self.num_registers}.")
-        if arch.width % arch.num_heads:
-            raise ValueError(f"width {arch.width} is not divisible by num_heads {arch.num_heads}.")
-
     # ------------------------------------------------------------------------------------------
     def _stem(self, images: jnp.ndarray, arch: Arch) -> jnp.ndarray:
         if self.stem == "conv":
@@ -293,7 +261,7 @@ class ViT(nn.Module):
     @nn.compact
     def __call__(self, images, *, train: bool = False):
         arch = self.arch()
-        self._check_options(arch)
+        vit_options.check(self, arch)
         if isinstance(images, packing.Packed):
             return self._packed(images, arch, train)
         check_images(images)

@@ -33,7 +33,9 @@ def test_tower_is_trained_unless_its_workdir_has_the_final_checkpoint(tb, tmp_pa
 
     calls = []
     monkeypatch.setattr(trainer, "train", lambda config, workdir: calls.append((config, workdir)))
-    monkeypatch.setattr(tb.ckpt_lib, "load_config", lambda workdir: {"total_steps": 4})
+    from vitmm import checkpoint as ckpt_lib
+
+    monkeypatch.setattr(ckpt_lib, "load_config", lambda workdir: {"total_steps": 4})
     tower_lib.ensure_tower(tmp_path / "w", smoke=True, data_dir=str(tmp_path / "tfds"))
     (config, workdir), = calls  # configs/clip_scenes.py:smoke on the given data_dir
     assert workdir == tmp_path / "w" and config.total_steps == 4 and config.input.image_size == 32

@@ -1,0 +1,113 @@
+"""The report of ``python -m experiments.native``: ``native_tokens.md`` (means ± 95% CIs per path
+and token cap, tests paired by seed and their Verdicts, Holm across the report) and
+``native_tokens.png``, from the run's rows and ``setup.json`` (``--report`` rewrites the markdown
+from a finished run's ``runs.csv``)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from experiments.common import feature_vlm as run_lib
+from experiments.native import features as features_lib
+from vitmm.study import outputs, stats, verdicts
+
+PATHS = features_lib.PATHS
+BLIND, KINDS = run_lib.BLIND, run_lib.KINDS
+
+
+def summarise(rows: list[dict]) -> dict:
+    """``{(path, budget): {metric: {seed: value}}}``."""
+    out: dict = {}
+    for r in rows:
+        cell = out.setdefault((r["path"], r["budget"]), {})
+        for k, v in r.items():
+            if k.startswith("acc") or k in ("accuracy", "spatial"):
+                cell.setdefault(k, {})[r["seed"]] = v
+    return out
+
+
+def to_markdown(rows: list[dict], setup: dict) -> str:
+    s = summarise(rows)
+    metrics = [("accuracy", "all"), *((f"acc_{k}", k) for k in KINDS), ("spatial", "spatial"),
+               ("acc_wide", "wide images"), ("acc_squarish", "near-square")]
+    tokens = {(r["path"], r["budget"]): (r["tokens_mean"], r["tokens_max"]) for r in rows}
+    cosine = setup.get("schedule") == "cosine"  # (the first protocol's setup.json has no schedule)
+    protocol = f"{setup['steps']:,} joint steps, the rate decayed to zero (cosine); " if cosine else ""
+    lines = ["# Square resize vs NaFlex vs AnyRes at equal LM tokens", "",
+             f"`{setup['command']}` ({setup['date']}, {setup['backend']}); scenes `{setup['difficulty']}` at random "
+             f"sizes (longer side {setup['min_side']}–{setup['max_side']} px, aspect ≤ {setup['max_aspect']}), "
+             f"{setup['train_images']:,} training images, {setup['test_questions']:,} test questions; tower "
+             f"`{setup['tower']}`; connector `mlp`; LM {setup['lm']}; {len(setup['seeds'])} seeds; {protocol}"
+             f"learning rates (validation, budget {max(setup['budgets'])}, seed {setup['seeds'][0]}): "
+             f"{setup['chosen']}.", "",
+             "Exact match in %, mean ± 95% CI over seeds. Tokens: the visual tokens the LM reads per image (mean / "
+             "max over the test images). *spatial* = mean of color_at, shape_at, relative; *wide* = questions on "
+             f"images with aspect ≥ {setup['wide']} ({setup['wide_share']:.0%} of test questions).", "",
+             "| budget | path | tokens | " + " | ".join(name for _, name in metrics) + " |",
+             "|---|---|---|" + "---:|" * len(metrics)]
+    for (path, budget), cell in sorted(s.items(), key=lambda kv: (kv[0][1], (BLIND, *PATHS).index(kv[0][0]))):
+        mean, top = tokens[(path, budget)]
+        lines.append(f"| {budget} | {path} | {mean:.1f} / {top} | "
+                     + " | ".join(outputs.mean_ci(cell[m]) if m in cell else "" for m, _ in metrics) + " |")
+    lines += ["", "## Paired tests (same seeds, same data order)", "",
+              "| budget | comparison | metric | difference (points) | p |", "|---|---|---|---:|---:|"]
+    tests = []
+    for budget in setup["budgets"]:
+        for a, b in (("naflex", "square"), ("anyres", "square"), ("anyres", "naflex"), ("square", BLIND)):
+            if (a, budget) not in s or (b, budget) not in s:
+                continue
+            for m, name in (("accuracy", "all"), ("spatial", "spatial"), ("acc_wide", "wide images")):
+                test = stats.paired(s[(a, budget)][m], s[(b, budget)][m])
+                if test:
+                    lines.append(f"| {budget} | {a} − {b} | {name} | {100 * test[0]:+.1f} | {test[1]:.3g} |")
+                    tests.append(verdicts.paired(f"{a} − {b} at {budget}, {name}", s[(a, budget)][m],
+                                                 s[(b, budget)][m]))
+    lines += verdicts.section(tests, "The paired tests above (points).", heading="## Verdicts\n\n")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: pathlib.Path) -> pathlib.Path:
+    """``--report``: ``native_tokens.md`` again from the finished run's ``runs.csv`` and ``setup.json``."""
+    missing = [name for name in ("runs.csv", "setup.json") if not (out / name).is_file()]
+    if missing:
+        raise SystemExit(f"--report: {out} has no {' or '.join(missing)}; a finished run writes them.")
+    setup = json.loads((out / "setup.json").read_text())
+    (out / "native_tokens.md").write_text(to_markdown(outputs.read_rows(out / "runs.csv"), setup))
+    print(f"wrote {out}/native_tokens.md from runs.csv and setup.json")
+    return out / "native_tokens.md"
+
+
+def plot(rows: list[dict], out: pathlib.Path) -> None:
+    """Accuracy against the mean visual tokens per image, a line per path with 95% CI bands: all
+    questions, and those on wide images."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = summarise(rows)
+    tokens = {(r["path"], r["budget"]): r["tokens_mean"] for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, (metric, title) in zip(axes, (("accuracy", "all questions"), ("acc_wide", "questions on wide images")),
+                                   strict=True):
+        for path in PATHS:
+            cells = sorted((tokens[k], np.array(list(v[metric].values()), float)) for k, v in s.items()
+                           if k[0] == path)
+            if not cells:
+                continue
+            x = np.array([t for t, _ in cells])
+            mean = 100 * np.array([v.mean() for _, v in cells])
+            ci = 100 * np.nan_to_num(np.array([stats.ci95(v) for _, v in cells]))
+            ax.plot(x, mean, marker="o", label=path)
+            ax.fill_between(x, mean - ci, mean + ci, alpha=0.2)
+        blind = [np.array(list(v[metric].values()), float) for k, v in s.items() if k[0] == BLIND]
+        if blind:
+            ax.axhline(100 * blind[0].mean(), color="gray", linestyle="--", label="blind")
+        ax.set_xlabel("visual tokens per image (mean over test images)")
+        ax.set_title(title)
+    axes[0].set_ylabel("exact match, % (95% CI)")
+    axes[0].legend(fontsize=8)
+    outputs.save_figure(fig, out / "native_tokens.png")
