@@ -301,6 +301,19 @@ def test_training_skips_and_counts_bad_examples_then_stops_past_the_limit(broken
             next(strict)
 
 
+def test_several_processes_stop_together_on_their_summed_counts():
+    """With several processes no process's own iterator stops the run (the others would wait in the
+    step's collectives); the summed counts every process logs decide for all at the same step."""
+    assert skips.local_limit(0.01, 1) == 0.01 and skips.local_limit(0.01, 2) == 1.0
+    assert skips.local_limit(None, 2) is None  # data that skips nothing
+    summed = {"data/read": 2000.0, "data/skipped": 20.0, "data/skipped/image_missing": 20.0}
+    skips.check_all_processes(summed, 0.01, 2)  # 1.00%: at the limit, not past it
+    skips.check_all_processes({**summed, "data/read": 900.0}, 0.01, 2)  # too few read to judge
+    with pytest.raises(skips.TooManySkipped, match=r"over the 2 processes: read 2000, skipped 21 \(1.05%\): "
+                                                   r"image_missing 21, more than input.max_skipped_share=0.01"):
+        skips.check_all_processes({**summed, "data/skipped": 21.0, "data/skipped/image_missing": 21.0}, 0.01, 2)
+
+
 def test_evaluation_masks_bad_records_out(broken_llava, tmp_path):
     source = formats.LlavaSource(broken_llava, tmp_path)
     batches = list(pipeline.eval_batches(source, preprocess.parse(LLAVA_PP), 5, process_index=0, process_count=1,

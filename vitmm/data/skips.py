@@ -86,6 +86,28 @@ def report(state: dict) -> str:
     return share + (": " + "; ".join(parts) if parts else "")
 
 
+def local_limit(max_share: float | None, process_count: int) -> float | None:
+    """The skipped share each process's own iterators stop at: the run's with one process. With
+    several, none (1.0): one process stopping alone would leave the others waiting in the step's
+    collectives; the trainer stops them together on their summed counts (``check_all_processes``)."""
+    return max_share if max_share is None or process_count == 1 else 1.0
+
+
+def check_all_processes(metrics: dict, max_share: float | None, process_count: int, min_read: int = 1000) -> None:
+    """``TooManySkipped`` when the counts of every process (``metrics_of_all_processes``, the same
+    on each: every process stops at the same step) pass ``max_share`` after ``min_read`` examples."""
+    read, skipped = metrics.get("data/read", 0), metrics.get("data/skipped", 0)
+    if max_share is None or read < min_read or skipped <= max_share * read:
+        return
+    reasons = "; ".join(f"{k.rsplit('/', 1)[-1]} {int(v)}" for k, v in sorted(metrics.items())
+                        if k.startswith("data/skipped/"))
+    raise TooManySkipped(
+        f"Too much bad data over the {process_count} processes: read {int(read)}, skipped {int(skipped)} "
+        f"({100 * skipped / read:.2f}%){': ' + reasons if reasons else ''}, more than "
+        f"input.max_skipped_share={max_share}. List every bad example with `python -m vitmm.data check` and fix or "
+        "drop them, or raise input.max_skipped_share.")
+
+
 class SkippingBatches:
     """Batches of ``batch_size`` good examples from an iterator of examples and ``Skipped``.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from vitmm.data import device_feed, formats, pipeline, preprocess
+from vitmm.data import device_feed, formats, pipeline, preprocess, skips
 from vitmm.train import pp_template
 from vitmm.train.parallel import Parallel
 
@@ -27,7 +27,9 @@ def make(config, tokenizer, par: Parallel, task) -> device_feed.DeviceIterator:
     elif formats.raw_format(inp):  # the user's files (LLaVA JSON, tar shards, CSV, parquet, a mixture)
         host = pipeline.train_iterator(formats.source_from(inp, config.seed), pp, config.batch_size, seed=config.seed,
                                        num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8),
-                                       skip_bad=inp.get("max_skipped_share", 0.01), workers=inp.get("workers", 0))
+                                       skip_bad=skips.local_limit(inp.get("max_skipped_share", 0.01),
+                                                                  jax.process_count()),
+                                       workers=inp.get("workers", 0))
     else:
         source = pipeline.source_for(data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)
         host = pipeline.train_iterator(source, pp, config.batch_size, seed=config.seed,
@@ -65,7 +67,8 @@ def _sequences(config, pp, task):
         raise ValueError(f"batch_size={config.batch_size} rows do not split over {count} processes.")
     return layout.batches(source, pp, rows=config.batch_size // count, pack=sq.get("pack", True),
                           bins=sq.get("bins", 8), seed=config.seed, process_index=jax.process_index(),
-                          process_count=count, skip_bad=inp.get("max_skipped_share", 0.01) if raw else None,
+                          process_count=count,
+                          skip_bad=skips.local_limit(inp.get("max_skipped_share", 0.01), count) if raw else None,
                           workers=inp.get("workers", 0))
 
 

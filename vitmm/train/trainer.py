@@ -284,6 +284,8 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                 host["img_per_s"] = (step - last_log[1]) * config.batch_size / max(now - last_log[0], 1e-9)
                 skipped = _data_counts(data.get_state(), skipped, is_main)
                 host.update(skips.metrics_of_all_processes(data.get_state()))  # every host's share counted
+                if jax.process_count() > 1:  # (one process's own iterator checks at once)
+                    skips.check_all_processes(host, config.input.get("max_skipped_share", 0.01), jax.process_count())
                 last_log = (now, step)
                 history.append({"step": step, **host})
                 writer.write(step, host)
