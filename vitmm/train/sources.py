@@ -39,10 +39,16 @@ def pin(workdir, config, replace: bool = False) -> list[str]:
         if not source or (target / SETTINGS).is_file():
             continue
         source = pathlib.Path(source).expanduser()
+        try:
+            settings = ckpt_lib.load_config(source)
+        except (FileNotFoundError, ValueError):
+            if key == "checkpoint":  # weights only (no saved config): nothing the run reads from it again
+                continue
+            raise
         tmp = target.with_name(f".{key}.partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        (tmp / SETTINGS).write_text(json.dumps(ckpt_lib.load_config(source), indent=1))
+        (tmp / SETTINGS).write_text(json.dumps(settings, indent=1))
         if (source / "tokenizer.json").is_file():
             shutil.copy(source / "tokenizer.json", tmp / "tokenizer.json")
         tmp.rename(target)
