@@ -66,6 +66,27 @@ def test_wds_reader_reads_img2dataset_shards_through_a_brace_pattern(tmp_path):
         formats.WdsSource(pattern.replace("00002", "00003"))
 
 
+def test_a_damaged_header_loses_its_stretch_only_and_joined_tars_read_whole(tmp_path):
+    """tarfile stops quietly at a damaged header: the reader goes on at the next whole one and
+    counts what it could not read; tar files joined end to end read as one; a glob of a ``::``
+    pattern that matches nothing is an error, not a source dropped; handles stay few."""
+    pattern = examples.write_wds(tmp_path / "s", 30, per_shard=10, resolution=16)
+    shards = formats.WdsSource(pattern).shards
+    first = bytearray(shards[0].read_bytes())
+    with tarfile.open(shards[0]) as tar:
+        member = tar.getmembers()[9]  # a header in the middle of the shard
+    first[member.offset + 10] ^= 0xFF
+    shards[0].write_bytes(bytes(first) + shards[1].read_bytes())  # damaged, and another shard joined to it
+    source = formats.WdsSource(str(shards[0]))
+    reasons = [source[i].reason for i in range(len(source)) if isinstance(source[i], skips.Skipped)]
+    good = [source[i] for i in range(len(source)) if not isinstance(source[i], skips.Skipped)]
+    assert len(good) == 19 and sorted(reasons) == ["image_missing", "shard_unreadable"]  # 20 examples, one damaged
+    with pytest.raises(FileNotFoundError, match=r"'.*/nope\*.tar' matches no file"):
+        formats.WdsSource(f"{shards[2]}::{tmp_path}/s/nope*.tar")
+    many = formats.WdsSource(examples.write_wds(tmp_path / "many", 12, per_shard=1, resolution=16))
+    assert len({many[i]["_id"] for i in range(12)}) == 12 and len(many._local.handles) == 8  # of 12 shards read
+
+
 def test_wds_caption_falls_back_to_the_json_and_keys_follow_webdataset(tmp_path):
     with tarfile.open(tmp_path / "a.tar", "w") as tar:
         for name, data in (("dir/x.y.png", _png(np.zeros((4, 4, 3), np.uint8))),
@@ -75,6 +96,12 @@ def test_wds_caption_falls_back_to_the_json_and_keys_follow_webdataset(tmp_path)
             tar.addfile(info, io.BytesIO(data))
     ex = formats.WdsSource(str(tmp_path / "a.tar"))[0]
     assert ex["_id"] == "a.tar/dir/x" and ex["caption"] == "a black square"
+    with tarfile.open(tmp_path / "b.tar", "w") as tar:  # a key.json that is JSON but no object: a bad record
+        for name, data in (("k.png", _png(np.zeros((4, 4, 3), np.uint8))), ("k.json", b'["a caption"]')):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert formats.WdsSource(str(tmp_path / "b.tar"))[0].reason == "bad_record"
     assert format_wds.split_key("dir/x.y.PNG") == ("dir/x", "y.png")
 
 
@@ -99,11 +126,55 @@ def test_csv_and_jsonl_as_editors_write_them(tmp_path):
     assert [source[i].get("caption") for i in (0, 2)] == ["two\nlines", "last"]
     assert source[1] == skips.Skipped("image_missing", "data.csv:4", "the row has no image path")
     assert source[2]["_id"] == "data.csv:5"  # the line it starts on, after the two-line caption
+    (tmp_path / "blank.csv").write_text("filepath,title\n\na.png,after a blank line\n", encoding="utf-8")
+    assert formats.CsvSource(tmp_path / "blank.csv")[0]["_id"] == "blank.csv:3"
+    (tmp_path / "latin.csv").write_bytes("filepath,title\na.png,caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin.csv is not UTF-8 text"):
+        formats.CsvSource(tmp_path / "latin.csv")
     record = {"id": "x", "image": "a.png", "conversations": [{"from": "human", "value": "<image>\nwhat\u2028is it?"},
                                                             {"from": "gpt", "value": "a\u2029b"}]}
     (tmp_path / "data.jsonl").write_text("\ufeff" + json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
     llava = formats.LlavaSource(str(tmp_path / "data.jsonl"), str(tmp_path))
     assert len(llava) == 1 and llava[0]["conversations"][1]["value"] == "a\u2029b"
+
+
+def test_files_that_cannot_be_read_as_the_format_are_named_in_one_line(tmp_path):
+    """One indented JSON object is not JSONL; a LLaVA-NeXT YAML that does not parse; a later parquet
+    file without the columns, or not parquet at all; a weighted mixture entry with no examples."""
+    (tmp_path / "one.json").write_text(json.dumps({"data": [{"id": 1}]}, indent=2))
+    with pytest.raises(ValueError, match=r"one.json holds one JSON object \(keys \['data'\]\), not a list"):
+        formats.LlavaSource(tmp_path / "one.json")
+    (tmp_path / "bad.yaml").write_text("datasets:\n  - json_path: [unclosed\n")
+    with pytest.raises(ValueError, match=r"bad.yaml' is not a readable YAML file \("):
+        formats.source_from({"data_path": str(tmp_path / "bad.yaml")}, 0)
+    first = examples.write_parquet(tmp_path / "p1", 4, resolution=16)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"image": [b"x"], "text": ["a"]}), tmp_path / "p2.parquet")
+    with pytest.raises(ValueError, match=r"p2.parquet has columns \['image', 'text'\]; set input.parquet_image_key"):
+        formats.ParquetSource(f"{first}::{tmp_path / 'p2.parquet'}")
+    (tmp_path / "p3.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=r"input.parquet: .*p3.parquet cannot be read as parquet"):
+        formats.ParquetSource(f"{first}::{tmp_path / 'p3.parquet'}")
+    llava = examples.write_llava(tmp_path / "l", 4, resolution=16)
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"input.mixture entry 1 has no examples"):
+        formats.source_from({"mixture": [{"data_path": str(llava), "weight": 1},
+                                         {"data_path": str(tmp_path / "empty.json"), "weight": 1}]}, 0)
+
+
+def test_data_that_is_all_bad_stops_instead_of_reading_forever(broken_llava, tmp_path, monkeypatch):
+    """A wrong image folder makes every example bad: the batch never fills, so the share is judged
+    while it fills, and (several processes, whose own limit is off) a long run of bad ones stops."""
+    (tmp_path / "elsewhere").mkdir()
+    source = formats.LlavaSource(broken_llava, tmp_path / "elsewhere")  # every image missing
+    with pytest.raises(skips.TooManySkipped, match=r"Too much bad data: read 14, skipped 14 \(100.00%\)"):  # one epoch
+        next(pipeline.train_iterator(source, preprocess.parse(LLAVA_PP), 4, seed=0, num_threads=1, skip_bad=0.01))
+    monkeypatch.setattr(skips, "ALL_BAD", 50)
+    with pytest.raises(skips.TooManySkipped, match=r"50 examples in a row were bad"):
+        next(pipeline.train_iterator(source, preprocess.parse(LLAVA_PP), 4, seed=0, num_threads=1,
+                                     skip_bad=skips.local_limit(0.01, 2)))
 
 
 def test_parquet_row_groups_too_large_to_read_at_random_are_named(tmp_path, capsys):

@@ -3,6 +3,7 @@ patterns (webdataset's braces, globs) expanded to the files they name."""
 
 from __future__ import annotations
 
+import collections
 import glob
 import os
 import pathlib
@@ -34,7 +35,10 @@ def expand_pattern(pattern: str, key: str = "input.wds") -> list[pathlib.Path]:
     for part in pattern.split("::"):
         for name in braceexpand.braceexpand(os.path.expanduser(part)):
             if any(ch in name for ch in "*?["):
-                paths.extend(pathlib.Path(p) for p in sorted(glob.glob(name)))
+                found = sorted(glob.glob(name))
+                if not found:  # one misspelled glob of several must not drop its files silently
+                    raise FileNotFoundError(f"{key}={pattern!r}: {name!r} matches no file.")
+                paths.extend(pathlib.Path(p) for p in found)
             else:
                 paths.append(pathlib.Path(name))
     missing = [str(p) for p in paths if not p.is_file()]
@@ -43,3 +47,16 @@ def expand_pattern(pattern: str, key: str = "input.wds") -> list[pathlib.Path]:
             "no files match."
         raise FileNotFoundError(f"{key}={pattern!r}: {what}")
     return paths
+
+
+def thread_handle(local, key, opener, limit: int = 8):
+    """This thread's open handle for ``key`` (``opener()`` the first time), at most ``limit`` kept
+    open per thread, the least recently used closed first: a reader of thousands of shards must not
+    hold a file open for each."""
+    handles = local.__dict__.setdefault("handles", collections.OrderedDict())
+    if key not in handles:
+        handles[key] = opener()
+        while len(handles) > limit:
+            handles.popitem(last=False)[1].close()
+    handles.move_to_end(key)
+    return handles[key]

@@ -57,8 +57,19 @@ class LlavaSource:
 
 def _load_json_records(path: pathlib.Path) -> list:
     """A JSON list, or JSONL (a line that is not JSON becomes a ``bad_record`` skip)."""
-    text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is not data)
-    stripped = text.lstrip()
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is not data)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err}); save it as UTF-8.") from None
+    stripped = text.strip()
+    if stripped.startswith("{") and "\n" in stripped:  # one indented object is not JSONL (a record a line)
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None
+        if isinstance(whole, dict):
+            raise ValueError(f"{path} holds one JSON object (keys {sorted(whole)[:5]}), not a list of records; "
+                             "LLaVA data is a JSON list or JSONL (one record a line).")
     if stripped.startswith("["):
         try:
             records = json.loads(text)

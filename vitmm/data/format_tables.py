@@ -13,6 +13,42 @@ from vitmm.data import file_io
 from vitmm.data.skips import Skipped
 
 
+def _csv_rows(f, separator: str, img_key: str, caption_key: str, path) -> list[tuple]:
+    """``(image, caption, line)`` of each row, ``line`` the file's line the row starts on (a quoted
+    caption may span several; blank lines are skipped, and counted)."""
+    numbered = _Numbered(f)
+    reader = csv.reader(numbered, delimiter=separator)
+    header = next((row for row in reader if row), None) or []
+    missing = [k for k in (img_key, caption_key) if k not in header]
+    if missing:
+        raise ValueError(f"{path} has no column(s) {missing} (its columns: {header or None}); set "
+                         "input.csv_img_key and input.csv_caption_key.")
+    at = {k: header.index(k) for k in (img_key, caption_key)}
+    rows = []
+    while True:
+        start = numbered.count + 1
+        row = next(reader, None)
+        if row is None:
+            return rows
+        if row:
+            rows.append(tuple(row[at[k]] if at[k] < len(row) else None for k in (img_key, caption_key)) + (start,))
+
+
+class _Numbered:
+    """A file's lines, counting them."""
+
+    def __init__(self, f):
+        self._f, self.count = f, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = next(self._f)
+        self.count += 1
+        return line
+
+
 class CsvSource:
     """Rows of an image path and a caption; relative paths are under ``image_folder`` (default: the
     CSV's folder). The separator is a tab for ``.tsv`` and a comma otherwise unless given."""
@@ -22,17 +58,11 @@ class CsvSource:
         if not self.path.is_file():
             raise FileNotFoundError(f"input.csv={str(path)!r}: no such file.")
         separator = separator or ("\t" if self.path.suffix.lower() == ".tsv" else ",")
-        with open(self.path, newline="", encoding="utf-8-sig") as f:  # (Excel's byte-order mark is not a name)
-            reader = csv.DictReader(f, delimiter=separator)
-            missing = [k for k in (img_key, caption_key) if k not in (reader.fieldnames or [])]
-            if missing:
-                raise ValueError(f"{self.path} has no column(s) {missing} (its columns: {reader.fieldnames}); set "
-                                 "input.csv_img_key and input.csv_caption_key.")
-            # each row with the file's line it starts on (a quoted caption may span several)
-            self._rows, line = [], reader.line_num + 1
-            for row in reader:
-                self._rows.append((row[img_key], row[caption_key], line))
-                line = reader.line_num + 1
+        try:
+            with open(self.path, newline="", encoding="utf-8-sig") as f:  # (Excel's byte-order mark is not a name)
+                self._rows = _csv_rows(f, separator, img_key, caption_key, self.path)
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{self.path} is not UTF-8 text ({err}); save it as UTF-8.") from None
         self.image_folder = file_io.path(image_folder) if image_folder else self.path.parent
         self.name = self.path.name
 
@@ -60,6 +90,17 @@ LARGE_GROUP = 10_000  # rows a row group may hold before reading at random is sa
 TEXT_COLUMNS = ("messages", "conversations", "texts", "caption", "text", "txt")
 
 
+def _metadata(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with pq.ParquetFile(path) as f:
+            return f.metadata
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"input.parquet: {path} cannot be read as parquet ({err}).") from None
+
+
 class ParquetSource:
     """Rows of local parquet files, a row group read at a time (the last few kept per thread).
 
@@ -69,17 +110,18 @@ class ParquetSource:
     (``{"user", "assistant"}`` pairs) it is ``conversations``."""
 
     def __init__(self, files, image_key=None, text_key=None, cache_groups: int = 4):
-        import pyarrow.parquet as pq
 
         patterns = files.split("::") if isinstance(files, str) else list(files)
         self.files = [p for pattern in patterns for p in file_io.expand_pattern(pattern, "input.parquet")]
-        metadata = [pq.ParquetFile(f).metadata for f in self.files]
+        metadata = [_metadata(f) for f in self.files]
         names = metadata[0].schema.to_arrow_schema().names
         self.image_key = image_key or next((c for c in IMAGE_COLUMNS if c in names), None)
         self.text_key = text_key or next((c for c in TEXT_COLUMNS if c in names), None)
-        if self.image_key not in names or self.text_key not in names:
-            raise ValueError(f"{self.files[0]} has columns {names}; set input.parquet_image_key and "
-                             "input.parquet_text_key (an image column and a text or messages column).")
+        for f, meta in zip(self.files, metadata, strict=True):  # every file: a later one may lack a column
+            has = meta.schema.to_arrow_schema().names
+            if self.image_key not in has or self.text_key not in has:
+                raise ValueError(f"{f} has columns {has}; set input.parquet_image_key and input.parquet_text_key "
+                                 "(an image column and a text or messages column every file has).")
         self._groups = []  # (file, row group, first row)
         self._file_starts, start = [], 0
         for f, meta in enumerate(metadata):
@@ -114,10 +156,8 @@ class ParquetSource:
         cache = self._local.__dict__.setdefault("groups", collections.OrderedDict())
         if number not in cache:
             f, g, _ = self._groups[number]
-            handles = self._local.__dict__.setdefault("files", {})
-            if f not in handles:
-                handles[f] = pq.ParquetFile(self.files[f])
-            table = handles[f].read_row_group(g, columns=[self.image_key, self.text_key])
+            parquet = file_io.thread_handle(self._local, f, lambda: pq.ParquetFile(self.files[f]))
+            table = parquet.read_row_group(g, columns=[self.image_key, self.text_key])
             cache[number] = {k: table.column(k) for k in (self.image_key, self.text_key)}  # Arrow: a row at a time
             while len(cache) > self._cache_groups:
                 cache.popitem(last=False)

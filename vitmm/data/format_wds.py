@@ -44,10 +44,7 @@ class WdsSource:
         self.__dict__.update(state, _local=threading.local())
 
     def _file(self, number: int):
-        files = self._local.__dict__.setdefault("files", {})
-        if number not in files:
-            files[number] = open(self.shards[number], "rb")  # noqa: SIM115 - one handle per thread and shard
-        return files[number]
+        return file_io.thread_handle(self._local, number, lambda: open(self.shards[number], "rb"))  # noqa: SIM115
 
     def __getitem__(self, index: int):
         number, key, fields = self._index[index]
@@ -71,6 +68,8 @@ class WdsSource:
                 meta = json.loads(read(json_field))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 return Skipped("bad_record", example_id, "key.json is not JSON")
+            if not isinstance(meta, dict):
+                return Skipped("bad_record", example_id, "key.json is not a JSON object")
         caption = read(txt_field).decode("utf-8", errors="replace") if txt_field else meta.get("caption")
         if not isinstance(caption, str) or not caption.strip():
             return Skipped("caption_missing", example_id)
@@ -89,13 +88,17 @@ def _field(fields: dict, extensions) -> str | None:
 
 
 def _index_shard(path: pathlib.Path) -> dict:
-    """``{key: {field: (offset, size)}}`` in member order, or ``{key: "shard_truncated"}``."""
+    """``{key: {field: (offset, size)}}`` in member order, or ``{key: "shard_truncated"}``. Past a
+    damaged header the reading goes on at the next whole one (tar files joined end to end too); the
+    bytes it could not read count as one ``shard_unreadable`` example each stretch."""
     size = path.stat().st_size
     index: dict = collections.OrderedDict()
     end = 0  # where the last member's data (padded to 512-byte blocks) ends
     try:
-        with tarfile.open(path, "r:") as tar:
+        with tarfile.open(path, "r:", ignore_zeros=True) as tar, open(path, "rb") as raw:
             for member in tar:
+                if member.offset > end and not _zeros(raw, end, member.offset):
+                    index[f"@{end}"] = "shard_unreadable"  # skipped bytes that were not padding
                 end = member.offset_data + -(-member.size // 512) * 512
                 if not member.isfile():
                     continue
@@ -107,6 +110,8 @@ def _index_shard(path: pathlib.Path) -> dict:
                     return index
                 if isinstance(index[key], dict):
                     index[key][field] = (member.offset_data, member.size)
+            if not index and not _zeros(raw, 0, size):  # (read past every block: no header anywhere)
+                raise tarfile.ReadError("no tar header in it")
     except tarfile.ReadError as err:
         if not index:
             raise ValueError(f"{path} is not a tar file ({err}).") from None
@@ -124,6 +129,17 @@ def _index_shard(path: pathlib.Path) -> dict:
             else:
                 index[last] = "shard_truncated"
     return index
+
+
+def _zeros(f, start: int, stop: int) -> bool:
+    """Whether bytes ``[start, stop)`` of ``f`` are all zero (an archive's end blocks, not damage)."""
+    f.seek(start)
+    while start < stop:
+        chunk = f.read(min(stop - start, 1 << 20))
+        if not chunk or chunk.count(0) != len(chunk):
+            return False
+        start += len(chunk)
+    return True
 
 
 def _cut_header_key(tail: bytes) -> str | None:

@@ -141,7 +141,11 @@ def llava_next_yaml(path, image_folder=None) -> list[dict]:
     path = file_io.path(path)
     if not path.is_file():
         raise FileNotFoundError(f"input.data_path={str(path)!r}: no such file (a LLaVA-NeXT YAML).")
-    spec = yaml.safe_load(path.read_text()) or {}
+    try:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"input.data_path={str(path)!r} is not a readable YAML file ({cause}).") from None
     datasets = spec.get("datasets") if isinstance(spec, dict) else None
     if not isinstance(datasets, list) or not all(isinstance(d, dict) and d.get("json_path") for d in datasets):
         raise ValueError(f"{path}: a LLaVA-NeXT data YAML holds 'datasets:', a list of entries with json_path "
@@ -186,6 +190,10 @@ class Mixed:
         if any(n == 0 for n in slots):
             raise ValueError(f"input.mixture weights {weights}: a share below 1/{self.BLOCK} of the mixture; "
                              "raise the smallest weight.")
+        empty = [i for i, src in enumerate(sources) if len(src) == 0]
+        if empty:
+            raise ValueError(f"input.mixture entry {empty[0]} has no examples (after its sampling rule); drop it or "
+                             "give it data.")
         self._sources, self._slots = sources, slots
         # where each source's slots fall in a block: evenly spread (its k-th slot near (k + 0.5) / n of it)
         order = sorted((((k + 0.5) / n, i, k) for i, n in enumerate(slots) for k in range(n)))

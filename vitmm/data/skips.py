@@ -27,6 +27,7 @@ REASONS = {
     "answer_not_rendered": "the chat template does not render an assistant turn's text as given",
     "caption_missing": "no caption (no .txt, or an empty caption)",
     "shard_truncated": "the tar shard ends inside this example",
+    "shard_unreadable": "a stretch of the tar shard whose headers are damaged (its examples are lost)",
     "bad_record": "the record is not valid JSON or lacks a required field",
 }
 SHOW_IDS = 5  # ids kept per reason (for the log and the stop message)
@@ -71,6 +72,9 @@ def guard(fn: Callable) -> Callable:
             return Skipped(bad.reason, example_id(example), bad.detail)
 
     return guarded
+
+
+ALL_BAD = 10_000  # bad examples in a row that stop a run whatever its limit: data that is all bad
 
 
 class TooManySkipped(ValueError):
@@ -133,7 +137,7 @@ class SkippingBatches:
         return self
 
     def __next__(self) -> dict:
-        good, c = [], self._counts
+        good, c, in_a_row = [], self._counts, 0
         while len(good) < self._batch_size:
             example = next(self._it)
             c["read"] += 1
@@ -142,17 +146,28 @@ class SkippingBatches:
                 first = c["first"].setdefault(example.reason, [])
                 if len(first) < SHOW_IDS and example.id not in first:
                     first.append(example.id)
+                in_a_row += 1
+                self._check(in_a_row)  # while the batch fills: data that is all bad must not read forever
                 continue
             c["truncated"] += int(example.pop("_truncated", 0))
             example.pop("_id", None)
             good.append(example)
+            in_a_row = 0
+        self._check(0)
+        return self._collate(good)
+
+    def _check(self, in_a_row: int) -> None:
+        c = self._counts
         skipped = sum(c["skipped"].values())
         if c["read"] >= self.min_read and skipped > self.max_share * c["read"]:
             raise TooManySkipped(
                 f"Too much bad data: {report(c)}, more than input.max_skipped_share={self.max_share}. "
                 "List every bad example with `python -m vitmm.data check` and fix or drop them, or raise "
                 "input.max_skipped_share.")
-        return self._collate(good)
+        if in_a_row >= ALL_BAD:  # (with several processes the share is judged on the sum, at log steps)
+            raise TooManySkipped(
+                f"Too much bad data: {in_a_row} examples in a row were bad ({report(c)}): check the data's paths "
+                "(e.g. input.image_folder) with `python -m vitmm.data check`.")
 
     def get_state(self) -> dict:
         return {"examples": self._it.get_state(), "counts": _copy(self._counts)}
