@@ -287,6 +287,21 @@ def snapshot_path(context: JobContext, *identity) -> pathlib.Path | None:
     return pathlib.Path(folder) / f"{store.signature([signature, *identity])}.pkl"
 
 
+def stage0(context: JobContext, lm_cfg: dict, ids: np.ndarray, pad_id: int, steps: int, batch_size: int, lr: float,
+           seed: int) -> tuple[dict, float]:
+    """``pretrain_lm``, kept beside the runs' mid-run snapshots (``context["snapshots"]``, whose
+    signature covers stage 0's settings): a restarted sweep reads it instead of training it again
+    (on one machine the same numbers: XLA:CPU is deterministic)."""
+    path = snapshot_path(context, "stage0", seed)
+    saved = _load_snapshot(path)
+    if saved is not None:
+        return saved["params"], saved["loss"]
+    params, loss = pretrain_lm(lm_cfg, ids, pad_id, steps, batch_size, lr, seed)
+    if path is not None:
+        _save_snapshot(path, {"params": params, "loss": loss})
+    return params, loss
+
+
 def _save_snapshot(path: pathlib.Path, state: dict) -> None:
     """Written whole or not at all: to a temporary file, synced, then renamed over the old one."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -250,9 +250,8 @@ def main(argv=None) -> pathlib.Path:
 
     def ensure_stage0():
         for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
-            context["stage0"][seed], loss = run_lib.pretrain_lm(lm_cfg, train["ids"], tokenizer.pad_id,
-                                                                args.stage0_steps, args.batch_size, args.stage0_lr,
-                                                                seed)
+            context["stage0"][seed], loss = run_lib.stage0(context, lm_cfg, train["ids"], tokenizer.pad_id,
+                                                           args.stage0_steps, args.batch_size, args.stage0_lr, seed)
             print(f"stage 0, seed {seed}: final loss {loss:.3f}")
 
     def run_cells(fn, keys, name, desc, seeds):

@@ -273,8 +273,8 @@ def main(argv=None) -> pathlib.Path:
     def ensure_stage0():  # trained the first time some run needs it
         for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
             t0 = time.perf_counter()
-            context["stage0"][seed], stage0_loss[seed] = feature_vlm.pretrain_lm(
-                lm_cfg, train["ids"], f.tokenizer.pad_id, args.stage0_steps, args.batch_size, args.lr, seed)
+            context["stage0"][seed], stage0_loss[seed] = feature_vlm.stage0(
+                context, lm_cfg, train["ids"], f.tokenizer.pad_id, args.stage0_steps, args.batch_size, args.lr, seed)
             print(f"stage 0, seed {seed}: {args.stage0_steps} LM steps on the questions' text, final loss "
                   f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
 

@@ -245,6 +245,22 @@ def test_stage0_pretraining_learns_the_questions_text(tb):
     jax.tree.map(np.testing.assert_array_equal, params, again)
 
 
+def test_a_restarted_sweep_reads_stage0_instead_of_training_it_again(tb, tmp_path, monkeypatch):
+    import jax
+    import numpy as np
+
+    ids = np.array([[1, 5, 6, 7, 2, 0], [1, 5, 8, 9, 2, 0]], np.int32)
+    lm_cfg = dict(vocab_size=12, width=16, depth=1, num_heads=2)
+    context = {"snapshots": (str(tmp_path), "settings")}
+    first = feature_vlm.stage0(context, lm_cfg, ids, 0, 3, 2, 1e-2, seed=1)
+    monkeypatch.setattr(feature_vlm, "pretrain_lm", lambda *a, **k: pytest.fail("stage 0 trained again"))
+    again = feature_vlm.stage0(context, lm_cfg, ids, 0, 3, 2, 1e-2, seed=1)
+    jax.tree.map(np.testing.assert_array_equal, first[0], again[0])
+    assert first[1] == again[1]
+    with pytest.raises(pytest.fail.Exception, match="trained again"):  # another seed (or settings) is its own
+        feature_vlm.stage0(context, lm_cfg, ids, 0, 3, 2, 1e-2, seed=2)
+
+
 def test_stage1_trains_the_connector_alone_from_the_stage0_lm(tb):
     """Stage 1 updates the connector and leaves the (stage-0) LM exactly as it was; the joint
     step then trains both."""
