@@ -218,8 +218,11 @@ def test_the_checkpoint_is_saved_before_a_failing_evaluation(tmp_path, clip_smok
 # ------------------------------------------------------------------------------------ logs, config, lock
 def test_a_resume_drops_the_logged_steps_it_redoes_and_writes_the_config(tmp_path, straight):
     workdir, summary, config = straight
+    killed = json.dumps({"step": 1, "loss": 9.0}) + "\n"  # a run killed before its first checkpoint
+    (tmp_path / "metrics.jsonl").write_text(killed)
     first = trainer.train(config, tmp_path, stop_at=2)
     assert first["final_step"] == 2
+    assert (tmp_path / "metrics.before-restart.jsonl").read_text() == killed  # kept aside, not overwritten
     with open(tmp_path / "metrics.jsonl", "a") as f:  # what a run killed after step 3 had logged
         f.write(json.dumps({"step": 3, "loss": 123.0}) + "\n" + '{"step": 4, "lo')
     trainer.train(config, tmp_path)

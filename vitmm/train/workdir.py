@@ -333,7 +333,12 @@ class MetricWriter:
         if enabled:
             from tensorboardX import SummaryWriter
 
-            # What a killed run logged after its last checkpoint (or, with none, at all) is redone.
+            # What a killed run logged after its last checkpoint is redone; a fresh start keeps an
+            # earlier log aside instead (e.g. one that stopped before its first checkpoint).
+            if resumed_at == 0 and _logged_steps(workdir / "metrics.jsonl"):
+                kept = set_aside_for_restart(workdir)
+                print(f"Starting from step 0: the earlier metrics.jsonl of {workdir} is kept as {kept.name}.",
+                      flush=True)
             truncate_metrics(workdir, resumed_at)
             self._jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
             # purge_step: TensorBoard drops the earlier events at or after it.
