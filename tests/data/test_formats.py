@@ -503,6 +503,12 @@ def test_a_llava_next_yaml_concatenates_its_files_with_their_sampling_rules(tmp_
     (tmp_path / "bad.yaml").write_text("datasets: [a.json]\n")
     with pytest.raises(ValueError, match="a list of entries with json_path"):
         formats.source_from({"data_path": str(tmp_path / "bad.yaml")})
+    # A weight on every entry interleaves them in those proportions (input.mixture's, from a command line).
+    (tmp_path / "weighted.yaml").write_text("datasets:\n  - json_path: a/data.json\n    weight: 1\n"
+                                            "  - json_path: b/data.json\n    weight: 3\n")
+    mixed = formats.source_from({"data_path": str(tmp_path / "weighted.yaml"), "image_folder": str(tmp_path / "a")})
+    first = [mixed[i]["_id"].startswith("text") for i in range(400)]
+    assert isinstance(mixed, formats.Mixed) and sum(first) == 300
 
 
 def test_each_process_gets_its_own_iterator_state_back():

@@ -75,3 +75,11 @@ def test_an_lm_conversion_stopped_before_its_checkpoint_can_be_run_again(tmp_pat
     monkeypatch.undo()
     assert convert.convert_language_model("gguf", src, tmp_path / "g") == tmp_path / "g"
     assert (tmp_path / "g" / "checkpoints").is_dir()
+
+
+def test_an_hf_lm_without_tokenizer_json_converts_with_a_warning(tmp_path, capsys):
+    """A VLM run reads the LM folder's tokenizer: its absence is said at conversion, not at that run."""
+    from vitmm.interop import convert
+
+    convert.convert_language_model("hf", FIXTURES / "hf_llama", tmp_path / "lm")
+    assert "has no tokenizer.json" in capsys.readouterr().out and not (tmp_path / "lm/tokenizer.json").exists()

@@ -49,6 +49,26 @@ def test_an_image_within_one_tile_stays_one_with_the_global_marks():
     assert [f.shape for f in frames] == [(16, 16, 3)] and text == "<fake_token_around_image><global-img><image>" \
                                                                   "<fake_token_around_image>"
     assert tiles.resized_size(10, 7, 16) == (16, 12) and tiles.encoder_size(16, 12, 16) == (16, 16)
+    # A text-only example's placeholder is a tile's size: it batches with tiled examples.
+    text_only = tiles.idefics3_tiles(64, 16)({"has_image": np.bool_(False), "image": np.zeros((1, 1, 3), np.float32)},
+                                            None)
+    assert text_only["image"].shape == (16, 16, 3) and "image_texts" not in text_only
+
+
+def test_paligemmas_template_puts_its_one_image_prefix_on_the_first_turn_only():
+    import jinja2
+
+    from vitmm.data import pipeline
+    from vitmm.interop.vlm.paligemma import PALIGEMMA_TEMPLATE
+
+    messages = [{"role": "user", "content": "<image>\nhow many?"}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "which colour?"}, {"role": "assistant", "content": "red"}]
+    text = jinja2.Environment().from_string(PALIGEMMA_TEMPLATE).render(messages=messages, bos_token="<bos>",
+                                                                       eos_token="<eos>")
+    assert text == "<image><bos>\nhow many?\n2<eos>which colour?\nred<eos>"
+    with pytest.raises(ValueError, match=r"image_positions in some only\); some have several images.*"
+                                         r"input.sequences"):
+        pipeline.collate([{"ids": np.zeros(3)}, {"ids": np.zeros(3), "image_positions": np.zeros(2)}])
 
 
 def test_an_export_imports_back_to_the_same_parameters_and_image_steps(imported, tmp_path, capsys):

@@ -113,8 +113,7 @@ def source_from(inp, seed: int = 0):
     get = inp.get
     kind = raw_format(inp)
     if kind == "data_path" and str(get("data_path")).endswith((".yaml", ".yml")):
-        return Concat([source_from(e, seed + i) for i, e in enumerate(llava_next_yaml(get("data_path"),
-                                                                                      get("image_folder")))])
+        return _mixture(llava_next_yaml(get("data_path"), get("image_folder")), seed)
     if kind == "data_path":
         source = LlavaSource(get("data_path"), get("image_folder"))
     elif kind == "wds":
@@ -135,7 +134,9 @@ def source_from(inp, seed: int = 0):
 
 def llava_next_yaml(path, image_folder=None) -> list[dict]:
     """The mixture entries of LLaVA-NeXT's ``--data_path`` YAML (``datasets: [{json_path,
-    sampling_strategy}]``; relative paths from the YAML's folder, one image folder for all)."""
+    sampling_strategy}]``; relative paths from the YAML's folder, one image folder for all), with
+    vitmm's optional ``weight`` per entry (all or none: interleaved in those proportions, as
+    ``input.mixture``'s weights, which a command line cannot set)."""
     import yaml
 
     path = file_io.path(path)
@@ -151,7 +152,8 @@ def llava_next_yaml(path, image_folder=None) -> list[dict]:
         raise ValueError(f"{path}: a LLaVA-NeXT data YAML holds 'datasets:', a list of entries with json_path "
                          "(and optionally sampling_strategy).")
     return [dict(data_path=str(path.parent / file_io.path(d["json_path"])), image_folder=image_folder,
-                 sampling=d.get("sampling_strategy") or "all") for d in datasets]
+                 sampling=d.get("sampling_strategy") or "all", **({"weight": d["weight"]} if "weight" in d else {}))
+            for d in datasets]
 
 
 def _mixture(entries, seed: int):

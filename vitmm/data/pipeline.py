@@ -185,8 +185,17 @@ def _check_format(builder, name: str):
 
 
 def collate(examples: list[dict]) -> dict:
-    """Stacks numeric fields into arrays; anything else (strings, ragged lists) stays a list."""
+    """Stacks numeric fields into arrays; anything else (strings, ragged lists) stays a list. Every
+    example must hold the same fields (several images in some only: a one-line error)."""
     batch = {}
+    fields = set().union(*examples)
+    partial = sorted(k for k in fields if any(k not in ex for ex in examples))
+    if partial:
+        several = {"image_positions", "more_images"} & set(partial)
+        raise ValueError(f"The examples of one batch differ in their fields ({', '.join(partial)} in some only)"
+                         + ("; some have several images or <image> tags, which train as flat sequences: set "
+                            "input.sequences (e.g. --config.input.sequences.length=1024 "
+                            "--config.input.sequences.max_images=4)." if several else "."))
     for key in examples[0]:
         values = [ex[key] for ex in examples]
         if all(isinstance(v, (np.ndarray, np.generic, int, float, bool)) for v in values):

@@ -72,7 +72,8 @@ def idefics3_tiles(longest_edge, tile, method="lanczos", key="image"):
     before ``normalize``."""
 
     def fn(ex, rng):
-        if not ex.get("has_image", True):
+        if not ex.get("has_image", True):  # a text-only example's placeholder, at the tiles' size to batch with them
+            ex[key] = np.zeros((tile, tile, ex[key].shape[-1]), ex[key].dtype)
             return ex
         made = [split(image, longest_edge, tile, method) for image in [ex[key], *ex.get("more_images", [])]]
         frames = [frame for tiles, _ in made for frame in tiles]

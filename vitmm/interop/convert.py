@@ -146,6 +146,9 @@ def convert_language_model(source: str, src, out) -> pathlib.Path:
     if tokenizer is not None:  # before the checkpoint, whose presence marks the folder done (a rerun may redo it)
         out.mkdir(parents=True, exist_ok=True)
         (out / "tokenizer.json").write_text(tokenizer)
+    else:  # a VLM run on this LM reads its tokenizer here (init.lm): said now, not at that run's start
+        print(f"Warning: {src} has no tokenizer.json (a fast tokenizer's file); a VLM run with init.lm={out} "
+              "needs one: copy it into that folder.", flush=True)
     return write(out, {"lm": params}, config)
 
 

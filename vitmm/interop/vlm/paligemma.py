@@ -18,8 +18,10 @@ from vitmm.interop.hf import clip
 from vitmm.interop.vlm.common import conversation_pp, llava_names, pil_resample, processor_settings
 
 # PaliGemma's prompt as its processor builds it: the image first, then BOS, the prompt and a newline;
-# the answer and EOS after (its training suffix). One user turn; the <image> tag may lead it.
-PALIGEMMA_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<image>{{ bos_token }}"
+# the answer and EOS after (its training suffix). The image and BOS lead the first user turn only (one
+# image prefix); later turns follow as text. The <image> tag may lead a turn's text.
+PALIGEMMA_TEMPLATE = ("{% set ns = namespace(first=true) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+                      "{% if ns.first %}<image>{{ bos_token }}{% set ns.first = false %}{% endif %}"
                       "{{ m['content'] | replace('<image>', '') }}{{ '\\n' }}{% elif m['role'] == 'assistant' %}"
                       "{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 
