@@ -134,7 +134,7 @@ class Checkpointer:
                 continue
             for s, reason in failed:  # one has read, so theirs were the files' faults
                 self._set_aside(s, reason)
-            if failed:
+            if failed or jax.process_count() > 1:  # (every process: another may have listed no failure)
                 self._reload_after_renames()
             return found
         if restart:
@@ -285,7 +285,10 @@ def load_config(path: str | pathlib.Path, step: int | None = None) -> dict:
     path, mngr = _read_only(path, meta=ocp.JsonCheckpointHandler())
     with mngr:
         step = _step(mngr, path, step)
-        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        try:
+            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except KeyError:  # weights saved without vitmm's meta item
+            meta = {}
     config = meta.get("config")
     if config is None:
         raise ValueError(f"The checkpoint at step {step} in {path} carries no config.")

@@ -45,5 +45,7 @@ def test_intervals_and_paired_tests_against_scipy():
     diff, p = stats.paired({0: 1.0, 1: 1.0, 2: 1.0}, {0: 0.999, 1: 0.999, 2: 0.999})
     assert diff == pytest.approx(0.001) and p == 0.25
     assert stats.one_sample([0.3] * 5)[2] == 2 / 32 and stats.one_sample([0.0] * 5)[2] == 1.0
+    noise = {s: 0.1 + 0.2 for s in range(10)}, {s: 0.3 if s % 2 else 0.1 + 0.2 + 1e-17 for s in range(10)}
+    assert stats.paired(*noise)[1] == 1.0  # float noise of either sign around no difference: nothing
     lo, hi = stats.wilson(0.5, 100)
     assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)

@@ -252,16 +252,18 @@ def test_a_resume_with_a_changed_config_says_what_changed_and_refuses_what_matte
 
 def test_what_a_stop_tells_the_user_to_change_and_where_the_run_started_may_change_on_resume():
     """A stop on bad data says to raise ``input.max_skipped_share``; a resume reads its own checkpoint
-    and pinned settings, not the ``init`` folders (which may have moved)."""
+    and pinned settings, not an ``init`` folder it pinned (which may have moved)."""
     import ml_collections
 
     saved = {"input": {"max_skipped_share": 0.01}, "init": {"lm": "/old/lm"}, "optim": {"lr": 1e-3}}
     now = ml_collections.ConfigDict({"input": {"max_skipped_share": 0.05}, "init": {"lm": "/new/lm"},
                                      "optim": {"lr": 1e-3}})
-    assert len(workdir_lib.check_config_change(saved, now, "ckpt")) == 2
+    with pytest.raises(workdir_lib.ConfigChanged, match="would change init/lm:"):  # not pinned: it is read
+        workdir_lib.check_config_change(saved, now, "ckpt")
+    assert len(workdir_lib.check_config_change(saved, now, "ckpt", also_safe=["init/lm"])) == 2  # pinned
     now.optim.lr = 0.5
     with pytest.raises(workdir_lib.ConfigChanged, match="would change optim/lr:"):
-        workdir_lib.check_config_change(saved, now, "ckpt")
+        workdir_lib.check_config_change(saved, now, "ckpt", also_safe=["init/lm"])
 
 
 def test_a_full_disk_stops_the_command_in_one_line(tmp_path, monkeypatch, capsys):
@@ -282,8 +284,8 @@ def test_a_full_disk_stops_the_command_in_one_line(tmp_path, monkeypatch, capsys
     assert stop.value.code == 1
     assert capsys.readouterr().err.splitlines() == [
         f"python -m vitmm.train: [Errno 28] No space left on device: '{log}'; the full error is in "
-        f"{log.parent / 'errors.log'}. Free space or fix the path, then rerun the same command: it resumes from "
-        "the last checkpoint."]
+        f"{log.parent / 'errors.log'}. Free space or fix the path, then rerun the same command (a run resumes "
+        "from its last checkpoint)."]
     assert "Traceback" in (log.parent / "errors.log").read_text()
 
 

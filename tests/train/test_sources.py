@@ -70,3 +70,45 @@ def test_an_init_folder_without_settings_for_vision_or_lm_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="No checkpoint in"):
         sources.pin(tmp_path / "w", config)
     assert not (tmp_path / "w/sources/lm").exists()
+
+
+def _vlm(data_dir, tower, **overrides):
+    from vitmm import config_args
+    from vitmm.train import trainer
+
+    c = config_args.load(trainer.pathlib.Path(__file__).resolve().parents[2] / "configs/vlm_scenes.py",
+                         "smoke,connector=pool,budget=4", **{"input.data_dir": data_dir, "init.vision": str(tower),
+                                                             "init.allow_random_tower": False, **overrides})
+    with c.unlocked():
+        c.evals = ml_collections.ConfigDict()
+    return c
+
+
+def test_a_fresh_start_pins_the_folders_again_and_an_unpinned_folder_may_not_change(tmp_path, clip_smoke_run):
+    """--restart over checkpoints none of which reads starts at step 0 from the folders as they are
+    now, and pins them so; a workdir written before pinning keeps refusing another init.vision."""
+    import shutil
+
+    from vitmm.train import trainer
+    from vitmm.train import workdir as workdir_lib
+
+    tower, work = tmp_path / "tower", tmp_path / "vlm"
+    shutil.copytree(clip_smoke_run.workdir, tower, ignore=shutil.ignore_patterns("lock"))
+    config = _vlm(clip_smoke_run.data_dir, tower)
+    trainer.train(config, work, stop_at=1)
+    (work / "sources").rename(tmp_path / "pins")  # as a workdir from before pinning
+    shutil.copytree(tower, tmp_path / "other")
+    with pytest.raises(workdir_lib.ConfigChanged, match="would change init/vision"):
+        trainer.train(_vlm(clip_smoke_run.data_dir, tmp_path / "other"), work, stop_at=2)
+    (tmp_path / "pins").rename(work / "sources")
+
+    saved = ckpt_lib.load_config(tower)  # the tower's folder written again with other image statistics
+    saved["input"]["image_mean"], saved["input"]["image_std"] = [0.1, 0.2, 0.3], [0.5, 0.5, 0.5]
+    again = ckpt_lib.Checkpointer(tower, keep=5, async_save=False)
+    again.save(100, {"params": ckpt_lib.load_params(tower)}, {}, {"step": 100, "config": json.dumps(saved)})
+    again.close()
+    for step in ckpt_lib.step_folders(work):  # and every checkpoint of the run damaged
+        for part in (work / "checkpoints" / str(step)).iterdir():
+            shutil.rmtree(part) if part.is_dir() else part.unlink()
+    assert trainer.train(config, work, stop_at=1, restart=True)["final_step"] == 1
+    assert ckpt_lib.load_config(work / "sources/vision")["input"]["image_mean"] == [0.1, 0.2, 0.3]

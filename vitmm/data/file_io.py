@@ -49,7 +49,7 @@ def expand_pattern(pattern: str, key: str = "input.wds") -> list[pathlib.Path]:
     return paths
 
 
-def thread_handle(local, key, opener, limit: int = 8):
+def thread_handle(local, key, opener, limit: int = 32):
     """This thread's open handle for ``key`` (``opener()`` the first time), at most ``limit`` kept
     open per thread, the least recently used closed first: a reader of thousands of shards must not
     hold a file open for each."""

@@ -96,9 +96,11 @@ def _index_shard(path: pathlib.Path) -> dict:
     end = 0  # where the last member's data (padded to 512-byte blocks) ends
     try:
         with tarfile.open(path, "r:", ignore_zeros=True) as tar, open(path, "rb") as raw:
+            seen = False
             for member in tar:
-                if member.offset > end and not _zeros(raw, end, member.offset):
-                    index[f"@{end}"] = "shard_unreadable"  # skipped bytes that were not padding
+                seen = True
+                if member.offset > end and _damaged(raw, end, member.offset):
+                    index[f"@{end}"] = "shard_unreadable"  # skipped bytes that were neither padding nor headers
                 end = member.offset_data + -(-member.size // 512) * 512
                 if not member.isfile():
                     continue
@@ -110,7 +112,7 @@ def _index_shard(path: pathlib.Path) -> dict:
                     return index
                 if isinstance(index[key], dict):
                     index[key][field] = (member.offset_data, member.size)
-            if not index and not _zeros(raw, 0, size):  # (read past every block: no header anywhere)
+            if not seen and _damaged(raw, 0, size):  # (read past every block: no header anywhere)
                 raise tarfile.ReadError("no tar header in it")
     except tarfile.ReadError as err:
         if not index:
@@ -131,15 +133,24 @@ def _index_shard(path: pathlib.Path) -> dict:
     return index
 
 
-def _zeros(f, start: int, stop: int) -> bool:
-    """Whether bytes ``[start, stop)`` of ``f`` are all zero (an archive's end blocks, not damage)."""
-    f.seek(start)
+def _damaged(f, start: int, stop: int) -> bool:
+    """Whether the 512-byte blocks ``[start, stop)`` that tarfile passed over hold anything but
+    zero blocks (an archive's end, joined tars) and whole headers with their data that are no
+    member (a pax global header, as ``git archive`` writes)."""
     while start < stop:
-        chunk = f.read(min(stop - start, 1 << 20))
-        if not chunk or chunk.count(0) != len(chunk):
-            return False
-        start += len(chunk)
-    return True
+        f.seek(start)
+        block = f.read(512)
+        if len(block) < 512:
+            return block.count(0) != len(block)
+        if block.count(0) == 512:
+            start += 512
+            continue
+        try:
+            header = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.HeaderError:
+            return True
+        start += 512 + -(-header.size // 512) * 512
+    return False
 
 
 def _cut_header_key(tail: bytes) -> str | None:

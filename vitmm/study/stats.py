@@ -38,9 +38,12 @@ def _constant_p(values) -> float | None:
     """The two-sided p of values that do not vary (float noise apart), where a t-test's zero variance
     would say p = 0 at any number of seeds: 1 when they are 0, else the exact sign-flip test's
     (only all signs flipped together are as extreme: 2 / 2^n, 0.25 with 3 seeds). None otherwise."""
-    if not np.allclose(values, values[0]):
+    scale = float(np.abs(values).max())
+    if scale <= 1e-12:  # zero, float noise of either sign apart
+        return 1.0
+    if float(np.ptp(values)) > 1e-9 * scale:
         return None
-    return 1.0 if values[0] == 0 else min(1.0, 2.0 / 2 ** len(values))
+    return min(1.0, 2.0 / 2 ** len(values))
 
 
 def one_sample(values) -> tuple[float, float, float] | None:

@@ -161,8 +161,9 @@ def main(argv):
         if debug:
             raise
         console.log_error(errors_log, "the run stopped", err)
-        _fail(f"{console.cause(err)}; the full error is in {errors_log}. Free space or fix the path, then rerun "
-              "the same command: it resumes from the last checkpoint.", 1)
+        logged = f"; the full error is in {errors_log}" if errors_log.is_file() else ""
+        _fail(f"{console.cause(err)}{logged}. Free space or fix the path, then rerun the same command (a run "
+              "resumes from its last checkpoint).", 1)
     if summary["evals"]:
         print(summary_table(summary))
 

@@ -45,12 +45,15 @@ def pin(workdir, config, replace: bool = False) -> list[str]:
             if key == "checkpoint":  # weights only (no saved config): nothing the run reads from it again
                 continue
             raise
+        # An imported VLM's run read the tokenizer its config names (what step 0 used); else the folder's.
+        named = pathlib.Path(settings["tokenizer"]) if key == "checkpoint" and settings.get("tokenizer") else None
+        tokenizer = named if named is not None and named.is_file() else source / "tokenizer.json"
         tmp = target.with_name(f".{key}.partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         (tmp / SETTINGS).write_text(json.dumps(settings, indent=1))
-        if (source / "tokenizer.json").is_file():
-            shutil.copy(source / "tokenizer.json", tmp / "tokenizer.json")
+        if tokenizer.is_file():
+            shutil.copy(tokenizer, tmp / "tokenizer.json")
         tmp.rename(target)
         pinned.append(key)
     return pinned
@@ -111,7 +114,7 @@ def changed_since_pinned(config) -> list[str]:
             continue
         try:
             now = ckpt_lib.load_config(source)
-        except (FileNotFoundError, ValueError):
+        except Exception:  # noqa: BLE001 - a folder that no longer reads is no difference to report
             continue
         kept = json.loads((pathlib.Path(pinned) / SETTINGS).read_text())
         tokenizers = [pathlib.Path(p).expanduser() / "tokenizer.json" for p in (source, pinned)]

@@ -19,6 +19,11 @@ from vitmm.train.workdir import (
 REFUSALS = (WorkdirLocked, HistoryWithoutCheckpoint)
 
 
+class FreshStart(Exception):  # noqa: N818 - a signal between the trainer's steps, not an error
+    """No checkpoint read and ``--restart`` set them aside: the run starts again at step 0, its
+    settings read from the init folders again (not the copies the earlier run pinned)."""
+
+
 def refuse_together(refusal: Exception | None, workdir: pathlib.Path) -> None:
     """Process 0 alone checks the workdir; every process stops with it (the others would wait at the
     first checkpoint's barrier until the coordination timeout)."""

@@ -291,7 +291,7 @@ def vlm_parts(config) -> tuple[dict, dict]:
     ``attn_impl`` (e.g. ``cudnn`` on a GPU) and ``remat_policy`` apply to a loaded tower or LM too."""
     vision = config.model.vision.to_dict() if config.model.get("vision") else None
     lm = config.model.lm.to_dict()
-    found = {key: sources.folder(config, key) for key in sources.FOLDERS}
+    found = {key: sources.folder(config, key) for key in ("vision", "lm")}
     for key, source in found.items():
         if source and not pathlib.Path(source).expanduser().is_dir():
             raise FileNotFoundError(f"init.{key}={source} does not exist; the run reads its {key} settings (and "

@@ -126,9 +126,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     distributed.maybe_initialize(config)
     workdir = pathlib.Path(workdir).expanduser()
     resuming = bool(ckpt_lib.step_folders(workdir))  # an unreadable one must not mean a fresh start
-    # A resumed run reads its init folders' settings as it pinned them at its start (sources).
-    config = imported_vlm.from_imported_vlm(sources.with_pinned(config, workdir) if resuming else config)
-    validate(config)
+    given, config = config, _resolved(config, workdir, resuming)
     created = workdir_lib.make(workdir)
     is_main = jax.process_index() == 0
     lock = workdir_lib.Lock(workdir)
@@ -143,11 +141,22 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
         startup.refuse_together(refusal, workdir)
         with (console.library_errors_to(workdir / console.ERRORS_LOG), StopRequests() as stop,
               contextlib.ExitStack() as cleanup):
-            return _train(config, workdir, stop_at, is_main, stop, cleanup, restart, set_aside, resuming)
+            try:
+                return _train(config, workdir, stop_at, is_main, stop, cleanup, restart, set_aside, resuming)
+            except startup.FreshStart:  # --restart and no checkpoint read: step 0 from the folders as they are now
+                return _train(_resolved(given, workdir, False), workdir, stop_at, is_main, stop, cleanup)
     finally:
         lock.release()
         if created and is_main:
             workdir_lib.remove_if_empty(workdir)
+
+
+def _resolved(config, workdir: pathlib.Path, resuming: bool):
+    """``config`` as the run uses it: a resumed run reads its init folders' settings as it pinned
+    them at its start (``sources``); an imported VLM's settings filled in (``imported_vlm``); checked."""
+    config = imported_vlm.from_imported_vlm(sources.with_pinned(config, workdir) if resuming else config)
+    validate(config)
+    return config
 
 
 @dataclasses.dataclass
@@ -218,19 +227,21 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     if resuming:
         abstract = par.abstract_for_restore(jax.eval_shape(lambda: state))
         changes = []
+        pinned = [f"init/{key}" for key in config.init.get("pinned") or {}]  # not read again: may have moved
 
         def check(meta):  # before the state is read: what the config changes, refused where it matters
             saved = meta.get("config")
             changes[:] = workdir_lib.check_config_change(json.loads(saved) if isinstance(saved, str) else saved,
-                                                         given, checkpointer.directory)
+                                                         given, checkpointer.directory, pinned)
 
         found = checkpointer.restore_newest_readable(abstract, check, restart=restart)
-        if found is None:  # --restart over checkpoints none of which read: set aside
-            state = setup.fresh_state()
+        if found is None:  # --restart over checkpoints none of which read: set aside, and a fresh start
             kept = workdir_lib.set_aside_for_restart(workdir) if is_main else None
             if is_main:
                 print(f"Restarting from step 0 in {workdir} (--restart; no checkpoint read, set aside as "
                       "<step>.unreadable)" + (f"; the earlier log is {kept.name}." if kept else "."), flush=True)
+            device_feed.close(data)
+            raise startup.FreshStart  # built again from the init folders, whose settings it pins anew
         else:
             state, data_state, _, start = found
             data.set_state(device_feed.own_state(data_state))

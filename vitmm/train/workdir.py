@@ -35,13 +35,13 @@ from vitmm import tree
 
 # Keys that may change between a run and its resume: how often things happen, where data and
 # logs are read, how evaluation is done, when bad data stops the run, the layout (a restore
-# reshards), whether a GPU's sums round in a fixed order (``deterministic``) and where the run
-# started from (``init``: a resume reads its own checkpoint and the settings it pinned, not those
-# folders). Anything else changes what is computed.
+# reshards), whether a GPU's sums round in a fixed order (``deterministic``) and what only step 0
+# reads (``init.dont_load``; an ``init`` folder too once its settings are pinned: ``check_config_change``'s
+# ``also_safe``). Anything else changes what is computed.
 SAFE_TO_CHANGE = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "sync_every",
                   "allow_config_change", "evals", "input/data_dir", "input/num_threads", "input/prefetch",
                   "input/device_prefetch", "input/max_skipped_share", "multihost", "fsdp", "tensor_parallel",
-                  "deterministic", "init")
+                  "deterministic", "init/dont_load", "init/allow_random_tower")
 
 
 class WorkdirLocked(RuntimeError):
@@ -174,14 +174,14 @@ def config_differences(saved: dict, current: dict) -> list[tuple[str, object, ob
             if norm(a.get(k)) != norm(b.get(k))]
 
 
-def check_config_change(saved: dict | None, config, checkpoint_dir) -> list[str]:
+def check_config_change(saved: dict | None, config, checkpoint_dir, also_safe=()) -> list[str]:
     """Lines describing what changed since the checkpoint's config; raises ``ConfigChanged`` for
-    changes outside ``SAFE_TO_CHANGE`` unless ``config.allow_config_change``."""
+    changes outside ``SAFE_TO_CHANGE`` and ``also_safe`` unless ``config.allow_config_change``."""
     if saved is None:
         return []
     diffs = config_differences(saved, json.loads(config.to_json_best_effort()))
     lines = [f"  {k}: {old!r} -> {new!r}" for k, old, new in diffs]
-    unsafe = [k for k, _, _ in diffs if not any(k == s or k.startswith(s + "/") for s in SAFE_TO_CHANGE)]
+    unsafe = [k for k, _, _ in diffs if not any(k == s or k.startswith(s + "/") for s in (*SAFE_TO_CHANGE, *also_safe))]
     if unsafe and not config.get("allow_config_change", False):
         raise ConfigChanged(
             f"The checkpoint in {checkpoint_dir} was written with another config; resuming would change "
