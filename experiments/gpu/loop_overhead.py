@@ -62,8 +62,12 @@ def bare_speed(config, steps: int, repeats: int = 3) -> dict:
     """The compiled step alone on one device-resident batch: ``steps`` steps back to back, the
     median over ``repeats`` of img/s."""
     setup = trainer.build(config)
-    data = inputs.make(config, setup.tokenizer, setup.par, setup.task)
+    one = config.copy_and_resolve_references()
+    with one.unlocked():
+        one.input.workers = 0  # one batch of the same shapes: no reader processes started for it
+    data = inputs.make(one, setup.tokenizer, setup.par, setup.task)
     batch = next(data)
+    data.close()
     state = setup.par.put_state(setup.state)
     times, _ = profiling.time_step(setup.compile(state), state, batch, steps, repeats)
     speeds = [config.batch_size / t for t in times]
