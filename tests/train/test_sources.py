@@ -112,3 +112,16 @@ def test_a_fresh_start_pins_the_folders_again_and_an_unpinned_folder_may_not_cha
             shutil.rmtree(part) if part.is_dir() else part.unlink()
     assert trainer.train(config, work, stop_at=1, restart=True)["final_step"] == 1
     assert ckpt_lib.load_config(work / "sources/vision")["input"]["image_mean"] == [0.1, 0.2, 0.3]
+
+
+def test_an_init_checkpoint_of_weights_without_a_saved_config_is_not_pinned(tmp_path):
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path / "weights/checkpoints", item_handlers={
+            "state": ocp.StandardCheckpointHandler()}) as mngr:  # weights saved without vitmm's meta item
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": {"w": jnp.ones(2)}})))
+    with pytest.raises(ValueError, match="carries no config"):
+        ckpt_lib.load_config(tmp_path / "weights")
+    config = ml_collections.ConfigDict({"init": {"checkpoint": str(tmp_path / "weights")}})
+    assert sources.pin(tmp_path / "w", config) == []
