@@ -74,6 +74,8 @@ def guard(fn: Callable) -> Callable:
     return guarded
 
 
+ADVICE = ("List every bad example with `python -m vitmm.data check` and fix or drop them, or raise "
+          "input.max_skipped_share.")
 ALL_BAD = 10_000  # bad examples in a row that stop a run whatever its limit: data that is all bad
 
 
@@ -108,8 +110,7 @@ def check_all_processes(metrics: dict, max_share: float | None, process_count: i
     raise TooManySkipped(
         f"Too much bad data over the {process_count} processes: read {int(read)}, skipped {int(skipped)} "
         f"({100 * skipped / read:.2f}%){': ' + reasons if reasons else ''}, more than "
-        f"input.max_skipped_share={max_share}. List every bad example with `python -m vitmm.data check` and fix or "
-        "drop them, or raise input.max_skipped_share.")
+        f"input.max_skipped_share={max_share}. {ADVICE}")
 
 
 class SkippingBatches:
@@ -161,9 +162,7 @@ class SkippingBatches:
         skipped = sum(c["skipped"].values())
         if c["read"] >= self.min_read and skipped > self.max_share * c["read"]:
             raise TooManySkipped(
-                f"Too much bad data: {report(c)}, more than input.max_skipped_share={self.max_share}. "
-                "List every bad example with `python -m vitmm.data check` and fix or drop them, or raise "
-                "input.max_skipped_share.")
+                f"Too much bad data: {report(c)}, more than input.max_skipped_share={self.max_share}. {ADVICE}")
         if in_a_row >= ALL_BAD:  # (with several processes the share is judged on the sum, at log steps)
             raise TooManySkipped(
                 f"Too much bad data: {in_a_row} examples in a row were bad ({report(c)}): check the data's paths "

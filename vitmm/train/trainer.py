@@ -172,17 +172,6 @@ class Setup:
     state: dict
     config: Any
 
-    def fresh_state(self, params=None, load: bool = True) -> dict:
-        """Step 0's state: ``params`` (default: the task's), with the ``init.*`` weights unless not
-        ``load`` (a run that resumes overwrites them: their shapes are all it needs)."""
-        params = self.task.init_params(load=load) if params is None else params
-        if load and self.config.init.get("checkpoint"):
-            loaded = ckpt_lib.load_params(self.config.init.checkpoint)
-            params = ckpt_lib.merge_params(params, loaded, self.config.init.get("dont_load") or (),
-                                           source=self.config.init.checkpoint)
-        return dict(params=params, opt_state=jax.jit(self.tx.init)(params), step=jnp.zeros((), jnp.int32),
-                    rng=jax.random.key_data(jax.random.key(self.config.seed)), bad=jnp.full((2,), -1, jnp.int32))
-
     def compile(self, placed):
         """``step(state, batch) -> (state, metrics)``, jitted or pmapped, the state donated;
         ``placed``: a state as ``par.put_state`` lays it out."""
@@ -207,9 +196,14 @@ def build(config, load: bool = True) -> Setup:
     with optim_cfg.unlocked():
         optim_cfg.total_steps = config.total_steps
     tx, lr_schedule = optim.make_optimizer(optim_cfg, params)
-    setup = Setup(par, tokenizer, task, tx, lr_schedule, {}, config)
-    setup.state = setup.fresh_state(params, load)
-    return setup
+    if load and config.init.get("checkpoint"):  # (a resumed run's shapes are all it needs: no reading)
+        loaded = ckpt_lib.load_params(config.init.checkpoint)
+        params = ckpt_lib.merge_params(params, loaded, config.init.get("dont_load") or (),
+                                       source=config.init.checkpoint)
+    state = dict(params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32),
+                 rng=jax.random.key_data(jax.random.key(config.seed)),
+                 bad=jnp.full((2,), -1, jnp.int32))
+    return Setup(par, tokenizer, task, tx, lr_schedule, state, config)
 
 
 def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequests, cleanup,
@@ -303,7 +297,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                 shown = {k: f"{host[k]:.3g}" for k in ("loss",) + task.aux_names[:1]}
                 progress.set_postfix(**shown, img_s=f"{host['img_per_s']:.0f}", refresh=False)
             if at_ckpt:  # before evaluating: a failing evaluator never costs the checkpoint
-                _save(checkpointer, step, par.host_state(state), device_feed.gather_states(data.get_state()), config)
+                _save(checkpointer, step, par.host_state(state), device_feed.gather_states(data.get_state()), given)
             checkpointer.check_saves(step)
             if at_eval:
                 evals = _evaluate_state(evaluators, task, par, state)
@@ -343,8 +337,7 @@ def _data_counts(data_state, shown: int | None, is_main: bool) -> int | None:
 def _save(checkpointer, step: int, state, data_state, config) -> None:
     """Starts the (background) save of ``step``; a failure to start it is a ``SaveFailed``."""
     try:
-        checkpointer.save(step, state, data_state,
-                          {"step": step, "config": sources.without_pinned(config).to_json_best_effort()})
+        checkpointer.save(step, state, data_state, {"step": step, "config": config.to_json_best_effort()})
     except ckpt_lib.SaveFailed:
         raise
     except Exception as err:  # noqa: BLE001 - e.g. no space left (this save, or the previous one in the background)
