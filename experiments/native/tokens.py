@@ -195,17 +195,6 @@ def parse_args(argv=None):
     return args
 
 
-def _resign_snapshots(context, old_signature: str, keys, seeds, chosen) -> None:
-    """The grid's mid-run snapshot named after the legacy signature, renamed to the current one."""
-    folder = pathlib.Path(context["snapshots"][0])
-    for key in keys:
-        for seed in seeds:
-            identity = (key, seed, chosen[key[0]])
-            old = folder / f"{store.signature([old_signature, *identity])}.pkl"
-            if old.is_file():
-                old.rename(run_lib.snapshot_path(context, *identity))
-
-
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
@@ -245,8 +234,6 @@ def main(argv=None) -> pathlib.Path:
                    stage1_steps=args.stage1_steps, warmup=args.warmup, views=views)  # eval_batch: speed, not settings
     arrays = {"train": train, "val": val, "test": test}
     context["snapshots"] = (str(out / "snapshots"), store.signature(settings))  # a killed run resumes mid-way
-    legacy = {**settings, "tower": str(tower_dir.resolve())}  # runs before 2026-12-07 named the tower by its path
-    store.resign([out / "tuning.jsonl"], store.signature(legacy), store.signature(settings))
 
     def ensure_stage0():
         for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
@@ -277,10 +264,6 @@ def main(argv=None) -> pathlib.Path:
     settings["chosen"] = chosen
     keys = [(p, b) for b in reversed(args.budgets) for p in PATHS] + [(BLIND, top)]
     signature = store.signature(settings)  # each finished seed of a cell too: a stop loses one seed's run
-    legacy.update(chosen=chosen)
-    if store.resign([out / "cells.jsonl", out / "seeds.jsonl"], store.signature(legacy), signature):
-        _resign_snapshots(context, store.signature({k: v for k, v in legacy.items() if k != "chosen"}),
-                          keys, args.seeds, chosen)
     context["seed_log"] = (str(out / "seeds.jsonl"), signature)
     context["seeds_done"] = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], signature)
     results = run_cells(cell_job, keys, "cells.jsonl", "cells", args.seeds)

@@ -91,26 +91,6 @@ def seed_results(paths, signature: str, holds=None) -> dict:
     return merged
 
 
-def resign(paths, old: str, new: str) -> int:
-    """Rewrites the rows of ``paths`` signed ``old`` as ``new`` (what a signature names changed, not
-    the settings: e.g. a tower by its fingerprint instead of its path); each file written aside, then
-    renamed over. Returns how many rows changed."""
-    changed = 0
-    for path in map(pathlib.Path, paths):
-        if not path.is_file() or old == new:
-            continue
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
-        hits = [row for row in rows if row["signature"] == old]
-        for row in hits:
-            row["signature"] = new
-        if hits:
-            tmp = path.with_suffix(".resign")
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-            os.replace(tmp, path)
-            changed += len(hits)
-    return changed
-
-
 def save_cell(path: pathlib.Path, signature: str, key, results: dict) -> None:
     """Appends one finished cell (all its seeds) as a line of a ``.jsonl`` file, synced to disk."""
     line = json.dumps({"signature": signature, "key": list(key), "results": {str(k): v for k, v in results.items()}})
