@@ -16,8 +16,7 @@ from vitmm.data.skips import Skipped
 def _csv_rows(f, separator: str, img_key: str, caption_key: str, path) -> list[tuple]:
     """``(image, caption, line)`` of each row, ``line`` the file's line the row starts on (a quoted
     caption may span several; blank lines are skipped, and counted)."""
-    numbered = _Numbered(f)
-    reader = csv.reader(numbered, delimiter=separator)
+    reader = csv.reader(f, delimiter=separator)  # (it returns a blank line as [], so line_num counts it)
     header = next((row for row in reader if row), None) or []
     missing = [k for k in (img_key, caption_key) if k not in header]
     if missing:
@@ -26,27 +25,12 @@ def _csv_rows(f, separator: str, img_key: str, caption_key: str, path) -> list[t
     at = {k: header.index(k) for k in (img_key, caption_key)}
     rows = []
     while True:
-        start = numbered.count + 1
+        start = reader.line_num + 1
         row = next(reader, None)
         if row is None:
             return rows
         if row:
             rows.append(tuple(row[at[k]] if at[k] < len(row) else None for k in (img_key, caption_key)) + (start,))
-
-
-class _Numbered:
-    """A file's lines, counting them."""
-
-    def __init__(self, f):
-        self._f, self.count = f, 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> str:
-        line = next(self._f)
-        self.count += 1
-        return line
 
 
 class CsvSource:
