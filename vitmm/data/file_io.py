@@ -49,14 +49,26 @@ def expand_pattern(pattern: str, key: str = "input.wds") -> list[pathlib.Path]:
     return paths
 
 
-def thread_handle(local, key, opener, limit: int = 32):
-    """This thread's open handle for ``key`` (``opener()`` the first time), at most ``limit`` kept
-    open per thread, the least recently used closed first: a reader of thousands of shards must not
-    hold a file open for each."""
+def _handles_per_thread() -> int:
+    """A 64th of the process's open-file limit (16 under the common 1,024, hundreds where it is
+    raised), at least 8: room for many reader threads, and few reopenings under a global shuffle."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(8, (soft if soft != resource.RLIM_INFINITY else 65536) // 64)
+
+
+HANDLES_PER_THREAD = _handles_per_thread()
+
+
+def thread_handle(local, key, opener, limit: int | None = None):
+    """This thread's open handle for ``key`` (``opener()`` the first time), at most ``limit``
+    (``HANDLES_PER_THREAD``) kept open per thread, the least recently used closed first: a reader
+    of thousands of shards must not hold a file open for each."""
     handles = local.__dict__.setdefault("handles", collections.OrderedDict())
     if key not in handles:
         handles[key] = opener()
-        while len(handles) > limit:
+        while len(handles) > (limit or HANDLES_PER_THREAD):
             handles.popitem(last=False)[1].close()
     handles.move_to_end(key)
     return handles[key]
