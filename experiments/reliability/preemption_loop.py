@@ -2,7 +2,7 @@
 time, and check that it ends exactly where an uninterrupted run ends.
 
     python -m experiments.reliability.preemption_loop                       # 40 steps, 6 interruptions
-    python -m experiments.reliability.preemption_loop --steps 12 --kills 2  # what the tests run
+    python -m experiments.reliability.preemption_loop --steps 12 --kills 1  # what the tests run
 
 Both runs are ``python -m vitmm.train --config configs/clip_scenes.py:smoke`` with
 ``total_steps``, ``checkpoint_every`` and ``log_every=1`` set. For each interruption the table

@@ -58,6 +58,7 @@ def test_a_packed_batch_has_the_unpacked_loss_and_gradients(data_dir, prefix_lm=
     assert sequences.padding_share(packed) < 0.5
     packed = {k: jnp.asarray(v) for k, v in packed.items()}
 
+    @jax.jit  # one program a batch shape: eager, every operation of the backward pass is dispatched alone
     def loss_and_grads(batch):
         return jax.value_and_grad(task.loss_fn, has_aux=True)(params, batch, None)
 
@@ -68,7 +69,7 @@ def test_a_packed_batch_has_the_unpacked_loss_and_gradients(data_dir, prefix_lm=
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_p, grads)
     if not prefix_lm:
         chunked = _task(data_dir, prefix_lm, **{"model.loss_chunk": 37})[1]
-        (loss_c, aux_c), grads_c = jax.value_and_grad(chunked.loss_fn, has_aux=True)(params, packed, None)
+        (loss_c, aux_c), grads_c = jax.jit(jax.value_and_grad(chunked.loss_fn, has_aux=True))(params, packed, None)
         np.testing.assert_allclose([loss_c, aux_c["token_acc"]], [loss, aux["token_acc"]], rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_c, grads)
 
@@ -251,6 +252,7 @@ def test_packed_mrope_rows_have_the_unpacked_loss_and_gradients(data_dir, prefix
     packed = {k: jnp.asarray(v) for k, v in next(it).items()}
     assert int(packed["segment_ids"].max()) >= 2
 
+    @jax.jit  # one program a batch shape: eager, every operation of the backward pass is dispatched alone
     def loss_and_grads(batch):
         return jax.value_and_grad(task.loss_fn, has_aux=True)(params, batch, None)
 

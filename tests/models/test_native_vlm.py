@@ -1,5 +1,6 @@
 """Native resolution in the VLM: Qwen2-VL's multimodal RoPE, and LLaVA-NeXT's AnyRes tiles."""
 
+import functools
 import pathlib
 
 import jax
@@ -236,16 +237,18 @@ def test_host_made_anyres_views_of_images_at_their_own_sizes_batch_and_decode_as
     assert mask.sum(1).tolist() == counts and len(set(counts)) == 3 and not mask[:, :1].all()
     ids = jnp.asarray(rng.integers(1, 40, size=(3, 6)), jnp.int32)
     variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 32, 3)), ids[:1])
-    tokens = model.apply(variables, jnp.asarray(views), layout=layout, method=VLM.visual_tokens)
-    logits = text_logits(model.apply(variables, jnp.asarray(views), ids, visual_mask=mask, layout=layout),
+    apply = jax.jit(model.apply, static_argnames="method")  # one program a shape: eager costs ~1 s a call
+    view_tokens = jax.jit(lambda v, x: model.apply(v, x, method=lambda m, x: m._view_tokens(x)))
+    tokens = apply(variables, jnp.asarray(views), layout=layout, method=VLM.visual_tokens)
+    logits = text_logits(apply(variables, jnp.asarray(views), ids, visual_mask=mask, layout=layout),
                          layout.shape[1], None)
     for b, (hw, n) in enumerate(zip(sizes, counts, strict=True)):
         v = 1 + int(np.prod(anyres.plan(hw, cfg["pinpoints"], 16)["tiles"]))
         assert (views[b, v:] == -1).all() and (views[b, :v] > -1).any()  # black views after the image's own
-        per_view = model.apply(variables, jnp.asarray(views[b:b + 1, :v]), method=lambda m, x: m._view_tokens(x))
+        per_view = view_tokens(variables, jnp.asarray(views[b:b + 1, :v]))
         want = anyres.assemble(per_view, hw, cfg["pinpoints"], 16, variables["params"]["image_newline"])
         np.testing.assert_allclose(tokens[b, -n:], want[0], atol=1e-5)
-        alone = model.apply(variables, jnp.asarray(views[b:b + 1, :v]), ids[b:b + 1], layout=layout[b:b + 1, -n:])
+        alone = apply(variables, jnp.asarray(views[b:b + 1, :v]), ids[b:b + 1], layout=layout[b:b + 1, -n:])
         np.testing.assert_allclose(logits[b], text_logits(alone, n, None)[0], atol=1e-5, rtol=1e-5)
     prompt_len = np.array([3, 5, 4])
     batch = decode.GreedyDecoder(model)(variables, jnp.asarray(views), np.asarray(ids), prompt_len, 4, eos_id=2,
@@ -277,15 +280,17 @@ def test_a_padded_batch_gives_each_image_its_unpadded_text_logits():
     garbage = [jnp.asarray(rng.normal(size=(m - len(f), f.shape[-1])), jnp.float32) for f in feats]
     padded = jnp.stack([jnp.concatenate([g, f]) for g, f in zip(garbage, feats, strict=True)])
     mask = jnp.asarray([[k >= m - len(f) for k in range(m)] for f in feats])
+
+    @functools.partial(jax.jit, static_argnames="grid")  # one program a shape: eager costs ~1 s a call
+    def forward(ids, tokens, grid, mask=None, image_pos=None):
+        return model.apply(variables, None, ids, features=(tokens, None, grid), visual_mask=mask, image_pos=image_pos)
+
     for image_pos in (None, jnp.asarray([1, 3])):
-        logits = model.apply(variables, None, ids, features=(padded, None, (1, m)), visual_mask=mask,
-                             image_pos=image_pos)
-        got = text_logits(logits, m, image_pos)
-        unmasked = text_logits(model.apply(variables, None, ids, features=(padded, None, (1, m)),
-                                           image_pos=image_pos), m, image_pos)
+        got = text_logits(forward(ids, padded, (1, m), mask, image_pos), m, image_pos)
+        unmasked = text_logits(forward(ids, padded, (1, m), image_pos=image_pos), m, image_pos)
         for b, f in enumerate(feats):
             pos = None if image_pos is None else image_pos[b:b + 1]
-            alone = model.apply(variables, None, ids[b:b + 1], features=(f[None], None, (1, len(f))), image_pos=pos)
+            alone = forward(ids[b:b + 1], f[None], (1, len(f)), image_pos=pos)
             want = text_logits(alone, len(f), pos)[0]
             np.testing.assert_allclose(got[b], want, atol=1e-5, rtol=1e-5)
             if len(f) < m:

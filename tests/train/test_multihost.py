@@ -155,10 +155,19 @@ def test_two_processes_train_as_one_and_stop_together_on_sigterm(tmp_path):
     assert "is in use by pid" in refused[0]["message"] and "process 0 refused this run" in refused[1]["message"]
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == []
 
-    # The pair under pmap: each process's replica is saved as one global array (orbax saves no
-    # process-local one), with the losses of the jit pair.
+
+@pytest.mark.slow  # ~13 s: a fourth pair of processes; one process's pmap is in make test (test_trainer)
+def test_two_processes_under_pmap_train_as_the_jit_pair(tmp_path):
+    """Each process's replica is saved as one global array (orbax saves no process-local one), with
+    the losses of the jit pair."""
+    data_dir = tmp_path / "tfds"
+    from configs import common
+    from vitmm.data import pipeline
+
+    pipeline.get_source(common.SMOKE_DATA, "train", str(data_dir))
+    jit = _results(_run_two(tmp_path, tmp_path / "jit", data_dir))
     pmap = _results(_run_two(tmp_path, tmp_path / "pmap", data_dir, parallel="pmap"))
-    assert pmap[0]["losses"] == pytest.approx(a["losses"], rel=1e-4) == pmap[1]["losses"]
+    assert pmap[0]["losses"] == pytest.approx(jit[0]["losses"], rel=1e-4) == pmap[1]["losses"]
     assert (tmp_path / "pmap" / "checkpoints" / "6").is_dir()
 
 

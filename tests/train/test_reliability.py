@@ -393,8 +393,8 @@ def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path, straight):
 
 def test_a_signal_saves_the_current_step_and_the_resumed_run_matches(tmp_path, straight):
     """SIGINT (Ctrl-C) at a known step. SIGTERM takes the same handler and is sent at a known step
-    by the multi-host test (both processes save, the pair resumed from a checkpoint matches) and at random moments
-    by the kill loop below."""
+    by the multi-host test (both processes save, the pair resumed from a checkpoint matches); at random
+    moments by ``experiments/reliability/preemption_loop.py`` (results/reliability)."""
     workdir, summary, config = straight
     sig = "SIGINT"
     script = tmp_path / "signalling.py"
@@ -547,14 +547,14 @@ def test_resuming_on_fewer_devices_continues_the_same_global_data_order(tmp_path
                                rtol=1e-5)
 
 
-def test_a_loop_of_sigkill_and_sigterm_ends_where_an_uninterrupted_run_ends(tmp_path, data_dir):
+def test_a_sigkill_at_a_random_step_ends_where_an_uninterrupted_run_ends(tmp_path, data_dir):
     loop = importlib.import_module("experiments.reliability.preemption_loop")
-    result = loop.main(["--steps", "12", "--checkpoint_every", "4", "--kills", "2", "--data_dir", data_dir,
+    # One SIGKILL at a random step (SIGTERM at a known step: the multi-host test; SIGINT, which takes
+    # the same handler: the test above): each kill costs a trainer process of its own.
+    result = loop.main(["--steps", "12", "--checkpoint_every", "4", "--kills", "1", "--data_dir", data_dir,
                         "--out", str(tmp_path)])
-    assert [r["signal"] for r in result["interruptions"]] == ["SIGKILL", "SIGTERM"]
+    assert [r["signal"] for r in result["interruptions"]] == ["SIGKILL"]
     assert result["parameters_equal"] and result["each_step_logged_once"] and result["losses_equal"]
-    sigterm = result["interruptions"][1]
-    assert sigterm["returncode"] in (75, 0) and sigterm["lost"] == 0  # 0: it reached the last step first
     assert (tmp_path / "preemption_loop.md").is_file()
 
 

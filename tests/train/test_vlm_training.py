@@ -123,8 +123,8 @@ def test_the_loss_on_answer_positions_only_equals_the_full_loss_for_less(data_di
              for k in ("image", "ids", "answer_mask", "prompt_len", "image_pos")}
     batch["image"] = jnp.asarray(rng.normal(size=batch["image"].shape), jnp.float32)
 
-    def grads(task):
-        return jax.value_and_grad(task.loss_fn, has_aux=True)(params, batch, None)
+    def grads(task):  # one program each: eager, every operation of the backward pass is dispatched alone
+        return jax.jit(jax.value_and_grad(task.loss_fn, has_aux=True))(params, batch, None)
 
     (loss, aux), g = grads(full)
     (loss_k, aux_k), g_k = grads(some)
