@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call that ends by itself inside its limit, issue 52's parts first: the trainer's loop against its
 # bare step (part 1), deterministic=True's cost and repeatability (part 5), then while time is left the
-# connectors at real sizes (part 3), the ViT-B/16 profile (part 2) and --dry_run against a real step's memory
-# (part 4, issue 59). A second call, if the session's device time allows: bash experiments/gpu/bench.sh --sweep.
+# PyTorch peer (timm + torch.compile, beside part 5's baseline row), the connectors at real sizes
+# (part 3), the ViT-B/16 profile (part 2) and --dry_run against a real step's memory (part 4, issue 59).
+# A second call, if the session's device time allows: bash experiments/gpu/bench.sh --sweep.
 #   bash experiments/gpu/carry.sh                                   # here, once
 #   run(command="BUDGET_S=560 bash experiments/gpu/session.sh", carry=[".whl", ".gpu_data", ".gpu_smollm2"],
 #       timeout_s=590)
@@ -66,6 +67,16 @@ limited $PY -m experiments.reliability.resume_check "${DET[@]}" --repeat --set d
     --set model.image.attn_impl=cudnn --out "$W/resume_deterministic_cudnn.json" > "$W/resume_deterministic_cudnn.log" 2>&1 \
     || echo "FAILED or cut off: resume"
 tail -2 "$W/resume_deterministic_cudnn.log"
+pack
+
+echo "=== the PyTorch peer: timm ViT-B/16 + torch.compile ($(date -u +%H:%M:%S), $(left) s left)"
+# beside part 5's "baseline" row (bench.py's ViT-B/16 cudnn gap(196) case, the same model and batch, this call)
+if [ "$tiny" = --tiny ]; then PEER=(--tiny --steps 1 --repeats 1 --modes compile); else PEER=(--cases ViT-B/16 --modes compile); fi
+if $PY -c "import torch, timm" 2> /dev/null; then
+    limited $PY -m experiments.gpu.torch_peer "${PEER[@]}" --out "$W/torch_peer.jsonl" > "$W/torch_peer.log" 2>&1 \
+        || echo "FAILED or cut off: torch_peer"
+    tail -1 "$W/torch_peer.log" | cut -c1-200
+else echo "skipped: no torch and timm here"; fi
 pack
 
 echo "=== part 3: connectors at real sizes ($(date -u +%H:%M:%S), $(left) s left)"
