@@ -368,6 +368,6 @@ def _assert_packed_equals_each_alone(task, params, packed, examples, sequence, v
         return total / count
 
     want, want_grads = jax.jit(jax.value_and_grad(alone))(params)
-    (got, _), got_grads = jax.value_and_grad(task.loss_fn, has_aux=True)(params, packed, None)
+    (got, _), got_grads = jax.jit(jax.value_and_grad(task.loss_fn, has_aux=True))(params, packed, None)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_grads, want_grads)
