@@ -2,6 +2,7 @@
 whose decoder emits fixed tokens, or a tiny tokenizer's prompts (the model-backed tests are in
 tests/test_serve.py)."""
 
+import pathlib
 import socket
 import threading
 import time
@@ -9,6 +10,9 @@ import time
 import pytest
 
 from vitmm import serve
+from vitmm.data import ops_text
+
+TOKENIZER = pathlib.Path(__file__).parent / "fixtures/interop/hf_llava/tokenizer.json"  # <|im_start|> 1, <|im_end|> 2
 
 
 class _FakeChat:
@@ -130,3 +134,20 @@ def test_malformed_stream_settings_and_roles_are_400s_naming_the_param(body, par
                                         "stream": None, "stream_options": None})
     assert parsed["stream"] is False and parsed["include_usage"] is False  # null: the defaults, as OpenAI's
 
+
+def test_a_chat_templates_refusal_is_a_400_naming_it():
+    """A template's ``raise_exception`` (Gemma's on a system turn) is the client's error, not the server's."""
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.lm_chat import LMChat
+
+    template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+                "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    chat = LMChat.__new__(LMChat)
+    chat.tokenizer = tok_lib.get_tokenizer(str(TOKENIZER), bos_id=1, eos_id=2, pad_id=0, chat_template=template)
+    chat._tokens = ops_text.conversation_tokens(64, chat.tokenizer)
+    example = chat.prepare([], [{"from": "human", "value": "hi"}])
+    assert list(example["ids"][:example["prompt_len"]]) == chat.tokenizer.encode("<|im_start|>hi<|im_end|>")
+    err = _refusal(_engine(chat), messages=[{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": "hi"}])
+    assert err.status == 400 and err.param == "messages"
+    assert str(err) == "The model's chat template refuses this conversation: System role not supported"

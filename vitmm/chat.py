@@ -82,13 +82,7 @@ class Chat:
             raise ValueError(f"{tags} <image> tag(s) in the text for {len(images)} image(s).")
         rng = np.random.default_rng(0)
         if self._conversation:
-            from vitmm.data.skips import BadExample
-
-            try:
-                return reply_prompt(self._pp({"images": list(images),
-                                               "conversations": [*turns, {"from": "gpt", "value": ""}]}, rng))
-            except BadExample as bad:
-                raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
+            return reply_prompt(self._pp, {"images": list(images), "conversations": turns}, rng)
         users = [t for t in turns if t["from"] == "human"]
         if len(users) != 1 or len(images) != 1 or len(turns) != 1 + sum(t["from"] == "system" for t in turns):
             raise ValueError("This model was trained on single questions about one image: send one user message with "
@@ -97,8 +91,6 @@ class Chat:
         return self._pp({"image": images[0], "question": question, "answer": ""}, rng)
 
     def _prepare_video(self, images: list, turns: list[dict], video) -> dict:
-        from vitmm.data.skips import BadExample
-
         if self.max_images < 2 or not self._conversation:
             raise ValueError("This model takes no video (a run on input.sequences with frames takes one).")
         imported = {"smart_resize": "Qwen2-VL", "idefics3_tiles": "Idefics3"}
@@ -108,12 +100,8 @@ class Chat:
                                  "images.")
         if images:
             raise ValueError("A video goes alone, without images.")
-        try:
-            return reply_prompt(self._pp({"images": [], "video": video,
-                                           "conversations": [*turns, {"from": "gpt", "value": ""}]},
-                                          np.random.default_rng(0)))
-        except BadExample as bad:
-            raise ValueError(f"The video cannot be used ({bad.reason}: {bad.detail}).") from None
+        return reply_prompt(self._pp, {"images": [], "video": video, "conversations": turns}, np.random.default_rng(0),
+                            "video")
 
     def num_prompt_tokens(self, example: dict) -> int:
         """The prompt's text tokens and the visual tokens the LM sees."""
