@@ -33,6 +33,7 @@ from vitmm.lm_chat import LMChat, reply_prompt, round_up
 
 class Chat:
     max_images = 1  # images one prompt may hold; a run on flat sequences (input.sequences) sets its own
+    image_separator = "\n"  # the text after an image's <image> tag: LLaVA's convention, which its data has
     _flat = False
 
     def __init__(self, workdir, step: int | None = None):
@@ -63,6 +64,8 @@ class Chat:
                    if name == "decode"]
         self._flat = bool(sq and sq.get("length"))  # trained on flat sequences: prompts are made the same way
         self.max_images = min(int(sq.max_images), *decoded) if self._flat else 1
+        if (self.config.get("source") or {}).get("architecture"):  # an imported VLM: its processor puts an image
+            self.image_separator = ""  # part right before the text (Qwen2-VL's, PaliGemma's templates keep a "\n")
 
     def prepare(self, images: list, turns: list[dict], video=None) -> dict:
         """The preprocessed prompt for LLaVA-style ``turns`` (``{"from", "value"}``, ``<image>``
@@ -201,7 +204,7 @@ class Chat:
         several = isinstance(image, (list, tuple)) and image and all(
             isinstance(x, np.ndarray) or hasattr(x, "convert") for x in image)  # arrays or PIL images, not pixels
         images = list(image) if several else [image]
-        tags = "".join("<image>\n" for _ in images)
+        tags = "".join("<image>" + self.image_separator for _ in images)
         example = self.prepare(images, [{"from": "human", "value": f"{tags}{question}"}])
         eos = self.tokenizer.eos_id
         return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])

@@ -117,7 +117,7 @@ class Engine:
                     raise RequestError(f"More than {limit} images; this model takes at most {limit} per request"
                                        f"{' (a language model)' if limit == 0 else ''}.", param="messages")
                 images.append(self._image(url, i))
-                text.append("<image>\n")
+                text.append("<image>" + self.chat.image_separator)  # the run's own: LLaVA's \n, or none
             elif kind == "video_url":  # vLLM's part for a video: a data URL or a local file
                 url = (part.get("video_url") or {}).get("url") if isinstance(part.get("video_url"), dict) else None
                 videos.append(self._bytes(url, f"messages[{i}].content", "video"))
