@@ -108,7 +108,9 @@ class Chat:
 
     def num_prompt_tokens(self, example: dict) -> int:
         """The prompt's text tokens and the visual tokens the LM sees."""
-        shown = int(example.get("has_image", True)) * (1 + len(example.get("more_images", ())))
+        if example.get("more_images") or self._flat:  # the flat sequence decoded: each image its own tokens
+            return len(self._sequence_layout(example)[0].prompt(example)["tokens"])
+        shown = int(example.get("has_image", True))
         if "visual_mask" in example:  # AnyRes views made on the host: their real tokens
             return int(example["prompt_len"]) + shown * int(np.sum(example["visual_mask"]))
         return int(example["prompt_len"]) + shown * self._num_visual(example["image"])
@@ -177,12 +179,8 @@ class Chat:
         """``stream_batch`` for prompts with several images: flat sequences (``data.sequences``),
         image slots rounded up to ``max_images``."""
         from vitmm.data import sequences
-        from vitmm.models.vlm import VLM
-        from vitmm.train.sequence_layout import SequenceLayout
 
-        grid = self.task.model.apply({"params": self.params}, examples[0]["image"].shape[:2],
-                                     method=VLM.token_grid) if self.task.model.mrope else None
-        layout = SequenceLayout.of(self.task, self._num_visual(examples[0]["image"]), grid)
+        layout, grid = self._sequence_layout(examples[0])
         tower = layout.tower  # images at their own sizes: the tower's tokens packed
         seqs = [layout.prompt(ex) for ex in examples]
         lengths = np.array([len(seq["tokens"]) for seq in seqs])
@@ -197,6 +195,16 @@ class Chat:
             bool(self.config.model.get("prefix_lm")), temperature, top_p, seed,
             round_up(rows[0]["tokens"].shape[0] + max_new_tokens, 64),
             None if grid is None else np.moveaxis(np.stack([r["mrope"] for r in rows]), -1, 0))
+
+    def _sequence_layout(self, example: dict):
+        """``(SequenceLayout, M-RoPE token grid or None)`` that lays prompts out as flat sequences,
+        sized by ``example``'s first image."""
+        from vitmm.models.vlm import VLM
+        from vitmm.train.sequence_layout import SequenceLayout
+
+        grid = self.task.model.apply({"params": self.params}, example["image"].shape[:2],
+                                     method=VLM.token_grid) if self.task.model.mrope else None
+        return SequenceLayout.of(self.task, self._num_visual(example["image"]), grid), grid
 
     def ask(self, image, question: str, max_new_tokens: int = 16) -> str:
         """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]`` or a PIL image; a

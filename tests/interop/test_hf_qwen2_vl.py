@@ -68,6 +68,21 @@ def test_serve_and_chat_give_the_processors_prompt_with_no_newline_after_the_ima
                           "<|im_start|>assistant\n")
 
 
+def test_usage_counts_each_images_own_visual_tokens_in_any_order(imported):
+    """``usage.prompt_tokens`` of two images of different sizes is the flat prompt's length, whichever
+    comes first (it counted the first image's tokens for each)."""
+    _, vlm = imported
+    ref = np.load(FIXTURE / "io.npz")
+    one, other = ref["image_0"], ref["image_2"]  # 24x40 and 30x18: 15 and 8 visual tokens
+    alone = [vlm.prepare([image], [{"from": "human", "value": "<image>what?"}]) for image in (one, other)]
+    assert [vlm.num_prompt_tokens(ex) for ex in alone] == [int(ex["prompt_len"]) + vlm._num_visual(ex["image"])
+                                                          for ex in alone]
+    both = [vlm.prepare(pair, [{"from": "human", "value": "<image><image>what?"}]) for pair in ([one, other],
+                                                                                              [other, one])]
+    text = int(both[0]["prompt_len"])
+    assert [vlm.num_prompt_tokens(ex) for ex in both] == [text + 15 + 8] * 2
+
+
 def test_a_video_is_refused_in_one_line_not_run_another_way(imported):
     _, vlm = imported
     with pytest.raises(ValueError, match="Video through an imported Qwen2-VL's image steps is not supported yet"):
