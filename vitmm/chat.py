@@ -86,12 +86,18 @@ class Chat:
         rng = np.random.default_rng(0)
         if self._conversation:
             return reply_prompt(self._pp, {"images": list(images), "conversations": turns}, rng)
-        users = [t for t in turns if t["from"] == "human"]
-        if len(users) != 1 or len(images) != 1 or len(turns) != 1 + sum(t["from"] == "system" for t in turns):
+        if any(t["from"] == "system" for t in turns):
+            raise ValueError("This model was trained on single questions with its own system prompt (a qa format): "
+                             "send no system message.")
+        if len(turns) != 1 or len(images) != 1:
             raise ValueError("This model was trained on single questions about one image: send one user message with "
-                             "one image (its system prompt is the run's own).")
-        question = users[0]["value"].replace("<image>", "").strip()
-        return self._pp({"image": images[0], "question": question, "answer": ""}, rng)
+                             "one image.")
+        question = turns[0]["value"].replace("<image>", "").strip()
+        example = self._pp({"image": images[0], "question": question, "answer": ""}, rng)
+        if example.get("qa_truncated"):  # the plain format cuts a long question to fit: refused, never cut
+            raise ValueError(f"The question does not fit this model's max_len of {len(example['ids'])} tokens; send a "
+                             "shorter question.")
+        return example
 
     def _prepare_video(self, images: list, turns: list[dict], video) -> dict:
         if self.max_images < 2 or not self._conversation:
