@@ -16,14 +16,16 @@ TOKENIZER = pathlib.Path(__file__).parent / "fixtures/interop/hf_llava/tokenizer
 
 
 class _FakeChat:
-    """A chat whose decoder emits token 7 (EOS 0 where ``eos_at`` says) one step a millisecond,
-    counting its steps: the batcher's bookkeeping without a model."""
+    """A chat whose decoder emits token 7 (``end``, an EOS id, where ``eos_at`` says) one step a
+    millisecond, counting its steps: the batcher's bookkeeping without a model. Its EOS ids are 0
+    and 9 (an instruct LM's EOS and end of turn)."""
 
     max_images = 1
 
-    def __init__(self, eos_at=None, text=None):
-        self.eos_at, self.steps = eos_at or {}, 0
-        self.tokenizer = type("Tok", (), {"eos_id": 0, "decode": staticmethod(text or (lambda ids: "x" * len(ids)))})
+    def __init__(self, eos_at=None, text=None, end=0):
+        self.eos_at, self.steps, self.end = eos_at or {}, 0, end
+        self.tokenizer = type("Tok", (), {"eos_id": 0, "eos_ids": (0, 9),
+                                          "decode": staticmethod(text or (lambda ids: "x" * len(ids)))})
 
     def prepare(self, images, turns):
         return {}
@@ -34,7 +36,7 @@ class _FakeChat:
         for step in range(max_new_tokens):
             self.steps = step + 1
             time.sleep(0.001)
-            yield np.array([0 if self.eos_at.get(row) == step else 7 for row in range(len(examples))])
+            yield np.array([self.end if self.eos_at.get(row) == step else 7 for row in range(len(examples))])
 
     def num_prompt_tokens(self, example):
         return 1
@@ -151,3 +153,20 @@ def test_a_chat_templates_refusal_is_a_400_naming_it():
                                              {"role": "user", "content": "hi"}])
     assert err.status == 400 and err.param == "messages"
     assert str(err) == "The model's chat template refuses this conversation: System role not supported"
+
+
+def test_every_eos_id_ends_an_answer_in_serve_lm_chat_and_chat():
+    """An instruct LM's end of turn (9 here; Llama 3's <|eot_id|>, Gemma's <end_of_turn>) ends the
+    answer as its EOS does: ``finish_reason`` stop, nothing of it in the text, no step more."""
+    from vitmm.chat import Chat
+    from vitmm.lm_chat import LMChat
+
+    chat = _FakeChat(eos_at={0: 2}, end=9)
+    pieces = list(_engine(chat).completion(_request(1000)))
+    assert "".join(p for p, _ in pieces) == "xx" and pieces[-1][1][0] == "stop" and chat.steps == 3
+    assert pieces[-1][1][1]["completion_tokens"] == 2
+    for cls in (LMChat, Chat):
+        asked = cls.__new__(cls)
+        asked._flat, asked.tokenizer = True, chat.tokenizer
+        asked.stream_batch = lambda examples, n, *a: iter([[7], [9], [7]])
+        assert list(asked.generate({"more_images": [None]}, 16)) == [7, 9]

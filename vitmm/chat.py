@@ -143,22 +143,23 @@ class Chat:
 
     def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0):
-        """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
+        """Yields the answer's token ids one at a time, an EOS id (one of ``tokenizer.eos_ids``) last if
+        the answer ends."""
         if example.get("more_images") or self._flat:  # several images, own sizes: flat sequences
             for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
                 yield int(row[0])
-                if int(row[0]) == self.tokenizer.eos_id:
+                if int(row[0]) in self.tokenizer.eos_ids:
                     return
             return
         n = int(example["prompt_len"])
         visual_mask, layout, _ = self._visual([example])
-        eos = self.tokenizer.eos_id
+        eos = self.tokenizer.eos_ids
         for row in self._decoder.stream({"params": self.params}, example["image"][None], example["ids"][None, :n],
                                         np.array([n]), max_new_tokens, eos, bool(self.config.model.get("prefix_lm")),
                                         np.array([example["image_pos"]]), visual_mask, layout, temperature, top_p,
                                         seed):
             yield int(row[0])
-            if int(row[0]) == eos:
+            if int(row[0]) in eos:
                 return
 
     def stream_batch(self, examples: list[dict], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -176,7 +177,7 @@ class Chat:
         visual_mask, layout, num_visual = self._visual(examples)
         yield from self._decoder.stream(
             {"params": self.params}, np.stack([ex["image"] for ex in examples]), ids, lengths, max_new_tokens,
-            self.tokenizer.eos_id, bool(self.config.model.get("prefix_lm")),
+            self.tokenizer.eos_ids, bool(self.config.model.get("prefix_lm")),
             np.array([ex["image_pos"] for ex in examples]), visual_mask, layout, temperature, top_p, seed,
             round_up(ids.shape[1] + num_visual + max_new_tokens, 64))
 
@@ -197,7 +198,7 @@ class Chat:
         images = sequences.tower_batch(stacked) if tower else stacked["images"]
         yield from self._decoder.stream_sequences(
             {"params": self.params}, images, np.stack([r["tokens"] for r in rows]),
-            np.stack([r["visual"] for r in rows]), lengths, max_new_tokens, self.tokenizer.eos_id,
+            np.stack([r["visual"] for r in rows]), lengths, max_new_tokens, self.tokenizer.eos_ids,
             bool(self.config.model.get("prefix_lm")), temperature, top_p, seed,
             round_up(rows[0]["tokens"].shape[0] + max_new_tokens, 64),
             None if grid is None else np.moveaxis(np.stack([r["mrope"] for r in rows]), -1, 0))
@@ -220,8 +221,8 @@ class Chat:
         images = list(image) if several else [image]
         tags = "".join("<image>" + self.image_separator for _ in images)
         example = self.prepare(images, [{"from": "human", "value": f"{tags}{question}"}])
-        eos = self.tokenizer.eos_id
-        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
+        eos = self.tokenizer.eos_ids
+        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t not in eos])
 
 
 _IMAGE_TAKEN = "The image must be uint8 [H, W, 3] ([H, W], [H, W, 1] and [H, W, 4] are made RGB) or a PIL image"
@@ -312,8 +313,8 @@ def main(argv=None) -> int:
             data = open(args.video, "rb").read()  # noqa: SIM115 - read at once
             for question in args.question:
                 example = vlm.prepare(args.image or [], [{"from": "human", "value": f"<video>\n{question}"}], data)
-                eos = vlm.tokenizer.eos_id
-                answer = vlm.tokenizer.decode([t for t in vlm.generate(example, args.max_new_tokens) if t != eos])
+                eos = vlm.tokenizer.eos_ids
+                answer = vlm.tokenizer.decode([t for t in vlm.generate(example, args.max_new_tokens) if t not in eos])
                 print(f"user: {question}\nassistant: {answer}")
         except (OSError, ValueError) as err:
             print(f"python -m vitmm.chat: --video {args.video}: {err}", file=sys.stderr)

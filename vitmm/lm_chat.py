@@ -50,22 +50,23 @@ class LMChat:
         extra = round_up(ids.shape[1], 32) - ids.shape[1]
         ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=self.tokenizer.pad_id)
         mask = np.pad(mask, ((0, 0), (extra, 0)))
-        yield from self.generator.stream(self.params, ids, mask, max_new_tokens, self.tokenizer.eos_id, temperature,
+        yield from self.generator.stream(self.params, ids, mask, max_new_tokens, self.tokenizer.eos_ids, temperature,
                                          top_p, seed, round_up(ids.shape[1] + max_new_tokens, 64))
 
     def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0):
-        """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
+        """Yields the answer's token ids one at a time, an EOS id (one of ``tokenizer.eos_ids``) last if
+        the answer ends."""
         for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
             yield int(row[0])
-            if int(row[0]) == self.tokenizer.eos_id:
+            if int(row[0]) in self.tokenizer.eos_ids:
                 return
 
     def ask(self, question: str, max_new_tokens: int = 16) -> str:
         """The greedy answer to ``question``."""
         example = self.prepare([], [{"from": "human", "value": question}])
-        eos = self.tokenizer.eos_id
-        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
+        eos = self.tokenizer.eos_ids
+        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t not in eos])
 
 
 def reply_prompt(pp, example: dict, rng=None, what: str = "conversation") -> dict:

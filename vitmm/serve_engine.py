@@ -195,7 +195,7 @@ class Engine:
         prompt = self.chat.num_prompt_tokens(request["example"])
         tokens, shown, finish, text = [], "", "length", ""
         for token in self.batcher.submit(request):
-            if token == tokenizer.eos_id:
+            if token in tokenizer.eos_ids:  # any of them: an instruct LM's end of turn too
                 finish = "stop"
                 break
             tokens.append(token)

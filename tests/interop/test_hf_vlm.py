@@ -183,7 +183,7 @@ def test_the_workdir_holds_the_processors_settings_and_its_own_tokenizer(importe
     assert config["input"]["image_size"] == 16 and config["input"]["image_mean"][0] == pytest.approx(0.48145466)
     assert config["tokenizer"] == str(out / "tokenizer.json") and (out / "tokenizer.json").is_file()
     assert config["chat_template"] == (FIXTURE / "chat_template.jinja").read_text()
-    assert config["tokens"] == {"bos_id": 1, "eos_id": 2, "pad_id": 2}
+    assert config["tokens"] == {"bos_id": 1, "eos_id": 2, "pad_id": 2, "eos_ids": [2]}
     assert vlm.ask(np.zeros((20, 30, 3), np.uint8), "what is it?", max_new_tokens=3) is not None
 
 
