@@ -170,3 +170,28 @@ def test_every_eos_id_ends_an_answer_in_serve_lm_chat_and_chat():
         asked._flat, asked.tokenizer = True, chat.tokenizer
         asked.stream_batch = lambda examples, n, *a: iter([[7], [9], [7]])
         assert list(asked.generate({"more_images": [None]}, 16)) == [7, 9]
+
+
+def test_a_non_streamed_request_stops_decoding_when_its_client_goes_away():
+    """The client sends a request for 4,000 tokens and hangs up: its row stops at the next piece
+    instead of decoding to the end for no one (clients that time out and retry piled such decodes up)."""
+    import json
+
+    chat = _FakeChat()
+    url, stop = serve.start_in_thread(_engine(chat))
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000,
+                       "temperature": 0}).encode()
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 10
+            while chat.steps < 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        time.sleep(0.3)
+        stopped_at = chat.steps
+        time.sleep(0.3)
+        assert 20 <= stopped_at == chat.steps < 4000
+    finally:
+        stop()
