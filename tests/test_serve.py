@@ -290,7 +290,7 @@ def lm_server(tmp_path_factory):
     engine.chat.params = jax.tree_util.tree_map_with_path(
         lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * 30, engine.chat.params)
     url, stop = serve.start_in_thread(engine)
-    yield dict(url=url, engine=engine)
+    yield dict(url=url, engine=engine, folder=root / "tiny_lm")
     stop()
 
 
@@ -332,6 +332,15 @@ def test_an_lm_folder_is_served_text_only_as_its_generator_answers(lm_server):
         "model": "tiny_lm", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": PNG}}, {"type": "text", "text": "what is it?"}]}]}).encode())
     assert status == 400 and "language model" in body["error"]["message"]
+
+
+def test_vitmm_chat_refuses_an_image_or_a_video_for_a_language_model_in_one_line(lm_server, capsys):
+    from vitmm import chat
+
+    for flag in ("--image", "--video"):
+        assert chat.main(["--workdir", str(lm_server["folder"]), "--question", "?", flag, "clip.mp4"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"python -m vitmm.chat: {lm_server['folder']} is a language model; it takes no {flag}."]
 
 
 def test_vitmm_chat_refuses_a_workdir_that_is_not_a_vlm_in_one_line(clip_smoke_run, capsys):

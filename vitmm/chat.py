@@ -302,8 +302,9 @@ def main(argv=None) -> int:
         print(f"python -m vitmm.chat: {err}", file=sys.stderr)
         return 2
     if isinstance(vlm, LMChat):
-        if args.image:
-            print(f"python -m vitmm.chat: {args.workdir} is a language model; it takes no --image.", file=sys.stderr)
+        if args.image or args.video:
+            print(f"python -m vitmm.chat: {args.workdir} is a language model; it takes no "
+                  f"{'--image' if args.image else '--video'}.", file=sys.stderr)
             return 2
         for question in args.question:
             print(f"user: {question}\nassistant: {vlm.ask(question, args.max_new_tokens)}")
