@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from vitmm import chat
+from vitmm.data import preprocess
 
 TAKEN = r"^The image must be uint8 \[H, W, 3\] \(\[H, W\], \[H, W, 1\] and \[H, W, 4\] are made RGB\) or a PIL image; "
 
@@ -69,3 +70,19 @@ def test_a_palette_image_gives_its_colours_not_its_palette_indices():
     image.putpalette([0, 0, 0, 200, 100, 50])
     example = Unloaded().prepare([image], [{"from": "human", "value": "<image>\n?"}])
     assert example["image"].shape == (6, 5, 3) and (example["image"] == [200, 100, 50]).all()
+
+
+def test_a_qa_format_run_refuses_a_question_too_long_and_a_system_message():
+    """A run with a ``qa`` prompt format (``qa_tokens``, which cuts a long training question to fit)
+    refuses a question that does not fit rather than answering its beginning, and a system message
+    rather than dropping it (the run's own system prompt is used)."""
+    chat = Unloaded()
+    chat._pp = preprocess.parse("qa_tokens(16)")
+    image = np.zeros((4, 4, 3), np.uint8)
+    assert chat.prepare([image], [{"from": "human", "value": "<image>\nshort?"}])["prompt_len"] == 1 + len("short? ")
+    with pytest.raises(ValueError, match=r"^The question does not fit this model's max_len of 16 tokens; send a "
+                                         r"shorter question\.$"):
+        chat.prepare([image], [{"from": "human", "value": "<image>\nwhat is the colour of the big circle?"}])
+    with pytest.raises(ValueError, match=r"^This model was trained on single questions with its own system prompt "
+                                         r"\(a qa format\): send no system message\.$"):
+        chat.prepare([image], [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "<image>\n?"}])

@@ -82,6 +82,14 @@ def test_sampling_is_seeded_top_p_tiny_is_greedy_and_eos_stops_a_row(llama):
     assert stopped[0, :3].tolist() == greedy[0, :3].tolist() and (stopped[0, 3:] == eos).all()
 
 
+def test_any_of_several_eos_ids_ends_a_row_which_then_repeats_the_first():
+    """An instruct LM's end of turn (107) ends a row as its EOS (1) does; a finished row repeats the
+    first id, and decoding stops once every row has ended."""
+    steps = iter([[107, 5], [9, 1], [3, 3]])
+    rows = decode.stream_until_eos(np.array([4, 4]), 10, (1, 107), lambda now, i: np.array(next(steps)))
+    assert [row.tolist() for row in rows] == [[4, 4], [107, 5], [1, 1]]
+
+
 def test_top_p_keeps_the_nucleus_only():
     import jax
 

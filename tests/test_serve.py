@@ -290,7 +290,7 @@ def lm_server(tmp_path_factory):
     engine.chat.params = jax.tree_util.tree_map_with_path(
         lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * 30, engine.chat.params)
     url, stop = serve.start_in_thread(engine)
-    yield dict(url=url, engine=engine)
+    yield dict(url=url, engine=engine, folder=root / "tiny_lm")
     stop()
 
 
@@ -334,95 +334,18 @@ def test_an_lm_folder_is_served_text_only_as_its_generator_answers(lm_server):
     assert status == 400 and "language model" in body["error"]["message"]
 
 
+def test_vitmm_chat_refuses_an_image_or_a_video_for_a_language_model_in_one_line(lm_server, capsys):
+    from vitmm import chat
+
+    for flag in ("--image", "--video"):
+        assert chat.main(["--workdir", str(lm_server["folder"]), "--question", "?", flag, "clip.mp4"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"python -m vitmm.chat: {lm_server['folder']} is a language model; it takes no {flag}."]
+
+
 def test_vitmm_chat_refuses_a_workdir_that_is_not_a_vlm_in_one_line(clip_smoke_run, capsys):
     from vitmm import chat
 
     assert chat.main(["--workdir", str(clip_smoke_run.workdir), "--question", "what is it?"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m vitmm.chat: ") and "not a VLM" in err[0]
-
-
-class _FakeChat:
-    """A chat whose decoder emits token 7 (EOS 0 where ``eos_at`` says) one step a millisecond,
-    counting its steps: the batcher's bookkeeping without a model."""
-
-    def __init__(self, eos_at=None, text=None):
-        self.eos_at, self.steps = eos_at or {}, 0
-        self.tokenizer = type("Tok", (), {"eos_id": 0, "decode": staticmethod(text or (lambda ids: "x" * len(ids)))})
-
-    def stream_batch(self, examples, max_new_tokens, temperature, top_p, seed):
-        import numpy as np
-
-        for step in range(max_new_tokens):
-            self.steps = step + 1
-            time.sleep(0.001)
-            yield np.array([0 if self.eos_at.get(row) == step else 7 for row in range(len(examples))])
-
-    def num_prompt_tokens(self, example):
-        return 1
-
-
-def _request(max_tokens, **more):
-    return dict(example={}, max_tokens=max_tokens, temperature=0, top_p=1.0, seed=0, stop=[], **more)
-
-
-def test_the_decoder_stops_when_every_answer_is_complete_or_no_longer_read():
-    from vitmm import serve_batching
-
-    chat = _FakeChat(eos_at={0: 2})  # the first request's answer ends at its third token
-    batcher = serve_batching.Batcher(chat, window=0.2)
-    answers = [None, None]
-    threads = [threading.Thread(target=lambda i=i, n=n: answers.__setitem__(i, list(batcher.submit(_request(n)))))
-               for i, n in enumerate((1000, 3))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert answers == [[7, 7, 0], [7, 7, 7]] and batcher.batch_sizes == [2] and chat.steps == 3  # not 1000
-    chat.steps = 0
-    reader = batcher.submit(_request(1000))
-    assert [next(reader), next(reader)] == [7, 7]
-    reader.close()  # a stop string found, or the client gone
-    time.sleep(0.5)
-    assert chat.steps < 100
-
-
-def test_a_character_spelled_out_over_several_tokens_is_streamed_whole():
-    """A byte-fallback tokenizer (Llama 2's, Mistral's, Gemma's) decodes each pending byte of a
-    character as U+FFFD until the character is complete: none of them may reach the client."""
-    from vitmm import serve_batching
-
-    data = "X€Y".encode()  # € is three bytes: three tokens
-
-    def decode(ids):
-        raw = bytes(data[i - 1] for i in ids)
-        for cut in range(len(raw), -1, -1):
-            try:
-                return raw[:cut].decode() + "\ufffd" * (len(raw) - cut)
-            except UnicodeDecodeError:
-                continue
-
-    chat = _FakeChat(text=decode)
-    chat.stream_batch = lambda examples, n, *a: iter([[k] for k in range(1, len(data) + 1)] + [[0]])
-    engine = serve.Engine.__new__(serve.Engine)
-    engine.chat, engine.batcher = chat, serve_batching.Batcher(chat)
-    pieces = list(engine.completion(_request(16)))
-    assert "".join(p for p, end in pieces) == "X€Y" and not any("\ufffd" in p for p, _ in pieces)
-    assert pieces[-1][1][0] == "stop"
-
-
-def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path):
-    import subprocess
-    import sys
-
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        run = subprocess.run([sys.executable, "-m", "vitmm.serve", "--workdir", str(tmp_path / "never_read"),
-                              "--port", str(port)], capture_output=True, text=True, timeout=120,
-                             cwd=str(serve.__file__).rsplit("/vitmm/", 1)[0])
-    assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.strip().splitlines() == [
-        f"python -m vitmm.serve: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use); "
-        "check --host, choose another --port, or stop what holds it."]

@@ -33,6 +33,7 @@ from vitmm.lm_chat import LMChat, reply_prompt, round_up
 
 class Chat:
     max_images = 1  # images one prompt may hold; a run on flat sequences (input.sequences) sets its own
+    image_separator = "\n"  # the text after an image's <image> tag: LLaVA's convention, which its data has
     _flat = False
 
     def __init__(self, workdir, step: int | None = None):
@@ -63,6 +64,8 @@ class Chat:
                    if name == "decode"]
         self._flat = bool(sq and sq.get("length"))  # trained on flat sequences: prompts are made the same way
         self.max_images = min(int(sq.max_images), *decoded) if self._flat else 1
+        if (self.config.get("source") or {}).get("architecture"):  # an imported VLM: its processor puts an image
+            self.image_separator = ""  # part right before the text (Qwen2-VL's, PaliGemma's templates keep a "\n")
 
     def prepare(self, images: list, turns: list[dict], video=None) -> dict:
         """The preprocessed prompt for LLaVA-style ``turns`` (``{"from", "value"}``, ``<image>``
@@ -82,23 +85,21 @@ class Chat:
             raise ValueError(f"{tags} <image> tag(s) in the text for {len(images)} image(s).")
         rng = np.random.default_rng(0)
         if self._conversation:
-            from vitmm.data.skips import BadExample
-
-            try:
-                return reply_prompt(self._pp({"images": list(images),
-                                               "conversations": [*turns, {"from": "gpt", "value": ""}]}, rng))
-            except BadExample as bad:
-                raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
-        users = [t for t in turns if t["from"] == "human"]
-        if len(users) != 1 or len(images) != 1 or len(turns) != 1 + sum(t["from"] == "system" for t in turns):
+            return reply_prompt(self._pp, {"images": list(images), "conversations": turns}, rng)
+        if any(t["from"] == "system" for t in turns):
+            raise ValueError("This model was trained on single questions with its own system prompt (a qa format): "
+                             "send no system message.")
+        if len(turns) != 1 or len(images) != 1:
             raise ValueError("This model was trained on single questions about one image: send one user message with "
-                             "one image (its system prompt is the run's own).")
-        question = users[0]["value"].replace("<image>", "").strip()
-        return self._pp({"image": images[0], "question": question, "answer": ""}, rng)
+                             "one image.")
+        question = turns[0]["value"].replace("<image>", "").strip()
+        example = self._pp({"image": images[0], "question": question, "answer": ""}, rng)
+        if example.get("qa_truncated"):  # the plain format cuts a long question to fit: refused, never cut
+            raise ValueError(f"The question does not fit this model's max_len of {len(example['ids'])} tokens; send a "
+                             "shorter question.")
+        return example
 
     def _prepare_video(self, images: list, turns: list[dict], video) -> dict:
-        from vitmm.data.skips import BadExample
-
         if self.max_images < 2 or not self._conversation:
             raise ValueError("This model takes no video (a run on input.sequences with frames takes one).")
         imported = {"smart_resize": "Qwen2-VL", "idefics3_tiles": "Idefics3"}
@@ -108,16 +109,14 @@ class Chat:
                                  "images.")
         if images:
             raise ValueError("A video goes alone, without images.")
-        try:
-            return reply_prompt(self._pp({"images": [], "video": video,
-                                           "conversations": [*turns, {"from": "gpt", "value": ""}]},
-                                          np.random.default_rng(0)))
-        except BadExample as bad:
-            raise ValueError(f"The video cannot be used ({bad.reason}: {bad.detail}).") from None
+        return reply_prompt(self._pp, {"images": [], "video": video, "conversations": turns}, np.random.default_rng(0),
+                            "video")
 
     def num_prompt_tokens(self, example: dict) -> int:
         """The prompt's text tokens and the visual tokens the LM sees."""
-        shown = int(example.get("has_image", True)) * (1 + len(example.get("more_images", ())))
+        if example.get("more_images") or self._flat:  # the flat sequence decoded: each image its own tokens
+            return len(self._sequence_layout(example)[0].prompt(example)["tokens"])
+        shown = int(example.get("has_image", True))
         if "visual_mask" in example:  # AnyRes views made on the host: their real tokens
             return int(example["prompt_len"]) + shown * int(np.sum(example["visual_mask"]))
         return int(example["prompt_len"]) + shown * self._num_visual(example["image"])
@@ -144,22 +143,23 @@ class Chat:
 
     def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0):
-        """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
+        """Yields the answer's token ids one at a time, an EOS id (one of ``tokenizer.eos_ids``) last if
+        the answer ends."""
         if example.get("more_images") or self._flat:  # several images, own sizes: flat sequences
             for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
                 yield int(row[0])
-                if int(row[0]) == self.tokenizer.eos_id:
+                if int(row[0]) in self.tokenizer.eos_ids:
                     return
             return
         n = int(example["prompt_len"])
         visual_mask, layout, _ = self._visual([example])
-        eos = self.tokenizer.eos_id
+        eos = self.tokenizer.eos_ids
         for row in self._decoder.stream({"params": self.params}, example["image"][None], example["ids"][None, :n],
                                         np.array([n]), max_new_tokens, eos, bool(self.config.model.get("prefix_lm")),
                                         np.array([example["image_pos"]]), visual_mask, layout, temperature, top_p,
                                         seed):
             yield int(row[0])
-            if int(row[0]) == eos:
+            if int(row[0]) in eos:
                 return
 
     def stream_batch(self, examples: list[dict], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -177,7 +177,7 @@ class Chat:
         visual_mask, layout, num_visual = self._visual(examples)
         yield from self._decoder.stream(
             {"params": self.params}, np.stack([ex["image"] for ex in examples]), ids, lengths, max_new_tokens,
-            self.tokenizer.eos_id, bool(self.config.model.get("prefix_lm")),
+            self.tokenizer.eos_ids, bool(self.config.model.get("prefix_lm")),
             np.array([ex["image_pos"] for ex in examples]), visual_mask, layout, temperature, top_p, seed,
             round_up(ids.shape[1] + num_visual + max_new_tokens, 64))
 
@@ -186,12 +186,8 @@ class Chat:
         """``stream_batch`` for prompts with several images: flat sequences (``data.sequences``),
         image slots rounded up to ``max_images``."""
         from vitmm.data import sequences
-        from vitmm.models.vlm import VLM
-        from vitmm.train.sequence_layout import SequenceLayout
 
-        grid = self.task.model.apply({"params": self.params}, examples[0]["image"].shape[:2],
-                                     method=VLM.token_grid) if self.task.model.mrope else None
-        layout = SequenceLayout.of(self.task, self._num_visual(examples[0]["image"]), grid)
+        layout, grid = self._sequence_layout(examples[0])
         tower = layout.tower  # images at their own sizes: the tower's tokens packed
         seqs = [layout.prompt(ex) for ex in examples]
         lengths = np.array([len(seq["tokens"]) for seq in seqs])
@@ -202,10 +198,20 @@ class Chat:
         images = sequences.tower_batch(stacked) if tower else stacked["images"]
         yield from self._decoder.stream_sequences(
             {"params": self.params}, images, np.stack([r["tokens"] for r in rows]),
-            np.stack([r["visual"] for r in rows]), lengths, max_new_tokens, self.tokenizer.eos_id,
+            np.stack([r["visual"] for r in rows]), lengths, max_new_tokens, self.tokenizer.eos_ids,
             bool(self.config.model.get("prefix_lm")), temperature, top_p, seed,
             round_up(rows[0]["tokens"].shape[0] + max_new_tokens, 64),
             None if grid is None else np.moveaxis(np.stack([r["mrope"] for r in rows]), -1, 0))
+
+    def _sequence_layout(self, example: dict):
+        """``(SequenceLayout, M-RoPE token grid or None)`` that lays prompts out as flat sequences,
+        sized by ``example``'s first image."""
+        from vitmm.models.vlm import VLM
+        from vitmm.train.sequence_layout import SequenceLayout
+
+        grid = self.task.model.apply({"params": self.params}, example["image"].shape[:2],
+                                     method=VLM.token_grid) if self.task.model.mrope else None
+        return SequenceLayout.of(self.task, self._num_visual(example["image"]), grid), grid
 
     def ask(self, image, question: str, max_new_tokens: int = 16) -> str:
         """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]`` or a PIL image; a
@@ -213,10 +219,10 @@ class Chat:
         several = isinstance(image, (list, tuple)) and image and all(
             isinstance(x, np.ndarray) or hasattr(x, "convert") for x in image)  # arrays or PIL images, not pixels
         images = list(image) if several else [image]
-        tags = "".join("<image>\n" for _ in images)
+        tags = "".join("<image>" + self.image_separator for _ in images)
         example = self.prepare(images, [{"from": "human", "value": f"{tags}{question}"}])
-        eos = self.tokenizer.eos_id
-        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
+        eos = self.tokenizer.eos_ids
+        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t not in eos])
 
 
 _IMAGE_TAKEN = "The image must be uint8 [H, W, 3] ([H, W], [H, W, 1] and [H, W, 4] are made RGB) or a PIL image"
@@ -296,8 +302,9 @@ def main(argv=None) -> int:
         print(f"python -m vitmm.chat: {err}", file=sys.stderr)
         return 2
     if isinstance(vlm, LMChat):
-        if args.image:
-            print(f"python -m vitmm.chat: {args.workdir} is a language model; it takes no --image.", file=sys.stderr)
+        if args.image or args.video:
+            print(f"python -m vitmm.chat: {args.workdir} is a language model; it takes no "
+                  f"{'--image' if args.image else '--video'}.", file=sys.stderr)
             return 2
         for question in args.question:
             print(f"user: {question}\nassistant: {vlm.ask(question, args.max_new_tokens)}")
@@ -307,8 +314,8 @@ def main(argv=None) -> int:
             data = open(args.video, "rb").read()  # noqa: SIM115 - read at once
             for question in args.question:
                 example = vlm.prepare(args.image or [], [{"from": "human", "value": f"<video>\n{question}"}], data)
-                eos = vlm.tokenizer.eos_id
-                answer = vlm.tokenizer.decode([t for t in vlm.generate(example, args.max_new_tokens) if t != eos])
+                eos = vlm.tokenizer.eos_ids
+                answer = vlm.tokenizer.decode([t for t in vlm.generate(example, args.max_new_tokens) if t not in eos])
                 print(f"user: {question}\nassistant: {answer}")
         except (OSError, ValueError) as err:
             print(f"python -m vitmm.chat: --video {args.video}: {err}", file=sys.stderr)

@@ -68,23 +68,24 @@ class GreedyDecoder:
         self._step = jax.jit(step, donate_argnums=(3,), static_argnames=("greedy",))
 
     def __call__(self, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray, max_new_tokens: int,
-                 eos_id: int, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None,
+                 eos_id, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> np.ndarray:
-        """Answers ``[B, max_new_tokens]`` (EOS, then padding with EOS) after each prompt.
+        """Answers ``[B, max_new_tokens]`` (EOS, then padding with EOS) after each prompt; ``eos_id``:
+        an id or several (``stream_until_eos``).
 
         ``prompt_ids: [B, L]`` holds each prompt (BOS included) left-aligned, ``prompt_len`` their
         lengths; whatever follows a prompt in its row is ignored. ``image_pos``, ``visual_mask``
         (images with different token counts) and ``layout`` (AnyRes views) as in ``VLM``.
         ``temperature`` 0: greedy; else sampled (``sample``: ``top_p``, from ``seed``).
         """
-        out = np.full((prompt_ids.shape[0], max_new_tokens), eos_id, np.int32)
+        out = np.full((prompt_ids.shape[0], max_new_tokens), np.atleast_1d(eos_id)[0], np.int32)
         for i, now in enumerate(self.stream(variables, images, prompt_ids, prompt_len, max_new_tokens, eos_id,
                                             prefix_lm, image_pos, visual_mask, layout, temperature, top_p, seed)):
             out[:, i] = now
         return out
 
     def stream(self, variables, images, prompt_ids: np.ndarray, prompt_len: np.ndarray, max_new_tokens: int,
-               eos_id: int, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None,
+               eos_id, prefix_lm: bool = False, image_pos=None, visual_mask=None, layout=None,
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, cache_len: int | None = None):
         """``__call__``'s tokens one step at a time: ``[B]`` arrays (a finished row repeats EOS).
         ``cache_len``: a longer KV cache than needed (a server rounds shapes up so that few compile)."""
@@ -102,7 +103,7 @@ class GreedyDecoder:
                                   top_p, seed)
 
     def stream_sequences(self, variables, images, tokens: np.ndarray, visual: np.ndarray, lengths: np.ndarray,
-                         max_new_tokens: int, eos_id: int, prefix_lm: bool = False, temperature: float = 0.0,
+                         max_new_tokens: int, eos_id, prefix_lm: bool = False, temperature: float = 0.0,
                          top_p: float = 1.0, seed: int = 0, cache_len: int | None = None, positions=None):
         """``stream`` for prompts as flat sequences (``VLM.prefill_sequences``: any number of
         images a prompt; ``positions [3, B, T]`` with M-RoPE)."""
@@ -129,15 +130,17 @@ class GreedyDecoder:
         yield from stream_until_eos(first, max_new_tokens, eos_id, step)
 
 
-def stream_until_eos(first, max_new_tokens: int, eos_id: int, step):
+def stream_until_eos(first, max_new_tokens: int, eos_id, step):
     """Yields ``[B]`` tokens: ``first``, then ``step(previous [B], i)`` for the one after the
-    ``i``-th; a row keeps EOS once it has produced one, and it stops when every row has (or the
+    ``i``-th. ``eos_id``: an id, or several (an instruct LM's end of turn and its EOS): a row that
+    has produced any of them is finished and repeats the first; it stops when every row is (or the
     budget is spent)."""
+    eos_ids = np.atleast_1d(np.asarray(eos_id, np.int32))
     done, token = np.zeros(first.shape[0], bool), first
     for i in range(max_new_tokens):
-        now = np.where(done, eos_id, np.asarray(token)).astype(np.int32)
+        now = np.where(done, eos_ids[0], np.asarray(token)).astype(np.int32)
         yield now
-        done |= now == eos_id
+        done |= np.isin(now, eos_ids)
         if done.all() or i == max_new_tokens - 1:
             return
         token = step(now, i)
@@ -182,7 +185,8 @@ def sample(logits: jnp.ndarray, key, temperature, top_p, greedy: bool | None = N
 
 class Generator:
     """``LM`` generation over a KV cache: ``generate(params, ids, mask, max_new_tokens, eos_id,
-    temperature=0.0, top_p=1.0, seed=0) -> [B, max_new_tokens]`` (EOS, then EOS padding).
+    temperature=0.0, top_p=1.0, seed=0) -> [B, max_new_tokens]`` (EOS, then EOS padding; ``eos_id``
+    an id or several, as ``stream_until_eos`` takes it).
 
     ``ids``/``mask`` hold left-padded prompts (``left_pad``); positions count real tokens, so a
     padded prompt decodes as it would alone. The prefill and the one-token step are each
@@ -218,14 +222,14 @@ class Generator:
             position = position + 1
         return np.stack([np.asarray(x) for x in out], axis=1)
 
-    def generate(self, params, ids, mask, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
+    def generate(self, params, ids, mask, max_new_tokens: int, eos_id, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0) -> np.ndarray:
-        out = np.full((ids.shape[0], max_new_tokens), eos_id, np.int32)
+        out = np.full((ids.shape[0], max_new_tokens), np.atleast_1d(eos_id)[0], np.int32)
         for i, now in enumerate(self.stream(params, ids, mask, max_new_tokens, eos_id, temperature, top_p, seed)):
             out[:, i] = now
         return out
 
-    def stream(self, params, ids, mask, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
+    def stream(self, params, ids, mask, max_new_tokens: int, eos_id, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, cache_len: int | None = None):
         """``generate``'s tokens one step at a time: ``[B]`` arrays (a finished row repeats EOS).
         ``cache_len``: a longer KV cache than needed (a server rounds shapes up so that few compile)."""

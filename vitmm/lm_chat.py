@@ -32,16 +32,11 @@ class LMChat:
     def prepare(self, images: list, turns: list[dict]) -> dict:
         """The prompt's ``ids`` and ``prompt_len`` for LLaVA-style text ``turns`` ending with a user
         turn (system turns and earlier answers kept); ``ValueError`` for images or a bad conversation."""
-        from vitmm.data.skips import BadExample
-
         if images or any("<image>" in t["value"] for t in turns):
             raise ValueError("This is a language model: it takes no images.")
         if not turns or turns[-1]["from"] != "human":
             raise ValueError("The conversation must end with a user turn.")
-        try:
-            out = reply_prompt(self._tokens({"conversations": [*turns, {"from": "gpt", "value": ""}]}, None))
-        except BadExample as bad:
-            raise ValueError(f"The conversation cannot be used ({bad.reason}: {bad.detail}).") from None
+        out = reply_prompt(self._tokens, {"conversations": turns})
         return {"ids": out["ids"], "prompt_len": out["prompt_len"]}
 
     def num_prompt_tokens(self, example: dict) -> int:
@@ -55,36 +50,43 @@ class LMChat:
         extra = round_up(ids.shape[1], 32) - ids.shape[1]
         ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=self.tokenizer.pad_id)
         mask = np.pad(mask, ((0, 0), (extra, 0)))
-        yield from self.generator.stream(self.params, ids, mask, max_new_tokens, self.tokenizer.eos_id, temperature,
+        yield from self.generator.stream(self.params, ids, mask, max_new_tokens, self.tokenizer.eos_ids, temperature,
                                          top_p, seed, round_up(ids.shape[1] + max_new_tokens, 64))
 
     def generate(self, example: dict, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0):
-        """Yields the answer's token ids one at a time, the EOS id last if the answer ends."""
+        """Yields the answer's token ids one at a time, an EOS id (one of ``tokenizer.eos_ids``) last if
+        the answer ends."""
         for row in self.stream_batch([example], max_new_tokens, temperature, top_p, seed):
             yield int(row[0])
-            if int(row[0]) == self.tokenizer.eos_id:
+            if int(row[0]) in self.tokenizer.eos_ids:
                 return
 
     def ask(self, question: str, max_new_tokens: int = 16) -> str:
         """The greedy answer to ``question``."""
         example = self.prepare([], [{"from": "human", "value": question}])
-        eos = self.tokenizer.eos_id
-        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t != eos])
+        eos = self.tokenizer.eos_ids
+        return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t not in eos])
 
 
-def reply_prompt(example: dict) -> dict:
-    """A preprocessed conversation (ending with an empty answer) as a prompt for the reply to its last
-    user turn: ``prompt_len`` at the last answer's start, earlier turns and answers in it. Training's
-    overflow rule drops exchanges from the end, which here would drop the question: refused instead."""
-    from vitmm.data import ops_text
+def reply_prompt(pp, example: dict, rng=None, what: str = "conversation") -> dict:
+    """``pp`` on ``example``, whose ``conversations`` end with the user turn to reply to: the prompt
+    is the chat template's generation prompt (``add_generation_prompt``), earlier turns and answers
+    in it (``ops_text.conversation_tokens``). What the ``what`` or the template refuses is a
+    ``ValueError`` in one line; a conversation too long for the model is refused, not cut."""
+    import jinja2
 
-    if int(example.get("_truncated", 0)):
-        raise ValueError(f"The conversation is too long for this model ({int(example['_truncated'])} of its exchanges "
-                         "would not fit, the last question among them); send fewer earlier turns.")
-    if "answer_mask" in example:
-        example = dict(example, prompt_len=np.int32(ops_text.reply_start(example["answer_mask"])))
-    return example
+    from vitmm.data.skips import BadExample
+
+    try:
+        return pp({**example, "add_generation_prompt": True}, rng)
+    except BadExample as bad:
+        if bad.reason == "too_long":
+            raise ValueError(f"The conversation is too long for this model ({bad.detail}); send fewer earlier turns "
+                             "or a shorter question.") from None
+        raise ValueError(f"The {what} cannot be used ({bad.reason}: {bad.detail}).") from None
+    except jinja2.TemplateError as err:  # the template's raise_exception, e.g. Gemma's "System role not supported"
+        raise ValueError(f"The model's chat template refuses this conversation: {err}") from None
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -40,7 +40,7 @@ from vitmm.serve_engine import Engine, RequestError
 # ----------------------------------------------------------------------------------------------
 def make_app(engine: Engine):
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="vitmm", docs_url=None, redoc_url=None)
@@ -82,7 +82,9 @@ def make_app(engine: Engine):
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
         if parsed["stream"]:
             return StreamingResponse(_events(engine, parsed, head), media_type="text/event-stream")
-        pieces = await run_in_threadpool(lambda: list(engine.completion(parsed)))
+        pieces = await _whole(engine.completion(parsed), request)
+        if pieces is None:  # the client has gone away: no one reads a reply
+            return Response(status_code=499)
         text = "".join(piece for piece, _ in pieces)
         finish, usage = pieces[-1][1]
         return {**head, "object": "chat.completion", "usage": usage, "choices": [{
@@ -90,6 +92,23 @@ def make_app(engine: Engine):
             "logprobs": None}]}
 
     return app
+
+
+async def _whole(completion, request) -> list | None:
+    """A non-streamed request's completion pieces, or None once its client has gone away: checked at
+    each piece, and closing the completion then stops the request's row in the decoder, as a
+    stream's does when its client leaves."""
+    from starlette.concurrency import run_in_threadpool
+
+    pieces = []
+    try:
+        while (piece := await run_in_threadpool(next, completion, None)) is not None:
+            pieces.append(piece)
+            if await request.is_disconnected():
+                return None
+        return pieces
+    finally:
+        completion.close()
 
 
 def _events(engine: Engine, parsed: dict, head: dict):

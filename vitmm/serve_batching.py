@@ -20,7 +20,7 @@ class Batcher:
         self.batch_sizes: list[int] = []  # every decode's batch, for tests and the load test
 
     def submit(self, request: dict):
-        """Yields the request's token ids (EOS last if the answer ends within ``max_tokens``). When the
+        """Yields the request's token ids (an EOS id last if the answer ends within ``max_tokens``). When the
         caller stops reading (a stop string, a client gone) the decoder stops its row at the next step."""
         with self._starting:
             if self._thread is None:
@@ -64,7 +64,7 @@ class Batcher:
         rows = 1 << (len(group) - 1).bit_length()
         examples = [request["example"] for request, _ in group]
         examples += examples[:1] * (rows - len(examples))
-        first, eos = group[0][0], self.chat.tokenizer.eos_id
+        first, eos = group[0][0], self.chat.tokenizer.eos_ids
         budget = [request["max_tokens"] for request, _ in group]
         open_rows = set(range(len(group)))
         self.batch_sizes.append(len(group))
@@ -73,7 +73,7 @@ class Batcher:
             for row in list(open_rows):
                 token = int(row_tokens[row])
                 group[row][1].put(token)
-                if token == eos or step + 1 == budget[row] or group[row][0]["cancelled"].is_set():
+                if token in eos or step + 1 == budget[row] or group[row][0]["cancelled"].is_set():
                     group[row][1].put(None)
                     open_rows.discard(row)
             if not open_rows:  # every answer is complete (or no longer read): no step more

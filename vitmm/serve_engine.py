@@ -61,7 +61,7 @@ class Engine:
         for i, message in enumerate(messages):
             role = message.get("role") if isinstance(message, dict) else None
             if role not in ("system", "user", "assistant", "developer"):
-                raise RequestError(f"messages[{i}].role must be system, user or assistant; got {role!r}.",
+                raise RequestError(f"messages[{i}].role must be system, developer, user or assistant; got {role!r}.",
                                    param=f"messages[{i}].role")
             text = self._content(message.get("content"), i, images, videos)
             turns.append({"from": {"user": "human", "assistant": "gpt"}.get(role, "system"), "value": text})
@@ -95,9 +95,9 @@ class Engine:
             example = self.chat.prepare(images, turns, videos[0]) if videos else self.chat.prepare(images, turns)
         except ValueError as err:
             raise RequestError(str(err), param="messages") from None
+        stream, include_usage = _stream_settings(body)
         return dict(example=example, max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
-                    seed=int(seed), stop=stop, stream=bool(body.get("stream", False)),
-                    include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+                    seed=int(seed), stop=stop, stream=stream, include_usage=include_usage)
 
     def _content(self, content, i: int, images: list, videos: list) -> str:
         if isinstance(content, str):
@@ -117,7 +117,7 @@ class Engine:
                     raise RequestError(f"More than {limit} images; this model takes at most {limit} per request"
                                        f"{' (a language model)' if limit == 0 else ''}.", param="messages")
                 images.append(self._image(url, i))
-                text.append("<image>\n")
+                text.append("<image>" + self.chat.image_separator)  # the run's own: LLaVA's \n, or none
             elif kind == "video_url":  # vLLM's part for a video: a data URL or a local file
                 url = (part.get("video_url") or {}).get("url") if isinstance(part.get("video_url"), dict) else None
                 videos.append(self._bytes(url, f"messages[{i}].content", "video"))
@@ -195,7 +195,7 @@ class Engine:
         prompt = self.chat.num_prompt_tokens(request["example"])
         tokens, shown, finish, text = [], "", "length", ""
         for token in self.batcher.submit(request):
-            if token == tokenizer.eos_id:
+            if token in tokenizer.eos_ids:  # any of them: an instruct LM's end of turn too
                 finish = "stop"
                 break
             tokens.append(token)
@@ -213,6 +213,21 @@ class Engine:
             yield text[len(shown):], None
         usage = {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
         yield "", (finish, usage)
+
+
+def _stream_settings(body: dict) -> tuple[bool, bool]:
+    """``(stream, include_usage)``: ``stream`` a boolean, ``stream_options`` an object (or null)."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(f"'stream' must be true or false; got {stream!r}.", param="stream")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError(f"'stream_options' must be an object such as {{\"include_usage\": true}}; got {options!r}.",
+                           param="stream_options")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise RequestError(f"'stream_options.include_usage' must be true or false; got {include_usage!r}.",
+                           param="stream_options.include_usage")
+    return bool(stream), bool(include_usage)
 
 
 def _check_number(name, value, low, high, integer=False, low_open=False):

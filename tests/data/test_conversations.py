@@ -13,6 +13,7 @@ import pytest
 
 from vitmm.data import preprocess, skips
 from vitmm.data import tokenizer as tok_lib
+from vitmm.data.ops_text import conversation_messages
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 HF = json.loads((FIXTURES / "data/conversations.json").read_text())
@@ -80,6 +81,27 @@ def test_a_template_that_renders_earlier_answers_anew_still_masks_each_answer(ti
     # think block is trained as it is generated, the earlier answer as the history renders it
     assert [tiny_tokenizer.decode(ids[s[:-1]]).strip() for s in spans] == ["red", "<think></think>red"]
     assert [int(ids[s[-1]]) for s in spans] == [HF["eos_id"]] * 2
+
+
+def test_a_reply_prompt_is_the_templates_generation_prompt_when_earlier_answers_render_anew(tiny_tokenizer):
+    """A multi-turn request to an LM whose template renders earlier answers differently once the
+    conversation goes on (Qwen3's rule): its prompt is what the template gives with
+    ``add_generation_prompt``, as transformers' generation prompt, earlier answer included."""
+    from vitmm.lm_chat import LMChat
+
+    tiny_tokenizer.chat_template = LAST_QUERY_TEMPLATE.replace("EOS", tiny_tokenizer.token(HF["eos_id"]))
+    chat = LMChat.__new__(LMChat)
+    chat.tokenizer, chat._tokens = tiny_tokenizer, preprocess.parse("conversation_tokens(256)", tiny_tokenizer)
+    turns = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "hi"},
+             {"from": "gpt", "value": "hello"}, {"from": "human", "value": "again"}]
+    example = chat.prepare([], turns)
+    prompt = tiny_tokenizer.chat(conversation_messages(turns, reply=True), add_generation_prompt=True)
+    assert prompt.endswith("<u>again" + tiny_tokenizer.token(HF["eos_id"]) + "\n<a>") and "<a>hello" in prompt
+    assert list(example["ids"][: int(example["prompt_len"])]) == tiny_tokenizer.encode(prompt)
+    with pytest.raises(ValueError, match=r"^The conversation is too long for this model \(\d+ prompt tokens with "
+                                         r"max_len=8\); send fewer earlier turns or a shorter question\.$"):
+        chat._tokens = preprocess.parse("conversation_tokens(8)", tiny_tokenizer)
+        chat.prepare([], turns)
 
 
 def _scene_conversation(exchanges: int, image: bool = True):

@@ -91,3 +91,29 @@ def finetune_imported(imported: pathlib.Path, tmp_path: pathlib.Path, sequences:
     run = tmp_path / "run"
     trainer.train(config, run)
     return ckpt_lib.load_config(run), ckpt_lib.load_params(imported), ckpt_lib.load_params(run)
+
+
+def served_example(vlm, images: list, text: str, text_first: bool = False) -> dict:
+    """The example ``vitmm.serve`` prepares for one user message of ``image_url`` parts (lossless
+    PNG) and a ``text`` part after them (before them: ``text_first``, lmms-eval's order)."""
+    import base64
+
+    from vitmm import serve
+    from vitmm.data import examples
+
+    engine = serve.Engine.__new__(serve.Engine)
+    engine.chat, engine.model_name, engine.local_root = vlm, "m", None
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                        + base64.b64encode(examples.encode(image, "png")).decode()}}
+             for image in images]
+    text_part = [{"type": "text", "text": text}]
+    content = text_part + parts if text_first else parts + text_part
+    return engine.parse({"model": "m", "messages": [{"role": "user", "content": content}]})["example"]
+
+
+def asked_example(vlm, images: list, question: str, monkeypatch) -> dict:
+    """The example ``Chat.ask`` (``vitmm.chat --image``) decodes from, nothing decoded."""
+    seen = []
+    monkeypatch.setattr(vlm, "generate", lambda example, max_new_tokens: seen.append(example) or iter(()))
+    vlm.ask(images if len(images) > 1 else images[0], question)
+    return seen[0]

@@ -83,3 +83,27 @@ def test_an_hf_lm_without_tokenizer_json_converts_with_a_warning(tmp_path, capsy
 
     convert.convert_language_model("hf", FIXTURES / "hf_llama", tmp_path / "lm")
     assert "has no tokenizer.json" in capsys.readouterr().out and not (tmp_path / "lm/tokenizer.json").exists()
+
+
+def test_an_lm_records_every_eos_id_its_configs_list_and_its_tokenizer_stops_on_each(tmp_path):
+    """Gemma-it's ``config.json`` names ``<eos>`` (1) but its turns end with ``<end_of_turn>`` (107),
+    which ``generation_config.json`` lists: both are recorded, the first pads. A folder converted
+    before ``eos_ids`` were recorded keeps its one id."""
+    import json
+    import shutil
+
+    from vitmm import checkpoint
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.lm_chat import LMChat
+
+    src = tmp_path / "gemma2_it"
+    shutil.copytree(FIXTURES / "hf_gemma2", src)
+    shutil.copy(FIXTURES / "hf_llava" / "tokenizer.json", src / "tokenizer.json")
+    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": [1, 107]}))
+    convert.convert_language_model("hf", src, tmp_path / "lm")
+    assert checkpoint.load_config(tmp_path / "lm")["tokens"] == {"bos_id": 2, "pad_id": 0, "eos_id": 1,
+                                                                 "eos_ids": [1, 107]}
+    assert LMChat(tmp_path / "lm").tokenizer.eos_ids == (1, 107)
+    assert tok_lib.get_tokenizer(str(src / "tokenizer.json"), bos_id=2, eos_id=1, pad_id=0).eos_ids == (1,)
+    llama3 = convert.special_ids({"eos_token_id": [128001, 128008, 128009]}, generation={"eos_token_id": 128009})
+    assert llama3["eos_id"] == 128001 and llama3["eos_ids"] == [128001, 128008, 128009]

@@ -61,7 +61,7 @@ def test_each_family_sets_its_fields():
 
 def test_a_sliding_window_holds_in_kv_cache_decoding_as_in_the_full_forward():
     """Mistral's window of 3 over 7 tokens: one token at a time through the KV cache gives the
-    full forward's logits (the window counted in cache slots, as transformers counts it)."""
+    full forward's logits."""
     from vitmm.models import lm as lm_lib
 
     kwargs, params = hf_lm.load_lm(FIXTURES / "hf_mistral")
@@ -75,6 +75,26 @@ def test_a_sliding_window_holds_in_kv_cache_decoding_as_in_the_full_forward():
     np.testing.assert_allclose(np.stack(steps, 1), full, atol=1e-5 * np.abs(full).max())
     unwindowed = np.asarray(LM(**{**kwargs, "sliding_window": None}).apply({"params": params}, ids))
     assert np.abs(unwindowed[0, 3:] - full[0, 3:]).max() > 1e-3  # the window changes what the later tokens see
+
+
+def test_a_sliding_window_counts_tokens_not_the_empty_slots_after_a_right_padded_prompt():
+    """A prompt of 4 tokens prefilled right-padded to 8 slots (as ``vitmm.chat`` rounds prompts up),
+    then 2 tokens decoded at slots 8 and 9: the window of 3 skips the 4 empty slots between, so the
+    cached logits are the full forward's of the 6 tokens (1e-5 of the largest)."""
+    from vitmm.models import lm as lm_lib
+
+    kwargs, params = hf_lm.load_lm(FIXTURES / "hf_mistral")
+    ids = jnp.asarray(np.load(FIXTURES / "hf_mistral/io.npz")["input_ids"][:1])
+    model = LM(**kwargs)
+    full = np.asarray(model.apply({"params": params}, ids[:, :6]))
+    padded = jnp.zeros((1, 8), jnp.int32).at[:, :4].set(ids[:, :4])
+    first, cache = model.apply({"params": params}, padded, pad_mask=jnp.arange(8)[None] < 4,
+                               cache=lm_lib.init_cache(kwargs, 1, 10), logits_at=jnp.array([[3]]))
+    steps = [np.asarray(first[:, 0])]
+    for i in range(4, 6):
+        logits, cache = model.apply({"params": params}, ids[:, i:i + 1], positions=jnp.full((1, 1), i), cache=cache)
+        steps.append(np.asarray(logits[:, 0]))
+    np.testing.assert_allclose(np.stack(steps, 1), full[:, 3:], atol=1e-5 * np.abs(full).max())
 
 
 def test_the_padded_row_equals_its_unpadded_forward():

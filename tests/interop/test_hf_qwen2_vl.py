@@ -9,7 +9,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from parity import finetune_imported, flat_logits
+from parity import asked_example, finetune_imported, flat_logits, served_example
 
 from vitmm.interop.vlm import qwen2_vl as hf_qwen2_vl
 
@@ -44,6 +44,43 @@ def test_qwen2_vl_gives_transformers_patches_ids_logits_and_greedy_answers(impor
         assert list(np.where(seq["visual"] >= 0, IMAGE_PAD, seq["tokens"])) == list(hf_ids)  # text and places
         assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
         assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
+
+
+def test_serve_and_chat_give_the_processors_prompt_with_no_newline_after_the_image(imported, monkeypatch):
+    """An ``image_url`` part then a ``text`` part (``vitmm.serve``), and ``ask`` (``vitmm.chat
+    --image``): the text follows ``<|vision_end|>`` directly, as in the processor's prompt
+    (``prompts.json``); with the text first (lmms-eval's order) the image follows the text."""
+    _, vlm = imported
+    ref, prompts = np.load(FIXTURE / "io.npz"), json.loads((FIXTURE / "prompts.json").read_text())
+
+    def text(example):  # the prompt with <|image_pad|> where each image's visual tokens go
+        ids = list(example["ids"][: int(example["prompt_len"])])
+        for at in sorted(example.get("image_positions", [example["image_pos"]]), reverse=True):
+            ids.insert(int(at), IMAGE_PAD)
+        return vlm.tokenizer._tok.decode(ids, skip_special_tokens=False)
+
+    for prompt in (prompts[0], prompts[2]):  # one image; two
+        images, question = [ref[f"image_{k}"] for k in prompt["images"]], prompt["messages"][0]["content"][-1]["text"]
+        assert text(served_example(vlm, images, question)) == prompt["prompt"]
+        assert text(asked_example(vlm, images, question, monkeypatch)) == prompt["prompt"]
+    first = text(served_example(vlm, [ref["image_0"]], "what colour is the circle?", text_first=True))
+    assert first.endswith("user\nwhat colour is the circle?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+                          "<|im_start|>assistant\n")
+
+
+def test_usage_counts_each_images_own_visual_tokens_in_any_order(imported):
+    """``usage.prompt_tokens`` of two images of different sizes is the flat prompt's length, whichever
+    comes first (it counted the first image's tokens for each)."""
+    _, vlm = imported
+    ref = np.load(FIXTURE / "io.npz")
+    one, other = ref["image_0"], ref["image_2"]  # 24x40 and 30x18: 15 and 8 visual tokens
+    alone = [vlm.prepare([image], [{"from": "human", "value": "<image>what?"}]) for image in (one, other)]
+    assert [vlm.num_prompt_tokens(ex) for ex in alone] == [int(ex["prompt_len"]) + vlm._num_visual(ex["image"])
+                                                          for ex in alone]
+    both = [vlm.prepare(pair, [{"from": "human", "value": "<image><image>what?"}]) for pair in ([one, other],
+                                                                                              [other, one])]
+    text = int(both[0]["prompt_len"])
+    assert [vlm.num_prompt_tokens(ex) for ex in both] == [text + 15 + 8] * 2
 
 
 def test_a_video_is_refused_in_one_line_not_run_another_way(imported):

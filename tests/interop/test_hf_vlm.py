@@ -1,6 +1,6 @@
-"""Whole transformers VLMs (LLaVA with its ``LlavaProcessor``, ``tests/fixtures/interop/hf_llava``;
-PaliGemma, ``hf_paligemma``; written by ``make_fixtures.py --only vlm``; LLaVA-NeXT,
-``hf_llava_next``, by ``--only llava_next``) imported into a vitmm
+"""Whole transformers VLMs (LLaVA with its ``LlavaProcessor``, ``tests/fixtures/interop/hf_llava``,
+written by ``make_fixtures.py --only vlm``; LLaVA-NeXT, ``hf_llava_next``, by ``--only llava_next``;
+PaliGemma in ``test_hf_paligemma.py``) imported into a vitmm
 VLM workdir: the processor's pixels and ids, the logits (≤ 1e-5 of the largest) and the greedy
 answers equal transformers'; every tensor layout transformers writes reads alike; what vitmm cannot
 hold is refused in one line with nothing written."""
@@ -173,36 +173,6 @@ def test_llava_with_a_siglip_tower_gives_transformers_pixels_ids_logits_and_gree
     assert jax.tree.all(jax.tree.map(np.array_equal, hf_vlm.load_llava(tmp_path / "hf")[1], vlm.params))
 
 
-def test_paligemma_gives_transformers_pixels_ids_logits_and_greedy_answers(tmp_path):
-    """PaliGemma (``tests/fixtures/interop/hf_paligemma``): SigLIP's normed output, the linear projector,
-    Gemma; the image first, then BOS, the prompt and a newline, attended both ways (``prefix_lm``) as
-    the processor's ``token_type_ids`` make transformers attend; logits ≤ 1e-5 of the largest (its
-    positions start at 1, vitmm's at 0: RoPE sees the same offsets), the same greedy answers."""
-    from vitmm import chat
-    from vitmm.interop.__main__ import main
-
-    folder = FIXTURE.with_name("hf_paligemma")
-    main(["--from", "hf", "--src", str(folder), "--out", str(tmp_path / "w")])
-    vlm, ref = chat.load(tmp_path / "w"), np.load(folder / "io.npz")
-    assert vlm.config.model.prefix_lm and vlm.config.model.connector.name == "linear"
-    for i, prompt in enumerate(json.loads((folder / "prompts.json").read_text())):
-        example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompt}])
-        np.testing.assert_allclose(example["image"], ref[f"pixel_values_{i}"][0].transpose(1, 2, 0), atol=1e-6)
-        n, hf_ids = int(example["prompt_len"]), ref[f"input_ids_{i}"][0]
-        image = hf_ids == IMAGE_TOKEN
-        assert int(example["image_pos"]) == 0 and image[:16].all() and image.sum() == 16  # the image first
-        assert list(example["ids"][:n]) == list(hf_ids[16:]) and (ref[f"token_type_ids_{i}"] == 0).all()
-        logits = np.asarray(vlm.task.model.apply({"params": vlm.params}, jnp.asarray(example["image"][None]),
-                                                 jnp.asarray(example["ids"][None, :n]), prompt_len=jnp.array([n]),
-                                                 prefix_lm=True, image_pos=jnp.array([0])))
-        want = ref[f"logits_{i}"][0]
-        assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
-        assert list(vlm.generate(example, 6)) == list(ref[f"answer_{i}"])
-    # no image sent: the template still writes its <image> (the black stand-in goes there), as it always has one
-    example = vlm.prepare([], [{"from": "human", "value": "caption en"}])
-    assert int(example["image_pos"]) == 0 and len(list(vlm.generate(example, 2))) == 2
-
-
 def test_the_workdir_holds_the_processors_settings_and_its_own_tokenizer(imported):
     from vitmm import checkpoint as ckpt_lib
 
@@ -213,7 +183,7 @@ def test_the_workdir_holds_the_processors_settings_and_its_own_tokenizer(importe
     assert config["input"]["image_size"] == 16 and config["input"]["image_mean"][0] == pytest.approx(0.48145466)
     assert config["tokenizer"] == str(out / "tokenizer.json") and (out / "tokenizer.json").is_file()
     assert config["chat_template"] == (FIXTURE / "chat_template.jinja").read_text()
-    assert config["tokens"] == {"bos_id": 1, "eos_id": 2, "pad_id": 2}
+    assert config["tokens"] == {"bos_id": 1, "eos_id": 2, "pad_id": 2, "eos_ids": [2]}
     assert vlm.ask(np.zeros((20, 30, 3), np.uint8), "what is it?", max_new_tokens=3) is not None
 
 
@@ -376,19 +346,6 @@ QUESTIONS = ["<image>\nwhat colour is the circle?", "How many shapes? <image>"]
 def _images():
     rng = np.random.default_rng(5)
     return [rng.integers(0, 256, (24, 20, 3), dtype=np.uint8), rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)]
-
-
-def test_paligemma_exports_and_imports_back_to_the_same_parameters(tmp_path, capsys):
-    """``--format hf`` on an imported PaliGemma (prefix attention: PaliGemma's layout), read back."""
-    from vitmm import chat
-    from vitmm.export import main as export
-    from vitmm.interop.__main__ import main as interop
-
-    interop(["--from", "hf", "--src", str(FIXTURE.with_name("hf_paligemma")), "--out", str(tmp_path / "w")])
-    assert export(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
-    assert "architecture: PaliGemmaForConditionalGeneration" in capsys.readouterr().out
-    _, params, _ = hf_vlm.load_paligemma(tmp_path / "hf")
-    assert jax.tree.all(jax.tree.map(np.array_equal, params, chat.load(tmp_path / "w").params))
 
 
 @pytest.fixture(scope="module")

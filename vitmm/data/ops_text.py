@@ -156,6 +156,11 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
     first does not fit or the image's turn would go; ``"skip"`` skips it. The visual tokens are
     never cut and an answer is never cut short.
 
+    An example with ``add_generation_prompt`` set is a prompt for the reply to its final user turn
+    (``vitmm.chat``, ``vitmm.serve``): the turns rendered as transformers' generation prompt
+    (``add_generation_prompt=True``; the plain layout ends with the user's ``separator``),
+    ``prompt_len`` all of it, no answer; one over ``max_len`` is ``too_long``, never cut.
+
     Bad conversations (empty, unknown roles, turns that do not alternate, a number of ``<image>``
     tags other than ``num_images``) raise ``skips.BadExample``.
     """
@@ -170,13 +175,15 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
     if template == "chat" and not has_template:
         raise ValueError("conversation_tokens(template='chat') needs a tokenizer with a chat template: set init.lm to "
                          "a converted LM (`python -m vitmm.interop --from hf|gguf`).")
-    render = _chat_segments if (template == "chat" or (template == "auto" and has_template)) else _plain_segments
+    chat = template == "chat" or (template == "auto" and has_template)
+    render = _chat_segments if chat else _plain_segments
     if image_text.count(IMAGE_PLACEHOLDER) != 1:
         raise ValueError(f"conversation_tokens image_text={image_text!r} must hold {IMAGE_PLACEHOLDER} once (where "
                          "the visual tokens go).")
 
     def fn(ex, rng):
-        messages = conversation_messages(ex["conversations"])
+        reply = bool(ex.get("add_generation_prompt"))
+        messages = conversation_messages(ex["conversations"], reply)
         num_images = int(ex.get("num_images", 0))
         tags = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
         if tags != num_images:
@@ -184,6 +191,13 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
         if any(IMAGE_PLACEHOLDER in m["content"] for m in messages if m["role"] != "user"):
             raise BadExample("image_tag_mismatch", f"an {IMAGE_PLACEHOLDER} tag outside a user turn")
         texts = [t.replace(IMAGE_PLACEHOLDER, image_text) for t in ex.get("image_texts", [IMAGE_PLACEHOLDER] * tags)]
+        if reply:
+            segments = [("text", tokenizer.chat(messages, True))] if chat else _plain_segments(messages, tokenizer,
+                                                                                                separator)
+            ids, _, image_at = _assemble(_expand_images(segments, texts), tokenizer)
+            if len(ids) > max_len:
+                raise BadExample("too_long", f"{len(ids)} prompt tokens with max_len={max_len}")
+            return _written(ex, ids, [0] * len(ids), image_at, max_len, tokenizer, len(ids), 0)
         head = 1 if messages[0]["role"] == "system" else 0
         exchanges = keep = (len(messages) - head) // 2
         while True:
@@ -196,28 +210,25 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
                     sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages[: head + 2 * keep]) < tags:
                 raise BadExample("too_long", f"{len(ids)} text tokens with max_len={max_len}"
                                  + (f", {sum(mask)} answer tokens with max_answer={max_answer}" if max_answer else ""))
-        out = np.full(max_len, tokenizer.pad_id, np.int32)
-        out[: len(ids)] = ids
-        answer = np.zeros(max_len, np.float32)
-        answer[: len(mask)] = mask
-        ex["ids"], ex["answer_mask"] = out, answer
-        ex["prompt_len"] = np.int32(mask.index(1))
-        ex["image_pos"] = np.int32(image_at[0] if image_at else 1)
-        ex["has_image"] = np.bool_(bool(image_at))
-        if len(image_at) > 1:  # several images: where each goes (``data.sequences`` reads them)
-            ex["image_positions"] = np.asarray(image_at, np.int32)
-        ex["_truncated"] = exchanges - keep
-        return ex
+        return _written(ex, ids, mask, image_at, max_len, tokenizer, mask.index(1), exchanges - keep)
 
     return fn
 
 
-def reply_start(answer_mask) -> int:
-    """Where a conversation's last answer begins (each answer ends with EOS, so each is a run of the
-    mask): the prompt from which a reply to its final user turn is generated. ``prompt_len`` is the
-    first answer's start, what training's prefix and evaluators of single questions use."""
-    m = np.asarray(answer_mask) > 0
-    return int(np.flatnonzero(m & ~np.concatenate([[False], m[:-1]]))[-1])
+def _written(ex, ids, mask, image_at, max_len, tokenizer, prompt_len, truncated) -> dict:
+    """``ex`` with a conversation's ``ids`` and ``answer_mask`` padded to ``max_len``, its
+    ``prompt_len``, where its images go and how many exchanges were dropped."""
+    out = np.full(max_len, tokenizer.pad_id, np.int32)
+    out[: len(ids)] = ids
+    answer = np.zeros(max_len, np.float32)
+    answer[: len(mask)] = mask
+    ex["ids"], ex["answer_mask"], ex["prompt_len"] = out, answer, np.int32(prompt_len)
+    ex["image_pos"] = np.int32(image_at[0] if image_at else 1)
+    ex["has_image"] = np.bool_(bool(image_at))
+    if len(image_at) > 1:  # several images: where each goes (``data.sequences`` reads them)
+        ex["image_positions"] = np.asarray(image_at, np.int32)
+    ex["_truncated"] = truncated
+    return ex
 
 
 def _expand_images(segments, texts: list[str]) -> list[tuple[str, str]]:
@@ -234,9 +245,10 @@ def _expand_images(segments, texts: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def conversation_messages(turns) -> list[dict]:
+def conversation_messages(turns, reply: bool = False) -> list[dict]:
     """``[{"role", "content"}]`` from LLaVA's turns, checked: an optional system turn, then user and
-    assistant alternating, starting with the user and ending with the assistant."""
+    assistant alternating, starting with the user and ending with the assistant (``reply``: with the
+    user, whose turn is to be answered)."""
     from vitmm.data.skips import BadExample
 
     if not isinstance(turns, list) or not turns:
@@ -250,7 +262,7 @@ def conversation_messages(turns) -> list[dict]:
         messages.append({"role": role, "content": content})
     roles = [m["role"] for m in messages]
     body = roles[1:] if roles[0] == "system" else roles
-    if not body or len(body) % 2 or any(r != ("user", "assistant")[i % 2] for i, r in enumerate(body)):
+    if not body or len(body) % 2 != reply or any(r != ("user", "assistant")[i % 2] for i, r in enumerate(body)):
         raise BadExample("turns_not_alternating", "/".join(roles))
     return messages
 

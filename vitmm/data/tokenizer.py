@@ -2,7 +2,8 @@
 ``tokenizer.json`` files.
 
 Both share one contract: ``encode(text) -> list[int]`` without special tokens, ``decode``,
-``bos_id``/``eos_id``/``pad_id`` and ``vocab_size``. ``tokenize`` adds BOS/EOS, pads to a fixed
+``bos_id``/``eos_id``/``pad_id``, ``eos_ids`` (every id that ends a generated answer, ``eos_id``
+first) and ``vocab_size``. ``tokenize`` adds BOS/EOS, pads to a fixed
 length and truncates explicitly, telling the caller whether it did.
 """
 
@@ -30,6 +31,7 @@ class ByteTokenizer:
     pad_id = 0
     bos_id = 257
     eos_id = 258
+    eos_ids = (258,)
     vocab_size = 259
 
     def encode(self, text: str) -> list[int]:
@@ -52,6 +54,7 @@ class WordTokenizer:
 
     SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
     pad_id, bos_id, eos_id, unk_id = 0, 1, 2, 3
+    eos_ids = (2,)
     _PIECE = re.compile(r"\w+|[^\w\s]")
 
     def __init__(self, words):
@@ -81,6 +84,8 @@ class HFTokenizer:
 
     Special ids come from the arguments or, when not given, from the usual token names in the
     vocabulary (``<|startoftext|>``/``<|endoftext|>`` for CLIP, ``<s>``/``</s>``/``<pad>``…).
+    ``eos_ids``: every id that ends a generated answer (an instruct LM's end of turn too), ``eos_id``
+    first whether listed or not.
     """
 
     _BOS = ("<|startoftext|>", "<s>", "[CLS]", "<bos>")
@@ -88,7 +93,8 @@ class HFTokenizer:
     _PAD = ("<pad>", "[PAD]", "<|pad|>")
 
     def __init__(self, path: str | pathlib.Path, bos_id: int | None = None,
-                 eos_id: int | None = None, pad_id: int | None = None, chat_template: str | None = None):
+                 eos_id: int | None = None, pad_id: int | None = None, chat_template: str | None = None,
+                 eos_ids: list[int] | None = None):
         from tokenizers import Tokenizer
 
         path = pathlib.Path(path).expanduser()
@@ -99,6 +105,7 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id if bos_id is not None else self._find(self._BOS, "bos")
         self.eos_id = eos_id if eos_id is not None else self._find(self._EOS, "eos")
+        self.eos_ids = tuple(dict.fromkeys([self.eos_id, *(int(i) for i in eos_ids or ())]))
         # Without a pad token, pad with EOS (sticky EOS, as open_clip does for CLIP's BPE).
         self.pad_id = pad_id if pad_id is not None else self._find(self._PAD, "pad", self.eos_id)
         self.chat_template = chat_template
@@ -116,7 +123,7 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
-        special = {self.bos_id, self.eos_id, self.pad_id}
+        special = {self.bos_id, self.pad_id, *self.eos_ids}
         return self._tok.decode([int(i) for i in ids if int(i) not in special])
 
     def token(self, token_id: int) -> str:

@@ -59,7 +59,7 @@ def is_language_model(source: str, src) -> bool:
 
 def load_language_model(source: str, src) -> tuple[dict, dict, str | None, str | None, dict]:
     """``(LM kwargs, params, tokenizer.json text or None, chat template or None, special token
-    ids {bos_id, eos_id, pad_id})``."""
+    ids {bos_id, eos_id, pad_id, eos_ids})``."""
     from vitmm.interop import gguf_lm, hf_lm, io
 
     if source == "gguf":
@@ -72,14 +72,21 @@ def load_language_model(source: str, src) -> tuple[dict, dict, str | None, str |
     folder = pathlib.Path(src).expanduser()
     folder = folder if folder.is_dir() else folder.parent
     tokenizer = (folder / "tokenizer.json").read_text() if (folder / "tokenizer.json").is_file() else None
-    return kwargs, params, tokenizer, io.chat_template(folder), special_ids(io.read_json(folder))
+    return (kwargs, params, tokenizer, io.chat_template(folder),
+            special_ids(io.read_json(folder), generation=io.generation_config(folder)))
 
 
-def special_ids(model_config: dict) -> dict:
-    """``{bos_id, eos_id, pad_id}`` from a transformers ``config.json`` (a VLM's: its ``text_config``)."""
-    first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731 - some configs list several EOS ids
-    return {k: first(model_config.get(g)) for k, g in
-            (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "pad_token_id"))}
+def special_ids(*configs: dict, generation: dict | None = None) -> dict:
+    """``{bos_id, eos_id, pad_id, eos_ids}`` from transformers ``configs``, the first that sets one
+    winning (a VLM's ``text_config``, then its ``config.json``). ``eos_ids``: every EOS id they and
+    the ``generation`` config (``generation_config.json``) list, in that order: instruct models end
+    a turn with one past the first (Llama 3's ``<|eot_id|>``, Gemma-it's ``<end_of_turn>``). ``eos_id``
+    is the first of them, the one that pads (sticky EOS)."""
+    listed = lambda v: [] if v is None else list(v) if isinstance(v, list) else [v]  # noqa: E731
+    eos_ids = list(dict.fromkeys(i for c in [*configs, generation or {}] for i in listed(c.get("eos_token_id"))))
+    first = {k: next((c[g] for c in configs if c.get(g) is not None), None)
+             for k, g in (("bos_id", "bos_token_id"), ("pad_id", "pad_token_id"))}
+    return {**first, "eos_id": eos_ids[0] if eos_ids else None, "eos_ids": eos_ids or None}
 
 
 # Input statistics (mean, std per channel of x / 255) each source's towers were trained with.

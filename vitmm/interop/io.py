@@ -81,6 +81,15 @@ def read_json(src: str | pathlib.Path, name: str = "config.json") -> dict:
     return json.loads(path.read_text())
 
 
+def generation_config(src: str | pathlib.Path) -> dict:
+    """A transformers folder's ``generation_config.json`` (where instruct models list every id that
+    ends a turn as ``eos_token_id``), or {} without one."""
+    try:
+        return read_json(src, "generation_config.json")
+    except FileNotFoundError:
+        return {}
+
+
 def chat_template(folder: pathlib.Path) -> str | None:
     """A transformers folder's chat template: ``chat_template.jinja`` (transformers 5),
     ``chat_template.json`` or ``tokenizer_config.json``'s ``chat_template`` (older saves); None without one."""

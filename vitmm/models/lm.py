@@ -206,7 +206,7 @@ class LM(nn.Module):
     tie_embeddings: bool = False
     dtype_mm: str = "float32"
     qk_norm: bool = False  # Qwen3: each head's queries and keys RMS-normalised before RoPE
-    sliding_window: int | None = None  # Mistral, Phi-3: a query sees the keys of the last N slots only
+    sliding_window: int | None = None  # Mistral, Phi-3: a query sees the last N real tokens only (itself included)
     window_layers: tuple[int, ...] | None = None  # the layers with the window (None: all; Gemma 2: every other)
     post_norms: bool = False  # Gemma 2: attention and MLP outputs normalised before their residual adds
     query_scale: float | None = None  # Gemma 2's query_pre_attn_scalar: scores scaled by its ^-1/2
@@ -291,10 +291,11 @@ class LM(nn.Module):
                 mask = mask | (slots < jnp.reshape(jnp.asarray(prefix_len), (-1, 1, 1, 1)))
             mask = mask & valid[:, None, None, :]
         windowed = mask
-        if self.sliding_window:  # by sequence slot, as transformers counts (left padding included)
-            first = 0 if cache is None else cache["slot"]
-            keys = t if cache is None else cache["valid"].shape[1]
-            windowed = mask & ((first + jnp.arange(t))[:, None] - jnp.arange(keys)[None, :] < self.sliding_window)
+        if self.sliding_window:  # by token: the real tokens between query and key, not the slots (a right-padded
+            # prompt leaves a gap of empty cache slots before the first generated token)
+            index = jnp.cumsum(new_valid if cache is None else valid, axis=1) - 1  # [B, S]
+            query = index if cache is None else jax.lax.dynamic_slice_in_dim(index, cache["slot"], t, axis=1)
+            windowed = mask & (query[:, :, None] - index[:, None, :] < self.sliding_window)[:, None]
         layers_kv = []
         for i, block in enumerate(self.blocks):
             in_window = self.window_layers is None or i in self.window_layers

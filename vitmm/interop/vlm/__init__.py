@@ -53,8 +53,7 @@ def import_vlm(src, out) -> pathlib.Path:
     run, params, extra = load.get(name, load_llava)(src)
     if not (src / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{src} has no tokenizer.json; save the processor (or tokenizer) beside the model.")
-    ids = {k: v if v is not None else convert.special_ids(io.read_json(src)).get(k)
-           for k, v in convert.special_ids(extra["text_config"]).items()}
+    ids = convert.special_ids(extra["text_config"], io.read_json(src), generation=io.generation_config(src))
     run.update(tokenizer=str(out / "tokenizer.json"), chat_template=extra.get("chat_template") or io.chat_template(src),
                tokens=ids,
                source={"from": "hf", "src": str(src), "architecture": name})
