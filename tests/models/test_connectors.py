@@ -323,3 +323,26 @@ def test_size_to_picks_the_nearest_count_and_keeps_the_tokens():
                 assert abs(np.log(n / 50_000)) >= abs(np.log(count / 50_000))
     with pytest.raises(ValueError, match="'linear' has no size knob"):
         C.size_to({"name": "linear", "budget": "all"}, 50_000, in_dim, out_dim, grid)
+
+
+def test_perceiver_heads_of_their_own_width_count_as_openflamingos():
+    """``num_heads`` fixes the attention at heads × head_dim whatever the width (OpenFlamingo: 8 × 64).
+    OpenFlamingo's ``PerceiverResampler(dim=1024, depth=6)``: 63,019,008 parameters (per layer two
+    LayerNorms before attention, to_q 1024→512, to_kv 1024→1024, to_out 512→1024, the FFN's LayerNorm
+    and 1024→4096→1024, all bias-free; 64 latents; a final LayerNorm); vitmm adds its Dense in_proj."""
+    openflamingo = 6 * (4 * 1024 + 1024 * 512 + 1024 * 1024 + 512 * 1024 + 2 * 1024 + 2 * 4 * 1024 * 1024) \
+        + 64 * 1024 + 2 * 1024
+    assert openflamingo == 63_019_008
+    cfg = {"name": "perceiver", "budget": 64, "depth": 6, "num_heads": 8}
+    assert C.num_params(cfg, 1024, 1024, (16, 16)) == openflamingo + 1024 * 1024 + 1024
+    # the default (heads as wide as the output) is unchanged
+    default = C.num_params({"name": "perceiver", "budget": 64}, 32, 128, (4, 4))
+    assert default == C.num_params({"name": "perceiver", "budget": 64, "num_heads": 2}, 32, 128, (4, 4))
+
+
+def test_c_abstractor_without_resblocks_pools_and_reads_out():
+    """``depth=0`` (Honeybee's pooling and readout only) at a tower width other than ``hidden``."""
+    out = C.build({"name": "c_abstractor", "budget": 4, "depth": 0}, 24)
+    x = jnp.ones((1, 16, 12))
+    y = out.apply(out.init(jax.random.key(0), x, (4, 4)), x, (4, 4))
+    assert y.shape == (1, 4, 24)

@@ -69,18 +69,19 @@ class MLP(nn.Module):
         return x
 
 
-def mha(q_in, k_in, v_in, num_heads: int, name: str, use_bias: bool = True):
+def mha(q_in, k_in, v_in, num_heads: int, name: str, use_bias: bool = True, head_dim: int | None = None):
     """Multi-head attention with separate query, key and value inputs (as
-    ``torch.nn.MultiheadAttention``): positions can go into q and k but not v."""
+    ``torch.nn.MultiheadAttention``): positions can go into q and k but not v. The heads share the
+    query's width, or are ``head_dim`` wide each (OpenFlamingo: 8 × 64 at any width)."""
     d = q_in.shape[-1]
-    if d % num_heads:
+    if head_dim is None and d % num_heads:
         raise ValueError(f"Width {d} is not divisible by {num_heads} heads.")
-    hd = d // num_heads
-    proj = lambda x, n: layers.Dense(d, use_bias=use_bias, kernel_init=common.trunc_normal(0.02),  # noqa: E731
+    hd = head_dim or d // num_heads
+    proj = lambda x, n: layers.Dense(num_heads * hd, use_bias=use_bias, kernel_init=common.trunc_normal(0.02),  # noqa: E731
                                      name=f"{name}_{n}")(x).reshape(*x.shape[:2], num_heads, hd)
     out = jax.nn.dot_product_attention(proj(q_in, "q"), proj(k_in, "k"), proj(v_in, "v"))
     return layers.Dense(d, use_bias=use_bias, kernel_init=common.trunc_normal(0.02),
-                        name=f"{name}_out")(out.reshape(*out.shape[:2], d))
+                        name=f"{name}_out")(out.reshape(*out.shape[:2], num_heads * hd))
 
 
 class DepthwiseConv(nn.Module):

@@ -66,8 +66,9 @@ class CAbstractor(nn.Module):
         y = x.reshape(b, *grid, c)
         for i in range(self.depth):
             y = ResBlock(self.hidden, name=f"s1_{i}")(y)
-        y = adaptive_avg_pool(y.reshape(b, n, self.hidden), grid, (side, side)).reshape(b, side, side, -1)
+        width = y.shape[-1]  # hidden, or the tower's with depth=0 (Honeybee's pooling and readout only)
+        y = adaptive_avg_pool(y.reshape(b, n, width), grid, (side, side)).reshape(b, side, side, width)
         for i in range(self.depth):
             y = ResBlock(self.hidden, name=f"s2_{i}")(y)
-        return MLP(self.out_dim, 2, act="silu", name="readout")(y.reshape(b, side * side, self.hidden))
+        return MLP(self.out_dim, 2, act="silu", name="readout")(y.reshape(b, side * side, width))
 

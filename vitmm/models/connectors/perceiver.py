@@ -33,6 +33,7 @@ class Perceiver(nn.Module):
     budget: int = 64
     depth: int = 2
     head_dim: int = 64
+    num_heads: int | None = None  # default out_dim // head_dim (attention as wide as the output); OpenFlamingo: 8
     ff_mult: int = 4
     eps: float = 1e-5  # torch's LayerNorm default, which Flamingo/OpenFlamingo use
 
@@ -45,7 +46,8 @@ class Perceiver(nn.Module):
         check_tokens(x, grid)
         m = self.tokens(self.budget, grid)
         d = self.out_dim
-        heads = max(d // self.head_dim, 1)
+        heads = self.num_heads or max(d // self.head_dim, 1)
+        head_dim = self.head_dim if self.num_heads else None
         x = layers.Dense(d, kernel_init=common.trunc_normal(0.02), name="in_proj")(x)
         latents = self.param("latents", nn.initializers.normal(1.0), (m, d))
         latents = jnp.broadcast_to(latents, (x.shape[0], m, d))
@@ -53,7 +55,7 @@ class Perceiver(nn.Module):
             media = nn.LayerNorm(epsilon=self.eps, name=f"norm_media_{i}")(x)
             lat = nn.LayerNorm(epsilon=self.eps, name=f"norm_latents_{i}")(latents)
             kv = jnp.concatenate([media, lat], axis=1)
-            latents = latents + mha(lat, kv, kv, heads, f"attn_{i}", use_bias=False)
+            latents = latents + mha(lat, kv, kv, heads, f"attn_{i}", use_bias=False, head_dim=head_dim)
             y = nn.LayerNorm(epsilon=self.eps, name=f"ff_norm_{i}")(latents)
             y = layers.Dense(self.ff_mult * d, use_bias=False, name=f"ff_in_{i}")(y)
             y = layers.Dense(d, use_bias=False, name=f"ff_out_{i}")(common.activation("gelu")(y))
