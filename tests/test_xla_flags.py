@@ -36,7 +36,7 @@ def test_importing_every_vitmm_module_changes_no_flags_and_opens_no_backend():
 
 
 def test_entry_point_defaults_turn_off_ynn_fusions_and_keep_the_users_flags():
-    use = IMPORT_ALL + "vitmm.xla_flags.use_vitmm_defaults()\n"
+    use = "import vitmm.xla_flags\nvitmm.xla_flags.use_vitmm_defaults()\n"  # every module imported: the test above
     assert _run(use) == (f"{FLAG}=", False)
     flags, ynn = _run(use, "--xla_force_host_platform_device_count=2")
     assert flags == f"--xla_force_host_platform_device_count=2 {FLAG}=" and not ynn
