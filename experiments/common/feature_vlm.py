@@ -41,7 +41,7 @@ class JobContext(TypedDict, total=False):
     seeds: list  # the seeds every job trains
     stage0: dict  # {seed: the LM's parameters after stage 0}
     stage1_steps: int  # connector-only steps before the joint phase
-    jobs: dict  # {job key: {"connector": cfg, "view": name}}
+    jobs: dict  # {job key: {"connector": cfg, "view": name}} (and "signed": a departure from a study's default plan)
     views: dict  # {view name: {"grid": ...}}
     tune_seeds: list  # the seeds tuning runs at
     tune_done: dict  # {tuning key: {seed: result}} already kept: not trained again

@@ -25,6 +25,14 @@ def _run(c: dict, key: tuple, lr: float, warmup: int | None) -> FeatureTrainer:
                stage1_steps=c.get("stage1_steps", 0), warmup=warmup, schedule=c["plan"].get("schedule", "constant"))
 
 
+def _departs(c: dict, job_key: tuple) -> list:
+    """What names a run's snapshot beside its key, seed and rate: the connector of a job that
+    departs from the default plan (``--native_widths``), nothing for the default plan's jobs, whose
+    snapshots keep the names they had."""
+    signed = c["jobs"][tuple(job_key)].get("signed")
+    return [signed] if signed else []
+
+
 def job(key, arrays: dict, context: JobContext, progress) -> dict:
     """``{seed: result}`` on the test questions for one job (family, tokens, variant) at its
     family's chosen learning rate and warmup: compiled once, trained per seed; after each seed the
@@ -37,7 +45,7 @@ def job(key, arrays: dict, context: JobContext, progress) -> dict:
 
     def one(seed):
         result = train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
-                                progress=progress, snapshot=snapshot_path(c, key, seed, lr, warmup))
+                                progress=progress, snapshot=snapshot_path(c, key, seed, lr, warmup, *_departs(c, key)))
         return {**result, **time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view,
                                        eval_batch=c["plan"].get("eval_batch", EVAL_BATCH))}
 
@@ -54,7 +62,7 @@ def tune_job(key, arrays: dict, context: JobContext, progress) -> dict:
     done = c.get("tune_done", {}).get(tuple(key), {})
     return {seed: done[seed] if seed in done else
             train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["val"], c["plan"], view,
-                           progress=progress, snapshot=snapshot_path(c, "tuning", key, seed))
+                           progress=progress, snapshot=snapshot_path(c, "tuning", key, seed, *_departs(c, job_key)))
             for seed in c["tune_seeds"]}
 
 

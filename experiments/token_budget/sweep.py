@@ -62,6 +62,7 @@ far (it encodes the features to check the settings, about two minutes for the de
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
@@ -72,7 +73,7 @@ import numpy as np
 
 from experiments.common import feature_vlm
 from experiments.token_budget import jobs as cell_jobs
-from experiments.token_budget import plots, report, tables, tune
+from experiments.token_budget import plots, report, signing, tables, tune
 from experiments.token_budget.args import parse_args
 from experiments.token_budget.features import encode_features
 from vitmm import xla_flags
@@ -91,7 +92,6 @@ def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, 
     default (the same connector, so the same runs). Variants: ``""`` (each family's default size,
     the main table), ``"params ≈ P"`` (sized to P connector parameters) and the encoder-side ones
     (``mlp`` on all patches of a smaller image or larger patches)."""
-    widths = {} if args.native_widths else {"qformer": {"width": in_dim}, "c_abstractor": {"hidden": in_dim}}
     plan = [] if args.no_blind else [(BLIND, 0, "", 1, 1, "no image")]
     jobs, same = {}, {}
     for family in args.families:
@@ -100,9 +100,7 @@ def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, 
             plan.append((family, b, "", setting, tokens, note))
     for family, _, variant, setting, tokens, _ in plan:
         if setting is not None:
-            jobs.setdefault((family, tokens, variant), {
-                "connector": {"name": "pool" if family == BLIND else family, "budget": setting,
-                              **widths.get(family, {})}, "view": ""})
+            jobs.setdefault((family, tokens, variant), main_job(family, setting, in_dim, args.native_widths))
     if args.param_budget:
         variant = f"params ≈ {args.param_budget:,}"
         for family in args.families:
@@ -128,6 +126,22 @@ def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, 
     return plan, jobs, same
 
 
+TOWER_WIDTH = {"qformer": "width", "c_abstractor": "hidden"}  # families with a hidden width of their own
+
+
+def main_job(family: str, setting, in_dim: int, native_widths: bool) -> dict:
+    """A main-table job: the family's connector (blind: pool's, on blank features) at its knob's
+    setting; ``TOWER_WIDTH``'s families at the tower's width ``in_dim``, or with ``native_widths``
+    at their own, a departure from the default plan that signs the job's rows and snapshots
+    (``"signed"``: ``signing``)."""
+    cfg = {"name": "pool" if family == BLIND else family, "budget": setting}
+    if family not in TOWER_WIDTH:
+        return {"connector": cfg, "view": ""}
+    if native_widths:
+        return {"connector": cfg, "view": "", "signed": {"connector": cfg}}
+    return {"connector": {**cfg, TOWER_WIDTH[family]: in_dim}, "view": ""}
+
+
 def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
     """The jobs by expected seconds, longest first, so that the sweep does not end on one worker
     running a slow job while the other waits. Expected seconds: the job's forward MFLOPs per example
@@ -146,7 +160,7 @@ def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
                                          * seeds_left.get(key, 1)))
 
 
-def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature: str) -> tuple[dict, dict]:
+def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature) -> tuple[dict, dict]:
     """``(tuning results, {label: (lr, warmup)})`` (``tune.label``: per family, or per family and token
     count with ``--tune_each_budget``): on validation, at the token count nearest ``--tune_budget`` (or
     at each of the grid's), over the first ``--tune_seeds`` seeds (their mean decides), the lr grid at
@@ -254,12 +268,12 @@ def main(argv=None) -> pathlib.Path:
     # Left out of the signature: a result stands under a higher floor when its run trained past it.
     signed_plan, holds = dict(train_plan), feature_vlm.holds_under_min_steps(args.min_steps if args.patience else None)
     train_plan["min_steps"] = args.min_steps
-    # A finished cell is reused only by a sweep with the same settings (everything but the cells
-    # and the seed list: a rerun with more seeds trains only the new ones).
-    settings = dict(tower=f.fingerprint, data=f.data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.lr,
-                    stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
-                    train=len(train["ids"]), val=len(val["ids"]), test=len(test["ids"]), max_len=f.max_len,
-                    tokenizer=args.tokenizer)
+    # A finished cell is reused only by a sweep with the same settings and the cell's own rate
+    # (``signing``: not the cells, the other families' rates or the seed list; more seeds train only the new ones).
+    settings = signing.shared(tower=f.fingerprint, data=f.data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.lr,
+                              stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
+                              splits=(len(train["ids"]), len(val["ids"]), len(test["ids"])), max_len=f.max_len,
+                              tokenizer=args.tokenizer)
     views = {"": {"grid": f.grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}}
     context = feature_vlm.JobContext(
         tower_cfg=f.tower_cfg, lm_cfg=lm_cfg, in_dim=in_dim, max_len=f.max_len, seeds=args.seeds, stage0={},
@@ -282,18 +296,20 @@ def main(argv=None) -> pathlib.Path:
         return store.run_cells(path, signature, keys, fn, arrays, context, args.workers, desc,
                                len(seeds) * steps_per_seed, seeds, before=ensure_stage0, holds=holds)
 
-    tune_sig = store.signature({**settings, "tune_seed": args.seeds[0]})  # the tuning seeds' list left out, as the
-    context["tune_done"] = store.load_cells(out / "tuning.jsonl", tune_sig, holds)  # main seeds': more train only
-    # the new ones (a result ``holds`` rejects, e.g. under a raised --min_steps, is trained again, as in run_cells)
+    # The tuning seeds' list left out, as the main seeds': more train only the new ones (a result ``holds``
+    # rejects, e.g. under a raised --min_steps, is trained again, as in run_cells).
+    tune_sig = functools.partial(signing.tuning_signature, settings, args.seeds[0], jobs)
+    context["tune_done"] = store.load_cells(out / "tuning.jsonl", tune_sig, holds)
     tuned, chosen = tune_families(args, jobs, run_cells, out, tune_sig)
     context["chosen"] = chosen
     print(f"(lr, warmup) per {'family and token count' if args.tune_each_budget else 'family'} (validation, seeds "
           f"{args.seeds[:args.tune_seeds]}, {len(tuned)} tuning points): {chosen}")
 
-    cells_sig = store.signature({**settings, "chosen": chosen})
     # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
+    cells_sig, context["seeds_done"] = signing.main_stage_signer(
+        [out / "cells.jsonl", out / "seeds.jsonl"], settings, chosen, {**jobs, **same}, rewrite=not args.interim,
+        holds=holds)
     context["seed_log"] = (str(out / "seeds.jsonl"), cells_sig)
-    context["seeds_done"] = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], cells_sig, holds)
     costs = {key: cell_jobs.costs(None if key[0] == BLIND else job["connector"], lm_cfg, in_dim,
                                   context["views"][job["view"]]["grid"], key[1], f.max_len - 1)
              for key, job in jobs.items()}
