@@ -48,6 +48,7 @@ class JobContext(TypedDict, total=False):
     chosen: dict  # {family: (lr, warmup)}
     snapshots: tuple  # (folder, signature): where a run's mid-run snapshot lives
     seed_log: tuple  # (path, signature): each finished seed is appended there
+    tune_log: tuple  # (path, signature): each finished tuning seed is appended there
     seeds_done: dict  # {job key: {seed: result}} already kept: not trained again
 
 
@@ -167,7 +168,8 @@ def evaluate(run: FeatureTrainer, params, split: dict, view: str = "", limit: in
 
 
 def train_and_eval(run: FeatureTrainer, seed: int, train: dict, val: dict, final: dict, plan: dict, view: str = "",
-                   progress=None, snapshot: pathlib.Path | None = None, snapshot_every_s: float = 120.0) -> dict:
+                   progress=None, snapshot: pathlib.Path | None = None, snapshot_every_s: float = 120.0,
+                   keep_snapshot: bool = False) -> dict:
     """Stage 1, then joint steps until validation accuracy plateaus; the result on ``final``.
 
     ``plan``: ``max_steps``, ``batch_size``, ``eval_every``, ``patience``, ``min_delta``,
@@ -187,7 +189,8 @@ def train_and_eval(run: FeatureTrainer, seed: int, train: dict, val: dict, final
     there at an evaluation when ``snapshot_every_s`` seconds have passed since the last write, and
     a run that finds the file continues from it: a run killed mid-way (a stopped sweep) resumes
     where its last snapshot was taken, with the result an uninterrupted run gives. The file is
-    removed when the run ends.
+    removed when the run ends, or with ``keep_snapshot`` left for the caller to remove once the
+    run's row is kept (``run_seeds``), so that a stop in between loses no run.
     """
     started = time.monotonic()
     rng = np.random.default_rng(seed)
@@ -258,7 +261,7 @@ def train_and_eval(run: FeatureTrainer, seed: int, train: dict, val: dict, final
     if progress is not None:
         progress.update(plan["max_steps"] - step)  # the bar counts every run at its longest
     result = evaluate(run, best_params, final, view, eval_batch=eval_batch)
-    if snapshot is not None:
+    if snapshot is not None and not keep_snapshot:
         snapshot.unlink(missing_ok=True)
     return {**result, "best_step": best_step, "steps_trained": step, "min_steps": plan.get("min_steps", 0),
             "final_loss": float(np.mean(losses[-20:])), "curve": curve,
@@ -344,18 +347,24 @@ def time_steps(run: FeatureTrainer, train: dict, test: dict, batch_size: int, vi
             "infer_ms": 1e3 * float(np.median(eval_times)) / eval_batch}
 
 
-def run_seeds(key, context: JobContext, progress, one) -> dict:
+def run_seeds(key, context: JobContext, progress, one, snapshot_of=None, tuning: bool = False) -> dict:
     """``{seed: one(seed)}`` over ``context["seeds"]``, each finished seed appended to
     ``context["seed_log"] = (path, signature)`` when given; seeds already in
-    ``context["seeds_done"][key]`` are taken from there, not trained again."""
-    done = context.get("seeds_done", {}).get(tuple(key), {})
+    ``context["seeds_done"][key]`` are taken from there, not trained again. ``tuning``: the same
+    over ``tune_seeds``, ``tune_log`` and ``tune_done``. ``snapshot_of(seed)``: the run's mid-run
+    snapshot, removed once its row is kept (at once without a log)."""
+    seeds, kept, log = ("tune_seeds", "tune_done", "tune_log") if tuning else ("seeds", "seeds_done", "seed_log")
+    done = context.get(kept, {}).get(tuple(key), {})
     out = {}
-    for seed in context["seeds"]:
+    for seed in context[seeds]:
         if seed in done:
             out[seed] = done[seed]
-            progress.update(context.get("stage1_steps", 0) + context["plan"]["max_steps"])
+            if progress is not None:
+                progress.update(context.get("stage1_steps", 0) + context["plan"]["max_steps"])
             continue
         out[seed] = one(seed)
-        if context.get("seed_log"):
-            store.save_cell(pathlib.Path(context["seed_log"][0]), context["seed_log"][1], key, {seed: out[seed]})
+        if context.get(log):
+            store.save_cell(pathlib.Path(context[log][0]), context[log][1], key, {seed: out[seed]})
+        if snapshot_of is not None and snapshot_of(seed) is not None:
+            snapshot_of(seed).unlink(missing_ok=True)
     return out

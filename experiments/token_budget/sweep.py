@@ -50,12 +50,13 @@ than what it reads (``--native_widths`` keeps the defaults).
 Writes to ``--out``: ``cells.jsonl`` (each finished job, all its seeds, as it finishes: a rerun
 with the same settings skips it, so a sweep can span several sittings; ``seeds.jsonl`` keeps each
 finished seed of the jobs still running, which a rerun does not train again; a rerun with more
-``--seeds`` trains only the new ones), ``tuning.jsonl``,
-``runs.csv`` (one row per run and seed: lr, warmup, steps, tokens, parameters, FLOPs, ms per
-example, per-kind accuracy), ``curves.json`` (validation accuracy per check of every run),
-``token_budget.md`` (the tables, with 95% CIs over seeds and paired tests, and the claims'
-tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``, ``learning_curves.png``,
-``encoder_vs_connector.png`` and ``setup.json`` (tower, data, model, training and tuning settings).
+``--seeds`` trains only the new ones), ``tuning.jsonl`` (and ``tuning_seeds.jsonl``, each finished
+tuning seed, as ``seeds.jsonl``), ``runs.csv`` (one row per run and seed: lr, warmup, steps,
+tokens, parameters, FLOPs, ms per example, per-kind accuracy), ``curves.json`` (validation
+accuracy per check of every run), ``token_budget.md`` (the tables, with 95% CIs over seeds and
+paired tests, and the claims' tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``,
+``learning_curves.png``, ``encoder_vs_connector.png`` and ``setup.json`` (tower, data, model,
+training and tuning settings).
 ``--interim`` trains nothing and writes the same files to ``OUT/interim/`` from the seeds finished so
 far (it encodes the features to check the settings, about two minutes for the default sweep).
 """
@@ -299,7 +300,8 @@ def main(argv=None) -> pathlib.Path:
     # The tuning seeds' list left out, as the main seeds': more train only the new ones (a result ``holds``
     # rejects, e.g. under a raised --min_steps, is trained again, as in run_cells).
     tune_sig = functools.partial(signing.tuning_signature, settings, args.seeds[0], jobs)
-    context["tune_done"] = store.load_cells(out / "tuning.jsonl", tune_sig, holds)
+    context["tune_log"] = (str(out / "tuning_seeds.jsonl"), tune_sig)  # each tuning seed as it ends
+    context["tune_done"] = store.seed_results([out / "tuning.jsonl", out / "tuning_seeds.jsonl"], tune_sig, holds)
     tuned, chosen = tune_families(args, jobs, run_cells, out, tune_sig)
     context["chosen"] = chosen
     print(f"(lr, warmup) per {'family and token count' if args.tune_each_budget else 'family'} (validation, seeds "
