@@ -184,15 +184,6 @@ def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature) -> 
     if not tuning:
         return tuned, {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in families}
     seeds = args.seeds[:args.tune_seeds]
-    if args.interim:  # as the full run chooses: this sweep's tuning points, on the tuning seeds only
-        tuned = {k: {s: v[s] for s in seeds} for k, v in store.load_cells(out / "tuning.jsonl", signature).items()
-                 if k[:2] in points and set(seeds) <= set(v)}
-        chosen = tune.choose(tuned, args.tune_each_budget)
-        wanted = {tune.label(f, t, args.tune_each_budget) for f, t in points}
-        if not wanted <= set(chosen):
-            args.parser.error(f"--interim: tuning has finished for {sorted(chosen)} only, so the main stage has no "
-                              f"runs yet; its {len(tuned)} runs are in {out / 'tuning.jsonl'}.")
-        return tuned, chosen
     lrs = {point: list(args.tune_lrs) for point in points}
     while True:  # the grid, then one more rate past an edge that wins, until none does
         keys = [(f, t, x, args.tune_warmups[0]) for (f, t), grid in lrs.items() for x in grid]
@@ -211,6 +202,22 @@ def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature) -> 
         tuned.update(run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl",
                                signature, "tuning (warmup)", seeds, run_steps))
     return tuned, tune.choose(tuned, args.tune_each_budget)
+
+
+def kept_tuning(args, holds=None):
+    """``--interim``'s ``run_cells`` for tuning: the tuning points' kept results (``tuning.jsonl``
+    and ``tuning_seeds.jsonl``, on the tuning seeds), nothing trained, so that ``tune_families``
+    replays the full run's choice step by step (its grid, its extensions, its warmups) and never
+    reads a run outside it; a run the full sweep would still train stops ``--interim``."""
+    def run_cells(fn, keys, path, signature, desc, seeds, steps_per_seed):
+        kept = store.seed_results([path, path.with_name("tuning_seeds.jsonl")], signature, holds)
+        found = {k: {s: kept[k][s] for s in seeds} for k in keys if set(seeds) <= set(kept.get(k, {}))}
+        missing = [k for k in keys if k not in found]
+        if missing:
+            args.parser.error(f"--interim: {desc} has {len(missing)} runs to go (e.g. {missing[0]}), so the main stage "
+                              f"has no runs yet; the finished ones are in {path}.")
+        return found
+    return run_cells
 
 
 def result_rows(args, plan: list, same: dict, results: dict, chosen: dict, costs: dict) -> tuple[list, dict]:
@@ -302,7 +309,7 @@ def main(argv=None) -> pathlib.Path:
     tune_sig = functools.partial(signing.tuning_signature, settings, args.seeds[0], jobs)
     context["tune_log"] = (str(out / "tuning_seeds.jsonl"), tune_sig)  # each tuning seed as it ends
     context["tune_done"] = store.seed_results([out / "tuning.jsonl", out / "tuning_seeds.jsonl"], tune_sig, holds)
-    tuned, chosen = tune_families(args, jobs, run_cells, out, tune_sig)
+    tuned, chosen = tune_families(args, jobs, kept_tuning(args, holds) if args.interim else run_cells, out, tune_sig)
     context["chosen"] = chosen
     print(f"(lr, warmup) per {'family and token count' if args.tune_each_budget else 'family'} (validation, seeds "
           f"{args.seeds[:args.tune_seeds]}, {len(tuned)} tuning points): {chosen}")
