@@ -255,6 +255,15 @@ def write_report(out: pathlib.Path) -> pathlib.Path:
     return out / "token_budget.md"
 
 
+def shared_settings(args, f, lm_cfg: dict, signed_plan: dict) -> dict:
+    """What every run of this sweep shares (``signing.shared``; each row adds its own rate): a
+    finished run is reused only under the same. Stage 0 trains at ``--stage0_lr`` whatever ``--lr``."""
+    return signing.shared(tower=f.fingerprint, data=f.data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.stage0_lr,
+                          stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
+                          splits=tuple(len(f.splits[name]["ids"]) for name in ("train", "val", "test")),
+                          max_len=f.max_len, tokenizer=args.tokenizer)
+
+
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
@@ -276,12 +285,7 @@ def main(argv=None) -> pathlib.Path:
     # Left out of the signature: a result stands under a higher floor when its run trained past it.
     signed_plan, holds = dict(train_plan), feature_vlm.holds_under_min_steps(args.min_steps if args.patience else None)
     train_plan["min_steps"] = args.min_steps
-    # A finished cell is reused only by a sweep with the same settings and the cell's own rate
-    # (``signing``: not the cells, the other families' rates or the seed list; more seeds train only the new ones).
-    settings = signing.shared(tower=f.fingerprint, data=f.data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.lr,
-                              stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
-                              splits=(len(train["ids"]), len(val["ids"]), len(test["ids"])), max_len=f.max_len,
-                              tokenizer=args.tokenizer)
+    settings = shared_settings(args, f, lm_cfg, signed_plan)
     views = {"": {"grid": f.grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}}
     context = feature_vlm.JobContext(
         tower_cfg=f.tower_cfg, lm_cfg=lm_cfg, in_dim=in_dim, max_len=f.max_len, seeds=args.seeds, stage0={},
@@ -296,7 +300,8 @@ def main(argv=None) -> pathlib.Path:
         for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
             t0 = time.perf_counter()
             context["stage0"][seed], stage0_loss[seed] = feature_vlm.stage0(
-                context, lm_cfg, train["ids"], f.tokenizer.pad_id, args.stage0_steps, args.batch_size, args.lr, seed)
+                context, lm_cfg, train["ids"], f.tokenizer.pad_id, args.stage0_steps, args.batch_size, args.stage0_lr,
+                seed)
             print(f"stage 0, seed {seed}: {args.stage0_steps} LM steps on the questions' text, final loss "
                   f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
 
@@ -343,7 +348,8 @@ def main(argv=None) -> pathlib.Path:
         tuning.setdefault(f"{family}@{tokens}", {})[f"{x:g}/{w}"] = float(
             np.mean([res[s]["accuracy"] for s in args.seeds[:args.tune_seeds]]))
     setup = {"tower": str(shown), "tower_fingerprint": f.fingerprint, "tower_config": f.tower_cfg, "data": f.data,
-             "image_size": f.image_size, "grid": list(f.grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
+             "image_size": f.image_size, "grid": list(f.grid), "lm": args.lm, "plan": train_plan,
+             "stage0_lr": args.stage0_lr,
              "tune_lrs": args.tune_lrs, "tune_warmups": args.tune_warmups, "tune_budget": args.tune_budget,
              "tune_seed": args.seeds[0], "chosen": {fam: list(v) for fam, v in chosen.items()},
              "chosen_given": args.chosen is not None, "tuning": tuning,

@@ -98,3 +98,21 @@ def test_the_committed_sweeps_rows_are_re_signed_from_their_setup(tmp_path):
         seeds = setup["seeds"]
         assert len(found) == jobs and sum(len(by_seed) for by_seed in found.values()) == runs
         assert all(sorted(by_seed) == seeds for by_seed in found.values())
+
+
+def test_lr_without_tuning_leaves_stage0_and_the_signatures_at_the_presets_rate():
+    """``--lr`` sets the connector and joint phases' rate only: stage 0's LM is the tuned sweeps'
+    (``--stage0_lr``, the preset's 3e-3), so the shared settings, and the signatures of results made
+    before the option existed, are unchanged."""
+    from types import SimpleNamespace
+
+    f = SimpleNamespace(fingerprint="t", data="scenes/easy_64", max_len=13,
+                        splits={name: {"ids": [0] * n} for name, n in (("train", 100), ("val", 10), ("test", 10))})
+
+    def settings(*options):
+        return sweep.shared_settings(sweep.parse_args(list(options)), f, {"width": 64}, {"max_steps": 8})
+
+    no_tuning = sweep.parse_args(["--lr", "3e-4"])
+    assert no_tuning.tune_lrs == [3e-4] and no_tuning.tune_warmups == [25] and no_tuning.stage0_lr == 3e-3
+    assert settings("--lr", "3e-4") == settings() and settings()["stage0_lr"] == 3e-3
+    assert settings("--stage0_lr", "1e-3")["stage0_lr"] == 1e-3
