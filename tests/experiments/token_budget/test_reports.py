@@ -108,3 +108,17 @@ def test_a_row_reading_another_rows_runs_is_late_by_that_rows_curve(tmp_path):
                                           "view": "", "runs_of": ["perceiver", 16, ""]}}}))
     rows = report.read_runs(tmp_path / "runs.csv")
     assert [r["peak_step"] for r in rows] == [7750, 7750] and all(report.late(r) for r in rows)
+
+
+def test_longer_runs_with_another_min_delta_or_connector_width_are_not_compared():
+    """``min_delta`` decides which check is tested and ``--native_widths`` changes Q-Former: either
+    differing from the sweep's stops the horizon check (the committed pair passes)."""
+    import copy
+    import json
+
+    main, long = (json.loads((ROOT / "results/token_budget" / d / "setup.json").read_text()) for d in ("", "horizon"))
+    assert horizon.differences(main, long) == []
+    other = copy.deepcopy(long)
+    other["plan"]["min_delta"] = 0.0
+    other["connectors"]["qformer|16|"]["connector"].pop("width")
+    assert horizon.differences(main, other) == ["plan.min_delta", "connectors[qformer|16|]"]
