@@ -178,8 +178,9 @@ def train_and_eval(run: FeatureTrainer, seed: int, train: dict, val: dict, final
     the model is scored on the first ``curve_questions`` of ``val``; training stops when the best
     score has not risen by ``min_delta`` for ``patience`` evaluations (0: never), but not before
     ``min_steps`` (a run sitting on an early plateau is not a run that has converged), or at
-    ``max_steps``. The parameters of the best evaluation are scored on ``final`` (the test split;
-    the full validation split when tuning). Returns accuracy per kind, the learning curve
+    ``max_steps``. The parameters of the last evaluation that beat the best before it by
+    ``min_delta`` (so within ``min_delta`` of the highest, and possibly earlier) are scored on
+    ``final`` (the test split; the full validation split when tuning). Returns accuracy per kind, the learning curve
     ``[[step, accuracy], ...]``, the best step, the steps trained, the mean training loss of the
     last 20 steps and ``wall_s``, the run's seconds (across sittings when it resumed; the machine
     shared by the sweep's workers).

@@ -21,8 +21,9 @@ for ``--steps`` steps: a linear warmup, then a cosine decay to zero (``--schedul
 constant rate with early stopping, ``--schedule constant --patience N``, made the score depend on
 when a run happened to stop: ``results/token_budget/v2_constant/README.md``). The exact match on
 ``--curve_questions`` validation questions is checked every ``--eval_every`` steps (the learning
-curves) and the best check's parameters are scored per question kind on the test questions. Each
-family's learning rate and warmup are chosen first on the validation split at ``--tune_budget``
+curves), and the parameters of the last check that beat the best before it by ``--min_delta``
+(so within ``--min_delta`` of the highest check) are scored per question kind on the test
+questions. Each family's learning rate and warmup are chosen first on the validation split at ``--tune_budget``
 tokens and the first seed (the first K: ``--tune_seeds K``): the best of ``--tune_lrs`` at the first
 of ``--tune_warmups`` (a best rate at an edge of the grid tries the next one past it, up to
 ``--tune_extend`` more), then the
