@@ -173,17 +173,17 @@ def train_and_eval(run: FeatureTrainer, seed: int, train: dict, val: dict, final
     """Stage 1, then joint steps until validation accuracy plateaus; the result on ``final``.
 
     ``plan``: ``max_steps``, ``batch_size``, ``eval_every``, ``patience``, ``min_delta``,
-    ``curve_questions`` and optionally ``min_steps`` and ``eval_batch`` (questions per scoring call:
-    a setting of speed, not of the result). Every ``eval_every`` joint steps (and before the first)
-    the model is scored on the first ``curve_questions`` of ``val``; training stops when the best
-    score has not risen by ``min_delta`` for ``patience`` evaluations (0: never), but not before
+    ``curve_questions`` and optionally ``min_steps`` and ``eval_batch`` (questions per scoring call: a
+    setting of speed, not of the result). Every ``eval_every`` joint steps (and before the first) the
+    model is scored on the first ``curve_questions`` of ``val``; training stops when the best score
+    has not risen by ``min_delta`` for ``patience`` evaluations (0: never), but not before
     ``min_steps`` (a run sitting on an early plateau is not a run that has converged), or at
-    ``max_steps``. The parameters of the last evaluation that beat the best before it by
-    ``min_delta`` (so within ``min_delta`` of the highest, and possibly earlier) are scored on
-    ``final`` (the test split; the full validation split when tuning). Returns accuracy per kind, the learning curve
-    ``[[step, accuracy], ...]``, the best step, the steps trained, the mean training loss of the
-    last 20 steps and ``wall_s``, the run's seconds (across sittings when it resumed; the machine
-    shared by the sweep's workers).
+    ``max_steps``. The parameters of the last evaluation that beat the best before it by ``min_delta``
+    (so within ``min_delta`` of the highest, and possibly earlier) are scored on ``final`` (the test
+    split; the full validation split when tuning). Returns accuracy per kind, the learning curve
+    ``[[step, accuracy], ...]``, the tested step (``best_step``), the steps trained, the mean training
+    loss of the last 20 steps and ``wall_s``, the run's seconds (across sittings when it resumed; the
+    machine shared by the sweep's workers).
 
     With ``snapshot`` (a file path) the whole state of the run (parameters, optimizer moments,
     the best parameters so far, the curve, the losses and the data order's generator) is written

@@ -8,30 +8,30 @@
 
 One frozen CLIP image tower encodes every image once; all runs of the sweep read those features.
 It is part of the results: ``OUT/tower`` (the image tower's parameters and the CLIP config, 3 MB),
-taken from ``workdirs/clip_scenes`` (which ``make demo`` writes, and this script trains first
-when it is missing) the first time, and read from there by every later sitting, so that a sweep
+taken from ``workdirs/clip_scenes`` (which ``make demo`` writes, and this script trains first when
+it is missing) the first time, and read from there by every later sitting, so that a sweep
 spanning several machines runs on one tower (the same config trained on another machine gives
-another tower: ``results/demo/README.md``). ``--tower`` takes any ``vitmm.train`` workdir
-instead. Stage 0 trains the small Llama-style LM (word tokens) on the training questions' text alone, once per seed
-(``--stage0_steps``), so that connector training starts from an LM that answers in the right
-format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen: LLaVA's
-stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the connector and
-the LM together on (image, question, answer) triples — LLaVA's stage 2 with the tower frozen —
-for ``--steps`` steps: a linear warmup, then a cosine decay to zero (``--schedule cosine``; a
-constant rate with early stopping, ``--schedule constant --patience N``, made the score depend on
-when a run happened to stop: ``results/token_budget/v2_constant/README.md``). The exact match on
-``--curve_questions`` validation questions is checked every ``--eval_every`` steps (the learning
-curves), and the parameters of the last check that beat the best before it by ``--min_delta``
-(so within ``--min_delta`` of the highest check) are scored per question kind on the test
-questions. Each family's learning rate and warmup are chosen first on the validation split at ``--tune_budget``
-tokens and the first seed (the first K: ``--tune_seeds K``): the best of ``--tune_lrs`` at the first
-of ``--tune_warmups`` (a best rate at an edge of the grid tries the next one past it, up to
-``--tune_extend`` more), then the
-other warmups at that rate (``tuning.jsonl``; ``--lr`` skips tuning). ``--tune_each_budget`` tunes
-every family at every budget on its own, each run then at its own budget's rate (an encoder-side row
-at its family's nearest tuned count), and ``--tune_seeds K`` trains each tuning point on the first K
-seeds and chooses on their mean (points already tuned on fewer seeds train only the new ones). Exact match is computed
-teacher-forced in one forward pass, which equals greedy decoding's exact match
+another tower: ``results/demo/README.md``). ``--tower`` takes any ``vitmm.train`` workdir instead.
+Stage 0 trains the small Llama-style LM (word tokens) on the training questions' text alone, once
+per seed (``--stage0_steps``), so that connector training starts from an LM that answers in the
+right format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen:
+LLaVA's stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the
+connector and the LM together on (image, question, answer) triples — LLaVA's stage 2 with the
+tower frozen — for ``--steps`` steps: a linear warmup, then a cosine decay to zero (``--schedule
+cosine``; a constant rate with early stopping, ``--schedule constant --patience N``, made the
+score depend on when a run happened to stop: ``results/token_budget/v2_constant/README.md``). The
+exact match on ``--curve_questions`` validation questions is checked every ``--eval_every`` steps
+(the learning curves), and the parameters of the last check that beat the best before it by
+``--min_delta`` (so within ``--min_delta`` of the highest check) are scored per question kind on
+the test questions. Each family's learning rate and warmup are chosen first on the validation
+split at ``--tune_budget`` tokens and the first seed (the first K: ``--tune_seeds K``): the best
+of ``--tune_lrs`` at the first of ``--tune_warmups`` (a best rate at an edge of the grid tries the
+next one past it, up to ``--tune_extend`` more), then the other warmups at that rate
+(``tuning.jsonl``; ``--lr`` skips tuning). ``--tune_each_budget`` tunes every family at every
+budget on its own, each run then at its own budget's rate (an encoder-side row at its family's
+nearest tuned count), and ``--tune_seeds K`` trains each tuning point on the first K seeds and
+chooses on their mean (points already tuned on fewer seeds train only the new ones). Exact match
+is computed teacher-forced in one forward pass, which equals greedy decoding's exact match
 (``vitmm.decode.answer_scores``).
 
 Two more comparisons share the sweep: at equal parameters (``--param_budget`` connector
