@@ -41,13 +41,14 @@ class JobContext(TypedDict, total=False):
     seeds: list  # the seeds every job trains
     stage0: dict  # {seed: the LM's parameters after stage 0}
     stage1_steps: int  # connector-only steps before the joint phase
-    jobs: dict  # {job key: {"connector": cfg, "view": name}}
+    jobs: dict  # {job key: {"connector": cfg, "view": name}} (and "signed": a departure from a study's default plan)
     views: dict  # {view name: {"grid": ...}}
     tune_seeds: list  # the seeds tuning runs at
     tune_done: dict  # {tuning key: {seed: result}} already kept: not trained again
     chosen: dict  # {family: (lr, warmup)}
     snapshots: tuple  # (folder, signature): where a run's mid-run snapshot lives
     seed_log: tuple  # (path, signature): each finished seed is appended there
+    tune_log: tuple  # (path, signature): each finished tuning seed is appended there
     seeds_done: dict  # {job key: {seed: result}} already kept: not trained again
 
 
@@ -167,27 +168,30 @@ def evaluate(run: FeatureTrainer, params, split: dict, view: str = "", limit: in
 
 
 def train_and_eval(run: FeatureTrainer, seed: int, train: dict, val: dict, final: dict, plan: dict, view: str = "",
-                   progress=None, snapshot: pathlib.Path | None = None, snapshot_every_s: float = 120.0) -> dict:
+                   progress=None, snapshot: pathlib.Path | None = None, snapshot_every_s: float = 120.0,
+                   keep_snapshot: bool = False) -> dict:
     """Stage 1, then joint steps until validation accuracy plateaus; the result on ``final``.
 
     ``plan``: ``max_steps``, ``batch_size``, ``eval_every``, ``patience``, ``min_delta``,
-    ``curve_questions`` and optionally ``min_steps`` and ``eval_batch`` (questions per scoring call:
-    a setting of speed, not of the result). Every ``eval_every`` joint steps (and before the first)
-    the model is scored on the first ``curve_questions`` of ``val``; training stops when the best
-    score has not risen by ``min_delta`` for ``patience`` evaluations (0: never), but not before
+    ``curve_questions`` and optionally ``min_steps`` and ``eval_batch`` (questions per scoring call: a
+    setting of speed, not of the result). Every ``eval_every`` joint steps (and before the first) the
+    model is scored on the first ``curve_questions`` of ``val``; training stops when the best score
+    has not risen by ``min_delta`` for ``patience`` evaluations (0: never), but not before
     ``min_steps`` (a run sitting on an early plateau is not a run that has converged), or at
-    ``max_steps``. The parameters of the best evaluation are scored on ``final`` (the test split;
-    the full validation split when tuning). Returns accuracy per kind, the learning curve
-    ``[[step, accuracy], ...]``, the best step, the steps trained, the mean training loss of the
-    last 20 steps and ``wall_s``, the run's seconds (across sittings when it resumed; the machine
-    shared by the sweep's workers).
+    ``max_steps``. The parameters of the last evaluation that beat the best before it by ``min_delta``
+    (so within ``min_delta`` of the highest, and possibly earlier) are scored on ``final`` (the test
+    split; the full validation split when tuning). Returns accuracy per kind, the learning curve
+    ``[[step, accuracy], ...]``, the tested step (``best_step``), the steps trained, the mean training
+    loss of the last 20 steps and ``wall_s``, the run's seconds (across sittings when it resumed; the
+    machine shared by the sweep's workers).
 
     With ``snapshot`` (a file path) the whole state of the run (parameters, optimizer moments,
     the best parameters so far, the curve, the losses and the data order's generator) is written
     there at an evaluation when ``snapshot_every_s`` seconds have passed since the last write, and
     a run that finds the file continues from it: a run killed mid-way (a stopped sweep) resumes
     where its last snapshot was taken, with the result an uninterrupted run gives. The file is
-    removed when the run ends.
+    removed when the run ends, or with ``keep_snapshot`` left for the caller to remove once the
+    run's row is kept (``run_seeds``), so that a stop in between loses no run.
     """
     started = time.monotonic()
     rng = np.random.default_rng(seed)
@@ -258,7 +262,7 @@ def train_and_eval(run: FeatureTrainer, seed: int, train: dict, val: dict, final
     if progress is not None:
         progress.update(plan["max_steps"] - step)  # the bar counts every run at its longest
     result = evaluate(run, best_params, final, view, eval_batch=eval_batch)
-    if snapshot is not None:
+    if snapshot is not None and not keep_snapshot:
         snapshot.unlink(missing_ok=True)
     return {**result, "best_step": best_step, "steps_trained": step, "min_steps": plan.get("min_steps", 0),
             "final_loss": float(np.mean(losses[-20:])), "curve": curve,
@@ -344,18 +348,24 @@ def time_steps(run: FeatureTrainer, train: dict, test: dict, batch_size: int, vi
             "infer_ms": 1e3 * float(np.median(eval_times)) / eval_batch}
 
 
-def run_seeds(key, context: JobContext, progress, one) -> dict:
+def run_seeds(key, context: JobContext, progress, one, snapshot_of=None, tuning: bool = False) -> dict:
     """``{seed: one(seed)}`` over ``context["seeds"]``, each finished seed appended to
     ``context["seed_log"] = (path, signature)`` when given; seeds already in
-    ``context["seeds_done"][key]`` are taken from there, not trained again."""
-    done = context.get("seeds_done", {}).get(tuple(key), {})
+    ``context["seeds_done"][key]`` are taken from there, not trained again. ``tuning``: the same
+    over ``tune_seeds``, ``tune_log`` and ``tune_done``. ``snapshot_of(seed)``: the run's mid-run
+    snapshot, removed once its row is kept (at once without a log)."""
+    seeds, kept, log = ("tune_seeds", "tune_done", "tune_log") if tuning else ("seeds", "seeds_done", "seed_log")
+    done = context.get(kept, {}).get(tuple(key), {})
     out = {}
-    for seed in context["seeds"]:
+    for seed in context[seeds]:
         if seed in done:
             out[seed] = done[seed]
-            progress.update(context.get("stage1_steps", 0) + context["plan"]["max_steps"])
+            if progress is not None:
+                progress.update(context.get("stage1_steps", 0) + context["plan"]["max_steps"])
             continue
         out[seed] = one(seed)
-        if context.get("seed_log"):
-            store.save_cell(pathlib.Path(context["seed_log"][0]), context["seed_log"][1], key, {seed: out[seed]})
+        if context.get(log):
+            store.save_cell(pathlib.Path(context[log][0]), context[log][1], key, {seed: out[seed]})
+        if snapshot_of is not None and snapshot_of(seed) is not None:
+            snapshot_of(seed).unlink(missing_ok=True)
     return out

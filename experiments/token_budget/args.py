@@ -16,13 +16,13 @@ BUDGETS = ("4", "16", "all")
 # the rate's schedule; with patience > 0, stop after `patience` evaluations without a min_delta
 # gain but not before min_steps), images per split, the tuning grid and seeds of a preset.
 PRESETS = {
-    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=8000, batch_size=32, lr=3e-3, workers=2,
+    "default": dict(lm=dict(width=64, depth=2, num_heads=2), steps=8000, batch_size=32, stage0_lr=3e-3, workers=2,
                     eval_every=250, patience=0, min_delta=0.005, min_steps=0, curve_questions=2000,
                     schedule="cosine", stage0_steps=1000, stage1_steps=200, tune_lrs="1e-4,3e-4,1e-3,3e-3",
                     tune_warmups="25,250", tune_extend=2, tune_budget=16, train_images=10_000, val_images=1_000,
                     seeds="0,1,2,3,4", families=",".join(FAMILIES), budgets=",".join(BUDGETS),
                     param_budget=100_000, param_tokens=16, encoder_budgets="16,4", eval_batch=EVAL_BATCH),
-    "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=24, batch_size=16, lr=3e-3, workers=1,
+    "smoke": dict(lm=dict(width=32, depth=1, num_heads=2), steps=24, batch_size=16, stage0_lr=3e-3, workers=1,
                   eval_every=8, patience=0, min_delta=0.005, min_steps=0, curve_questions=64,
                   schedule="cosine", stage0_steps=100, stage1_steps=6, tune_lrs="1e-2", tune_warmups="2,8",
                   tune_extend=0, tune_budget=4, train_images=128, val_images=32, seeds="0,1",
@@ -56,8 +56,8 @@ def parse_args(argv=None):
     add("--curve_questions", type=int, default=None, help="validation questions scored at each evaluation")
     add("--eval_batch", type=int, default=None, help="questions per scoring call, the last one padded (speed only: "
         "the smoke preset's splits hold a few hundred)")
-    add("--lr", type=float, default=None, help="one learning rate for every family (no tuning); default: each "
-        "family's best of --tune_lrs on the validation split")
+    add("--lr", type=float, default=None, help="one learning rate for every family's connector and joint phases (no "
+        "tuning; stage 0 keeps --stage0_lr); default: each family's best of --tune_lrs on the validation split")
     add("--chosen", default=None, help="each family's lr/warmup, no tuning: e.g. 'pool=3e-4/25,blind=1e-3/25' (a "
         "finished sweep's choice, from its setup.json; every family run, blind included, must be named)")
     add("--tune_lrs", default=None, help="the learning-rate grid (default: the preset's)")
@@ -88,6 +88,8 @@ def parse_args(argv=None):
         "this process)")
     add("--stage0_steps", type=int, default=None, help="stage 0: LM steps on the questions' text alone before "
         "connector training, per seed (default: the preset's; 0: the LM starts random)")
+    add("--stage0_lr", type=float, default=None, help="stage 0's learning rate (default: the preset's, 3e-3), "
+        "apart from --lr so that a sweep without tuning starts every run from the same LM as a tuned one")
     add("--stage1_steps", type=int, default=None, help="stage 1: connector-only steps (LM frozen) before the joint "
         "steps, per run (default: the preset's; 0: joint from the start)")
     add("--no_blind", action="store_true", help="skip the no-image baseline")
@@ -100,7 +102,7 @@ def parse_args(argv=None):
         "runs.csv and setup.json (seconds)")
     args = parser.parse_args(argv)
     preset = PRESETS["smoke" if args.smoke else "default"]
-    lr_given = args.lr is not None
+    lr_given = args.lr is not None  # (no preset: without it each family's rate is tuned)
     for key, value in preset.items():  # unset options take the preset's value
         if getattr(args, key, None) is None:
             setattr(args, key, value)

@@ -31,7 +31,8 @@ from vitmm.study import stats, verdicts
 # What must be equal for a run at the longer horizon to pair with the sweep's run of the same seed.
 SAME = ("tower_fingerprint", "data", "lm", "stage0_lr", "stage0_steps", "stage1_steps", "train_questions",
         "val_questions", "test_questions", "max_len", "tokenizer")
-PLAN_SAME = ("batch_size", "eval_every", "curve_questions", "schedule", "patience")
+PLAN_SAME = ("batch_size", "eval_every", "curve_questions", "schedule", "patience", "min_delta")  # min_delta: which
+# check is tested
 
 
 def parse_args(argv=None):
@@ -51,11 +52,14 @@ def parse_args(argv=None):
 
 
 def differences(main: dict, long: dict) -> list[str]:
-    """The settings (``SAME``, the plan's ``PLAN_SAME``) in which two setup.json records differ."""
+    """The settings (``SAME``, the plan's ``PLAN_SAME``, the longer runs' connectors, e.g. at
+    another width) in which two setup.json records differ."""
     out = [k for k in SAME if main.get(k) != long.get(k)]
     losses = [main.get("stage0_final_loss", {}), long.get("stage0_final_loss", {})]  # the same LM per seed
     out += [f"stage0_final_loss[{k}]" for k in sorted(set(losses[0]) & set(losses[1])) if losses[0][k] != losses[1][k]]
-    return out + [f"plan.{k}" for k in PLAN_SAME if main["plan"].get(k) != long["plan"].get(k)]
+    out += [f"plan.{k}" for k in PLAN_SAME if main["plan"].get(k) != long["plan"].get(k)]
+    return out + [f"connectors[{k}]" for k, job in long.get("connectors", {}).items()
+                  if main.get("connectors", {}).get(k) != job]
 
 
 def cell_runs(rows: list[dict], family: str, tokens) -> dict:

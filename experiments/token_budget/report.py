@@ -43,14 +43,20 @@ def peak_step(curve: list) -> int:
 
 def read_runs(path) -> list[dict]:
     """A sweep's ``runs.csv`` as rows (a CSV's empty variant and note read back as ""), each run's
-    ``peak_step`` taken from the ``curves.json`` beside it where the CSV predates the column."""
+    ``peak_step`` taken from the ``curves.json`` beside it where the CSV predates the column: the
+    curve of the job whose runs the row reads (``setup.json``'s ``runs_of``: a row sized to the
+    parameter budget at its default size reads the default row's), so that ``late`` judges every
+    row by its highest check."""
     path = pathlib.Path(path)
     rows = outputs.read_rows(path)
-    curves = path.parent / "curves.json"
+    curves, setup = (path.parent / name for name in ("curves.json", "setup.json"))
     curves = json.loads(curves.read_text()) if curves.is_file() else {}
+    jobs = json.loads(setup.read_text()).get("connectors", {}) if setup.is_file() else {}
     for r in rows:
         r["variant"], r["note"] = r["variant"] or "", r["note"] or ""
-        curve = curves.get(f"{r['family']}|{r['tokens']}|{r['variant']}|{r['seed']}")
+        row = f"{r['family']}|{r['tokens']}|{r['variant']}"
+        runs_of = jobs.get(row, {}).get("runs_of")
+        curve = curves.get(f"{'|'.join(map(str, runs_of)) if runs_of else row}|{r['seed']}")
         if r.get("peak_step") is None and curve:
             r["peak_step"] = peak_step(curve)
     return rows

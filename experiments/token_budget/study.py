@@ -18,16 +18,18 @@ requested budget is turned into each family's knob by ``connectors.resolve`` on 
 (a family that cannot come within ``max_ratio`` of it is listed as unreachable).
 
 Each finished run is kept in ``OUT/cells.jsonl`` (tuning: ``OUT/tuning.jsonl``) under the
-signature of the study's settings (``vitmm.study.store``): rerunning the same command skips it,
-more seeds train only the new ones, and a run killed mid-way resumes from its last checkpoint in
-``WORKDIRS/<run>``, whose checkpoints are deleted once its row is kept (unless
-``keep_checkpoints``). ``OUT/tower.json`` pins the tower: a study there with another tower is
-refused. Writes ``runs.csv`` (per run: the metric and its per-kind parts, the visual tokens, the
-connector's parameters and compiled FLOPs, the LM's forward FLOPs, milliseconds per training
-example, peak host memory, wall time), ``REPORT.md`` (``report``: the tuning grid, means ± 95%
-CIs over seeds with tests paired by seed against blind, Holm-adjusted across the table, costs,
-and for exact-match metrics with question kinds the token-budget sweep's spread and claim tests)
-and ``setup.json``.
+signature of the study's settings (``vitmm.study.store``): rerunning the same command skips it (a
+cell's run only at its family's current rate; tuning and the report read only the study's budget,
+rates, cells and seeds), more seeds train only the new ones, and a run killed mid-way resumes from
+its last checkpoint in ``WORKDIRS/<run>``, whose checkpoints are deleted once its row is kept
+(unless ``keep_checkpoints``). ``OUT/tower.json`` pins the tower: a study there with another tower
+is refused, and so is tuning on the test split (``tune.overrides`` naming the same split as
+``test_overrides``) unless ``--tune_on_test``. Writes ``runs.csv`` (per run: the metric and its
+per-kind parts, the visual tokens, the connector's parameters and compiled FLOPs, the LM's forward
+FLOPs, milliseconds per training example, peak host memory, wall time), ``REPORT.md`` (``report``:
+the tuning grid, means ± 95% CIs over seeds with tests paired by seed against blind, Holm-adjusted
+across the table, costs, and for exact-match metrics with question kinds the token-budget sweep's
+spread and claim tests) and ``setup.json``.
 """
 
 from __future__ import annotations
@@ -186,6 +188,18 @@ def choose_lrs(tuned: list[dict], families, higher: bool) -> dict:
     return {f: lr for f, (_, lr) in best.items()}
 
 
+def refuse_tuning_on_test(study, tune_split: dict, test_split: dict) -> None:
+    """Stops a study whose tuning would read the split its families are compared on: the same
+    ``split_key`` value (both unset, e.g. the LLaVA config's defaults, included) or, without a split
+    key, the same overrides."""
+    key = study.split_key
+    if (tune_split.get(key) == test_split.get(key)) if key else tune_split == test_split:
+        shown = f"{key}={test_split.get(key)!r}" if key else f"overrides {test_split}"
+        raise SystemExit(f"tune.overrides and test_overrides name the same split ({shown}): the rates would be tuned "
+                         f"on the questions the families are compared on; set tune.overrides to a validation split "
+                         f"(--set tune.overrides.{key or 'KEY'}=...) or pass --tune_on_test to tune there knowingly.")
+
+
 # ------------------------------------------------------------------------------------ the sweep
 def write_report(study, out: pathlib.Path) -> pathlib.Path:
     """``--report``: the study's Markdown again from its ``runs.csv`` (tuning runs are those named
@@ -214,6 +228,9 @@ def parse_args(argv=None):
     parser.add_argument("--workdirs", default=None, help="the runs' workdirs (default: the study's workdirs)")
     parser.add_argument("--interim", action="store_true",
                         help="train nothing: the report of the runs finished so far in OUT/interim/")
+    parser.add_argument("--tune_on_test", action="store_true",
+                        help="allow tune.overrides to name the test split (the rates then chosen on the questions "
+                             "the families are compared on)")
     parser.add_argument("--report", action="store_true",
                         help="train nothing, read no model: OUT/REPORT.md again from a finished study's runs.csv "
                              "and setup.json")
@@ -236,6 +253,9 @@ def main(argv=None) -> pathlib.Path:
     higher = study.higher_is_better
     if args.report:
         return write_report(study, out)
+    test_split, tune_split = dotted(study.test_overrides), dotted(study.tune.overrides)
+    if len(study.tune.lrs) > 1 and not args.tune_on_test:
+        refuse_tuning_on_test(study, tune_split, test_split)
 
     base = train_config(study, _args(study, study.families[0], study.budgets[0]), dotted(study.overrides))
     grid, vision, lm_cfg = tower_grid(base, need_lm=not args.interim)
@@ -249,7 +269,6 @@ def main(argv=None) -> pathlib.Path:
     if study.lmms_eval.tasks:  # only then, so that the signatures of studies without it stay as they were
         settings["lmms_eval"] = dict(tasks=study.lmms_eval.tasks, include_path=study.lmms_eval.include_path,
                                      model_args=study.lmms_eval.model_args)
-    test_split, tune_split = dotted(study.test_overrides), dotted(study.tune.overrides)
     test_sig = store.signature({**settings, "split": test_split})
     tune_sig = store.signature({**settings, "split": tune_split})
     if not args.interim:
@@ -275,23 +294,25 @@ def main(argv=None) -> pathlib.Path:
     tuned_rows, chosen = [], {f: study.tune.lrs[0] for f in study.families}
     tune_cells = [c for c in cells if c["budget"] == study.tune.budget]
     if len(study.tune.lrs) > 1:
-        done = kept(out / "tuning.jsonl", tune_sig)
+        done, seed = kept(out / "tuning.jsonl", tune_sig), study.seeds[0]
         for cell in tune_cells:
             for lr in study.tune.lrs:
-                key, seed = (cell["family"], cell["budget"], lr), study.seeds[0]
+                key = (cell["family"], cell["budget"], lr)
                 if seed not in done.get(key, {}) and not args.interim:
                     row = cell_row(cell, seed, lr, f"tune_{cell['family']}_{cell['budget']}_lr{lr:g}", tune_split)
                     store.save_cell(out / "tuning.jsonl", tune_sig, key, {seed: row})
                     done.setdefault(key, {})[seed] = row
-        tuned_rows = [r for by_seed in done.values() for r in by_seed.values()]
-        complete = {(r["family"], float(r["lr"])) for r in tuned_rows} >= {
-            (c["family"], lr) for c in tune_cells for lr in study.tune.lrs}
+        # Only this tuning's runs: tune.budget, tune.lrs and the first seed (not an earlier grid's or seed's).
+        tuned_rows = [done[key][seed] for key in ((c["family"], c["budget"], lr) for c in tune_cells
+                                                  for lr in study.tune.lrs) if seed in done.get(key, {})]
+        complete = len(tuned_rows) == len(tune_cells) * len(study.tune.lrs)
         chosen = choose_lrs(tuned_rows, study.families, higher) if complete else {}
         if not complete and not args.interim:
             raise SystemExit("tuning did not finish every family and rate")
     print(f"learning rate per family: {chosen}", flush=True)
 
-    # The grid, largest budgets first, then blind per seed.
+    # The grid, largest budgets first, then blind per seed: each run at its family's rate (a row kept at
+    # another rate, e.g. before tune.lrs changed, is not this cell's) and only the study's cells and seeds.
     done = kept(out / "cells.jsonl", test_sig)
     todo = [(cell, seed) for seed in study.seeds for cell in sorted(cells, key=lambda c: -c["budget"])
             if cell["family"] in chosen]
@@ -302,17 +323,19 @@ def main(argv=None) -> pathlib.Path:
         budget = max(study.budgets)
         setting, tokens, note = connectors.resolve("pool", budget, grid, study.max_ratio)
         largest = dict(family=BLIND, budget=budget, setting=setting, tokens=tokens, note=note)
+    rows = []
     for cell, seed in todo + ([(largest, seed) for seed in study.seeds] if study.blind_args and chosen else []):
         blind = cell["family"] == BLIND
         key = (cell["family"], cell["budget"])
-        if seed in done.get(key, {}) or args.interim:
-            continue
         lr = chosen.get("pool", chosen[study.families[0]]) if blind else chosen[cell["family"]]
-        name = f"blind_{cell['budget']}_s{seed}" if blind else f"{cell['family']}_{cell['budget']}_s{seed}"
-        row = cell_row(cell, seed, lr, name, test_split, blind)
-        store.save_cell(out / "cells.jsonl", test_sig, key, {seed: row})
-        done.setdefault(key, {})[seed] = row
-    rows = [r for by_seed in done.values() for r in by_seed.values()]
+        row = done.get(key, {}).get(seed)
+        if (row is None or float(row["lr"]) != lr) and not args.interim:
+            name = f"blind_{cell['budget']}_s{seed}" if blind else f"{cell['family']}_{cell['budget']}_s{seed}"
+            name += "" if row is None else f"_lr{lr:g}"  # not the workdir of the run at the other rate
+            row = cell_row(cell, seed, lr, name, test_split, blind)
+            store.save_cell(out / "cells.jsonl", test_sig, key, {seed: row})
+        if row is not None and float(row["lr"]) == lr:
+            rows.append(row)
     knobs = {(c["family"], c["tokens"]): c["setting"] for c in cells}
     if study.blind_args and largest is not None:
         knobs[(BLIND, largest["tokens"])] = largest["setting"]

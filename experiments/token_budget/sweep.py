@@ -8,29 +8,30 @@
 
 One frozen CLIP image tower encodes every image once; all runs of the sweep read those features.
 It is part of the results: ``OUT/tower`` (the image tower's parameters and the CLIP config, 3 MB),
-taken from ``workdirs/clip_scenes`` (which ``make demo`` writes, and this script trains first
-when it is missing) the first time, and read from there by every later sitting, so that a sweep
+taken from ``workdirs/clip_scenes`` (which ``make demo`` writes, and this script trains first when
+it is missing) the first time, and read from there by every later sitting, so that a sweep
 spanning several machines runs on one tower (the same config trained on another machine gives
-another tower: ``results/demo/README.md``). ``--tower`` takes any ``vitmm.train`` workdir
-instead. Stage 0 trains the small Llama-style LM (word tokens) on the training questions' text alone, once per seed
-(``--stage0_steps``), so that connector training starts from an LM that answers in the right
-format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen: LLaVA's
-stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the connector and
-the LM together on (image, question, answer) triples — LLaVA's stage 2 with the tower frozen —
-for ``--steps`` steps: a linear warmup, then a cosine decay to zero (``--schedule cosine``; a
-constant rate with early stopping, ``--schedule constant --patience N``, made the score depend on
-when a run happened to stop: ``results/token_budget/v2_constant/README.md``). The exact match on
-``--curve_questions`` validation questions is checked every ``--eval_every`` steps (the learning
-curves) and the best check's parameters are scored per question kind on the test questions. Each
-family's learning rate and warmup are chosen first on the validation split at ``--tune_budget``
-tokens and the first seed (the first K: ``--tune_seeds K``): the best of ``--tune_lrs`` at the first
-of ``--tune_warmups`` (a best rate at an edge of the grid tries the next one past it, up to
-``--tune_extend`` more), then the
-other warmups at that rate (``tuning.jsonl``; ``--lr`` skips tuning). ``--tune_each_budget`` tunes
-every family at every budget on its own, each run then at its own budget's rate (an encoder-side row
-at its family's nearest tuned count), and ``--tune_seeds K`` trains each tuning point on the first K
-seeds and chooses on their mean (points already tuned on fewer seeds train only the new ones). Exact match is computed
-teacher-forced in one forward pass, which equals greedy decoding's exact match
+another tower: ``results/demo/README.md``). ``--tower`` takes any ``vitmm.train`` workdir instead.
+Stage 0 trains the small Llama-style LM (word tokens) on the training questions' text alone, once
+per seed (``--stage0_steps``), so that connector training starts from an LM that answers in the
+right format. Each run then trains its connector alone for ``--stage1_steps`` (the LM frozen:
+LLaVA's stage 1, so a fresh connector's tokens do not disturb the trained LM), and then the
+connector and the LM together on (image, question, answer) triples — LLaVA's stage 2 with the
+tower frozen — for ``--steps`` steps: a linear warmup, then a cosine decay to zero (``--schedule
+cosine``; a constant rate with early stopping, ``--schedule constant --patience N``, made the
+score depend on when a run happened to stop: ``results/token_budget/v2_constant/README.md``). The
+exact match on ``--curve_questions`` validation questions is checked every ``--eval_every`` steps
+(the learning curves), and the parameters of the last check that beat the best before it by
+``--min_delta`` (so within ``--min_delta`` of the highest check) are scored per question kind on
+the test questions. Each family's learning rate and warmup are chosen first on the validation
+split at ``--tune_budget`` tokens and the first seed (the first K: ``--tune_seeds K``): the best
+of ``--tune_lrs`` at the first of ``--tune_warmups`` (a best rate at an edge of the grid tries the
+next one past it, up to ``--tune_extend`` more), then the other warmups at that rate
+(``tuning.jsonl``; ``--lr`` skips tuning). ``--tune_each_budget`` tunes every family at every
+budget on its own, each run then at its own budget's rate (an encoder-side row at its family's
+nearest tuned count), and ``--tune_seeds K`` trains each tuning point on the first K seeds and
+chooses on their mean (points already tuned on fewer seeds train only the new ones). Exact match
+is computed teacher-forced in one forward pass, which equals greedy decoding's exact match
 (``vitmm.decode.answer_scores``).
 
 Two more comparisons share the sweep: at equal parameters (``--param_budget`` connector
@@ -50,18 +51,20 @@ than what it reads (``--native_widths`` keeps the defaults).
 Writes to ``--out``: ``cells.jsonl`` (each finished job, all its seeds, as it finishes: a rerun
 with the same settings skips it, so a sweep can span several sittings; ``seeds.jsonl`` keeps each
 finished seed of the jobs still running, which a rerun does not train again; a rerun with more
-``--seeds`` trains only the new ones), ``tuning.jsonl``,
-``runs.csv`` (one row per run and seed: lr, warmup, steps, tokens, parameters, FLOPs, ms per
-example, per-kind accuracy), ``curves.json`` (validation accuracy per check of every run),
-``token_budget.md`` (the tables, with 95% CIs over seeds and paired tests, and the claims'
-tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``, ``learning_curves.png``,
-``encoder_vs_connector.png`` and ``setup.json`` (tower, data, model, training and tuning settings).
+``--seeds`` trains only the new ones), ``tuning.jsonl`` (and ``tuning_seeds.jsonl``, each finished
+tuning seed, as ``seeds.jsonl``), ``runs.csv`` (one row per run and seed: lr, warmup, steps,
+tokens, parameters, FLOPs, ms per example, per-kind accuracy), ``curves.json`` (validation
+accuracy per check of every run), ``token_budget.md`` (the tables, with 95% CIs over seeds and
+paired tests, and the claims' tests), ``accuracy_vs_budget.png``, ``accuracy_vs_cost.png``,
+``learning_curves.png``, ``encoder_vs_connector.png`` and ``setup.json`` (tower, data, model,
+training and tuning settings).
 ``--interim`` trains nothing and writes the same files to ``OUT/interim/`` from the seeds finished so
 far (it encodes the features to check the settings, about two minutes for the default sweep).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
@@ -72,7 +75,7 @@ import numpy as np
 
 from experiments.common import feature_vlm
 from experiments.token_budget import jobs as cell_jobs
-from experiments.token_budget import plots, report, tables, tune
+from experiments.token_budget import plots, report, signing, tables, tune
 from experiments.token_budget.args import parse_args
 from experiments.token_budget.features import encode_features
 from vitmm import xla_flags
@@ -91,7 +94,6 @@ def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, 
     default (the same connector, so the same runs). Variants: ``""`` (each family's default size,
     the main table), ``"params ≈ P"`` (sized to P connector parameters) and the encoder-side ones
     (``mlp`` on all patches of a smaller image or larger patches)."""
-    widths = {} if args.native_widths else {"qformer": {"width": in_dim}, "c_abstractor": {"hidden": in_dim}}
     plan = [] if args.no_blind else [(BLIND, 0, "", 1, 1, "no image")]
     jobs, same = {}, {}
     for family in args.families:
@@ -100,9 +102,7 @@ def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, 
             plan.append((family, b, "", setting, tokens, note))
     for family, _, variant, setting, tokens, _ in plan:
         if setting is not None:
-            jobs.setdefault((family, tokens, variant), {
-                "connector": {"name": "pool" if family == BLIND else family, "budget": setting,
-                              **widths.get(family, {})}, "view": ""})
+            jobs.setdefault((family, tokens, variant), main_job(family, setting, in_dim, args.native_widths))
     if args.param_budget:
         variant = f"params ≈ {args.param_budget:,}"
         for family in args.families:
@@ -128,6 +128,22 @@ def plan_jobs(args, grid, in_dim: int, lm_width: int, enc: dict) -> tuple[list, 
     return plan, jobs, same
 
 
+TOWER_WIDTH = {"qformer": "width", "c_abstractor": "hidden"}  # families with a hidden width of their own
+
+
+def main_job(family: str, setting, in_dim: int, native_widths: bool) -> dict:
+    """A main-table job: the family's connector (blind: pool's, on blank features) at its knob's
+    setting; ``TOWER_WIDTH``'s families at the tower's width ``in_dim``, or with ``native_widths``
+    at their own, a departure from the default plan that signs the job's rows and snapshots
+    (``"signed"``: ``signing``)."""
+    cfg = {"name": "pool" if family == BLIND else family, "budget": setting}
+    if family not in TOWER_WIDTH:
+        return {"connector": cfg, "view": ""}
+    if native_widths:
+        return {"connector": cfg, "view": "", "signed": {"connector": cfg}}
+    return {"connector": {**cfg, TOWER_WIDTH[family]: in_dim}, "view": ""}
+
+
 def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
     """The jobs by expected seconds, longest first, so that the sweep does not end on one worker
     running a slow job while the other waits. Expected seconds: the job's forward MFLOPs per example
@@ -146,7 +162,7 @@ def longest_first(jobs, mflops: dict, tuned: dict, seeds_left: dict) -> list:
                                          * seeds_left.get(key, 1)))
 
 
-def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature: str) -> tuple[dict, dict]:
+def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature) -> tuple[dict, dict]:
     """``(tuning results, {label: (lr, warmup)})`` (``tune.label``: per family, or per family and token
     count with ``--tune_each_budget``): on validation, at the token count nearest ``--tune_budget`` (or
     at each of the grid's), over the first ``--tune_seeds`` seeds (their mean decides), the lr grid at
@@ -169,15 +185,6 @@ def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature: str
     if not tuning:
         return tuned, {f: (args.tune_lrs[0], args.tune_warmups[0]) for f in families}
     seeds = args.seeds[:args.tune_seeds]
-    if args.interim:  # as the full run chooses: this sweep's tuning points, on the tuning seeds only
-        tuned = {k: {s: v[s] for s in seeds} for k, v in store.load_cells(out / "tuning.jsonl", signature).items()
-                 if k[:2] in points and set(seeds) <= set(v)}
-        chosen = tune.choose(tuned, args.tune_each_budget)
-        wanted = {tune.label(f, t, args.tune_each_budget) for f, t in points}
-        if not wanted <= set(chosen):
-            args.parser.error(f"--interim: tuning has finished for {sorted(chosen)} only, so the main stage has no "
-                              f"runs yet; its {len(tuned)} runs are in {out / 'tuning.jsonl'}.")
-        return tuned, chosen
     lrs = {point: list(args.tune_lrs) for point in points}
     while True:  # the grid, then one more rate past an edge that wins, until none does
         keys = [(f, t, x, args.tune_warmups[0]) for (f, t), grid in lrs.items() for x in grid]
@@ -196,6 +203,22 @@ def tune_families(args, jobs: dict, run_cells, out: pathlib.Path, signature: str
         tuned.update(run_cells(cell_jobs.tune_job, sorted(keys, key=lambda k: -k[1]), out / "tuning.jsonl",
                                signature, "tuning (warmup)", seeds, run_steps))
     return tuned, tune.choose(tuned, args.tune_each_budget)
+
+
+def kept_tuning(args, holds=None):
+    """``--interim``'s ``run_cells`` for tuning: the tuning points' kept results (``tuning.jsonl``
+    and ``tuning_seeds.jsonl``, on the tuning seeds), nothing trained, so that ``tune_families``
+    replays the full run's choice step by step (its grid, its extensions, its warmups) and never
+    reads a run outside it; a run the full sweep would still train stops ``--interim``."""
+    def run_cells(fn, keys, path, signature, desc, seeds, steps_per_seed):
+        kept = store.seed_results([path, path.with_name("tuning_seeds.jsonl")], signature, holds)
+        found = {k: {s: kept[k][s] for s in seeds} for k in keys if set(seeds) <= set(kept.get(k, {}))}
+        missing = [k for k in keys if k not in found]
+        if missing:
+            args.parser.error(f"--interim: {desc} has {len(missing)} runs to go (e.g. {missing[0]}), so the main stage "
+                              f"has no runs yet; the finished ones are in {path}.")
+        return found
+    return run_cells
 
 
 def result_rows(args, plan: list, same: dict, results: dict, chosen: dict, costs: dict) -> tuple[list, dict]:
@@ -233,6 +256,15 @@ def write_report(out: pathlib.Path) -> pathlib.Path:
     return out / "token_budget.md"
 
 
+def shared_settings(args, f, lm_cfg: dict, signed_plan: dict) -> dict:
+    """What every run of this sweep shares (``signing.shared``; each row adds its own rate): a
+    finished run is reused only under the same. Stage 0 trains at ``--stage0_lr`` whatever ``--lr``."""
+    return signing.shared(tower=f.fingerprint, data=f.data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.stage0_lr,
+                          stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
+                          splits=tuple(len(f.splits[name]["ids"]) for name in ("train", "val", "test")),
+                          max_len=f.max_len, tokenizer=args.tokenizer)
+
+
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
@@ -254,12 +286,7 @@ def main(argv=None) -> pathlib.Path:
     # Left out of the signature: a result stands under a higher floor when its run trained past it.
     signed_plan, holds = dict(train_plan), feature_vlm.holds_under_min_steps(args.min_steps if args.patience else None)
     train_plan["min_steps"] = args.min_steps
-    # A finished cell is reused only by a sweep with the same settings (everything but the cells
-    # and the seed list: a rerun with more seeds trains only the new ones).
-    settings = dict(tower=f.fingerprint, data=f.data, lm=lm_cfg, plan=signed_plan, stage0_lr=args.lr,
-                    stage0_steps=args.stage0_steps, stage1_steps=args.stage1_steps,
-                    train=len(train["ids"]), val=len(val["ids"]), test=len(test["ids"]), max_len=f.max_len,
-                    tokenizer=args.tokenizer)
+    settings = shared_settings(args, f, lm_cfg, signed_plan)
     views = {"": {"grid": f.grid}, **{k: {"grid": v} for k, v in train.items() if k.startswith("grid@")}}
     context = feature_vlm.JobContext(
         tower_cfg=f.tower_cfg, lm_cfg=lm_cfg, in_dim=in_dim, max_len=f.max_len, seeds=args.seeds, stage0={},
@@ -274,7 +301,8 @@ def main(argv=None) -> pathlib.Path:
         for seed in args.seeds if args.stage0_steps > 0 and not context["stage0"] else ():
             t0 = time.perf_counter()
             context["stage0"][seed], stage0_loss[seed] = feature_vlm.stage0(
-                context, lm_cfg, train["ids"], f.tokenizer.pad_id, args.stage0_steps, args.batch_size, args.lr, seed)
+                context, lm_cfg, train["ids"], f.tokenizer.pad_id, args.stage0_steps, args.batch_size, args.stage0_lr,
+                seed)
             print(f"stage 0, seed {seed}: {args.stage0_steps} LM steps on the questions' text, final loss "
                   f"{stage0_loss[seed]:.3f} ({time.perf_counter() - t0:.0f} s)")
 
@@ -282,18 +310,21 @@ def main(argv=None) -> pathlib.Path:
         return store.run_cells(path, signature, keys, fn, arrays, context, args.workers, desc,
                                len(seeds) * steps_per_seed, seeds, before=ensure_stage0, holds=holds)
 
-    tune_sig = store.signature({**settings, "tune_seed": args.seeds[0]})  # the tuning seeds' list left out, as the
-    context["tune_done"] = store.load_cells(out / "tuning.jsonl", tune_sig, holds)  # main seeds': more train only
-    # the new ones (a result ``holds`` rejects, e.g. under a raised --min_steps, is trained again, as in run_cells)
-    tuned, chosen = tune_families(args, jobs, run_cells, out, tune_sig)
+    # The tuning seeds' list left out, as the main seeds': more train only the new ones (a result ``holds``
+    # rejects, e.g. under a raised --min_steps, is trained again, as in run_cells).
+    tune_sig = functools.partial(signing.tuning_signature, settings, args.seeds[0], jobs)
+    context["tune_log"] = (str(out / "tuning_seeds.jsonl"), tune_sig)  # each tuning seed as it ends
+    context["tune_done"] = store.seed_results([out / "tuning.jsonl", out / "tuning_seeds.jsonl"], tune_sig, holds)
+    tuned, chosen = tune_families(args, jobs, kept_tuning(args, holds) if args.interim else run_cells, out, tune_sig)
     context["chosen"] = chosen
     print(f"(lr, warmup) per {'family and token count' if args.tune_each_budget else 'family'} (validation, seeds "
           f"{args.seeds[:args.tune_seeds]}, {len(tuned)} tuning points): {chosen}")
 
-    cells_sig = store.signature({**settings, "chosen": chosen})
     # Each finished seed of an unfinished job too, so that a stopped sweep loses one seed's run.
+    cells_sig, context["seeds_done"] = signing.main_stage_signer(
+        [out / "cells.jsonl", out / "seeds.jsonl"], settings, chosen, {**jobs, **same}, rewrite=not args.interim,
+        holds=holds)
     context["seed_log"] = (str(out / "seeds.jsonl"), cells_sig)
-    context["seeds_done"] = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], cells_sig, holds)
     costs = {key: cell_jobs.costs(None if key[0] == BLIND else job["connector"], lm_cfg, in_dim,
                                   context["views"][job["view"]]["grid"], key[1], f.max_len - 1)
              for key, job in jobs.items()}
@@ -318,7 +349,8 @@ def main(argv=None) -> pathlib.Path:
         tuning.setdefault(f"{family}@{tokens}", {})[f"{x:g}/{w}"] = float(
             np.mean([res[s]["accuracy"] for s in args.seeds[:args.tune_seeds]]))
     setup = {"tower": str(shown), "tower_fingerprint": f.fingerprint, "tower_config": f.tower_cfg, "data": f.data,
-             "image_size": f.image_size, "grid": list(f.grid), "lm": args.lm, "plan": train_plan, "stage0_lr": args.lr,
+             "image_size": f.image_size, "grid": list(f.grid), "lm": args.lm, "plan": train_plan,
+             "stage0_lr": args.stage0_lr,
              "tune_lrs": args.tune_lrs, "tune_warmups": args.tune_warmups, "tune_budget": args.tune_budget,
              "tune_seed": args.seeds[0], "chosen": {fam: list(v) for fam, v in chosen.items()},
              "chosen_given": args.chosen is not None, "tuning": tuning,

@@ -63,3 +63,39 @@ def test_run_cells_keeps_finished_cells_and_a_rerun_with_more_seeds_trains_only_
     assert calls[2:] == [((2,), (0, 1))]  # only the new cell
     other = store.run_cells(path, store.signature({"steps": 20}), [(0,)], counted, arrays, {"seeds": [0]}, 1, "t", 1)
     assert other == {(0,): {0: {"accuracy": 0.0}}} and len(calls) == 4  # other settings: computed again
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning_and_the_next_cell_starts_a_line_of_its_own(tmp_path):
+    """A write cut short (a killed worker, a full disk) leaves half a line: loading warns and skips
+    it instead of refusing every later sitting, and the next append is not glued onto it."""
+    path = tmp_path / "seeds.jsonl"
+    store.save_cell(path, "sig", ("pool", 4, ""), {0: {"a": 0}})
+    with path.open("a") as f:
+        f.write('{"signature": "sig", "key": ["pool", 16, ""], "resu')
+    with pytest.warns(UserWarning, match=r"seeds.jsonl:2 is not a whole JSON line"):
+        assert store.load_cells(path, "sig") == {("pool", 4, ""): {0: {"a": 0}}}
+    store.save_cell(path, "sig", ("ldp", 16, ""), {1: {"a": 1}})
+    with pytest.warns(UserWarning, match=r"seeds.jsonl:2 "):
+        assert store.load_cells(path, "sig") == {("pool", 4, ""): {0: {"a": 0}}, ("ldp", 16, ""): {1: {"a": 1}}}
+    assert path.read_text().endswith('"resu\n' + json.dumps({"signature": "sig", "key": ["ldp", 16, ""],
+                                                            "results": {"1": {"a": 1}}}) + "\n")
+
+
+def test_each_key_may_carry_its_own_signature_and_old_rows_are_re_signed_to_it(tmp_path):
+    """A study that signs each key with its own settings (e.g. the run's learning rate) passes a
+    function of the key; ``resign`` moves rows signed the old way to it, leaving other rows and
+    keys it has no signature for as they were."""
+    path = tmp_path / "cells.jsonl"
+    rates = {("pool", 4): "lr3e-4", ("mlp", 4): "lr1e-3"}
+    own = rates.get  # a key with no rate (not in this sweep) has no signature
+    store.save_cell(path, "old", ("pool", 4), {0: {"a": 0}})
+    store.save_cell(path, "old", ("gone", 4), {0: {"a": 1}})
+    store.save_cell(path, "other", ("mlp", 4), {0: {"a": 2}})
+    store.save_cell(path, own, ("mlp", 4), {1: {"a": 3}})
+    assert json.loads(path.read_text().splitlines()[-1])["signature"] == "lr1e-3"
+    assert store.load_cells(path, own) == {("mlp", 4): {1: {"a": 3}}}
+    assert store.resign([path, tmp_path / "absent.jsonl"], "old", own) == 1
+    assert [json.loads(line)["signature"] for line in path.read_text().splitlines()] == [
+        "lr3e-4", "old", "other", "lr1e-3"]
+    assert store.load_cells(path, own) == {("pool", 4): {0: {"a": 0}}, ("mlp", 4): {1: {"a": 3}}}
+    assert store.resign([path], "old", own) == 0  # idempotent: nothing left to move

@@ -65,3 +65,44 @@ def _ppid(pid: int) -> int | None:
         return int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def test_a_failing_job_starts_no_other_keeps_every_finished_result_then_raises():
+    """The first job that raises (e.g. a loss gone non-finite) stops the queue: no job starts after
+    it, the one still running is waited for and kept like the one already done, and then the error
+    is raised (instead of running every queued job for a traceback that drops their results)."""
+    import concurrent.futures
+    import queue
+    import threading
+
+    import pytest
+
+    from vitmm.study import workers
+
+    def future(state):
+        f = concurrent.futures.Future()
+        if state == "running":
+            threading.Timer(0.05, f.set_result, [{"acc": 0.7}]).start()
+        elif state == "done":
+            f.set_result({"acc": 0.5})
+        else:
+            f.set_exception(FloatingPointError("loss became nan at step 3"))
+        return f
+
+    states, started = {"a": "done", "bad": "failed", "c": "running", "d": "done", "e": "done"}, []
+
+    def submit(key):
+        started.append(key)
+        return future(states[key])
+
+    class Bar:
+        def update(self, n):
+            pass
+
+        def set_postfix(self, **kwargs):
+            pass
+
+    kept = {}
+    with pytest.raises(FloatingPointError, match="loss became nan"):
+        workers._collect(submit, list(states), 3, queue.Queue(), Bar(), kept.__setitem__)
+    assert started == ["a", "bad", "c"] and kept == {"a": {"acc": 0.5}, "c": {"acc": 0.7}}

@@ -1,7 +1,8 @@
 """Cells × seeds that survive a stop: each finished cell is appended to a ``.jsonl`` file under
-the settings' signature as it ends, and a rerun with the same settings skips it (with more seeds,
-it trains only the new ones). A study's results also hold the one frozen model its cells read
-(``check_tower``), so that sittings on several machines are never mixed.
+the settings' signature (the sweep's, or each key's own) as it ends, and a rerun with the same
+settings skips it (with more seeds, it trains only the new ones). A study's results also hold the
+one frozen model its cells read (``check_tower``), so that sittings on several machines are never
+mixed.
 
 A cell is one point of a study's grid (e.g. ``(family, tokens)``) with a result per seed; a study
 names its cells, gives ``run_cells`` a module-level function that computes one cell's seeds, and
@@ -13,6 +14,7 @@ import hashlib
 import json
 import os
 import pathlib
+import warnings
 
 import numpy as np
 
@@ -56,22 +58,42 @@ def check_tower(out: pathlib.Path, tower_dir: pathlib.Path, params) -> str:
     return current
 
 
-def load_cells(path: pathlib.Path, signature: str, holds=None) -> dict:
+def signed(signature, key) -> str | None:
+    """The signature ``key``'s rows carry: ``signature`` itself, or ``signature(key)`` where a study
+    signs each key with its own settings (e.g. a run's learning rate; None: no settings for it)."""
+    return signature(tuple(key)) if callable(signature) else signature
+
+
+def _rows(path: pathlib.Path) -> list[dict]:
+    """The rows of a ``.jsonl`` file; a line that does not parse (torn by a kill or a full disk
+    mid-write) is skipped with a warning naming it, so that the rest still load."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines() if path.is_file() else (), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            warnings.warn(f"{path}:{number} is not a whole JSON line (a write cut short?); skipped: {line[:80]!r}",
+                          stacklevel=3)
+    return rows
+
+
+def load_cells(path: pathlib.Path, signature, holds=None) -> dict:
     """Finished cells ``{key: {seed: result}}`` (key: a tuple, e.g. ``(family, tokens)``) of a
-    sweep with these settings; lines of one key (e.g. one per finished seed) are merged. With
+    sweep with these settings (``signature``: one for every key, or a function of the key:
+    ``signed``); lines of one key (e.g. one per finished seed) are merged. With
     ``holds(result) -> bool``, only the results it accepts (a setting left out of the signature
     that a result may or may not be valid for, e.g. ``holds_under_min_steps``)."""
     cells: dict = {}
-    for line in path.read_text().splitlines() if path.is_file() else ():
-        cell = json.loads(line)
-        if cell["signature"] == signature:
+    for cell in _rows(path):
+        key = tuple(cell["key"])
+        if cell["signature"] == signed(signature, key):
             results = {int(k): v for k, v in cell["results"].items() if holds is None or holds(v)}
             if results:
-                cells.setdefault(tuple(cell["key"]), {}).update(results)
+                cells.setdefault(key, {}).update(results)
     return cells
 
 
-def finished(path: pathlib.Path, signature: str, keys, seeds=None, holds=None) -> dict:
+def finished(path: pathlib.Path, signature, keys, seeds=None, holds=None) -> dict:
     """The cells of ``keys`` a rerun skips: those holding every one of ``seeds`` (their results
     only; ``None``: any seeds). A sweep's signature leaves its seed list out, so rerunning it with
     more seeds trains only the new ones (with ``seed_results``, each missing seed of a cell)."""
@@ -81,7 +103,7 @@ def finished(path: pathlib.Path, signature: str, keys, seeds=None, holds=None) -
     return {k: {s: cells[k][s] for s in seeds} for k in keys if k in cells and set(seeds) <= set(cells[k])}
 
 
-def seed_results(paths, signature: str, holds=None) -> dict:
+def seed_results(paths, signature, holds=None) -> dict:
     """Every finished seed ``{key: {seed: result}}`` recorded in any of ``paths`` (the finished
     cells and the per-seed log) under this signature (and accepted by ``holds``)."""
     merged: dict = {}
@@ -91,16 +113,45 @@ def seed_results(paths, signature: str, holds=None) -> dict:
     return merged
 
 
-def save_cell(path: pathlib.Path, signature: str, key, results: dict) -> None:
-    """Appends one finished cell (all its seeds) as a line of a ``.jsonl`` file, synced to disk."""
-    line = json.dumps({"signature": signature, "key": list(key), "results": {str(k): v for k, v in results.items()}})
-    with path.open("a") as f:
-        f.write(line + "\n")
+def save_cell(path: pathlib.Path, signature, key, results: dict) -> None:
+    """Appends one finished cell (all its seeds) as a line of a ``.jsonl`` file, synced to disk;
+    on a line of its own even after a torn last line (``_rows`` skips that one)."""
+    line = json.dumps({"signature": signed(signature, key), "key": list(key),
+                       "results": {str(k): v for k, v in results.items()}})
+    with path.open("a+b") as f:
+        torn = f.tell() > 0 and os.pread(f.fileno(), 1, f.tell() - 1) != b"\n"
+        f.write((("\n" if torn else "") + line + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
 
 
-def run_cells(path: pathlib.Path, signature: str, keys: list, fn, arrays: dict, context: dict, n_workers: int,
+def resign(paths, old: str, new) -> int:
+    """Rewrites the rows of ``paths`` signed ``old`` as ``signed(new, key)`` (what a signature
+    names changed, not the settings; a key ``new`` has no signature for keeps ``old``); each file
+    written aside, then renamed over it, so run it while no sweep appends there. Lines that do not
+    parse are kept as they are. Returns how many rows changed."""
+    changed = 0
+    for path in map(pathlib.Path, paths):
+        if not path.is_file():
+            continue
+        lines, hits = path.read_text().splitlines(), 0
+        for i, line in enumerate(lines):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            sig = signed(new, row["key"])
+            if row["signature"] == old and sig not in (None, old):
+                lines[i], hits = json.dumps({**row, "signature": sig}), hits + 1
+        if hits:
+            tmp = path.with_suffix(".resign")
+            tmp.write_text("".join(line + "\n" for line in lines))
+            os.replace(tmp, path)
+            changed += hits
+    return changed
+
+
+def run_cells(path: pathlib.Path, signature, keys: list, fn, arrays: dict, context: dict, n_workers: int,
               desc: str, steps_per_key: int, seeds=None, before=None, holds=None) -> dict:
     """``{key: {seed: result}}`` for every key: the cells ``path`` holds for ``signature`` (with
     every one of ``seeds``: ``finished``), and the rest run now by ``workers.run`` (after
@@ -109,7 +160,8 @@ def run_cells(path: pathlib.Path, signature: str, keys: list, fn, arrays: dict, 
     done = finished(path, signature, keys, seeds, holds)
     todo = [k for k in keys if k not in done]
     if done:
-        print(f"{desc}: {len(done)} cells already done in {path} (settings {signature}), skipped; {len(todo)} to run")
+        settings = f" (settings {signature})" if isinstance(signature, str) else ""
+        print(f"{desc}: {len(done)} cells already done in {path}{settings}, skipped; {len(todo)} to run")
     if todo:
         if before is not None:
             before()

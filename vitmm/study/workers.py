@@ -95,7 +95,8 @@ def run(fn, keys: list, arrays: dict[str, dict[str, np.ndarray]], context: dict,
     """Every job, in ``keys`` order (put the most expensive first so the pool ends evenly), in
     this process (``workers <= 1``) or in ``workers`` pinned processes. ``fn`` must be a
     module-level function (it is pickled by reference); ``total`` is the steps the bar counts;
-    ``on_result(key, result)`` runs here as each job finishes (e.g. to save it)."""
+    ``on_result(key, result)`` runs here as each job finishes (e.g. to save it). A job that raises
+    stops the sweep once the jobs running beside it have finished and been handed to ``on_result``."""
     from tqdm import tqdm
 
     results = {}
@@ -116,14 +117,34 @@ def run(fn, keys: list, arrays: dict[str, dict[str, np.ndarray]], context: dict,
             cores = sorted(os.sched_getaffinity(0))
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
                                                         initargs=(path, context, queue, cores, os.getpid())) as pool:
-                futures = {pool.submit(_call, fn, key): key for key in keys}
-                pending = set(futures)
-                while pending:
-                    finished, pending = concurrent.futures.wait(pending, timeout=2)
-                    while not queue.empty():
-                        bar.update(queue.get())
-                    for f in finished:
-                        results[futures[f]] = f.result()
-                        done(futures[f], results[futures[f]])
-                        bar.set_postfix(done=str(futures[f]))
+                results.update(_collect(lambda key: pool.submit(_call, fn, key), keys, workers, queue, bar, done))
+    return results
+
+
+def _collect(submit, keys: list, workers: int, queue, bar, done) -> dict:
+    """``{key: result}`` of every job, each handed to ``done`` as it finishes; ``submit(key)`` starts
+    one (a future), at most ``workers`` at a time, in ``keys`` order. After the first job that
+    fails no other starts: those running are waited for, every finished one is still handed to
+    ``done``, then the failure is raised (a pool holding every job would run them all first, then
+    drop their results for the traceback)."""
+    todo, running, results, failed = list(keys), {}, {}, None
+    while todo or running:
+        while todo and len(running) < workers and failed is None:
+            key = todo.pop(0)
+            running[submit(key)] = key
+        finished, _ = concurrent.futures.wait(running, timeout=2, return_when="FIRST_COMPLETED")
+        while not queue.empty():
+            bar.update(queue.get())
+        for f in finished:
+            key = running.pop(f)
+            if f.exception() is not None:
+                failed = failed or f.exception()
+                continue
+            results[key] = f.result()
+            done(key, results[key])
+            bar.set_postfix(done=str(key))
+        if failed is not None:
+            todo.clear()
+    if failed is not None:
+        raise failed
     return results

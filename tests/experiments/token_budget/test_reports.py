@@ -87,3 +87,38 @@ def test_a_pair_chosen_after_seeing_the_means_pays_for_the_choice_before_holm():
                if line.startswith(f"| best − worst family at 4 tokens ({best} − {worst})"))
     cells = [c.strip() for c in row.split("|")]
     assert float(cells[5]) == pytest.approx(min(1.0, 28 * p), rel=0.05) and "p × 28" in cells[9]
+
+
+def test_a_row_reading_another_rows_runs_is_late_by_that_rows_curve(tmp_path):
+    """Perceiver sized to the parameter budget is its default size, so its row reads the default
+    row's runs; ``runs.csv`` without ``peak_step`` (the committed one) recovers it from that row's
+    curve, not ``best_step``, which the tested checkpoint can put earlier."""
+    import json
+
+    from vitmm.study import outputs
+
+    base = {"family": "perceiver", "budget": 16, "tokens": 16, "note": "", "seed": 0, "status": "ok",
+            "best_step": 5750, "steps_trained": 8000}
+    outputs.write_rows([{**base, "variant": ""}, {**base, "variant": "params ≈ 100,000"}], tmp_path / "runs.csv")
+    curve = [[0, 0.4], [5750, 0.84], [7750, 0.842], [8000, 0.841]]  # highest at 7,750; tested at 5,750
+    (tmp_path / "curves.json").write_text(json.dumps({"perceiver|16||0": curve}))
+    (tmp_path / "setup.json").write_text(json.dumps({"connectors": {
+        "perceiver|16|": {"connector": {"name": "perceiver", "budget": 16}, "view": ""},
+        "perceiver|16|params ≈ 100,000": {"connector": {"name": "perceiver", "budget": 16, "depth": 2},
+                                          "view": "", "runs_of": ["perceiver", 16, ""]}}}))
+    rows = report.read_runs(tmp_path / "runs.csv")
+    assert [r["peak_step"] for r in rows] == [7750, 7750] and all(report.late(r) for r in rows)
+
+
+def test_longer_runs_with_another_min_delta_or_connector_width_are_not_compared():
+    """``min_delta`` decides which check is tested and ``--native_widths`` changes Q-Former: either
+    differing from the sweep's stops the horizon check (the committed pair passes)."""
+    import copy
+    import json
+
+    main, long = (json.loads((ROOT / "results/token_budget" / d / "setup.json").read_text()) for d in ("", "horizon"))
+    assert horizon.differences(main, long) == []
+    other = copy.deepcopy(long)
+    other["plan"]["min_delta"] = 0.0
+    other["connectors"]["qformer|16|"]["connector"].pop("width")
+    assert horizon.differences(main, other) == ["plan.min_delta", "connectors[qformer|16|]"]

@@ -684,23 +684,31 @@ def test_each_budget_tuned_on_its_own_over_two_seeds(tb):
     assert chosen == {"pool": (1e-4, 25), "blind": (1e-4, 25)} and calls[0][2] == [0]
 
 
-def test_interim_chooses_as_the_full_run_from_this_sweeps_points_and_tuning_seeds(tb, tmp_path):
-    """Other tuning stored under the same settings (another token count, more seeds) must not move the
-    interim choice away from the one the finished sweep makes."""
+def test_interim_chooses_as_the_full_run_from_this_sweeps_points_and_tuning_seeds(tb, tmp_path, capsys):
+    """Other tuning stored under the same settings (another token count, more seeds, a pilot at a
+    rate and warmup outside the grid) must not move the interim choice away from the one the
+    finished sweep makes; a run the full sweep would still train (a grid extended past a winning
+    edge) means tuning has not finished."""
     from vitmm.study import store
 
     path = tmp_path / "tuning.jsonl"
     store.save_cell(path, "sig", ("pool", 16, 1e-4, 25), {0: {"accuracy": 0.6}, 1: {"accuracy": 0.1}})
     store.save_cell(path, "sig", ("pool", 16, 3e-4, 25), {0: {"accuracy": 0.5}, 1: {"accuracy": 0.5}})
     store.save_cell(path, "sig", ("pool", 4, 1e-3, 25), {0: {"accuracy": 0.9}})  # tuned at 4 tokens before
+    store.save_cell(path, "sig", ("pool", 16, 3e-3, 250), {0: {"accuracy": 0.95}})  # a pilot outside the grid
+    parser = argparse.ArgumentParser()
     args = argparse.Namespace(stage1_steps=0, steps=10, tune_budget=16, chosen=None, tune_lrs=[1e-4, 3e-4],
-                              tune_warmups=[25], interim=True, tune_extend=1, min_delta=0.005, seeds=[0, 1],
-                              tune_each_budget=False, tune_seeds=1)
+                              tune_warmups=[25], interim=True, tune_extend=0, min_delta=0.005, seeds=[0, 1],
+                              tune_each_budget=False, tune_seeds=1, parser=parser)
     jobs = {("pool", 4, ""): {}, ("pool", 16, ""): {}}
-    tuned, chosen = sweep.tune_families(args, jobs, None, tmp_path, "sig")
-    assert chosen == {"pool": (1e-4, 25)}  # seed 0 at 16 tokens; not seed 1's mean, not the 4-token run
+    tuned, chosen = sweep.tune_families(args, jobs, sweep.kept_tuning(args), tmp_path, "sig")
+    assert chosen == {"pool": (1e-4, 25)}  # seed 0 at 16 tokens; not seed 1's mean, the 4-token run or the pilot
     assert sorted(tuned) == [("pool", 16, 1e-4, 25), ("pool", 16, 3e-4, 25)] and all(
         list(v) == [0] for v in tuned.values())
+    args.tune_extend = 1  # the full run would try 3e-5 next: not run yet
+    with pytest.raises(SystemExit):
+        sweep.tune_families(args, jobs, sweep.kept_tuning(args), tmp_path, "sig")
+    assert "--interim: tuning (lr) has 1 runs to go (e.g. ('pool', 16, 3e-05, 25))" in capsys.readouterr().err
 
 
 def test_a_tuning_point_trains_only_the_seeds_not_tuned_before(monkeypatch):
