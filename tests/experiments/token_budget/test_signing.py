@@ -80,18 +80,27 @@ def test_rows_signed_by_every_familys_rate_are_re_signed_at_the_next_sitting_or_
 
 
 def test_the_committed_sweeps_rows_are_re_signed_from_their_setup(tmp_path):
-    """The migration for the committed results: every row of the main stage and of the longer
-    horizon, signed by every family's rate, moves to its job's own signature (a second run finds
-    nothing to move), and each job finds all its seeds under it."""
+    """The migration of a finished sweep (the committed results were migrated by it on 2026-12-07):
+    the main stage's and the longer horizon's rows, signed back to every family's rate, move to their
+    job's own signature, the committed one (a second run finds nothing to move), and each job finds
+    all its seeds under it."""
     for name, jobs, runs in (("", 39, 195), ("horizon", 3, 9)):  # (38 jobs and the Perceiver row run before it
         # was known to be its default's)
         out = tmp_path / (name or "main")
         out.mkdir()
-        for file in ("cells.jsonl", "seeds.jsonl", "setup.json"):
-            shutil.copy(ROOT / "results/token_budget" / name / file, out / file)
-        rows = sum(len((out / f).read_text().splitlines()) for f in ("cells.jsonl", "seeds.jsonl"))
+        setup = json.loads((ROOT / "results/token_budget" / name / "setup.json").read_text())
+        legacy = signing.legacy(signing.from_setup(setup), setup["chosen"])
+        shutil.copy(ROOT / "results/token_budget" / name / "setup.json", out / "setup.json")
+        committed = {}
+        for file in ("cells.jsonl", "seeds.jsonl"):
+            committed[file] = (ROOT / "results/token_budget" / name / file).read_text()
+            rows = [{**json.loads(line), "signature": legacy} for line in committed[file].splitlines()]
+            (out / file).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        rows = sum(len(text.splitlines()) for text in committed.values())
         assert signing.resign_finished(out) == rows and signing.resign_finished(out) == 0
-        setup = json.loads((out / "setup.json").read_text())
+        for file, text in committed.items():
+            assert [json.loads(x) for x in (out / file).read_text().splitlines()] == \
+                [json.loads(x) for x in text.splitlines()]
         every_key = functools.partial(signing.cell_signature, signing.from_setup(setup), setup["chosen"],
                                       signing.jobs_of(setup))
         found = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], every_key)
