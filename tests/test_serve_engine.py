@@ -172,12 +172,14 @@ def test_every_eos_id_ends_an_answer_in_serve_lm_chat_and_chat():
         assert list(asked.generate({"more_images": [None]}, 16)) == [7, 9]
 
 
-def test_a_non_streamed_request_stops_decoding_when_its_client_goes_away():
-    """The client sends a request for 4,000 tokens and hangs up: its row stops at the next piece
-    instead of decoding to the end for no one (clients that time out and retry piled such decodes up)."""
+@pytest.mark.parametrize("text", [None, lambda ids: ""], ids=["text", "no_text"])
+def test_a_non_streamed_request_stops_decoding_when_its_client_goes_away(text):
+    """The client sends a request for 4,000 tokens and hangs up: its row stops within a fraction of
+    a second instead of decoding to the end for no one (clients that time out and retry piled such
+    decodes up), also when its tokens decode to no text (special tokens that are not EOS)."""
     import json
 
-    chat = _FakeChat()
+    chat = _FakeChat(text=text)
     url, stop = serve.start_in_thread(_engine(chat))
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000,
                        "temperature": 0}).encode()

@@ -82,7 +82,7 @@ def make_app(engine: Engine):
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
         if parsed["stream"]:
             return StreamingResponse(_events(engine, parsed, head), media_type="text/event-stream")
-        pieces = await _whole(engine.completion(parsed), request)
+        pieces = await _whole(engine, parsed, request)
         if pieces is None:  # the client has gone away: no one reads a reply
             return Response(status_code=499)
         text = "".join(piece for piece, _ in pieces)
@@ -94,21 +94,34 @@ def make_app(engine: Engine):
     return app
 
 
-async def _whole(completion, request) -> list | None:
-    """A non-streamed request's completion pieces, or None once its client has gone away: checked at
-    each piece, and closing the completion then stops the request's row in the decoder, as a
-    stream's does when its client leaves."""
+async def _whole(engine: Engine, parsed: dict, request) -> list | None:
+    """A non-streamed request's completion pieces, or None once its client has gone away. A task
+    watches for the disconnect while the decoder works (a row may decode many tokens that show no
+    text) and cancels the request, which stops its row at the decoder's next step, as a stream's
+    does when its client leaves."""
+    import asyncio
+
     from starlette.concurrency import run_in_threadpool
 
+    cancelled = threading.Event()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, cancelled))
+    completion = engine.completion({**parsed, "cancelled": cancelled})
     pieces = []
     try:
         while (piece := await run_in_threadpool(next, completion, None)) is not None:
             pieces.append(piece)
-            if await request.is_disconnected():
-                return None
-        return pieces
+        return None if watcher.done() else pieces
     finally:
+        watcher.cancel()
         completion.close()
+
+
+async def _cancel_on_disconnect(request, cancelled: threading.Event):
+    """Sets ``cancelled`` when the client disconnects (the body is read, so the next ASGI message
+    is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancelled.set()
 
 
 def _events(engine: Engine, parsed: dict, head: dict):

@@ -21,13 +21,14 @@ class Batcher:
 
     def submit(self, request: dict):
         """Yields the request's token ids (an EOS id last if the answer ends within ``max_tokens``). When the
-        caller stops reading (a stop string, a client gone) the decoder stops its row at the next step."""
+        caller stops reading (a stop string, a client gone), or sets ``request["cancelled"]`` (a
+        ``threading.Event``; one is made if absent), the decoder stops its row at the next step."""
         with self._starting:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="vitmm-serve-decoder")
                 self._thread.start()
         tokens: queue.Queue = queue.Queue()
-        request = dict(request, cancelled=threading.Event())
+        request = dict(request, cancelled=request.get("cancelled") or threading.Event())
         self._queue.put((request, tokens))
         try:
             while True:
