@@ -144,22 +144,23 @@ class HFTokenizer:
         if not self.chat_template:
             raise ValueError("This tokenizer has no chat template; convert an LM that has one "
                              "(`python -m vitmm.interop --from hf|gguf`) and use its tokenizer.")
-        if not self._takes_strings:
+        special = {"bos_token": self.token(self.bos_id), "eos_token": self.token(self.eos_id)}
+        if not _takes_strings(self.chat_template, **special):
             messages = [{**m, "content": content_parts(m["content"])} if isinstance(m["content"], str) else m
                         for m in messages]
-        return render_chat(self.chat_template, messages, add_generation_prompt,
-                           bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_id))
+        return render_chat(self.chat_template, messages, add_generation_prompt, **special)
 
-    @functools.cached_property
-    def _takes_strings(self) -> bool:
-        """Whether the chat template shows a turn's text given as one string."""
-        probe = "vitmm probe 7f3a"
-        try:
-            shown = render_chat(self.chat_template, [{"role": "user", "content": probe}], True,
-                                bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_id))
-        except Exception:  # noqa: BLE001 - a template that fails on strings wants parts
-            return False
-        return probe in shown
+
+@functools.lru_cache(maxsize=16)
+def _takes_strings(template: str, **special) -> bool:
+    """Whether the chat template shows a turn's text given as one string (cached by the template, so
+    a tokenizer given another template is probed again)."""
+    probe = "vitmm probe 7f3a"
+    try:
+        shown = render_chat(template, [{"role": "user", "content": probe}], True, **special)
+    except Exception:  # noqa: BLE001 - a template that fails on strings wants parts
+        return False
+    return probe in shown
 
 
 def content_parts(text: str) -> list[dict]:
