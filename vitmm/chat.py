@@ -64,8 +64,10 @@ class Chat:
                    if name == "decode"]
         self._flat = bool(sq and sq.get("length"))  # trained on flat sequences: prompts are made the same way
         self.max_images = min(int(sq.max_images), *decoded) if self._flat else 1
-        if (self.config.get("source") or {}).get("architecture"):  # an imported VLM: its processor puts an image
-            self.image_separator = ""  # part right before the text (Qwen2-VL's, PaliGemma's templates keep a "\n")
+        # An imported VLM is prompted as transformers prompts it; a run trained here as it was trained.
+        self._imported = bool((self.config.get("source") or {}).get("architecture"))
+        if self._imported:  # its processor puts an image part right before the text
+            self.image_separator = ""  # (Qwen2-VL's, PaliGemma's templates keep a "\n")
 
     def prepare(self, images: list, turns: list[dict], video=None) -> dict:
         """The preprocessed prompt for LLaVA-style ``turns`` (``{"from", "value"}``, ``<image>``
@@ -85,7 +87,8 @@ class Chat:
             raise ValueError(f"{tags} <image> tag(s) in the text for {len(images)} image(s).")
         rng = np.random.default_rng(0)
         if self._conversation:
-            return reply_prompt(self._pp, {"images": list(images), "conversations": turns}, rng)
+            return reply_prompt(self._pp, {"images": list(images), "conversations": turns}, rng,
+                                as_trained=not self._imported)
         if any(t["from"] == "system" for t in turns):
             raise ValueError("This model was trained on single questions with its own system prompt (a qa format): "
                              "send no system message.")
@@ -110,7 +113,7 @@ class Chat:
         if images:
             raise ValueError("A video goes alone, without images.")
         return reply_prompt(self._pp, {"images": [], "video": video, "conversations": turns}, np.random.default_rng(0),
-                            "video")
+                            "video", as_trained=not self._imported)
 
     def num_prompt_tokens(self, example: dict) -> int:
         """The prompt's text tokens and the visual tokens the LM sees."""

@@ -69,17 +69,18 @@ class LMChat:
         return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t not in eos])
 
 
-def reply_prompt(pp, example: dict, rng=None, what: str = "conversation") -> dict:
+def reply_prompt(pp, example: dict, rng=None, what: str = "conversation", as_trained: bool = False) -> dict:
     """``pp`` on ``example``, whose ``conversations`` end with the user turn to reply to: the prompt
     is the chat template's generation prompt (``add_generation_prompt``), earlier turns and answers
-    in it (``ops_text.conversation_tokens``). What the ``what`` or the template refuses is a
+    in it (``ops_text.conversation_tokens``); ``as_trained`` (a run trained here): the earlier
+    exchanges as its training rendered them. What the ``what`` or the template refuses is a
     ``ValueError`` in one line; a conversation too long for the model is refused, not cut."""
     import jinja2
 
     from vitmm.data.skips import BadExample
 
     try:
-        return pp({**example, "add_generation_prompt": True}, rng)
+        return pp({**example, "add_generation_prompt": True, "reply_as_trained": as_trained}, rng)
     except BadExample as bad:
         if bad.reason == "too_long":
             raise ValueError(f"The conversation is too long for this model ({bad.detail}); send fewer earlier turns "

@@ -227,6 +227,28 @@ def test_templates_that_take_content_parts_render_the_turns_as_transformers_part
         ex["answer_mask"][n:n + end].sum()
 
 
+def test_a_reply_prompt_renders_earlier_answers_as_training_did_for_a_run_trained_here(tiny_tokenizer):
+    """A template whose assistant turn ends bare (llava-hf's): training puts EOS after each answer, so
+    a run trained here is prompted with it after the earlier answers (the training ids up to the last
+    answer), while an imported model gets transformers' generation prompt, which has none."""
+    from vitmm.lm_chat import reply_prompt
+
+    tiny_tokenizer.chat_template = LLAVA_HF
+    pp = preprocess.parse("conversation_tokens(256)", tiny_tokenizer)
+    turns = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."},
+             {"from": "human", "value": "What colour?"}, {"from": "gpt", "value": "Red."}]
+    trained = pp({"conversations": turns, "num_images": 1}, None)
+    last_answer = int(np.flatnonzero(np.diff(trained["answer_mask"], prepend=0) > 0)[-1])
+    ours = reply_prompt(pp, {"conversations": turns[:3], "num_images": 1}, as_trained=True)
+    assert list(ours["ids"][: int(ours["prompt_len"])]) == list(trained["ids"][:last_answer])
+    assert int(ours["image_pos"]) == int(trained["image_pos"])
+    imported = reply_prompt(pp, {"conversations": turns[:3], "num_images": 1})
+    prompt = tiny_tokenizer.chat(conversation_messages(turns[:3], reply=True), add_generation_prompt=True)
+    before, after = prompt.split("<image>")
+    want = tiny_tokenizer.encode(before) + tiny_tokenizer.encode(after)
+    assert list(imported["ids"][: int(imported["prompt_len"])]) == want and tiny_tokenizer.eos_id not in want
+
+
 def test_a_text_only_example_through_the_vlm_is_the_lm_alone():
     """``has_image=False``: the visual tokens are masked out of attention and positions, so every
     text logit equals the LM's on the text alone (float32, 1e-5)."""

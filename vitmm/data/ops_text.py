@@ -159,7 +159,10 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
     An example with ``add_generation_prompt`` set is a prompt for the reply to its final user turn
     (``vitmm.chat``, ``vitmm.serve``): the turns rendered as transformers' generation prompt
     (``add_generation_prompt=True``; the plain layout ends with the user's ``separator``),
-    ``prompt_len`` all of it, no answer; one over ``max_len`` is ``too_long``, never cut.
+    ``prompt_len`` all of it, no answer; one over ``max_len`` is ``too_long``, never cut. With
+    ``reply_as_trained`` also set (a run trained here), the earlier exchanges are rendered as
+    training renders them (EOS after an answer the template ends bare, llava-hf's), unless the
+    template renders them anew once the conversation goes on (Qwen3's): then as transformers' prompt.
 
     Bad conversations (empty, unknown roles, turns that do not alternate, a number of ``<image>``
     tags other than ``num_images``) raise ``skips.BadExample``.
@@ -192,8 +195,8 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
             raise BadExample("image_tag_mismatch", f"an {IMAGE_PLACEHOLDER} tag outside a user turn")
         texts = [t.replace(IMAGE_PLACEHOLDER, image_text) for t in ex.get("image_texts", [IMAGE_PLACEHOLDER] * tags)]
         if reply:
-            segments = [("text", tokenizer.chat(messages, True))] if chat else _plain_segments(messages, tokenizer,
-                                                                                                separator)
+            segments = _reply_segments(messages, tokenizer, bool(ex.get("reply_as_trained"))) if chat else \
+                _plain_segments(messages, tokenizer, separator)
             ids, _, image_at = _assemble(_expand_images(segments, texts), tokenizer)
             if len(ids) > max_len:
                 raise BadExample("too_long", f"{len(ids)} prompt tokens with max_len={max_len}")
@@ -268,6 +271,19 @@ def conversation_messages(turns, reply: bool = False) -> list[dict]:
 
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _reply_segments(messages, tokenizer, as_trained: bool) -> list[tuple[str, str]]:
+    """The generation prompt for ``messages`` (ending with a user turn) as segments: one text, or
+    (``as_trained``) the earlier exchanges as ``_chat_segments`` renders them for training, then the
+    rest of the prompt, when the earlier exchanges' rendering is a prefix of the prompt's."""
+    prompt = tokenizer.chat(messages, add_generation_prompt=True)
+    if not as_trained or not any(m["role"] == "assistant" for m in messages):
+        return [("text", prompt)]
+    earlier = tokenizer.chat(messages[:-1])
+    if not prompt.startswith(earlier):
+        return [("text", prompt)]
+    return _chat_segments(messages[:-1], tokenizer, None) + [("text", prompt[len(earlier):])]
 
 
 def _chat_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
