@@ -107,3 +107,20 @@ def test_an_lm_records_every_eos_id_its_configs_list_and_its_tokenizer_stops_on_
     assert tok_lib.get_tokenizer(str(src / "tokenizer.json"), bos_id=2, eos_id=1, pad_id=0).eos_ids == (1,)
     llama3 = convert.special_ids({"eos_token_id": [128001, 128008, 128009]}, generation={"eos_token_id": 128009})
     assert llama3["eos_id"] == 128001 and llama3["eos_ids"] == [128001, 128008, 128009]
+
+
+def test_a_gguf_lm_records_its_end_of_turn_ids_as_eos():
+    """llama.cpp records the end of turn apart from EOS (Gemma-it: ``<eos>`` 1, ``<end_of_turn>`` 107;
+    Llama 3: ``<|eot_id|>``, ``<|eom_id|>``): each becomes an EOS id, the GGUF's EOS first (it pads).
+    A file with none of them keeps its one EOS."""
+    from vitmm.interop import gguf_lm
+
+    gemma = {"tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+             "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.eot_token_id": 107}
+    assert convert.gguf_special_ids(gemma) == {"bos_id": 2, "eos_id": 1, "pad_id": 0, "eos_ids": [1, 107]}
+    llama3 = {"tokenizer.ggml.eos_token_id": 128009, "tokenizer.ggml.eot_token_id": 128009,
+              "tokenizer.ggml.eom_token_id": 128008}
+    assert convert.gguf_special_ids(llama3)["eos_ids"] == [128009, 128008]
+    metadata, _ = gguf_lm.read_metadata(FIXTURES / "gguf_llama" / "tiny.gguf")
+    ids = convert.gguf_special_ids(metadata)
+    assert ids["eos_ids"] == [ids["eos_id"]] == [metadata["tokenizer.ggml.eos_token_id"]]

@@ -65,9 +65,7 @@ def load_language_model(source: str, src) -> tuple[dict, dict, str | None, str |
     if source == "gguf":
         kwargs, params, tokenizer, template = gguf_lm.load(src)
         metadata, _ = gguf_lm.read_metadata(src)
-        ids = {k: metadata.get(f"tokenizer.ggml.{g}") for k, g in
-               (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "padding_token_id"))}
-        return kwargs, params, tokenizer.to_str(), template, ids
+        return kwargs, params, tokenizer.to_str(), template, gguf_special_ids(metadata)
     kwargs, params = hf_lm.load_lm(src)
     folder = pathlib.Path(src).expanduser()
     folder = folder if folder.is_dir() else folder.parent
@@ -87,6 +85,17 @@ def special_ids(*configs: dict, generation: dict | None = None) -> dict:
     first = {k: next((c[g] for c in configs if c.get(g) is not None), None)
              for k, g in (("bos_id", "bos_token_id"), ("pad_id", "pad_token_id"))}
     return {**first, "eos_id": eos_ids[0] if eos_ids else None, "eos_ids": eos_ids or None}
+
+
+def gguf_special_ids(metadata: dict) -> dict:
+    """``{bos_id, eos_id, pad_id, eos_ids}`` from a GGUF's ``tokenizer.ggml.*`` keys. ``eos_ids``: the
+    EOS, then the end-of-turn and end-of-message ids llama.cpp records apart (Gemma-it's
+    ``<end_of_turn>``, Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``), those present."""
+    key = lambda name: metadata.get(f"tokenizer.ggml.{name}")  # noqa: E731
+    eos_ids = [int(i) for i in dict.fromkeys(key(n) for n in ("eos_token_id", "eot_token_id", "eom_token_id"))
+               if i is not None]
+    return {"bos_id": key("bos_token_id"), "eos_id": key("eos_token_id"), "pad_id": key("padding_token_id"),
+            "eos_ids": eos_ids or None}
 
 
 # Input statistics (mean, std per channel of x / 255) each source's towers were trained with.
