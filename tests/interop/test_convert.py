@@ -124,3 +124,19 @@ def test_a_gguf_lm_records_its_end_of_turn_ids_as_eos():
     metadata, _ = gguf_lm.read_metadata(FIXTURES / "gguf_llama" / "tiny.gguf")
     ids = convert.gguf_special_ids(metadata)
     assert ids["eos_ids"] == [ids["eos_id"]] == [metadata["tokenizer.ggml.eos_token_id"]]
+
+
+def test_a_vlm_export_lists_every_eos_id_and_a_reimport_records_them_all():
+    """``generation_config.json`` gets every EOS id the run stops on (a list when several, as
+    transformers' ``generate`` takes it; one id stays an int), and importing the export reads them
+    back: Gemma-it's ``<eos>`` (1), then ``<end_of_turn>`` (107)."""
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.interop.vlm.common import generation_ids
+
+    path = str(FIXTURES / "hf_llava" / "tokenizer.json")
+    tok = tok_lib.get_tokenizer(path, bos_id=2, eos_id=1, pad_id=0, eos_ids=[1, 107])
+    generation = generation_ids(tok)
+    assert generation == {"bos_token_id": 2, "eos_token_id": [1, 107], "pad_token_id": 0}
+    text_config = {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}  # what the export's config.json holds
+    assert convert.special_ids(text_config, generation=generation)["eos_ids"] == [1, 107]
+    assert generation_ids(tok_lib.get_tokenizer(path, bos_id=2, eos_id=1, pad_id=0))["eos_token_id"] == 1

@@ -23,6 +23,16 @@ def conversation_pp(args: str = "", keep: str = "") -> str:
 
 
 
+def generation_ids(tokenizer) -> dict:
+    """``generation_config.json``'s special ids: ``eos_token_id`` every id the run stops on (a list
+    when there are several, as transformers' ``generate`` takes it), so the export stops at an
+    instruct LM's end of turn and a re-import records each."""
+    eos = list(tokenizer.eos_ids)
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos if len(eos) > 1 else eos[0],
+            "pad_token_id": tokenizer.pad_id}
+
+
+
 def architecture(src) -> str | None:
     """The VLM architecture ``src``'s ``config.json`` names, if vitmm imports it (else None)."""
     try:

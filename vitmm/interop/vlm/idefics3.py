@@ -128,7 +128,7 @@ def export_idefics3(workdir, out) -> dict:
     inverse of ``load_idefics3``) or ValueError with every reason it cannot be, before anything
     is written."""
     from vitmm.interop.hf.clip_export import export_siglip_vision
-    from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
+    from vitmm.interop.vlm.common import export_folder, export_start, generation_ids, marks_ids, write_folder
     from vitmm.train import pp_template
 
     config, vision, lm, params, tokenizer, steps = export_start(workdir)
@@ -165,7 +165,8 @@ def export_idefics3(workdir, out) -> dict:
                         "pad_token": token(tokenizer.pad_id), "extra_special_tokens": list(marks),
                         "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Idefics3Processor",
                         "model_max_length": int(config.model.get("max_len") or 2048)}
-    files = {"config.json": hf_config, "generation_config.json": special, "tokenizer_config.json": tokenizer_config,
+    files = {"config.json": hf_config, "generation_config.json": generation_ids(tokenizer),
+             "tokenizer_config.json": tokenizer_config,
              "processor_config.json": {"image_processor": images, "image_seq_len": seq_len,
                                        "processor_class": "Idefics3Processor"},
              "preprocessor_config.json": {**images, "processor_class": "Idefics3Processor"}}

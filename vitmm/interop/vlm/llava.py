@@ -298,7 +298,7 @@ def export_llava(workdir, out) -> dict:
 
     from vitmm.data import tokenizer as tok_lib
     from vitmm.interop.hf import export_clip_vision
-    from vitmm.interop.vlm.common import export_folder, export_start, write_folder
+    from vitmm.interop.vlm.common import export_folder, export_start, generation_ids, write_folder
     from vitmm.train import pp_template
 
     config, vision, lm, params, tokenizer, _ = export_start(workdir)
@@ -369,7 +369,8 @@ def export_llava(workdir, out) -> dict:
     files = {"config.json": hf_config, "processor_config.json": processor,
              "preprocessor_config.json": {**images, "processor_class": processor_class},
              "tokenizer_config.json": tokenizer_config,
-             "generation_config.json": {**ids, **({"suppress_tokens": [image_id]} if added else {})}}
+             "generation_config.json": {**generation_ids(tokenizer),
+                                        **({"suppress_tokens": [image_id]} if added else {})}}
     write_folder(out, tensors, files, tokenizer_json, tokenizer.chat_template)
     return {"hf": str(out), "architecture": architecture, "image_tokens": patches,
             **({"added": f"<image> as token {image_id}"} if added else {})}

@@ -104,7 +104,7 @@ def export_paligemma(workdir, out) -> dict:
 
     from vitmm.data import preprocess
     from vitmm.interop.hf.clip_export import export_siglip_vision
-    from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, write_folder
+    from vitmm.interop.vlm.common import export_folder, export_start, generation_ids, marks_ids, write_folder
     from vitmm.train import pp_template
 
     config, vision, lm, params, tokenizer, ops = export_start(workdir)
@@ -146,7 +146,7 @@ def export_paligemma(workdir, out) -> dict:
     files = {"config.json": hf_config, "processor_config.json": {"image_processor": images,
                                                                  "processor_class": "PaliGemmaProcessor"},
              "preprocessor_config.json": {**images, "processor_class": "PaliGemmaProcessor"},
-             "tokenizer_config.json": tokenizer_config, "generation_config.json": ids}
+             "tokenizer_config.json": tokenizer_config, "generation_config.json": generation_ids(tokenizer)}
     write_folder(out, tensors, files, tokenizer.to_str(), None)
     return {"hf": str(out), "architecture": "PaliGemmaForConditionalGeneration", "image_tokens": patches}
 

@@ -202,6 +202,7 @@ def export_qwen2_vl(workdir, out) -> dict:
     inverse of ``load_qwen2_vl``: weights in the layout transformers writes, config, processor,
     tokenizer, chat template) or ValueError with every reason it cannot be, before anything is
     written."""
+    from vitmm.interop.vlm import common
     from vitmm.interop.vlm.common import export_folder, export_start, marks_ids, pil_resample, write_folder
     from vitmm.train import pp_template
 
@@ -261,7 +262,8 @@ def export_qwen2_vl(workdir, out) -> dict:
                         "pad_token": token(tokenizer.pad_id), "extra_special_tokens": list(marks),
                         "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Qwen2VLProcessor",
                         "model_max_length": int(config.model.get("max_len") or 2048)}
-    files = {"config.json": hf_config, "generation_config.json": special, "tokenizer_config.json": tokenizer_config,
+    files = {"config.json": hf_config, "generation_config.json": common.generation_ids(tokenizer),
+             "tokenizer_config.json": tokenizer_config,
              "processor_config.json": {"image_processor": images, "processor_class": "Qwen2VLProcessor"},
              "preprocessor_config.json": {**images, "processor_class": "Qwen2VLProcessor"},
              "video_preprocessor_config.json": videos}
