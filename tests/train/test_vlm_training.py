@@ -387,6 +387,27 @@ def test_the_qa_evaluator_scores_known_answers_per_kind(data_dir):
     assert 0 < result["accuracy"] < 1 and result.get("acc_count", 0.0) == 0.0
 
 
+def test_the_qa_evaluator_stops_an_answer_at_any_eos_id_as_serve_does(data_dir):
+    """A tokenizer with two EOS ids (an instruct LM's end of turn and its EOS): the answer ends at
+    whichever comes first, and the decoder is given both."""
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.train import vlm_evaluators
+
+    tok = tok_lib.ByteTokenizer()
+    tok.eos_ids = (tok.eos_id, 256)  # byte 0xff, never in UTF-8 text, as a second end of turn
+    cfg = dict(data=dict(name=common.SMOKE_DATA, split="validation", data_dir=data_dir), num_examples=4,
+               batch_size=4, max_new_tokens=8, pp="decode|resize(32)|value_range(-1, 1)|choose|qa_tokens(48)")
+    qa = vlm_evaluators.QAAccuracy(None, cfg, tok, prefix_lm=False)
+    given = []
+
+    def decode(variables, images, prompts, prompt_len, max_new_tokens, eos_id, *args):
+        given.append(eos_id)
+        return np.tile(tok.encode("yes") + [256] + tok.encode("no") + [tok.eos_id], (len(images), 1))
+
+    qa.decode = decode
+    assert [a["prediction"] for a in qa.answers({})] == ["yes"] * 4 and given == [(tok.eos_id, 256)]
+
+
 @pytest.mark.parametrize("arg", ["mrope=True", "anyres=16", "anyres=16,any_size=True"])
 def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
     """``mrope`` (Qwen2-VL's positions, the LM's bands split by ``rope.mrope_split``) and ``anyres``

@@ -69,14 +69,12 @@ class QAAccuracy:
             prompts = batch["ids"].copy()
             prompts[np.arange(prompts.shape[1])[None, :] >= batch["prompt_len"][:, None]] = self.tokenizer.pad_id
             rows = self.decode(variables, batch["image"], prompts, batch["prompt_len"], self.max_new_tokens,
-                               self.tokenizer.eos_id, self.prefix_lm, batch.get("image_pos"), batch.get("visual_mask"),
-                               batch.get("anyres_layout"))
+                               self.tokenizer.eos_ids, self.prefix_lm, batch.get("image_pos"),
+                               batch.get("visual_mask"), batch.get("anyres_layout"))
             for (index, question, answer, kind), i in zip(self._rows(batch), np.flatnonzero(batch["_mask"]),
                                                           strict=True):
-                row = list(rows[i])
-                text = self.tokenizer.decode(row[: row.index(self.tokenizer.eos_id)] if self.tokenizer.eos_id in row
-                                             else row)
-                out.append(dict(index=index, question=question, answer=answer, kind=kind, prediction=text))
+                out.append(dict(index=index, question=question, answer=answer, kind=kind,
+                                prediction=answer_text(self.tokenizer, rows[i])))
         return out
 
     def run(self, params, **_) -> dict:
@@ -91,6 +89,14 @@ class QAAccuracy:
 
     def clear(self) -> None:  # nothing cached between rounds
         pass
+
+
+def answer_text(tokenizer, row) -> str:
+    """The text of a decoded ``row`` up to the first of the tokenizer's EOS ids (an instruct LM's
+    end of turn too), where ``vitmm.serve`` stops the answer."""
+    eos = set(tokenizer.eos_ids)
+    end = next((i for i, token in enumerate(row) if int(token) in eos), len(row))
+    return tokenizer.decode(row[:end])
 
 
 class VLMValLoss:
