@@ -10,7 +10,6 @@ import pytest
 from PIL import Image
 
 from vitmm import chat
-from vitmm.data import preprocess
 
 TAKEN = r"^The image must be uint8 \[H, W, 3\] \(\[H, W\], \[H, W, 1\] and \[H, W, 4\] are made RGB\) or a PIL image; "
 
@@ -19,7 +18,7 @@ class Unloaded(chat.Chat):
     """``Chat`` without a workdir: a question-answering pp that returns what it was given."""
 
     def __init__(self):
-        self._conversation = False
+        self._conversation, self.tokenizer, self._qa_alone = False, None, None
         self._pp = lambda example, rng: example
 
 
@@ -75,9 +74,10 @@ def test_a_palette_image_gives_its_colours_not_its_palette_indices():
 def test_a_qa_format_run_refuses_a_question_too_long_and_a_system_message():
     """A run with a ``qa`` prompt format (``qa_tokens``, which cuts a long training question to fit)
     refuses a question that does not fit rather than answering its beginning, and a system message
-    rather than dropping it (the run's own system prompt is used)."""
+    rather than dropping it (the run's own system prompt is used), also when the pp's last
+    ``keep(...)`` drops the ``qa_truncated`` that says a question was cut."""
     chat = Unloaded()
-    chat._pp = preprocess.parse("qa_tokens(16)")
+    chat._set_pp("qa_tokens(16)|keep('ids', 'prompt_len')")
     image = np.zeros((4, 4, 3), np.uint8)
     assert chat.prepare([image], [{"from": "human", "value": "<image>\nshort?"}])["prompt_len"] == 1 + len("short? ")
     with pytest.raises(ValueError, match=r"^The question does not fit this model's max_len of 16 tokens; send a "

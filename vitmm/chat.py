@@ -56,7 +56,7 @@ class Chat:
             qa = self.config.evals.qa.get("pp") if self.config.get("evals") and "qa" in self.config.evals else None
             qa = qa or "decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|qa_tokens({max_len})"
         spec = pp_template.pp_string(self.config, qa.replace("choose|", ""))
-        self._pp = preprocess.parse(spec, self.tokenizer)
+        self._set_pp(spec)
         self._decoder = decode.GreedyDecoder(self.task.model)
         sq = self.config.input.get("sequences")
         # images one prompt may hold: a run on flat sequences (input.sequences) took its decode's max_images
@@ -68,6 +68,13 @@ class Chat:
         self._imported = bool((self.config.get("source") or {}).get("architecture"))
         if self._imported:  # its processor puts an image part right before the text
             self.image_separator = ""  # (Qwen2-VL's, PaliGemma's templates keep a "\n")
+
+    def _set_pp(self, spec: str):
+        """The run's pp for ``spec``, and its ``qa_tokens`` step alone, whose ``qa_truncated`` says
+        a question was cut to fit (a ``keep(...)`` after it in the pp may drop that key)."""
+        self._pp = preprocess.parse(spec, self.tokenizer)
+        qa = [(args, kwargs) for name, args, kwargs in preprocess.ops(spec) if name == "qa_tokens"]
+        self._qa_alone = preprocess.qa_tokens(*qa[-1][0], **{"tokenizer": self.tokenizer, **qa[-1][1]}) if qa else None
 
     def prepare(self, images: list, turns: list[dict], video=None) -> dict:
         """The preprocessed prompt for LLaVA-style ``turns`` (``{"from", "value"}``, ``<image>``
@@ -96,11 +103,12 @@ class Chat:
             raise ValueError("This model was trained on single questions about one image: send one user message with "
                              "one image.")
         question = turns[0]["value"].replace("<image>", "").strip()
-        example = self._pp({"image": images[0], "question": question, "answer": ""}, rng)
-        if example.get("qa_truncated"):  # the plain format cuts a long question to fit: refused, never cut
-            raise ValueError(f"The question does not fit this model's max_len of {len(example['ids'])} tokens; send a "
-                             "shorter question.")
-        return example
+        if self._qa_alone is not None:  # the plain format cuts a long question to fit: refused, never cut
+            alone = self._qa_alone({"question": question, "answer": ""}, None)
+            if alone["qa_truncated"]:
+                raise ValueError(f"The question does not fit this model's max_len of {len(alone['ids'])} tokens; "
+                                 "send a shorter question.")
+        return self._pp({"image": images[0], "question": question, "answer": ""}, rng)
 
     def _prepare_video(self, images: list, turns: list[dict], video) -> dict:
         if self.max_images < 2 or not self._conversation:
