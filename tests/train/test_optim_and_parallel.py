@@ -193,18 +193,20 @@ def test_a_token_mean_loss_is_the_same_whatever_the_micro_batches_and_devices():
     assert float(total[0]) == lengths.sum()
 
 
-def test_pmap_accumulation_must_split_each_devices_rows():
-    """pmap splits each device's rows into the micro-batches: 8 rows on 4 devices take 2 at most."""
+def test_accumulation_splits_each_devices_rows():
+    """Each device's rows are split into the micro-batches, under pmap and jit: 8 rows on 4 devices
+    take 2 at most."""
     import pathlib
 
     from vitmm import config_args
     from vitmm.train import trainer
 
     path = pathlib.Path(__file__).resolve().parents[2] / "configs/clip_scenes.py"
-    c = config_args.load(path, "smoke", **{"parallel": "pmap", "batch_size": 8, "optim.accum_steps": 4})
-    with pytest.raises(ValueError, match=r"accum_steps=4: .* dividing batch_size=8 / 4 devices \(pmap\)"):
-        trainer.validate(c)
-    c.parallel = "jit"
+    for parallel in ("pmap", "jit"):
+        c = config_args.load(path, "smoke", **{"parallel": parallel, "batch_size": 8, "optim.accum_steps": 4})
+        with pytest.raises(ValueError, match=r"accum_steps=4: .* dividing batch_size=8 / 4 devices\."):
+            trainer.validate(c)
+    c.optim.accum_steps = 2
     trainer.validate(c)
     # Values checked before anything is built (the command line shows them as one line, exit 2).
     for key, value, message in (("evals.zeroshot.num_examples", -1, "config.evals.zeroshot.num_examples=-1: must be"),
@@ -214,3 +216,24 @@ def test_pmap_accumulation_must_split_each_devices_rows():
         bad = config_args.load(path, "smoke", **{key: value})
         with pytest.raises(ValueError, match=message.replace(".", r"\.")):
             trainer.validate(bad)
+
+
+def test_micro_batches_take_every_kth_row_and_stay_on_their_devices_under_jit():
+    """Micro-batch i holds rows i, i + k, ...: on a batch sharded over 4 devices in contiguous
+    blocks each device computes its own rows of each micro-batch, with no gather of the batch
+    (contiguous micro-batches lay on one or two devices, and XLA gathered them: k times the compute)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows, k, width = 16, 2, 8
+    batch = {"x": jnp.arange(rows * width, dtype=jnp.float32).reshape(rows, width)}
+    loss_fn = lambda w, b, r: (jnp.mean((b["x"] @ w) ** 2), {"first": b["x"][:, 0]})  # noqa: E731
+    w = jnp.ones((width, 3))
+    _, aux, _ = step_lib.loss_and_grads(loss_fn, w, batch, jax.random.key(0), k)
+    np.testing.assert_array_equal(aux["first"], batch["x"][k - 1::k, 0])  # the last micro-batch's rows
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
+    step = jax.jit(lambda w, b: step_lib.loss_and_grads(loss_fn, w, b, jax.random.key(0), k)[2])
+    hlo = step.lower(w, sharded).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo, "the micro-batches left their devices"
+    np.testing.assert_allclose(step(w, sharded), step_lib.loss_and_grads(loss_fn, w, batch, jax.random.key(0))[2],
+                               rtol=1e-6)

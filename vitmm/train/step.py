@@ -20,6 +20,9 @@ def loss_and_grads(loss_fn: Callable, params, batch, rng, accum_steps: int = 1, 
     """``(loss, aux, grads)`` of ``loss_fn(params, batch, rng) -> (loss, aux)``. With
     ``accum_steps = k`` the batch is split into k micro-batches (micro-batch i gets
     ``fold_in(rng, i)``) whose losses and gradients are averaged; ``aux`` is the last one's.
+    Micro-batch i holds rows i, i + k, i + 2k, ...: a batch sharded over devices in contiguous
+    blocks then gives each device its own rows of every micro-batch (contiguous micro-batches lie
+    on some devices only, and under jit XLA gathers them: no memory saved, k times the compute).
 
     ``weight`` names an ``aux`` count the loss is a mean over (a VLM's answer tokens): the
     micro-batches are then weighted by it, so the loss and gradients are the mean over every token
@@ -41,7 +44,8 @@ def loss_and_grads(loss_fn: Callable, params, batch, rng, accum_steps: int = 1, 
     if accum_steps == 1:
         (loss, aux), grads = grad_fn(wrt, batch, rng)
         return loss, aux, grads
-    micro = jax.tree.map(lambda x: x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:]), batch)
+    micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]), 0, 1),
+                         batch)
 
     def body(carry, inputs):
         mb, i = inputs

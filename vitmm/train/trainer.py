@@ -107,10 +107,10 @@ def validate(config) -> None:
         raise ValueError(f"batch_size={config.batch_size} does not split over {jax.device_count()} devices; "
                          f"use a multiple of {jax.device_count()}.")
     accum = config.optim.get("accum_steps", 1)
-    per = jax.device_count() if config.get("parallel") == "pmap" else 1  # pmap splits each device's rows
+    per = jax.device_count()  # each device's rows are split into the micro-batches (pmap and jit alike)
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % (accum * per):
         raise ValueError(f"config.optim.accum_steps={accum!r}: must be a positive integer dividing "
-                         f"batch_size={config.batch_size}" + (f" / {per} devices (pmap)." if per > 1 else "."))
+                         f"batch_size={config.batch_size}" + (f" / {per} devices." if per > 1 else "."))
 
 
 def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, restart: bool = False) -> dict:
