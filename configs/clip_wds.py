@@ -36,7 +36,7 @@ def get_config(arg=None):
     c.fsdp = False
     c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
     c.loss = arg.loss
-    c.max_temperature = 100.0
+    c.max_temperature = 100.0 if arg.loss == "softmax" else config_dict.placeholder(float)  # SigLIP does not clamp
     c.tokenizer = config_dict.placeholder(str)  # a local tokenizer.json; default: bytes
     c.log_every = 10
     c.eval_every = c.checkpoint_every = max(arg.steps // 4, 1)

@@ -56,7 +56,9 @@ def get_config(arg=None):
     c.model.temperature_init = 10.0
     c.model.bias_init = -10.0
 
-    c.optim = common.optim(lr=1e-3, warmup_steps=min(2000, arg.steps // 10), weight_decay=1e-4)
+    # big_vision's SigLIP: wd 1e-4 decoupled from the rate (p -= wd * schedule * p); optax's AdamW multiplies
+    # the decay by the rate, so the same decay is 1e-4 / lr = 0.1 here (1e-4 here gave 1e-7 a step)
+    c.optim = common.optim(lr=1e-3, warmup_steps=min(2000, arg.steps // 10), weight_decay=0.1)
     c.init = common.init()
 
     val = common.data_spec(arg.data, "val", keys=("image", "captions"), pp=CHOOSE_CAPTION)

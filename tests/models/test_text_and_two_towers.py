@@ -96,5 +96,7 @@ def test_clip_temperature_init_and_clamp():
     np.testing.assert_allclose(jnp.exp(two_towers.clamp_temperature(big)["t"]), 100.0, rtol=1e-5)
     small = two_towers.clamp_temperature(variables["params"])
     np.testing.assert_allclose(small["t"], variables["params"]["t"])
+    below = {**variables["params"], "t": jnp.array([math.log(0.5)])}  # open_clip's lower bound: t >= 1
+    np.testing.assert_allclose(two_towers.clamp_temperature(below)["t"], 0.0)
     with pytest.raises(ValueError, match="no text tower"):
         model.apply(variables, None, _ids("a"))

@@ -82,7 +82,8 @@ class TwoTowers(nn.Module):
 
 
 def clamp_temperature(params: dict, max_temperature: float = MAX_TEMPERATURE) -> dict:
-    """Clips the stored ``log t`` to at most ``ln(max_temperature)`` (CLIP: 100), after a step."""
+    """Clips the stored ``log t`` to ``[0, ln(max_temperature)]`` (CLIP: at most 100; open_clip's
+    ``logit_scale.clamp_(0, ln 100)`` also keeps it at least 1), after a step."""
     if "t" not in params:
         return params
-    return {**params, "t": jnp.minimum(params["t"], math.log(max_temperature))}
+    return {**params, "t": jnp.clip(params["t"], 0.0, math.log(max_temperature))}
