@@ -94,3 +94,15 @@ def test_adapters_on_the_tower_and_the_lm_of_a_vlm_merge_to_the_same_outputs():
         assert np.abs(np.asarray(lora.apply(model, params, one, 4.0, images, ids) - base)).max() > 1e-4, layer
     merged = model.apply({"params": lora.merge(params, bumped, 4.0)}, images, ids)
     np.testing.assert_allclose(np.asarray(adapted), np.asarray(merged), rtol=1e-5, atol=1e-5)
+
+
+def test_a_is_drawn_as_peft_draws_it_and_b_is_zero(setup):
+    """PEFT's default (``kaiming_uniform_(a=√5)`` on ``lora_A [r, in]``): uniform on ±1/√in."""
+    _, params, _ = setup
+    adapters = lora.init(params, TARGETS, rank=4, key=jax.random.key(2))
+    for name, ad in adapters.items():
+        fan_in = ad["a"].shape[0]
+        a = np.asarray(ad["a"])
+        assert np.abs(a).max() <= fan_in ** -0.5 and np.abs(a).max() > 0.8 * fan_in ** -0.5, name
+        assert abs(a.std() - fan_in ** -0.5 / np.sqrt(3)) < 0.2 * fan_in ** -0.5, name  # a uniform's std
+        assert not np.any(np.asarray(ad["b"]))

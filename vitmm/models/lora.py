@@ -5,8 +5,10 @@
     merged = lora.merge(params, adapters, alpha=16)                        # W + (α/r)·AB, same outputs
 
 ``targets`` are regexes matched against a dense layer's path (``language/block_00/attn/q``);
-each matching 2-D ``kernel [in, out]`` gets ``a [in, r]`` (normal, std 1/r, as the reference
-initialises A) and ``b [r, out]`` (zeros, so the adapted model starts as the base one). The
+each matching 2-D ``kernel [in, out]`` gets ``a [in, r]`` (uniform on ±1/√in: PEFT's default,
+``kaiming_uniform_(a=√5)``, which LLaVA's LoRA runs use; the paper's normal draw with std 1/r is
+PEFT's ``init_lora_weights="gaussian"``, ~5× larger at rank 8 on a 576-wide LM) and ``b [r, out]``
+(zeros, so the adapted model starts as the base one). The
 adapters live in their own tree (``{"language.block_00.attn.q": {"a", "b"}}``: dotted, so the
 tree can sit in a checkpoint beside the parameters), so an optimizer can train them alone
 and a checkpoint can hold them apart; ``apply`` adds the low-rank branch through flax's method
@@ -36,7 +38,8 @@ def init(params: dict, targets, rank: int, key) -> dict:
         if leaf_name != "kernel" or getattr(leaf, "ndim", 0) != 2 or not any(p.fullmatch(layer) for p in patterns):
             continue
         fan_in, fan_out = leaf.shape
-        a = jax.random.normal(jax.random.fold_in(key, i), (fan_in, rank), jnp.float32) / rank
+        bound = fan_in ** -0.5
+        a = jax.random.uniform(jax.random.fold_in(key, i), (fan_in, rank), jnp.float32, -bound, bound)
         adapters[layer.replace("/", ".")] = {"a": a, "b": jnp.zeros((rank, fan_out), jnp.float32)}
     if not adapters:
         raise ValueError(f"No dense layer matches the LoRA targets {list(targets)}; layer paths look like "
