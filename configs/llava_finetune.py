@@ -29,6 +29,8 @@ def get_config(arg=None):
     with c.unlocked():
         c.lora.rank = arg.lora  # alpha: 2 x rank unless set
         c.optim.lr = 2e-4 if arg.lora else 2e-5
+        if arg.lora:  # LLaVA-1.5's LoRA recipe: --learning_rate 2e-4 --mm_projector_lr 2e-5
+            c.optim.lr_mult = ((r"project/.*", 0.1),)
         c.optim.freeze = (r"tower/.*", r"language/.*") if arg.lora else (r"tower/.*",)
         c.init.dont_load = (r"lora/.*",) if arg.lora else ()  # adapters start fresh after stage 1
         if arg.smoke:

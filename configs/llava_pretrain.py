@@ -110,6 +110,7 @@ def get_config(arg=None):
                                             dropout=0.05,
                                             targets=(r"language/block_\d+/attn/(q|k|v|o)",)))
     c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps * 3 // 100, 1), weight_decay=0.0,
+                           b2=0.999, eps=1e-8,  # LLaVA trains with transformers' Trainer's AdamW defaults
                            freeze=(r"tower/.*", r"language/.*"))  # stage 1: the connector alone
     c.init = common.init(vision=config_dict.placeholder(str),  # a vitmm.train CLIP workdir or vitmm.interop folder
                          lm=config_dict.placeholder(str),  # a `python -m vitmm.interop --from hf|gguf` LM folder

@@ -237,3 +237,31 @@ def test_micro_batches_take_every_kth_row_and_stay_on_their_devices_under_jit():
     assert "all-gather" not in hlo and "all-to-all" not in hlo, "the micro-batches left their devices"
     np.testing.assert_allclose(step(w, sharded), step_lib.loss_and_grads(loss_fn, w, batch, jax.random.key(0))[2],
                                rtol=1e-6)
+
+
+def test_lr_mult_scales_the_matching_parameters_updates_beside_a_freeze():
+    """LLaVA-1.5's LoRA recipe: the projector at a tenth of the adapters' rate, the LM frozen."""
+    params = {"project": {"kernel": jnp.ones((2, 2))}, "lora": {"a": jnp.ones((2, 2))},
+              "language": {"kernel": jnp.ones((2, 2))}}
+    grads = jax.tree.map(lambda p: 0.5 * p, params)
+
+    def updates(**more):
+        cfg = optim.config(lr=1e-2, warmup_steps=0, total_steps=10, freeze=(r"language/.*",), **more)
+        tx, _ = optim.make_optimizer(cfg, params)
+        return tx.update(grads, tx.init(params), params)[0]
+
+    plain, scaled = updates(), updates(lr_mult=((r"project/.*", 0.1),))
+    np.testing.assert_allclose(scaled["project"]["kernel"], 0.1 * plain["project"]["kernel"], rtol=1e-6)
+    np.testing.assert_array_equal(scaled["lora"]["a"], plain["lora"]["a"])
+    assert not np.any(scaled["language"]["kernel"]) and np.any(plain["lora"]["a"])
+    with pytest.raises(ValueError, match=r"optim.lr_mult pattern 'projection/.\*' matches no parameter"):
+        updates(lr_mult=((r"projection/.*", 0.1),))
+    with pytest.raises(ValueError, match=r"optim.lr_mult\['project/.\*'\]=-1: must be a number >= 0"):
+        updates(lr_mult=((r"project/.*", -1),))
+
+
+def test_an_evaluators_own_every_is_refused_not_ignored():
+    from vitmm.train import evaluators
+
+    with pytest.raises(ValueError, match=r"evals.retrieval.every=5: every evaluator runs each eval_every steps"):
+        evaluators.from_config({"retrieval": {"every": 5, "data": {}}}, None, 8, None, "softmax", 32)

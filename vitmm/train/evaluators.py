@@ -228,6 +228,9 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
         kind = cfg.pop("type", name)
         if kind not in TYPES:
             raise ValueError(f"Unknown evaluator type {kind!r} for {name!r}; choose one of {tuple(TYPES)}.")
+        if "every" in cfg:  # it was once accepted and ignored
+            raise ValueError(f"evals.{name}.every={cfg['every']!r}: every evaluator runs each eval_every steps; set "
+                             "config.eval_every instead.")
         data = dict(cfg.pop("data"))
         native = cfg.pop("native", None)
         if native:  # the image tower's patch and prefix tokens, as packing needs them
@@ -244,7 +247,6 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
             caches[key] = _Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
                                       cfg.pop("embed_batch_size", 256), cfg.get("num_examples"),
                                       image_size, native, padding=text_padding(model))
-        cfg.pop("every", None)
         cfg.pop("num_examples", None)
         cfg.pop("embed_batch_size", None)
         if kind == "val_loss":

@@ -31,14 +31,15 @@ def regex_mask(params, patterns: Sequence[str]):
 
 
 def config(*, lr: float, warmup_steps: int, weight_decay: float = 0.0, end_factor: float = 0.0, b1: float = 0.9,
-           b2: float = 0.98, eps: float = 1e-6, clip_norm: float = 1.0, freeze=(), **more) -> ml_collections.ConfigDict:
+           b2: float = 0.98, eps: float = 1e-6, clip_norm: float = 1.0, freeze=(), lr_mult=(),
+           **more) -> ml_collections.ConfigDict:
     """The settings ``make_optimizer`` reads, with vitmm's defaults: AdamW with CLIP's b1/b2/eps
     (0.9, 0.98, 1e-6), gradients clipped at global norm 1, a linear warmup then a cosine decay to
     ``end_factor``·lr at ``total_steps`` (in ``more``, or set by the trainer from the run's length).
     Every caller builds its optimizer settings here: configs, studies and tests."""
     return ml_collections.ConfigDict(dict(lr=lr, warmup_steps=warmup_steps, end_factor=end_factor,
                                           weight_decay=weight_decay, b1=b1, b2=b2, eps=eps, clip_norm=clip_norm,
-                                          freeze=tuple(freeze), **more))
+                                          freeze=tuple(freeze), lr_mult=tuple(tuple(x) for x in lr_mult), **more))
 
 
 def schedule(cfg) -> optax.Schedule:
@@ -59,12 +60,28 @@ def make_optimizer(cfg, params) -> tuple[optax.GradientTransformation, optax.Sch
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.get("clip_norm") else optax.identity(),
         optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay),
+        *lr_multipliers(cfg, params),
     )
     trainable = trainable_mask(cfg, params)
     if trainable is not None:
         labels = jax.tree.map(lambda t: "train" if t else "frozen", trainable)
         tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
     return tx, lr
+
+
+def lr_multipliers(cfg, params) -> list[optax.GradientTransformation]:
+    """``cfg.lr_mult`` (``((regex, factor), ...)``): the matching parameters' updates, decay
+    included, scaled by ``factor`` (LLaVA-1.5's LoRA recipe: the projector at a tenth of the LM's rate)."""
+    out = []
+    for pattern, factor in tuple(cfg.get("lr_mult") or ()):
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0:
+            raise ValueError(f"optim.lr_mult[{pattern!r}]={factor!r}: must be a number >= 0.")
+        mask = regex_mask(params, (pattern,))
+        if not any(jax.tree.leaves(mask)):
+            raise ValueError(f"optim.lr_mult pattern {pattern!r} matches no parameter; paths look like "
+                             f"{sorted(path_names(params))[:4]}.")
+        out.append(optax.masked(optax.scale(float(factor)), mask))
+    return out
 
 
 def trainable_mask(cfg, params):
