@@ -117,3 +117,14 @@ def asked_example(vlm, images: list, question: str, monkeypatch) -> dict:
     monkeypatch.setattr(vlm, "generate", lambda example, max_new_tokens: seen.append(example) or iter(()))
     vlm.ask(images if len(images) > 1 else images[0], question)
     return seen[0]
+
+
+def import_hf(fixture: pathlib.Path, tmp_path_factory) -> tuple[pathlib.Path, object]:
+    """A transformers fixture folder imported (``python -m vitmm.interop --from hf``) and loaded for
+    chat: ``(workdir, vitmm.chat.VLM)``, for a module's tests to share."""
+    from vitmm import chat
+    from vitmm.interop.__main__ import main
+
+    out = tmp_path_factory.mktemp(fixture.name) / "w"
+    main(["--from", "hf", "--src", str(fixture), "--out", str(out)])
+    return out, chat.load(out)

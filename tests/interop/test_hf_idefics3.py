@@ -10,7 +10,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from parity import finetune_imported, flat_logits
+from parity import finetune_imported, flat_logits, import_hf
 
 from vitmm.data import tiles
 from vitmm.interop.vlm import idefics3 as hf_idefics3
@@ -21,12 +21,7 @@ IMAGE = 320  # the fixture tokenizer's <image>
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    from vitmm import chat
-    from vitmm.interop.__main__ import main
-
-    out = tmp_path_factory.mktemp("idefics3") / "w"
-    main(["--from", "hf", "--src", str(FIXTURE), "--out", str(out)])
-    return out, chat.load(out)
+    return import_hf(FIXTURE, tmp_path_factory)
 
 
 def test_idefics3_gives_transformers_tiles_ids_logits_and_greedy_answers(imported):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parity import asked_example, served_example
+from parity import asked_example, import_hf, served_example
 
 from vitmm.interop import vlm as hf_vlm
 
@@ -20,12 +20,7 @@ IMAGE_TOKEN = 320  # the fixture tokenizer's <image>
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    from vitmm import chat
-    from vitmm.interop.__main__ import main
-
-    out = tmp_path_factory.mktemp("paligemma") / "w"
-    main(["--from", "hf", "--src", str(FIXTURE), "--out", str(out)])
-    return out, chat.load(out)
+    return import_hf(FIXTURE, tmp_path_factory)
 
 
 def test_paligemma_gives_transformers_pixels_ids_logits_and_greedy_answers(imported):

@@ -9,7 +9,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from parity import asked_example, finetune_imported, flat_logits, served_example
+from parity import asked_example, finetune_imported, flat_logits, import_hf, served_example
 
 from vitmm.interop.vlm import qwen2_vl as hf_qwen2_vl
 
@@ -19,12 +19,7 @@ IMAGE_PAD = 323  # the fixture tokenizer's <|image_pad|>
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    from vitmm import chat
-    from vitmm.interop.__main__ import main
-
-    out = tmp_path_factory.mktemp("qwen2_vl") / "w"
-    main(["--from", "hf", "--src", str(FIXTURE), "--out", str(out)])
-    return out, chat.load(out)
+    return import_hf(FIXTURE, tmp_path_factory)
 
 
 def test_qwen2_vl_gives_transformers_patches_ids_logits_and_greedy_answers(imported):

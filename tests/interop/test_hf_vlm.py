@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import import_hf
 
 from vitmm.interop import io
 from vitmm.interop import vlm as hf_vlm
@@ -25,12 +26,7 @@ IMAGE_TOKEN = 320  # the fixture tokenizer's <image>
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    from vitmm import chat
-    from vitmm.interop.__main__ import main
-
-    out = tmp_path_factory.mktemp("llava") / "w"
-    main(["--from", "hf", "--src", str(FIXTURE), "--out", str(out)])  # the CLI, in this process
-    return out, chat.load(out)
+    return import_hf(FIXTURE, tmp_path_factory)  # the CLI, in this process
 
 
 def test_llava_gives_transformers_pixels_ids_logits_and_greedy_answers(imported):
@@ -55,12 +51,7 @@ def test_llava_gives_transformers_pixels_ids_logits_and_greedy_answers(imported)
 
 @pytest.fixture(scope="module")
 def next_imported(tmp_path_factory):
-    from vitmm import chat
-    from vitmm.interop.__main__ import main
-
-    out = tmp_path_factory.mktemp("llava_next") / "w"
-    main(["--from", "hf", "--src", str(FIXTURE.with_name("hf_llava_next")), "--out", str(out)])
-    return out, chat.load(out)
+    return import_hf(FIXTURE.with_name("hf_llava_next"), tmp_path_factory)
 
 
 def _check_anyres_prompt(vlm, ref: dict, prompts: list, i: int) -> None:
