@@ -174,7 +174,8 @@ def test_a_failed_background_save_is_seen_before_the_next_save_and_the_intact_st
 
     async def async_save(self, directory, *args, **kwargs):
         futures = await real(self, directory, *args, **kwargs)
-        return list(futures or []) + [NoSpace()] if "2" in str(directory) else futures
+        step_2 = any(part == "2" or part.startswith("2.") for part in pathlib.Path(directory).parts)  # not the
+        return list(futures or []) + [NoSpace()] if step_2 else futures  # tmp path's digits ("pytest-215")
 
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", async_save)
     checkpointer = ckpt_lib.Checkpointer(tmp_path, keep=1)
