@@ -262,7 +262,7 @@ def _image_processor(pp: str, size: int, mean, std, anyres: dict | None = None) 
                 steps[0][1][1] != anyres["tile"]:
             raise ValueError(f"the run's image steps {'|'.join(names) or '(none)'} are not LLaVA-NeXT's processor: "
                              "it makes the AnyRes views on the host, as one anyres(pinpoints, tile, …) op (a run on "
-                             "flat sequences makes them after normalize: not exportable)")
+                             "flat sequences makes them in data.sequences: not exportable)")
         resample = pil_resample(steps[0][2].get("method"))
         if anyres.get("max_patches"):  # LLaVA-OneVision's: every view squashed to the tile's square
             return {**common, "image_processor_type": "LlavaOnevisionImageProcessor", "do_pad": True,
