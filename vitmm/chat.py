@@ -253,8 +253,8 @@ def _image_array(image) -> np.ndarray:
     if isinstance(image, str | bytes | os.PathLike):
         got = f"{len(image):,} bytes" if isinstance(image, bytes) else f"the path {str(image)!r}"
         raise ValueError(f"{_IMAGE_TAKEN}; got {got}: {read}.")
-    if isinstance(image, Image.Image):
-        image = np.asarray(_to_rgb(image))
+    if isinstance(image, Image.Image):  # transparency kept: the pp's decode treats it as the run was trained
+        image = np.asarray(_to_rgb(image, alpha="keep"))
     try:
         array = np.asarray(image)
     except ValueError:  # a ragged nested list
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
         images = []
         for path in args.image:
             try:
-                images.append(decode_image(open(path, "rb").read()))  # noqa: SIM115 - read at once
+                images.append(decode_image(open(path, "rb").read(), alpha="keep"))  # noqa: SIM115 - read at once
             except (OSError, BadExample) as err:
                 print(f"python -m vitmm.chat: cannot read --image {path}: {err}", file=sys.stderr)
                 return 2

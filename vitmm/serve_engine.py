@@ -144,7 +144,7 @@ class Engine:
         if width * height > MAX_IMAGE_PIXELS:
             raise RequestError(f"The image is {width}x{height}, more than {MAX_IMAGE_PIXELS:,} pixels.", 413, param)
         try:
-            image = decode_image(data)
+            image = decode_image(data, alpha="keep")  # transparency kept for the run's pp decode
         except BadExample as bad:
             raise RequestError(f"The image cannot be decoded ({bad.detail or bad.reason}).", param=param) from None
         if image.shape[0] * image.shape[1] > MAX_IMAGE_PIXELS:

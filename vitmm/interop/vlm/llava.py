@@ -72,7 +72,7 @@ def _image_pp(images: dict, size: int, src) -> str:
     pad = "pad_to_square({image_mean})|" if images.get("do_pad") else ""
     if shortest is None and (given.get("height"), given.get("width")) == (size, size) and \
             not images.get("do_center_crop") and images.get("resample", 3) in methods and images.get("do_resize", True):
-        return f"decode|{pad}resize({size}, method='{methods[images.get('resample', 3)]}')|"
+        return f"decode(alpha='white')|{pad}resize({size}, method='{methods[images.get('resample', 3)]}')|"
     if not images.get("do_resize", True) or shortest is None or images.get("resample", 3) not in methods:
         raise ValueError(f"{src}: image processing {json.dumps({k: images.get(k) for k in ('size', 'resample')})} "
                          "is not supported; vitmm reads a shortest-edge resize, bicubic (3) or bilinear (2).")
@@ -80,7 +80,7 @@ def _image_pp(images: dict, size: int, src) -> str:
         raise ValueError(f"{src}: crop {crop} (do_center_crop={images.get('do_center_crop')}) does not give the "
                          f"tower's {size}x{size} input.")
     method = methods[images.get("resample", 3)]
-    return f"decode|{pad}resize({shortest}, method='{method}', shorter=True)|center_crop({size})|"
+    return f"decode(alpha='white')|{pad}resize({shortest}, method='{method}', shorter=True)|center_crop({size})|"
 
 
 
@@ -106,7 +106,7 @@ def _anyres_pp(images: dict, size: int, patch: int, src, max_patches: int | None
     grid = (size // patch, size // patch)
     method = methods[images.get("resample", 3)]
     more = f", max_patches={max_patches}" if max_patches else ""
-    return f"decode|anyres({pinpoints}, {size}, {grid}, method='{method}'{more})|", pinpoints
+    return f"decode(alpha='white')|anyres({pinpoints}, {size}, {grid}, method='{method}'{more})|", pinpoints
 
 
 

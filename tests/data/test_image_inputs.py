@@ -1,0 +1,52 @@
+"""Images at the edges: transparency as each reference handles it, arrays of other dtypes, and
+images no model can take counted as bad examples. Expected pixels are transformers 5.x's
+``convert_to_rgb`` (``image_transforms``), computed once and stored here."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitmm.data import images, preprocess
+
+# RGBA pixels: opaque red, transparent red, half-transparent red, a 77/255-opaque green
+RGBA = np.array([[[200, 30, 30, 255], [200, 30, 30, 0], [200, 30, 30, 128], [10, 250, 90, 77]]], np.uint8)
+HF_ON_WHITE = [[[200, 30, 30], [255, 255, 255], [227, 142, 142], [181, 253, 205]]]
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_transparent_images_go_onto_white_as_transformers_processors_do():
+    """RGBA, LA and a palette's transparent colour (files and arrays) equal ``convert_to_rgb``'s."""
+    white = preprocess.parse("decode(alpha='white')")
+    assert white({"image": _png(Image.fromarray(RGBA, "RGBA"))}, None)["image"].tolist() == HF_ON_WHITE
+    assert white({"image": RGBA}, None)["image"].tolist() == HF_ON_WHITE
+    la = np.array([[[100, 0], [100, 255], [100, 200]]], np.uint8)
+    assert images.decode_image(_png(Image.fromarray(la, "LA")), alpha="white")[0, :, 0].tolist() == [255, 100, 133]
+    palette = Image.new("P", (2, 1))
+    palette.putpalette([0, 0, 0, 9, 99, 199] + [0] * 762)
+    palette.putpixel((1, 0), 1)
+    palette.info["transparency"] = 0
+    assert images.decode_image(_png(palette), alpha="white").tolist() == [[[255, 255, 255], [9, 99, 199]]]
+
+
+def test_alpha_is_dropped_by_default_as_llava_and_open_clip_do():
+    drop = preprocess.parse("decode")
+    assert drop({"image": RGBA}, None)["image"].tolist() == RGBA[..., :3].tolist()
+    assert drop({"image": _png(Image.fromarray(RGBA, "RGBA"))}, None)["image"].tolist() == RGBA[..., :3].tolist()
+    with pytest.raises(ValueError, match="alpha='black': choose 'drop'"):
+        preprocess.parse("decode(alpha='black')")
+
+
+def test_chat_and_the_server_keep_transparency_for_the_runs_decode():
+    """Files read at the edges (``alpha="keep"``) stay RGBA, so an imported VLM's
+    ``decode(alpha='white')`` sees the alpha; opaque files stay RGB."""
+    kept = images.decode_image(_png(Image.fromarray(RGBA, "RGBA")), alpha="keep")
+    assert kept.shape == (1, 4, 4)
+    assert preprocess.parse("decode(alpha='white')")({"image": kept}, None)["image"].tolist() == HF_ON_WHITE
+    assert images.decode_image(_png(Image.fromarray(RGBA[..., :3])), alpha="keep").shape == (1, 4, 3)
