@@ -50,3 +50,12 @@ def test_chat_and_the_server_keep_transparency_for_the_runs_decode():
     assert kept.shape == (1, 4, 4)
     assert preprocess.parse("decode(alpha='white')")({"image": kept}, None)["image"].tolist() == HF_ON_WHITE
     assert images.decode_image(_png(Image.fromarray(RGBA[..., :3])), alpha="keep").shape == (1, 4, 3)
+
+
+def test_an_image_too_narrow_for_smart_resize_is_a_counted_skip_not_a_crash():
+    """A 1×300 banner in Qwen2-VL's pp is skipped under ``image_aspect`` by ``skips.guard``."""
+    from vitmm.data import skips
+
+    guarded = skips.guard(preprocess.parse("decode|smart_resize(16, 4096, 4)"))
+    assert guarded({"image": np.zeros((1, 300, 3), np.uint8)}, np.random.default_rng(0)).reason == "image_aspect"
+    assert guarded({"image": np.zeros((8, 12, 3), np.uint8)}, np.random.default_rng(0))["image"].shape == (8, 12, 3)

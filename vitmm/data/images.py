@@ -109,9 +109,12 @@ def resize(image: np.ndarray, size: tuple[int, int], method: str = "bilinear") -
 def smart_size(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's ``smart_resize``: ``(height, width)``, multiples of ``factor``, the nearest to
     ``(h, w)`` (Python's rounding, halves to even), scaled down (floor) or up (ceil) with the aspect
-    kept when their pixels fall outside ``[min_pixels, max_pixels]``."""
+    kept when their pixels fall outside ``[min_pixels, max_pixels]``. An aspect ratio over 200
+    (which Qwen2-VL's processor refuses too) is a ``BadExample("image_aspect")``: counted and
+    skipped in training, a 400 at the server, not a stopped run."""
     if max(h, w) / min(h, w) > 200:
-        raise ValueError(f"An image of {h}x{w} pixels: its aspect ratio must be below 200 (Qwen2-VL's limit).")
+        raise BadExample("image_aspect", f"an image of {h}x{w} pixels: its aspect ratio must be below 200 "
+                                         "(Qwen2-VL's limit); crop or pad it")
     nh, nw = round(h / factor) * factor, round(w / factor) * factor
     if nh * nw > max_pixels:
         beta = math.sqrt(h * w / max_pixels)
