@@ -18,15 +18,19 @@ def image_channels(config) -> int:
 
 
 def image_normalization(config) -> tuple[tuple, tuple]:
-    """``(mean, std)`` the run's images are normalised with: ``input.image_mean``/``image_std``
-    when set, else (a VLM) what the tower checkpoint ``init.vision`` records, else 0.5/0.5
-    (``value_range(-1, 1)``, what vitmm's own configs train with)."""
+    """``(mean, std)`` the run's images are normalised with, each on its own: ``input.image_mean``
+    / ``image_std`` when set, else (a VLM) what the tower checkpoint ``init.vision`` records, else
+    0.5 (``value_range(-1, 1)``, what vitmm's own configs train with)."""
     mean, std = config.input.get("image_mean"), config.input.get("image_std")
-    if mean is None and config.get("task") == "vlm" and sources.folder(config, "vision"):
-        saved = ckpt_lib.load_config(sources.folder(config, "vision")).get("input") or {}
-        mean, std = saved.get("image_mean"), saved.get("image_std")
+    recorded = _recorded_normalization(config) if mean is None or std is None else {}
     half = (0.5, 0.5, 0.5)
-    return tuple(mean or half), tuple(std or half)
+    return tuple(mean or recorded.get("image_mean") or half), tuple(std or recorded.get("image_std") or half)
+
+
+def _recorded_normalization(config) -> dict:
+    """The ``image_mean``/``image_std`` the tower's checkpoint records (``init.vision``'s for a VLM)."""
+    folder = sources.folder(config, "vision") if config.get("task") == "vlm" else None
+    return (ckpt_lib.load_config(folder).get("input") or {}) if folder else {}
 
 
 def pp_string(config, template: str | None = None) -> str:
