@@ -16,7 +16,7 @@ def _config(tmp_path, task="vlm", init_key="vision", **inp):
     folder.mkdir(exist_ok=True)
     (folder / ckpt_lib.PINNED_SETTINGS).write_text(json.dumps({"input": {"image_mean": CLIP_MEAN,
                                                                          "image_std": CLIP_STD}}))
-    return ml_collections.ConfigDict({"task": task, "init": {init_key: str(folder)},
+    return ml_collections.ConfigDict({"task": task, "init": {init_key: str(folder)}, "model": {},
                                       "input": {"image_mean": None, "image_std": None, **inp}})
 
 
@@ -24,3 +24,17 @@ def test_a_partial_override_keeps_the_users_half_and_fills_the_other_from_the_ch
     assert pp_template.image_normalization(_config(tmp_path)) == (CLIP_MEAN, CLIP_STD)
     assert pp_template.image_normalization(_config(tmp_path, image_std=(0.2,) * 3)) == (CLIP_MEAN, (0.2,) * 3)
     assert pp_template.image_normalization(_config(tmp_path, image_mean=(0.4,) * 3)) == ((0.4,) * 3, CLIP_STD)
+
+
+def test_a_two_tower_run_from_a_converted_clip_normalises_as_it_records_and_evaluates_the_same(tmp_path):
+    """``{normalize}`` is CLIP's statistics for ``init.checkpoint`` = a converted CLIP, and stays
+    ``value_range(-1, 1)`` (vitmm's configs' numbers) without one; evaluators repeat the run's op."""
+    pp = "decode|resize(8)|{normalize}|keep('image')"
+    converted = _config(tmp_path, task="contrastive", init_key="checkpoint", pp=pp, image_size=8)
+    assert pp_template.value_op(converted) == f"normalize({CLIP_MEAN}, {CLIP_STD})"
+    stock = ml_collections.ConfigDict({"task": "contrastive", "init": {"checkpoint": None},
+                                       "input": {"pp": pp, "image_size": 8}, "model": {}})
+    assert pp_template.value_op(stock) == "value_range(-1, 1)"
+    own = ml_collections.ConfigDict({**stock.to_dict(), "input": {"pp": "decode|normalize(0.4, std=0.2)",
+                                                                  "image_size": 8}})
+    assert pp_template.value_op(own) == "normalize(0.4, std=0.2)"

@@ -100,7 +100,7 @@ class ContrastiveTask:
     def evaluators(self):
         c = self.config
         return eval_lib.from_config(evals_config(c), self.model, c.model.text.max_len, self.tokenizer,
-                                    c.loss, c.input.image_size)
+                                    c.loss, c.input.image_size, pp_template.value_op(c))
 
 
 class VLMTask:
