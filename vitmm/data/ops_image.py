@@ -158,26 +158,37 @@ def center_crop(size, key="image"):
     return fn
 
 
-def random_resized_crop(size, scale=(0.5, 1.0), ratio=(3 / 4, 4 / 3), key="image"):
-    """Inception-style crop: a random area fraction in ``scale`` and aspect ratio in ``ratio``."""
+def random_resized_crop(size, scale=(0.5, 1.0), ratio=(3 / 4, 4 / 3), key="image", method="bilinear"):
+    """Inception-style crop as torchvision's ``RandomResizedCrop``: a random area fraction in
+    ``scale`` and aspect ratio in ``ratio`` (10 tries, then a central crop at the ratio clamped to
+    ``ratio``), resized to ``size`` with PIL's ``method`` (open_clip trains with ``'bicubic'``).
+    The default ``scale`` is vitmm's (torchvision's is ``(0.08, 1)``)."""
     size = _pair(size)
 
     def fn(ex, rng):
         image = ex[key]
-        h, w = image.shape[:2]
-        for _ in range(10):
-            area = h * w * rng.uniform(*scale)
-            aspect = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
-            ch, cw = int(round(np.sqrt(area / aspect))), int(round(np.sqrt(area * aspect)))
-            if 0 < ch <= h and 0 < cw <= w:
-                top, left = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
-                break
-        else:  # fall back to the whole image
-            top, left, ch, cw = 0, 0, h, w
-        ex[key] = images_lib.resize(np.ascontiguousarray(image[top : top + ch, left : left + cw]), size)
+        top, left, ch, cw = _crop_box(image.shape[:2], scale, ratio, rng)
+        ex[key] = images_lib.resize(np.ascontiguousarray(image[top : top + ch, left : left + cw]), size, method)
         return ex
 
     return fn
+
+
+def _crop_box(hw, scale, ratio, rng) -> tuple[int, int, int, int]:
+    """``(top, left, height, width)`` of a random crop (torchvision's ``RandomResizedCrop.get_params``)."""
+    h, w = hw
+    for _ in range(10):
+        area = h * w * rng.uniform(*scale)
+        aspect = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
+        ch, cw = int(round(np.sqrt(area / aspect))), int(round(np.sqrt(area * aspect)))
+        if 0 < ch <= h and 0 < cw <= w:
+            return int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1)), ch, cw
+    ch, cw = h, w  # no crop fits: the central crop at the clamped ratio
+    if w / h < min(ratio):
+        ch = int(round(w / min(ratio)))
+    elif w / h > max(ratio):
+        cw = int(round(h * max(ratio)))
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
 
 
 _LEFT_RIGHT = re.compile(r"\b(left|right)\b")

@@ -14,7 +14,7 @@ Ops (all work on numpy, per example):
     CMYK, palette); a conversation's ``images`` list becomes ``image``, ``num_images`` and
     ``has_image``. ``pad_to_square(fill)``: LLaVA's pad to a square with the mean colour.
   * The geometric ops (in ``data/ops_image.py``): ``resize(size)``, ``center_crop(size)``,
-    ``random_resized_crop(size, scale, ratio)``; ``naflex(max_num_patches, patch)`` (aspect kept,
+    ``random_resized_crop(size, scale, ratio, method)``; ``naflex(max_num_patches, patch)`` (aspect kept,
     the grid within a patch budget), Qwen2-VL's ``smart_resize(min_pixels, max_pixels, factor)`` and
     ``letterbox(size)`` (aspect kept, padded to a square) for images of many shapes;
     ``anyres(pinpoints, tile, tile_grid)``: LLaVA-NeXT's base view + tiles, with each visual
