@@ -59,3 +59,17 @@ def test_an_image_too_narrow_for_smart_resize_is_a_counted_skip_not_a_crash():
     guarded = skips.guard(preprocess.parse("decode|smart_resize(16, 4096, 4)"))
     assert guarded({"image": np.zeros((1, 300, 3), np.uint8)}, np.random.default_rng(0)).reason == "image_aspect"
     assert guarded({"image": np.zeros((8, 12, 3), np.uint8)}, np.random.default_rng(0))["image"].shape == (8, 12, 3)
+
+
+def test_arrays_of_other_dtypes_map_as_image_files_and_transformers_do():
+    """uint16 arrays as 16-bit PNGs (/257), floats in [0, 1] scaled and rounded, whole-number
+    floats as 0..255; anything else refused in one line."""
+    gray16 = np.full((2, 2), 4112, np.uint16)  # 16 · 257
+    png = io.BytesIO()
+    Image.fromarray(gray16).save(png, "PNG")
+    assert preprocess.to_rgb(gray16)[0, 0].tolist() == images.decode_image(png.getvalue())[0, 0].tolist() == [16] * 3
+    assert preprocess.to_rgb(np.full((2, 2, 3), 0.7))[0, 0].tolist() == [178] * 3  # round(0.7 · 255)
+    assert preprocess.to_rgb(np.full((2, 2, 3), 200.0))[0, 0].tolist() == [200] * 3
+    assert preprocess.to_rgb(np.full((2, 2, 3), 7, np.int64))[0, 0].tolist() == [7] * 3
+    with pytest.raises(ValueError, match=r"^A float32 image with values in \[0, 254.5\]: give uint8"):
+        preprocess.to_rgb(np.array([[0.0, 254.5]], np.float32))

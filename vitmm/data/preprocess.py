@@ -206,7 +206,21 @@ def to_rgb(image: np.ndarray, alpha: str = "drop") -> np.ndarray:
 
 
 def _to_uint8(image: np.ndarray) -> np.ndarray:
-    return image if image.dtype == np.uint8 else np.clip(image, 0, 255).astype(np.uint8)
+    """uint8 pixels from an array of another dtype: uint16 as 16-bit image files (value / 257,
+    ``data.images``); floats as transformers' ``to_pil_image`` reads them (whole numbers in 0..255
+    as they are, else values in [0, 1] times 255), rounded; other integers in 0..255 as they are."""
+    if image.dtype == np.uint8:
+        return image
+    if image.dtype == np.uint16:
+        return np.round(image / 257.0).astype(np.uint8)
+    values = np.asarray(image, np.float64)
+    whole = np.array_equal(values, np.round(values))
+    if image.dtype.kind == "f" and not whole and values.min() >= 0 and values.max() <= 1:
+        values = values * 255.0
+    elif values.size and (values.min() < 0 or values.max() > 255 or (image.dtype.kind == "f" and not whole)):
+        raise ValueError(f"A {image.dtype} image with values in [{values.min():g}, {values.max():g}]: give uint8 "
+                         "(0..255), uint16, or floats in [0, 1] or whole numbers in 0..255.")
+    return np.round(values).astype(np.uint8)
 
 
 def _decode_text(value):
