@@ -6,14 +6,13 @@ right in the text too). Each takes ``key`` (default ``image``) and returns ``fn(
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from vitmm.data import images as images_lib
-from vitmm.data.scenes import swap_left_right
+from vitmm.data.scenes import LEFT_RIGHT, swap_left_right
 
-TEXT_DEFAULT = ("caption", "captions", "questions", "question", "answers", "answer", "text")
+TEXT_DEFAULT = ("caption", "captions", "questions", "question", "answers", "answer", "text", "conversations")
+TURN_TEXT = ("value", "content")  # a conversation turn's text (LLaVA's, OpenAI's)
 
 
 def _pair(size) -> tuple[int, int]:
@@ -191,34 +190,45 @@ def _crop_box(hw, scale, ratio, rng) -> tuple[int, int, int, int]:
     return (h - ch) // 2, (w - cw) // 2, ch, cw
 
 
-_LEFT_RIGHT = re.compile(r"\b(left|right)\b")
-
-
 def flip_lr(prob=0.5, text_keys=TEXT_DEFAULT, mode="swap", key="image"):
+    """Horizontal flip with probability ``prob``; the words left/right (any case) in ``text_keys``
+    (strings, lists of them, or conversations' turns) swapped (``mode="swap"``), or the example
+    left unflipped when they appear (``mode="skip"``)."""
     if mode not in ("swap", "skip"):
         raise ValueError(f"flip_lr mode={mode!r}; choose 'swap' (swap left/right in text) or 'skip'.")
-
-    def texts(ex):
-        for k in text_keys:
-            value = ex.get(k)
-            if isinstance(value, str):
-                yield value
-            elif isinstance(value, list):
-                yield from (v for v in value if isinstance(v, str))
 
     def fn(ex, rng):
         if rng.random() >= prob:
             return ex
-        if mode == "skip" and any(_LEFT_RIGHT.search(t) for t in texts(ex)):
+        if mode == "skip" and any(LEFT_RIGHT.search(t) for k in text_keys for t in _texts(ex.get(k))):
             return ex
         ex[key] = np.ascontiguousarray(ex[key][:, ::-1])
         if mode == "swap":
             for k in text_keys:
-                value = ex.get(k)
-                if isinstance(value, str):
-                    ex[k] = swap_left_right(value)
-                elif isinstance(value, list):
-                    ex[k] = [swap_left_right(v) if isinstance(v, str) else v for v in value]
+                if k in ex:
+                    ex[k] = _swapped(ex[k])
         return ex
 
     return fn
+
+
+def _texts(value):
+    """The strings of a text field: a string, a list of them, or a conversation's turns."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, str):
+                yield item
+            elif isinstance(item, dict):
+                yield from (item[k] for k in TURN_TEXT if isinstance(item.get(k), str))
+
+
+def _swapped(value):
+    if isinstance(value, str):
+        return swap_left_right(value)
+    if isinstance(value, list):
+        return [_swapped(item) if isinstance(item, str) else
+                {k: swap_left_right(v) if k in TURN_TEXT and isinstance(v, str) else v for k, v in item.items()}
+                if isinstance(item, dict) else item for item in value]
+    return value

@@ -22,8 +22,8 @@ Ops (all work on numpy, per example):
     LLaVA-OneVision's downsampling). Idefics3's ``idefics3_tiles(longest_edge, tile)`` is in
     ``data/tiles.py``, the video ops in ``data/video.py``.
   * ``flip_lr(prob=0.5, text_keys=(...), mode="swap")``: horizontal flip. A flipped image
-    makes "left" wrong in its text, so ``mode="swap"`` swaps the words left/right in the
-    listed text fields (default: captions and questions stay true); ``mode="skip"`` leaves any
+    makes "left" wrong in its text, so ``mode="swap"`` swaps the words left/right (any case) in the
+    listed text fields (default: captions, questions and conversations stay true); ``mode="skip"`` leaves any
     example whose text mentions left or right unflipped.
   * ``value_range(lo, hi)``: uint8 → float32 in ``[lo, hi]``; ``normalize(mean, std)``: uint8 →
     ``(x / 255 - mean) / std`` (a pretrained tower's input statistics); ``blank``: zeros instead

@@ -1,4 +1,5 @@
-"""``random_resized_crop`` falls back as torchvision's ``RandomResizedCrop.get_params`` does."""
+"""Augmentations as their references do them: ``random_resized_crop`` falls back as torchvision's
+``RandomResizedCrop.get_params`` does; ``flip_lr`` keeps left/right in the text true."""
 
 import numpy as np
 import pytest
@@ -24,3 +25,15 @@ def test_random_resized_crop_resamples_with_its_method():
                                                                                    np.random.default_rng(1))["image"]
                          for m in ("bilinear", "bicubic"))
     assert bilinear.shape == bicubic.shape == (16, 16, 3) and not np.array_equal(bilinear, bicubic)
+
+
+def test_flip_lr_swaps_left_and_right_in_conversations_and_any_case():
+    """LLaVA-style turns are text too; ``Left``/``RIGHT`` swap keeping their case; ``skip`` sees them."""
+    turns = [{"from": "human", "value": "<image>\nWhere is the dog?"}, {"from": "gpt", "value": "On the Left, not RIGHT."}]
+    image = np.arange(6, dtype=np.uint8).reshape(1, 2, 3)
+    flipped = preprocess.parse("flip_lr(prob=1.0)")({"image": image, "conversations": turns}, np.random.default_rng(0))
+    assert flipped["conversations"][1]["value"] == "On the Right, not LEFT." and flipped["image"][0, 0, 0] == 3
+    assert turns[1]["value"] == "On the Left, not RIGHT."  # the source's turns are not changed
+    kept = preprocess.parse("flip_lr(prob=1.0, mode='skip')")({"image": image, "conversations": turns},
+                                                                np.random.default_rng(0))
+    assert kept["image"][0, 0, 0] == 0
