@@ -29,7 +29,8 @@ def test_random_resized_crop_resamples_with_its_method():
 
 def test_flip_lr_swaps_left_and_right_in_conversations_and_any_case():
     """LLaVA-style turns are text too; ``Left``/``RIGHT`` swap keeping their case; ``skip`` sees them."""
-    turns = [{"from": "human", "value": "<image>\nWhere is the dog?"}, {"from": "gpt", "value": "On the Left, not RIGHT."}]
+    turns = [{"from": "human", "value": "<image>\nWhere is the dog?"},
+             {"from": "gpt", "value": "On the Left, not RIGHT."}]
     image = np.arange(6, dtype=np.uint8).reshape(1, 2, 3)
     flipped = preprocess.parse("flip_lr(prob=1.0)")({"image": image, "conversations": turns}, np.random.default_rng(0))
     assert flipped["conversations"][1]["value"] == "On the Right, not LEFT." and flipped["image"][0, 0, 0] == 3
