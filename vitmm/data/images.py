@@ -1,6 +1,8 @@
 """Image files as researchers have them (JPEG, PNG, WebP, ...) → uint8 RGB ``[H, W, 3]``.
 
-EXIF orientation is applied (a phone's portrait photo stands up); greyscale, palette and CMYK
+EXIF orientation is applied (a phone's portrait photo stands up, as transformers' ``load_image``
+does; LLaVA's ``Image.open``, open_clip's webdataset decode and big_vision's ``tf.io.decode_image``
+do not, so such photos differ from those pipelines); greyscale, palette and CMYK
 images become RGB the way PIL's ``convert("RGB")`` does it. Transparency (an alpha band or a
 palette's transparent colour) is either dropped (``alpha="drop"``, the default: what LLaVA's and
 open_clip's training code do, and what runs trained here see) or composited onto white

@@ -34,7 +34,9 @@ def pad_to_square(fill=(0.5, 0.5, 0.5), key="image"):
 def resize(size, key="image", method="bilinear", shorter=False):
     """To ``size`` (a side or ``(height, width)``) with PIL's ``method`` (``bilinear``, ``bicubic``);
     ``shorter=True``: the shorter side to ``size``, the aspect kept (transformers' CLIP processors'
-    ``shortest_edge``; with ``method='bicubic'`` and ``center_crop``, their exact pixels)."""
+    ``shortest_edge``; with ``method='bicubic'`` and ``center_crop``, their exact pixels). The
+    default, PIL bilinear, antialiases when shrinking: big_vision's ``resize`` (``tf.image.resize``,
+    no antialias) and HF SigLIP's (bicubic) give other pixels."""
     if method not in images_lib.RESAMPLING:
         raise ValueError(f"resize(method={method!r}): choose one of {tuple(images_lib.RESAMPLING)}.")
     if shorter and not isinstance(size, int):
@@ -144,6 +146,9 @@ def anyres_views(image: np.ndarray, pinpoints, tile: int, method: str = "bilinea
 
 
 def center_crop(size, key="image"):
+    """The central ``size`` crop, offsets rounded down as transformers' PIL backend does;
+    torchvision's ``CenterCrop`` (open_clip) rounds them to nearest, one pixel apart when the
+    margin is 3 mod 4."""
     size = _pair(size)
 
     def fn(ex, rng):
