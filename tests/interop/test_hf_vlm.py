@@ -86,7 +86,8 @@ def test_llava_next_gives_transformers_views_ids_logits_and_greedy_answers(next_
     out, vlm = next_imported
     folder = FIXTURE.with_name("hf_llava_next")
     ref = np.load(folder / "io.npz")
-    assert vlm.config.model.anyres.to_dict() == {"pinpoints": [[16, 32], [32, 16], [32, 32]], "tile": 16}
+    assert vlm.config.model.anyres.to_dict() == {"pinpoints": [[16, 32], [32, 16], [32, 32]], "tile": 16,
+                                                 "method": "bicubic"}  # the processor's, for flat sequences
     for i in range(3):  # 24x40, 30x18, 16x16
         _check_anyres_prompt(vlm, ref, json.loads((folder / "prompts.json").read_text()), i)
     hf_vlm.export_llava(out, tmp_path / "hf")

@@ -84,11 +84,11 @@ def _image_pp(images: dict, size: int, src) -> str:
 
 
 
-def _anyres_pp(images: dict, size: int, patch: int, src, max_patches: int | None = None) -> tuple[str, list]:
+def _anyres_pp(images: dict, size: int, patch: int, src, max_patches: int | None = None) -> tuple[str, list, str]:
     """LLaVA-NeXT's (and LLaVA-OneVision's) image processor as a pp (``anyres``: the base view
     squashed to a tile, the tiles of the best candidate resolution with the image centred on black;
     bicubic or bilinear, as ``resample`` says; ``max_patches``: OneVision's downsampling) and its
-    candidate resolutions; then rescale and normalize."""
+    candidate resolutions and resampling; then rescale and normalize."""
     pinpoints = images.get("image_grid_pinpoints")
     given = images.get("size") or {}
     square = given.get("height") if given.get("height") == given.get("width") else None  # OneVision's size
@@ -106,7 +106,7 @@ def _anyres_pp(images: dict, size: int, patch: int, src, max_patches: int | None
     grid = (size // patch, size // patch)
     method = methods[images.get("resample", 3)]
     more = f", max_patches={max_patches}" if max_patches else ""
-    return f"decode(alpha='white')|anyres({pinpoints}, {size}, {grid}, method='{method}'{more})|", pinpoints
+    return f"decode(alpha='white')|anyres({pinpoints}, {size}, {grid}, method='{method}'{more})|", pinpoints, method
 
 
 
@@ -156,8 +156,9 @@ def load_llava(src) -> tuple[dict, dict, dict]:
     anyres = None
     if next_:
         max_patches = _max_patches(config, src) if onevision else None
-        image_pp, pinpoints = _anyres_pp(images, size, vision["patch_size"], src, max_patches)
-        anyres = {"pinpoints": pinpoints, "tile": size, **({"max_patches": max_patches} if max_patches else {})}
+        image_pp, pinpoints, method = _anyres_pp(images, size, vision["patch_size"], src, max_patches)
+        anyres = {"pinpoints": pinpoints, "tile": size, "method": method,  # method: flat sequences' views
+                  **({"max_patches": max_patches} if max_patches else {})}
     else:
         image_pp = _image_pp(images, size, src)
     left = sorted(set(tensors) - set(vision_sd.tensors) - set(lm_tensors) - set(proj_sd.tensors))
