@@ -53,12 +53,15 @@ def test_chat_and_the_server_keep_transparency_for_the_runs_decode():
 
 
 def test_an_image_too_narrow_for_smart_resize_is_a_counted_skip_not_a_crash():
-    """A 1×300 banner in Qwen2-VL's pp is skipped under ``image_aspect`` by ``skips.guard``."""
+    """A 1×300 banner in Qwen2-VL's pp, or resized by its shorter side, is skipped under
+    ``image_aspect`` by ``skips.guard``."""
     from vitmm.data import skips
 
     guarded = skips.guard(preprocess.parse("decode|smart_resize(16, 4096, 4)"))
     assert guarded({"image": np.zeros((1, 300, 3), np.uint8)}, np.random.default_rng(0)).reason == "image_aspect"
     assert guarded({"image": np.zeros((8, 12, 3), np.uint8)}, np.random.default_rng(0))["image"].shape == (8, 12, 3)
+    shorter = skips.guard(preprocess.parse("decode|resize(336, shorter=True)"))  # not a 336×100800 array
+    assert shorter({"image": np.zeros((1, 300, 3), np.uint8)}, np.random.default_rng(0)).reason == "image_aspect"
 
 
 def test_arrays_of_other_dtypes_map_as_image_files_and_transformers_do():

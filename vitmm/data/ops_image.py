@@ -10,6 +10,7 @@ import numpy as np
 
 from vitmm.data import images as images_lib
 from vitmm.data.scenes import LEFT_RIGHT, swap_left_right
+from vitmm.data.skips import BadExample
 
 TEXT_DEFAULT = ("caption", "captions", "questions", "question", "answers", "answer", "text", "conversations")
 TURN_TEXT = ("value", "content")  # a conversation turn's text (LLaVA's, OpenAI's)
@@ -36,14 +37,19 @@ def resize(size, key="image", method="bilinear", shorter=False):
     ``shorter=True``: the shorter side to ``size``, the aspect kept (transformers' CLIP processors'
     ``shortest_edge``; with ``method='bicubic'`` and ``center_crop``, their exact pixels). The
     default, PIL bilinear, antialiases when shrinking: big_vision's ``resize`` (``tf.image.resize``,
-    no antialias) and HF SigLIP's (bicubic) give other pixels."""
+    no antialias) and HF SigLIP's (bicubic) give other pixels. With ``shorter=True`` an image of
+    aspect ratio over 200 (a 1×2000 banner: a 336×672000 resize) is a ``BadExample("image_aspect")``."""
     if method not in images_lib.RESAMPLING:
         raise ValueError(f"resize(method={method!r}): choose one of {tuple(images_lib.RESAMPLING)}.")
     if shorter and not isinstance(size, int):
         raise ValueError(f"resize({size!r}, shorter=True): give the shorter side as one number.")
 
     def fn(ex, rng):
-        hw = images_lib.shorter_side_size(ex[key].shape[:2], size) if shorter else _pair(size)
+        h, w = ex[key].shape[:2]
+        if shorter and max(h, w) > 200 * min(h, w):
+            raise BadExample("image_aspect", f"an image of {h}x{w} pixels: its aspect ratio must be below 200 to "
+                                             f"resize its shorter side to {size}; crop or pad it")
+        hw = images_lib.shorter_side_size((h, w), size) if shorter else _pair(size)
         ex[key] = images_lib.resize(ex[key], hw, method)
         return ex
 
