@@ -43,7 +43,7 @@ def get_config(arg=None):
     c.allow_config_change = False  # resume even where the config changes what the run computes
     c.sync_every = 8
 
-    pp = (f"{CHOOSE_CAPTION}|random_resized_crop({{image_size}}, scale=(0.9, 1.0))|value_range(-1, 1)|"
+    pp = (f"{CHOOSE_CAPTION}|random_resized_crop({{image_size}}, scale=(0.9, 1.0))|{{normalize}}|"
           "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
     c.input = common.train_input(arg.data, image_size=224, keys=("image", "captions"), pp=pp, num_threads=2,
                                  workers=-1)  # one reader process per spare core, 2 threads each

@@ -41,7 +41,7 @@ def get_config(arg=None):
     c.allow_config_change = False  # resume even where the config changes what the run computes
     c.sync_every = 8  # CPU with several devices only: block on the step every N steps
 
-    pp = ("decode|resize({image_size})|flip_lr|value_range(-1, 1)|"
+    pp = ("decode|resize({image_size})|flip_lr|{normalize}|"
           "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
     c.input = common.train_input(f"scenes/{arg.data}", image_size=64, keys=("image", "caption"), pp=pp)
 

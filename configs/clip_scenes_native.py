@@ -38,7 +38,7 @@ def get_config(arg=None):
         c.input.scenes_any = ml_collections.ConfigDict(dict(
             difficulty=arg.difficulty, num_examples=20_000, split="train", seed=0, min_side=32, max_side=128,
             max_aspect=3.0))
-        c.input.pp = ("naflex({max_num_patches}, {patch_size})|value_range(-1, 1)|"
+        c.input.pp = ("naflex({max_num_patches}, {patch_size})|{normalize}|"
                       "tokenize('caption', {max_len}, padding='pad')|keep('image', 'caption_tokens')")
         c.model.image.patch_keep = arg.patch_keep
         val_any = dict(name="scenes_any", split="validation", scenes_any=dict(c.input.scenes_any.to_dict(),

@@ -44,8 +44,10 @@ def get_config(arg=None):
     c.allow_config_change = False
     c.sync_every = 8
 
-    # open_clip's training transform: a random crop of 90-100% of the image, then resize.
-    pp = ("decode|random_resized_crop({image_size}, scale=(0.9, 1.0))|value_range(-1, 1)|"
+    # A random crop of 90-100% of the image (torchvision's rule, as open_clip's training transform; it
+    # resizes bicubic, add method='bicubic' to match), then resize. {normalize}:
+    # value_range(-1, 1), or normalize(mean, std) with what init.checkpoint records (a converted CLIP).
+    pp = ("decode|random_resized_crop({image_size}, scale=(0.9, 1.0))|{normalize}|"
           "tokenize('caption', {max_len}, padding=" + ("'eos'" if arg.loss == "sigmoid" else "'pad'")
           + ")|keep('image', 'caption_tokens')")
     c.input = ml_collections.ConfigDict(dict(

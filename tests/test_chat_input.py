@@ -55,7 +55,7 @@ def test_anything_but_pixels_fails_in_one_line_naming_it_and_the_fix(image, mess
     (np.zeros((6, 5, 4), np.uint8), (6, 5, 4)),
     (Image.new("RGB", (5, 6), (10, 20, 30)), (6, 5, 3)),
     (Image.new("L", (5, 6)), (6, 5, 3)),
-    (Image.new("RGBA", (5, 6)), (6, 5, 3)),
+    (Image.new("RGBA", (5, 6)), (6, 5, 4)),  # its alpha kept for the pp's decode(alpha=…)
     (Image.new("I;16", (5, 6)), (6, 5, 3)),
 ], ids=["rgb", "grey", "grey-1", "rgba", "pil-rgb", "pil-l", "pil-rgba", "pil-16-bit"])
 def test_uint8_arrays_and_pil_images_reach_the_pp(image, shape):

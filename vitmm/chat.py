@@ -56,13 +56,14 @@ class Chat:
             qa = self.config.evals.qa.get("pp") if self.config.get("evals") and "qa" in self.config.evals else None
             qa = qa or "decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|qa_tokens({max_len})"
         spec = pp_template.pp_string(self.config, qa.replace("choose|", ""))
-        self._set_pp(spec)
         self._decoder = decode.GreedyDecoder(self.task.model)
         sq = self.config.input.get("sequences")
         # images one prompt may hold: a run on flat sequences (input.sequences) took its decode's max_images
         decoded = [kw.get("max_images", a[1] if len(a) > 1 else 1) for name, a, kw in preprocess.ops(spec)
                    if name == "decode"]
         self._flat = bool(sq and sq.get("length"))  # trained on flat sequences: prompts are made the same way
+        self._spec = spec  # flat AnyRes: its final normalize goes to the views (SequenceLayout.split_affine)
+        self._set_pp(preprocess.split_image_affine(spec)[0] if self._flat and self.task.model.anyres else spec)
         self.max_images = min(int(sq.max_images), *decoded) if self._flat else 1
         # An imported VLM is prompted as transformers prompts it; a run trained here as it was trained.
         self._imported = bool((self.config.get("source") or {}).get("architecture"))
@@ -222,7 +223,8 @@ class Chat:
 
         grid = self.task.model.apply({"params": self.params}, example["image"].shape[:2],
                                      method=VLM.token_grid) if self.task.model.mrope else None
-        return SequenceLayout.of(self.task, self._num_visual(example["image"]), grid), grid
+        layout = SequenceLayout.of(self.task, self._num_visual(example["image"]), grid)
+        return layout.split_affine(self._spec)[1], grid
 
     def ask(self, image, question: str, max_new_tokens: int = 16) -> str:
         """The greedy answer to ``question`` about ``image`` (uint8 ``[H, W, 3]`` or a PIL image; a
@@ -251,8 +253,8 @@ def _image_array(image) -> np.ndarray:
     if isinstance(image, str | bytes | os.PathLike):
         got = f"{len(image):,} bytes" if isinstance(image, bytes) else f"the path {str(image)!r}"
         raise ValueError(f"{_IMAGE_TAKEN}; got {got}: {read}.")
-    if isinstance(image, Image.Image):
-        image = np.asarray(_to_rgb(image))
+    if isinstance(image, Image.Image):  # transparency kept: the pp's decode treats it as the run was trained
+        image = np.asarray(_to_rgb(image, alpha="keep"))
     try:
         array = np.asarray(image)
     except ValueError:  # a ragged nested list
@@ -343,7 +345,7 @@ def main(argv=None) -> int:
         images = []
         for path in args.image:
             try:
-                images.append(decode_image(open(path, "rb").read()))  # noqa: SIM115 - read at once
+                images.append(decode_image(open(path, "rb").read(), alpha="keep"))  # noqa: SIM115 - read at once
             except (OSError, BadExample) as err:
                 print(f"python -m vitmm.chat: cannot read --image {path}: {err}", file=sys.stderr)
                 return 2

@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from vitmm import serve_batching
+from vitmm.data.skips import BadExample
 
 MAX_TOKENS = 4096  # the most tokens a request may ask for
 MAX_IMAGE_BYTES = 20 * 2**20
@@ -93,7 +94,7 @@ class Engine:
             raise RequestError("This is a language model: it takes no video.", param="messages")
         try:
             example = self.chat.prepare(images, turns, videos[0]) if videos else self.chat.prepare(images, turns)
-        except ValueError as err:
+        except (ValueError, BadExample) as err:  # BadExample: e.g. an image too narrow for the processor
             raise RequestError(str(err), param="messages") from None
         stream, include_usage = _stream_settings(body)
         return dict(example=example, max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
@@ -130,7 +131,6 @@ class Engine:
 
     def _image(self, url, i: int) -> np.ndarray:
         from vitmm.data.images import decode_image
-        from vitmm.data.skips import BadExample
 
         param = f"messages[{i}].content"
         data = self._bytes(url, param, "image")
@@ -144,7 +144,7 @@ class Engine:
         if width * height > MAX_IMAGE_PIXELS:
             raise RequestError(f"The image is {width}x{height}, more than {MAX_IMAGE_PIXELS:,} pixels.", 413, param)
         try:
-            image = decode_image(data)
+            image = decode_image(data, alpha="keep")  # transparency kept for the run's pp decode
         except BadExample as bad:
             raise RequestError(f"The image cannot be decoded ({bad.detail or bad.reason}).", param=param) from None
         if image.shape[0] * image.shape[1] > MAX_IMAGE_PIXELS:

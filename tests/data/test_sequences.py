@@ -307,15 +307,16 @@ def test_anyres_images_at_their_own_sizes_in_packed_rows_equal_each_example_alon
     task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
     params = task.init_params()
     model = task.model
-    anyres = {**model.anyres, "tile_grid": (2, 2)}  # 16-px tiles of 8-px patches, every patch a token
+    affine = (np.float32(2 / 255), np.float32(-1))  # value_range(-1, 1) on the views
+    anyres = {**model.anyres, "tile_grid": (2, 2), "affine": affine}  # 16-px tiles of 8-px patches, a token each
     per_view = anyres["tile_grid"][0] * anyres["tile_grid"][1]
     rng = np.random.default_rng(6)
     sizes = [(20, 36), (40, 24), (16, 16), (33, 50)]
     examples = []
     for i, ex in enumerate(_examples(c, 4, seed=7)):
-        ex = {**ex, "image": rng.normal(size=(*sizes[i], 3)).astype(np.float32), "has_image": np.bool_(True)}
+        ex = {**ex, "image": rng.integers(0, 256, (*sizes[i], 3), np.uint8), "has_image": np.bool_(True)}
         if i == 3:
-            ex["more_images"] = [rng.normal(size=(24, 12, 3)).astype(np.float32)]
+            ex["more_images"] = [rng.integers(0, 256, (24, 12, 3), np.uint8)]
             ex["image_positions"] = np.array([1, 4], np.int32)
         examples.append(ex)
     it = sequences.packed_batches(examples, lambda ex, rng: ex, num_visual=per_view, length=200, max_images=12,
@@ -326,7 +327,8 @@ def test_anyres_images_at_their_own_sizes_in_packed_rows_equal_each_example_alon
     pins, grid = anyres["pinpoints"], anyres["tile_grid"]
     _assert_packed_equals_each_alone(  # the VLM's host-views path: views [1, V, t, t, C] and their layout [1, M]
         task, params, packed, examples, lambda ex: sequences.to_sequence(ex, per_view, anyres=anyres),
-        lambda p, image: model.apply({"params": p}, jnp.asarray(preprocess.anyres_views(image, pins, 16))[None],
+        lambda p, image: model.apply({"params": p}, jnp.asarray(preprocess.anyres_views(image, pins, 16) * affine[0]
+                                                                + affine[1])[None],
                                      layout=jnp.asarray(anyres_lib.layout(image.shape[:2], pins, 16, grid))[None],
                                      method=vlm.VLM.visual_tokens))
 

@@ -86,7 +86,8 @@ def test_llava_next_gives_transformers_views_ids_logits_and_greedy_answers(next_
     out, vlm = next_imported
     folder = FIXTURE.with_name("hf_llava_next")
     ref = np.load(folder / "io.npz")
-    assert vlm.config.model.anyres.to_dict() == {"pinpoints": [[16, 32], [32, 16], [32, 32]], "tile": 16}
+    assert vlm.config.model.anyres.to_dict() == {"pinpoints": [[16, 32], [32, 16], [32, 32]], "tile": 16,
+                                                 "method": "bicubic"}  # the processor's, for flat sequences
     for i in range(3):  # 24x40, 30x18, 16x16
         _check_anyres_prompt(vlm, ref, json.loads((folder / "prompts.json").read_text()), i)
     hf_vlm.export_llava(out, tmp_path / "hf")
@@ -143,7 +144,7 @@ def test_llava_with_a_siglip_tower_gives_transformers_pixels_ids_logits_and_gree
     main(["--from", "hf", "--src", str(folder), "--out", str(tmp_path / "w")])
     vlm, ref = chat.load(tmp_path / "w"), np.load(folder / "io.npz")
     assert not vlm.config.model.vision.final_norm
-    assert vlm.config.input.pp.startswith("decode|resize(16, method='bicubic')")
+    assert vlm.config.input.pp.startswith("decode(alpha='white')|resize(16, method='bicubic')")
     for i, prompt in enumerate(json.loads((folder / "prompts.json").read_text())):  # 24x20, then 16x16
         example = vlm.prepare([ref[f"image_{i}"]], [{"from": "human", "value": prompt["messages"][0]["content"]}])
         np.testing.assert_allclose(example["image"], ref[f"pixel_values_{i}"][0].transpose(1, 2, 0), atol=1e-6)
@@ -324,8 +325,8 @@ def test_an_exported_vlm_imports_back_to_the_same_parameters_and_image_steps(fin
     config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
     merged = chat.load(run).params  # what chat runs: the adapters merged
     assert "lora" not in merged and jax.tree.all(jax.tree.map(np.array_equal, params, merged))
-    assert config["input"]["pp"].startswith("decode|pad_to_square({image_mean})|resize(16, method='bilinear')|"
-                                            "normalize")  # the run's own steps
+    assert config["input"]["pp"].startswith("decode(alpha='white')|pad_to_square({image_mean})|"
+                                            "resize(16, method='bilinear')|normalize")  # the run's own steps
     with pytest.raises(FileExistsError, match="not empty"):
         hf_vlm.export_llava(run, tmp_path / "hf")
 

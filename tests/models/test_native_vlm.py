@@ -153,6 +153,17 @@ def test_anyres_counts_and_resolutions_are_llava_nexts():
             assert got == case["tokens"], (name, case)
 
 
+def test_anyres_fitted_size_rounds_as_transformers_does():
+    """``fitted_size`` equals transformers' ``get_patch_output_size`` (5.x, stored here) on sizes
+    where ``h * tw / w`` and ``h * (tw / w)`` round apart: COCO's 375×500 and a 1:3 image."""
+    from vitmm.models import anyres
+
+    hf_sizes = {((375, 500), (672, 672)): (505, 672), ((500, 375), (672, 672)): (672, 505),
+                ((200, 600), (336, 672)): (225, 672), ((480, 640), (672, 672)): (504, 672)}
+    for (hw, target), want in hf_sizes.items():
+        assert anyres.fitted_size(hw, target) == want, (hw, target)
+
+
 def test_anyres_layout_is_the_order_llava_next_hands_the_lm_its_tokens():
     """``anyres.layout`` (what ``assemble``, ``gather`` and the ``anyres`` op lay out by) equals
     the order of LLaVA-NeXT's ``pack_image_features`` on labelled features, for 150 image sizes of

@@ -1,9 +1,14 @@
 """Image files as researchers have them (JPEG, PNG, WebP, ...) → uint8 RGB ``[H, W, 3]``.
 
-EXIF orientation is applied (a phone's portrait photo stands up); greyscale, palette, alpha and
-CMYK images become RGB the way PIL's ``convert("RGB")`` does it, which is what LLaVA's, open_clip's
-and Hugging Face's processors call (alpha is dropped, not blended); 16-bit images map their full
-range onto 8 bits (value / 257, the same for every image), where PIL would clip them at 255.
+EXIF orientation is applied (a phone's portrait photo stands up, as transformers' ``load_image``
+does; LLaVA's ``Image.open``, open_clip's webdataset decode and big_vision's ``tf.io.decode_image``
+do not, so such photos differ from those pipelines); greyscale, palette and CMYK
+images become RGB the way PIL's ``convert("RGB")`` does it. Transparency (an alpha band or a
+palette's transparent colour) is either dropped (``alpha="drop"``, the default: what LLaVA's and
+open_clip's training code do, and what runs trained here see) or composited onto white
+(``alpha="white"``: what Hugging Face's processors do, ``convert_to_rgb``; imported VLMs' pp use
+it). 16-bit images map their full range onto 8 bits (value / 257, the same for every image),
+where PIL would clip them at 255.
 """
 
 from __future__ import annotations
@@ -17,12 +22,16 @@ from PIL import Image, ImageOps
 
 from vitmm.data.skips import BadExample
 
+ALPHA = ("drop", "white")
 
-def decode_image(data: bytes, draft: int | None = None) -> np.ndarray:
+
+def decode_image(data: bytes, draft: int | None = None, alpha: str = "drop") -> np.ndarray:
     """uint8 RGB ``[H, W, 3]`` from encoded bytes; ``BadExample("image_unreadable")`` if they
     do not decode. ``draft``: a JPEG may be decoded at a reduced scale (1/2, 1/4, 1/8) as long as
     both sides stay at least ``draft`` pixels (libjpeg's DCT scaling: much faster for large photos
-    that are resized down anyway)."""
+    that are resized down anyway). ``alpha``: ``"drop"`` or ``"white"`` (see the module docstring),
+    or ``"keep"``: RGBA ``[H, W, 4]`` for a transparent image, for the run's pp ``decode`` to
+    treat as it was trained (what ``vitmm.chat`` and the server read files with)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. PIL's palette-transparency note; the pixels are what count
@@ -30,7 +39,7 @@ def decode_image(data: bytes, draft: int | None = None) -> np.ndarray:
             if draft and image.format == "JPEG":
                 image.draft("RGB", (draft, draft))
             image = ImageOps.exif_transpose(image)
-            return np.asarray(_to_rgb(image))
+            return np.asarray(_to_rgb(image, alpha))
     except BadExample:
         raise
     except Image.UnidentifiedImageError:
@@ -39,8 +48,20 @@ def decode_image(data: bytes, draft: int | None = None) -> np.ndarray:
         raise BadExample("image_unreadable", f"{type(err).__name__}: {err}") from None
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    if image.mode == "RGB":
+def check_alpha(alpha: str) -> str:
+    if alpha not in ALPHA:
+        raise ValueError(f"alpha={alpha!r}: choose 'drop' (LLaVA/open_clip) or 'white' (Hugging Face's processors).")
+    return alpha
+
+
+def on_white(image: Image.Image) -> Image.Image:
+    """A transparent image composited onto white, as transformers' ``convert_to_rgb`` does."""
+    image = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image).convert("RGB")
+
+
+def _to_rgb(image: Image.Image, alpha: str = "drop") -> Image.Image:
+    if image.mode == "RGB" and "transparency" not in image.info:
         return image
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit (PNG, TIFF): its full range onto 8 bits, one
         # mapping for every image (PIL's convert would clip at 255: nearly every 16-bit image white)
@@ -48,6 +69,8 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         return Image.fromarray(np.round(np.clip(values, 0, 255)).astype(np.uint8)).convert("RGB")
     if image.mode == "F":  # floats: clipped to 0-255 as PIL's convert does (negative values wrapped before)
         return Image.fromarray(np.round(np.clip(np.asarray(image, np.float64), 0, 255)).astype(np.uint8)).convert("RGB")
+    if alpha != "drop" and ("A" in image.getbands() or image.info.get("transparency") is not None):
+        return on_white(image) if alpha == "white" else image.convert("RGBA")
     if image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")
     return image.convert("RGB")
@@ -88,9 +111,12 @@ def resize(image: np.ndarray, size: tuple[int, int], method: str = "bilinear") -
 def smart_size(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's ``smart_resize``: ``(height, width)``, multiples of ``factor``, the nearest to
     ``(h, w)`` (Python's rounding, halves to even), scaled down (floor) or up (ceil) with the aspect
-    kept when their pixels fall outside ``[min_pixels, max_pixels]``."""
+    kept when their pixels fall outside ``[min_pixels, max_pixels]``. An aspect ratio over 200
+    (which Qwen2-VL's processor refuses too) is a ``BadExample("image_aspect")``: counted and
+    skipped in training, a 400 at the server, not a stopped run."""
     if max(h, w) / min(h, w) > 200:
-        raise ValueError(f"An image of {h}x{w} pixels: its aspect ratio must be below 200 (Qwen2-VL's limit).")
+        raise BadExample("image_aspect", f"an image of {h}x{w} pixels: its aspect ratio must be below 200 "
+                                         "(Qwen2-VL's limit); crop or pad it")
     nh, nw = round(h / factor) * factor, round(w / factor) * factor
     if nh * nw > max_pixels:
         beta = math.sqrt(h * w / max_pixels)

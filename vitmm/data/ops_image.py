@@ -6,14 +6,14 @@ right in the text too). Each takes ``key`` (default ``image``) and returns ``fn(
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from vitmm.data import images as images_lib
-from vitmm.data.scenes import swap_left_right
+from vitmm.data.scenes import LEFT_RIGHT, swap_left_right
+from vitmm.data.skips import BadExample
 
-TEXT_DEFAULT = ("caption", "captions", "questions", "question", "answers", "answer", "text")
+TEXT_DEFAULT = ("caption", "captions", "questions", "question", "answers", "answer", "text", "conversations")
+TURN_TEXT = ("value", "content")  # a conversation turn's text (LLaVA's, OpenAI's)
 
 
 def _pair(size) -> tuple[int, int]:
@@ -35,14 +35,21 @@ def pad_to_square(fill=(0.5, 0.5, 0.5), key="image"):
 def resize(size, key="image", method="bilinear", shorter=False):
     """To ``size`` (a side or ``(height, width)``) with PIL's ``method`` (``bilinear``, ``bicubic``);
     ``shorter=True``: the shorter side to ``size``, the aspect kept (transformers' CLIP processors'
-    ``shortest_edge``; with ``method='bicubic'`` and ``center_crop``, their exact pixels)."""
+    ``shortest_edge``; with ``method='bicubic'`` and ``center_crop``, their exact pixels). The
+    default, PIL bilinear, antialiases when shrinking: big_vision's ``resize`` (``tf.image.resize``,
+    no antialias) and HF SigLIP's (bicubic) give other pixels. With ``shorter=True`` an image of
+    aspect ratio over 200 (a 1×2000 banner: a 336×672000 resize) is a ``BadExample("image_aspect")``."""
     if method not in images_lib.RESAMPLING:
         raise ValueError(f"resize(method={method!r}): choose one of {tuple(images_lib.RESAMPLING)}.")
     if shorter and not isinstance(size, int):
         raise ValueError(f"resize({size!r}, shorter=True): give the shorter side as one number.")
 
     def fn(ex, rng):
-        hw = images_lib.shorter_side_size(ex[key].shape[:2], size) if shorter else _pair(size)
+        h, w = ex[key].shape[:2]
+        if shorter and max(h, w) > 200 * min(h, w):
+            raise BadExample("image_aspect", f"an image of {h}x{w} pixels: its aspect ratio must be below 200 to "
+                                             f"resize its shorter side to {size}; crop or pad it")
+        hw = images_lib.shorter_side_size((h, w), size) if shorter else _pair(size)
         ex[key] = images_lib.resize(ex[key], hw, method)
         return ex
 
@@ -145,6 +152,9 @@ def anyres_views(image: np.ndarray, pinpoints, tile: int, method: str = "bilinea
 
 
 def center_crop(size, key="image"):
+    """The central ``size`` crop, offsets rounded down as transformers' PIL backend does;
+    torchvision's ``CenterCrop`` (open_clip) rounds them to nearest, one pixel apart when the
+    margin is 3 mod 4."""
     size = _pair(size)
 
     def fn(ex, rng):
@@ -158,56 +168,78 @@ def center_crop(size, key="image"):
     return fn
 
 
-def random_resized_crop(size, scale=(0.5, 1.0), ratio=(3 / 4, 4 / 3), key="image"):
-    """Inception-style crop: a random area fraction in ``scale`` and aspect ratio in ``ratio``."""
+def random_resized_crop(size, scale=(0.5, 1.0), ratio=(3 / 4, 4 / 3), key="image", method="bilinear"):
+    """Inception-style crop as torchvision's ``RandomResizedCrop``: a random area fraction in
+    ``scale`` and aspect ratio in ``ratio`` (10 tries, then a central crop at the ratio clamped to
+    ``ratio``), resized to ``size`` with PIL's ``method`` (open_clip trains with ``'bicubic'``).
+    The default ``scale`` is vitmm's (torchvision's is ``(0.08, 1)``)."""
     size = _pair(size)
 
     def fn(ex, rng):
         image = ex[key]
-        h, w = image.shape[:2]
-        for _ in range(10):
-            area = h * w * rng.uniform(*scale)
-            aspect = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
-            ch, cw = int(round(np.sqrt(area / aspect))), int(round(np.sqrt(area * aspect)))
-            if 0 < ch <= h and 0 < cw <= w:
-                top, left = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
-                break
-        else:  # fall back to the whole image
-            top, left, ch, cw = 0, 0, h, w
-        ex[key] = images_lib.resize(np.ascontiguousarray(image[top : top + ch, left : left + cw]), size)
+        top, left, ch, cw = _crop_box(image.shape[:2], scale, ratio, rng)
+        ex[key] = images_lib.resize(np.ascontiguousarray(image[top : top + ch, left : left + cw]), size, method)
         return ex
 
     return fn
 
 
-_LEFT_RIGHT = re.compile(r"\b(left|right)\b")
+def _crop_box(hw, scale, ratio, rng) -> tuple[int, int, int, int]:
+    """``(top, left, height, width)`` of a random crop (torchvision's ``RandomResizedCrop.get_params``)."""
+    h, w = hw
+    for _ in range(10):
+        area = h * w * rng.uniform(*scale)
+        aspect = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
+        ch, cw = int(round(np.sqrt(area / aspect))), int(round(np.sqrt(area * aspect)))
+        if 0 < ch <= h and 0 < cw <= w:
+            return int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1)), ch, cw
+    ch, cw = h, w  # no crop fits: the central crop at the clamped ratio
+    if w / h < min(ratio):
+        ch = int(round(w / min(ratio)))
+    elif w / h > max(ratio):
+        cw = int(round(h * max(ratio)))
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
 
 
 def flip_lr(prob=0.5, text_keys=TEXT_DEFAULT, mode="swap", key="image"):
+    """Horizontal flip with probability ``prob``; the words left/right (any case) in ``text_keys``
+    (strings, lists of them, or conversations' turns) swapped (``mode="swap"``), or the example
+    left unflipped when they appear (``mode="skip"``)."""
     if mode not in ("swap", "skip"):
         raise ValueError(f"flip_lr mode={mode!r}; choose 'swap' (swap left/right in text) or 'skip'.")
-
-    def texts(ex):
-        for k in text_keys:
-            value = ex.get(k)
-            if isinstance(value, str):
-                yield value
-            elif isinstance(value, list):
-                yield from (v for v in value if isinstance(v, str))
 
     def fn(ex, rng):
         if rng.random() >= prob:
             return ex
-        if mode == "skip" and any(_LEFT_RIGHT.search(t) for t in texts(ex)):
+        if mode == "skip" and any(LEFT_RIGHT.search(t) for k in text_keys for t in _texts(ex.get(k))):
             return ex
         ex[key] = np.ascontiguousarray(ex[key][:, ::-1])
         if mode == "swap":
             for k in text_keys:
-                value = ex.get(k)
-                if isinstance(value, str):
-                    ex[k] = swap_left_right(value)
-                elif isinstance(value, list):
-                    ex[k] = [swap_left_right(v) if isinstance(v, str) else v for v in value]
+                if k in ex:
+                    ex[k] = _swapped(ex[k])
         return ex
 
     return fn
+
+
+def _texts(value):
+    """The strings of a text field: a string, a list of them, or a conversation's turns."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, str):
+                yield item
+            elif isinstance(item, dict):
+                yield from (item[k] for k in TURN_TEXT if isinstance(item.get(k), str))
+
+
+def _swapped(value):
+    if isinstance(value, str):
+        return swap_left_right(value)
+    if isinstance(value, list):
+        return [_swapped(item) if isinstance(item, str) else
+                {k: swap_left_right(v) if k in TURN_TEXT and isinstance(v, str) else v for k, v in item.items()}
+                if isinstance(item, dict) else item for item in value]
+    return value

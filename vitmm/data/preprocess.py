@@ -7,13 +7,14 @@ draws the same augmentations).
 
 Ops (all work on numpy, per example):
   * ``decode``: text bytes (and lists of them) → str; images to uint8 RGB ``[H, W, 3]``. Grayscale
-    (``[H, W]`` or ``[H, W, 1]``) is repeated to three channels; RGBA drops its alpha channel,
-    as PIL's ``convert("RGB")`` and the Hugging Face/open_clip processors do. Encoded image
+    (``[H, W]`` or ``[H, W, 1]``) is repeated to three channels; transparency is dropped
+    (``alpha="drop"``, LLaVA's and open_clip's way) or composited onto white (``alpha="white"``,
+    Hugging Face's processors' way, which imported VLMs' pp use). Encoded image
     files (the raw readers of ``data.formats``) are decoded (``data.images``: EXIF orientation,
     CMYK, palette); a conversation's ``images`` list becomes ``image``, ``num_images`` and
     ``has_image``. ``pad_to_square(fill)``: LLaVA's pad to a square with the mean colour.
   * The geometric ops (in ``data/ops_image.py``): ``resize(size)``, ``center_crop(size)``,
-    ``random_resized_crop(size, scale, ratio)``; ``naflex(max_num_patches, patch)`` (aspect kept,
+    ``random_resized_crop(size, scale, ratio, method)``; ``naflex(max_num_patches, patch)`` (aspect kept,
     the grid within a patch budget), Qwen2-VL's ``smart_resize(min_pixels, max_pixels, factor)`` and
     ``letterbox(size)`` (aspect kept, padded to a square) for images of many shapes;
     ``anyres(pinpoints, tile, tile_grid)``: LLaVA-NeXT's base view + tiles, with each visual
@@ -21,8 +22,8 @@ Ops (all work on numpy, per example):
     LLaVA-OneVision's downsampling). Idefics3's ``idefics3_tiles(longest_edge, tile)`` is in
     ``data/tiles.py``, the video ops in ``data/video.py``.
   * ``flip_lr(prob=0.5, text_keys=(...), mode="swap")``: horizontal flip. A flipped image
-    makes "left" wrong in its text, so ``mode="swap"`` swaps the words left/right in the
-    listed text fields (default: captions and questions stay true); ``mode="skip"`` leaves any
+    makes "left" wrong in its text, so ``mode="swap"`` swaps the words left/right (any case) in the
+    listed text fields (default: captions, questions and conversations stay true); ``mode="skip"`` leaves any
     example whose text mentions left or right unflipped.
   * ``value_range(lo, hi)``: uint8 → float32 in ``[lo, hi]``; ``normalize(mean, std)``: uint8 →
     ``(x / 255 - mean) / std`` (a pretrained tower's input statistics); ``blank``: zeros instead
@@ -47,7 +48,9 @@ import ast
 from collections.abc import Callable
 
 import numpy as np
+from PIL import Image
 
+from vitmm.data import images as images_lib
 from vitmm.data import ops_image, ops_text
 from vitmm.data import tiles as tiles_lib
 from vitmm.data import video as video_lib
@@ -184,20 +187,40 @@ def split_image_affine(spec: str) -> tuple[str, tuple | None]:
 
 
 # ----------------------------------------------------------------------------------------------
-def to_rgb(image: np.ndarray) -> np.ndarray:
-    """uint8 RGB ``[H, W, 3]`` from grayscale ``[H, W]``/``[H, W, 1]``, RGB or RGBA."""
+def to_rgb(image: np.ndarray, alpha: str = "drop") -> np.ndarray:
+    """uint8 RGB ``[H, W, 3]`` from grayscale ``[H, W]``/``[H, W, 1]``, RGB or RGBA (its alpha
+    dropped, or the image composited onto white with ``alpha="white"``)."""
     image = np.asarray(image)
     if image.ndim == 2:
         image = image[..., None]
     if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
         raise ValueError(f"Expected an image [H, W], [H, W, 1|3|4], got shape {image.shape}.")
+    image = _to_uint8(image)
     if image.shape[-1] == 1:
         image = np.repeat(image, 3, axis=-1)
+    elif image.shape[-1] == 4 and alpha == "white":
+        image = np.asarray(images_lib.on_white(Image.fromarray(np.ascontiguousarray(image), "RGBA")))
     elif image.shape[-1] == 4:
         image = image[..., :3]
-    if image.dtype != np.uint8:
-        image = np.clip(image, 0, 255).astype(np.uint8)
     return np.ascontiguousarray(image)
+
+
+def _to_uint8(image: np.ndarray) -> np.ndarray:
+    """uint8 pixels from an array of another dtype: uint16 as 16-bit image files (value / 257,
+    ``data.images``); floats as transformers' ``to_pil_image`` reads them (whole numbers in 0..255
+    as they are, else values in [0, 1] times 255), rounded; other integers in 0..255 as they are."""
+    if image.dtype == np.uint8:
+        return image
+    if image.dtype == np.uint16:
+        return np.round(image / 257.0).astype(np.uint8)
+    values = np.asarray(image, np.float64)
+    whole = np.array_equal(values, np.round(values))
+    if image.dtype.kind == "f" and not whole and values.min() >= 0 and values.max() <= 1:
+        values = values * 255.0
+    elif values.size and (values.min() < 0 or values.max() > 255 or (image.dtype.kind == "f" and not whole)):
+        raise ValueError(f"A {image.dtype} image with values in [{values.min():g}, {values.max():g}]: give uint8 "
+                         "(0..255), uint16, or floats in [0, 1] or whole numbers in 0..255.")
+    return np.round(values).astype(np.uint8)
 
 
 def _decode_text(value):
@@ -221,20 +244,22 @@ def get_path(example: dict, key: str):
 
 
 @register("decode")
-def decode(image_key="image", max_images=1, draft=None, num_frames=8):
+def decode(image_key="image", max_images=1, draft=None, num_frames=8, alpha="drop"):
     """Text bytes → str; the image (an array, or encoded bytes from a raw reader) → uint8 RGB.
     A raw conversation's ``images`` list (0 to ``max_images`` of them) becomes ``image`` (a 1×1
     black stand-in when there is none; the second and later in ``more_images``), ``num_images`` and
     ``has_image``; ``draft``: see ``images.decode_image``. A conversation's ``video`` (a file's
     bytes, or a list of frame images) becomes ``num_frames`` frames (``data.video``'s sampling) as
-    its images, and its ``<video>`` as ``num_frames`` ``<image>`` tags; ``video_frames`` counts them."""
+    its images, and its ``<video>`` as ``num_frames`` ``<image>`` tags; ``video_frames`` counts them.
+    ``alpha``: ``"drop"`` or ``"white"`` (``data.images``)."""
+    images_lib.check_alpha(alpha)
 
     def fn(ex, rng):
         del rng
         images, video = ex.pop("images", None), ex.pop("video", None)
         ex = {key: value if key == image_key else _decode_text(value) for key, value in ex.items()}
         if video is not None:
-            video_lib.video_as_images(ex, video, images, num_frames, lambda v: _decoded(v, draft), image_key)
+            video_lib.video_as_images(ex, video, images, num_frames, lambda v: _decoded(v, draft, alpha), image_key)
         elif "<video>" in str(ex.get("conversations", "")):
             raise BadExample("image_tag_mismatch", "a <video> tag but no video")
         elif images is not None:
@@ -243,16 +268,16 @@ def decode(image_key="image", max_images=1, draft=None, num_frames=8):
             ex[image_key] = images[0] if images else np.zeros((1, 1, 3), np.uint8)
             ex["num_images"], ex["has_image"] = np.int32(len(images)), np.bool_(len(images) > 0)
             if len(images) > 1:  # the rest go through the image ops as the first does (``parse``)
-                ex[MORE_IMAGES] = [_decoded(value, draft) for value in images[1:]]
+                ex[MORE_IMAGES] = [_decoded(value, draft, alpha) for value in images[1:]]
         if image_key in ex:
-            ex[image_key] = _decoded(ex[image_key], draft)
+            ex[image_key] = _decoded(ex[image_key], draft, alpha)
         return ex
 
     return fn
 
 
-def _decoded(value, draft):
-    return decode_image(value, draft) if isinstance(value, bytes) else to_rgb(value)
+def _decoded(value, draft, alpha="drop"):
+    return decode_image(value, draft, alpha) if isinstance(value, bytes) else to_rgb(value, alpha)
 
 
 @register("value_range")

@@ -144,9 +144,18 @@ def _radius(diff: Difficulty, size: str) -> float:
     return _GRID_RADIUS[size] * 0.5 / diff.grid if diff.grid else _FREE_RADIUS[size]
 
 
+LEFT_RIGHT = re.compile(r"\b(left|right)\b", re.IGNORECASE)
+
+
 def swap_left_right(text: str) -> str:
-    """Swaps the words ``left`` and ``right`` (what a horizontal flip does to a description)."""
-    return re.sub(r"\b(left|right)\b", lambda m: "right" if m.group(1) == "left" else "left", text)
+    """Swaps the words ``left`` and ``right`` in any case, keeping it (``Left`` → ``Right``): what
+    a horizontal flip does to a description."""
+    def swap(match):
+        word = match.group(0)
+        other = "right" if word.lower() == "left" else "left"
+        return other.upper() if word.isupper() else other.capitalize() if word[0].isupper() else other
+
+    return LEFT_RIGHT.sub(swap, text)
 
 
 def _describe(obj: dict) -> str:

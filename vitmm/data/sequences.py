@@ -49,7 +49,8 @@ def to_sequence(ex: dict, num_visual: int, mrope_grid: tuple[int, int] | None = 
 
     ``anyres`` (``pinpoints``, ``tile``, ``tile_grid``: the VLM's and its connector's grid on a tile):
     each image at its own size becomes its AnyRes views (``images`` holds them, ``num_visual``
-    tokens a view), its visual positions ``models.anyres.layout``'s, ``NEWLINE`` for its newlines."""
+    tokens a view), its visual positions ``models.anyres.layout``'s, ``NEWLINE`` for its newlines;
+    ``method`` (resampling) and ``affine`` (the pp's final normalize) as ``_anyres_layout`` says."""
     answer = np.asarray(ex["answer_mask"])
     answered = np.flatnonzero(answer)
     if not len(answered):
@@ -129,17 +130,27 @@ def _visual_layout(ex: dict, num_visual: int, tower: dict | None, anyres: dict |
 
 def _anyres_layout(images: list, first: np.ndarray, num_visual: int, anyres: dict):
     """AnyRes (``models.anyres``) at each image's own size: its views as square images, and the
-    layout of their tokens (``num_visual`` a view) with a newline ending each row."""
+    layout of their tokens (``num_visual`` a view) with a newline ending each row. The views are
+    cut from uint8 images, padded black and resampled with ``anyres['method']`` (bilinear unless
+    set) as the ``anyres`` op does; ``anyres['affine']`` (``scale, offset``, the pp's final
+    normalize, ``SequenceLayout.split_affine``) is applied to them afterwards."""
     from vitmm.data.ops_image import anyres_views
     from vitmm.models import anyres as anyres_lib
 
     pinpoints, tile, grid = [tuple(p) for p in anyres["pinpoints"]], anyres["tile"], tuple(anyres["tile_grid"])
+    method, affine = anyres.get("method", "bilinear"), anyres.get("affine")
     views, spans = [], []
     for image in images:
-        index = anyres_lib.layout(np.shape(image)[:2], pinpoints, tile, grid)
+        image = np.asarray(image)
+        if image.dtype != np.uint8:
+            raise ValueError(f"AnyRes views of a {image.dtype} image: input.sequences cuts them from uint8 images "
+                             "before the pp's final normalize/value_range; drop image ops after it.")
+        index = anyres_lib.layout(image.shape[:2], pinpoints, tile, grid)
         spans.append(np.where(index == anyres_lib.NEWLINE, NEWLINE, len(views) * num_visual + index))
-        views.extend(anyres_views(np.asarray(image), pinpoints, tile))
-    stacked = np.stack(views) if views else np.zeros((0, tile, tile, first.shape[-1]), first.dtype)
+        views.extend(anyres_views(image, pinpoints, tile, method))
+    stacked = np.stack(views) if views else np.zeros((0, tile, tile, first.shape[-1]), np.uint8)
+    if affine is not None:
+        stacked = stacked.astype(np.float32) * affine[0] + affine[1]
     return images, spans, {"images": stacked}
 
 

@@ -17,6 +17,7 @@ import numpy as np
 REASONS = {
     "image_missing": "the image file does not exist",
     "image_unreadable": "the image cannot be decoded",
+    "image_aspect": "the image's aspect ratio is over 200 (Qwen2-VL's limit; a shorter-side resize would be huge)",
     "empty_conversation": "the conversation has no turns",
     "turns_not_alternating": "the turns are not user/assistant pairs after an optional system turn",
     "unknown_role": "a turn's 'from' is not human, gpt or system",

@@ -2,9 +2,13 @@
 
     frames = decode_video(open("clip.mp4", "rb").read(), num_frames=8)   # 8 × uint8 [H, W, 3]
 
-The sampling rule is LLaVA-Video's and lmms-eval's: of a video's ``n`` frames, the ``k`` at
-``np.linspace(0, n - 1, k)`` rounded down (the first and the last frame always, evenly between; a
-video shorter than ``k`` frames repeats some). A list of frame images is sampled the same way.
+The sampling rule: of a video's ``n`` frames, the ``k`` at ``np.linspace(0, n - 1, k)`` rounded
+down (the first and the last frame always, evenly between). For ``n >= k`` that is lmms-eval's
+``read_video_pyav`` and LLaVA-Video's ``load_video`` with ``force_sample=True`` (without it,
+LLaVA-Video takes one frame a second when that gives at most ``k``). A video shorter than ``k``
+frames repeats some, so every video gives the model ``k`` frames (fixed image slots, and pairs for
+``temporal_patch(2)``), where lmms-eval takes its ``n`` frames once. A stream's rotation (phone
+videos) is not applied. A list of frame images is sampled the same way.
 The ``decode`` op puts the frames where ``<video>`` stood as ``k`` consecutive images (one
 ``<image>`` each), so they reach the LM as ``k`` frames of visual tokens; ``temporal_patch(2)``
 then merges each two into one image of twice the channels (Qwen2-VL's temporal patch: the tower's

@@ -41,11 +41,14 @@ def best_resolution(image_hw: Sequence[int], pinpoints: Sequence[Sequence[int]])
 
 def fitted_size(image_hw: Sequence[int], target_hw: Sequence[int]) -> tuple[int, int]:
     """The image's size inside ``target_hw`` after an aspect-preserving resize (the longer
-    relative side fills the target; the other rounds up)."""
+    relative side fills the target; the other rounds up). The scale is computed first and then
+    multiplied, as transformers' ``get_patch_output_size`` does: ``h * (tw / w)`` and ``h * tw / w``
+    round differently when the exact size is whole (375×500 in 672² is 505×672, not 504×672)."""
     (h, w), (th, tw) = image_hw, target_hw
-    if tw / w < th / h:
-        return min(math.ceil(h * tw / w), th), tw
-    return th, min(math.ceil(w * th / h), tw)
+    scale_w, scale_h = tw / w, th / h
+    if scale_w < scale_h:
+        return min(math.ceil(h * scale_w), th), tw
+    return th, min(math.ceil(w * scale_h), tw)
 
 
 def plan(image_hw: Sequence[int], pinpoints, tile: int) -> dict:

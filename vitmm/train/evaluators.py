@@ -36,7 +36,8 @@ class _Embeddings:
     """Embeds an evaluation split once per set of parameters; shared by the evaluators."""
 
     def __init__(self, embed_images, embed_texts, data: dict, max_len: int, tokenizer, batch_size: int,
-                 num_examples: int | None, image_size: int, native: dict | None = None, padding: str = "pad"):
+                 num_examples: int | None, image_size: int, native: dict | None = None, padding: str = "pad",
+                 value_op: str = "value_range(-1, 1)"):
         self._embed_images, self._embed_texts = embed_images, embed_texts
         self.tokenizer, self.max_len, self.batch_size = tokenizer, max_len, batch_size
         self.padding = padding  # "eos" for a text tower pooled at its last position (SigLIP), as it trained
@@ -53,7 +54,7 @@ class _Embeddings:
         size = (f"naflex({native['max_num_patches']}, {native['patch_size'][0]})" if native
                 else f"resize({image_size})")
         self._pp = preprocess.parse(
-            f"{data.get('pp') or 'decode'}|{size}|value_range(-1, 1)|"
+            f"{data.get('pp') or 'decode'}|{size}|{value_op}|"
             f"tokenize('caption', {max_len}, padding={padding!r})|keep('image', 'caption_tokens', {label})", tokenizer)
         self.has_labels = "label" in keys
         self._params, self._value = None, None
@@ -217,8 +218,11 @@ _softmax_loss, _sigmoid_loss = jax.jit(losses.softmax_loss), jax.jit(losses.sigm
 TYPES = {"zeroshot": ZeroShot, "retrieval": Retrieval, "val_loss": ValLoss}
 
 
-def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_size: int) -> dict:
-    """Builds the evaluators of ``config.evals`` for a ``TwoTowers`` model."""
+def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_size: int,
+                value_op: str = "value_range(-1, 1)") -> dict:
+    """Builds the evaluators of ``config.evals`` for a ``TwoTowers`` model; ``value_op``: the
+    run's final ``value_range``/``normalize`` (``pp_template.value_op``), so they see the pixels
+    it trained on."""
     embed_images = jax.jit(lambda p, x: model.apply({"params": p}, x)[0])
     embed_texts = jax.jit(lambda p, ids: model.apply({"params": p}, None, ids)[1])
     caches: dict = {}
@@ -246,7 +250,7 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
         if key not in caches:
             caches[key] = _Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
                                       cfg.pop("embed_batch_size", 256), cfg.get("num_examples"),
-                                      image_size, native, padding=text_padding(model))
+                                      image_size, native, padding=text_padding(model), value_op=value_op)
         cfg.pop("num_examples", None)
         cfg.pop("embed_batch_size", None)
         if kind == "val_loss":

@@ -19,11 +19,12 @@ from vitmm.train.parallel import Parallel
 def make(config, tokenizer, par: Parallel, task) -> device_feed.DeviceIterator:
     """The run's training batches on the devices; ``get_state``/``set_state`` resume them exactly."""
     inp = config.input
-    pp = preprocess.parse(pp_template.host_pp_and_device_affine(config)[0], tokenizer)
+    spec = pp_template.host_pp_and_device_affine(config)[0]
+    pp = preprocess.parse(spec, tokenizer)
     if inp.get("packing"):
         host = _packed(config, pp)
     elif inp.get("sequences") and inp.sequences.get("length"):
-        host = _sequences(config, pp, task)
+        host = _sequences(config, spec, tokenizer, task)
     elif formats.raw_format(inp):  # the user's files (LLaVA JSON, tar shards, CSV, parquet, a mixture)
         host = pipeline.train_iterator(formats.source_from(inp, config.seed), pp, config.batch_size, seed=config.seed,
                                        num_threads=inp.get("num_threads", 1), prefetch=inp.get("prefetch", 8),
@@ -46,7 +47,7 @@ def data_spec(inp) -> dict:
     return {"name": inp.data.name, "split": inp.data.split, "data_dir": inp.get("data_dir")}
 
 
-def _sequences(config, pp, task):
+def _sequences(config, spec, tokenizer, task):
     """VLM examples as flat sequences with any number of images (``input.sequences``;
     ``batch_size`` counts rows), packed several to a row unless ``pack=False``."""
     from vitmm.train.sequence_layout import SequenceLayout
@@ -59,6 +60,8 @@ def _sequences(config, pp, task):
     if layout.anyres is not None and "anyres" in preprocess.op_names(pp_template.pp_string(config)):
         raise ValueError("With input.sequences each image's AnyRes views are made by data.sequences: drop the anyres "
                          "op from input.pp (keep the images at their own sizes).")
+    spec, layout = layout.split_affine(spec)  # AnyRes views are cut before normalisation: black padding
+    pp = preprocess.parse(spec, tokenizer)
     raw = formats.raw_format(inp)
     source = formats.source_from(inp, config.seed) if raw else \
         pipeline.source_for(data_spec(inp), keys=tuple(inp.get("keys") or ()) or None)

@@ -18,22 +18,48 @@ def image_channels(config) -> int:
 
 
 def image_normalization(config) -> tuple[tuple, tuple]:
-    """``(mean, std)`` the run's images are normalised with: ``input.image_mean``/``image_std``
-    when set, else (a VLM) what the tower checkpoint ``init.vision`` records, else 0.5/0.5
+    """``(mean, std)`` the run's images are normalised with, each on its own: ``input.image_mean``
+    / ``image_std`` when set, else what the tower's checkpoint records (``init.vision`` for a VLM,
+    ``init.checkpoint`` for a two-tower run, e.g. a converted OpenAI CLIP), else 0.5
     (``value_range(-1, 1)``, what vitmm's own configs train with)."""
     mean, std = config.input.get("image_mean"), config.input.get("image_std")
-    if mean is None and config.get("task") == "vlm" and sources.folder(config, "vision"):
-        saved = ckpt_lib.load_config(sources.folder(config, "vision")).get("input") or {}
-        mean, std = saved.get("image_mean"), saved.get("image_std")
+    recorded = _recorded_normalization(config) if mean is None or std is None else {}
     half = (0.5, 0.5, 0.5)
-    return tuple(mean or half), tuple(std or half)
+    return tuple(mean or recorded.get("image_mean") or half), tuple(std or recorded.get("image_std") or half)
+
+
+def _recorded_normalization(config) -> dict:
+    """The ``image_mean``/``image_std`` the tower's checkpoint records (``init.vision``'s for a VLM,
+    ``init.checkpoint``'s for a two-tower run)."""
+    folder = sources.folder(config, "vision" if config.get("task") == "vlm" else "checkpoint")
+    return (ckpt_lib.load_config(folder).get("input") or {}) if folder else {}
+
+
+def normalize_op(config) -> str:
+    """The ``{normalize}`` op: ``value_range(-1, 1)`` for the 0.5/0.5 statistics (the same float
+    ops as vitmm's configs have always run), else ``normalize(mean, std)``."""
+    mean, std = image_normalization(config)
+    return "value_range(-1, 1)" if mean == std == (0.5, 0.5, 0.5) else f"normalize({mean}, {std})"
+
+
+def value_op(config) -> str:
+    """The run's pp's final ``value_range``/``normalize`` op, as its evaluators must repeat it (the
+    ``{normalize}`` op when the pp has none)."""
+    spec = pp_string(config)
+    found = [(name, args, kwargs) for name, args, kwargs in preprocess.ops(spec)
+             if name in ("value_range", "normalize") and kwargs.get("key", "image") == "image"]
+    if not found:
+        return normalize_op(config)
+    name, args, kwargs = found[-1]
+    return f"{name}({', '.join([repr(a) for a in args] + [f'{k}={v!r}' for k, v in kwargs.items()])})"
 
 
 def pp_string(config, template: str | None = None) -> str:
     """A pp template (default ``config.input.pp``) with its fields filled from the config:
     ``{image_size}`` (``input.image_size``), ``{max_len}`` (the LM's ``model.max_len`` or the
     text tower's ``model.text.max_len``), ``{image_mean}`` and ``{image_std}``
-    (``image_normalization``), ``{loss_positions}`` (``model.loss_positions``)."""
+    (``image_normalization``), ``{normalize}`` (``normalize_op``), ``{loss_positions}``
+    (``model.loss_positions``)."""
     template = config.input.pp if template is None else template
     fields = dict(image_size=config.input.image_size,
                   max_len=config.model.get("max_len") or config.model.get("text", {}).get("max_len"),
@@ -49,6 +75,8 @@ def pp_string(config, template: str | None = None) -> str:
         fields["patch_size"] = to_pair(ViT(**tasks.vlm_parts(config)[0]).arch().patch_size)[0]
     if "{anyres}" in template:
         fields["anyres"] = anyres_op(config)
+    if "{normalize}" in template:
+        fields["normalize"] = normalize_op(config)
     if "{image_mean}" in template or "{image_std}" in template:
         mean, std = image_normalization(config)
         fields.update(image_mean=mean, image_std=std)
@@ -56,8 +84,8 @@ def pp_string(config, template: str | None = None) -> str:
         return template.format(**fields)
     except (KeyError, IndexError) as err:
         raise ValueError(f"The pp template {template!r} names the field {err}; a pp template may use "
-                         f"{{image_size}}, {{max_len}}, {{image_mean}}, {{image_std}}, {{max_num_patches}}, "
-                         "{patch_size}, {loss_positions} and {anyres} only.") from None
+                         f"{{image_size}}, {{max_len}}, {{image_mean}}, {{image_std}}, {{normalize}}, "
+                         "{max_num_patches}, {patch_size}, {loss_positions} and {anyres} only.") from None
 
 
 def host_pp_and_device_affine(config) -> tuple[str, tuple | None]:

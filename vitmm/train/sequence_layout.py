@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from vitmm.data import sequences
+from vitmm.data import preprocess, sequences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,17 @@ class SequenceLayout:
             anyres, per_image = {**task.model.anyres, "tile_grid": grid}, grid[0] * grid[1]
         return cls(per_image, sq.length, sq.get("max_images", 1), sq.get("tower_length", 0),
                    task.mrope_grid if mrope_grid is None else mrope_grid, tower, anyres)
+
+    def split_affine(self, spec: str) -> tuple[str, SequenceLayout]:
+        """With AnyRes: ``spec`` without its final ``normalize``/``value_range`` and a layout that
+        applies it to the views, which are cut from the uint8 image (padding black whether the host
+        or the device normalises); else ``(spec, self)``."""
+        if self.anyres is None:
+            return spec, self
+        host, affine = preprocess.split_image_affine(spec)
+        if affine is None:  # normalised on the device (input.device_normalize), or not at all
+            return spec, self
+        return host, dataclasses.replace(self, anyres={**self.anyres, "affine": affine})
 
     def sequence(self, ex: dict) -> dict:
         """A pp'd example's flat sequence (``data.sequences.to_sequence``)."""

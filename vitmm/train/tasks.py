@@ -100,7 +100,7 @@ class ContrastiveTask:
     def evaluators(self):
         c = self.config
         return eval_lib.from_config(evals_config(c), self.model, c.model.text.max_len, self.tokenizer,
-                                    c.loss, c.input.image_size)
+                                    c.loss, c.input.image_size, pp_template.value_op(c))
 
 
 class VLMTask:
@@ -250,18 +250,24 @@ class VLMTask:
         for name, cfg in evals_config(c).items():
             if cfg.get("type") == "val_loss":  # held-out answer loss, with the training preprocessing by default
                 cfg["pp"] = pp_template.pp_string(c, cfg.get("pp") or c.input.pp)
-                evals[name] = vlm_evaluators.VLMValLoss(self.loss_fn, cfg, self.tokenizer, self._sequence_row())
+                cfg["pp"], row = self._sequence_row(cfg["pp"])
+                evals[name] = vlm_evaluators.VLMValLoss(self.loss_fn, cfg, self.tokenizer, row)
                 continue
             evals[name] = qa_evaluator(c, cfg, self.model, self.tokenizer)
         return evals
 
 
-    def _sequence_row(self):
-        """With ``input.sequences``: a pp'd example as one padded row of them (held-out batches)."""
+    def _sequence_row(self, spec: str):
+        """With ``input.sequences``: ``spec`` as the layout runs it (AnyRes: its final normalize
+        applied to the views) and a pp'd example as one padded row (held-out batches); else
+        ``(spec, None)``."""
         from vitmm.train.sequence_layout import SequenceLayout
 
         layout = SequenceLayout.of(self)
-        return None if layout is None else layout.row
+        if layout is None:
+            return spec, None
+        spec, layout = layout.split_affine(spec)
+        return spec, layout.row
 
 
 def qa_evaluator(config, cfg: dict, model, tokenizer) -> vlm_evaluators.QAAccuracy:

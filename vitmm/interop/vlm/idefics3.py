@@ -50,7 +50,7 @@ def _image_pp(images: dict, tile: int, src) -> str:
         raise ValueError(f"{src}: image processing {json.dumps({k: images.get(k) for k in ('size', 'max_image_size', 'do_image_splitting', 'resample')})} "  # noqa: E501
                          f"is not supported; vitmm reads Idefics3's splitting into tiles of the tower's {tile}px "
                          "input (max_image_size) after a longest_edge resize, Lanczos, bilinear or bicubic.")
-    return (f"decode(max_images={MAX_IMAGES})|idefics3_tiles({int(longest)}, {tile}, "
+    return (f"decode(max_images={MAX_IMAGES}, alpha='white')|idefics3_tiles({int(longest)}, {tile}, "
             f"method='{METHODS[images.get('resample', 1)]}')|")
 
 

@@ -72,7 +72,7 @@ def _image_pp(images: dict, size: int, src) -> str:
     pad = "pad_to_square({image_mean})|" if images.get("do_pad") else ""
     if shortest is None and (given.get("height"), given.get("width")) == (size, size) and \
             not images.get("do_center_crop") and images.get("resample", 3) in methods and images.get("do_resize", True):
-        return f"decode|{pad}resize({size}, method='{methods[images.get('resample', 3)]}')|"
+        return f"decode(alpha='white')|{pad}resize({size}, method='{methods[images.get('resample', 3)]}')|"
     if not images.get("do_resize", True) or shortest is None or images.get("resample", 3) not in methods:
         raise ValueError(f"{src}: image processing {json.dumps({k: images.get(k) for k in ('size', 'resample')})} "
                          "is not supported; vitmm reads a shortest-edge resize, bicubic (3) or bilinear (2).")
@@ -80,15 +80,15 @@ def _image_pp(images: dict, size: int, src) -> str:
         raise ValueError(f"{src}: crop {crop} (do_center_crop={images.get('do_center_crop')}) does not give the "
                          f"tower's {size}x{size} input.")
     method = methods[images.get("resample", 3)]
-    return f"decode|{pad}resize({shortest}, method='{method}', shorter=True)|center_crop({size})|"
+    return f"decode(alpha='white')|{pad}resize({shortest}, method='{method}', shorter=True)|center_crop({size})|"
 
 
 
-def _anyres_pp(images: dict, size: int, patch: int, src, max_patches: int | None = None) -> tuple[str, list]:
+def _anyres_pp(images: dict, size: int, patch: int, src, max_patches: int | None = None) -> tuple[str, list, str]:
     """LLaVA-NeXT's (and LLaVA-OneVision's) image processor as a pp (``anyres``: the base view
     squashed to a tile, the tiles of the best candidate resolution with the image centred on black;
     bicubic or bilinear, as ``resample`` says; ``max_patches``: OneVision's downsampling) and its
-    candidate resolutions; then rescale and normalize."""
+    candidate resolutions and resampling; then rescale and normalize."""
     pinpoints = images.get("image_grid_pinpoints")
     given = images.get("size") or {}
     square = given.get("height") if given.get("height") == given.get("width") else None  # OneVision's size
@@ -106,7 +106,7 @@ def _anyres_pp(images: dict, size: int, patch: int, src, max_patches: int | None
     grid = (size // patch, size // patch)
     method = methods[images.get("resample", 3)]
     more = f", max_patches={max_patches}" if max_patches else ""
-    return f"decode|anyres({pinpoints}, {size}, {grid}, method='{method}'{more})|", pinpoints
+    return f"decode(alpha='white')|anyres({pinpoints}, {size}, {grid}, method='{method}'{more})|", pinpoints, method
 
 
 
@@ -156,8 +156,9 @@ def load_llava(src) -> tuple[dict, dict, dict]:
     anyres = None
     if next_:
         max_patches = _max_patches(config, src) if onevision else None
-        image_pp, pinpoints = _anyres_pp(images, size, vision["patch_size"], src, max_patches)
-        anyres = {"pinpoints": pinpoints, "tile": size, **({"max_patches": max_patches} if max_patches else {})}
+        image_pp, pinpoints, method = _anyres_pp(images, size, vision["patch_size"], src, max_patches)
+        anyres = {"pinpoints": pinpoints, "tile": size, "method": method,  # method: flat sequences' views
+                  **({"max_patches": max_patches} if max_patches else {})}
     else:
         image_pp = _image_pp(images, size, src)
     left = sorted(set(tensors) - set(vision_sd.tensors) - set(lm_tensors) - set(proj_sd.tensors))
@@ -262,7 +263,7 @@ def _image_processor(pp: str, size: int, mean, std, anyres: dict | None = None) 
                 steps[0][1][1] != anyres["tile"]:
             raise ValueError(f"the run's image steps {'|'.join(names) or '(none)'} are not LLaVA-NeXT's processor: "
                              "it makes the AnyRes views on the host, as one anyres(pinpoints, tile, …) op (a run on "
-                             "flat sequences makes them after normalize: not exportable)")
+                             "flat sequences makes them in data.sequences: not exportable)")
         resample = pil_resample(steps[0][2].get("method"))
         if anyres.get("max_patches"):  # LLaVA-OneVision's: every view squashed to the tile's square
             return {**common, "image_processor_type": "LlavaOnevisionImageProcessor", "do_pad": True,

@@ -68,7 +68,8 @@ def load_paligemma(src) -> tuple[dict, dict, dict]:
         raise ValueError(f"{src}: image processing {json.dumps(images.get('size'))} is not supported; vitmm reads "
                          f"SigLIP's resize to the tower's {size}x{size}.")
     method = "bicubic" if images.get("resample", 3) == 3 else "bilinear"
-    pp = f"decode|resize({size}, method='{method}')|normalize({{image_mean}}, {{image_std}})|" + conversation_pp()
+    pp = (f"decode(alpha='white')|resize({size}, method='{method}')|normalize({{image_mean}}, {{image_std}})|"
+          + conversation_pp())
     run = {"task": "vlm", "seed": 0, "model": model, "init": {"vision": None, "lm": None, "checkpoint": None},
            "lora": {"rank": 0, "alpha": 0.0, "dropout": 0.0, "targets": []},
            "input": {"pp": pp, "image_size": size, "image_mean": list(images.get("image_mean", (0.5,) * 3)),

@@ -101,7 +101,7 @@ def _image_pp(images: dict, patch: int, merge: int, src) -> str:
         raise ValueError(f"{src}: image processing {images} is not supported; vitmm reads Qwen2-VL's smart_resize "
                          "(size shortest_edge/longest_edge as pixel counts), bicubic (3) or bilinear (2), the "
                          "model's patch and merge sizes.")
-    return (f"decode(max_images={MAX_IMAGES})|smart_resize({int(low)}, {int(high)}, {patch * merge}, "
+    return (f"decode(max_images={MAX_IMAGES}, alpha='white')|smart_resize({int(low)}, {int(high)}, {patch * merge}, "
             f"method='{methods[images.get('resample', 3)]}')|")
 
 
