@@ -77,8 +77,27 @@ def test_full_size_models_build(name, expected_millions):
         assert _config(scenes, "scale=b16").model.image.attn_impl == "cudnn"  # its default
 
 
-# clip_b16_coco takes the same reader and smoke path as siglip_b16 (~14 s; its model is built above)
-@pytest.mark.parametrize("name", [pytest.param("clip_b16_coco", marks=pytest.mark.slow), "siglip_b16"])
+def test_coco_shaped_examples_read_and_preprocess_as_the_configs_train_and_evaluate(fake_coco):
+    """The read-only TFDS path and each config's pp on COCO's caption layout (one caption of an
+    image's several for training; the evaluators' pairs): what a real COCO takes. The training step
+    on it is the slow test below (a one-block SigLIP step is in test_trainer)."""
+    from vitmm.data import pipeline, preprocess
+    from vitmm.train import pp_template, tasks
+
+    for name in ("clip_b16_coco", "siglip_b16"):
+        c = _config(name, "smoke")
+        source = pipeline.source_for({"name": c.input.data.name, "split": c.input.data.split, "data_dir": fake_coco})
+        pp = preprocess.parse(pp_template.host_pp_and_device_affine(c)[0], tasks.tokenizer_for(c))
+        ex = pp(source[0], np.random.default_rng(0))
+        assert ex["image"].shape[:2] == (32, 32) and ex["caption_tokens"].shape == (c.model.text.max_len,), name
+        for ev in c.evals.values():
+            data = {**dict(ev.data), "data_dir": fake_coco}
+            assert len(pipeline.source_for(data, keys=("image", "captions"))) == 16, name
+
+
+# Each config's smoke run on the fake COCO (~14-18 s each): the reader and pp are tested above
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["clip_b16_coco", "siglip_b16"])
 def test_smoke_step_on_coco_shaped_data(tmp_path, fake_coco, name):
     c = _config(name, "smoke")
     with c.unlocked():
