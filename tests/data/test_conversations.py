@@ -274,3 +274,31 @@ def test_a_text_only_example_through_the_vlm_is_the_lm_alone():
     rows = [i for i in range(n - 1) if i != int(ex["image_pos"]) - 1]
     np.testing.assert_allclose(np.asarray(text[0, rows]), np.asarray(alone[0, rows]), atol=1e-5, rtol=0)
     assert ex["answer_mask"][int(ex["image_pos"])] == 0  # that position never carries the loss
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_an_answer_is_learned_up_to_any_end_of_turn_id_the_lm_stops_at(tmp_path):
+    """An instruct LM whose turns end with a token other than its EOS (Llama 3's ``<|eot_id|>``,
+    Gemma's ``<end_of_turn>``): conversion records it among ``eos_ids``, the answer is learned up to
+    it (and decoding stops at it); a template whose turns end with none of them is refused in one line."""
+    from vitmm.interop import gguf_lm
+
+    _, _, tok, _ = gguf_lm.load(FIXTURES / "interop/gguf_llama/tiny.gguf")
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    end_of_turn = tok_lib.HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=2, pad_id=2).encode("<|im_end|>")
+    assert end_of_turn == [2]  # the tiny tokenizer's <|im_end|>: here an end of turn, the EOS another id
+    turns = [{"from": "human", "value": "<image>\nWhat is shown?"}, {"from": "gpt", "value": "A cat."}]
+    for eos_ids, ok in (([2], True), (None, False)):
+        tokenizer = tok_lib.HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=0, pad_id=0,
+                                        chat_template=CHATML, eos_ids=eos_ids)
+        op = preprocess.parse("conversation_tokens(96)", tokenizer)
+        if not ok:
+            with pytest.raises(ValueError, match=r"holds none of the ids the LM stops at \[0\]"):
+                op({"conversations": turns, "num_images": 1}, None)
+            continue
+        ex = op({"conversations": turns, "num_images": 1}, None)
+        learned = ex["ids"][ex["answer_mask"] > 0].tolist()
+        assert learned == tokenizer.encode("A cat.<|im_end|>") and learned[-1] == 2

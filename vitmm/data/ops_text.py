@@ -105,10 +105,7 @@ def _qa_chat(max_len, question_key, answer_key, tokenizer, system):
         before, after = prompt.split(IMAGE_PLACEHOLDER)
         before, after = tokenizer.encode(before), tokenizer.encode(after)
         answer = tokenizer.encode(full[len(prompt):])
-        if tokenizer.eos_id not in answer:
-            raise ValueError(f"qa_tokens(chat=True): the assistant's turn {full[len(prompt):]!r} has no EOS (id "
-                             f"{tokenizer.eos_id}) to stop at; convert the LM with its end-of-turn token as EOS.")
-        answer = answer[: answer.index(tokenizer.eos_id) + 1]
+        answer = answer[: answer_end(answer, tokenizer, "qa_tokens(chat=True)", full[len(prompt):])]
         seq = before + after + answer
         if not before:
             raise ValueError("qa_tokens(chat=True): the chat template puts no token before <image>.")
@@ -357,6 +354,19 @@ def _plain_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
     return segments
 
 
+def answer_end(answer: list[int], tokenizer, op: str, text: str) -> int:
+    """Where an assistant turn's learned tokens end: after its first end-of-turn id (the EOS, or
+    another the LM stops at, e.g. Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``:
+    ``tokenizer.eos_ids``, which decoding stops at too)."""
+    ends = tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id,)))
+    at = next((i for i, t in enumerate(answer) if t in ends), None)
+    if at is None:
+        raise ValueError(f"{op}: the assistant's turn {text!r} holds none of the ids the LM stops at {list(ends)}; "
+                         "convert the LM again (python -m vitmm.interop) so that its generation_config.json's or "
+                         "GGUF's end-of-turn ids are recorded.")
+    return at + 1
+
+
 def _assemble(segments, tokenizer) -> tuple[list[int], list[int], list[int]]:
     """Token ids, the answer mask and each image's token index from ``segments``; ``<image>`` in a
     text segment splits it (no token for the tag itself: the visual tokens go there)."""
@@ -377,10 +387,7 @@ def _assemble(segments, tokenizer) -> tuple[list[int], list[int], list[int]]:
         answer = tokenizer.encode(text) if text else []
         if kind == "answer_eos":
             answer.append(tokenizer.eos_id)
-        if tokenizer.eos_id not in answer:
-            raise ValueError(f"conversation_tokens: the assistant's turn {text!r} has no EOS (id {tokenizer.eos_id}) "
-                             "to stop at; convert the LM with its end-of-turn token as EOS.")
-        end = answer.index(tokenizer.eos_id) + 1
+        end = answer_end(answer, tokenizer, "conversation_tokens", text)
         ids += answer
         mask += [1] * end + [0] * (len(answer) - end)
     return ids, mask, image_at  # [0, …]: the image first, before BOS (PaliGemma's layout)
