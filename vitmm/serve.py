@@ -106,11 +106,9 @@ async def _whole(engine: Engine, parsed: dict, request) -> list | None:
     cancelled = threading.Event()
     watcher = asyncio.create_task(_cancel_on_disconnect(request, cancelled))
     completion = engine.completion({**parsed, "cancelled": cancelled})
-    pieces = []
     try:
-        while (piece := await run_in_threadpool(next, completion, None)) is not None:
-            pieces.append(piece)
-        return None if watcher.done() else pieces
+        pieces = await run_in_threadpool(list, completion)  # one thread hop, not one per piece
+        return None if watcher.done() else pieces  # (the engine sets `cancelled` itself when a row ends)
     finally:
         watcher.cancel()
         completion.close()
