@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
-python3 -m experiments.gpu.bench --out "${OUT:-.}/bench_gpu.json" "$@"
+python3 -m experiments.gpu.bench --out "${OUT:-.}/bench_gpu.json" "$@" 2>&1 | tee "${OUT:-.}/bench_gpu.log"

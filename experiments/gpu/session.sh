@@ -52,21 +52,21 @@ OUT=$W DEMO_S=$DEMO_S LOOP_S=$LOOP_S RESUME_S=$RESUME_S PARTS=$PARTS DEADLINE=$(
 pack
 
 echo "=== part 5: deterministic=True, issue 52 part 5 ($(date -u +%H:%M:%S), $(left) s left)"
-# Three fresh processes, each compiling ViT-B/16 (its rows are written as each finishes): the cost of
-# deterministic=True against the default, and whether cuDNN's attention now runs under deterministic ops.
+# First repeatability with the fallback (the shorter check, so that a cut-off sweep does not take it): the
+# demo's CLIP asking for cuDNN attention (2026-12-04: the same check with XLA's attention ~57 s; a B/16 check
+# would not fit). Then three fresh processes, each compiling ViT-B/16 (its rows are written as each finishes):
+# the cost of deterministic=True against the default, and whether cuDNN's attention runs under deterministic ops.
 DET_SWEEP="baseline,deterministic ops + cuDNN attention,deterministic=True (deterministic ops + XLA attention)"
-# then repeatability with the fallback: the demo's CLIP asking for cuDNN attention (2026-12-04: the same check with
-# XLA's attention ~57 s; a B/16 check would not fit)
 if [ "$tiny" = --tiny ]; then SW=(--tiny --steps 1 --repeats 1) DET=(--config configs/clip_scenes.py:smoke --half 2 --set "input.data_dir=$TINY_DATA")
 else SW=(--cases "ViT-B/16 cudnn") DET=(--config configs/clip_scenes.py --half 30 --set "input.data_dir=$PWD/.gpu_data"); fi
-limited $PY -m experiments.gpu.bench "${SW[@]}" --sweep --sweep_settings "$DET_SWEEP" \
-    --out "$W/bench_determinism.json" > "$W/bench_determinism.log" 2>&1 || echo "FAILED or cut off: the determinism sweep"
-grep -E "step .* ms|FAILED" "$W/bench_determinism.log" | head -8
-pack
 limited $PY -m experiments.reliability.resume_check "${DET[@]}" --repeat --set deterministic=True \
     --set model.image.attn_impl=cudnn --out "$W/resume_deterministic_cudnn.json" > "$W/resume_deterministic_cudnn.log" 2>&1 \
     || echo "FAILED or cut off: resume"
 tail -2 "$W/resume_deterministic_cudnn.log"
+pack
+limited $PY -m experiments.gpu.bench "${SW[@]}" --sweep --sweep_settings "$DET_SWEEP" \
+    --out "$W/bench_determinism.json" > "$W/bench_determinism.log" 2>&1 || echo "FAILED or cut off: the determinism sweep"
+grep -E "step .* ms|FAILED" "$W/bench_determinism.log" | head -8
 pack
 
 echo "=== the PyTorch peer: timm ViT-B/16 + torch.compile ($(date -u +%H:%M:%S), $(left) s left)"
