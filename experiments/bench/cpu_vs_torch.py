@@ -32,7 +32,10 @@ FLOPs, a little under 1 in training where the patch embedding needs no input gra
 
 PyTorch is not a vitmm dependency: pass ``--torch_python`` for an interpreter
 that has ``torch`` and ``transformers`` (``torch==2.13.0`` installs from a local file here), or
-``--no_torch``. Both frameworks get the same number of threads (``--threads``, default: all cores).
+``--no_torch``. Both frameworks run on the same ``--threads`` cores (default: all): each worker pins
+itself to the first ``--threads`` cores before its framework starts, as XLA sizes its thread pool
+from the process's CPU affinity (``OMP_NUM_THREADS`` does not reach it); torch is also told
+``set_num_threads``.
 
 Every worker, of either framework, starts with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` added
 (``--glibc_tunables``; '' for none): malloc then asks the kernel for transparent huge pages for its

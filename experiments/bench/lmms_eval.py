@@ -17,6 +17,7 @@ import argparse
 import glob
 import json
 import pathlib
+import statistics
 import tempfile
 import time
 
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
             evaluation.append(result["evaluation_s"])
             if result["differ"] or result["lmms"] != result["qa"]:
                 break
-    result.update(workdir=str(args.workdir), repeats=args.repeats, qa_cold_s=round(inprocess[0], 1),
+    result.update(workdir=str(args.workdir), repeats=len(through), qa_cold_s=round(inprocess[0], 1),
                   qa_warm_s=_median(inprocess[1:]), lmms_end_to_end_s=_median(through),
                   evaluation_s=_median(evaluation), date=time.strftime("%Y-%m-%d"))
     out = pathlib.Path(args.out)
@@ -91,7 +92,7 @@ def main(argv=None) -> dict:
              "| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
              "| `qa` evaluator | " + " | ".join(f"{result['qa'][k]:.4f}" for k in names) + " |",
              "| lmms-eval | " + " | ".join(f"{result['lmms'].get(k, float('nan')):.4f}" for k in names) + " |", "",
-             f"Wall time, medians of {args.repeats} runs (range): the evaluator in-process {result['qa_cold_s']} s the "
+             f"Wall time, medians of {len(through)} runs (range): the evaluator in-process {result['qa_cold_s']} s the "
              f"first time (compiling), then {_fmt(result['qa_warm_s'])}; lmms-eval {_fmt(result['lmms_end_to_end_s'])}"
              f" from the server's start to its exit, of which {_fmt(result['evaluation_s'])} its evaluation (the "
              "requests, the server compiling its decode shapes; the rest is the two programs starting)."]
@@ -102,7 +103,7 @@ def main(argv=None) -> dict:
 
 def _median(xs: list[float]) -> list[float]:
     """``[median, min, max]`` rounded to 0.1 s."""
-    return [round(float(v), 1) for v in (sorted(xs)[len(xs) // 2], min(xs), max(xs))]
+    return [round(float(v), 1) for v in (statistics.median(xs), min(xs), max(xs))]
 
 
 def _fmt(m: list[float]) -> str:

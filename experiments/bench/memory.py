@@ -16,7 +16,8 @@ the 576 visual ones), stage 2 (connector and LM, batch 16, conversations to 2,04
 stage 2 with LoRA rank 8. Three more rows take those settings away from the 0.5B stage 2 one by one.
 
 Each row compiles the training step twice and records ``plan``'s numbers per device
-(``results/memory/rows.jsonl``, one row at a time: a rerun skips the rows it has): for one GPU
+(``results/memory/rows.jsonl``, one row at a time: a rerun skips the rows it has, and refuses
+rows made with other ``--tiny`` or ``--target`` settings): for one GPU
 (data parallel) and for eight with FSDP (``fsdp=True``, the same batch a GPU: eight times the
 global batch), each the program XLA compiles for those devices. With ``--target`` the devices are
 compile-only GPUs of that card (``vitmm.train.gpu_targets``): the program and buffer assignment a
@@ -139,6 +140,20 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_settings(done: dict, path: pathlib.Path, tiny: bool, target: str | None) -> None:
+    """Refuses a rerun into a folder whose rows were made for other settings (row names do not say
+    whether the models were shrunk or which devices compiled them, so a rerun would reuse them)."""
+    import jax
+
+    wanted = (tiny, target or jax.default_backend())
+    for r in done.values():
+        had = (r.get("tiny", False), r["backend"])
+        if had != wanted:
+            raise SystemExit(f"{path} holds rows made with tiny={had[0]} for {had[1]} (e.g. {r['row']!r}); this run "
+                             f"asks for tiny={wanted[0]} for {wanted[1]}: write to another --out, or remove the file "
+                             "to measure again.")
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "results/memory"))
@@ -151,13 +166,14 @@ def main(argv=None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     done_path = out / "rows.jsonl"
     done = {json.loads(line)["row"]: json.loads(line) for line in done_path.open()} if done_path.exists() else {}
+    check_settings(done, done_path, args.tiny, args.target)
     data = examples.write_llava(pathlib.Path(tempfile.mkdtemp(prefix="vitmm_memory_")), 256, resolution=64)  # 8 × 32
     results = []
     for name, config_file, arg, overrides in rows(args.tiny, args.target):
         if args.only not in name:
             continue
         if name not in done:
-            done[name] = measure_row(name, config_file, arg, overrides, data, args.target)
+            done[name] = {**measure_row(name, config_file, arg, overrides, data, args.target), "tiny": args.tiny}
             with done_path.open("a") as f:
                 f.write(json.dumps(done[name]) + "\n")
             print(f"{name}: {dry_run.report(done[name]).splitlines()[0]}", flush=True)

@@ -212,6 +212,13 @@ def torch_worker(task: str, variant: str, batch: int, res: int, warmup: int, rep
     return out
 
 
+def pin(threads: int) -> None:
+    """This process on the first ``threads`` cores, before a framework starts: XLA sizes its thread pool
+    from the CPU affinity (``OMP_NUM_THREADS`` does not reach it), so both sides then get the same cores."""
+    if threads < len(os.sched_getaffinity(0)):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", required=True, choices=("jax", "torch"))
@@ -219,6 +226,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     spec = json.loads(args.spec)
     threads, arch = spec.pop("threads"), spec.pop("arch")
+    pin(threads)
     result = jax_worker(**spec) if args.kind == "jax" else torch_worker(**spec, threads=threads, arch=arch)
     print(json.dumps(result))
 

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from vitmm.study import stats, verdicts
+from vitmm.study import outputs, stats, verdicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -65,3 +65,10 @@ def test_welch_and_mann_whitney_treat_families_as_the_unit():
     assert p == pytest.approx(sp.ttest_ind(loc, query, equal_var=False).pvalue)
     assert 0 < half < 20 and stats.welch([1.0], query) is None
     assert stats.mann_whitney([5, 6, 7, 8, 9], [1, 2, 3]) == pytest.approx(2 / 56)  # the smallest 5-vs-3 p
+    # groups that do not vary: no t-test (its zero variance gave p ~ 1e-31), the exact rank test's p
+    assert stats.welch([0.5, 0.5, 0.5], [0.4, 0.4, 0.4]) == (pytest.approx(0.1), 0.0, pytest.approx(0.1))
+    assert stats.welch([0.5, 0.5], [0.5, 0.5])[2] == 1.0
+
+
+def test_a_mean_of_one_seed_is_printed_without_an_interval():
+    assert outputs.mean_ci({0: 0.5}) == "50.0" and outputs.mean_ci([0.5, 0.7]) == "60.0 ± 127.1"

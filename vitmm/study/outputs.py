@@ -41,8 +41,11 @@ def read_rows(path: pathlib.Path) -> list[dict]:
 
 
 def mean_ci(values, scale: float = 100, digits: int = 1) -> str:
-    """``mean ± 95% CI half-width`` of per-seed values (a dict's values or a sequence), scaled."""
+    """``mean ± 95% CI half-width`` of per-seed values (a dict's values or a sequence), scaled; the
+    mean alone for one seed (no interval)."""
     v = np.array(list(values.values()) if isinstance(values, dict) else list(values), float)
+    if len(v) < 2:
+        return f"{scale * v.mean():.{digits}f}"
     return f"{scale * v.mean():.{digits}f} ± {scale * stats.ci95(v):.{digits}f}"
 
 

@@ -60,12 +60,17 @@ def one_sample(values) -> tuple[float, float, float] | None:
 def welch(a, b) -> tuple[float, float, float] | None:
     """``(mean(a) − mean(b), 95% CI half-width, two-sided p)`` of Welch's t-test: two independent
     groups with their own variances, e.g. family means of two classes of connectors (the families,
-    not the seeds, as the unit). None with fewer than two values in a group."""
+    not the seeds, as the unit). None with fewer than two values in a group. Where neither group
+    varies (float noise apart), a t-test's zero variance would say p ≈ 0 whatever the group sizes:
+    the p is then the exact Mann–Whitney test's (1 when all values are equal)."""
     from scipy import stats
 
     a, b = np.asarray(a, float), np.asarray(b, float)
     if len(a) < 2 or len(b) < 2:
         return None
+    scale = max(float(np.abs(np.concatenate([a, b])).max()), 1e-12)
+    if max(float(np.ptp(a)), float(np.ptp(b))) <= 1e-9 * scale:
+        return float(a.mean() - b.mean()), 0.0, mann_whitney(a, b)
     res = stats.ttest_ind(a, b, equal_var=False)
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if va + vb > 0 else 1.0

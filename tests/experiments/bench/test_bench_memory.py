@@ -23,3 +23,5 @@ def test_the_memory_rows_follow_what_each_stage_trains(tmp_path):
     again = memory.main(["--tiny", "--only", "0.5B", "--out", str(tmp_path)])  # nothing compiled again
     assert [r["compile_s"] for r in again] == [r["compile_s"] for r in rows]
     assert json.loads((tmp_path / "setup.json").read_text())["tiny"] is True
+    with pytest.raises(SystemExit, match="made with tiny=True for cpu .* asks for tiny=True for h100"):
+        memory.main(["--tiny", "--only", "0.5B", "--target", "h100", "--out", str(tmp_path)])  # no row reused

@@ -3,6 +3,8 @@
 import csv
 import importlib
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -16,6 +18,13 @@ def test_token_count_experiment_writes_tables(tmp_path):
     assert csv_text[0].startswith("variant,resolution,patch")
     assert len(csv_text) == 1 + len(module.VARIANTS) * len(module.RESOLUTIONS) * len(module.PATCHES)
     assert "| B/16 | 224 | 197 | 38,809 | 35.1 |" in (out / "token_counts.md").read_text()
+
+
+def test_a_worker_pins_itself_to_the_first_threads_cores():
+    """XLA sizes its pool from the CPU affinity, not OMP_NUM_THREADS: --threads pins both frameworks' workers."""
+    code = "from experiments.bench import workers; import os; workers.pin(1); print(len(os.sched_getaffinity(0)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "1"
 
 
 @pytest.mark.slow  # 4 timed worker processes, ~20 s; the tables' bookkeeping is checked below with a fake clock
