@@ -4,6 +4,8 @@ resize, NaFlex, AnyRes) at one token budget, laid out in the LM's order and left
 from __future__ import annotations
 
 import math
+import os
+import pathlib
 import time
 
 import jax
@@ -15,6 +17,7 @@ from vitmm.data import packing as data_packing
 from vitmm.data import preprocess
 from vitmm.models import anyres
 from vitmm.models.vit import ViT
+from vitmm.study import store
 
 PATHS = ("square", "naflex", "anyres")
 
@@ -106,9 +109,15 @@ def left_pad(items: list[tuple], length: int) -> dict:
     return dict(patches=patches, newline=newline, visual_mask=mask)
 
 
-def make_splits(args, tower: ViT, params) -> tuple[dict, object, int]:
+def make_splits(args, tower: ViT, params, cache: pathlib.Path | None = None,
+                tower_id: str = "") -> tuple[dict, object, int]:
     """Each split's questions (``qa_features.qa_arrays``), the subsets ``in_wide``/``in_squarish``,
-    and per view ``@{path}{budget}`` the padded features; the tokenizer and ``max_len``."""
+    and per view ``@{path}{budget}`` the padded features; the tokenizer and ``max_len``.
+
+    With ``cache`` (a folder) each view's features are kept there after they are encoded, named by
+    the tower (``tower_id``, its parameters' fingerprint) and the data settings, and read back by a
+    later sitting instead of encoding again (the default study's nine views took 20-40 minutes of a
+    shared core at every restart)."""
     t0 = time.perf_counter()
     examples = {}
     for split, n in (("train", args.train_images), ("validation", args.val_images), ("test", args.test_images)):
@@ -124,14 +133,33 @@ def make_splits(args, tower: ViT, params) -> tuple[dict, object, int]:
         qa["in_wide"], qa["in_squarish"] = aspect[qa["image"]] >= args.wide, aspect[qa["image"]] < 1.5
         qa["aspect"], qa["sizes"] = aspect, np.array([e["image"].shape[:2] for e in exs])
         splits[split] = qa
+    data = [args.difficulty, args.train_images, args.val_images, args.test_images, args.min_side, args.max_side,
+            args.max_aspect]
     for budget in args.budgets:
         for path in PATHS:
-            items = {s: path_features(path, budget, fn, params, [e["image"] for e in exs], patch)
-                     for s, exs in examples.items()}
-            length = max(len(f) for its in items.values() for f, _ in its)
-            for split, its in items.items():
-                splits[split].update({f"{k}@{path}{budget}": v for k, v in left_pad(its, length).items()})
+            file = cache and cache / f"{path}{budget}-{store.signature(dict(tower=tower_id, data=data, v=1))}.npz"
+            if file and file.is_file():
+                with np.load(file) as kept:
+                    padded = {split: {k: kept[f"{split}/{k}"] for k in ("patches", "newline", "visual_mask")}
+                              for split in examples}
+            else:
+                items = {s: path_features(path, budget, fn, params, [e["image"] for e in exs], patch)
+                         for s, exs in examples.items()}
+                length = max(len(f) for its in items.values() for f, _ in its)
+                padded = {split: left_pad(its, length) for split, its in items.items()}
+                if file:
+                    _keep(file, padded)
+            for split, arrays in padded.items():
+                splits[split].update({f"{k}@{path}{budget}": v for k, v in arrays.items()})
     print(f"{len(examples['train'])} / {len(examples['validation'])} / {len(examples['test'])} images, "
           f"{len(splits['train']['ids'])} training questions, features for budgets {args.budgets} "
           f"({time.perf_counter() - t0:.0f} s)")
     return splits, tokenizer, max_len
+
+
+def _keep(file: pathlib.Path, padded: dict) -> None:
+    """``padded`` ({split: {name: array}}) in ``file``, whole or not at all (a temporary file renamed)."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(file.name + ".tmp.npz")
+    np.savez(tmp, **{f"{split}/{k}": v for split, arrays in padded.items() for k, v in arrays.items()})
+    os.replace(tmp, file)

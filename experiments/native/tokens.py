@@ -42,7 +42,8 @@ Writes to ``--out``: ``cells.jsonl`` and ``tuning.jsonl`` (each finished job as 
 rerun with the same settings skips it), ``seeds.jsonl`` (each finished seed of a cell, which a
 rerun does not train again; a rerun with more ``--seeds`` trains only the new ones), ``runs.csv``
 (one row per run), ``native_tokens.md`` (means ± 95% CIs, tests paired by seed),
-``native_tokens.png`` and ``setup.json``.
+``native_tokens.png`` and ``setup.json``; ``feature_cache/`` (git-ignored) keeps each view's encoded features, so
+that a later sitting on the same tower and data reads them instead of encoding them again.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def main(argv=None) -> pathlib.Path:
     tower, params = ViT(**tower_cfg), ckpt_lib.load_params(tower_dir)["img"]
     tower_id = store.check_tower(out, tower_dir, params)  # what the runs' signatures name: the tower, not its path
 
-    splits, tokenizer, max_len = features_lib.make_splits(args, tower, params)
+    splits, tokenizer, max_len = features_lib.make_splits(args, tower, params, out / "feature_cache", tower_id)
     train, val, test = splits["train"], splits["validation"], splits["test"]
     patch = tower.arch().patch_size[0]
     views = {}

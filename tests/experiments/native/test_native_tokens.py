@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from vitmm.models import anyres
+from vitmm.models.vit import ViT
 from vitmm.models.vlm import VLM
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -85,6 +86,29 @@ def test_budgets_must_be_four_squares(nf):
         with pytest.raises(SystemExit, match=f"{bad} is not 4·k²"):
             nf.check_budget(bad)
     nf.check_budget(36)
+
+
+def test_a_later_sitting_reads_the_encoded_features_from_the_cache(nt, nf, tmp_path, monkeypatch):
+    def features(path, budget, fn, params, images, patch):  # stands in for the tower: a view's own numbers
+        return [(np.full((budget - i, 3), 10 * i + len(path), np.float32), np.arange(budget - i) % 5 == 0)
+                for i in range(len(images))]
+
+    def no_encoding(*a, **k):
+        raise AssertionError("encoded again")
+
+    args = nt.parse_args(["--smoke", "--train_images", "4", "--val_images", "2", "--test_images", "2"])
+    monkeypatch.setattr(nf, "path_features", features)
+    first, _, _ = nf.make_splits(args, ViT(**TOWER), None, tmp_path, "tower-a")
+    assert len(list(tmp_path.glob("*.npz"))) == len(nf.PATHS) * len(args.budgets)
+    monkeypatch.setattr(nf, "path_features", no_encoding)
+    again, _, _ = nf.make_splits(args, ViT(**TOWER), None, tmp_path, "tower-a")
+    assert first.keys() == again.keys()
+    for split in first:
+        assert first[split].keys() == again[split].keys()
+        for k, v in first[split].items():
+            np.testing.assert_array_equal(np.asarray(v), np.asarray(again[split][k]), err_msg=f"{split} {k}")
+    with pytest.raises(AssertionError, match="encoded again"):  # another tower: its own features
+        nf.make_splits(args, ViT(**TOWER), None, tmp_path, "tower-b")
 
 
 @pytest.mark.slow  # ~30 s: its cells are the feature VLM tested above, more seeds training only the new ones is
