@@ -58,11 +58,16 @@ class WdsSource:
             handle.seek(offset)
             return handle.read(size)
 
-        image_field = _field(fields, file_io.IMAGE_EXTENSIONS)
+        wanted = (file_io.IMAGE_EXTENSIONS, ("json",), ("txt",))
+        image_field, json_field, txt_field = found = [_field(fields, exts) for exts in wanted]
+        for field, exts in zip(found, wanted, strict=True):
+            if isinstance(field, list):
+                return Skipped("bad_record", example_id, f"members {', '.join(f'key.{f}' for f in field)} and no "
+                               f"key.{'|'.join(exts)}: which one is meant is not clear")
         if image_field is None:
             return Skipped("image_missing", example_id, f"no {'/'.join(file_io.IMAGE_EXTENSIONS)} member")
         example = {"_id": example_id, "image": read(image_field)}
-        meta, json_field, txt_field = {}, _field(fields, ("json",)), _field(fields, ("txt",))
+        meta = {}
         if json_field:
             try:
                 meta = json.loads(read(json_field))
@@ -77,14 +82,17 @@ class WdsSource:
         return example
 
 
-def _field(fields: dict, extensions) -> str | None:
-    """The member whose last extension is the first of ``extensions`` present (``jpg``, or
-    ``seg.jpg`` where a key's files have several dots)."""
-    for ext in extensions:
-        for field in fields:
-            if field.rpartition(".")[2] == ext:
-                return field
-    return None
+def _field(fields: dict, extensions) -> str | list | None:
+    """The field of ``fields`` that ``extensions`` name, as webdataset matches fields (whole names:
+    ``jpg`` is the image, ``depth.jpg`` another field): the first of ``extensions`` that is a field
+    itself; else, for keys whose files all have several dots (``x.y.png``), the one field whose last
+    extension is among them; several such fields and none exact (``depth.jpg`` and ``seg.png``) are
+    ambiguous: the list of them, which the caller skips as a ``bad_record`` naming them."""
+    exact = next((ext for ext in extensions if ext in fields), None)
+    if exact is not None:
+        return exact
+    dotted = [field for field in fields if "." in field and field.rpartition(".")[2] in extensions]
+    return dotted if len(dotted) > 1 else dotted[0] if dotted else None
 
 
 def _index_shard(path: pathlib.Path) -> dict:
