@@ -135,6 +135,22 @@ def test_wds_takes_the_exact_field_before_a_multi_dot_one(tmp_path):
     assert bad.reason == "bad_record" and "key.depth.jpg, key.seg.png" in bad.detail
 
 
+def test_wds_repeated_keys_are_separate_examples_with_their_own_ids(tmp_path):
+    """webdataset's grouping: a key seen again later in a shard (tars joined end to end), or a field
+    that the current example already has, starts a new example; each keeps its own id."""
+    square = _png(np.zeros((4, 4, 3), np.uint8))
+    parts = [_tar(tmp_path / f"{n}.tar", [("s0.jpg", square), ("s0.txt", f"{n} s0".encode()), ("s1.jpg", square),
+                                          ("s1.txt", f"{n} s1".encode())]) for n in ("a", "b")]
+    joined = tmp_path / "joined.tar"
+    joined.write_bytes(b"".join(open(part, "rb").read() for part in parts))  # `cat a.tar b.tar`
+    _tar(tmp_path / "again.tar", [("k.jpg", square), ("k.txt", b"one"), ("k.jpg", square), ("k.txt", b"two")])
+    source = formats.WdsSource(f"{joined}::{tmp_path}/again.tar")
+    read = [source[i] for i in range(len(source))]
+    assert [ex["caption"] for ex in read] == ["a s0", "a s1", "b s0", "b s1", "one", "two"]
+    assert [ex["_id"] for ex in read] == ["joined.tar/s0", "joined.tar/s1", "joined.tar/s0#2", "joined.tar/s1#2",
+                                          "again.tar/k", "again.tar/k#2"]
+
+
 @pytest.mark.parametrize("separator", [",", "\t"])
 def test_csv_reader_reads_open_clip_columns(tmp_path, separator):
     path = examples.write_csv(tmp_path, 6, resolution=32, separator=separator)
