@@ -257,6 +257,22 @@ def test_parquet_reader_reads_hf_image_structs_and_chat_messages(tmp_path):
     assert int(tokens["answer_mask"].sum()) > 0
 
 
+def test_parquet_image_paths_are_read_and_other_cells_are_bad_records(tmp_path):
+    """A string cell is a path, as the struct's ``path`` (relative to the parquet's folder); a cell
+    of another type is a counted ``bad_record`` naming the column and the type, not a crash."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs/a.png").write_bytes(_png(np.full((4, 4, 3), 7, np.uint8)))
+    pq.write_table(pa.table({"image": ["imgs/a.png", "imgs/nope.png"], "caption": ["a", "b"]}), tmp_path / "p.parquet")
+    source = formats.ParquetSource(str(tmp_path / "p.parquet"))
+    assert decode_image(source[0]["image"]).max() == 7 and source[1].reason == "image_missing"
+    pq.write_table(pa.table({"image": [3], "caption": ["a"]}), tmp_path / "ints.parquet")
+    bad = formats.ParquetSource(str(tmp_path / "ints.parquet"))[0]
+    assert bad.reason == "bad_record" and "column 'image' holds int" in bad.detail
+
+
 def test_mixture_sampling_rules_and_weights_are_deterministic(tmp_path):
     a = examples.write_llava(tmp_path / "a", 10, resolution=16)
     b = examples.write_llava(tmp_path / "b", 6, resolution=16, text_only_every=1)  # ids text000000, ...

@@ -89,7 +89,9 @@ class ParquetSource:
     """Rows of local parquet files, a row group read at a time (the last few kept per thread).
 
     ``image_key``/``text_key``: the columns (default: the first present of ``IMAGE_COLUMNS`` and
-    ``TEXT_COLUMNS``). A text column of strings is a ``caption``; of chat messages
+    ``TEXT_COLUMNS``). An image cell is Hugging Face's ``{bytes, path}``, bytes, or a path (a string),
+    or a list of them; a path is relative to the parquet file's folder; any other value is a
+    ``bad_record`` naming the column and its type. A text column of strings is a ``caption``; of chat messages
     (``{"role", "content"}`` or LLaVA's ``{"from", "value"}``) or the_cauldron's ``texts``
     (``{"user", "assistant"}`` pairs) it is ``conversations``."""
 
@@ -158,11 +160,19 @@ class ParquetSource:
         images = images if isinstance(images, list) else [] if images is None else [images]
         loaded = []
         for image in images:
-            data = image.get("bytes") if isinstance(image, dict) else image
-            if not data and isinstance(image, dict) and image.get("path"):
-                data = file_io.read_bytes(self.files[f].parent / image["path"], example_id)
-                if isinstance(data, Skipped):
-                    return data
+            if isinstance(image, str):  # a column of paths: read as the struct's path is
+                image = {"path": image}
+            if isinstance(image, dict):
+                data = image.get("bytes")
+                if not data and image.get("path"):
+                    data = file_io.read_bytes(self.files[f].parent / image["path"], example_id)
+                    if isinstance(data, Skipped):
+                        return data
+            else:
+                data = image
+            if data is not None and not isinstance(data, bytes):
+                return Skipped("bad_record", example_id, f"column {self.image_key!r} holds {type(data).__name__}, not "
+                               "image bytes, a path or {bytes, path} (relative paths: to the parquet's folder)")
             if not data:
                 return Skipped("image_missing", example_id)
             loaded.append(data)
