@@ -161,6 +161,20 @@ def test_csv_reader_reads_open_clip_columns(tmp_path, separator):
         formats.CsvSource(path, img_key="url")
 
 
+def test_a_csv_in_another_separator_says_to_set_csv_separator(tmp_path):
+    """open_clip's default separator is a tab, in files named .csv: the error names the separator to
+    set, not the column keys; a header with none of them keeps the column advice."""
+    (tmp_path / "tabs.csv").write_text("filepath\ttitle\na.png\ta cat\n")
+    with pytest.raises(ValueError, match=r"looks '\\t'-separated; set input.csv_separator='\\t'\.$"):
+        formats.CsvSource(tmp_path / "tabs.csv")
+    (tmp_path / "semi.csv").write_text("filepath;title\na.png;a cat\n")
+    with pytest.raises(ValueError, match=r"looks ';'-separated; set input.csv_separator=';'"):
+        formats.CsvSource(tmp_path / "semi.csv")
+    (tmp_path / "one.csv").write_text("path\na.png\n")
+    with pytest.raises(ValueError, match=r"no column\(s\) \['filepath', 'title'\].*set input.csv_img_key"):
+        formats.CsvSource(tmp_path / "one.csv")
+
+
 def test_csv_and_jsonl_as_editors_write_them(tmp_path):
     """Excel's byte-order mark, a quoted caption over two lines, a row without its image path (skipped
     and named, not a crash); JSONL whose text holds U+2028 (a line separator to splitlines only)."""

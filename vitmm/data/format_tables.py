@@ -19,6 +19,10 @@ def _csv_rows(f, separator: str, img_key: str, caption_key: str, path) -> list[t
     reader = csv.reader(f, delimiter=separator)  # (it returns a blank line as [], so line_num counts it)
     header = next((row for row in reader if row), None) or []
     missing = [k for k in (img_key, caption_key) if k not in header]
+    other = next((s for s in ("\t", ";", "|") if s != separator and len(header) == 1 and s in header[0]), None)
+    if missing and other:  # (open_clip's --csv-separator defaults to a tab, in files it names .csv)
+        raise ValueError(f"{path} has one column {header[0]!r} with separator {separator!r}: the file looks "
+                         f"{other!r}-separated; set input.csv_separator={other!r}.")
     if missing:
         raise ValueError(f"{path} has no column(s) {missing} (its columns: {header or None}); set "
                          "input.csv_img_key and input.csv_caption_key.")
