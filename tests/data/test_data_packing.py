@@ -47,6 +47,29 @@ def test_naflex_size_examples_and_errors():
         naflex_size(10, 10, 16, 0)
 
 
+def test_packed_images_over_seq_len_fail_with_the_example_and_the_fix():
+    """``seq_len == max_num_patches`` leaves no room for the class token: said once at setup when the
+    budget is given, else by the first image that fills its budget (not inside grain's packer)."""
+    from vitmm.data import packing, preprocess
+
+    class Squares:
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return {"_id": f"square{index}", "image": np.full((64, 64, 3), 100, np.uint8)}
+
+    pp = preprocess.parse("naflex(64, 8)|value_range(-1, 1)")
+    args = dict(patch_size=8, seq_len=64, max_images=4, rows=1, num_bins=2, num_epochs=1)
+    with pytest.raises(ValueError, match=r"seq_len=64 .*max_num_patches=64 patches \+ 1 class/register token\(s\); "
+                                         r"set seq_len >= 65"):
+        packing.packed_iterator(Squares(), pp, max_num_patches=64, **args)
+    with pytest.raises(ValueError, match=r"square\d has 65 tokens \(8x8 patches \+ 1 class/register token\(s\)\) > "
+                                         r"input.packing.seq_len=64; set seq_len >= max_num_patches \+ 1"):
+        next(packing.packed_iterator(Squares(), pp, **args))
+    assert next(packing.packed_iterator(Squares(), pp, **dict(args, seq_len=65)))["grids"][0, 0].tolist() == [8, 8]
+
+
 def test_packed_iterator_rows_hold_each_examples_own_tokens_and_resume_exactly():
     from vitmm.data import packing, preprocess
     from vitmm.models import packing as model_packing

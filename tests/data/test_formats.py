@@ -113,6 +113,44 @@ def test_wds_caption_falls_back_to_the_json_and_keys_follow_webdataset(tmp_path)
     assert format_wds.split_key("dir/x.y.PNG") == ("dir/x", "y.png")
 
 
+def _tar(path, members) -> str:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_wds_takes_the_exact_field_before_a_multi_dot_one(tmp_path):
+    """``key.jpg`` is the image and ``key.txt`` the caption even where ``key.depth.jpg`` and
+    ``key.ocr.txt`` come first in the tar (as sorted members do); several multi-dot candidates and no
+    exact field are a ``bad_record`` naming them."""
+    black, white = _png(np.zeros((4, 4, 3), np.uint8)), _png(np.full((4, 4, 3), 255, np.uint8))
+    ex = formats.WdsSource(_tar(tmp_path / "a.tar", [("0.depth.jpg", black), ("0.jpg", white), ("0.ocr.txt", b"ocr"),
+                                                    ("0.txt", b"a white square")]))[0]
+    assert decode_image(ex["image"]).min() == 255 and ex["caption"] == "a white square"
+    bad = formats.WdsSource(_tar(tmp_path / "b.tar", [("0.depth.jpg", black), ("0.seg.png", white),
+                                                     ("0.txt", b"a square")]))[0]
+    assert bad.reason == "bad_record" and "key.depth.jpg, key.seg.png" in bad.detail
+
+
+def test_wds_repeated_keys_are_separate_examples_with_their_own_ids(tmp_path):
+    """webdataset's grouping: a key seen again later in a shard (tars joined end to end), or a field
+    that the current example already has, starts a new example; each keeps its own id."""
+    square = _png(np.zeros((4, 4, 3), np.uint8))
+    parts = [_tar(tmp_path / f"{n}.tar", [("s0.jpg", square), ("s0.txt", f"{n} s0".encode()), ("s1.jpg", square),
+                                          ("s1.txt", f"{n} s1".encode())]) for n in ("a", "b")]
+    joined = tmp_path / "joined.tar"
+    joined.write_bytes(b"".join(open(part, "rb").read() for part in parts))  # `cat a.tar b.tar`
+    _tar(tmp_path / "again.tar", [("k.jpg", square), ("k.txt", b"one"), ("k.jpg", square), ("k.txt", b"two")])
+    source = formats.WdsSource(f"{joined}::{tmp_path}/again.tar")
+    read = [source[i] for i in range(len(source))]
+    assert [ex["caption"] for ex in read] == ["a s0", "a s1", "b s0", "b s1", "one", "two"]
+    assert [ex["_id"] for ex in read] == ["joined.tar/s0", "joined.tar/s1", "joined.tar/s0#2", "joined.tar/s1#2",
+                                          "again.tar/k", "again.tar/k#2"]
+
+
 @pytest.mark.parametrize("separator", [",", "\t"])
 def test_csv_reader_reads_open_clip_columns(tmp_path, separator):
     path = examples.write_csv(tmp_path, 6, resolution=32, separator=separator)
@@ -121,6 +159,20 @@ def test_csv_reader_reads_open_clip_columns(tmp_path, separator):
     assert source[3]["_id"] == f"{path.name}:5"
     with pytest.raises(ValueError, match=r"no column\(s\) \['url'\].*set input.csv_img_key"):
         formats.CsvSource(path, img_key="url")
+
+
+def test_a_csv_in_another_separator_says_to_set_csv_separator(tmp_path):
+    """open_clip's default separator is a tab, in files named .csv: the error names the separator to
+    set, not the column keys; a header with none of them keeps the column advice."""
+    (tmp_path / "tabs.csv").write_text("filepath\ttitle\na.png\ta cat\n")
+    with pytest.raises(ValueError, match=r"looks '\\t'-separated; set input.csv_separator='\\t'\.$"):
+        formats.CsvSource(tmp_path / "tabs.csv")
+    (tmp_path / "semi.csv").write_text("filepath;title\na.png;a cat\n")
+    with pytest.raises(ValueError, match=r"looks ';'-separated; set input.csv_separator=';'"):
+        formats.CsvSource(tmp_path / "semi.csv")
+    (tmp_path / "one.csv").write_text("path\na.png\n")
+    with pytest.raises(ValueError, match=r"no column\(s\) \['filepath', 'title'\].*set input.csv_img_key"):
+        formats.CsvSource(tmp_path / "one.csv")
 
 
 def test_csv_and_jsonl_as_editors_write_them(tmp_path):
@@ -217,6 +269,22 @@ def test_parquet_reader_reads_hf_image_structs_and_chat_messages(tmp_path):
     assert cauldron[0] == {"from": "human", "value": "<image><image>\nq"}
     tokens = ops_text.conversation_tokens(64)({"conversations": cauldron, "num_images": 2}, None)
     assert int(tokens["answer_mask"].sum()) > 0
+
+
+def test_parquet_image_paths_are_read_and_other_cells_are_bad_records(tmp_path):
+    """A string cell is a path, as the struct's ``path`` (relative to the parquet's folder); a cell
+    of another type is a counted ``bad_record`` naming the column and the type, not a crash."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs/a.png").write_bytes(_png(np.full((4, 4, 3), 7, np.uint8)))
+    pq.write_table(pa.table({"image": ["imgs/a.png", "imgs/nope.png"], "caption": ["a", "b"]}), tmp_path / "p.parquet")
+    source = formats.ParquetSource(str(tmp_path / "p.parquet"))
+    assert decode_image(source[0]["image"]).max() == 7 and source[1].reason == "image_missing"
+    pq.write_table(pa.table({"image": [3], "caption": ["a"]}), tmp_path / "ints.parquet")
+    bad = formats.ParquetSource(str(tmp_path / "ints.parquet"))[0]
+    assert bad.reason == "bad_record" and "column 'image' holds int" in bad.detail
 
 
 def test_mixture_sampling_rules_and_weights_are_deterministic(tmp_path):

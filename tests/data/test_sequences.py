@@ -236,6 +236,29 @@ def test_mrope_positions_of_a_sequence_follow_qwen2vls_rule():
     np.testing.assert_array_equal(got[:, 13], [4, 4, 4])  # p + max(3, 2, 2)
 
 
+def test_a_wrapped_video_is_one_group_with_qwen2vls_positions_and_split_frames_are_refused():
+    """Qwen2-VL's ``image_text`` wraps a video once (its one ``<|vision_start|>…<|vision_end|>``), so
+    its temporal patches' tokens follow each other and get ``(p + τ, p + i, p + j)``; frames with
+    text between them are a clear error, not wrong positions or a broadcast error."""
+    from vitmm.data import ops_text
+
+    frame = np.zeros((4, 4, 3))
+    ex = {"conversations": [{"from": "human", "value": "<image><image>\nq"}, {"from": "gpt", "value": "a"}],
+          "num_images": np.int32(2), "video_frames": np.int32(2), "image": frame, "more_images": [frame]}
+    ex = ops_text.conversation_tokens(64, image_text="[|<image>|]")(ex, None)
+    text = bytes(int(i) - 1 for i in ex["ids"][1:ex["prompt_len"]] if 0 < i < 257).decode()
+    assert text.startswith("[||]\nq")  # one wrap: the two frames' visual tokens go between [| and |]
+    seq = sequences.to_sequence(ex, 4, mrope_grid=(2, 2))
+    first = int(np.flatnonzero(seq["visual"] >= 0)[0])
+    assert np.all(seq["visual"][first:first + 8] >= 0)
+    tau, i, j = np.repeat(np.arange(2), 4), np.tile([0, 0, 1, 1], 2), np.tile([0, 1, 0, 1], 2)
+    np.testing.assert_array_equal(seq["mrope"].T[:, first:first + 8], first + np.stack([tau, i, j]))
+    np.testing.assert_array_equal(seq["mrope"].T[:, first + 8], [first + 2] * 3)  # p + max(2, 2, 2): the "|]"
+    split = np.array([-1, 0, 1, 2, 3, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1])  # each frame wrapped on its own
+    with pytest.raises(ValueError, match=r"video_frames=2 .*text sits between them: an image_text"):
+        sequences.mrope_positions(split, (2, 2), video_frames=2)
+
+
 @pytest.mark.parametrize("prefix_lm", [False, True])
 def test_packed_mrope_rows_have_the_unpacked_loss_and_gradients(data_dir, prefix_lm):
     """M-RoPE (``model.mrope``) through packed rows: positions restart at each example, and the

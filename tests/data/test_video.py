@@ -67,6 +67,27 @@ def test_a_video_becomes_frames_where_its_tag_stood_and_temporal_patches_halve_t
         pp({"images": [], "conversations": conv}, None)
 
 
+def test_llava_next_frame_folders_and_image_tags_are_read_as_videos(tmp_path):
+    """LLaVA-NeXT's video layout: ``video`` a folder of frames (its image files sorted by name, other
+    files left out) and the video's place its one ``<image>`` tag when there is no ``<video>``."""
+    (tmp_path / "clips/c1").mkdir(parents=True)
+    for i, frame in enumerate(_bars(6)):
+        (tmp_path / f"clips/c1/frame_{i:02d}.png").write_bytes(examples.encode(frame, "png"))
+    (tmp_path / "clips/c1/notes.txt").write_text("not a frame")
+    (tmp_path / "clips/empty").mkdir()
+    conv = [{"from": "human", "value": "<image>\nWhat moves?"}, {"from": "gpt", "value": "a bar"}]
+    (tmp_path / "d.json").write_text(json.dumps([{"id": "a", "video": "clips/c1", "conversations": conv},
+                                                 {"id": "b", "video": "clips/empty", "conversations": conv}]))
+    source = formats.LlavaSource(tmp_path / "d.json")
+    assert len(source[0]["video"]) == 6 and source[1].reason == "image_missing"
+    ex = preprocess.parse("decode(num_frames=3)")(source[0], None)
+    assert [_which(f) for f in [ex["image"], *ex["more_images"]]] == [0, 2, 5] and ex["video_frames"] == 3
+    assert ex["conversations"][0]["value"] == "<image><image><image>\nWhat moves?"
+    with pytest.raises(BadExample, match=r"0 <video> tag\(s\) for one video \(and 2 <image>"):
+        preprocess.parse("decode(num_frames=3)")(
+            {**source[0], "conversations": [{**conv[0], "value": "<image><image>"}, conv[1]]}, None)
+
+
 def test_videos_and_images_train_packed_with_temporal_patches_from_an_inflated_tower(tmp_path, clip_smoke_run):
     """Stage 2 on LLaVA data with videos (8 frames, merged two at a time: 4 images of 6 channels)
     among single and multi-image conversations, the tower a 3-channel CLIP run whose patch kernel is

@@ -11,8 +11,11 @@ from vitmm.data.skips import Skipped
 
 
 class LlavaSource:
-    """A LLaVA JSON list (or JSONL, one object a line) and its image folder (which holds the
-    videos too: ``video`` is a file or a list of frame files, LLaVA-Video's layout)."""
+    """A LLaVA JSON list (or JSONL, one object a line) and its image folder, which holds the videos
+    too: ``video`` is a video file, a folder of frame images (LLaVA-NeXT's trainer: every
+    ``jpg|jpeg|png|webp`` file in it, sorted by name, as its ``os.listdir`` + ``sort``), or a list of
+    frame files. Its place in the conversation is its ``<video>`` tag, or the one ``<image>`` tag of
+    a record without one (``data.video``)."""
 
     def __init__(self, data_path, image_folder=None):
         self.path = file_io.path(data_path)
@@ -39,19 +42,27 @@ class LlavaSource:
         paths = [] if images is None else [images] if isinstance(images, str) else images
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
             return Skipped("bad_record", example_id, f"'image' must be a path or a list of paths, got {images!r}")
-        video = record.get("video")  # LLaVA-Video's: a file, or a list of frame files
+        video = record.get("video")  # a file, a folder of frames, or a list of frame files
         frames = [] if video is None else [video] if isinstance(video, str) else video
         if not isinstance(frames, list) or not all(isinstance(p, str) for p in frames):
             return Skipped("bad_record", example_id, f"'video' must be a path or a list of paths, got {video!r}")
+        frames = [self.image_folder / p for p in frames]
+        folder = isinstance(video, str) and frames[0].is_dir()
+        if folder:
+            frames = sorted((f for f in frames[0].iterdir() if f.is_file() and not f.name.startswith(".")
+                             and f.suffix.lower().lstrip(".") in file_io.IMAGE_EXTENSIONS), key=lambda f: f.name)
+            if not frames:
+                return Skipped("image_missing", example_id, f"{self.image_folder / video}: a folder with no "
+                               f"{'/'.join(file_io.IMAGE_EXTENSIONS)} frames")
         loaded = []
-        for p in paths + frames:
-            data = file_io.read_bytes(self.image_folder / p, example_id)
+        for p in [self.image_folder / p for p in paths] + frames:
+            data = file_io.read_bytes(p, example_id)
             if isinstance(data, Skipped):
                 return data
             loaded.append(data)
         out = {"_id": example_id, "images": loaded[: len(paths)], "conversations": record["conversations"]}
         if video is not None:
-            out["video"] = loaded[len(paths)] if isinstance(video, str) else loaded[len(paths):]
+            out["video"] = loaded[len(paths)] if isinstance(video, str) and not folder else loaded[len(paths):]
         return out
 
 

@@ -19,6 +19,10 @@ def _csv_rows(f, separator: str, img_key: str, caption_key: str, path) -> list[t
     reader = csv.reader(f, delimiter=separator)  # (it returns a blank line as [], so line_num counts it)
     header = next((row for row in reader if row), None) or []
     missing = [k for k in (img_key, caption_key) if k not in header]
+    other = next((s for s in ("\t", ";", "|") if s != separator and len(header) == 1 and s in header[0]), None)
+    if missing and other:  # (open_clip's --csv-separator defaults to a tab, in files it names .csv)
+        raise ValueError(f"{path} has one column {header[0]!r} with separator {separator!r}: the file looks "
+                         f"{other!r}-separated; set input.csv_separator={other!r}.")
     if missing:
         raise ValueError(f"{path} has no column(s) {missing} (its columns: {header or None}); set "
                          "input.csv_img_key and input.csv_caption_key.")
@@ -89,7 +93,9 @@ class ParquetSource:
     """Rows of local parquet files, a row group read at a time (the last few kept per thread).
 
     ``image_key``/``text_key``: the columns (default: the first present of ``IMAGE_COLUMNS`` and
-    ``TEXT_COLUMNS``). A text column of strings is a ``caption``; of chat messages
+    ``TEXT_COLUMNS``). An image cell is Hugging Face's ``{bytes, path}``, bytes, or a path (a string),
+    or a list of them; a path is relative to the parquet file's folder; any other value is a
+    ``bad_record`` naming the column and its type. A text column of strings is a ``caption``; of chat messages
     (``{"role", "content"}`` or LLaVA's ``{"from", "value"}``) or the_cauldron's ``texts``
     (``{"user", "assistant"}`` pairs) it is ``conversations``."""
 
@@ -158,11 +164,19 @@ class ParquetSource:
         images = images if isinstance(images, list) else [] if images is None else [images]
         loaded = []
         for image in images:
-            data = image.get("bytes") if isinstance(image, dict) else image
-            if not data and isinstance(image, dict) and image.get("path"):
-                data = file_io.read_bytes(self.files[f].parent / image["path"], example_id)
-                if isinstance(data, Skipped):
-                    return data
+            if isinstance(image, str):  # a column of paths: read as the struct's path is
+                image = {"path": image}
+            if isinstance(image, dict):
+                data = image.get("bytes")
+                if not data and image.get("path"):
+                    data = file_io.read_bytes(self.files[f].parent / image["path"], example_id)
+                    if isinstance(data, Skipped):
+                        return data
+            else:
+                data = image
+            if data is not None and not isinstance(data, bytes):
+                return Skipped("bad_record", example_id, f"column {self.image_key!r} holds {type(data).__name__}, not "
+                               "image bytes, a path or {bytes, path} (relative paths: to the parquet's folder)")
             if not data:
                 return Skipped("image_missing", example_id)
             loaded.append(data)

@@ -30,7 +30,7 @@ class WdsSource:
         self.pattern, self.shards = pattern, file_io.expand_pattern(pattern)
         self._index = []  # (shard number, key, {field: (offset, size)} or a skip reason)
         for number, shard in enumerate(self.shards):
-            self._index.extend((number, key, fields) for key, fields in _index_shard(shard).items())
+            self._index.extend((number, key, fields) for key, fields in _index_shard(shard))
         self.name = pathlib.Path(pattern).name
         self._local = threading.local()
 
@@ -58,11 +58,16 @@ class WdsSource:
             handle.seek(offset)
             return handle.read(size)
 
-        image_field = _field(fields, file_io.IMAGE_EXTENSIONS)
+        wanted = (file_io.IMAGE_EXTENSIONS, ("json",), ("txt",))
+        image_field, json_field, txt_field = found = [_field(fields, exts) for exts in wanted]
+        for field, exts in zip(found, wanted, strict=True):
+            if isinstance(field, list):
+                return Skipped("bad_record", example_id, f"members {', '.join(f'key.{f}' for f in field)} and no "
+                               f"key.{'|'.join(exts)}: which one is meant is not clear")
         if image_field is None:
             return Skipped("image_missing", example_id, f"no {'/'.join(file_io.IMAGE_EXTENSIONS)} member")
         example = {"_id": example_id, "image": read(image_field)}
-        meta, json_field, txt_field = {}, _field(fields, ("json",)), _field(fields, ("txt",))
+        meta = {}
         if json_field:
             try:
                 meta = json.loads(read(json_field))
@@ -77,22 +82,30 @@ class WdsSource:
         return example
 
 
-def _field(fields: dict, extensions) -> str | None:
-    """The member whose last extension is the first of ``extensions`` present (``jpg``, or
-    ``seg.jpg`` where a key's files have several dots)."""
-    for ext in extensions:
-        for field in fields:
-            if field.rpartition(".")[2] == ext:
-                return field
-    return None
+def _field(fields: dict, extensions) -> str | list | None:
+    """The field of ``fields`` that ``extensions`` name, as webdataset matches fields (whole names:
+    ``jpg`` is the image, ``depth.jpg`` another field): the first of ``extensions`` that is a field
+    itself; else, for keys whose files all have several dots (``x.y.png``), the one field whose last
+    extension is among them; several such fields and none exact (``depth.jpg`` and ``seg.png``) are
+    ambiguous: the list of them, which the caller skips as a ``bad_record`` naming them."""
+    exact = next((ext for ext in extensions if ext in fields), None)
+    if exact is not None:
+        return exact
+    dotted = [field for field in fields if "." in field and field.rpartition(".")[2] in extensions]
+    return dotted if len(dotted) > 1 else dotted[0] if dotted else None
 
 
-def _index_shard(path: pathlib.Path) -> dict:
-    """``{key: {field: (offset, size)}}`` in member order, or ``{key: "shard_truncated"}``. Past a
+def _index_shard(path: pathlib.Path) -> list[tuple[str, dict | str]]:
+    """``[(name, {field: (offset, size)} or a skip reason)]``, an example each, in member order.
+    Members group as webdataset's ``group_by_keys`` groups them: a new example starts where the key
+    differs from the previous member's or the field is already in the current example, so a key
+    repeated later in a shard (tars joined end to end) is another example, not an overwrite. Its
+    ``name`` is the key, with ``#2``, ``#3``… on its later examples, so each example's id is unique
+    and the same on every read. ``"shard_truncated"`` marks the example a cut shard ends in. Past a
     damaged header the reading goes on at the next whole one (tar files joined end to end too); the
     bytes it could not read count as one ``shard_unreadable`` example each stretch."""
     size = path.stat().st_size
-    index: dict = collections.OrderedDict()
+    index: list = []  # [key, fields or a skip reason]
     end = 0  # where the last member's data (padded to 512-byte blocks) ends
     try:
         with tarfile.open(path, "r:", ignore_zeros=True) as tar, open(path, "rb") as raw:
@@ -100,18 +113,19 @@ def _index_shard(path: pathlib.Path) -> dict:
             for member in tar:
                 seen = True
                 if member.offset > end and _damaged(raw, end, member.offset):
-                    index[f"@{end}"] = "shard_unreadable"  # skipped bytes that were neither padding nor headers
+                    index.append([f"@{end}", "shard_unreadable"])  # skipped bytes that were neither padding nor headers
                 end = member.offset_data + -(-member.size // 512) * 512
                 if not member.isfile():
                     continue
                 key, field = split_key(member.name)
-                if key not in index:
-                    index[key] = {}
+                current = index[-1] if index else None
+                if current is None or current[0] != key or not isinstance(current[1], dict) or field in current[1]:
+                    current = [key, {}]
+                    index.append(current)
                 if member.offset_data + member.size > size:
-                    index[key] = "shard_truncated"
-                    return index
-                if isinstance(index[key], dict):
-                    index[key][field] = (member.offset_data, member.size)
+                    current[1] = "shard_truncated"
+                    return _named(index)
+                current[1][field] = (member.offset_data, member.size)
             if not seen and _damaged(raw, 0, size):  # (read past every block: no header anywhere)
                 raise tarfile.ReadError("no tar header in it")
     except tarfile.ReadError as err:
@@ -125,12 +139,25 @@ def _index_shard(path: pathlib.Path) -> dict:
             f.seek(end)
             tail = f.read(1024)
         if len(tail) < 1024 or tail.count(0) != 1024:
-            last, cut = next(reversed(index)), _cut_header_key(tail)
-            if cut is not None and cut != last:  # cut inside the next example's header: the last one is whole
-                index[cut] = "shard_truncated"
+            cut = _cut_header_key(tail)
+            if cut is not None and cut != index[-1][0]:  # cut inside the next example's header: the last one is whole
+                index.append([cut, "shard_truncated"])
             else:
-                index[last] = "shard_truncated"
-    return index
+                index[-1][1] = "shard_truncated"
+    return _named(index)
+
+
+def _named(index: list) -> list[tuple[str, dict | str]]:
+    """``index`` with each key's later examples named ``key#2``, ``key#3``…"""
+    count, used, named = collections.Counter(), set(), []
+    for key, fields in index:
+        name = key
+        while name in used:  # (a key that itself ends in #2 takes the next free number)
+            count[key] += 1
+            name = f"{key}#{count[key] + 1}"
+        used.add(name)
+        named.append((name, fields))
+    return named
 
 
 def _damaged(f, start: int, stop: int) -> bool:

@@ -146,6 +146,9 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
     expands the chat template's text), the visual tokens going where its own ``<image>`` stands
     (Qwen2-VL's ``'<|vision_start|><image><|vision_end|>'``); an example's ``image_texts`` (one a
     tag, e.g. ``idefics3_tiles``'s for its tiles) come first, each ``<image>`` in them then an image.
+    A video's frames (``video_frames`` consecutive tags, ``decode``'s) are wrapped once, as one group:
+    Qwen2-VL puts a video in one ``<|vision_start|>…<|vision_end|>``, and its M-RoPE positions
+    (``data.sequences.mrope_positions``) need the video's visual tokens together.
 
     ``overflow`` (a sequence longer than ``max_len`` text tokens, or with more than ``max_answer``
     answer tokens): ``"truncate_turns"`` drops whole user/assistant exchanges from the end until it
@@ -191,6 +194,10 @@ def conversation_tokens(max_len, tokenizer=None, template="auto", overflow="trun
         if any(IMAGE_PLACEHOLDER in m["content"] for m in messages if m["role"] != "user"):
             raise BadExample("image_tag_mismatch", f"an {IMAGE_PLACEHOLDER} tag outside a user turn")
         texts = [t.replace(IMAGE_PLACEHOLDER, image_text) for t in ex.get("image_texts", [IMAGE_PLACEHOLDER] * tags)]
+        if int(ex.get("video_frames", 0)) == tags > 0 and "image_texts" not in ex:  # a video: one group
+            before, after = image_text.split(IMAGE_PLACEHOLDER)
+            texts = [IMAGE_PLACEHOLDER] * tags
+            texts[0], texts[-1] = before + texts[0], texts[-1] + after
         if reply:
             segments = _reply_segments(messages, tokenizer, bool(ex.get("reply_as_trained"))) if chat else \
                 _plain_segments(messages, tokenizer, separator)

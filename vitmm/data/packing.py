@@ -90,7 +90,8 @@ PACKED_KEYS = ("patches", "kinds", "positions")
 def packed_iterator(source, pp_fn, *, patch_size: int, seq_len: int, max_images: int, rows: int,
                     num_bins: int = 8, class_token: bool = True, num_registers: int = 0,
                     meta_keys: tuple[str, ...] = (), seed: int = 0, num_epochs: int | None = None,
-                    process_index: int = 0, process_count: int = 1, patch_keep: float = 1.0):
+                    process_index: int = 0, process_count: int = 1, patch_keep: float = 1.0,
+                    max_num_patches: int | None = None):
     """Batches of ``rows`` packed rows (``models.packing.Packed`` fields as numpy arrays) from a
     source of images of many sizes: each example through ``pp_fn`` (its ``image`` float32
     ``[H, W, C]`` with sides multiples of the patch, e.g. after ``naflex``), cut into its tokens,
@@ -101,23 +102,45 @@ def packed_iterator(source, pp_fn, *, patch_size: int, seq_len: int, max_images:
     source (``process_index`` of ``process_count``). ``patch_keep < 1`` is FLIP/NaViT token
     dropping before packing: each image keeps a random ``round(patch_keep · h·w)`` of its patches
     (their grid positions kept), so a row holds more images. The iterator's
-    ``get_state``/``set_state`` resume it exactly."""
+    ``get_state``/``set_state`` resume it exactly.
+
+    An image's tokens (its patches, with ``patch_keep`` those kept, and the class and register
+    tokens) must fit one row of ``seq_len``: given ``max_num_patches`` (the pp's NaFlex budget) that
+    is checked here, before any data is read, and each image is checked as it is cut, so a row too
+    short fails with one line naming the image and the fix rather than inside grain's packer."""
     import grain
     import grain.experimental
 
     from vitmm.data.pipeline import process_seed
     from vitmm.models import packing
 
+    prefix = int(class_token) + num_registers
+
+    def kept(n: int) -> int:
+        return max(1, round(patch_keep * n)) if patch_keep < 1 else n
+
+    if max_num_patches is not None and kept(max_num_patches) + prefix > seq_len:
+        raise ValueError(f"input.packing.seq_len={seq_len} is shorter than an image at the budget: "
+                         f"max_num_patches={max_num_patches} patches" + (f" ({kept(max_num_patches)} kept)"
+                                                                         if patch_keep < 1 else "")
+                         + f" + {prefix} class/register token(s); set seq_len >= {kept(max_num_patches) + prefix}.")
+
     def to_tokens(ex: dict, rng) -> dict:
         index = ex.pop("_index")
+        name = ex.get("_id", f"example {index}")
         ex = pp_fn(ex, rng)
         tokens = packing.image_tokens(ex["image"], patch_size, class_token=class_token, num_registers=num_registers)
         if patch_keep < 1:
-            prefix = int(class_token) + num_registers
             n = len(tokens["kinds"]) - prefix
-            kept = np.sort(rng.permutation(n)[:max(1, round(patch_keep * n))]) + prefix
-            rows = np.concatenate([np.arange(prefix), kept])
+            keep = np.sort(rng.permutation(n)[:kept(n)]) + prefix
+            rows = np.concatenate([np.arange(prefix), keep])
             tokens = {**{k: tokens[k][rows] for k in PACKED_KEYS}, "grid": tokens["grid"]}
+        if len(tokens["kinds"]) > seq_len:
+            h, w = (int(v) for v in tokens["grid"])
+            raise ValueError(f"{name} has {len(tokens['kinds'])} tokens ({h}x{w} patches"
+                             + (f", {len(tokens['kinds']) - prefix} kept" if patch_keep < 1 else "")
+                             + f" + {prefix} class/register token(s)) > input.packing.seq_len={seq_len}; set "
+                             f"seq_len >= max_num_patches + {prefix} (the pp's NaFlex budget and the tower's prefix).")
         return {**{k: tokens[k] for k in PACKED_KEYS}, "grid": tokens["grid"], "image_id": index,
                 **{k: np.asarray(ex[k]) for k in meta_keys}}
 

@@ -250,7 +250,8 @@ def decode(image_key="image", max_images=1, draft=None, num_frames=8, alpha="dro
     black stand-in when there is none; the second and later in ``more_images``), ``num_images`` and
     ``has_image``; ``draft``: see ``images.decode_image``. A conversation's ``video`` (a file's
     bytes, or a list of frame images) becomes ``num_frames`` frames (``data.video``'s sampling) as
-    its images, and its ``<video>`` as ``num_frames`` ``<image>`` tags; ``video_frames`` counts them.
+    its images, and its ``<video>`` (or its one ``<image>`` when it has no ``<video>``) as ``num_frames``
+    ``<image>`` tags; ``video_frames`` counts them.
     ``alpha``: ``"drop"`` or ``"white"`` (``data.images``)."""
     images_lib.check_alpha(alpha)
 

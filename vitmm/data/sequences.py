@@ -202,7 +202,13 @@ def mrope_positions(visual: np.ndarray, grids, video_frames: int = 0) -> np.ndar
     ``(p, p + i, p + j)`` and a video of ``t`` frames (its temporal patches, consecutive images
     when ``video_frames`` is ``t``) at ``(p + τ, p + i, p + j)``, the text after either at
     ``p + max(t, rows, cols)``. ``grids``: each image's ``(rows, cols)`` in order (one pair: all
-    the same)."""
+    the same).
+
+    A video's ``t · rows · cols`` visual tokens must follow each other, as in Qwen2-VL, whose
+    processor puts a video in one ``<|vision_start|>…<|vision_end|>`` (``conversation_tokens`` wraps
+    a video once for that). Text between its temporal patches (each wrapped on its own, e.g. by an
+    example's ``image_texts``) has no place in Qwen2-VL's scheme: the video's τ positions would run
+    past the text between them, so that is a ``ValueError`` rather than made-up positions."""
     grids = [tuple(grids)] * len(visual) if np.ndim(grids) == 1 else [tuple(g) for g in grids]
     out = np.zeros((3, len(visual)), np.int64)
     current, k, image = 0, 0, 0
@@ -213,6 +219,12 @@ def mrope_positions(visual: np.ndarray, grids, video_frames: int = 0) -> np.ndar
             continue
         rows, cols = grids[image]
         t, m = video_frames or 1, rows * cols
+        if t > 1 and not (k + t * m <= len(visual) and np.all(visual[k:k + t * m] >= 0)):
+            raise ValueError(f"mrope_positions: a video of video_frames={t} temporal patches of {rows}x{cols} tokens "
+                             f"needs its {t * m} visual tokens together (Qwen2-VL's one <|vision_start|>..."
+                             "<|vision_end|>), but text sits between them: an image_text or image_texts that wraps "
+                             "each <image> splits them; let conversation_tokens wrap the video once (no image_texts "
+                             "for a video).")
         tau, ij = np.divmod(np.arange(t * m), m)
         out[:, k:k + t * m] = current + np.stack([tau, ij // cols, ij % cols])
         current, k, image = current + max(t, rows, cols), k + t * m, image + t

@@ -9,8 +9,9 @@ LLaVA-Video takes one frame a second when that gives at most ``k``). A video sho
 frames repeats some, so every video gives the model ``k`` frames (fixed image slots, and pairs for
 ``temporal_patch(2)``), where lmms-eval takes its ``n`` frames once. A stream's rotation (phone
 videos) is not applied. A list of frame images is sampled the same way.
-The ``decode`` op puts the frames where ``<video>`` stood as ``k`` consecutive images (one
-``<image>`` each), so they reach the LM as ``k`` frames of visual tokens; ``temporal_patch(2)``
+The ``decode`` op puts the frames where ``<video>`` stood (or the one ``<image>`` of a record
+without ``<video>``, LLaVA-NeXT's tag) as ``k`` consecutive images (one ``<image>`` each), so they
+reach the LM as ``k`` frames of visual tokens; ``temporal_patch(2)``
 then merges each two into one image of twice the channels (Qwen2-VL's temporal patch: the tower's
 patch embedding sees two frames at once, and the LM gets half the tokens). Both are here; the
 preprocessing registry (``data.preprocess``) calls them.
@@ -25,6 +26,7 @@ import numpy as np
 from vitmm.data.skips import BadExample
 
 VIDEO_PLACEHOLDER = "<video>"
+IMAGE_PLACEHOLDER = "<image>"
 
 
 def sample_indices(total: int, num_frames: int) -> np.ndarray:
@@ -68,21 +70,28 @@ def sample_frames(frames: list, num_frames: int) -> list:
 def video_as_images(ex: dict, video, images, num_frames: int, decode_image, image_key: str = "image") -> None:
     """The frames of ``video`` (a file's bytes, or a list of frames that ``decode_image`` makes
     RGB) as the example's images in ``image`` and ``more_images``, its ``<video>`` tag expanded
-    to one ``<image>`` a frame (the ``decode`` op's video path)."""
+    to one ``<image>`` a frame (the ``decode`` op's video path). A conversation with no ``<video>``
+    and exactly one ``<image>`` has the video there: LLaVA-NeXT's trainer marks a video's place
+    with ``DEFAULT_IMAGE_TOKEN``, and video data is written with either tag."""
 
     def text(turn):
         return turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
 
     turns = ex.get("conversations") or []
-    tags = sum(t.count(VIDEO_PLACEHOLDER) for t in map(text, turns) if isinstance(t, str))
-    if images or tags != 1:
+    texts = [t for t in map(text, turns) if isinstance(t, str)]
+    tags, image_tags = (sum(t.count(tag) for t in texts) for tag in (VIDEO_PLACEHOLDER, IMAGE_PLACEHOLDER))
+    place = IMAGE_PLACEHOLDER if tags == 0 and image_tags == 1 else VIDEO_PLACEHOLDER
+    if images or (tags != 1 and place == VIDEO_PLACEHOLDER):
         raise BadExample("image_tag_mismatch", f"{tags} {VIDEO_PLACEHOLDER} tag(s) for one video"
-                         + (" and images (a video goes alone)" if images else ""))
+                         + (" and images (a video goes alone)" if images else
+                            f" (and {image_tags} {IMAGE_PLACEHOLDER}: a video's place is one {VIDEO_PLACEHOLDER}, "
+                            f"or one {IMAGE_PLACEHOLDER} in a record without {VIDEO_PLACEHOLDER})" if image_tags
+                            else ""))
     frames = decode_video(video, num_frames) if isinstance(video, bytes) else \
         [decode_image(frame) for frame in sample_frames(list(video), num_frames)]
-    expanded = "<image>" * len(frames)
+    expanded = IMAGE_PLACEHOLDER * len(frames)
     ex["conversations"] = [
-        {k: v.replace(VIDEO_PLACEHOLDER, expanded) if k in ("value", "content") and isinstance(v, str) else v
+        {k: v.replace(place, expanded) if k in ("value", "content") and isinstance(v, str) else v
          for k, v in turn.items()} for turn in turns]
     ex[image_key], ex["num_images"], ex["has_image"] = frames[0], np.int32(len(frames)), np.bool_(True)
     ex["more_images"], ex["video_frames"] = frames[1:], np.int32(len(frames))

@@ -93,4 +93,5 @@ def _packed(config, pp):
         source, pp, patch_size=to_pair(tower.arch().patch_size)[0], seq_len=pk.seq_len, max_images=pk.max_images,
         rows=config.batch_size // count, num_bins=pk.bins, class_token=tower.class_token,
         num_registers=tower.num_registers, meta_keys=("caption_tokens",), seed=config.seed,
-        process_index=index, process_count=count, patch_keep=tower.patch_keep)
+        process_index=index, process_count=count, patch_keep=tower.patch_keep,
+        max_num_patches=pk.get("max_num_patches"))
