@@ -140,3 +140,37 @@ def test_convert_cli_takes_timm_and_open_clip(tmp_path, open_clip_out, capsys):
         cli.main(["--from", "timm", "--src", str(FIXTURES / "timm_vit" / "model.safetensors"),
                       "--out", str(tmp_path / "tt"), "--tower", "text"])
     assert "no text tower" in capsys.readouterr().err
+
+
+def _tensors(name):
+    from safetensors.numpy import load_file
+
+    return load_file(FIXTURES / name / "model.safetensors")
+
+
+def _timm_copy(tmp_path, name="timm_vit", **change):
+    """A fixture's state dict in ``tmp_path`` with tensors replaced (None: removed)."""
+    from safetensors.numpy import save_file
+
+    tensors = _tensors(name)
+    for key, value in change.items():
+        if value is None:
+            tensors.pop(key)
+        else:
+            tensors[key] = value
+    save_file(tensors, tmp_path / "model.safetensors")
+    return tmp_path / "model.safetensors"
+
+
+def test_timm_without_pos_embed_is_posemb_none(tmp_path):
+    """timm's ``pos_embed='none'`` adds no positions: the same function as the model with an all-zero
+    table, which is what vitmm's ``posemb="none"`` computes (exactly)."""
+    pos = _tensors("timm_vit")["pos_embed"]
+    kwargs, params = timm_vit.load_vit(_timm_copy(tmp_path, pos_embed=None), num_heads=4, image_size=48)
+    assert kwargs["posemb"] == "none" and "pos_embedding" not in params
+    zeroed = tmp_path / "zeroed"
+    zeroed.mkdir()
+    kw_zero, p_zero = timm_vit.load_vit(_timm_copy(zeroed, pos_embed=np.zeros_like(pos)), num_heads=4)
+    x = images(load_io("timm_vit"))
+    np.testing.assert_array_equal(np.asarray(ViT(**kwargs).apply({"params": params}, x)[0]),
+                                  np.asarray(ViT(**kw_zero).apply({"params": p_zero}, x)[0]))

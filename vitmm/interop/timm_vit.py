@@ -15,6 +15,8 @@ model's output is ``logits``. timm's layout is vitmm's almost name for name (fus
   gives CLS a position with ``posemb_layout="with_cls"`` and registers none: a register's
   position is a constant added to a learned constant, so it is folded into the register (exact).
 * ``qkv_bias=False`` becomes an exact zero bias.
+* No ``pos_embed`` (timm's ``pos_embed='none'``: no positions at all) is vitmm's ``posemb="none"``,
+  which fits any image size (``image_size`` resamples nothing).
 * The head count and activation are not in a state dict: ``num_heads`` defaults to
   ``width // 64`` (timm's ViTs' head width), ``act`` to exact GELU, ``norm_eps`` to 1e-6.
 * ``global_pool`` is read from the tensors (``attn_pool`` → ``map``, ``fc_norm`` → ``avg``, a CLS
@@ -108,21 +110,23 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
     if global_pool == "map" and (has_cls or registers):
         raise ValueError("timm's attention pool reads CLS/register tokens too; vitmm's map pools the patch tokens "
                          "only, so this model's pooled output would differ. Not supported.")
-    pos = sd.take("pos_embed")[0]
-    prefix_rows = _prefix_rows(pos.shape[0], int(has_cls) + registers)
+    positions = "pos_embed" in tensors  # timm's pos_embed='none' leaves it out: no positions
+    pos = sd.take("pos_embed")[0] if positions else None
+    prefix_rows = _prefix_rows(pos.shape[0], int(has_cls) + registers) if positions else 0
     qk_norm = "blocks.0.attn.q_norm.weight" in tensors
     layerscale = "blocks.0.ls1.gamma" in tensors
     fc_norm = "fc_norm.weight" in tensors
     kwargs = dict(width=width, depth=depth, mlp_dim=tensors["blocks.0.mlp.fc1.weight"].shape[0],
                   num_heads=num_heads or max(width // 64, 1), patch_size=ph if ph == pw else (ph, pw),
-                  class_token=has_cls, num_registers=registers, posemb="learn",
+                  class_token=has_cls, num_registers=registers, posemb="learn" if positions else "none",
                   posemb_layout="with_cls" if has_cls and prefix_rows else "patches", pool=POOLS[global_pool],
                   pre_norm="norm_pre.weight" in tensors, fc_norm=fc_norm, qk_norm=qk_norm,
                   layerscale=1.0 if layerscale else None, act=act, norm_eps=norm_eps,
                   embed_bias="patch_embed.proj.bias" in tensors, posemb_resample="bicubic_aa")
     params = {"embedding": {"kernel": conv_kernel(sd.take("patch_embed.proj.weight"))},
-              "pos_embedding": grid_table(pos[prefix_rows:], "pos_embed"),
               "encoder": {f"block_{i:02d}": _block(sd, f"blocks.{i}", qk_norm, layerscale) for i in range(depth)}}
+    if positions:
+        params["pos_embedding"] = grid_table(pos[prefix_rows:], "pos_embed")
     if fc_norm:
         params["fc_norm"] = norm(sd, "fc_norm")
     else:
@@ -150,9 +154,10 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
     if sd.has("head.weight"):
         kwargs["num_classes"] = tensors["head.weight"].shape[0]
         params["head"] = linear(sd, "head")
-    res = (params["pos_embedding"].shape[1] * ph, params["pos_embedding"].shape[2] * pw)
+    grid = params["pos_embedding"].shape[1:3] if positions else (2, 2)  # without positions any grid fits
+    res = (grid[0] * ph, grid[1] * pw)
     params = finish(sd, ViT(**kwargs), params, (jnp.zeros((1, *res, channels)),), "a vitmm ViT (timm)")
-    if image_size is not None:
+    if image_size is not None and positions:
         params = resize(params, kwargs, image_size)
     return kwargs, params
 
