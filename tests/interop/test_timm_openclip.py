@@ -18,6 +18,7 @@ from vitmm.models.two_towers import TwoTowers
 from vitmm.models.vit import ViT
 
 TIMM_CASES = ["timm_vit", "timm_vit_reg", "timm_vit_gap", "timm_vit_fc_norm", "timm_vit_map"]
+EPS = 1e-6  # the fixtures are bare VisionTransformers: timm's LayerNorm default, also under pre_norm (timm_vit_gap)
 
 
 def _timm_sequence(out, kwargs):
@@ -31,7 +32,8 @@ def _timm_sequence(out, kwargs):
 @pytest.mark.parametrize("name", TIMM_CASES)
 def test_timm_vit_matches_timm(name):
     ref, build = load_io(name), json.loads((FIXTURES / name / "build.json").read_text())
-    kwargs, params = timm_vit.load_vit(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"])
+    kwargs, params = timm_vit.load_vit(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"],
+                                       norm_eps=EPS)
     assert kwargs["class_token"] == build.get("class_token", True)
     assert kwargs["num_registers"] == build.get("reg_tokens", 0)
     logits, out = ViT(**kwargs).apply({"params": params}, images(ref))
@@ -47,11 +49,11 @@ def test_timm_vit_at_a_non_square_resolution_matches_dynamic_img_size(name):
     reproduced by resampling once at load and by vitmm's own ``dynamic_img_size``."""
     ref, build = load_io(name), json.loads((FIXTURES / name / "build.json").read_text())
     src = FIXTURES / name / "model.safetensors"
-    kwargs, params = timm_vit.load_vit(src, num_heads=build["num_heads"], image_size=resized_hw(ref))
+    kwargs, params = timm_vit.load_vit(src, num_heads=build["num_heads"], norm_eps=EPS, image_size=resized_hw(ref))
     assert kwargs["posemb_resample"] == "bicubic_aa"
     _, out = ViT(**kwargs).apply({"params": params}, images(ref, "pixel_values_resized"))
     assert_close_relative(_timm_sequence(out, kwargs), ref["features_resized"], name)
-    _, at_train_size = timm_vit.load_vit(src, num_heads=build["num_heads"])
+    _, at_train_size = timm_vit.load_vit(src, num_heads=build["num_heads"], norm_eps=EPS)
     _, out = ViT(**{**kwargs, "dynamic_img_size": True}).apply({"params": at_train_size},
                                                                images(ref, "pixel_values_resized"))
     assert_close_relative(_timm_sequence(out, kwargs), ref["features_resized"], name + " (dynamic)")
@@ -174,3 +176,28 @@ def test_timm_without_pos_embed_is_posemb_none(tmp_path):
     x = images(load_io("timm_vit"))
     np.testing.assert_array_equal(np.asarray(ViT(**kwargs).apply({"params": params}, x)[0]),
                                   np.asarray(ViT(**kw_zero).apply({"params": p_zero}, x)[0]))
+
+
+def test_timm_act_and_norm_eps_come_from_config_json_or_the_options(tmp_path, capsys):
+    """timm's CLIP towers: QuickGELU named by the architecture in ``config.json``, LayerNorm eps 1e-5
+    where ``norm_pre`` is (timm builds those with ``nn.LayerNorm``); both can be given, in Python and
+    on the command line."""
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.interop import __main__ as cli
+    from vitmm.interop import convert
+
+    width = _tensors("timm_vit")["cls_token"].shape[-1]
+    src = _timm_copy(tmp_path, **{"norm_pre.weight": np.ones(width, np.float32),
+                                  "norm_pre.bias": np.zeros(width, np.float32)})
+    kwargs, _ = timm_vit.load_vit(src, num_heads=4)
+    assert (kwargs["act"], kwargs["norm_eps"], kwargs["pre_norm"]) == ("gelu", 1e-5, True)
+    (tmp_path / "config.json").write_text(json.dumps({"architecture": "vit_base_patch16_clip_quickgelu_224"}))
+    assert timm_vit.load_vit(src, num_heads=4)[0]["act"] == "quick_gelu"
+    plain = FIXTURES / "timm_vit" / "model.safetensors"
+    assert timm_vit.load_vit(plain, num_heads=4)[0]["norm_eps"] == 1e-6
+    model, _ = convert.load("timm", plain, num_heads=4, act="quick_gelu", norm_eps=1e-5)
+    assert (model["image"]["act"], model["image"]["norm_eps"]) == ("quick_gelu", 1e-5)
+    cli.main(["--from", "timm", "--src", str(plain), "--out", str(tmp_path / "out"), "--num_heads", "4",
+              "--act", "quick_gelu", "--norm_eps", "1e-5"])
+    written = ckpt_lib.load_config(tmp_path / "out")["model"]["image"]
+    assert (written["act"], written["norm_eps"]) == ("quick_gelu", 1e-5)

@@ -17,8 +17,14 @@ model's output is ``logits``. timm's layout is vitmm's almost name for name (fus
 * ``qkv_bias=False`` becomes an exact zero bias.
 * No ``pos_embed`` (timm's ``pos_embed='none'``: no positions at all) is vitmm's ``posemb="none"``,
   which fits any image size (``image_size`` resamples nothing).
-* The head count and activation are not in a state dict: ``num_heads`` defaults to
-  ``width // 64`` (timm's ViTs' head width), ``act`` to exact GELU, ``norm_eps`` to 1e-6.
+* The head count, activation and LayerNorm epsilon are not in a state dict: ``num_heads`` defaults to
+  ``width // 64`` (timm's ViTs' head width). ``act`` and ``norm_eps`` are read from timm's
+  ``config.json`` beside the weights (the hub layout) when present: QuickGELU when its
+  ``architecture`` names it (``vit_*_clip_quickgelu_*``) or ``model_args.act_layer`` says so. Else
+  ``act`` is exact GELU, which is wrong for OpenAI's CLIP weights saved without their config:
+  pass ``act="quick_gelu"`` (CLI ``--act quick_gelu``). ``norm_eps`` is 1e-5 for ``pre_norm``
+  models (every timm model registered with ``pre_norm=True``, the CLIP towers, is built with
+  ``partial(LayerNorm, eps=1e-5)``), else 1e-6, timm's ``LayerNorm`` default.
 * ``global_pool`` is read from the tensors (``attn_pool`` → ``map``, ``fc_norm`` → ``avg``, a CLS
   token → ``token``, else ``avg``); pass it when a CLS model was trained with ``avg``.
   ``avgmax``/``max`` have no vitmm pooling, and ``map`` over a sequence with CLS or registers
@@ -27,6 +33,7 @@ model's output is ``logits``. timm's layout is vitmm's almost name for name (fus
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 
@@ -80,6 +87,27 @@ def _prefix_rows(rows: int, prefix: int) -> int:
     return prefix if with_prefix else 0
 
 
+def timm_config(src) -> dict:
+    """timm's ``config.json`` beside the weights (``architecture``, ``pretrained_cfg``, sometimes
+    ``model_args``), or {} without one."""
+    path = pathlib.Path(src).expanduser()
+    path = path / "config.json" if path.is_dir() else path.with_name("config.json")
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _act(config: dict) -> str | None:
+    """The MLP activation ``config`` names (None: it names none)."""
+    from vitmm.models.common import ACTIVATIONS
+
+    act = (config.get("model_args") or {}).get("act_layer")
+    if act is None and "quickgelu" in str(config.get("architecture", "")):
+        act = "quick_gelu"
+    if act is not None and act not in ACTIVATIONS:
+        raise ValueError(f"timm config.json: act_layer {act!r} has no vitmm activation; vitmm has "
+                         f"{sorted(ACTIVATIONS)}.")
+    return act
+
+
 def _infer_pool(tensors: dict) -> str:
     if "attn_pool.latent" in tensors:
         return "map"
@@ -89,12 +117,15 @@ def _infer_pool(tensors: dict) -> str:
 
 
 def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool: str | None = None,
-             act: str = "gelu", norm_eps: float = 1e-6,
+             act: str | None = None, norm_eps: float | None = None,
              image_size: int | tuple[int, int] | None = None) -> tuple[dict, dict]:
-    """``(ViT kwargs, params)`` of a timm ``VisionTransformer`` state dict (safetensors/npz/.bin)."""
+    """``(ViT kwargs, params)`` of a timm ``VisionTransformer`` state dict (safetensors/npz/.bin).
+    ``act``/``norm_eps`` None: from timm's ``config.json`` beside the weights, else GELU and 1e-5
+    (``pre_norm`` CLIP towers) or 1e-6."""
     from vitmm.models.vit import ViT
 
     tensors = io.read_tensors(src)
+    config = timm_config(src)
     if "patch_embed.proj.weight" not in tensors or "blocks.0.attn.qkv.weight" not in tensors:
         raise ValueError(f"{src} is not a timm VisionTransformer state dict (no patch_embed.proj.weight / "
                          "blocks.0.attn.qkv.weight); hybrid (ResNet stem) and EVA/BEiT models are other classes.")
@@ -112,6 +143,9 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
                          "only, so this model's pooled output would differ. Not supported.")
     positions = "pos_embed" in tensors  # timm's pos_embed='none' leaves it out: no positions
     pos = sd.take("pos_embed")[0] if positions else None
+    pre_norm = "norm_pre.weight" in tensors
+    act = act or _act(config) or "gelu"
+    norm_eps = norm_eps if norm_eps is not None else 1e-5 if pre_norm else 1e-6
     prefix_rows = _prefix_rows(pos.shape[0], int(has_cls) + registers) if positions else 0
     qk_norm = "blocks.0.attn.q_norm.weight" in tensors
     layerscale = "blocks.0.ls1.gamma" in tensors
@@ -120,7 +154,7 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
                   num_heads=num_heads or max(width // 64, 1), patch_size=ph if ph == pw else (ph, pw),
                   class_token=has_cls, num_registers=registers, posemb="learn" if positions else "none",
                   posemb_layout="with_cls" if has_cls and prefix_rows else "patches", pool=POOLS[global_pool],
-                  pre_norm="norm_pre.weight" in tensors, fc_norm=fc_norm, qk_norm=qk_norm,
+                  pre_norm=pre_norm, fc_norm=fc_norm, qk_norm=qk_norm,
                   layerscale=1.0 if layerscale else None, act=act, norm_eps=norm_eps,
                   embed_bias="patch_embed.proj.bias" in tensors, posemb_resample="bicubic_aa")
     params = {"embedding": {"kernel": conv_kernel(sd.take("patch_embed.proj.weight"))},
@@ -163,7 +197,9 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
 
 
 def load(src: str | pathlib.Path, *, tower: str = "both", image_size: int | tuple[int, int] | None = None,
-         num_heads: int | None = None, global_pool: str | None = None) -> tuple[dict, dict]:
+         num_heads: int | None = None, global_pool: str | None = None, act: str | None = None,
+         norm_eps: float | None = None) -> tuple[dict, dict]:
     """``(TwoTowers kwargs, params)`` with the ViT as the only tower (``tower`` both or vision)."""
-    kwargs, img = load_vit(src, num_heads=num_heads, global_pool=global_pool, image_size=image_size)
+    kwargs, img = load_vit(src, num_heads=num_heads, global_pool=global_pool, act=act, norm_eps=norm_eps,
+                           image_size=image_size)
     return pick_tower(*vision_only(kwargs, img), tower, src)
