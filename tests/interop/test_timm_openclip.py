@@ -118,7 +118,8 @@ def test_open_clip_without_its_config_asks_for_quick_gelu(tmp_path):
     shutil.copy(FIXTURES / "open_clip" / "open_clip_model.safetensors", tmp_path)
     with pytest.raises(ValueError, match="quick_gelu"):
         openclip.load_two_towers(tmp_path / "open_clip_model.safetensors")
-    kwargs, _ = openclip.load_two_towers(tmp_path / "open_clip_model.safetensors", quick_gelu=False)
+    kwargs, _ = openclip.load_two_towers(tmp_path / "open_clip_model.safetensors", quick_gelu=False, head_width=8,
+                                         text_heads=4)
     assert kwargs["text"]["act"] == "gelu"
 
 
@@ -140,7 +141,7 @@ def test_convert_cli_takes_timm_and_open_clip(tmp_path, open_clip_out, capsys):
     assert ckpt_lib.load_params(tmp_path / "tv")["img"]["pos_embedding"].shape == (1, 6, 6, 32)
     with pytest.raises(SystemExit, match="2"):
         cli.main(["--from", "timm", "--src", str(FIXTURES / "timm_vit" / "model.safetensors"),
-                      "--out", str(tmp_path / "tt"), "--tower", "text"])
+                      "--out", str(tmp_path / "tt"), "--tower", "text", "--num_heads", "4"])
     assert "no text tower" in capsys.readouterr().err
 
 
@@ -201,3 +202,53 @@ def test_timm_act_and_norm_eps_come_from_config_json_or_the_options(tmp_path, ca
               "--act", "quick_gelu", "--norm_eps", "1e-5"])
     written = ckpt_lib.load_config(tmp_path / "out")["model"]["image"]
     assert (written["act"], written["norm_eps"]) == ("quick_gelu", 1e-5)
+
+
+@pytest.mark.parametrize("width, depth, mlp_dim, heads", [(1280, 32, 5120, 16), (1152, 27, 4304, 16),
+                                                          (1408, 40, 6144, 16), (1664, 48, 8192, 16),
+                                                          (768, 12, 3072, 12), (1024, 30, 4096, 16)])
+def test_head_counts_of_standard_towers_are_not_width_over_64(width, depth, mlp_dim, heads):
+    from vitmm.interop.common import standard_heads
+
+    assert standard_heads(width, depth, mlp_dim, "x") == heads
+
+
+@pytest.mark.parametrize("width, depth, mlp_dim, reason", [
+    (1280, 20, 5120, r"other head counts than width / 64 = 20 \(ViT-H 16 heads\)"),
+    (896, 12, 3584, "no standard tower of width 896")])
+def test_an_unknown_tower_asks_for_its_head_count(width, depth, mlp_dim, reason):
+    from vitmm.interop.common import standard_heads
+
+    with pytest.raises(ValueError, match=rf"{reason}, with depth {depth} .*; pass num_heads"):
+        standard_heads(width, depth, mlp_dim, "x", "num_heads")
+
+
+def test_timm_head_count_from_config_json_or_asked_for(tmp_path):
+    """The 32-wide fixture (4 heads) is no standard tower: refused rather than loaded with 32 // 64."""
+    src = _timm_copy(tmp_path)
+    with pytest.raises(ValueError, match=r"pass num_heads \(--num_heads\)"):
+        timm_vit.load_vit(src)
+    (tmp_path / "config.json").write_text(json.dumps({"architecture": "vit_tiny", "model_args": {"num_heads": 4}}))
+    assert timm_vit.load_vit(src)[0]["num_heads"] == 4
+
+
+def test_open_clip_head_counts_without_its_config(tmp_path, open_clip_out, capsys):
+    """A bare open_clip state dict: the head counts are asked for, and given through load and the CLI
+    they give open_clip's outputs."""
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm.interop import __main__ as cli
+
+    ref, _, zimg, ztxt, _ = open_clip_out
+    shutil.copy(FIXTURES / "open_clip" / "open_clip_model.safetensors", tmp_path)
+    src = tmp_path / "open_clip_model.safetensors"
+    with pytest.raises(ValueError, match=r"pass head_width \(--head_width\)"):
+        openclip.load(src, quick_gelu=True)
+    kwargs, params = openclip.load(src, quick_gelu=True, head_width=8, text_heads=4)
+    assert (kwargs["image"]["num_heads"], kwargs["text"]["num_heads"]) == (4, 4)
+    got_img, got_txt, _ = TwoTowers(**kwargs).apply({"params": params}, images(ref),
+                                                    jnp.asarray(ref["input_ids"], jnp.int32))
+    np.testing.assert_allclose(np.asarray(got_img), np.asarray(zimg), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_txt), np.asarray(ztxt), atol=1e-6, rtol=0)
+    cli.main(["--from", "open_clip", "--src", str(src), "--out", str(tmp_path / "oc"), "--quick_gelu", "true",
+              "--head_width", "8", "--text_heads", "4"])
+    assert ckpt_lib.load_config(tmp_path / "oc")["model"]["image"]["num_heads"] == 4

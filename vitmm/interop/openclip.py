@@ -5,9 +5,12 @@
 The model's shape (widths, depths, patch, context length, vocabulary, embedding size) is read
 from the tensors. What is not in a state dict is read from the ``open_clip_config.json`` beside
 the weights (the hub layout) when present, else from the arguments: the head counts (image:
-``width // head_width``, open_clip's default ``head_width`` 64; text: ``text_heads``, default
-``width // 64`` as in every released config) and whether the MLPs use QuickGELU (OpenAI's weights,
-``*-quickgelu`` models: ``quick_gelu=True``; without a config it must be given).
+``width // head_width``, open_clip's default ``head_width`` 64 under a config; without one, the
+heads of the vitmm ``VARIANTS`` tower of the same width, depth and MLP size — ViT-H/14's
+``head_width`` is 80, g/14's 88, bigG/14's 104 — else refused: pass ``head_width``; text:
+``text_heads``, default ``width // 64`` as in every released config) and whether the MLPs use
+QuickGELU (OpenAI's weights, ``*-quickgelu`` models: ``quick_gelu=True``; without a config it must
+be given).
 
 Layout: fused ``in_proj`` attention = vitmm's ``qkv``; ``visual.proj``/``text_projection`` are
 ``[D, E]`` matrices applied as ``x @ proj`` (no transpose); no patch bias; ``ln_pre`` = vitmm
@@ -34,6 +37,7 @@ from vitmm.interop.common import (
     norm,
     pick_tower,
     resize,
+    standard_heads,
 )
 
 
@@ -82,16 +86,20 @@ def load_two_towers(src: str | pathlib.Path, quick_gelu: bool | None = None, hea
                          "weights, *-quickgelu models) or False, or put open_clip_config.json beside the weights.")
     act = "quick_gelu" if quick_gelu else "gelu"
     cfg = cfg or {}
-    head_width = head_width or cfg.get("vision_cfg", {}).get("head_width", 64)
     sd = StateDict(tensors, str(src))
     width, channels, patch, _ = tensors["visual.conv1.weight"].shape
     vdepth = _depth(tensors, "visual.transformer")
+    vmlp = tensors["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0]
+    head_width = head_width or ("vision_cfg" in cfg and cfg["vision_cfg"].get("head_width", 64))  # open_clip's default
+    heads = width // head_width if head_width else standard_heads(width, vdepth, vmlp, src, "head_width (--head_width)")
     vpos = sd.take("visual.positional_embedding")
-    image = dict(width=width, depth=vdepth, mlp_dim=tensors["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
-                 num_heads=max(width // head_width, 1), patch_size=patch, class_token=True, pre_norm=True,
-                 posemb="learn", posemb_layout="with_cls", pool="tok", act=act, norm_eps=1e-5, embed_bias=False,
-                 posemb_resample="bicubic_aa")
+    image = dict(width=width, depth=vdepth, mlp_dim=vmlp, num_heads=max(heads, 1), patch_size=patch,
+                 class_token=True, pre_norm=True, posemb="learn", posemb_layout="with_cls", pool="tok", act=act,
+                 norm_eps=1e-5, embed_bias=False, posemb_resample="bicubic_aa")
     vocab, twidth = tensors["token_embedding.weight"].shape
+    if not text_heads and "text_cfg" not in cfg and twidth % 64:
+        raise ValueError(f"{src}: the text tower's head count is not in the weights and its width {twidth} is no "
+                         "multiple of 64; pass text_heads (--text_heads) or put open_clip_config.json beside it.")
     tdepth = _depth(tensors, "transformer")
     tpos = sd.take("positional_embedding")
     text = dict(vocab_size=vocab, width=twidth, depth=tdepth,
@@ -126,6 +134,8 @@ def load_two_towers(src: str | pathlib.Path, quick_gelu: bool | None = None, hea
 
 
 def load(src: str | pathlib.Path, *, tower: str = "both", image_size: int | tuple[int, int] | None = None,
-         quick_gelu: bool | None = None) -> tuple[dict, dict]:
+         quick_gelu: bool | None = None, head_width: int | None = None,
+         text_heads: int | None = None) -> tuple[dict, dict]:
     """``(TwoTowers kwargs, params)``: both towers, or one (``tower`` vision or text)."""
-    return pick_tower(*load_two_towers(src, quick_gelu=quick_gelu, image_size=image_size), tower, src)
+    return pick_tower(*load_two_towers(src, quick_gelu=quick_gelu, head_width=head_width, text_heads=text_heads,
+                                       image_size=image_size), tower, src)

@@ -17,8 +17,11 @@ model's output is ``logits``. timm's layout is vitmm's almost name for name (fus
 * ``qkv_bias=False`` becomes an exact zero bias.
 * No ``pos_embed`` (timm's ``pos_embed='none'``: no positions at all) is vitmm's ``posemb="none"``,
   which fits any image size (``image_size`` resamples nothing).
-* The head count, activation and LayerNorm epsilon are not in a state dict: ``num_heads`` defaults to
-  ``width // 64`` (timm's ViTs' head width). ``act`` and ``norm_eps`` are read from timm's
+* The head count, activation and LayerNorm epsilon are not in a state dict. ``num_heads``, when not
+  given, comes from ``config.json``'s ``model_args`` or is that of the vitmm ``VARIANTS`` tower
+  with the same width, depth and MLP size (ViT-H/g/G/So400m: 16), or ``width // 64`` where every
+  known tower of that width has 64-wide heads; otherwise it is refused (``common.standard_heads``):
+  a wrong count loads without a shape error. ``act`` and ``norm_eps`` are read from timm's
   ``config.json`` beside the weights (the hub layout) when present: QuickGELU when its
   ``architecture`` names it (``vit_*_clip_quickgelu_*``) or ``model_args.act_layer`` says so. Else
   ``act`` is exact GELU, which is wrong for OpenAI's CLIP weights saved without their config:
@@ -50,6 +53,7 @@ from vitmm.interop.common import (
     norm,
     pick_tower,
     resize,
+    standard_heads,
     vision_only,
 )
 
@@ -150,12 +154,15 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
     qk_norm = "blocks.0.attn.q_norm.weight" in tensors
     layerscale = "blocks.0.ls1.gamma" in tensors
     fc_norm = "fc_norm.weight" in tensors
-    kwargs = dict(width=width, depth=depth, mlp_dim=tensors["blocks.0.mlp.fc1.weight"].shape[0],
-                  num_heads=num_heads or max(width // 64, 1), patch_size=ph if ph == pw else (ph, pw),
-                  class_token=has_cls, num_registers=registers, posemb="learn" if positions else "none",
+    mlp_dim = tensors["blocks.0.mlp.fc1.weight"].shape[0]
+    num_heads = (num_heads or (config.get("model_args") or {}).get("num_heads")
+                 or standard_heads(width, depth, mlp_dim, src, "num_heads (--num_heads)"))
+    kwargs = dict(width=width, depth=depth, mlp_dim=mlp_dim, num_heads=int(num_heads),
+                  patch_size=ph if ph == pw else (ph, pw), class_token=has_cls, num_registers=registers,
+                  posemb="learn" if positions else "none",
                   posemb_layout="with_cls" if has_cls and prefix_rows else "patches", pool=POOLS[global_pool],
-                  pre_norm=pre_norm, fc_norm=fc_norm, qk_norm=qk_norm,
-                  layerscale=1.0 if layerscale else None, act=act, norm_eps=norm_eps,
+                  pre_norm=pre_norm, fc_norm=fc_norm, qk_norm=qk_norm, layerscale=1.0 if layerscale else None,
+                  act=act, norm_eps=norm_eps,
                   embed_bias="patch_embed.proj.bias" in tensors, posemb_resample="bicubic_aa")
     params = {"embedding": {"kernel": conv_kernel(sd.take("patch_embed.proj.weight"))},
               "encoder": {f"block_{i:02d}": _block(sd, f"blocks.{i}", qk_norm, layerscale) for i in range(depth)}}
