@@ -252,3 +252,38 @@ def test_open_clip_head_counts_without_its_config(tmp_path, open_clip_out, capsy
     cli.main(["--from", "open_clip", "--src", str(src), "--out", str(tmp_path / "oc"), "--quick_gelu", "true",
               "--head_width", "8", "--text_heads", "4"])
     assert ckpt_lib.load_config(tmp_path / "oc")["model"]["image"]["num_heads"] == 4
+
+
+def _table(rows, seed=0):
+    return np.random.default_rng(seed).normal(size=(1, rows, 32)).astype(np.float32)
+
+
+def test_timm_non_square_grid_from_config_json_or_image_size(tmp_path):
+    """A CLS model trained at 64x48 px (an 8x6 grid of 8 px patches): 1 + 48 = 49 rows, which a square
+    reading takes for a 7x7 grid without CLS. Without timm's config.json the load is refused; with it,
+    or with the trained image_size, the CLS row and the 8x6 grid are read."""
+    pos = _table(1 + 8 * 6)
+    src = _timm_copy(tmp_path, pos_embed=pos)
+    with pytest.raises(ValueError, match=r"49 rows: a 7x7 grid without the 1 CLS/register rows .* or those rows "
+                                         r"before a grid of 48 patches; .*--image_size HxW"):
+        timm_vit.load_vit(src, num_heads=4)
+    _, by_size = timm_vit.load_vit(src, num_heads=4, image_size=(64, 48))
+    (tmp_path / "config.json").write_text(json.dumps({"pretrained_cfg": {"input_size": [3, 64, 48]}}))
+    kwargs, params = timm_vit.load_vit(src, num_heads=4)
+    assert kwargs["posemb_layout"] == "with_cls"
+    np.testing.assert_array_equal(np.asarray(params["cls_pos_embedding"]), pos[:, :1])
+    np.testing.assert_array_equal(np.asarray(params["pos_embedding"]), pos[:, 1:].reshape(1, 8, 6, 32))
+    np.testing.assert_array_equal(np.asarray(by_size["pos_embedding"]), np.asarray(params["pos_embedding"]))
+    (tmp_path / "config.json").write_text(json.dumps({"model_args": {"img_size": 40}}))
+    with pytest.raises(ValueError, match="neither the 5x5 grid of config.json's image size"):
+        timm_vit.load_vit(src, num_heads=4)
+
+
+def test_timm_square_count_of_a_non_square_grid_follows_config_json(tmp_path):
+    """No CLS, 16x9 patches = 144 rows: a 12x12 grid to the eye, 16x9 by timm's config.json."""
+    pos = _table(16 * 9)
+    src = _timm_copy(tmp_path, "timm_vit_gap", pos_embed=pos)
+    assert timm_vit.load_vit(src, num_heads=4)[1]["pos_embedding"].shape == (1, 12, 12, 32)  # nothing says otherwise
+    (tmp_path / "config.json").write_text(json.dumps({"model_args": {"img_size": [128, 72]}}))
+    _, params = timm_vit.load_vit(src, num_heads=4)
+    np.testing.assert_array_equal(np.asarray(params["pos_embedding"]), pos.reshape(1, 16, 9, 32))

@@ -74,8 +74,11 @@ def resize(params: dict, kwargs: dict, image_size) -> dict:
     return resize_posemb(params, grid, kwargs.get("posemb_resample", "bicubic_aa"))
 
 
-def grid_table(flat: np.ndarray, what: str) -> np.ndarray:
-    """A flat ``[h·w, D]`` position table as vitmm's ``[1, h, w, D]`` (square grids)."""
+def grid_table(flat: np.ndarray, what: str, grid: tuple[int, int] | None = None) -> np.ndarray:
+    """A flat ``[h·w, D]`` position table as vitmm's ``[1, h, w, D]``: row-major over ``grid``, or
+    square when the grid is not known."""
+    if grid is not None:
+        return flat.reshape(1, *grid, flat.shape[-1])
     side = int(round(flat.shape[0] ** 0.5))
     if side * side != flat.shape[0]:
         raise ValueError(f"{what} has {flat.shape[0]} patch rows, not a square grid; resample it to a square "

@@ -14,6 +14,14 @@ model's output is ``logits``. timm's layout is vitmm's almost name for name (fus
   (``no_embed_class=False``, timm's default) or ``[1, h·w, D]`` (``no_embed_class=True``). vitmm
   gives CLS a position with ``posemb_layout="with_cls"`` and registers none: a register's
   position is a constant added to a learned constant, so it is folded into the register (exact).
+  The grid ``h × w`` is not in the tensors: it is the trained image size of timm's ``config.json``
+  beside the weights (``model_args.img_size``, else ``pretrained_cfg.input_size``) over the patch.
+  Without that file a square grid is assumed, except where the count could be read two ways: a
+  model with CLS or registers whose table is a square only without prefix rows (``no_embed_class``,
+  or prefix rows before a non-square grid: 1 + 8·6 = 49) is refused unless the patch count left
+  after the prefix is prime, and a table that is no square either way needs the trained size;
+  ``image_size`` given as that size settles both. (A model without CLS or registers trained on a
+  non-square grid of a square count, 16·9 = 144, cannot be told from 12·12 without the file.)
 * ``qkv_bias=False`` becomes an exact zero bias.
 * No ``pos_embed`` (timm's ``pos_embed='none'``: no positions at all) is vitmm's ``posemb="none"``,
   which fits any image size (``image_size`` resamples nothing).
@@ -78,17 +86,50 @@ def _block(sd: StateDict, p: str, qk_norm: bool, layerscale: bool) -> dict:
     return out
 
 
-def _prefix_rows(rows: int, prefix: int) -> int:
-    """How many leading rows of a flat position table belong to CLS/registers."""
-    square = lambda n: n > 0 and round(n ** 0.5) ** 2 == n  # noqa: E731
-    with_prefix, without = prefix > 0 and square(rows - prefix), square(rows)
-    if with_prefix and without:
-        raise ValueError(f"pos_embed has {rows} rows: both {rows} patches and {prefix} prefix + {rows - prefix} "
-                         "patches are square grids; this tiny grid is ambiguous, resample it first.")
-    if not (with_prefix or without):
-        raise ValueError(f"pos_embed has {rows} rows, neither a square grid nor {prefix} prefix tokens + a square "
-                         "grid; non-square grids are not read from a flat table.")
-    return prefix if with_prefix else 0
+def _grid(config: dict, patch: tuple[int, int]) -> tuple[int, int] | None:
+    """The patch grid of the image size timm's ``config.json`` records (None: it records none)."""
+    size = (config.get("model_args") or {}).get("img_size")
+    if size is None:
+        size = ((config.get("pretrained_cfg") or {}).get("input_size") or [None])[1:] or None
+    if size is None:
+        return None
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    return size[0] // patch[0], size[1] // patch[1]
+
+
+def _layout(rows: int, prefix: int, trained: tuple[int, int] | None, asked: tuple[int, int] | None,
+            src) -> tuple[int, tuple[int, int]]:
+    """``(rows belonging to CLS/registers, (h, w) patch grid)`` of a flat position table of ``rows``
+    rows for ``prefix`` CLS/register tokens: the ``trained`` grid (``config.json``) when known, else
+    the square reading where only one fits and nothing else could, else the ``asked`` grid
+    (``image_size``) where it fits; never a guess between readings."""
+    def fits(grid):
+        n = grid[0] * grid[1]
+        return 0 if n == rows else prefix if prefix and n == rows - prefix else None
+
+    if trained is not None:
+        if fits(trained) is None:
+            raise ValueError(f"{src}: pos_embed has {rows} rows, which are neither the {trained[0]}x{trained[1]} "
+                             f"grid of config.json's image size nor it plus {prefix} CLS/register rows; that "
+                             "config.json is not this checkpoint's: remove it or put the right one there.")
+        return fits(trained), trained
+    side = lambda n: round(n ** 0.5) if n > 0 and round(n ** 0.5) ** 2 == n else None  # noqa: E731
+    with_prefix, without = prefix > 0 and side(rows - prefix), side(rows)
+    composite = any((rows - prefix) % d == 0 for d in range(2, int((rows - prefix) ** 0.5) + 1))
+    if with_prefix and not without:  # timm's default layout, a square grid after the prefix rows
+        return prefix, (with_prefix, with_prefix)
+    if without and not with_prefix and not (prefix and composite):  # no prefix tokens, or a prime count left
+        return 0, (without, without)
+    if asked is not None and fits(asked) is not None:
+        return fits(asked), asked
+    if with_prefix or without:
+        reading = (f"a {without}x{without} grid without the {prefix} CLS/register rows (no_embed_class) or "
+                   f"those rows before a grid of {rows - prefix} patches")
+    else:
+        reading = f"no square grid, with or without {prefix} CLS/register rows"
+    raise ValueError(f"{src}: pos_embed has {rows} rows: {reading}; the grid is not in the weights. Give the "
+                     "image size the model was trained at (image_size / --image_size HxW) or put timm's "
+                     "config.json beside the weights.")
 
 
 def timm_config(src) -> dict:
@@ -126,6 +167,7 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
     """``(ViT kwargs, params)`` of a timm ``VisionTransformer`` state dict (safetensors/npz/.bin).
     ``act``/``norm_eps`` None: from timm's ``config.json`` beside the weights, else GELU and 1e-5
     (``pre_norm`` CLIP towers) or 1e-6."""
+    from vitmm.models.patch_embed import to_pair
     from vitmm.models.vit import ViT
 
     tensors = io.read_tensors(src)
@@ -150,7 +192,11 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
     pre_norm = "norm_pre.weight" in tensors
     act = act or _act(config) or "gelu"
     norm_eps = norm_eps if norm_eps is not None else 1e-5 if pre_norm else 1e-6
-    prefix_rows = _prefix_rows(pos.shape[0], int(has_cls) + registers) if positions else 0
+    patch = (ph, pw)
+    asked = None if image_size is None else tuple(
+        n // p for n, p in zip(to_pair(image_size, "image_size"), patch, strict=True))
+    prefix_rows, grid = (_layout(pos.shape[0], int(has_cls) + registers, _grid(config, patch), asked, src)
+                         if positions else (0, None))
     qk_norm = "blocks.0.attn.q_norm.weight" in tensors
     layerscale = "blocks.0.ls1.gamma" in tensors
     fc_norm = "fc_norm.weight" in tensors
@@ -167,7 +213,7 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
     params = {"embedding": {"kernel": conv_kernel(sd.take("patch_embed.proj.weight"))},
               "encoder": {f"block_{i:02d}": _block(sd, f"blocks.{i}", qk_norm, layerscale) for i in range(depth)}}
     if positions:
-        params["pos_embedding"] = grid_table(pos[prefix_rows:], "pos_embed")
+        params["pos_embedding"] = grid_table(pos[prefix_rows:], "pos_embed", grid)
     if fc_norm:
         params["fc_norm"] = norm(sd, "fc_norm")
     else:
@@ -195,7 +241,7 @@ def load_vit(src: str | pathlib.Path, num_heads: int | None = None, global_pool:
     if sd.has("head.weight"):
         kwargs["num_classes"] = tensors["head.weight"].shape[0]
         params["head"] = linear(sd, "head")
-    grid = params["pos_embedding"].shape[1:3] if positions else (2, 2)  # without positions any grid fits
+    grid = grid or (2, 2)  # without positions any grid fits
     res = (grid[0] * ph, grid[1] * pw)
     params = finish(sd, ViT(**kwargs), params, (jnp.zeros((1, *res, channels)),), "a vitmm ViT (timm)")
     if image_size is not None and positions:
