@@ -287,3 +287,47 @@ def test_timm_square_count_of_a_non_square_grid_follows_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_args": {"img_size": [128, 72]}}))
     _, params = timm_vit.load_vit(src, num_heads=4)
     np.testing.assert_array_equal(np.asarray(params["pos_embedding"]), pos.reshape(1, 16, 9, 32))
+
+
+def _open_clip_copy(tmp_path, tower, **fields):
+    """The open_clip fixture in ``tmp_path`` with ``model_cfg[tower]`` fields changed."""
+    shutil.copy(FIXTURES / "open_clip" / "open_clip_model.safetensors", tmp_path)
+    config = json.loads((FIXTURES / "open_clip" / "open_clip_config.json").read_text())
+    config["model_cfg"][tower].update(fields)
+    (tmp_path / "open_clip_config.json").write_text(json.dumps(config))
+    return tmp_path / "open_clip_model.safetensors"
+
+
+@pytest.mark.parametrize("pool, eos_id, vitmm_pool, position", [
+    ("eos", 1, "eot", 3), ("first", None, "first", 0), ("last", None, "last", -1), ("argmax", None, "eot", 1)])
+def test_open_clip_text_pool_type_is_read(tmp_path, pool, eos_id, vitmm_pool, position):
+    """``text_cfg.pool_type`` as open_clip's ``text_global_pool``: ``eos`` (MetaCLIP 2 worldwide,
+    ``eos_id`` 1 as ViT-L-14-worldwide) pools at the first ``eos_id``, not at ``argmax(ids)``."""
+    from vitmm.models.text import TextTransformer
+
+    src = _open_clip_copy(tmp_path, "text_cfg", pool_type=pool, **({"eos_id": eos_id} if eos_id else {}))
+    kwargs, params = openclip.load(src, tower="text")
+    assert (kwargs["text"]["pool"], kwargs["text"]["eos_id"]) == (vitmm_pool, eos_id)
+    ids = jnp.asarray([[5, 200, 17, 1] + [0] * 12])  # EOS id 1 at position 3, the largest id at 1
+    pooled, out = TextTransformer(**kwargs["text"]).apply({"params": params["txt"]}, ids)
+    np.testing.assert_array_equal(np.asarray(pooled), np.asarray(out["encoded"][:, position]))
+
+
+@pytest.mark.parametrize("tower, field, value", [
+    ("text_cfg", "no_causal_mask", True), ("text_cfg", "embed_cls", True), ("text_cfg", "proj_bias", True),
+    ("text_cfg", "act_kwargs", {"approximate": "tanh"}), ("text_cfg", "pool_type", "mean"),
+    ("vision_cfg", "pool_type", "avg"), ("vision_cfg", "attentional_pool", True),
+    ("vision_cfg", "norm_kwargs", {"eps": 1e-6}), ("vision_cfg", "no_ln_pre", True)])
+def test_open_clip_settings_vitmm_lacks_are_refused_by_name(tmp_path, tower, field, value):
+    src = _open_clip_copy(tmp_path, tower, **{field: value})
+    with pytest.raises(ValueError, match=rf"sets {tower}\.{field}="):
+        openclip.load(src)
+
+
+def test_open_clip_final_ln_after_pool_is_exact_for_token_pools(tmp_path, open_clip_out):
+    """A LayerNorm acts on each token: normalizing the pooled token is pooling the normalized ones,
+    so the setting is accepted and the model is the one without it."""
+    ref, _, _, ztxt, _ = open_clip_out
+    kwargs, params = openclip.load(_open_clip_copy(tmp_path, "text_cfg", final_ln_after_pool=True))
+    _, got, _ = TwoTowers(**kwargs).apply({"params": params}, None, jnp.asarray(ref["input_ids"], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ztxt))
