@@ -1,7 +1,9 @@
 """GGUF language models: a tiny SmolLM2-shaped file (Q4_1 / Q8_0 / F32, llama.cpp's Q/K row
-order, tied head, byte-level BPE with control tokens) and tiny Qwen2, Qwen3, Gemma 2 and Phi-3 files
+order, tied head, byte-level BPE with control tokens) and tiny Qwen2, Qwen3, Gemma 2/3 and Phi-3 files
 against transformers reading the same files (``tests/fixtures/interop/make_fixtures.py:gguf_llama``,
-``gguf_families``)."""
+``gguf_families``). The Gemma and Phi-3 files test those tensor layouts only: they carry the tiny
+byte-level BPE vocabulary, while llama.cpp writes real Gemma 2/3 and Phi-3 files with a
+SentencePiece one (``tokenizer.ggml.model = llama``), which vitmm refuses."""
 
 import pathlib
 import re
@@ -26,8 +28,9 @@ def test_more_families_match_transformers_gguf_loading(arch):
     """Qwen2 (q/k/v biases, an untied head), Qwen3 (q/k norms, 128-wide heads on a 32-wide model),
     Gemma 2 (norms stored as 1 + w, output norms, soft caps, a window of 3 on layer 0), Gemma 3's text
     model (q/k norms, five windowed layers with their own RoPE base, a global sixth) and Phi-3 (fused
-    q/k/v and gate/up) as llama.cpp writes them (Q8_0; no rotary permutation): transformers' logits
-    on the same file, ≤ 1e-5 of the largest."""
+    q/k/v and gate/up) in llama.cpp's tensor layouts (Q8_0; no rotary permutation): transformers' logits
+    on the same file, ≤ 1e-5 of the largest. (Their vocabulary is the byte-level BPE of the Qwen files,
+    not the SentencePiece one llama.cpp writes for Gemma and Phi-3: only the weights are tested.)"""
     folder = FIXTURE.with_name(f"gguf_{arch}")
     kwargs, params, _, _ = gguf_lm.load(folder / "tiny.gguf")
     ref = np.load(folder / "io.npz")
@@ -110,7 +113,7 @@ def test_unsupported_or_broken_files_are_named(tmp_path):
     metadata, _ = gguf_lm.read(FIXTURE / "tiny.gguf")
     with pytest.raises(ValueError, match=r"architecture 'mamba' is not supported; vitmm reads \('llama', 'qwen2'"):
         gguf_lm.lm_kwargs({**metadata, "general.architecture": "mamba"}, "x.gguf")
-    with pytest.raises(ValueError, match=r"tokenizer.ggml.model 'llama' is not supported"):
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.model 'llama' \(SentencePiece"):
         gguf_lm.tokenizer({**metadata, "tokenizer.ggml.model": "llama"}, "x.gguf")
     no_vocab = {k: v for k, v in metadata.items() if k != "tokenizer.ggml.tokens"}
     with pytest.raises(ValueError, match="carries no tokenizer"):
@@ -143,3 +146,19 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path):
     (tmp_path / "zip.gguf").write_bytes(b"PK\x03\x04" + data[4:])
     with pytest.raises(ValueError, match=r"zip.gguf is not a GGUF file: it starts with b'PK\\x03\\x04', not b'GGUF'"):
         gguf_lm.read_metadata(tmp_path / "zip.gguf")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tokenizer.ggml.model": "llama"},
+     r"tokenizer.ggml.model 'llama' \(SentencePiece, which llama.cpp writes for Gemma 2/3, Phi-3 and Llama-2-style "
+     r"models .*\) is not supported; .*python -m vitmm.interop --from hf --src FOLDER"),
+    ({"general.architecture": "mamba"}, r"architecture 'mamba' is not supported"),
+    ({"llama.rope.scaling.type": "yarn"}, r"RoPE scaling 'yarn' is not supported")])
+def test_what_the_metadata_refuses_is_refused_before_any_tensor_is_dequantized(monkeypatch, change, message):
+    """A real Gemma 2 9B file is ~37 GB in float32: its (metadata-only) refusal must not come after
+    dequantizing it."""
+    metadata = gguf_lm._metadata
+    monkeypatch.setattr(gguf_lm, "_metadata", lambda reader: {**metadata(reader), **change})
+    monkeypatch.setattr("gguf.quants.dequantize", lambda *a, **k: pytest.fail("a tensor was dequantized"))
+    with pytest.raises(ValueError, match=message):
+        gguf_lm.load(FIXTURE / "tiny.gguf")

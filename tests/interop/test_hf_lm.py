@@ -34,6 +34,28 @@ def test_logits_match_transformers_on_a_left_padded_batch(name):
     assert err <= 1e-5, f"{name}: {err:.2e}"
 
 
+def test_gemma_1s_legacy_gelu_is_the_tanh_gelu_as_in_transformers(tmp_path):
+    """google/gemma-2b(-it) and gemma-7b(-it) ship ``"hidden_act": "gelu"`` and no
+    ``hidden_activation``; transformers' GemmaConfig runs that as ``gelu_pytorch_tanh``, and so does
+    vitmm (the fixture's logits, made with the tanh GELU). Elsewhere exact GELU stays refused."""
+    folder = tmp_path / "gemma"
+    shutil.copytree(FIXTURES / "hf_gemma", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("hidden_activation")
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    kwargs, params = hf_lm.load_lm(folder)
+    assert kwargs["act"] == "gelu_tanh"
+    ref = np.load(folder / "io.npz")
+    logits = np.asarray(LM(**kwargs).apply({"params": params}, jnp.asarray(ref["input_ids"]),
+                                           pad_mask=jnp.asarray(ref["attention_mask"]) > 0,
+                                           positions=jnp.asarray(ref["position_ids"])))
+    real = ref["attention_mask"] > 0
+    assert np.abs(logits[real] - ref["logits"][real]).max() <= 1e-5 * np.abs(ref["logits"][real]).max()
+    llama = json.loads((FIXTURES / "hf_llama" / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"activation 'gelu' is not supported"):
+        hf_lm.lm_kwargs({**llama, "hidden_act": "gelu"}, "llama")
+
+
 def test_each_family_sets_its_fields():
     llama, _ = hf_lm.load_lm(FIXTURES / "hf_llama")
     qwen, _ = hf_lm.load_lm(FIXTURES / "hf_qwen2")

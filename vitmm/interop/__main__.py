@@ -15,10 +15,17 @@
 Qwen2, Qwen3, Mistral, Phi-3, Gemma and Gemma 2 language models (with the folder's
 ``tokenizer.json``), and whole VLMs by their ``architectures`` (``vitmm.interop.vlm``: a VLM
 workdir for ``vitmm.chat``/``serve``/``train``); ``--from gguf`` a
-Llama-architecture GGUF language model (its tokenizer rebuilt from the metadata);
-``--from timm`` a ``VisionTransformer`` state dict (``--num_heads``, default width/64;
-``--global_pool`` when a CLS model was trained with ``avg``); ``--from open_clip`` a ViT ``CLIP``
-state dict (QuickGELU from ``open_clip_config.json`` beside it, or ``--quick_gelu``); ``--from
+GGUF language model with a byte-level BPE vocabulary, rebuilt from the metadata (Llama 3, SmolLM,
+Qwen2/2.5/3, Phi-4; llama.cpp writes Gemma 2/3, Phi-3 and Llama-2-style models with a SentencePiece
+vocabulary, which vitmm does not rebuild: convert their Hugging Face folders with ``--from hf``);
+``--from timm`` a ``VisionTransformer`` state dict (``--num_heads``: by default that of the vitmm
+variant with the same width, depth and MLP size, else width/64 where that is the standard, else
+asked for;
+``--global_pool`` when a CLS model was trained with ``avg``; ``--act``/``--norm_eps``, read from
+timm's ``config.json`` beside the weights when there is one: QuickGELU for ``*_clip_quickgelu_*``,
+else GELU; eps 1e-5 for ``pre_norm`` CLIP towers, else 1e-6); ``--from open_clip`` a ViT ``CLIP``
+state dict (QuickGELU and head counts from ``open_clip_config.json`` beside it, or ``--quick_gelu``,
+``--head_width``, ``--text_heads``); ``--from
 big_vision`` an ``.npz`` ViT or two towers. ``--image_size`` resamples the learned position
 table the way the source does. What is written: ``vitmm.interop.convert``.
 """
@@ -50,15 +57,29 @@ def main(argv=None) -> None:
     parser.add_argument("--tower", default="both", choices=TOWERS)
     parser.add_argument("--image_size", type=image_size_arg, default=None,
                         help="resample positions to this resolution: 336, or HxW such as 336x448")
-    parser.add_argument("--num_heads", type=int, default=None, help="timm: attention heads (default width // 64)")
+    parser.add_argument("--num_heads", type=int, default=None,
+                        help="timm: attention heads (default: config.json's, else the vitmm variant of this width, "
+                             "depth and MLP size, e.g. 16 for ViT-H; refused when unknown)")
     parser.add_argument("--global_pool", default=None, help="timm: token | avg | map | '' (default: from the tensors)")
+    parser.add_argument("--act", default=None, choices=("gelu", "quick_gelu", "gelu_tanh", "relu", "silu"),
+                        help="timm: MLP activation (default: config.json beside the weights, QuickGELU for "
+                             "*_clip_quickgelu_* architectures, else gelu; OpenAI CLIP weights without "
+                             "config.json need quick_gelu)")
+    parser.add_argument("--norm_eps", type=float, default=None,
+                        help="timm: LayerNorm epsilon (default: 1e-5 for pre_norm CLIP towers, else 1e-6)")
+    parser.add_argument("--head_width", type=int, default=None,
+                        help="open_clip: image tower head width (default: open_clip_config.json, else the vitmm "
+                             "variant of this width, depth and MLP size: ViT-H/14 80, g/14 88, bigG/14 104)")
+    parser.add_argument("--text_heads", type=int, default=None,
+                        help="open_clip: text tower heads (default: open_clip_config.json, else width // 64)")
     parser.add_argument("--quick_gelu", default=None, choices=("true", "false"),
                         help="open_clip: QuickGELU MLPs (default: open_clip_config.json beside the weights)")
     args = parser.parse_args(argv)
     from vitmm import console
 
     console.quiet()  # the libraries' expected warnings (vitmm/console.py)
-    options = dict(num_heads=args.num_heads, global_pool=args.global_pool,
+    options = dict(num_heads=args.num_heads, global_pool=args.global_pool, act=args.act, norm_eps=args.norm_eps,
+                   head_width=args.head_width, text_heads=args.text_heads,
                    quick_gelu=None if args.quick_gelu is None else args.quick_gelu == "true")
     try:
         if not pathlib.Path(args.src).expanduser().exists():  # before any format's own reading of it

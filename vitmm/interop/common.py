@@ -74,13 +74,38 @@ def resize(params: dict, kwargs: dict, image_size) -> dict:
     return resize_posemb(params, grid, kwargs.get("posemb_resample", "bicubic_aa"))
 
 
-def grid_table(flat: np.ndarray, what: str) -> np.ndarray:
-    """A flat ``[h·w, D]`` position table as vitmm's ``[1, h, w, D]`` (square grids)."""
+def grid_table(flat: np.ndarray, what: str, grid: tuple[int, int] | None = None) -> np.ndarray:
+    """A flat ``[h·w, D]`` position table as vitmm's ``[1, h, w, D]``: row-major over ``grid``, or
+    square when the grid is not known."""
+    if grid is not None:
+        return flat.reshape(1, *grid, flat.shape[-1])
     side = int(round(flat.shape[0] ** 0.5))
     if side * side != flat.shape[0]:
         raise ValueError(f"{what} has {flat.shape[0]} patch rows, not a square grid; resample it to a square "
                          "grid first or build the ViT with the grid given explicitly.")
     return flat.reshape(1, side, side, flat.shape[-1])
+
+
+def standard_heads(width: int, depth: int, mlp_dim: int, src, option: str = "num_heads") -> int:
+    """The head count of a ViT tower whose checkpoint does not record it (a wrong one loads without a
+    shape error and computes another function): that of vitmm's ``VARIANTS`` entry with this width,
+    depth and MLP size; else ``width // 64`` where every variant of this width has 64-wide heads;
+    else a ``ValueError`` asking for ``option`` (ViT-H, g, G and So400m use 16 heads, not width / 64)."""
+    from vitmm.models.vit import VARIANTS
+
+    for w, d, m, heads in VARIANTS.values():
+        if (w, d, m) == (width, depth, mlp_dim):
+            return heads
+    known = {name: heads for name, (w, _, _, heads) in VARIANTS.items() if w == width}
+    if known and set(known.values()) == {width // 64}:
+        return width // 64
+    if known:
+        seen = ", ".join(f"ViT-{name} {heads} heads" for name, heads in known.items())
+        why = f"towers of width {width} have other head counts than width / 64 = {width // 64} ({seen})"
+    else:
+        why = f"vitmm knows no standard tower of width {width}"
+    raise ValueError(f"{src}: the head count is not in the weights and {why}, with depth {depth} and MLP size "
+                     f"{mlp_dim} matching none of vitmm's VARIANTS; pass {option} (the model's own config says it).")
 
 
 def conv_kernel(weight: np.ndarray) -> np.ndarray:

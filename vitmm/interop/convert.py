@@ -26,7 +26,8 @@ LOADERS = {"hf": hf.load, "timm": timm_vit.load, "open_clip": openclip.load, "bi
 
 def load(source: str, src, *, tower: str = "both", image_size=None, **options) -> tuple[dict, dict]:
     """``(TwoTowers kwargs, params)`` of ``src`` read by the ``source`` loader; ``options`` are
-    that loader's own (timm: ``num_heads``, ``global_pool``; open_clip: ``quick_gelu``)."""
+    that loader's own (timm: ``num_heads``, ``global_pool``, ``act``, ``norm_eps``; open_clip:
+    ``quick_gelu``, ``head_width``, ``text_heads``)."""
     if source not in LOADERS:
         raise ValueError(f"source {source!r} is not supported; choose one of {tuple(LOADERS)}.")
     if tower not in TOWERS:

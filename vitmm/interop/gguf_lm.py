@@ -3,24 +3,32 @@
     kwargs, params, tokenizer, chat_template = gguf_lm.load("SmolLM2-135M-Instruct.Q4_1.gguf")
     logits = LM(**kwargs).apply({"params": params}, ids)
 
-Architectures (``general.architecture``): ``llama`` (Llama, SmolLM/SmolLM2, TinyLlama, Mistral as
-llama.cpp converts it), ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k norms, its
-``attention.key_length`` head size), ``phi3`` (fused q/k/v and gate/up, split; its sliding window) and
-``gemma2`` (norms stored as 1 + w, read back as Gemma's; the sub-layers' output norms, soft caps, a
-window on every other layer, the query scaled by the head size as llama.cpp does for Gemma 2's 2B and
-9B) and ``gemma3`` (its text model: Gemma 2's layout without soft caps, q/k norms, every sixth layer
-global, the others windowed with RoPE base 10,000, as llama.cpp runs it). Tensors are dequantized to
-float32 with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants it
-reads). For ``llama`` llama.cpp's
-converter stores the rows of the Q and K projections in its interleaved rotary order (per head, the
-two halves of each rotation pair side by side); they are put back in Hugging Face's half-split
-order, which is vitmm's, so attention is right — shapes alone would fit either way (Qwen's files
-keep the half-split order). Llama 3's RoPE rescaling comes as llama.cpp writes it, a ``rope_freqs``
-tensor of per-frequency factors (``rope_scaling={"rope_type": "factors", ...}``; transformers'
-GGUF loading drops it, vitmm keeps it: tested against the original checkpoint's logits). The
-tokenizer is rebuilt from the metadata as a ``tokenizers`` byte-level BPE (``tokenizer.ggml.model =
-gpt2``) with the control tokens kept whole, as transformers' GGUF loading builds it; the ``tokenizer.chat_template``
-string is returned as is. Parity with transformers' own GGUF loading is tested on a tiny file.
+Architectures (``general.architecture``): ``llama`` (Llama 3, SmolLM/SmolLM2), ``qwen2`` (q/k/v
+biases), ``qwen3`` (per-head q/k norms, its ``attention.key_length`` head size), ``phi3`` (Phi-4;
+fused q/k/v and gate/up, split; its sliding window) and ``gemma2`` (norms stored as 1 + w, read back
+as Gemma's; the sub-layers' output norms, soft caps, a window on every other layer, the query scaled
+by the head size as llama.cpp does for Gemma 2's 2B and 9B) and ``gemma3`` (its text model: Gemma
+2's layout without soft caps, q/k norms, every sixth layer global, the others windowed with RoPE
+base 10,000, as llama.cpp runs it) — but see below for which files of these load. Tensors are
+dequantized to float32 with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
+the K-quants it reads). For ``llama`` llama.cpp's converter stores the rows of the Q and K
+projections in its interleaved rotary order (per head, the two halves of each rotation pair side by
+side); they are put back in Hugging Face's half-split order, which is vitmm's, so attention is right
+— shapes alone would fit either way (Qwen's files keep the half-split order). Llama 3's RoPE
+rescaling comes as llama.cpp writes it, a ``rope_freqs`` tensor of per-frequency factors
+(``rope_scaling={"rope_type": "factors", ...}``; transformers' GGUF loading drops it, vitmm keeps
+it: tested against the original checkpoint's logits). The tokenizer is rebuilt from the metadata as
+a ``tokenizers`` byte-level BPE (``tokenizer.ggml.model = gpt2``) with the control tokens kept
+whole, as transformers' GGUF loading builds it; the ``tokenizer.chat_template`` string is returned
+as is. Parity with transformers' own GGUF loading is tested on a tiny file.
+
+Which files load: those with a ``gpt2`` vocabulary, which llama.cpp writes for Llama 3, SmolLM,
+Qwen2/2.5/3 and Phi-4 (``phi3`` architecture). llama.cpp writes a SentencePiece vocabulary
+(``tokenizer.ggml.model = llama``) for Gemma 2 and 3, Phi-3 and Llama-2-style models (TinyLlama,
+Mistral); vitmm does not rebuild it, so those files are refused, from the metadata and before any
+tensor is dequantized: convert their Hugging Face folders (``--from hf``). The ``gemma2``/``gemma3``
+tensor layouts above are tested on files written with a ``gpt2`` vocabulary, which no llama.cpp
+conversion of a Gemma has.
 """
 
 from __future__ import annotations
@@ -154,19 +162,26 @@ def _reader(path):
         raise ValueError(f"{path} could not be read as GGUF ({type(err).__name__}: {err}).") from err
 
 
+def _metadata(reader) -> dict:
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
 def read_metadata(path: str | pathlib.Path) -> tuple[dict, list[str]]:
     """``(metadata, tensor names)`` without dequantizing anything."""
     _, reader = _reader(path)
-    return {name: field.contents() for name, field in reader.fields.items()}, [t.name for t in reader.tensors]
+    return _metadata(reader), [t.name for t in reader.tensors]
 
 
 def read(path: str | pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
     """``(metadata, {name: float32 array})`` of a GGUF file, every tensor dequantized, in PyTorch's
     ``[out, in]`` order."""
+    path, reader = _reader(path)
+    return _metadata(reader), _dequantize(path, reader)
+
+
+def _dequantize(path: pathlib.Path, reader) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
-    path, reader = _reader(path)
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
     tensors = {}
     for t in reader.tensors:
         try:
@@ -174,7 +189,7 @@ def read(path: str | pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
         except NotImplementedError as err:
             raise ValueError(f"{path}: tensor {t.name} is {t.tensor_type.name}, which the gguf package cannot "
                              f"dequantize ({err}); requantize the file to Q8_0, Q4_1 or F16.") from None
-    return metadata, tensors
+    return tensors
 
 
 def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -226,13 +241,24 @@ def lm_kwargs(metadata: dict, src, tensor_names=()) -> dict:
                 norm_offset=gemma, embed_scale=gemma, **extra)
 
 
+def check_tokenizer(metadata: dict, src=None) -> None:
+    """A ``ValueError`` for a vocabulary vitmm cannot rebuild: llama.cpp's SentencePiece one
+    (``llama``), which its converter writes for Gemma (2, 3), Phi-3 and Llama-2-style models
+    (TinyLlama, Mistral); those load from their Hugging Face folders."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind not in TOKENIZERS:
+        spm = (" (SentencePiece, which llama.cpp writes for Gemma 2/3, Phi-3 and Llama-2-style models such as "
+               "TinyLlama and Mistral)" if kind == "llama" else "")
+        raise ValueError(f"{src}: tokenizer.ggml.model {kind!r}{spm} is not supported; vitmm rebuilds {TOKENIZERS} "
+                         "(byte-level BPE: Llama 3, SmolLM, Qwen2/2.5/3, Phi-4). Convert the model's Hugging Face "
+                         "folder instead: python -m vitmm.interop --from hf --src FOLDER.")
+
+
 def tokenizer(metadata: dict, src=None):
     """The ``tokenizers.Tokenizer`` the metadata describes (byte-level BPE), control tokens whole."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind not in TOKENIZERS:
-        raise ValueError(f"{src}: tokenizer.ggml.model {kind!r} is not supported; vitmm builds {TOKENIZERS}.")
+    check_tokenizer(metadata, src)
     tokens = list(metadata["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]  # none: whole tokens
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
@@ -253,8 +279,12 @@ def load(src: str | pathlib.Path):
     from vitmm.interop.common import StateDict, finish
     from vitmm.models.lm import LM
 
-    metadata, tensors = read(src)
-    kwargs = lm_kwargs(metadata, src, tuple(tensors))
+    path, reader = _reader(src)
+    metadata = _metadata(reader)
+    # everything the metadata can refuse, before a tensor is dequantized (a 9B file is ~37 GB in float32)
+    kwargs = lm_kwargs(metadata, src, tuple(t.name for t in reader.tensors))
+    check_tokenizer(metadata, src)
+    tensors = _dequantize(path, reader)
     sd = StateDict(tensors, str(src))
     if sd.has("rope_freqs.weight"):  # Llama 3's rescaling, one factor a frequency
         kwargs["rope_scaling"] = {"rope_type": "factors",

@@ -97,6 +97,11 @@ def lm_kwargs(config: dict, src) -> dict:
     theta, scaling = _rope({**config, "rope_parameters": per_type} if per_type else config)
     head_dim = config.get("head_dim") or width // heads
     act = config.get("hidden_activation") or config.get("hidden_act", "silu")
+    if family == "gemma" and act == "gelu" and not config.get("hidden_activation"):
+        # Google's Gemma 1 configs say "gelu" and mean the tanh GELU: transformers' GemmaConfig turns
+        # hidden_act="gelu" into "gelu_pytorch_tanh" ("a legacy value of the official releases",
+        # models/gemma/configuration_gemma.py, __post_init__)
+        act = "gelu_pytorch_tanh"
     acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
     if act not in acts:
         raise ValueError(f"{src}: activation {act!r} is not supported; vitmm has {sorted(acts)}.")
