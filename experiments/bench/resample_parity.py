@@ -56,7 +56,8 @@ def rows(method: str | None):
         yield f"transformers {name[3:]}", m, rel(sequence(out, kwargs), ref["last_hidden_state_resized"])
     for name in TIMM:
         ref, build = load_io(name), json.loads((FIXTURES / name / "build.json").read_text())
-        kwargs, params = timm_vit.load_vit(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"])
+        kwargs, params = timm_vit.load_vit(FIXTURES / name / "model.safetensors", num_heads=build["num_heads"],
+                                           norm_eps=1e-6)  # bare VisionTransformers: LayerNorm's default eps
         m, out = tower(kwargs, params, ref, method)
         yield name, m, rel(sequence(out, kwargs), ref["features_resized"])
     ref = load_io("open_clip")
