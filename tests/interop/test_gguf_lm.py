@@ -5,6 +5,7 @@ against transformers reading the same files (``tests/fixtures/interop/make_fixtu
 byte-level BPE vocabulary, while llama.cpp writes real Gemma 2/3 and Phi-3 files with a
 SentencePiece one (``tokenizer.ggml.model = llama``), which vitmm refuses."""
 
+import json
 import pathlib
 import re
 
@@ -101,6 +102,23 @@ def test_the_tokenizer_equals_transformers_and_keeps_control_tokens_whole(loaded
     assert chat[0] == 1 and chat[-1] == 2  # <|im_start|> and <|im_end|>, one id each
     assert tokenizer.decode(tokenizer.encode("émigré café").ids) == "émigré café"
     assert template.startswith("{% for message in messages %}")
+
+
+def test_each_pre_tokenizer_splits_as_transformers_gguf_loading():
+    """A vocabulary whose merges cross the pre-tokenizers' boundaries (digit runs, a space before
+    digits, punctuation before letters), read under each ``tokenizer.ggml.pre``: the ids transformers'
+    GGUF loading gives (``make_fixtures.py:gguf_pretokenizers``), which differ between the splits."""
+    ref = json.loads((FIXTURE.parent / "gguf_pretokenizers.json").read_text())
+    assert ref["ids"]["llama-bpe"] != ref["ids"]["default"] != ref["ids"]["qwen2"]  # the splits matter here
+    for pre, expected in ref["ids"].items():
+        metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": ref["tokens"],
+                    "tokenizer.ggml.merges": ref["merges"], "tokenizer.ggml.token_type": ref["token_type"]}
+        tok = gguf_lm.tokenizer(metadata)
+        assert [tok.encode(t).ids for t in ref["strings"]] == expected, pre
+    qwen = gguf_lm.tokenizer({**metadata, "tokenizer.ggml.pre": "qwen2"})
+    assert qwen.encode("cafe\u0301").ids == qwen.encode("caf\u00e9").ids  # Qwen2's tokenizer normalizes to NFC
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre 'tekken' .* --from hf"):
+        gguf_lm.tokenizer({**metadata, "tokenizer.ggml.pre": "tekken"})
 
 
 def test_unsupported_or_broken_files_are_named(tmp_path):

@@ -16,7 +16,8 @@ Qwen2, Qwen3, Mistral, Phi-3, Gemma and Gemma 2 language models (with the folder
 ``tokenizer.json``), and whole VLMs by their ``architectures`` (``vitmm.interop.vlm``: a VLM
 workdir for ``vitmm.chat``/``serve``/``train``); ``--from gguf`` a
 GGUF language model with a byte-level BPE vocabulary, rebuilt from the metadata (Llama 3, SmolLM,
-Qwen2/2.5/3, Phi-4; llama.cpp writes Gemma 2/3, Phi-3 and Llama-2-style models with a SentencePiece
+Qwen2/2.5/3: ``tokenizer.ggml.pre`` llama-bpe, smollm, qwen2 and their aliases; llama.cpp writes
+Gemma 2/3, Phi-3 and Llama-2-style models with a SentencePiece
 vocabulary, which vitmm does not rebuild: convert their Hugging Face folders with ``--from hf``);
 ``--from timm`` a ``VisionTransformer`` state dict (``--num_heads``: by default that of the vitmm
 variant with the same width, depth and MLP size, else width/64 where that is the standard, else

@@ -18,12 +18,15 @@ side); they are put back in Hugging Face's half-split order, which is vitmm's, s
 rescaling comes as llama.cpp writes it, a ``rope_freqs`` tensor of per-frequency factors
 (``rope_scaling={"rope_type": "factors", ...}``; transformers' GGUF loading drops it, vitmm keeps
 it: tested against the original checkpoint's logits). The tokenizer is rebuilt from the metadata as
-a ``tokenizers`` byte-level BPE (``tokenizer.ggml.model = gpt2``) with the control tokens kept
-whole, as transformers' GGUF loading builds it; the ``tokenizer.chat_template`` string is returned
-as is. Parity with transformers' own GGUF loading is tested on a tiny file.
+a ``tokenizers`` byte-level BPE (``tokenizer.ggml.model = gpt2``) after the split its
+``tokenizer.ggml.pre`` names (Llama 3's, Qwen2's or GPT-2's; another is refused), with the control
+and user-defined tokens kept whole, as transformers' GGUF loading builds it; the
+``tokenizer.chat_template`` string is returned as is. Parity with transformers' own GGUF loading is
+tested on a tiny file.
 
 Which files load: those with a ``gpt2`` vocabulary, which llama.cpp writes for Llama 3, SmolLM,
-Qwen2/2.5/3 and Phi-4 (``phi3`` architecture). llama.cpp writes a SentencePiece vocabulary
+Qwen2/2.5/3 and Phi-4 (``phi3`` architecture), split by a rule vitmm rebuilds (``PRE_SPLITS``: Llama
+3's, Qwen2's, GPT-2's). llama.cpp writes a SentencePiece vocabulary
 (``tokenizer.ggml.model = llama``) for Gemma 2 and 3, Phi-3 and Llama-2-style models (TinyLlama,
 Mistral); vitmm does not rebuild it, so those files are refused, from the metadata and before any
 tensor is dequantized: convert their Hugging Face folders (``--from hf``). The ``gemma2``/``gemma3``
@@ -43,6 +46,18 @@ import numpy as np
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 INTERLEAVED = ("llama",)  # the architectures whose Q/K rows llama.cpp stores in its rotary order
 TOKENIZERS = ("gpt2",)
+# How the text is split before the merges apply, by llama.cpp's ``tokenizer.ggml.pre`` name: the
+# split each family's own tokenizer.json makes (Llama 3's is tiktoken's cl100k rule: digits in runs
+# of at most three, a letter run taking one leading non-letter, contractions in any case; Qwen2's the
+# same with single digits). GPT-2's byte-level rule for ``gpt-2``, ``smollm`` (whose vocabulary has no
+# multi-digit tokens) and files that name none.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+PRE_SPLITS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
+              "smaug-bpe": LLAMA3_SPLIT, "falcon3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT,
+              "deepseek-r1-qwen": QWEN2_SPLIT, "gpt-2": None, "smollm": None, "default": None}
+NFC_PRE = ("qwen2", "deepseek-r1-qwen")  # Qwen2's tokenizer normalizes to NFC first (transformers' Qwen2Tokenizer)
 _AGAIN = "download or copy it again"
 
 
@@ -246,29 +261,48 @@ def check_tokenizer(metadata: dict, src=None) -> None:
     (``llama``), which its converter writes for Gemma (2, 3), Phi-3 and Llama-2-style models
     (TinyLlama, Mistral); those load from their Hugging Face folders."""
     kind = metadata.get("tokenizer.ggml.model")
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if kind in TOKENIZERS and pre not in PRE_SPLITS:
+        raise ValueError(f"{src}: tokenizer.ggml.pre {pre!r} (how the text is split before the merges) is not one "
+                         f"vitmm rebuilds ({sorted(PRE_SPLITS)}); a wrong split gives other token ids without an "
+                         "error. Convert the model's Hugging Face folder instead: python -m vitmm.interop --from hf "
+                         "--src FOLDER.")
     if kind not in TOKENIZERS:
         spm = (" (SentencePiece, which llama.cpp writes for Gemma 2/3, Phi-3 and Llama-2-style models such as "
                "TinyLlama and Mistral)" if kind == "llama" else "")
         raise ValueError(f"{src}: tokenizer.ggml.model {kind!r}{spm} is not supported; vitmm rebuilds {TOKENIZERS} "
-                         "(byte-level BPE: Llama 3, SmolLM, Qwen2/2.5/3, Phi-4). Convert the model's Hugging Face "
+                         "(byte-level BPE: Llama 3, SmolLM, Qwen2/2.5/3). Convert the model's Hugging Face "
                          "folder instead: python -m vitmm.interop --from hf --src FOLDER.")
 
 
 def tokenizer(metadata: dict, src=None):
-    """The ``tokenizers.Tokenizer`` the metadata describes (byte-level BPE), control tokens whole."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    """The ``tokenizers.Tokenizer`` the metadata describes (byte-level BPE after the split its
+    ``tokenizer.ggml.pre`` names: ``PRE_SPLITS``), control tokens whole and special, user-defined
+    ones (Qwen3's ``<think>``) whole and not special, as llama.cpp and transformers' GGUF loading
+    match them."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     check_tokenizer(metadata, src)
     tokens = list(metadata["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]  # none: whole tokens
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if PRE_SPLITS[pre] is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRE_SPLITS[pre]), "isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in NFC_PRE:
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     types = list(metadata.get("tokenizer.ggml.token_type") or [])
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     control = [t for t, kind in zip(tokens, types, strict=False) if kind == 3 and set(t) <= alphabet | set("<>|_")]
     if control:
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    user = [t for t, kind in zip(tokens, types, strict=False) if kind == 4]
+    if user:
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     return tok
 
 
