@@ -252,9 +252,7 @@ def train_iterator(
     index, count = process_slot(process_index, process_count)
     if global_batch_size % count:
         raise ValueError(f"Global batch {global_batch_size} does not split over {count} processes.")
-    workers = workers_lib.auto_workers() if workers == -1 else workers
-    if not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"input.workers={workers!r}: a number of worker processes (0: none, -1: one per spare core).")
+    workers = workers_lib.resolve(workers)
     per_process = global_batch_size // count
     ds = grain.MapDataset.source(source)[index::count]
     if len(ds) < per_process:

@@ -278,6 +278,7 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
         seq["_truncated"] = out.get("_truncated", 0)  # the pp's count (it copies the example)
         return seq
 
+    workers = workers_lib.resolve(workers)
     seed = process_seed(seed, process_index)
     ds = grain.MapDataset.source(source)[process_index::process_count].shuffle(seed=seed).repeat(num_epochs)
     read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=8)

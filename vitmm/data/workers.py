@@ -45,6 +45,16 @@ def auto_workers() -> int:
     return max(1, min(16, cores - 2))
 
 
+def resolve(workers) -> int:
+    """``input.workers`` as a number of processes, for every input path that takes it: -1 is
+    ``auto_workers()``; other negatives and non-integers are refused."""
+    if workers == -1:
+        return auto_workers()
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"input.workers={workers!r}: a number of worker processes (0: none, -1: one per spare core).")
+    return workers
+
+
 def in_workers(ds, workers: int, buffer: int):
     """``iter(ds)``, or its elements prepared in ``workers`` processes (``WorkerIterator``)."""
     if not workers:
