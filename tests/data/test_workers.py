@@ -138,12 +138,25 @@ def _running(pid: int) -> bool:
 
 
 def test_auto_workers_count_the_cores_this_process_may_use(monkeypatch):
+    """Workers × reader threads stay within the cores beyond the trainer's two; none when no core is spare."""
     from vitmm.data import workers
 
-    for cores, expected in ((2, 1), (6, 4), (64, 16)):
+    for cores, threads, expected in ((2, 1, 0), (3, 1, 1), (6, 1, 4), (6, 2, 2), (7, 2, 2), (64, 1, 16), (64, 2, 16)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         monkeypatch.setattr(os, "cpu_count", lambda: 256)  # the machine's, not this process's
-        assert workers.auto_workers() == expected
+        assert workers.auto_workers(threads) == expected, (cores, threads)
+        assert workers.resolve(-1, threads) == expected
+
+
+def test_a_resume_on_a_host_where_minus_one_resolves_differently_names_the_saved_number():
+    from vitmm.data import workers
+
+    with pytest.raises(ValueError, match=r"this run has 4 \(input.workers=-1 on this host's cores\). Resume with "
+                                         r"input.workers=6\.$"):
+        workers.WorkerIterator(iter(()), 4, auto=True).set_state({"workers": 6, "grain": {}})
+    with pytest.raises(ValueError, match=r"this run has none \(input.workers=-1 on this host's cores\). Resume with "
+                                         r"input.workers=6\.$"):
+        workers.NoWorkers(iter(()), auto=True).set_state({"workers": 6, "grain": {}})
 
 
 def test_a_bad_example_crosses_from_a_worker_process_as_it_was_raised():
