@@ -71,7 +71,7 @@ def get_config(arg=None):
 
     if arg.scale == "b16":
         c.batch_size, c.input.image_size = 256, 224
-        c.input.workers, c.input.num_threads = -1, 2  # one reader process per spare core, 2 threads each
+        c.input.workers, c.input.num_threads = -1, 2  # reader processes of 2 threads each for the spare cores
         c.input.device_normalize = True  # uint8 to the GPU: a quarter of the bytes, the cast fused
         c.model.image = dict(variant="B/16", pool="gap", class_token=False, posemb="sincos2d", dtype_mm="bfloat16",
                              attn_impl="cudnn")

@@ -50,7 +50,7 @@ def b16_scale(c: ml_collections.ConfigDict, *, batch: int, attn: str, image: dic
     a tower, read in the trainer's process, on a CPU."""
     c.batch_size = batch
     c.input.image_size = 224
-    c.input.workers, c.input.num_threads = -1, 2  # one reader process per spare core, 2 threads each
+    c.input.workers, c.input.num_threads = -1, 2  # reader processes of 2 threads each for the spare cores
     c.input.device_normalize = True  # uint8 to the GPU: a quarter of the bytes, the cast fused
     c.input.prefetch = 16  # grain runs no more reader threads than batches it may hold ahead
     c.model.image = dict(variant="B/16", class_token=False, posemb="sincos2d", dtype_mm="bfloat16", attn_impl=attn,

@@ -44,7 +44,7 @@ def get_config(arg=None):
     pp = (f"{CHOOSE_CAPTION}|random_resized_crop({{image_size}}, scale=(0.9, 1.0))|{{normalize}}|"
           "tokenize('caption', {max_len}, padding='eos')|keep('image', 'caption_tokens')")
     c.input = common.train_input(arg.data, image_size=224, keys=("image", "captions"), pp=pp, num_threads=2,
-                                 workers=-1)  # one reader process per spare core, 2 threads each
+                                 workers=-1)  # reader processes of 2 threads each for the spare cores
     c.input.device_normalize = True  # uint8 to the GPU: a quarter of the bytes, the cast fused into the stem
 
     fast = dict(dtype_mm="bfloat16", scan=True, remat_policy="nothing_saveable")

@@ -8,8 +8,11 @@ Both runs are ``python -m vitmm.train --config configs/clip_scenes.py:smoke`` wi
 ``total_steps``, ``checkpoint_every`` and ``log_every=1`` set. For each interruption the table
 shows the signal, the last step logged before it, the step the resumed run started from, and
 the steps lost (redone): SIGTERM saves the step it stops at (nothing lost beyond the step in
-flight); SIGKILL loses the steps since the last finished periodic checkpoint (0: none had
-finished, the run started afresh). At the end: whether every
+flight); SIGKILL loses the steps since the last finished periodic checkpoint. A SIGKILL is sent
+only once a periodic checkpoint has finished (at or after its random step), so every resume
+restores a checkpoint, its optimizer state and its data position: a kill before the first save
+would only restart the run from step 0, which ends where the uninterrupted run ends whether or
+not resuming works. At the end: whether every interruption resumed from a step > 0, whether every
 parameter equals the uninterrupted run's and whether ``metrics.jsonl`` holds each step once with
 the same losses. Writes ``preemption_loop.md`` to ``--out``.
 """
@@ -56,12 +59,26 @@ def losses(workdir: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def finished_checkpoint(workdir: pathlib.Path) -> bool:
+    """Whether a save has finished: orbax writes into ``<step>.orbax-checkpoint-tmp`` and renames it
+    to ``<step>`` when done, and only the finished one can be resumed from."""
+    folder = workdir / "checkpoints"
+    return folder.is_dir() and any(p.is_dir() and p.name.isdigit() and int(p.name) > 0 for p in folder.iterdir())
+
+
 def interrupt(cmd, workdir: pathlib.Path, sig: int, after_steps: int, timeout: float = 300) -> dict:
-    """Runs ``cmd`` until ``after_steps`` more steps are logged, then sends ``sig``."""
+    """Runs ``cmd`` until ``after_steps`` more steps are logged, then sends ``sig``; a SIGKILL also
+    waits for a finished checkpoint (SIGTERM saves one itself)."""
     before = max(logged_steps(workdir), default=0)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + timeout
-    while proc.poll() is None and max(logged_steps(workdir), default=0) < before + after_steps:
+
+    def waiting() -> bool:
+        if max(logged_steps(workdir), default=0) < before + after_steps:
+            return True
+        return sig == signal.SIGKILL and not finished_checkpoint(workdir)
+
+    while proc.poll() is None and waiting():
         if time.time() > deadline:
             proc.kill()
             raise TimeoutError(f"{cmd} made no progress in {timeout} s")
@@ -113,7 +130,7 @@ def main(argv=None) -> dict:
             raise SystemExit(f"the last resume failed:\n{final.stderr[-3000:]}")
         # Where each resume started: the next run's "Resumed from step N" line.
         starts = [resumed_from(r["output"]) for r in rows[1:]] + [resumed_from(final.stdout + final.stderr)]
-        for row, start in zip(rows, starts, strict=True):  # no "Resumed" line: no finished checkpoint yet
+        for row, start in zip(rows, starts, strict=True):  # no "Resumed" line: the run started afresh
             row["resumed_from"] = start or 0
             row["lost"] = max(0, row["last_logged"] - (start or 0))
             del row["output"]
@@ -129,8 +146,11 @@ def main(argv=None) -> dict:
         if not once:
             print(f"steps in metrics.jsonl: {logged}")
         same_losses = losses(straight) == losses(killed)
+    # A run that restarted from 0 (or ended before its signal) equals the uninterrupted one trivially.
+    resumed = bool(rows) and all(r["resumed_from"] > 0 and r["returncode"] != 0 for r in rows)
     result = {"steps": args.steps, "checkpoint_every": args.checkpoint_every, "interruptions": rows,
-              "parameters_equal": equal, "each_step_logged_once": once, "losses_equal": same_losses}
+              "every_interruption_resumed": resumed, "parameters_equal": equal, "each_step_logged_once": once,
+              "losses_equal": same_losses}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"{time.strftime('%Y-%m-%d')}: `python -m experiments.reliability.preemption_loop --steps {args.steps} "
@@ -141,7 +161,8 @@ def main(argv=None) -> dict:
     for i, r in enumerate(rows, 1):
         lines.append(f"| {i} | {r['signal']} | {r['returncode']} | {r['last_logged']} | {r['resumed_from']} | "
                      f"{r['lost']} |")
-    lines += ["", f"Final parameters equal to the uninterrupted run's, bit for bit: **{equal}**. "
+    lines += ["", f"Every interruption stopped the run and resumed from a step > 0: **{resumed}**. "
+              f"Final parameters equal to the uninterrupted run's, bit for bit: **{equal}**. "
               f"`metrics.jsonl` holds each step once: **{once}**, with the same losses: **{same_losses}**."]
     (out / "preemption_loop.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

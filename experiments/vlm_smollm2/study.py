@@ -103,18 +103,33 @@ def kind_counts(workdir: pathlib.Path) -> dict:
 
 
 def report(table: pathlib.Path, counts: dict, out: pathlib.Path) -> None:
-    """``vlm_smollm2.md``: accuracy per question kind with 95% intervals, and the key differences."""
+    """``vlm_smollm2.md``: accuracy per question kind with 95% intervals, and the key differences.
+
+    ``counts``: the questions per kind (``kind_counts``), one dict that every run answered, or
+    ``{run: counts}`` where the runs answered different numbers (``--smoke``: 8 for SmolLM2, 16 for
+    the scratch LM). Each row's intervals and tests use its own counts, checked against the number of
+    questions it logged."""
     rows = {r["run"]: r for r in csv.DictReader(table.open())}
+    per_run = {run: counts for run in rows} if "all" in counts else counts
+    for run, r in rows.items():
+        if run not in per_run or per_run[run]["all"] != int(r["qa_examples"]):
+            held = per_run[run]["all"] if run in per_run else "no"
+            raise SystemExit(f"{run} answered {r['qa_examples']} questions, but counts.json has {held} counts for it: "
+                             f"rerun without --report (it counts each run's questions from its workdir).")
     cols = ("accuracy", *(f"acc_{k}" for k in KINDS))
-    ns = (counts["all"], *(counts[k] for k in KINDS))
+    ns = {run: (c["all"], *(c[k] for k in KINDS)) for run, c in per_run.items()}
+    first = next(iter(per_run.values()), {})
+    if all(c == first for c in per_run.values()):
+        asked = f"questions per kind: {', '.join(f'{k} {first[k]}' for k in KINDS)} ({first['all']} in all)"
+    else:
+        asked = "questions per kind: each run's own, in counts.json (the runs answered different numbers)"
     lines = ["Exact match (greedy decoding) on the QA evaluator's questions, in % with the 95% Wilson interval; "
-             f"questions per kind: {', '.join(f'{k} {counts[k]}' for k in KINDS)} ({counts['all']} in all). One seed "
-             "per run.", "",
+             f"{asked}. One seed per run.", "",
              "| run | LM | connector | examples | all | " + " | ".join(KINDS) + " | img/s | peak RSS GiB | wall min |",
              "|---|---|---|---:|" + "---:|" * (len(cols) + 3)]
     for r in rows.values():
         cells = []
-        for col, n in zip(cols, ns, strict=True):
+        for col, n in zip(cols, ns[r["run"]], strict=True):
             p = float(r[col])
             lo, hi = stats.wilson(p, n)
             cells.append(f"{100 * p:.1f} [{100 * lo:.0f}, {100 * hi:.0f}]")
@@ -130,12 +145,12 @@ def report(table: pathlib.Path, counts: dict, out: pathlib.Path) -> None:
     for a, b in pairs:
         if a in rows and b in rows:
             cells = []
-            for c, n in zip(cols, ns, strict=True):
+            for c, n, n_b in zip(cols, ns[a], ns[b], strict=True):
                 pa, pb = float(rows[a][c]), float(rows[b][c])
-                p = stats.two_proportion_p(pa, pb, n)
+                p = stats.two_proportion_p(pa, pb, n, n_b)
                 cells.append(f"{100 * (pa - pb):+.1f} (p={p:.2g})")
                 tests.append(verdicts.Test(f"{a} − {b}, {c.removeprefix('acc_')}", 100 * (pa - pb), None, p,
-                                           unit=f"{n} questions"))
+                                           unit=f"{n} questions" if n == n_b else f"{n} and {n_b} questions"))
             lines.append(f"| {a} − {b} | " + " | ".join(cells) + " |")
     lines += verdicts.section(tests, "The differences above (points; one seed per run, so the unit is the question: "
                                      "a run-to-run difference of another seed is not in these tests).")
@@ -180,8 +195,9 @@ def main(argv=None):
         append_row(table, FIELDS, row)
         print(row, flush=True)
     if table.is_file():
-        first = next(csv.DictReader(table.open()))["run"]
-        report(table, kind_counts(workdirs / first), out)
+        counts = {r["run"]: kind_counts(workdirs / r["run"]) for r in csv.DictReader(table.open())}
+        same = all(c == next(iter(counts.values())) for c in counts.values())
+        report(table, next(iter(counts.values())) if same else counts, out)
         print(f"wrote {out / 'vlm_smollm2.md'}")
 
 

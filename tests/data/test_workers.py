@@ -138,12 +138,25 @@ def _running(pid: int) -> bool:
 
 
 def test_auto_workers_count_the_cores_this_process_may_use(monkeypatch):
+    """Workers × reader threads stay within the cores beyond the trainer's two; none when no core is spare."""
     from vitmm.data import workers
 
-    for cores, expected in ((2, 1), (6, 4), (64, 16)):
+    for cores, threads, expected in ((2, 1, 0), (3, 1, 1), (6, 1, 4), (6, 2, 2), (7, 2, 2), (64, 1, 16), (64, 2, 16)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         monkeypatch.setattr(os, "cpu_count", lambda: 256)  # the machine's, not this process's
-        assert workers.auto_workers() == expected
+        assert workers.auto_workers(threads) == expected, (cores, threads)
+        assert workers.resolve(-1, threads) == expected
+
+
+def test_a_resume_on_a_host_where_minus_one_resolves_differently_names_the_saved_number():
+    from vitmm.data import workers
+
+    with pytest.raises(ValueError, match=r"this run has 4 \(input.workers=-1 on this host's cores\). Resume with "
+                                         r"input.workers=6\.$"):
+        workers.WorkerIterator(iter(()), 4, auto=True).set_state({"workers": 6, "grain": {}})
+    with pytest.raises(ValueError, match=r"this run has none \(input.workers=-1 on this host's cores\). Resume with "
+                                         r"input.workers=6\.$"):
+        workers.NoWorkers(iter(()), auto=True).set_state({"workers": 6, "grain": {}})
 
 
 def test_a_bad_example_crosses_from_a_worker_process_as_it_was_raised():
@@ -152,3 +165,32 @@ def test_a_bad_example_crosses_from_a_worker_process_as_it_was_raised():
     err = pickle.loads(pickle.dumps(skips.BadExample("too_long", "300 tokens")))
     assert (type(err), err.reason, err.detail, str(err)) == (skips.BadExample, "too_long", "300 tokens",
                                                              "too_long: 300 tokens")
+
+
+def _sequence_example(i):
+    n = 5 + (i * 7) % 11
+    return {"image": np.full((4, 4, 3), i, np.uint8), "ids": np.arange(n, dtype=np.int32) + 100 * i,
+            "answer_mask": (np.arange(n) >= n - 2).astype(np.int32), "prompt_len": np.int32(n - 2),
+            "image_pos": np.int32(1), "has_image": np.bool_(True)}
+
+
+def test_workers_minus_one_is_resolved_alike_for_sequences_and_the_plain_stream(shards, monkeypatch):
+    """``input.workers=-1`` means ``auto_workers()`` on every input path: ``input.sequences`` once
+    handed -1 to grain ("num_threads must be non-negative") after the model was built."""
+    from vitmm.data import sequences
+    from vitmm.data import workers as workers_lib
+
+    monkeypatch.setattr(workers_lib, "auto_workers", lambda *args, **kwargs: 0)  # no spare core: no processes
+    source = [_sequence_example(i) for i in range(12)]
+
+    def packed(workers):
+        it = sequences.packed_batches(source, lambda ex, rng: dict(ex), num_visual=3, length=40, max_images=3, rows=2,
+                                      bins=3, seed=1, workers=workers)
+        return [next(it)["tokens"].tolist() for _ in range(2)]
+
+    assert packed(-1) == packed(0)
+    with pytest.raises(ValueError, match=r"input.workers=-3: a number of worker processes"):
+        packed(-3)
+    pp = preprocess.parse(PP)
+    assert _take(pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, workers=-1), 2) == \
+        _take(pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, workers=0), 2)

@@ -555,6 +555,11 @@ def test_a_sigkill_at_a_random_step_ends_where_an_uninterrupted_run_ends(tmp_pat
     result = loop.main(["--steps", "12", "--checkpoint_every", "4", "--kills", "1", "--data_dir", data_dir,
                         "--out", str(tmp_path)])
     assert [r["signal"] for r in result["interruptions"]] == ["SIGKILL"]
+    # A kill before the first finished save restarts from step 0 and would pass the checks below
+    # trivially: the rerun must have restored a checkpoint (step, optimizer state, data position).
+    [kill] = result["interruptions"]
+    assert kill["returncode"] == -9 and kill["resumed_from"] > 0, kill
+    assert result["every_interruption_resumed"]
     assert result["parameters_equal"] and result["each_step_logged_once"] and result["losses_equal"]
     assert (tmp_path / "preemption_loop.md").is_file()
 

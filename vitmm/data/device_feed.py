@@ -77,7 +77,8 @@ def to_device(batch: dict, sharding=None) -> dict:
 
 
 class DeviceIterator:
-    """Prefetches ``size`` batches onto devices while keeping an exact, resumable state.
+    """Prefetches ``size`` batches onto devices while keeping an exact, resumable state (``size=0``:
+    none ahead, each batch put on the devices when it is taken).
 
     ``get_state()`` is the host iterator's state right after the last batch *returned* (not the
     ones waiting in the prefetch queue), so saving it with a checkpoint and calling ``set_state``
@@ -102,9 +103,13 @@ class DeviceIterator:
 
     def __next__(self) -> dict:
         self._fill()
-        if not self._queue:
+        if self._queue:
+            batch, self._state = self._queue.popleft()
+        elif self._size:  # the host stream has ended
             raise StopIteration
-        batch, self._state = self._queue.popleft()
+        else:  # size 0 (input.device_prefetch=0): nothing ahead, each batch put on the devices as it is taken
+            batch = self._put(next(self._it))
+            self._state = self._it.get_state()
         self._fill()
         return batch
 

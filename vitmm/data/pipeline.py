@@ -242,7 +242,7 @@ def train_iterator(
     of the state). ``prefetch`` then counts examples, not batches.
 
     ``workers > 0``: reading and preprocessing run in that many worker processes (grain's
-    ``mp_prefetch``; ``-1``: ``workers.auto_workers()``), each with ``num_threads`` threads, out of reach of
+    ``mp_prefetch``; ``-1``: ``workers.auto_workers(num_threads)``), each with ``num_threads`` threads, out of reach of
     the trainer's GIL. Worker ``w`` prepares batches ``w, w + workers, …`` of the same stream, so the
     batches are the same as without workers. With ``skip_bad`` each worker batches the good examples
     of every ``workers``-th record itself (its own counts and limit), so the batches depend on the
@@ -252,9 +252,7 @@ def train_iterator(
     index, count = process_slot(process_index, process_count)
     if global_batch_size % count:
         raise ValueError(f"Global batch {global_batch_size} does not split over {count} processes.")
-    workers = workers_lib.auto_workers() if workers == -1 else workers
-    if not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"input.workers={workers!r}: a number of worker processes (0: none, -1: one per spare core).")
+    auto, workers = workers == -1, workers_lib.resolve(workers, num_threads)
     per_process = global_batch_size // count
     ds = grain.MapDataset.source(source)[index::count]
     if len(ds) < per_process:
@@ -268,13 +266,13 @@ def train_iterator(
         if workers:  # each worker batches the good examples of its share itself: batches, not examples, travel
             batched = workers_lib.SkippingBatchesDataset(ds.to_iter_dataset(options), per_process, collate, skip_bad,
                                                          min(1000, max(1, epoch // workers)))
-            return workers_lib.in_workers(batched, workers, 2)
-        return skips.SkippingBatches(workers_lib.NoWorkers(iter(ds.to_iter_dataset(options))), per_process, collate,
-                                     max_share=skip_bad, min_read=min(1000, epoch))
+            return workers_lib.in_workers(batched, workers, 2, auto)
+        return skips.SkippingBatches(workers_lib.NoWorkers(iter(ds.to_iter_dataset(options)), auto), per_process,
+                                     collate, max_share=skip_bad, min_read=min(1000, epoch))
     ds = ds.random_map(pp_fn, seed=seed)
     ds = ds.batch(per_process, drop_remainder=True, batch_fn=collate)
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-    return workers_lib.in_workers(ds.to_iter_dataset(options), workers, 2)
+    return workers_lib.in_workers(ds.to_iter_dataset(options), workers, 2, auto)
 
 
 class _PaddedIndex:

@@ -165,7 +165,10 @@ def split_image_affine(spec: str) -> tuple[str, tuple | None]:
     """``(host spec, (scale, offset))``: the pp without its final ``value_range``/``normalize`` of
     ``image`` and that map as per-channel float32 ``image * scale + offset``, for a device to apply
     to uint8 batches (a quarter of the bytes to move, and the cast fused into the first layer).
-    ``(spec, None)`` when the pp has no such op or an image op follows it (e.g. ``blank``)."""
+    ``(spec, None)`` when the pp has no such op or an image op follows it (e.g. ``blank``). The map
+    equals the host op to within float32 rounding (≤ 1 ULP), not bit-identically: the host rounds
+    ``(x / 255 - mean) / std`` step by step, the device one (often fused) multiply-add with
+    pre-rounded constants."""
     ops = [t for t in _split_ops(spec) if t.strip()]
     for i in range(len(ops) - 1, -1, -1):
         name, args, kwargs = _parse_op(ops[i])

@@ -278,6 +278,7 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
         seq["_truncated"] = out.get("_truncated", 0)  # the pp's count (it copies the example)
         return seq
 
+    auto, workers = workers == -1, workers_lib.resolve(workers, threads_per_worker=1)
     seed = process_seed(seed, process_index)
     ds = grain.MapDataset.source(source)[process_index::process_count].shuffle(seed=seed).repeat(num_epochs)
     read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=8)
@@ -306,7 +307,7 @@ def packed_batches(source, pp_fn, *, num_visual: int, length: int, max_images: i
         return out
 
     ds = ds.map(to_row).batch(rows, drop_remainder=True, batch_fn=collate)
-    return workers_lib.in_workers(ds, workers, 2)
+    return workers_lib.in_workers(ds, workers, 2, auto)
 
 
 def _tower_row(row: dict, segments: np.ndarray, merge: int = 1) -> dict:

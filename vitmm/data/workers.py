@@ -37,24 +37,42 @@ class _SkippingBatchesIterator(grain.DatasetIterator):
         self._batches.set_state(state)
 
 
-def auto_workers() -> int:
-    """Worker processes that fit the host: one per core this process may use (its CPU affinity, e.g. a
-    container's or a SLURM job's cores, not the machine's) beyond the two the trainer keeps (its
-    Python loop and the device's host threads), at most 16."""
+def auto_workers(threads_per_worker: int = 1) -> int:
+    """Worker processes that fit the host (``input.workers=-1``): the cores this process may use (its
+    CPU affinity, e.g. a container's or a SLURM job's cores, not the machine's) beyond the two the
+    trainer keeps (its Python loop and the device's host threads), shared out so that workers ×
+    ``threads_per_worker`` reader threads stay within them, at most 16; 0 (reading in the trainer's
+    threads) when not one worker's threads fit.
+
+    It sees this process's cores only: trainer processes that share one affinity mask on a host (one
+    per GPU under a launcher that does not bind each its own cores) each take all the spare cores for
+    themselves. There, give each process its own cores (``srun --cpus-per-task``, ``mpirun
+    --bind-to``) or set ``input.workers`` to spare cores / processes / threads by hand."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(16, cores - 2))
+    return min(16, max(0, cores - 2) // max(1, threads_per_worker))
 
 
-def in_workers(ds, workers: int, buffer: int):
-    """``iter(ds)``, or its elements prepared in ``workers`` processes (``WorkerIterator``)."""
+def resolve(workers, threads_per_worker: int = 1) -> int:
+    """``input.workers`` as a number of processes, for every input path that takes it: -1 is
+    ``auto_workers(threads_per_worker)``; other negatives and non-integers are refused."""
+    if workers == -1:
+        return auto_workers(threads_per_worker)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"input.workers={workers!r}: a number of worker processes (0: none, -1: one per spare core).")
+    return workers
+
+
+def in_workers(ds, workers: int, buffer: int, auto: bool = False):
+    """``iter(ds)``, or its elements prepared in ``workers`` processes (``WorkerIterator``); ``auto``:
+    ``workers`` is what ``input.workers=-1`` resolved to on this host (said when a resume refuses it)."""
     if not workers:
-        return NoWorkers(iter(ds))
+        return NoWorkers(iter(ds), auto)
     from absl import flags
 
     if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; a library caller has not parsed any
         flags.FLAGS.mark_as_parsed()
     options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer)
-    return WorkerIterator(iter(ds.mp_prefetch(options, worker_init_fn=_exit_with_parent)), workers)
+    return WorkerIterator(iter(ds.mp_prefetch(options, worker_init_fn=_exit_with_parent)), workers, auto)
 
 
 def _exit_with_parent(worker_index: int, worker_count: int) -> None:
@@ -81,11 +99,14 @@ def _exit_with_parent(worker_index: int, worker_count: int) -> None:
     threading.Thread(target=watch, daemon=True, name="vitmm-exit-with-parent").start()
 
 
+_AUTO = " (input.workers=-1 on this host's cores)"
+
+
 class NoWorkers:
     """grain's iterator as it is (its state unchanged), refusing a state saved with workers."""
 
-    def __init__(self, iterator):
-        self._it = iterator
+    def __init__(self, iterator, auto: bool = False):
+        self._it, self.auto = iterator, auto
 
     def __iter__(self):
         return self
@@ -99,7 +120,7 @@ class NoWorkers:
     def set_state(self, state) -> None:
         if isinstance(state, dict) and "workers" in state:
             raise ValueError(f"The checkpoint's data position was saved with input.workers={state['workers']}; this "
-                             f"run has none. Resume with input.workers={state['workers']}.")
+                             f"run has none{_AUTO if self.auto else ''}. Resume with input.workers={state['workers']}.")
         self._it.set_state(state)
 
 
@@ -107,8 +128,8 @@ class WorkerIterator:
     """grain's multiprocess iterator with a checked state and ``close()`` (a process that exits
     without it still ends: tried, 2026-12-06)."""
 
-    def __init__(self, iterator, workers: int):
-        self._it, self.workers = iterator, workers
+    def __init__(self, iterator, workers: int, auto: bool = False):
+        self._it, self.workers, self.auto = iterator, workers, auto
 
     def __iter__(self):
         return self
@@ -123,7 +144,7 @@ class WorkerIterator:
         saved = state.get("workers") if isinstance(state, dict) else None
         if saved != self.workers:
             raise ValueError(f"The checkpoint's data position was saved with input.workers={saved or 0}; this run has "
-                             f"{self.workers}. Resume with input.workers={saved or 0}.")
+                             f"{self.workers}{_AUTO if self.auto else ''}. Resume with input.workers={saved or 0}.")
         self._it.set_state(state["grain"])
 
     def close(self) -> None:

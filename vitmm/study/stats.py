@@ -140,11 +140,18 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return centre - half, centre + half
 
 
-def two_proportion_p(p1: float, p2: float, n: int) -> float:
-    """Two-sided p-value of a difference between two accuracies on ``n`` questions each (a pooled
-    z-test; conservative when both runs answer the same questions)."""
+def two_proportion_p(p1: float, p2: float, n: int, n2: int | None = None) -> float:
+    """Two-sided p-value of a difference between two accuracies on ``n`` questions each (``n2``: the
+    second's, where it differs): a pooled z-test, which treats the two sets of answers as
+    independent. When both runs answer the same questions a paired test (McNemar's, on each
+    question's answers) is the right one; this one is conservative only if the runs' per-question
+    correctness is positively correlated."""
     from scipy.stats import norm
 
-    pooled = (p1 + p2) / 2
-    se = np.sqrt(2 * pooled * (1 - pooled) / n)
+    if n2 is None or n2 == n:
+        pooled = (p1 + p2) / 2
+        se = np.sqrt(2 * pooled * (1 - pooled) / n)
+    else:
+        pooled = (p1 * n + p2 * n2) / (n + n2)
+        se = np.sqrt(pooled * (1 - pooled) * (1 / n + 1 / n2))
     return float(2 * norm.sf(abs(p1 - p2) / se)) if se > 0 else 1.0

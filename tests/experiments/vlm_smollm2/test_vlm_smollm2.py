@@ -39,3 +39,31 @@ def test_the_committed_report_is_written_again_from_its_runs_with_its_verdicts(t
     written = study.main(["--report", "--out", str(tmp_path)])
     assert written.read_text() == (committed / "vlm_smollm2.md").read_text()
     assert "All 30 tests of this report corrected together (Holm)" in written.read_text()
+
+
+def test_each_run_s_intervals_use_the_questions_it_answered(tmp_path):
+    """``--smoke`` asks SmolLM2 8 questions and the scratch LM 16: each row's interval and each
+    test use the run's own counts, not the first run's; counts that do not match a row are refused."""
+    import json
+
+    from vitmm.study import stats
+
+    rows = {"smollm2_stage2_lora": 8, "scratch_lm_same_examples": 16}
+    counts = {"smollm2_stage2_lora": dict(exists=3, count=2, color_at=1, shape_at=1, relative=1, all=8),
+              "scratch_lm_same_examples": dict(exists=5, count=4, color_at=3, shape_at=2, relative=2, all=16)}
+    with (tmp_path / "runs.csv").open("w", newline="") as f:
+        writer = study.csv.DictWriter(f, study.FIELDS)
+        writer.writeheader()
+        for run, n in rows.items():
+            writer.writerow(dict.fromkeys(study.FIELDS, 1) | dict(run=run, qa_examples=n, accuracy=0.5,
+                                                                   **{f"acc_{k}": 0.5 for k in study.KINDS}))
+    (tmp_path / "counts.json").write_text(json.dumps(counts))
+    text = study.main(["--report", "--out", str(tmp_path)]).read_text()
+    for run, n in rows.items():
+        lo, hi = stats.wilson(0.5, n)
+        assert f"| {run} | 1 | 1 | 1 | 50.0 [{100 * lo:.0f}, {100 * hi:.0f}] |" in text
+    assert "| smollm2_stage2_lora − scratch_lm_same_examples, accuracy | +0.0 |  | 8 and 16 questions |" in text
+    (tmp_path / "counts.json").write_text(json.dumps(counts["smollm2_stage2_lora"]))  # the first run's for all
+    with pytest.raises(SystemExit, match="scratch_lm_same_examples answered 16 questions, but counts.json has 8"):
+        study.main(["--report", "--out", str(tmp_path)])
+
