@@ -81,7 +81,8 @@ def train_input(data: str, *, image_size: int, keys: tuple, pp: str, num_threads
     """The training input: dataset and split, ``data_dir`` (default ``~/tensorflow_datasets``; the
     evaluators' default too), the image size that fills ``{image_size}`` in the ``pp`` template,
     the features read, reader threads (per worker process; ``workers``: 0 reads in the trainer's
-    process, -1 in one process per spare core), batches prefetched on the host (8) and devices (2),
+    process, -1 in as many processes as the spare cores hold at num_threads each), batches prefetched
+    on the host (8) and devices (2),
     and ``device_normalize`` (uint8 images to the device, the pp's final ``value_range`` or
     ``normalize`` applied there)."""
     return ml_collections.ConfigDict(dict(data=data_spec(data, split), data_dir=config_dict.placeholder(str),
@@ -106,7 +107,7 @@ def raw_input(**more) -> dict:
         mixture=config_dict.placeholder(list),  # [dict(data_path=..., sampling='first:1000', weight=...), ...]
         sampling="all",  # LLaVA-NeXT's subsampling: all, first:N, end:N, random:N, random:P%
         max_skipped_share=0.01,  # stop when more of the examples read are bad than this
-        workers=0,  # input worker processes (0: threads in the trainer's process; -1: one per spare core)
+        workers=0,  # input worker processes (0: threads in the trainer's process; -1: the spare cores / num_threads)
         device_normalize=False,  # uint8 images to the device, the pp's final value_range/normalize done there
         **more,
     )

@@ -58,7 +58,8 @@ def resolve(workers, threads_per_worker: int = 1) -> int:
     if workers == -1:
         return auto_workers(threads_per_worker)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
-        raise ValueError(f"input.workers={workers!r}: a number of worker processes (0: none, -1: one per spare core).")
+        raise ValueError(f"input.workers={workers!r}: a number of worker processes (0: none, -1: the spare cores / "
+                         "input.num_threads).")
     return workers
 
 
