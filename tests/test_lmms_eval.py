@@ -59,3 +59,56 @@ def test_a_task_is_refused_for_a_run_without_a_qa_evaluator_and_nothing_is_writt
     assert lmms_task.main(["--workdir", str(clip_smoke_run.workdir), "--out", str(out)]) == 2
     assert "has no qa evaluator named 'qa'" in capsys.readouterr().err
     assert not out.exists()
+
+
+FAKE_LMMS_EVAL = '''#!{python}
+"""Stands in for lmms-eval's interpreter: records its arguments and writes the logs in SRC as the run's."""
+import shutil, sys
+open({argv!r}, "w").write(repr(sys.argv))
+shutil.copytree({src!r}, sys.argv[sys.argv.index("--output_path") + 1] + "/vitmm")
+'''
+
+
+def fake_lmms_eval(tmp_path, monkeypatch, samples: list[dict]):
+    """``python`` for ``lmms_task.evaluate`` that writes lmms-eval's results and ``samples`` (as
+    lmms-eval 0.7.3 logs them), with ``vitmm.serve`` not started; returns (python, the argv file)."""
+    import sys
+
+    from vitmm import serve
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "20260101_000000_results.json").write_text(json.dumps(
+        {"results": {"vitmm_qa": {"alias": "vitmm_qa", "accuracy,none": 0.75, "accuracy_stderr,none": "N/A"}}}))
+    (logs / "20260101_000000_samples_vitmm_qa.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    python = tmp_path / "python"
+    python.write_text(FAKE_LMMS_EVAL.format(python=sys.executable, argv=str(tmp_path / "argv"), src=str(logs)))
+    python.chmod(0o755)
+    monkeypatch.setattr(serve, "Engine", lambda *args, **kwargs: None)
+    monkeypatch.setattr(serve, "start_in_thread", lambda engine: ("http://127.0.0.1:1", lambda: None))
+    return str(python), tmp_path / "argv"
+
+
+def sample(doc_id, answer):
+    return {"doc_id": doc_id, "target": "no", "filtered_resps": answer, "input": "Is there a star?",
+            "accuracy": {"index": doc_id, "kind": "exists", "correct": float(answer == "no")}}
+
+
+def test_evaluate_gives_no_score_when_lmms_eval_recorded_failed_requests(tmp_path, monkeypatch):
+    """lmms-eval 0.7.3 turns a request the server refused (after its retries) into the answer text
+    ``[LMMS_EVAL_REQUEST_FAILED …] <error>``, scores it as wrong and exits 0: no accuracy then."""
+    failed = ("[LMMS_EVAL_REQUEST_FAILED after 5 retries] Error code: 400 - The question does not fit this model's "
+              "max_len of 64 tokens; send a shorter question.")
+    python, _ = fake_lmms_eval(tmp_path, monkeypatch, [sample(0, "no"), sample(1, "no"), sample(2, "yes"),
+                                                       sample(3, failed)])
+    with pytest.raises(RuntimeError, match=r"^lmms-eval recorded 1 of 4 requests as failed \(it scores each as a "
+                                           r"wrong answer and exits 0\), so there is no score; the first, doc 3: "
+                                           r"\[LMMS_EVAL_REQUEST_FAILED after 5 retries\] Error code: 400 - The "
+                                           r"question does not fit .*\(every sample: .*_samples_vitmm_qa\.jsonl\)\.$"):
+        lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python)
+
+
+def test_evaluate_returns_lmms_eval_s_scores_when_every_request_was_answered(tmp_path, monkeypatch):
+    python, _ = fake_lmms_eval(tmp_path, monkeypatch, [sample(0, "no"), sample(1, ["yes"])])
+    assert lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python) == {
+        "vitmm_qa/accuracy": 0.75}

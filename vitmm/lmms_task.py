@@ -94,12 +94,43 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
     return {"task": task, "questions": len(rows), "kinds": kinds}
 
 
+# What lmms-eval 0.7.3's OpenAI chat model (models/chat/openai.py) records as the *answer* of a request
+# that failed after its retries, or that its token budget stopped: it scores that text, exits 0.
+FAILED_MARKERS = ("[LMMS_EVAL_REQUEST_FAILED", "[LMMS_EVAL_BUDGET_EXCEEDED")
+
+
+def check_requests(folder, stamp: str) -> None:
+    """``RuntimeError`` when lmms-eval's samples of the run ``stamp`` (``<stamp>_samples_<task>.jsonl``
+    in ``folder``, written by ``--log_samples``) hold a failed request. lmms-eval scores such a
+    request's error text as a wrong answer and exits 0, so its accuracy would no longer be the
+    evaluator's: a request ``vitmm.serve`` refused (a 400 for a question too long, a 404 for another
+    model id) would lower the score without a word."""
+    failed, total = [], 0
+    for path in sorted(Path(folder).glob(f"{stamp}_samples_*.jsonl")):
+        for line in path.read_text().splitlines():
+            sample = json.loads(line)
+            total += 1
+            texts = [sample.get("resps"), sample.get("filtered_resps")]
+            while any(isinstance(t, list) for t in texts):  # nested per request and per filter
+                texts = [x for t in texts for x in (t if isinstance(t, list) else [t])]
+            bad = next((t for t in texts if isinstance(t, str) and t.startswith(FAILED_MARKERS)), None)
+            if bad is not None:
+                failed.append((path, sample.get("doc_id"), bad))
+    if failed:
+        path, doc, text = failed[0]
+        text = " ".join(text.split())
+        raise RuntimeError(f"lmms-eval recorded {len(failed)} of {total} requests as failed (it scores each as a wrong "
+                           f"answer and exits 0), so there is no score; the first, doc {doc}: {text} (every sample: "
+                           f"{path}).")
+
+
 def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: str = ".venv-eval/bin/python",
              model_args: str = "", timeout: float = 3600) -> dict:
     """Scores ``workdir`` with lmms-eval (``python``: its environment's interpreter) through
     ``vitmm.serve`` on a free local port, served from this process: ``tasks`` from ``include_path``,
     or (None) the run's own ``qa`` task written to ``out/task``. Returns ``{"<task>/<metric>": value}``; lmms-eval's
-    output (with every sample) stays in ``out/lmms``. ``RuntimeError`` with the tail of what failed."""
+    output (with every sample) stays in ``out/lmms``. ``RuntimeError`` with the tail of what failed, or
+    naming the requests lmms-eval recorded as failed (``check_requests``): no score then."""
     import glob
     import os
     import subprocess
@@ -127,7 +158,9 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
         stop()
     if done.returncode != 0:
         raise RuntimeError(f"lmms-eval failed (exit {done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
-    results = json.loads(Path(sorted(glob.glob(str(out / "lmms/vitmm/*_results.json")))[-1]).read_text())
+    found = Path(sorted(glob.glob(str(out / "lmms/vitmm/*_results.json")))[-1])
+    check_requests(found.parent, found.name.removesuffix("_results.json"))
+    results = json.loads(found.read_text())
     return {f"{task}/{key.split(',')[0]}": value for task, metrics in results["results"].items()
             for key, value in metrics.items() if key.endswith(",none") and "stderr" not in key}
 
