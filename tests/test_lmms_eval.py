@@ -6,6 +6,7 @@ here as the token-budget study's evaluator.
 ``VITMM_LMMS_EVAL_PYTHON`` at it; run elsewhere without it, the lmms-eval test is skipped.
 """
 
+import ast
 import json
 import os
 
@@ -112,3 +113,33 @@ def test_evaluate_returns_lmms_eval_s_scores_when_every_request_was_answered(tmp
     python, _ = fake_lmms_eval(tmp_path, monkeypatch, [sample(0, "no"), sample(1, ["yes"])])
     assert lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python) == {
         "vitmm_qa/accuracy": 0.75}
+
+
+def test_evaluate_asks_under_an_id_lmms_eval_never_takes_for_a_reasoning_model(tmp_path, monkeypatch):
+    """lmms-eval drops the temperature for an id holding o1, o3, o4 or gpt-5, and vitmm.serve then
+    samples at 1: ``evaluate`` asks as ``lmms_task.MODEL`` and refuses model_args that name another."""
+    python, argv = fake_lmms_eval(tmp_path, monkeypatch, [sample(0, "no")])
+    with pytest.raises(ValueError, match=r"^model_args 'model=demo1,max_retries=1' names the model; evaluate\(\) "
+                                         r"serves the run as 'vitmm' .*leave model= out\.$"):
+        lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python,
+                           model_args="model=demo1,max_retries=1")
+    assert not argv.exists()  # refused before lmms-eval ran
+    lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python, model_args="max_retries=1")
+    args = ast.literal_eval(argv.read_text())
+    model = args[args.index("--model_args") + 1].split(",")
+    assert model[0] == f"model={lmms_task.MODEL}" and "max_retries=1" in model
+    assert not any(s in lmms_task.MODEL for s in lmms_task.REASONING_SUBSTRINGS)
+
+
+@pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
+                    reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+def test_lmms_eval_s_reasoning_model_rule_is_the_one_lmms_task_avoids():
+    """The installed lmms-eval's OpenAI chat model drops the temperature on exactly these substrings."""
+    import pathlib
+    import subprocess
+
+    site = subprocess.run([EVAL_PYTHON, "-c", "import lmms_eval, os; print(os.path.dirname(lmms_eval.__file__))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    source = (pathlib.Path(site) / "models/chat/openai.py").read_text()
+    rule = " or ".join(f'"{s}" in self.model_version' for s in lmms_task.REASONING_SUBSTRINGS)
+    assert f"if {rule}:\n" in source and 'payload.pop("temperature")' in source
