@@ -9,6 +9,7 @@ here as the token-budget study's evaluator.
 import ast
 import json
 import os
+import pathlib
 
 import pytest
 
@@ -135,7 +136,6 @@ def test_evaluate_asks_under_an_id_lmms_eval_never_takes_for_a_reasoning_model(t
                     reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
 def test_lmms_eval_s_reasoning_model_rule_is_the_one_lmms_task_avoids():
     """The installed lmms-eval's OpenAI chat model drops the temperature on exactly these substrings."""
-    import pathlib
     import subprocess
 
     site = subprocess.run([EVAL_PYTHON, "-c", "import lmms_eval, os; print(os.path.dirname(lmms_eval.__file__))"],
@@ -143,3 +143,46 @@ def test_lmms_eval_s_reasoning_model_rule_is_the_one_lmms_task_avoids():
     source = (pathlib.Path(site) / "models/chat/openai.py").read_text()
     rule = " or ".join(f'"{s}" in self.model_version' for s in lmms_task.REASONING_SUBSTRINGS)
     assert f"if {rule}:\n" in source and 'payload.pop("temperature")' in source
+
+
+def scenes_with_two_qa_evaluators():
+    """``configs/vlm_scenes.py:smoke`` with a second qa evaluator, ``qa_blind``: its images blanked."""
+    from vitmm import config_args
+
+    config = config_args.load(pathlib.Path(__file__).parents[1] / "configs/vlm_scenes.py", "smoke")
+    with config.unlocked():
+        qa = config.evals.qa.to_dict()
+        config.evals.qa_blind = dict(qa, pp=qa["pp"].replace("choose|", "blank|choose|"))
+    return config
+
+
+def test_a_task_is_refused_for_an_evaluator_whose_pp_the_server_does_not_prompt_with(tmp_path, monkeypatch, capsys):
+    """lmms-eval asks through vitmm.serve, which prompts with ``evals.qa``'s pp: a task written from
+    another qa evaluator (here a blind one) would score answers that evaluator never gives."""
+    from vitmm import chat
+    from vitmm.train import sources, tasks
+
+    config = scenes_with_two_qa_evaluators()
+    monkeypatch.setattr(sources, "run_config", lambda workdir, step=None: config)
+    out = tmp_path / "task"
+    assert lmms_task.main(["--workdir", "W", "--out", str(out), "--evaluator", "qa_blind"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m vitmm.lmms_task: --evaluator qa_blind: its pp (decode|resize(32)|")
+    assert err.endswith(", evals.qa's pp), so lmms-eval's answers would not be this evaluator's; write the task from "
+                        "a qa evaluator with the served pp.\n") and err.count("\n") == 1 and "|blank|" in err
+    assert not out.exists()
+
+    # evals.qa's own pp is the one served: its task is written (up to reading its data, stood in for here)
+    def reached(config, cfg, model, tokenizer):
+        raise RuntimeError(f"building the {cfg['pp'][:6]}... evaluator")
+
+    monkeypatch.setattr(tasks, "qa_evaluator", reached)
+    with pytest.raises(RuntimeError, match=r"^building the decode\.\.\. evaluator$"):
+        lmms_task.write("W", tmp_path / "task_qa", evaluator="qa")
+    assert "blank" not in chat.served_pp(config)
+
+    # the only qa evaluator not named qa: the server prompts with the default QAAccuracy.PP, not its pp
+    with config.unlocked():
+        config.evals = {"qa_own": config.evals.qa.to_dict()}
+    assert lmms_task.main(["--workdir", "W", "--out", str(out), "--evaluator", "qa_own"]) == 2
+    assert "the default qa pp: the run has no evals.qa pp" in capsys.readouterr().err

@@ -31,13 +31,31 @@ from vitmm.data import preprocess
 from vitmm.lm_chat import LMChat, reply_prompt, round_up
 
 
+def served_pp(config, why: bool = False):
+    """The pp ``Chat`` (so ``vitmm.serve``) prompts with, fields filled: a run on conversations (raw
+    LLaVA-style data) its own training pp, the question as a one-turn conversation; otherwise the
+    pp of the evaluator named ``qa`` (else ``QAAccuracy.PP``) without its random choice of a
+    question. ``why``: ``(pp, where it comes from)``."""
+    from vitmm.train import pp_template
+    from vitmm.train.vlm_evaluators import QAAccuracy
+
+    if "conversation_tokens" in config.input.pp:
+        qa, source = config.input.pp, "the run's training pp: it was trained on conversations"
+    elif config.get("evals") and "qa" in config.evals and config.evals.qa.get("pp"):
+        qa, source = config.evals.qa.pp, "evals.qa's pp"
+    else:
+        qa, source = QAAccuracy.PP, "the default qa pp: the run has no evals.qa pp"
+    spec = pp_template.pp_string(config, qa.replace("choose|", ""))
+    return (spec, source) if why else spec
+
+
 class Chat:
     max_images = 1  # images one prompt may hold; a run on flat sequences (input.sequences) sets its own
     image_separator = "\n"  # the text after an image's <image> tag: LLaVA's convention, which its data has
     _flat = False
 
     def __init__(self, workdir, step: int | None = None):
-        from vitmm.train import pp_template, sources, tasks
+        from vitmm.train import sources, tasks
         from vitmm.train.parallel import Parallel
 
         self.config = sources.run_config(workdir, step)
@@ -47,15 +65,8 @@ class Chat:
         self.tokenizer = tasks.tokenizer_for(self.config)
         self.task = tasks.from_config(self.config, Parallel("jit"), self.tokenizer)
         self.params = self.task.eval_params(ckpt_lib.load_params(workdir, step))
-        # A run on conversations (raw LLaVA-style data): its own pp, the question as a one-turn
-        # conversation. Otherwise the question-answering pp without the random choice of a question.
         self._conversation = "conversation_tokens" in self.config.input.pp
-        if self._conversation:
-            qa = self.config.input.pp
-        else:
-            qa = self.config.evals.qa.get("pp") if self.config.get("evals") and "qa" in self.config.evals else None
-            qa = qa or "decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|qa_tokens({max_len})"
-        spec = pp_template.pp_string(self.config, qa.replace("choose|", ""))
+        spec = served_pp(self.config)
         self._decoder = decode.GreedyDecoder(self.task.model)
         sq = self.config.input.get("sequences")
         # images one prompt may hold: a run on flat sequences (input.sequences) took its decode's max_images

@@ -52,12 +52,15 @@ metadata:
 
 def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int | None = None) -> dict:
     """Writes the task folder ``out`` (YAML, ``utils.py``, ``kinds.json``, ``test.jsonl``, ``images/``);
-    returns ``{"task", "questions", "kinds"}``. ``ValueError`` for a workdir without that evaluator."""
+    returns ``{"task", "questions", "kinds"}``. ``ValueError`` for a workdir without that evaluator, or
+    one whose pp is not the one ``vitmm.serve`` prompts with (``chat.served_pp``): its answers would
+    not be lmms-eval's."""
     from PIL import Image
 
-    from vitmm import cli
+    from vitmm import chat, cli
     from vitmm.data import preprocess
-    from vitmm.train import sources, tasks
+    from vitmm.train import pp_template, sources, tasks
+    from vitmm.train.vlm_evaluators import QAAccuracy
 
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", task):
         raise ValueError(f"--task {task!r}: a task name is letters, digits, '_', '.' and '-' (lmms-eval's "
@@ -74,6 +77,14 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
         raise ValueError(f"{workdir} has no qa evaluator named {evaluator!r} (its qa evaluators: {have or 'none'}); "
                          "a task is written from a VLM run's qa evaluator.")
     cfg = evals[evaluator]
+    # lmms-eval asks through vitmm.serve, which prompts every question with one pp (chat.served_pp):
+    # an evaluator with another (a blind `blank|`, another format) would be scored on answers it never gives.
+    own = pp_template.pp_string(config, (cfg.get("pp") or QAAccuracy.PP).replace("choose|", ""))
+    served, source = chat.served_pp(config, why=True)
+    if preprocess.ops(own) != preprocess.ops(served):
+        raise ValueError(f"--evaluator {evaluator}: its pp ({own}) is not the one vitmm.serve prompts with ({served}, "
+                         f"{source}), so lmms-eval's answers would not be this evaluator's; write the task from a qa "
+                         "evaluator with the served pp.")
     qa = tasks.qa_evaluator(config, cfg, None, tasks.tokenizer_for(config))
     questions = qa.questions()
     decode = preprocess.parse("decode")
