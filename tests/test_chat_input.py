@@ -4,6 +4,7 @@ check comes before the model is used; asking a trained VLM is tested in tests/tr
 tests/test_serve.py)."""
 
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -86,3 +87,41 @@ def test_a_qa_format_run_refuses_a_question_too_long_and_a_system_message():
     with pytest.raises(ValueError, match=r"^This model was trained on single questions with its own system prompt "
                                          r"\(a qa format\): send no system message\.$"):
         chat.prepare([image], [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "<image>\n?"}])
+
+
+def test_ask_refuses_image_tags_typed_in_the_question_counting_the_typed_ones():
+    with pytest.raises(ValueError, match=r"^The question holds 1 <image> tag\(s\) of its own; leave them out: one is "
+                                         r"put before the question for each of the 1 image\(s\)\.$"):
+        Unloaded().ask(np.zeros((4, 4, 3), np.uint8), "<image> What colour?")
+
+
+@pytest.mark.parametrize("question, message", [
+    ("<image> What colour?", r"'<image> What colour\?': The question holds 1 <image> tag\(s\) of its own; "),
+    ("how many stars " * 10, r"'how many stars how many stars how many stars how many sta\.\.\.': The question does "
+                             r"not fit this model's max_len of 16 tokens; send a shorter question\.$"),
+], ids=["image-tag", "too-long"])
+def test_the_cli_refuses_a_question_in_one_line_with_exit_2(tmp_path, monkeypatch, capsys, question, message):
+    """``python -m vitmm.chat`` prints a refused question as one line and exits 2 (docs/failures.md)."""
+    vlm = Unloaded()
+    vlm._set_pp("qa_tokens(16)|keep('ids', 'prompt_len')")
+    monkeypatch.setattr(chat, "load", lambda workdir: vlm)
+    Image.new("RGB", (4, 4), (200, 0, 0)).save(tmp_path / "red.png")
+    assert chat.main(["--workdir", "W", "--image", str(tmp_path / "red.png"), "--question", question]) == 2
+    err = capsys.readouterr().err
+    assert re.match(r"^python -m vitmm\.chat: --question " + message, err) and err.count("\n") == 1
+
+
+def test_the_cli_refuses_a_conversation_too_long_for_a_language_model_in_one_line(monkeypatch, capsys):
+    class Refusing(chat.LMChat):
+        def __init__(self):
+            pass
+
+        def ask(self, question, max_new_tokens=16):
+            raise ValueError("The conversation is too long for this model (5031 prompt tokens with max_len=4096); "
+                             "send a shorter question.")
+
+    monkeypatch.setattr(chat, "load", lambda workdir: Refusing())
+    assert chat.main(["--workdir", "W", "--question", "hello " * 5000]) == 2
+    assert capsys.readouterr().err == ("python -m vitmm.chat: --question 'hello hello hello hello hello hello hello "
+                                       "hello hello hel...': The conversation is too long for this model (5031 "
+                                       "prompt tokens with max_len=4096); send a shorter question.\n")

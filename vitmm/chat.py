@@ -243,6 +243,10 @@ class Chat:
         several = isinstance(image, (list, tuple)) and image and all(
             isinstance(x, np.ndarray) or hasattr(x, "convert") for x in image)  # arrays or PIL images, not pixels
         images = list(image) if several else [image]
+        typed = question.count("<image>")
+        if typed:  # counted here: the message names the tags the caller typed, not those added below
+            raise ValueError(f"The question holds {typed} <image> tag(s) of its own; leave them out: one is put "
+                             f"before the question for each of the {len(images)} image(s).")
         tags = "".join("<image>" + self.image_separator for _ in images)
         example = self.prepare(images, [{"from": "human", "value": f"{tags}{question}"}])
         eos = self.tokenizer.eos_ids
@@ -331,7 +335,11 @@ def main(argv=None) -> int:
                   f"{'--image' if args.image else '--video'}.", file=sys.stderr)
             return 2
         for question in args.question:
-            print(f"user: {question}\nassistant: {vlm.ask(question, args.max_new_tokens)}")
+            try:
+                answer = vlm.ask(question, args.max_new_tokens)
+            except ValueError as err:
+                return _refused(question, err)
+            print(f"user: {question}\nassistant: {answer}")
         return 0
     if args.video:
         try:
@@ -362,7 +370,10 @@ def main(argv=None) -> int:
                 return 2
             print(f"[{path}: {images[-1].shape[1]}x{images[-1].shape[0]}]")
         for question in args.question:
-            answer = vlm.ask(images if len(images) > 1 else images[0], question, args.max_new_tokens)
+            try:
+                answer = vlm.ask(images if len(images) > 1 else images[0], question, args.max_new_tokens)
+            except ValueError as err:
+                return _refused(question, err)
             print(f"user: {question}\nassistant: {answer}")
         return 0
     if not (vlm.config.get("evals") and "qa" in vlm.config.evals):
@@ -383,8 +394,20 @@ def main(argv=None) -> int:
     example = preprocess.parse("decode")(dict(source[args.index]), None)
     print(f"[{data.name} {args.split} #{args.index}: {example['caption']}]")
     for question in args.question:
-        print(f"user: {question}\nassistant: {vlm.ask(example['image'], question, args.max_new_tokens)}")
+        try:
+            answer = vlm.ask(example["image"], question, args.max_new_tokens)
+        except ValueError as err:
+            return _refused(question, err)
+        print(f"user: {question}\nassistant: {answer}")
     return 0
+
+
+def _refused(question: str, err: ValueError) -> int:
+    """A question the model refuses (too long, its own ``<image>`` tags, a conversation too long):
+    one line naming it (its start, when long) and why, exit 2, as for any bad input."""
+    shown = question if len(question) <= 60 else question[:57] + "..."
+    print(f"python -m vitmm.chat: --question {shown!r}: {err}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
