@@ -125,3 +125,29 @@ def test_the_cli_refuses_a_conversation_too_long_for_a_language_model_in_one_lin
     assert capsys.readouterr().err == ("python -m vitmm.chat: --question 'hello hello hello hello hello hello hello "
                                        "hello hello hel...': The conversation is too long for this model (5031 "
                                        "prompt tokens with max_len=4096); send a shorter question.\n")
+
+
+def test_index_shows_the_qa_evaluator_s_example_of_a_run_on_scenes_at_random_sizes(monkeypatch, capsys):
+    """``--index`` reads the example as the qa evaluator does (``pipeline.source_for``): for an
+    any_size run its scenes made on the fly (``scenes_any``), not the TFDS scenes its config still names."""
+    from vitmm import config_args
+    from vitmm.data import pipeline, preprocess
+    from vitmm.train import tasks
+
+    vlm = Unloaded()
+    vlm.config = config_args.load(pathlib.Path(__file__).parents[1] / "configs/vlm_scenes.py", "smoke,any_size=True")
+    shown = []
+    vlm.ask = lambda image, question, max_new_tokens: shown.append(image) or "yes"
+    monkeypatch.setattr(chat, "load", lambda workdir: vlm)
+    assert chat.main(["--workdir", "W", "--index", "3", "--question", "Is there a star?"]) == 0
+    expected = preprocess.parse("decode")(dict(pipeline.source_for(tasks.evals_config(vlm.config)["qa"]["data"])[3]),
+                                          None)
+    assert (shown[0] == expected["image"]).all()
+    assert capsys.readouterr().out.startswith(f"[scenes_any validation #3: {expected['caption']}]\nuser: ")
+
+    assert chat.main(["--workdir", "W", "--index", "512", "--question", "?"]) == 2
+    assert capsys.readouterr().err == ("python -m vitmm.chat: --index 512: scenes_any validation has examples 0 "
+                                       "to 511.\n")
+    assert chat.main(["--workdir", "W", "--split", "val", "--question", "?"]) == 2
+    assert capsys.readouterr().err == ("python -m vitmm.chat: --split val: scenes_any (scenes made on the fly) has the "
+                                       "splits ['train', 'validation', 'test'].\n")

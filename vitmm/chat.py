@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     if args.max_new_tokens < 1:
         parser.error(f"--max_new_tokens {args.max_new_tokens}: at least 1.")
     console.quiet(args.verbose)
-    from vitmm.data import pipeline
+    from vitmm.data import pipeline, scenes
 
     try:
         vlm = load(args.workdir)
@@ -376,23 +376,33 @@ def main(argv=None) -> int:
                 return _refused(question, err)
             print(f"user: {question}\nassistant: {answer}")
         return 0
-    if not (vlm.config.get("evals") and "qa" in vlm.config.evals):
+    from vitmm.train import tasks
+
+    qa = tasks.evals_config(vlm.config).get("qa") if vlm.config.get("evals") else None
+    if qa is None:
         print(f"python -m vitmm.chat: {args.workdir} was trained on raw data with no dataset to pick --index from; "
               "pass --image FILE.", file=sys.stderr)
         return 2
-    data = vlm.config.evals.qa.data
+    # The example as the qa evaluator reads it (pipeline.source_for, its data settings): scenes at
+    # random sizes made on the fly (scenes_any) come before a TFDS name, which such a run may keep.
+    data = {**qa["data"], "split": args.split}
+    name = "scenes_any" if data.get("scenes_any") else data.get("name") or "the qa data"
+    if data.get("scenes_any") and args.split not in scenes.SPLIT_IDS:
+        print(f"python -m vitmm.chat: --split {args.split}: {name} (scenes made on the fly) has the splits "
+              f"{list(scenes.SPLIT_IDS)}.", file=sys.stderr)
+        return 2
     try:
-        source = pipeline.get_source(data.name, args.split, data.get("data_dir") or vlm.config.input.get("data_dir"),
-                                     keys=("image", "caption"))
-    except ValueError as err:
-        print(f"python -m vitmm.chat: --split: {err}", file=sys.stderr)
+        source = pipeline.source_for(data, keys=("image", "caption"))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"python -m vitmm.chat: the qa evaluator's data ({name}, --split {args.split}): {err}", file=sys.stderr)
         return 2
     if not 0 <= args.index < len(source):
-        print(f"python -m vitmm.chat: --index {args.index}: {data.name} {args.split} has examples 0 to "
+        print(f"python -m vitmm.chat: --index {args.index}: {name} {args.split} has examples 0 to "
               f"{len(source) - 1}.", file=sys.stderr)
         return 2
     example = preprocess.parse("decode")(dict(source[args.index]), None)
-    print(f"[{data.name} {args.split} #{args.index}: {example['caption']}]")
+    caption = f": {example['caption']}" if example.get("caption") is not None else ""
+    print(f"[{name} {args.split} #{args.index}{caption}]")
     for question in args.question:
         try:
             answer = vlm.ask(example["image"], question, args.max_new_tokens)
