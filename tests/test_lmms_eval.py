@@ -186,3 +186,16 @@ def test_a_task_is_refused_for_an_evaluator_whose_pp_the_server_does_not_prompt_
         config.evals = {"qa_own": config.evals.qa.to_dict()}
     assert lmms_task.main(["--workdir", "W", "--out", str(out), "--evaluator", "qa_own"]) == 2
     assert "the default qa pp: the run has no evals.qa pp" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
+                    reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+def test_lmms_eval_sends_a_task_s_images_before_its_text():
+    """docs/serve.md's claim: a task without doc_to_messages (vitmm.lmms_task's) is asked as one user
+    message, its images first, then the text (lmms-eval's ConfigurableMessagesTask._build_user_turn)."""
+    import subprocess
+
+    code = ("from lmms_eval.api.task import ConfigurableMessagesTask as T; from PIL import Image; "
+            "print([part['type'] for part in T._build_user_turn([Image.new('RGB', (2, 2))], 'q')[0]['content']])")
+    done = subprocess.run([EVAL_PYTHON, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split("\n")[-2] == "['image', 'text']"
