@@ -4,6 +4,7 @@ check comes before the model is used; asking a trained VLM is tested in tests/tr
 tests/test_serve.py)."""
 
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -86,3 +87,67 @@ def test_a_qa_format_run_refuses_a_question_too_long_and_a_system_message():
     with pytest.raises(ValueError, match=r"^This model was trained on single questions with its own system prompt "
                                          r"\(a qa format\): send no system message\.$"):
         chat.prepare([image], [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "<image>\n?"}])
+
+
+def test_ask_refuses_image_tags_typed_in_the_question_counting_the_typed_ones():
+    with pytest.raises(ValueError, match=r"^The question holds 1 <image> tag\(s\) of its own; leave them out: one is "
+                                         r"put before the question for each of the 1 image\(s\)\.$"):
+        Unloaded().ask(np.zeros((4, 4, 3), np.uint8), "<image> What colour?")
+
+
+@pytest.mark.parametrize("question, message", [
+    ("<image> What colour?", r"'<image> What colour\?': The question holds 1 <image> tag\(s\) of its own; "),
+    ("how many stars " * 10, r"'how many stars how many stars how many stars how many sta\.\.\.': The question does "
+                             r"not fit this model's max_len of 16 tokens; send a shorter question\.$"),
+], ids=["image-tag", "too-long"])
+def test_the_cli_refuses_a_question_in_one_line_with_exit_2(tmp_path, monkeypatch, capsys, question, message):
+    """``python -m vitmm.chat`` prints a refused question as one line and exits 2 (docs/failures.md)."""
+    vlm = Unloaded()
+    vlm._set_pp("qa_tokens(16)|keep('ids', 'prompt_len')")
+    monkeypatch.setattr(chat, "load", lambda workdir: vlm)
+    Image.new("RGB", (4, 4), (200, 0, 0)).save(tmp_path / "red.png")
+    assert chat.main(["--workdir", "W", "--image", str(tmp_path / "red.png"), "--question", question]) == 2
+    err = capsys.readouterr().err
+    assert re.match(r"^python -m vitmm\.chat: --question " + message, err) and err.count("\n") == 1
+
+
+def test_the_cli_refuses_a_conversation_too_long_for_a_language_model_in_one_line(monkeypatch, capsys):
+    class Refusing(chat.LMChat):
+        def __init__(self):
+            pass
+
+        def ask(self, question, max_new_tokens=16):
+            raise ValueError("The conversation is too long for this model (5031 prompt tokens with max_len=4096); "
+                             "send a shorter question.")
+
+    monkeypatch.setattr(chat, "load", lambda workdir: Refusing())
+    assert chat.main(["--workdir", "W", "--question", "hello " * 5000]) == 2
+    assert capsys.readouterr().err == ("python -m vitmm.chat: --question 'hello hello hello hello hello hello hello "
+                                       "hello hello hel...': The conversation is too long for this model (5031 "
+                                       "prompt tokens with max_len=4096); send a shorter question.\n")
+
+
+def test_index_shows_the_qa_evaluator_s_example_of_a_run_on_scenes_at_random_sizes(monkeypatch, capsys):
+    """``--index`` reads the example as the qa evaluator does (``pipeline.source_for``): for an
+    any_size run its scenes made on the fly (``scenes_any``), not the TFDS scenes its config still names."""
+    from vitmm import config_args
+    from vitmm.data import pipeline, preprocess
+    from vitmm.train import tasks
+
+    vlm = Unloaded()
+    vlm.config = config_args.load(pathlib.Path(__file__).parents[1] / "configs/vlm_scenes.py", "smoke,any_size=True")
+    shown = []
+    vlm.ask = lambda image, question, max_new_tokens: shown.append(image) or "yes"
+    monkeypatch.setattr(chat, "load", lambda workdir: vlm)
+    assert chat.main(["--workdir", "W", "--index", "3", "--question", "Is there a star?"]) == 0
+    expected = preprocess.parse("decode")(dict(pipeline.source_for(tasks.evals_config(vlm.config)["qa"]["data"])[3]),
+                                          None)
+    assert (shown[0] == expected["image"]).all()
+    assert capsys.readouterr().out.startswith(f"[scenes_any validation #3: {expected['caption']}]\nuser: ")
+
+    assert chat.main(["--workdir", "W", "--index", "512", "--question", "?"]) == 2
+    assert capsys.readouterr().err == ("python -m vitmm.chat: --index 512: scenes_any validation has examples 0 "
+                                       "to 511.\n")
+    assert chat.main(["--workdir", "W", "--split", "val", "--question", "?"]) == 2
+    assert capsys.readouterr().err == ("python -m vitmm.chat: --split val: scenes_any (scenes made on the fly) has the "
+                                       "splits ['train', 'validation', 'test'].\n")

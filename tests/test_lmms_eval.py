@@ -6,8 +6,10 @@ here as the token-budget study's evaluator.
 ``VITMM_LMMS_EVAL_PYTHON`` at it; run elsewhere without it, the lmms-eval test is skipped.
 """
 
+import ast
 import json
 import os
+import pathlib
 
 import pytest
 
@@ -59,3 +61,141 @@ def test_a_task_is_refused_for_a_run_without_a_qa_evaluator_and_nothing_is_writt
     assert lmms_task.main(["--workdir", str(clip_smoke_run.workdir), "--out", str(out)]) == 2
     assert "has no qa evaluator named 'qa'" in capsys.readouterr().err
     assert not out.exists()
+
+
+FAKE_LMMS_EVAL = '''#!{python}
+"""Stands in for lmms-eval's interpreter: records its arguments and writes the logs in SRC as the run's."""
+import shutil, sys
+open({argv!r}, "w").write(repr(sys.argv))
+shutil.copytree({src!r}, sys.argv[sys.argv.index("--output_path") + 1] + "/vitmm")
+'''
+
+
+def fake_lmms_eval(tmp_path, monkeypatch, samples: list[dict]):
+    """``python`` for ``lmms_task.evaluate`` that writes lmms-eval's results and ``samples`` (as
+    lmms-eval 0.7.3 logs them), with ``vitmm.serve`` not started; returns (python, the argv file)."""
+    import sys
+
+    from vitmm import serve
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "20260101_000000_results.json").write_text(json.dumps(
+        {"results": {"vitmm_qa": {"alias": "vitmm_qa", "accuracy,none": 0.75, "accuracy_stderr,none": "N/A"}}}))
+    (logs / "20260101_000000_samples_vitmm_qa.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    python = tmp_path / "python"
+    python.write_text(FAKE_LMMS_EVAL.format(python=sys.executable, argv=str(tmp_path / "argv"), src=str(logs)))
+    python.chmod(0o755)
+    monkeypatch.setattr(serve, "Engine", lambda *args, **kwargs: None)
+    monkeypatch.setattr(serve, "start_in_thread", lambda engine: ("http://127.0.0.1:1", lambda: None))
+    return str(python), tmp_path / "argv"
+
+
+def sample(doc_id, answer):
+    return {"doc_id": doc_id, "target": "no", "filtered_resps": answer, "input": "Is there a star?",
+            "accuracy": {"index": doc_id, "kind": "exists", "correct": float(answer == "no")}}
+
+
+def test_evaluate_gives_no_score_when_lmms_eval_recorded_failed_requests(tmp_path, monkeypatch):
+    """lmms-eval 0.7.3 turns a request the server refused (after its retries) into the answer text
+    ``[LMMS_EVAL_REQUEST_FAILED …] <error>``, scores it as wrong and exits 0: no accuracy then."""
+    failed = ("[LMMS_EVAL_REQUEST_FAILED after 5 retries] Error code: 400 - The question does not fit this model's "
+              "max_len of 64 tokens; send a shorter question.")
+    python, _ = fake_lmms_eval(tmp_path, monkeypatch, [sample(0, "no"), sample(1, "no"), sample(2, "yes"),
+                                                       sample(3, failed)])
+    with pytest.raises(RuntimeError, match=r"^lmms-eval recorded 1 of 4 requests as failed \(it scores each as a "
+                                           r"wrong answer and exits 0\), so there is no score; the first, doc 3: "
+                                           r"\[LMMS_EVAL_REQUEST_FAILED after 5 retries\] Error code: 400 - The "
+                                           r"question does not fit .*\(every sample: .*_samples_vitmm_qa\.jsonl\)\.$"):
+        lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python)
+
+
+def test_evaluate_returns_lmms_eval_s_scores_when_every_request_was_answered(tmp_path, monkeypatch):
+    python, _ = fake_lmms_eval(tmp_path, monkeypatch, [sample(0, "no"), sample(1, ["yes"])])
+    assert lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python) == {
+        "vitmm_qa/accuracy": 0.75}
+
+
+def test_evaluate_asks_under_an_id_lmms_eval_never_takes_for_a_reasoning_model(tmp_path, monkeypatch):
+    """lmms-eval drops the temperature for an id holding o1, o3, o4 or gpt-5, and vitmm.serve then
+    samples at 1: ``evaluate`` asks as ``lmms_task.MODEL`` and refuses model_args that name another."""
+    python, argv = fake_lmms_eval(tmp_path, monkeypatch, [sample(0, "no")])
+    with pytest.raises(ValueError, match=r"^model_args 'model=demo1,max_retries=1' names the model; evaluate\(\) "
+                                         r"serves the run as 'vitmm' .*leave model= out\.$"):
+        lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python,
+                           model_args="model=demo1,max_retries=1")
+    assert not argv.exists()  # refused before lmms-eval ran
+    lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python, model_args="max_retries=1")
+    args = ast.literal_eval(argv.read_text())
+    model = args[args.index("--model_args") + 1].split(",")
+    assert model[0] == f"model={lmms_task.MODEL}" and "max_retries=1" in model
+    assert not any(s in lmms_task.MODEL for s in lmms_task.REASONING_SUBSTRINGS)
+
+
+@pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
+                    reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+def test_lmms_eval_s_reasoning_model_rule_is_the_one_lmms_task_avoids():
+    """The installed lmms-eval's OpenAI chat model drops the temperature on exactly these substrings."""
+    import subprocess
+
+    site = subprocess.run([EVAL_PYTHON, "-c", "import lmms_eval, os; print(os.path.dirname(lmms_eval.__file__))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    source = (pathlib.Path(site) / "models/chat/openai.py").read_text()
+    rule = " or ".join(f'"{s}" in self.model_version' for s in lmms_task.REASONING_SUBSTRINGS)
+    assert f"if {rule}:\n" in source and 'payload.pop("temperature")' in source
+
+
+def scenes_with_two_qa_evaluators():
+    """``configs/vlm_scenes.py:smoke`` with a second qa evaluator, ``qa_blind``: its images blanked."""
+    from vitmm import config_args
+
+    config = config_args.load(pathlib.Path(__file__).parents[1] / "configs/vlm_scenes.py", "smoke")
+    with config.unlocked():
+        qa = config.evals.qa.to_dict()
+        config.evals.qa_blind = dict(qa, pp=qa["pp"].replace("choose|", "blank|choose|"))
+    return config
+
+
+def test_a_task_is_refused_for_an_evaluator_whose_pp_the_server_does_not_prompt_with(tmp_path, monkeypatch, capsys):
+    """lmms-eval asks through vitmm.serve, which prompts with ``evals.qa``'s pp: a task written from
+    another qa evaluator (here a blind one) would score answers that evaluator never gives."""
+    from vitmm import chat
+    from vitmm.train import sources, tasks
+
+    config = scenes_with_two_qa_evaluators()
+    monkeypatch.setattr(sources, "run_config", lambda workdir, step=None: config)
+    out = tmp_path / "task"
+    assert lmms_task.main(["--workdir", "W", "--out", str(out), "--evaluator", "qa_blind"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m vitmm.lmms_task: --evaluator qa_blind: its pp (decode|resize(32)|")
+    assert err.endswith(", evals.qa's pp), so lmms-eval's answers would not be this evaluator's; write the task from "
+                        "a qa evaluator with the served pp.\n") and err.count("\n") == 1 and "|blank|" in err
+    assert not out.exists()
+
+    # evals.qa's own pp is the one served: its task is written (up to reading its data, stood in for here)
+    def reached(config, cfg, model, tokenizer):
+        raise RuntimeError(f"building the {cfg['pp'][:6]}... evaluator")
+
+    monkeypatch.setattr(tasks, "qa_evaluator", reached)
+    with pytest.raises(RuntimeError, match=r"^building the decode\.\.\. evaluator$"):
+        lmms_task.write("W", tmp_path / "task_qa", evaluator="qa")
+    assert "blank" not in chat.served_pp(config)
+
+    # the only qa evaluator not named qa: the server prompts with the default QAAccuracy.PP, not its pp
+    with config.unlocked():
+        config.evals = {"qa_own": config.evals.qa.to_dict()}
+    assert lmms_task.main(["--workdir", "W", "--out", str(out), "--evaluator", "qa_own"]) == 2
+    assert "the default qa pp: the run has no evals.qa pp" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
+                    reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+def test_lmms_eval_sends_a_task_s_images_before_its_text():
+    """docs/serve.md's claim: a task without doc_to_messages (vitmm.lmms_task's) is asked as one user
+    message, its images first, then the text (lmms-eval's ConfigurableMessagesTask._build_user_turn)."""
+    import subprocess
+
+    code = ("from lmms_eval.api.task import ConfigurableMessagesTask as T; from PIL import Image; "
+            "print([part['type'] for part in T._build_user_turn([Image.new('RGB', (2, 2))], 'q')[0]['content']])")
+    done = subprocess.run([EVAL_PYTHON, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split("\n")[-2] == "['image', 'text']"

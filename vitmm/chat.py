@@ -31,13 +31,31 @@ from vitmm.data import preprocess
 from vitmm.lm_chat import LMChat, reply_prompt, round_up
 
 
+def served_pp(config, why: bool = False):
+    """The pp ``Chat`` (so ``vitmm.serve``) prompts with, fields filled: a run on conversations (raw
+    LLaVA-style data) its own training pp, the question as a one-turn conversation; otherwise the
+    pp of the evaluator named ``qa`` (else ``QAAccuracy.PP``) without its random choice of a
+    question. ``why``: ``(pp, where it comes from)``."""
+    from vitmm.train import pp_template
+    from vitmm.train.vlm_evaluators import QAAccuracy
+
+    if "conversation_tokens" in config.input.pp:
+        qa, source = config.input.pp, "the run's training pp: it was trained on conversations"
+    elif config.get("evals") and "qa" in config.evals and config.evals.qa.get("pp"):
+        qa, source = config.evals.qa.pp, "evals.qa's pp"
+    else:
+        qa, source = QAAccuracy.PP, "the default qa pp: the run has no evals.qa pp"
+    spec = pp_template.pp_string(config, qa.replace("choose|", ""))
+    return (spec, source) if why else spec
+
+
 class Chat:
     max_images = 1  # images one prompt may hold; a run on flat sequences (input.sequences) sets its own
     image_separator = "\n"  # the text after an image's <image> tag: LLaVA's convention, which its data has
     _flat = False
 
     def __init__(self, workdir, step: int | None = None):
-        from vitmm.train import pp_template, sources, tasks
+        from vitmm.train import sources, tasks
         from vitmm.train.parallel import Parallel
 
         self.config = sources.run_config(workdir, step)
@@ -47,15 +65,8 @@ class Chat:
         self.tokenizer = tasks.tokenizer_for(self.config)
         self.task = tasks.from_config(self.config, Parallel("jit"), self.tokenizer)
         self.params = self.task.eval_params(ckpt_lib.load_params(workdir, step))
-        # A run on conversations (raw LLaVA-style data): its own pp, the question as a one-turn
-        # conversation. Otherwise the question-answering pp without the random choice of a question.
         self._conversation = "conversation_tokens" in self.config.input.pp
-        if self._conversation:
-            qa = self.config.input.pp
-        else:
-            qa = self.config.evals.qa.get("pp") if self.config.get("evals") and "qa" in self.config.evals else None
-            qa = qa or "decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|qa_tokens({max_len})"
-        spec = pp_template.pp_string(self.config, qa.replace("choose|", ""))
+        spec = served_pp(self.config)
         self._decoder = decode.GreedyDecoder(self.task.model)
         sq = self.config.input.get("sequences")
         # images one prompt may hold: a run on flat sequences (input.sequences) took its decode's max_images
@@ -232,6 +243,10 @@ class Chat:
         several = isinstance(image, (list, tuple)) and image and all(
             isinstance(x, np.ndarray) or hasattr(x, "convert") for x in image)  # arrays or PIL images, not pixels
         images = list(image) if several else [image]
+        typed = question.count("<image>")
+        if typed:  # counted here: the message names the tags the caller typed, not those added below
+            raise ValueError(f"The question holds {typed} <image> tag(s) of its own; leave them out: one is put "
+                             f"before the question for each of the {len(images)} image(s).")
         tags = "".join("<image>" + self.image_separator for _ in images)
         example = self.prepare(images, [{"from": "human", "value": f"{tags}{question}"}])
         eos = self.tokenizer.eos_ids
@@ -307,7 +322,7 @@ def main(argv=None) -> int:
     if args.max_new_tokens < 1:
         parser.error(f"--max_new_tokens {args.max_new_tokens}: at least 1.")
     console.quiet(args.verbose)
-    from vitmm.data import pipeline
+    from vitmm.data import pipeline, scenes
 
     try:
         vlm = load(args.workdir)
@@ -320,7 +335,11 @@ def main(argv=None) -> int:
                   f"{'--image' if args.image else '--video'}.", file=sys.stderr)
             return 2
         for question in args.question:
-            print(f"user: {question}\nassistant: {vlm.ask(question, args.max_new_tokens)}")
+            try:
+                answer = vlm.ask(question, args.max_new_tokens)
+            except ValueError as err:
+                return _refused(question, err)
+            print(f"user: {question}\nassistant: {answer}")
         return 0
     if args.video:
         try:
@@ -351,29 +370,54 @@ def main(argv=None) -> int:
                 return 2
             print(f"[{path}: {images[-1].shape[1]}x{images[-1].shape[0]}]")
         for question in args.question:
-            answer = vlm.ask(images if len(images) > 1 else images[0], question, args.max_new_tokens)
+            try:
+                answer = vlm.ask(images if len(images) > 1 else images[0], question, args.max_new_tokens)
+            except ValueError as err:
+                return _refused(question, err)
             print(f"user: {question}\nassistant: {answer}")
         return 0
-    if not (vlm.config.get("evals") and "qa" in vlm.config.evals):
+    from vitmm.train import tasks
+
+    qa = tasks.evals_config(vlm.config).get("qa") if vlm.config.get("evals") else None
+    if qa is None:
         print(f"python -m vitmm.chat: {args.workdir} was trained on raw data with no dataset to pick --index from; "
               "pass --image FILE.", file=sys.stderr)
         return 2
-    data = vlm.config.evals.qa.data
+    # The example as the qa evaluator reads it (pipeline.source_for, its data settings): scenes at
+    # random sizes made on the fly (scenes_any) come before a TFDS name, which such a run may keep.
+    data = {**qa["data"], "split": args.split}
+    name = "scenes_any" if data.get("scenes_any") else data.get("name") or "the qa data"
+    if data.get("scenes_any") and args.split not in scenes.SPLIT_IDS:
+        print(f"python -m vitmm.chat: --split {args.split}: {name} (scenes made on the fly) has the splits "
+              f"{list(scenes.SPLIT_IDS)}.", file=sys.stderr)
+        return 2
     try:
-        source = pipeline.get_source(data.name, args.split, data.get("data_dir") or vlm.config.input.get("data_dir"),
-                                     keys=("image", "caption"))
-    except ValueError as err:
-        print(f"python -m vitmm.chat: --split: {err}", file=sys.stderr)
+        source = pipeline.source_for(data, keys=("image", "caption"))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"python -m vitmm.chat: the qa evaluator's data ({name}, --split {args.split}): {err}", file=sys.stderr)
         return 2
     if not 0 <= args.index < len(source):
-        print(f"python -m vitmm.chat: --index {args.index}: {data.name} {args.split} has examples 0 to "
+        print(f"python -m vitmm.chat: --index {args.index}: {name} {args.split} has examples 0 to "
               f"{len(source) - 1}.", file=sys.stderr)
         return 2
     example = preprocess.parse("decode")(dict(source[args.index]), None)
-    print(f"[{data.name} {args.split} #{args.index}: {example['caption']}]")
+    caption = f": {example['caption']}" if example.get("caption") is not None else ""
+    print(f"[{name} {args.split} #{args.index}{caption}]")
     for question in args.question:
-        print(f"user: {question}\nassistant: {vlm.ask(example['image'], question, args.max_new_tokens)}")
+        try:
+            answer = vlm.ask(example["image"], question, args.max_new_tokens)
+        except ValueError as err:
+            return _refused(question, err)
+        print(f"user: {question}\nassistant: {answer}")
     return 0
+
+
+def _refused(question: str, err: ValueError) -> int:
+    """A question the model refuses (too long, its own ``<image>`` tags, a conversation too long):
+    one line naming it (its start, when long) and why, exit 2, as for any bad input."""
+    shown = question if len(question) <= 60 else question[:57] + "..."
+    print(f"python -m vitmm.chat: --question {shown!r}: {err}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """A trained VLM's ``qa`` questions as a local lmms-eval task, to score it through lmms-eval.
 
     python -m vitmm.lmms_task --workdir workdirs/vlm_s2 --out tasks/vlm_s2_qa
-    python -m vitmm.serve --workdir workdirs/vlm_s2 --port 8000 &
+    python -m vitmm.serve --workdir workdirs/vlm_s2 --port 8000 --model_name vitmm &
     .venv-eval/bin/python -m lmms_eval eval --model openai \\
-        --model_args model=vlm_s2,base_url=http://127.0.0.1:8000/v1 \\
+        --model_args model=vitmm,base_url=http://127.0.0.1:8000/v1 \\
         --include_path tasks/vlm_s2_qa --tasks vitmm_qa --log_samples --output_path lmms_out
 
 The task holds exactly the questions the run's ``qa`` evaluator asks (the same images of the same
@@ -11,8 +11,10 @@ split, the same seeded choice of one question per image, its ``num_examples`` an
 ``max_new_tokens``), each image as a PNG file (lossless: the server decodes the pixels the
 evaluator read), and scores as the evaluator does (exact match, overall and per question kind), so
 lmms-eval through ``vitmm.serve`` gives the evaluator's numbers at temperature 0
-(``tests/test_lmms_eval.py``). Nothing comes from a hub: the YAML points lmms-eval's ``json``
-loader at ``test.jsonl`` by its absolute path (write the task again after moving it).
+(``tests/test_lmms_eval.py``), under a model id in which lmms-eval sees no reasoning model (``MODEL``;
+one holding ``o1``, ``o3``, ``o4`` or ``gpt-5`` makes it drop the temperature, and the server then
+samples). Nothing comes from a hub: the YAML points lmms-eval's ``json`` loader at ``test.jsonl`` by
+its absolute path (write the task again after moving it).
 """
 
 from __future__ import annotations
@@ -50,12 +52,15 @@ metadata:
 
 def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int | None = None) -> dict:
     """Writes the task folder ``out`` (YAML, ``utils.py``, ``kinds.json``, ``test.jsonl``, ``images/``);
-    returns ``{"task", "questions", "kinds"}``. ``ValueError`` for a workdir without that evaluator."""
+    returns ``{"task", "questions", "kinds"}``. ``ValueError`` for a workdir without that evaluator, or
+    one whose pp is not the one ``vitmm.serve`` prompts with (``chat.served_pp``): its answers would
+    not be lmms-eval's."""
     from PIL import Image
 
-    from vitmm import cli
+    from vitmm import chat, cli
     from vitmm.data import preprocess
-    from vitmm.train import sources, tasks
+    from vitmm.train import pp_template, sources, tasks
+    from vitmm.train.vlm_evaluators import QAAccuracy
 
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", task):
         raise ValueError(f"--task {task!r}: a task name is letters, digits, '_', '.' and '-' (lmms-eval's "
@@ -72,6 +77,14 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
         raise ValueError(f"{workdir} has no qa evaluator named {evaluator!r} (its qa evaluators: {have or 'none'}); "
                          "a task is written from a VLM run's qa evaluator.")
     cfg = evals[evaluator]
+    # lmms-eval asks through vitmm.serve, which prompts every question with one pp (chat.served_pp):
+    # an evaluator with another (a blind `blank|`, another format) would be scored on answers it never gives.
+    own = pp_template.pp_string(config, (cfg.get("pp") or QAAccuracy.PP).replace("choose|", ""))
+    served, source = chat.served_pp(config, why=True)
+    if preprocess.ops(own) != preprocess.ops(served):
+        raise ValueError(f"--evaluator {evaluator}: its pp ({own}) is not the one vitmm.serve prompts with ({served}, "
+                         f"{source}), so lmms-eval's answers would not be this evaluator's; write the task from a qa "
+                         "evaluator with the served pp.")
     qa = tasks.qa_evaluator(config, cfg, None, tasks.tokenizer_for(config))
     questions = qa.questions()
     decode = preprocess.parse("decode")
@@ -94,12 +107,51 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
     return {"task": task, "questions": len(rows), "kinds": kinds}
 
 
+# The model id evaluate() serves the run under and hands lmms-eval. lmms-eval 0.7.3's OpenAI chat model
+# (models/chat/openai.py, build_payload_for_index) treats an id as a reasoning model when
+# `"o1" in id or "o3" in id or "o4" in id or "gpt-5" in id` (a case-sensitive substring test) and
+# then drops the task's temperature from the request, which vitmm.serve reads as OpenAI's default 1:
+# sampled answers, not the evaluator's greedy ones. This id holds none of the four.
+MODEL = "vitmm"
+REASONING_SUBSTRINGS = ("o1", "o3", "o4", "gpt-5")
+
+# What lmms-eval 0.7.3's OpenAI chat model (models/chat/openai.py) records as the *answer* of a request
+# that failed after its retries, or that its token budget stopped: it scores that text, exits 0.
+FAILED_MARKERS = ("[LMMS_EVAL_REQUEST_FAILED", "[LMMS_EVAL_BUDGET_EXCEEDED")
+
+
+def check_requests(folder, stamp: str) -> None:
+    """``RuntimeError`` when lmms-eval's samples of the run ``stamp`` (``<stamp>_samples_<task>.jsonl``
+    in ``folder``, written by ``--log_samples``) hold a failed request. lmms-eval scores such a
+    request's error text as a wrong answer and exits 0, so its accuracy would no longer be the
+    evaluator's: a request ``vitmm.serve`` refused (a 400 for a question too long, a 404 for another
+    model id) would lower the score without a word."""
+    failed, total = [], 0
+    for path in sorted(Path(folder).glob(f"{stamp}_samples_*.jsonl")):
+        for line in path.read_text().splitlines():
+            sample = json.loads(line)
+            total += 1
+            texts = [sample.get("resps"), sample.get("filtered_resps")]
+            while any(isinstance(t, list) for t in texts):  # nested per request and per filter
+                texts = [x for t in texts for x in (t if isinstance(t, list) else [t])]
+            bad = next((t for t in texts if isinstance(t, str) and t.startswith(FAILED_MARKERS)), None)
+            if bad is not None:
+                failed.append((path, sample.get("doc_id"), bad))
+    if failed:
+        path, doc, text = failed[0]
+        text = " ".join(text.split())
+        raise RuntimeError(f"lmms-eval recorded {len(failed)} of {total} requests as failed (it scores each as a wrong "
+                           f"answer and exits 0), so there is no score; the first, doc {doc}: {text} (every sample: "
+                           f"{path}).")
+
+
 def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: str = ".venv-eval/bin/python",
              model_args: str = "", timeout: float = 3600) -> dict:
     """Scores ``workdir`` with lmms-eval (``python``: its environment's interpreter) through
     ``vitmm.serve`` on a free local port, served from this process: ``tasks`` from ``include_path``,
     or (None) the run's own ``qa`` task written to ``out/task``. Returns ``{"<task>/<metric>": value}``; lmms-eval's
-    output (with every sample) stays in ``out/lmms``. ``RuntimeError`` with the tail of what failed."""
+    output (with every sample) stays in ``out/lmms``. ``RuntimeError`` with the tail of what failed, or
+    naming the requests lmms-eval recorded as failed (``check_requests``): no score then."""
     import glob
     import os
     import subprocess
@@ -107,18 +159,23 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
     from vitmm import serve
 
     workdir, out = Path(workdir), Path(out)
+    named = [arg.split("=", 1)[0].strip() for arg in model_args.split(",") if arg.strip()]
+    if {"model", "model_version"} & set(named):
+        raise ValueError(f"model_args {model_args!r} names the model; evaluate() serves the run as {MODEL!r} and "
+                         "asks for it (an id holding o1, o3, o4 or gpt-5 makes lmms-eval drop the temperature): "
+                         "leave model= out.")
     if not Path(python).is_file():
         raise FileNotFoundError(f"No lmms-eval interpreter at {python}; make eval-env builds .venv-eval.")
     if include_path is None:
         include_path = out / "task"
         write(workdir, include_path, tasks)
-    url, stop = serve.start_in_thread(serve.Engine(workdir, model_name="vitmm"))
+    url, stop = serve.start_in_thread(serve.Engine(workdir, model_name=MODEL))
     try:
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"),
                "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "unused")}
         env.pop("XLA_FLAGS", None)
-        args = f"model=vitmm,base_url={url}/v1" + (f",{model_args}" if model_args else "")
+        args = f"model={MODEL},base_url={url}/v1" + (f",{model_args}" if model_args else "")
         done = subprocess.run([python, "-m", "lmms_eval", "eval", "--model", "openai", "--model_args", args,
                                "--include_path", str(include_path), "--tasks", tasks, "--log_samples",
                                "--output_path", str(out / "lmms")], env=env, capture_output=True, text=True,
@@ -127,7 +184,9 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
         stop()
     if done.returncode != 0:
         raise RuntimeError(f"lmms-eval failed (exit {done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
-    results = json.loads(Path(sorted(glob.glob(str(out / "lmms/vitmm/*_results.json")))[-1]).read_text())
+    found = Path(sorted(glob.glob(str(out / "lmms" / MODEL / "*_results.json")))[-1])
+    check_requests(found.parent, found.name.removesuffix("_results.json"))
+    results = json.loads(found.read_text())
     return {f"{task}/{key.split(',')[0]}": value for task, metrics in results["results"].items()
             for key, value in metrics.items() if key.endswith(",none") and "stderr" not in key}
 
