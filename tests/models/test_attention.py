@@ -39,6 +39,12 @@ def test_a_row_with_every_key_masked_gets_uniform_weights_like_jax():
     got = matmul_attention(q, k, v, mask=mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
     np.testing.assert_allclose(np.asarray(got[0, 3]), np.asarray(v[0].mean(0)), atol=1e-6, rtol=0)
+    # and no gradient reaches q or the masked keys through a masked logit (the backward is hand-written)
+    loss = lambda fn: lambda q, k, v: (fn(q, k, v) ** 2).sum()  # noqa: E731
+    want = jax.grad(loss(lambda *a: jax.nn.dot_product_attention(*a, mask=mask, implementation="xla")), (0, 1, 2))
+    got = jax.grad(loss(lambda *a: matmul_attention(*a, mask=mask)), (0, 1, 2))
+    for w, g in zip(want(q, k, v), got(q, k, v), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["self", "cross", "qk_norm", "rope", "causal", "mask"])

@@ -65,6 +65,22 @@ def test_gradient_checkpointing_recomputes_the_same_gradients():
         lm_lib.LM(**LM_KW, remat_policy="all").init(jax.random.key(1), ids)
 
 
+def test_a_cache_decodes_at_its_slots_and_refuses_tokens_past_its_end():
+    """Without ``positions`` the tokens go where their slots are (a decode step is not position 0);
+    tokens past the cache's end are an error, or NaN logits under jit, never keys written over."""
+    model = lm_lib.LM(**LM_KW)
+    ids = jnp.asarray([[5, 9, 14, 3]])
+    params = model.init(jax.random.key(0), ids)
+    full = jax.jit(model.apply)(params, ids)
+    step = jax.jit(lambda ids, cache: model.apply(params, ids, cache=cache))  # (eager: ~1 s a call)
+    first, cache = step(ids[:, :3], lm_lib.init_cache(LM_KW, 1, 4))
+    last, cache = step(ids[:, 3:], cache)
+    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(full[:, 3]), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="1 new token.* at cache slot 4 do not fit a cache of 4 slots"):
+        model.apply(params, ids[:, :1], cache=cache)  # refused before any computation
+    assert np.isnan(np.asarray(step(ids[:, 3:], cache)[0])).all()
+
+
 def test_lm_has_no_biases_and_uses_rmsnorm_and_swiglu():
     params = lm_lib.LM(**LM_KW).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     block = params["block_00"]

@@ -69,6 +69,9 @@ def test_dropout_is_seeded_and_targets_must_match(setup):
     assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-4
     with pytest.raises(ValueError, match="No dense layer matches"):
         lora.init(params, (r"vision/.*",), rank=2, key=jax.random.key(0))
+    stacked = {"tower": {"blocks": {"attn": {"qkv": {"kernel": jnp.zeros((2, 8, 24))}}}}, **params}  # scan=True's
+    with pytest.raises(ValueError, match=r"match stacked kernels.*tower/blocks/attn/qkv.*scan=False"):
+        lora.init(stacked, (r".*attn/(qkv|q|v)",), rank=2, key=jax.random.key(0))  # never silently the LM only
 
 
 def test_adapters_on_the_tower_and_the_lm_of_a_vlm_merge_to_the_same_outputs():

@@ -101,6 +101,8 @@ def _heads_first_bwd(res, d_out):
     dv = jnp.matmul(jnp.swapaxes(e, -1, -2).astype(v.dtype), g.astype(v.dtype), preferred_element_type=jnp.float32)
     d_logits = jnp.matmul(g.astype(v.dtype), jnp.swapaxes(v, -1, -2), preferred_element_type=jnp.float32)
     d_logits = e * (d_logits - jnp.sum(g * out.astype(jnp.float32), axis=-1, keepdims=True))
+    if mask is not None:  # a masked logit has no gradient (zero already, e = 0, save in a row with every key masked)
+        d_logits = jnp.where(mask, d_logits, 0.0)
     d_logits = d_logits.astype(qs.dtype)
     dq = jnp.matmul(d_logits, k, preferred_element_type=jnp.float32) * _scale(qs)
     dk = jnp.matmul(jnp.swapaxes(d_logits, -1, -2), qs, preferred_element_type=jnp.float32)

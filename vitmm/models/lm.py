@@ -256,7 +256,9 @@ class LM(nn.Module):
                  logits_at: jnp.ndarray | None = None, segment_ids: jnp.ndarray | None = None,
                  prefix_mask: jnp.ndarray | None = None, hidden: bool = False):
         """Logits ``[B, T, vocab]``; with ``cache`` (``init_cache``), ``(logits, cache)``: the ``T``
-        new tokens are written at ``cache["slot"]`` onward and attend to every valid earlier slot.
+        new tokens are written at ``cache["slot"]`` onward and attend to every valid earlier slot
+        (``positions`` default to those slots; tokens past the cache's end are an error, NaN logits
+        under ``jit``).
         ``logits_at [B, K]`` (positions in ``0 … T-1`` of the new tokens): the head runs at those
         positions only and the logits are ``[B, K, vocab]`` (a loss on a few tokens of a large
         vocabulary, or a prefill that needs each prompt's last position). ``segment_ids`` and
@@ -265,9 +267,12 @@ class LM(nn.Module):
         logits a chunk at a time (``losses.chunked_lm_loss``)."""
         if (ids is None) == (embeds is None):
             raise ValueError("Pass exactly one of ids [B, T] or embeds [B, T, D].")
+        if cache is not None:
+            _check_room(cache, (ids if embeds is None else embeds).shape[1])
         x = self.embed(ids) if embeds is None else embeds
         b, t = x.shape[:2]
-        positions = jnp.arange(t)[None] if positions is None else positions
+        if positions is None:  # the tokens' slots: after the cache's earlier ones when decoding
+            positions = jnp.arange(t)[None] + (0 if cache is None else cache["slot"])
         if self.mrope_section is not None:
             angles = rope.mrope_angles(positions, self.attn_head_dim, self.mrope_section, self.rope_theta,
                                        self.rope_scaling)
@@ -313,6 +318,9 @@ class LM(nn.Module):
         logits = self.logits(x)
         if cache is None:
             return logits
+        # Past the cache's end dynamic_update_slice would write the new keys over its last slots: no
+        # error under jit, only wrong logits, so they are NaN there instead (outside jit: _check_room).
+        logits = jnp.where(cache["slot"] + t > cache["valid"].shape[1], jnp.nan, logits)
         return logits, {"k": [kv[0] for kv in layers_kv], "v": [kv[1] for kv in layers_kv], "valid": valid,
                         "slot": cache["slot"] + t}
 
@@ -323,6 +331,15 @@ class LM(nn.Module):
         if self.logit_softcap:
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         return logits
+
+
+def _check_room(cache: dict, t: int) -> None:
+    """A ``ValueError`` when ``t`` new tokens do not fit the cache after its slot (where the slot is
+    known outside ``jit``; inside, the logits come back NaN)."""
+    slot, length = cache["slot"], cache["valid"].shape[1]
+    if not isinstance(slot, jax.core.Tracer) and int(slot) + t > length:
+        raise ValueError(f"{t} new token(s) at cache slot {int(slot)} do not fit a cache of {length} slots; "
+                         "make the cache longer (init_cache's length: prompt + new tokens).")
 
 
 def init_cache(lm_config: dict, batch: int, length: int, dtype=jnp.float32) -> dict:

@@ -28,19 +28,27 @@ from vitmm import tree
 
 
 def init(params: dict, targets, rank: int, key) -> dict:
-    """Adapters for every 2-D kernel whose layer path fully matches one of ``targets``."""
+    """Adapters for every 2-D kernel whose layer path fully matches one of ``targets``; a target that
+    matches a stacked kernel (``scan=True``'s ``[depth, in, out]``) is refused rather than skipped."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be a positive integer, got {rank}.")
     patterns = [re.compile(t) for t in targets]
-    adapters = {}
+    adapters, stacked = {}, []
     for i, (name, leaf) in enumerate(sorted(tree.flatten(params).items())):
         layer, _, leaf_name = name.rpartition("/")
-        if leaf_name != "kernel" or getattr(leaf, "ndim", 0) != 2 or not any(p.fullmatch(layer) for p in patterns):
+        if leaf_name != "kernel" or not any(p.fullmatch(layer) for p in patterns):
+            continue
+        if getattr(leaf, "ndim", 0) != 2:  # e.g. a scan=True tower's [depth, in, out] kernels
+            stacked.append(layer)
             continue
         fan_in, fan_out = leaf.shape
         bound = fan_in ** -0.5
         a = jax.random.uniform(jax.random.fold_in(key, i), (fan_in, rank), jnp.float32, -bound, bound)
         adapters[layer.replace("/", ".")] = {"a": a, "b": jnp.zeros((rank, fan_out), jnp.float32)}
+    if stacked:
+        raise ValueError(f"The LoRA targets {list(targets)} match stacked kernels, one per layer of a scanned stack "
+                         f"({stacked[:3]}): LoRA adapts 2-D kernels; build that model with scan=False, or leave it "
+                         "out of the targets.")
     if not adapters:
         raise ValueError(f"No dense layer matches the LoRA targets {list(targets)}; layer paths look like "
                          f"{sorted({n.rpartition('/')[0] for n in tree.flatten(params)})[:4]}.")

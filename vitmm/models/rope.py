@@ -11,7 +11,9 @@ import numpy as np
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
-    """``[head_dim/2]`` RoPE frequencies ``θ^(-2k/d)`` (float32, as Hugging Face computes them),
+    """``[head_dim/2]`` RoPE frequencies ``θ^(-2k/d)`` (float32 by Hugging Face's formula; numpy's
+    float32 power differs from torch's by 1 ulp on some frequencies, so angles agree to ~1e-7
+    relative, not bit for bit),
     with Llama 3's rescaling when ``scaling["rope_type"] == "llama3"``: wavelengths longer than
     ``original_max_position_embeddings / low_freq_factor`` slow down by ``factor``, shorter than
     ``… / high_freq_factor`` stay, and the band between is interpolated."""
