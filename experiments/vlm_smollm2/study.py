@@ -137,7 +137,7 @@ def report(table: pathlib.Path, counts: dict, out: pathlib.Path) -> None:
                      + f" | {r['img_per_s']} | {r['peak_rss_gib']} | {int(r['wall_s']) / 60:.1f} |")
     pairs = [("smollm2_stage2_lora", "smollm2_stage2_lora_blind"), ("smollm2_stage1", "smollm2_stage2_lora_blind"),
              ("smollm2_stage2_lora", "smollm2_stage1"), ("smollm2_stage2_lora", "scratch_lm_same_examples"),
-             ("smollm2_stage2_lora", "scratch_lm_500_steps")]
+             ("smollm2_stage2_lora", "scratch_lm_500_steps"), ("scratch_lm_same_examples", "smollm2_stage2_lora_blind")]
     lines += ["", "Differences (percentage points; two-sided p of a two-proportion z-test per kind):", "",
               "| comparison | " + " | ".join(c.removeprefix("acc_") for c in cols) + " |",
               "|---|" + "---:|" * len(cols)]

@@ -38,7 +38,7 @@ def test_the_committed_report_is_written_again_from_its_runs_with_its_verdicts(t
         shutil.copy(committed / name, tmp_path / name)
     written = study.main(["--report", "--out", str(tmp_path)])
     assert written.read_text() == (committed / "vlm_smollm2.md").read_text()
-    assert "All 30 tests of this report corrected together (Holm)" in written.read_text()
+    assert "All 36 tests of this report corrected together (Holm)" in written.read_text()
 
 
 def test_each_run_s_intervals_use_the_questions_it_answered(tmp_path):
