@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from vitmm import losses
-from vitmm.data import pipeline, preprocess
+from vitmm.data import pipeline, preprocess, skips
 from vitmm.data import tokenizer as tok_lib
 
 DEFAULT_TEMPLATES = ("a {}.", "there is a {}.", "one shape: a {}.")
@@ -86,8 +86,14 @@ class _Embeddings:
         from vitmm.models import packing
 
         rng, n = np.random.default_rng(0), len(view)  # the ops used here draw nothing
+        guarded = skips.guard(self._pp)
         for start in range(0, n, self.batch_size):
-            examples = [self._pp(dict(view[i]), rng) for i in range(start, min(n, start + self.batch_size))]
+            # A bad raw record (missing file, empty caption, undecodable image) is left out, as the
+            # square path masks it: it is not counted in ``examples``.
+            outs = (guarded(_record(view[i]), rng) for i in range(start, min(n, start + self.batch_size)))
+            examples = [out for out in outs if not isinstance(out, skips.Skipped)]
+            if not examples:
+                continue
             packed = packing.pack([ex["image"] for ex in examples], self.native["patch_size"],
                                   self.native["seq_len"], self.native["max_images"],
                                   class_token=self.native["class_token"], num_registers=self.native["num_registers"])
@@ -103,6 +109,11 @@ class _Embeddings:
     def texts(self, params, strings) -> np.ndarray:
         ids = np.stack([tok_lib.tokenize(self.tokenizer, s, self.max_len, padding=self.padding).ids for s in strings])
         return np.asarray(self._embed_texts(params, ids))
+
+
+def _record(record):
+    """A source's record as a dict the pp may change, or its ``Skipped`` (a bad raw record) as is."""
+    return record if isinstance(record, skips.Skipped) else dict(record)
 
 
 class Prefix:
