@@ -51,3 +51,26 @@ def test_a_bad_raw_record_is_left_out_of_either_evaluation_path(tmp_path, tiny, 
                                             embed_batch_size=4)})
     out = evals["retrieval"].run(params)
     assert out["examples"] == 5 and 0 <= out["i2t_r1"] <= out["i2t_r5"] <= 1
+
+
+def test_zero_shot_runs_on_a_dataset_of_images_and_labels_only(tiny, monkeypatch):
+    """Zero-shot on a classification split (cifar10-like records: image, label; no caption) with
+    ``class_names``: the pass reads no caption and tokenizes none; each image goes to its class's
+    nearest prompt embedding."""
+    from vitmm.data import pipeline
+
+    model, params = tiny
+    records = [{"image": np.full((32, 32, 3), 40 * (i % 3), np.uint8), "label": np.int64(i % 3)} for i in range(7)]
+    asked = []
+    monkeypatch.setattr(pipeline, "source_for", lambda data, keys=None: asked.append(keys) or records)
+    evals = build(model, {"zs": dict(type="zeroshot", data=dict(name="cifar10", split="test"),
+                                     class_names=["a", "b", "c"], embed_batch_size=4)})
+    out = evals["zs"].run(params)
+    assert asked == [("image", "label")] and out["examples"] == 7 and out["chance"] == pytest.approx(1 / 3)
+    # the same prediction by hand: images alone through the image tower, prompt-ensembled classes
+    zimg = np.asarray(model.apply({"params": params}, jnp.asarray([r["image"] for r in records]) / 127.5 - 1)[0])
+    zs = evals["zs"]
+    classes = np.stack([zs.embeddings.texts(params, zs.prompts(c)).mean(0) for c in zs.class_names])
+    classes /= np.linalg.norm(classes, axis=1, keepdims=True)
+    expected = ((zimg @ classes.T).argmax(1) == np.arange(7) % 3).mean()
+    assert out["accuracy"] == pytest.approx(expected)

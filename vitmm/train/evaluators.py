@@ -37,25 +37,29 @@ class _Embeddings:
 
     def __init__(self, embed_images, embed_texts, data: dict, max_len: int, tokenizer, batch_size: int,
                  num_examples: int | None, image_size: int, native: dict | None = None, padding: str = "pad",
-                 value_op: str = "value_range(-1, 1)"):
+                 value_op: str = "value_range(-1, 1)", captions: bool = True):
         self._embed_images, self._embed_texts = embed_images, embed_texts
         self.tokenizer, self.max_len, self.batch_size = tokenizer, max_len, batch_size
         self.padding = padding  # "eos" for a text tower pooled at its last position (SigLIP), as it trained
+        # captions=False (only zero-shot reads this split): no caption is read, tokenized or embedded,
+        # so a classification dataset of images and labels (cifar10, imagenet2012) works.
+        self.captions = captions
         # data: name, split, data_dir (or scenes_any); keys to read (default image, caption,
         # label) and the ops that turn a record into one "caption" (default: it already has one).
         from vitmm.data import formats
 
         raw = formats.raw_format(data)  # image-caption pairs of the user's files: no labels
-        keys = tuple(data.get("keys") or (("image", "caption") if raw else ("image", "caption", "label")))
+        default = ("image", "caption") if raw else ("image", "caption", "label") if captions else ("image", "label")
+        keys = tuple(data.get("keys") or default)
         self.source = source = pipeline.source_for(data, keys)
         self.num_examples = min(num_examples or len(source), len(source))
         label = "'label'" if "label" in keys else ""
         self.native = native  # with it: NaFlex to a patch budget and packed rows, else squares
         size = (f"naflex({native['max_num_patches']}, {native['patch_size'][0]})" if native
                 else f"resize({image_size})")
+        text = (f"tokenize('caption', {max_len}, padding={padding!r})|", "'caption_tokens', ") if captions else ("", "")
         self._pp = preprocess.parse(
-            f"{data.get('pp') or 'decode'}|{size}|{value_op}|"
-            f"tokenize('caption', {max_len}, padding={padding!r})|keep('image', 'caption_tokens', {label})", tokenizer)
+            f"{data.get('pp') or 'decode'}|{size}|{value_op}|{text[0]}keep('image', {text[1]}{label})", tokenizer)
         self.has_labels = "label" in keys
         self._params, self._value = None, None
 
@@ -72,11 +76,13 @@ class _Embeddings:
                 keep = batch["_mask"].astype(bool)
                 embedded = batch["zimg"] if self.native else np.asarray(self._embed_images(params, batch["image"]))
                 images.append(embedded[keep])
-                texts.append(np.asarray(self._embed_texts(params, batch["caption_tokens"]))[keep])
-                tokens.append(batch["caption_tokens"][keep])
                 labels.append(batch["label"][keep] if self.has_labels else np.full(keep.sum(), -1))
-            self._value = dict(zimg=np.concatenate(images), ztxt=np.concatenate(texts),
-                               tokens=np.concatenate(tokens), labels=np.concatenate(labels))
+                if self.captions:
+                    texts.append(np.asarray(self._embed_texts(params, batch["caption_tokens"]))[keep])
+                    tokens.append(batch["caption_tokens"][keep])
+            self._value = dict(zimg=np.concatenate(images), labels=np.concatenate(labels))
+            if self.captions:
+                self._value.update(ztxt=np.concatenate(texts), tokens=np.concatenate(tokens))
             self._params = params
         return self._value
 
@@ -238,6 +244,10 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
     embed_texts = jax.jit(lambda p, ids: model.apply({"params": p}, None, ids)[1])
     caches: dict = {}
     evaluators = {}
+    # The split's captions are read and embedded only where an evaluator on it compares with them
+    # (retrieval, val_loss): zero-shot alone runs on images and labels.
+    with_captions = {_cache_key(cfg) for name, cfg in evals_config.items()
+                     if dict(cfg).get("type", name) in ("retrieval", "val_loss")}
     for name, cfg in evals_config.items():
         cfg = dict(cfg)
         kind = cfg.pop("type", name)
@@ -246,8 +256,8 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
         if "every" in cfg:  # it was once accepted and ignored
             raise ValueError(f"evals.{name}.every={cfg['every']!r}: every evaluator runs each eval_every steps; set "
                              "config.eval_every instead.")
-        data = dict(cfg.pop("data"))
-        native = cfg.pop("native", None)
+        data = dict(cfg["data"])
+        native = cfg.get("native")
         if native:  # the image tower's patch and prefix tokens, as packing needs them
             from vitmm.models.vit import ViT
 
@@ -257,13 +267,14 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
                 raise ValueError(f"{name}: native (NaFlex) evaluation needs square patches, the tower has {patch}.")
             native = {**dict(native), "patch_size": patch, "class_token": tower.class_token,
                       "num_registers": tower.num_registers}
-        key = (str(sorted(data.items())), cfg.get("num_examples"), str(native))
+        key = _cache_key(cfg)
         if key not in caches:
             caches[key] = _Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
                                       cfg.pop("embed_batch_size", 256), cfg.get("num_examples"),
-                                      image_size, native, padding=text_padding(model), value_op=value_op)
-        cfg.pop("num_examples", None)
-        cfg.pop("embed_batch_size", None)
+                                      image_size, native, padding=text_padding(model), value_op=value_op,
+                                      captions=key in with_captions)
+        for setting in ("data", "native", "num_examples", "embed_batch_size"):
+            cfg.pop(setting, None)
         if kind == "val_loss":
             cfg.setdefault("loss", "sigmoid" if loss.startswith("sigmoid") else "softmax")
         if kind == "zeroshot" and "class_names" not in cfg:
@@ -272,6 +283,13 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
             cfg.setdefault("fill", fill)
         evaluators[name] = TYPES[kind](caches[key], **cfg)
     return evaluators
+
+
+def _cache_key(cfg: dict) -> tuple:
+    """Evaluators whose settings agree on these share one embedding pass."""
+    native = cfg.get("native")
+    return (str(sorted(dict(cfg["data"]).items())), cfg.get("num_examples"),
+            str(sorted(dict(native).items())) if native else None)
 
 
 def text_padding(model) -> str:
