@@ -199,3 +199,20 @@ def test_the_final_table_shows_each_directions_chance_where_they_differ():
              "retrieval/t2i_chance_r1": 0.125}
     lines = summary_table(dict(evals=evals, final_step=3, checkpoints=[3], workdir="w")).splitlines()
     assert lines[1].split()[-2:] == ["0.500", "0.250"] and lines[2].split()[-2:] == ["0.400", "0.125"]
+
+
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+def test_val_loss_scores_every_pair_the_last_batch_padded_and_masked(loss):
+    """10 pairs in batches of 4: two full batches and the last 2 pairs as a batch of their own
+    (padded to 4, the padding masked out), the mean over the 10 pairs (float32, 1e-6)."""
+    from vitmm import losses
+
+    rng = np.random.default_rng(0)
+    zimg, ztxt = (z / np.linalg.norm(z, axis=1, keepdims=True) for z in rng.normal(size=(2, 10, 8)).astype(np.float32))
+    emb = Fixed(zimg=zimg, ztxt=ztxt, tokens=np.arange(10)[:, None], txt2img=np.arange(10), labels=-np.ones(10))
+    out = eval_lib.ValLoss(emb, loss=loss, batch_size=4).run(None, t=10.0, b=-5.0)
+    fn = (lambda zi, zt: losses.softmax_loss(zi, zt, 10.0)) if loss == "softmax" else (
+        lambda zi, zt: losses.sigmoid_loss(zi, zt, 10.0, -5.0))
+    per_batch = [float(fn(zimg[i : i + 4], ztxt[i : i + 4])) for i in (0, 4, 8)]
+    assert out["loss"] == pytest.approx((4 * per_batch[0] + 4 * per_batch[1] + 2 * per_batch[2]) / 10, rel=1e-6)
+    assert out["examples"] == 10 and out["batches"] == 3

@@ -12,7 +12,8 @@ round of evaluation. The image-text evaluators share one pass that embeds the ev
   caption retrieves among the distinct images. Several scenes share the same caption word for
   word; retrieving any pair with the identical caption counts as correct, and the chance level
   printed accounts for that.
-* ``val_loss``: the training loss on consecutive full batches of ``batch_size`` pairs.
+* ``val_loss``: the training loss on consecutive batches of ``batch_size`` pairs; the last,
+  partial one scores the rest (padded, the padding masked out), so every pair counts.
 
 Any of them reads images at their own sizes with ``native={"max_num_patches", "seq_len",
 "max_images"}``: each image resized by NaFlex to the patch budget and the images packed into
@@ -303,24 +304,30 @@ def _chance(matches: np.ndarray, n: int) -> dict:
 
 
 class ValLoss(_OnEmbeddings):
+    """The training loss on consecutive batches of ``batch_size`` pairs, every pair scored: the
+    last batch, padded to ``batch_size`` with its padding masked out (``losses``' ``valid``), is
+    the loss of its own pairs alone (fewer negatives than a full batch); the mean is over pairs."""
+
     def __init__(self, embeddings: _Embeddings, loss: str = "softmax", batch_size: int = 256, **_):
         self.embeddings, self.loss, self.batch_size = embeddings, loss, batch_size
 
     def run(self, params, t=None, b=None) -> dict:
         emb = self.embeddings.get(params)
         zimg, ztxt = emb["zimg"][emb["txt2img"]], emb["ztxt"]  # the split's image-caption pairs
-        n = len(zimg) // self.batch_size * self.batch_size
-        if n == 0:
-            raise ValueError(f"val_loss: {len(zimg)} examples are fewer than batch_size "
-                             f"{self.batch_size}.")
-        values = []
-        for i in range(0, n, self.batch_size):
-            zi, zt = zimg[i : i + self.batch_size], ztxt[i : i + self.batch_size]
+        n, size = len(zimg), self.batch_size
+        values, weights = [], []
+        for i in range(0, n, size):
+            zi, zt = zimg[i : i + size], ztxt[i : i + size]
+            valid = None
+            if len(zi) < size:  # the rest: padded, so that it runs in the full batches' compiled shape
+                valid = np.arange(size) < len(zi)
+                zi, zt = (np.concatenate([z, np.zeros((size - len(z), z.shape[1]), z.dtype)]) for z in (zi, zt))
             if self.loss == "softmax":
-                values.append(float(_softmax_loss(zi, zt, t)))
+                values.append(float(_softmax_loss(zi, zt, t, valid)))
             else:
-                values.append(float(_sigmoid_loss(zi, zt, t, b)))
-        return {"loss": float(np.mean(values)), "batches": len(values)}
+                values.append(float(_sigmoid_loss(zi, zt, t, b, valid)))
+            weights.append(len(zi) if valid is None else int(valid.sum()))
+        return {"loss": float(np.average(values, weights=weights)), "batches": len(values), "examples": n}
 
 
 # Compiled once per batch shape (eagerly, each of the loss's ~15 operations is a program of its own).
