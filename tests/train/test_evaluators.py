@@ -216,3 +216,28 @@ def test_val_loss_scores_every_pair_the_last_batch_padded_and_masked(loss):
     per_batch = [float(fn(zimg[i : i + 4], ztxt[i : i + 4])) for i in (0, 4, 8)]
     assert out["loss"] == pytest.approx((4 * per_batch[0] + 4 * per_batch[1] + 2 * per_batch[2]) / 10, rel=1e-6)
     assert out["examples"] == 10 and out["batches"] == 3
+
+
+def test_zeroshot_and_retrieval_embed_in_batches_of_their_batch_size(tmp_path, tiny, monkeypatch):
+    """``evals.<name>.batch_size`` of zeroshot/retrieval sets the embedding pass's batches (lowered
+    to fit memory, it must not be 256 regardless); a split shared with val_loss embeds in the
+    smallest batch asked for, val_loss's own batch_size staying its loss's batch. Settings an
+    evaluator would ignore, or both batch keys at odds, are refused in one line."""
+    model, params = tiny
+    csv = write_csv(tmp_path, [f"caption {i}" for i in range(6)])
+    data = dict(csv=csv)
+    evals = build(model, {"retrieval": dict(type="retrieval", data=data, batch_size=2),
+                          "val": dict(type="val_loss", data=data, batch_size=4, embed_batch_size=3)})
+    assert evals["retrieval"].embeddings.batch_size == 2 and evals["val"].batch_size == 4
+    assert evals["val"].embeddings is evals["retrieval"].embeddings
+    shapes = []
+    embeddings = evals["retrieval"].embeddings
+    embed = embeddings._embed_images
+    monkeypatch.setattr(embeddings, "_embed_images", lambda p, x: shapes.append(x.shape) or embed(p, x))
+    assert evals["retrieval"].run(params)["examples"] == 6 and {s[0] for s in shapes} == {2}
+    assert build(model, {"zs": dict(type="zeroshot", data=data, class_names=["a"], batch_size=5)})[
+        "zs"].embeddings.batch_size == 5
+    with pytest.raises(ValueError, match=r"evals.r: batch_size=2 and embed_batch_size=4 both set .* set one"):
+        build(model, {"r": dict(type="retrieval", data=data, batch_size=2, embed_batch_size=4)})
+    with pytest.raises(ValueError, match=r"evals.r \(retrieval\) has no setting\(s\) \['bach_size'\]; it takes"):
+        build(model, {"r": dict(type="retrieval", data=data, bach_size=2)})

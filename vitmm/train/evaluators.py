@@ -335,6 +335,23 @@ _softmax_loss, _sigmoid_loss = jax.jit(losses.softmax_loss), jax.jit(losses.sigm
 
 
 TYPES = {"zeroshot": ZeroShot, "retrieval": Retrieval, "val_loss": ValLoss}
+_SHARED = {"data", "native", "num_examples", "batch_size", "embed_batch_size"}
+SETTINGS = {"zeroshot": _SHARED | {"class_names", "templates", "fill"}, "retrieval": _SHARED,
+            "val_loss": _SHARED | {"loss"}}  # each type's evals.<name> keys (besides type)
+
+
+def _embed_batch_size(name: str, cfg: dict) -> int | None:
+    """The embedding pass's batch an evaluator asks for: ``embed_batch_size``, or for ``zeroshot``
+    and ``retrieval`` (whose only batches are the pass's) ``batch_size``; ``val_loss``'s
+    ``batch_size`` is its loss's contrastive batch, not the pass's."""
+    kind = cfg.get("type", name)
+    asked = cfg.get("embed_batch_size")
+    if kind in ("zeroshot", "retrieval") and cfg.get("batch_size") is not None:
+        if asked is not None and asked != cfg["batch_size"]:
+            raise ValueError(f"evals.{name}: batch_size={cfg['batch_size']} and embed_batch_size={asked} both set "
+                             f"the batches {kind} embeds the split in; set one.")
+        asked = cfg["batch_size"]
+    return asked
 
 
 def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_size: int,
@@ -350,6 +367,14 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
     # (retrieval, val_loss): zero-shot alone runs on images and labels.
     with_captions = {_cache_key(cfg) for name, cfg in evals_config.items()
                      if dict(cfg).get("type", name) in ("retrieval", "val_loss")}
+    # Evaluators on one split share its embedding pass, in batches of the smallest size any of them
+    # asks for (memory is why one asks): zeroshot's and retrieval's batch_size, or embed_batch_size.
+    embed_batch: dict = {}
+    for name, cfg in evals_config.items():
+        asked = _embed_batch_size(name, dict(cfg))
+        if asked is not None:
+            key = _cache_key(cfg)
+            embed_batch[key] = min(embed_batch.get(key, asked), asked)
     for name, cfg in evals_config.items():
         cfg = dict(cfg)
         kind = cfg.pop("type", name)
@@ -358,6 +383,9 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
         if "every" in cfg:  # it was once accepted and ignored
             raise ValueError(f"evals.{name}.every={cfg['every']!r}: every evaluator runs each eval_every steps; set "
                              "config.eval_every instead.")
+        unknown = sorted(set(cfg) - SETTINGS[kind])
+        if unknown:  # a setting an evaluator would ignore
+            raise ValueError(f"evals.{name} ({kind}) has no setting(s) {unknown}; it takes {sorted(SETTINGS[kind])}.")
         data = dict(cfg["data"])
         native = cfg.get("native")
         if native:  # the image tower's patch and prefix tokens, as packing needs them
@@ -372,11 +400,13 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
         key = _cache_key(cfg)
         if key not in caches:
             caches[key] = _Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
-                                      cfg.pop("embed_batch_size", 256), cfg.get("num_examples"),
+                                      embed_batch.get(key, 256), cfg.get("num_examples"),
                                       image_size, native, padding=text_padding(model), value_op=value_op,
                                       captions=key in with_captions)
         for setting in ("data", "native", "num_examples", "embed_batch_size"):
             cfg.pop(setting, None)
+        if kind != "val_loss":  # the embedding pass's, above
+            cfg.pop("batch_size", None)
         if kind == "val_loss":
             cfg.setdefault("loss", "sigmoid" if loss.startswith("sigmoid") else "softmax")
         if kind == "zeroshot" and "class_names" not in cfg:
