@@ -241,3 +241,27 @@ def test_zeroshot_and_retrieval_embed_in_batches_of_their_batch_size(tmp_path, t
         build(model, {"r": dict(type="retrieval", data=data, batch_size=2, embed_batch_size=4)})
     with pytest.raises(ValueError, match=r"evals.r \(retrieval\) has no setting\(s\) \['bach_size'\]; it takes"):
         build(model, {"r": dict(type="retrieval", data=data, bach_size=2)})
+
+
+class Prompts(Fixed):
+    """Embeddings with a text tower that maps each prompt string to a fixed vector."""
+
+    def __init__(self, vectors: dict, **value):
+        super().__init__(**value)
+        self.vectors = vectors
+
+    def texts(self, params, strings):
+        return np.stack([self.vectors[s] for s in strings])
+
+
+def test_zero_shot_accuracy_on_known_embeddings():
+    """Class a's two prompts are e0 and e1, b's both e0, c's both e2: a's prompt mean (0.5, 0.5, 0)
+    must be renormalised, or image 0 (0.6, 0.55, 0) goes to b (0.6 > 0.575) instead of a (0.81).
+    Image 3 (e1) is a's nearest but labelled b; image 4 has no label and is not scored."""
+    e = np.eye(3, dtype=np.float32)
+    vectors = {"a one.": e[0], "a two.": e[1], "b one.": e[0], "b two.": e[0], "c one.": e[2], "c two.": e[2]}
+    zimg = np.array([[0.6, 0.55, 0], [1, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]], np.float32) * 3  # norms do not matter
+    emb = Prompts(vectors, zimg=zimg, labels=np.array([0, 1, 2, 1, -1]))
+    zs = eval_lib.ZeroShot(emb, ["a", "b", "c"], templates=("{} one.", "{} two."))
+    assert zs.prompts("a") == ["a one.", "a two."]
+    assert zs.run(None) == {"accuracy": 0.75, "chance": pytest.approx(1 / 3), "examples": 4}
