@@ -62,10 +62,14 @@ def get_config(arg=None):
     c.optim = common.optim(lr=5e-4, warmup_steps=min(2000, arg.steps // 10), weight_decay=0.2)
     c.init = common.init()
 
-    val = common.data_spec(arg.data, "val", keys=("image", "captions"), pp=CHOOSE_CAPTION)  # no labels: no zero-shot
+    # No labels: no zero-shot. Retrieval scores all of an image's captions (~5), as published COCO
+    # R@k does (image→text: a hit when any of them ranks in the top k), on the first 5000 images of
+    # TFDS's val split (not Karpathy's 5k test images); val_loss pairs each image with one caption.
+    every_caption = common.data_spec(arg.data, "val", keys=("image", "captions"), captions="captions/text")
+    one_caption = common.data_spec(arg.data, "val", keys=("image", "captions"), pp=CHOOSE_CAPTION)
     c.evals = ml_collections.ConfigDict()
-    c.evals.retrieval = dict(type="retrieval", data=val, num_examples=5000)
-    c.evals.val = dict(type="val_loss", data=val, num_examples=5000, batch_size=1024)
+    c.evals.retrieval = dict(type="retrieval", data=every_caption, num_examples=5000)
+    c.evals.val = dict(type="val_loss", data=one_caption, num_examples=5000, batch_size=1024)
 
     c.multihost = common.multihost()
     if arg.smoke:

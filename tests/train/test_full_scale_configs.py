@@ -107,3 +107,25 @@ def test_smoke_step_on_coco_shaped_data(tmp_path, fake_coco, name):
     summary = trainer.train(c, tmp_path)
     assert summary["final_step"] == 1 and np.isfinite(summary["history"][0]["loss"])
     assert {"retrieval/i2t_r1", "val/loss"} <= set(summary["evals"])
+
+
+@pytest.mark.parametrize("name", ["clip_b16_coco", "siglip_b16"])
+def test_coco_retrieval_scores_every_caption_of_an_image(fake_coco, name):
+    """The configs' retrieval reads each image's list of captions (2 an image in the fake COCO, ~5 in
+    the real one): 16 images, 32 captions, as published COCO R@k counts them; val_loss 16 pairs."""
+    from vitmm.data.tokenizer import ByteTokenizer
+    from vitmm.train import evaluators as eval_lib
+
+    c = _config(name, "smoke")
+    model = two_towers.TwoTowers(
+        image=dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=8, pool="gap", class_token=False),
+        text=dict(vocab_size=259, max_len=32, width=32, depth=1, mlp_dim=64, num_heads=2, causal=True, pool="eot"),
+        embed_dim=16)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), jnp.zeros((1, 32), jnp.int32))["params"]
+    evals_config = {k: {**ev.to_dict(), "data": {**ev.data.to_dict(), "data_dir": fake_coco}, "num_examples": 16}
+                    for k, ev in c.evals.items()}
+    evals = eval_lib.from_config(evals_config, model, 32, ByteTokenizer(), c.loss, 32)
+    out = evals["retrieval"].run(params)
+    assert out["examples"] == 16 and out["caption_examples"] == 32
+    assert evals["retrieval"].embeddings.get(params)["txt2img"].tolist() == np.repeat(np.arange(16), 2).tolist()
+    assert len(evals["val"].embeddings.get(params)["ztxt"]) == 16

@@ -452,3 +452,22 @@ def test_a_loaded_tower_is_reported_only_where_it_differs_from_the_config(data_d
     saved["width"] = 2 * saved["width"]
     assert tasks.vlm_parts(c)[0]["width"] == saved["width"]
     assert f"model.vision is replaced by the tower saved in {tmp_path / 'saved_tower'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["val", "retrieval"])
+def test_a_vlm_evaluator_of_an_unknown_type_is_refused_at_setup(tmp_path, kind):
+    """A typo (``val``) or a contrastive type in a VLM run's evals: one line naming it and the
+    accepted types when the evaluators are built, not a QA evaluator that fails (or answers under
+    the wrong name) at the first evaluation."""
+    from vitmm.data import examples
+    from vitmm.train import tasks
+
+    val = examples.write_csv(tmp_path / "val", 4, resolution=32, split="validation")
+    c = config_args.load("configs/vlm_scenes.py", "smoke", **{"input.data_dir": str(tmp_path),
+                                                               "init.allow_random_tower": True})
+    with c.unlocked():
+        c.evals = {"heldout": {"type": kind, "data": {"csv": str(val)}, "num_examples": 4, "batch_size": 2}}
+    task = tasks.VLMTask(c, None, tasks.tokenizer_for(c))
+    with pytest.raises(ValueError, match=rf"Unknown evaluator type '{kind}' for evals.heldout of a VLM run; "
+                                         r"choose one of \('qa', 'val_loss'\)"):
+        task.evaluators()

@@ -113,6 +113,9 @@ def summary_table(summary: dict) -> str:
     lines = [f"{'after step ' + str(summary['final_step']):<28} {'value':>8} {'chance':>8}"]
     for label, key, chance in rows:
         if key in evals:
+            # several captions an image: each direction has its own chance level
+            direction = key.split("/")[1].split("_")[0]  # i2t, t2i
+            chance = chance and (chance if chance in evals else chance.replace("/", f"/{direction}_"))
             lines.append(f"{label:<28} {evals[key]:>8.3f} "
                          f"{evals[chance] if chance else float('nan'):>8.3f}".replace("nan", "  -"))
     shown = {key for _, key, _ in rows}

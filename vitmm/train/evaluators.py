@@ -6,10 +6,14 @@ round of evaluation. The image-text evaluators share one pass that embeds the ev
 
 * ``zeroshot``: classify single-shape scenes by comparing each image with one prompt-ensembled
   text embedding per class (``templates``); reports accuracy and chance level.
-* ``retrieval``: image→text and text→image Recall@1/@5 over the first ``num_examples`` pairs.
-  Several scenes share the same caption word for word; retrieving any pair with the identical
-  caption counts as correct, and the chance level printed accounts for that.
-* ``val_loss``: the training loss on consecutive full batches of ``batch_size`` pairs.
+* ``retrieval``: image→text and text→image Recall@1/@5 over the first ``num_examples`` records,
+  as clip_benchmark and published COCO numbers count them: an image is retrieved by any of its
+  captions (a record's list, ``data.captions``, or raw rows that show the same image), each
+  caption retrieves among the distinct images. Several scenes share the same caption word for
+  word; retrieving any pair with the identical caption counts as correct, and the chance level
+  printed accounts for that.
+* ``val_loss``: the training loss on consecutive batches of ``batch_size`` pairs; the last,
+  partial one scores the rest (padded, the padding masked out), so every pair counts.
 
 Any of them reads images at their own sizes with ``native={"max_num_patches", "seq_len",
 "max_images"}``: each image resized by NaFlex to the patch budget and the images packed into
@@ -19,11 +23,14 @@ settings, the split from ``data.split``) draws scenes at random sizes instead of
 
 from __future__ import annotations
 
+import functools
+import hashlib
+
 import jax
 import numpy as np
 
 from vitmm import losses
-from vitmm.data import pipeline, preprocess
+from vitmm.data import pipeline, preprocess, skips
 from vitmm.data import tokenizer as tok_lib
 
 DEFAULT_TEMPLATES = ("a {}.", "there is a {}.", "one shape: a {}.")
@@ -33,52 +40,111 @@ SCENES_TEMPLATES = ("a {color} {} {at}.", "there is a {color} {} {at}.", "one sh
 
 
 class _Embeddings:
-    """Embeds an evaluation split once per set of parameters; shared by the evaluators."""
+    """Embeds an evaluation split once per set of parameters; shared by the evaluators.
+
+    ``get`` returns ``zimg [I, D]`` and ``labels [I]`` (one per distinct image), and with captions
+    ``ztxt [T, D]``, ``tokens [T, L]`` and ``txt2img [T]`` (the image each caption describes).
+    An image has several captions where a record holds a list of them (``data.captions``, e.g.
+    COCO's ``"captions/text"``), or where rows of raw data (CSV, wds, parquet: one row per
+    image-caption pair, open_clip's layout) show the same image: such rows are one image when
+    their preprocessed pixels are identical byte for byte (the same file, or a copy of it; a model
+    cannot tell such images apart, so ranking one copy over another would be a coin toss).
+    """
 
     def __init__(self, embed_images, embed_texts, data: dict, max_len: int, tokenizer, batch_size: int,
                  num_examples: int | None, image_size: int, native: dict | None = None, padding: str = "pad",
-                 value_op: str = "value_range(-1, 1)"):
+                 value_op: str = "value_range(-1, 1)", captions: bool = True):
         self._embed_images, self._embed_texts = embed_images, embed_texts
         self.tokenizer, self.max_len, self.batch_size = tokenizer, max_len, batch_size
         self.padding = padding  # "eos" for a text tower pooled at its last position (SigLIP), as it trained
+        # captions=False (only zero-shot reads this split): no caption is read, tokenized or embedded,
+        # so a classification dataset of images and labels (cifar10, imagenet2012) works.
+        self.captions = captions
         # data: name, split, data_dir (or scenes_any); keys to read (default image, caption,
-        # label) and the ops that turn a record into one "caption" (default: it already has one).
+        # label) and the ops that turn a record into one "caption" (default: it already has one),
+        # or ``captions``: the path of a record's list of captions, every one of them scored.
         from vitmm.data import formats
 
         raw = formats.raw_format(data)  # image-caption pairs of the user's files: no labels
-        keys = tuple(data.get("keys") or (("image", "caption") if raw else ("image", "caption", "label")))
+        self.caption_list = data.get("captions") if captions else None
+        if self.caption_list and raw:
+            raise ValueError(f"data.captions={self.caption_list!r} reads a TFDS record's list of captions; raw data "
+                             "has one caption a row (rows that show the same image are grouped): leave it unset.")
+        self.group_rows = bool(raw and captions)
+        text = "caption" if not self.caption_list else self.caption_list.split("/")[0]
+        default = (("image", text) if raw or self.caption_list else ("image", text, "label") if captions
+                   else ("image", "label"))
+        keys = tuple(data.get("keys") or default)
         self.source = source = pipeline.source_for(data, keys)
         self.num_examples = min(num_examples or len(source), len(source))
         label = "'label'" if "label" in keys else ""
         self.native = native  # with it: NaFlex to a patch budget and packed rows, else squares
         size = (f"naflex({native['max_num_patches']}, {native['patch_size'][0]})" if native
                 else f"resize({image_size})")
-        self._pp = preprocess.parse(
-            f"{data.get('pp') or 'decode'}|{size}|{value_op}|"
-            f"tokenize('caption', {max_len}, padding={padding!r})|keep('image', 'caption_tokens', {label})", tokenizer)
+        if self.caption_list:  # every caption tokenized here: tokenize takes one string
+            image_pp = preprocess.parse(f"{data.get('pp') or 'decode'}|{size}|{value_op}", tokenizer)
+            self._pp = functools.partial(self._all_captions, image_pp, keys="label" in keys)
+        else:
+            text = ((f"tokenize('caption', {max_len}, padding={padding!r})|", "'caption_tokens', ") if captions
+                    else ("", ""))
+            self._pp = preprocess.parse(
+                f"{data.get('pp') or 'decode'}|{size}|{value_op}|{text[0]}keep('image', {text[1]}{label})", tokenizer)
         self.has_labels = "label" in keys
         self._params, self._value = None, None
+
+    def _all_captions(self, image_pp, ex, rng, keys: bool):
+        """``image_pp(ex)`` with ``caption_tokens [C, L]``: each of the record's ``C`` captions."""
+        ex = image_pp(ex, rng)
+        texts = [t.decode("utf-8") if isinstance(t, bytes) else str(t)
+                 for t in preprocess.get_path(ex, self.caption_list)]
+        if not texts:
+            raise skips.BadExample("caption_missing", f"no entries in {self.caption_list!r}")
+        ids = [tok_lib.tokenize(self.tokenizer, t, self.max_len, padding=self.padding).ids for t in texts]
+        out = {k: v for k, v in ex.items() if k == "image" or k.startswith("_") or (keys and k == "label")}
+        return {**out, "caption_tokens": np.stack(ids)}
 
     def get(self, params) -> dict:
         # Keyed on the params object itself, held until clear(): an id() key could match a
         # new params tree allocated where a freed one was, and return the old embeddings.
         if params is not self._params:
-            images, texts, tokens, labels = [], [], [], []
+            images, labels, texts, tokens, txt2img, seen = [], [], [], [], [], {}
             view = Prefix(self.source, self.num_examples)
             batches = (self._native_batches(params, view) if self.native else
                        pipeline.eval_batches(view, self._pp, self.batch_size, process_index=0, process_count=1,
                                              num_threads=1))
             for batch in batches:
-                keep = batch["_mask"].astype(bool)
+                kept = np.flatnonzero(batch["_mask"])
                 embedded = batch["zimg"] if self.native else np.asarray(self._embed_images(params, batch["image"]))
-                images.append(embedded[keep])
-                texts.append(np.asarray(self._embed_texts(params, batch["caption_tokens"]))[keep])
-                tokens.append(batch["caption_tokens"][keep])
-                labels.append(batch["label"][keep] if self.has_labels else np.full(keep.sum(), -1))
-            self._value = dict(zimg=np.concatenate(images), ztxt=np.concatenate(texts),
-                               tokens=np.concatenate(tokens), labels=np.concatenate(labels))
+                if self.captions and not self.caption_list:  # one caption a row, embedded as a batch
+                    texts.append(np.asarray(self._embed_texts(params, batch["caption_tokens"]))[kept])
+                for j in kept:
+                    image = len(images)
+                    if self.group_rows:  # raw rows showing the same image: one image, several captions
+                        pixels = batch["image_key"][j] if self.native else _pixels_key(batch["image"][j])
+                        image = seen.setdefault(pixels, image)
+                    if image == len(images):
+                        images.append(embedded[j])
+                        labels.append(batch["label"][j] if self.has_labels else -1)
+                    if self.captions:
+                        rows = np.asarray(batch["caption_tokens"][j]).reshape(-1, self.max_len)
+                        tokens.append(rows)
+                        txt2img += [image] * len(rows)
+            self._value = dict(zimg=np.stack(images), labels=np.asarray(labels))
+            if self.captions:
+                tokens = np.concatenate(tokens)
+                ztxt = np.concatenate(texts) if texts else self._embed_all(params, tokens)
+                self._value.update(ztxt=ztxt, tokens=tokens, txt2img=np.asarray(txt2img))
             self._params = params
         return self._value
+
+    def _embed_all(self, params, tokens) -> np.ndarray:
+        """``tokens [T, L]`` embedded ``batch_size`` at a time (the last chunk padded: one compiled shape)."""
+        out = []
+        for start in range(0, len(tokens), self.batch_size):
+            chunk = tokens[start : start + self.batch_size]
+            padded = np.concatenate([chunk, np.repeat(chunk[:1], self.batch_size - len(chunk), 0)])
+            out.append(np.asarray(self._embed_texts(params, padded))[: len(chunk)])
+        return np.concatenate(out)
 
     def _native_batches(self, params, view):
         """``eval_batches``' batches for images at their own sizes: each chunk of examples packed
@@ -86,12 +152,19 @@ class _Embeddings:
         from vitmm.models import packing
 
         rng, n = np.random.default_rng(0), len(view)  # the ops used here draw nothing
+        guarded = skips.guard(self._pp)
         for start in range(0, n, self.batch_size):
-            examples = [self._pp(dict(view[i]), rng) for i in range(start, min(n, start + self.batch_size))]
+            # A bad raw record (missing file, empty caption, undecodable image) is left out, as the
+            # square path masks it: it is not counted in ``examples``.
+            outs = (guarded(_record(view[i]), rng) for i in range(start, min(n, start + self.batch_size)))
+            examples = [out for out in outs if not isinstance(out, skips.Skipped)]
+            if not examples:
+                continue
             packed = packing.pack([ex["image"] for ex in examples], self.native["patch_size"],
                                   self.native["seq_len"], self.native["max_images"],
                                   class_token=self.native["class_token"], num_registers=self.native["num_registers"])
-            batch = {k: np.stack([ex[k] for ex in examples]) for k in examples[0] if k != "image"}
+            batch = pipeline.collate([{k: v for k, v in ex.items() if k != "image"} for ex in examples])
+            batch["image_key"] = [_pixels_key(ex["image"]) for ex in examples]
             batch["zimg"] = np.stack(packing.unpack(self._embed_images(params, packed), packed))
             batch["_mask"] = np.ones(len(examples), np.int32)
             yield batch
@@ -103,6 +176,17 @@ class _Embeddings:
     def texts(self, params, strings) -> np.ndarray:
         ids = np.stack([tok_lib.tokenize(self.tokenizer, s, self.max_len, padding=self.padding).ids for s in strings])
         return np.asarray(self._embed_texts(params, ids))
+
+
+def _pixels_key(image: np.ndarray) -> tuple:
+    """An image's identity: its shape and a digest of its pixels."""
+    image = np.ascontiguousarray(image)
+    return image.shape, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
+
+
+def _record(record):
+    """A source's record as a dict the pp may change, or its ``Skipped`` (a bad raw record) as is."""
+    return record if isinstance(record, skips.Skipped) else dict(record)
 
 
 class Prefix:
@@ -163,52 +247,87 @@ class ZeroShot(_OnEmbeddings):
 
 
 class Retrieval(_OnEmbeddings):
+    """Recall@k as clip_benchmark and the COCO/Flickr papers report it. Image→text: an image is a
+    hit when any of its captions is among the ``k`` best of all captions; text→image: each caption
+    is a query over the distinct images. With one caption per image this is open_clip's
+    ``get_clip_metrics``. A caption identical word for word to one of an image's captions also
+    counts as that image's (scenes repeat captions), and the chance levels account for that."""
+
     def __init__(self, embeddings: _Embeddings, **_):
         self.embeddings = embeddings
 
     def run(self, params, t=None, b=None) -> dict:
         emb = self.embeddings.get(params)
-        tokens = emb["tokens"]
-        _, caption_id = np.unique(tokens, axis=0, return_inverse=True)
+        zimg, ztxt = emb["zimg"], emb["ztxt"]
+        txt2img = emb.get("txt2img", np.arange(len(ztxt)))
+        _, caption_id = np.unique(emb["tokens"], axis=0, return_inverse=True)
         caption_id = caption_id.reshape(-1)
-        same = caption_id[:, None] == caption_id[None, :]  # pairs with identical captions
-        scores = emb["zimg"] @ emb["ztxt"].T
+        has = np.zeros((len(zimg), caption_id.max() + 1), bool)
+        has[txt2img, caption_id] = True
+        positive = has[:, caption_id]  # [I, T]: image i has a caption identical to caption t
+        scores = zimg @ ztxt.T
         out = {}
-        for name, s in (("i2t", scores), ("t2i", scores.T)):
-            ranked = np.argsort(-s, axis=1)
-            hits = np.take_along_axis(same, ranked, axis=1)
+        for name, s, pos in (("i2t", scores, positive), ("t2i", scores.T, positive.T)):
+            top = _top_k(s, 5)
+            hits = np.take_along_axis(pos, top, axis=1)
             for k in (1, 5):
                 out[f"{name}_r{k}"] = float(hits[:, :k].any(1).mean())
-        n = len(caption_id)
-        # Chance of hitting an identical caption within the top k of a random ranking.
-        matches = same.sum(1)
+        # Chance of a positive within the top k of a random ranking (drawn without replacement).
+        chance = {name: _chance(pos.sum(1), pos.shape[1]) for name, pos in (("i2t", positive), ("t2i", positive.T))}
+        single = len(zimg) == len(ztxt) and (txt2img == np.arange(len(ztxt))).all()
         for k in (1, 5):
-            miss = np.ones(n)
-            for j in range(k):
-                miss *= np.clip((n - matches - j) / (n - j), 0, 1)
-            out[f"chance_r{k}"] = float((1 - miss).mean())
-        out["examples"] = n
+            if single:  # the two directions' chance levels are the same
+                out[f"chance_r{k}"] = chance["i2t"][k]
+            else:
+                out[f"i2t_chance_r{k}"], out[f"t2i_chance_r{k}"] = chance["i2t"][k], chance["t2i"][k]
+        out["examples"] = len(zimg)
+        if not single:
+            out["caption_examples"] = len(ztxt)
         return out
 
 
+def _top_k(scores, k: int, chunk: int = 1024) -> np.ndarray:
+    """``[Q, k]`` indices of each query's (row's) best candidates, best first; a chunk of rows at a
+    time (the index matrix of a whole argsort over 25,000 COCO captions would be gigabytes)."""
+    return np.concatenate([np.argsort(-scores[i : i + chunk], axis=1)[:, :k] for i in range(0, len(scores), chunk)])
+
+
+def _chance(matches: np.ndarray, n: int) -> dict:
+    """``{k: mean chance}`` that ``k`` of ``n`` candidates drawn at random include one of a query's ``matches``."""
+    out = {}
+    for k in (1, 5):
+        miss = np.ones(len(matches))
+        for j in range(min(k, n)):  # k over n candidates: all of them drawn
+            miss *= np.clip((n - matches - j) / (n - j), 0, 1)
+        out[k] = float((1 - miss).mean())
+    return out
+
+
 class ValLoss(_OnEmbeddings):
+    """The training loss on consecutive batches of ``batch_size`` pairs, every pair scored: the
+    last batch, padded to ``batch_size`` with its padding masked out (``losses``' ``valid``), is
+    the loss of its own pairs alone (fewer negatives than a full batch); the mean is over pairs."""
+
     def __init__(self, embeddings: _Embeddings, loss: str = "softmax", batch_size: int = 256, **_):
         self.embeddings, self.loss, self.batch_size = embeddings, loss, batch_size
 
     def run(self, params, t=None, b=None) -> dict:
         emb = self.embeddings.get(params)
-        n = len(emb["zimg"]) // self.batch_size * self.batch_size
-        if n == 0:
-            raise ValueError(f"val_loss: {len(emb['zimg'])} examples are fewer than batch_size "
-                             f"{self.batch_size}.")
-        values = []
-        for i in range(0, n, self.batch_size):
-            zi, zt = emb["zimg"][i : i + self.batch_size], emb["ztxt"][i : i + self.batch_size]
+        zimg, ztxt = emb["zimg"][emb["txt2img"]], emb["ztxt"]  # the split's image-caption pairs
+        n, size = len(zimg), self.batch_size
+        values, weights = [], []
+        for i in range(0, n, size):
+            zi, zt = zimg[i : i + size], ztxt[i : i + size]
+            valid = None
+            if len(zi) < size:  # the rest: padded, so that it runs in the full batches' compiled shape
+                valid = np.arange(size) < len(zi)
+                zi, zt = (np.concatenate([z, np.zeros((size - len(z), z.shape[1]), z.dtype)]) for z in (zi, zt))
             if self.loss == "softmax":
-                values.append(float(_softmax_loss(zi, zt, t)))
+                values.append(float(_softmax_loss(zi, zt, t, valid)))
             else:
-                values.append(float(_sigmoid_loss(zi, zt, t, b)))
-        return {"loss": float(np.mean(values)), "batches": len(values)}
+                values.append(float(_sigmoid_loss(zi, zt, t, b, valid)))
+            weights.append(len(zi) if valid is None else int(valid.sum()))
+        return {"loss": float(np.average(values, weights=weights)), "batches": len(values), "examples": n}
 
 
 # Compiled once per batch shape (eagerly, each of the loss's ~15 operations is a program of its own).
@@ -216,6 +335,23 @@ _softmax_loss, _sigmoid_loss = jax.jit(losses.softmax_loss), jax.jit(losses.sigm
 
 
 TYPES = {"zeroshot": ZeroShot, "retrieval": Retrieval, "val_loss": ValLoss}
+_SHARED = {"data", "native", "num_examples", "batch_size", "embed_batch_size"}
+SETTINGS = {"zeroshot": _SHARED | {"class_names", "templates", "fill"}, "retrieval": _SHARED,
+            "val_loss": _SHARED | {"loss"}}  # each type's evals.<name> keys (besides type)
+
+
+def _embed_batch_size(name: str, cfg: dict) -> int | None:
+    """The embedding pass's batch an evaluator asks for: ``embed_batch_size``, or for ``zeroshot``
+    and ``retrieval`` (whose only batches are the pass's) ``batch_size``; ``val_loss``'s
+    ``batch_size`` is its loss's contrastive batch, not the pass's."""
+    kind = cfg.get("type", name)
+    asked = cfg.get("embed_batch_size")
+    if kind in ("zeroshot", "retrieval") and cfg.get("batch_size") is not None:
+        if asked is not None and asked != cfg["batch_size"]:
+            raise ValueError(f"evals.{name}: batch_size={cfg['batch_size']} and embed_batch_size={asked} both set "
+                             f"the batches {kind} embeds the split in; set one.")
+        asked = cfg["batch_size"]
+    return asked
 
 
 def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_size: int,
@@ -227,6 +363,18 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
     embed_texts = jax.jit(lambda p, ids: model.apply({"params": p}, None, ids)[1])
     caches: dict = {}
     evaluators = {}
+    # The split's captions are read and embedded only where an evaluator on it compares with them
+    # (retrieval, val_loss): zero-shot alone runs on images and labels.
+    with_captions = {_cache_key(cfg) for name, cfg in evals_config.items()
+                     if dict(cfg).get("type", name) in ("retrieval", "val_loss")}
+    # Evaluators on one split share its embedding pass, in batches of the smallest size any of them
+    # asks for (memory is why one asks): zeroshot's and retrieval's batch_size, or embed_batch_size.
+    embed_batch: dict = {}
+    for name, cfg in evals_config.items():
+        asked = _embed_batch_size(name, dict(cfg))
+        if asked is not None:
+            key = _cache_key(cfg)
+            embed_batch[key] = min(embed_batch.get(key, asked), asked)
     for name, cfg in evals_config.items():
         cfg = dict(cfg)
         kind = cfg.pop("type", name)
@@ -235,8 +383,11 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
         if "every" in cfg:  # it was once accepted and ignored
             raise ValueError(f"evals.{name}.every={cfg['every']!r}: every evaluator runs each eval_every steps; set "
                              "config.eval_every instead.")
-        data = dict(cfg.pop("data"))
-        native = cfg.pop("native", None)
+        unknown = sorted(set(cfg) - SETTINGS[kind])
+        if unknown:  # a setting an evaluator would ignore
+            raise ValueError(f"evals.{name} ({kind}) has no setting(s) {unknown}; it takes {sorted(SETTINGS[kind])}.")
+        data = dict(cfg["data"])
+        native = cfg.get("native")
         if native:  # the image tower's patch and prefix tokens, as packing needs them
             from vitmm.models.vit import ViT
 
@@ -246,13 +397,16 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
                 raise ValueError(f"{name}: native (NaFlex) evaluation needs square patches, the tower has {patch}.")
             native = {**dict(native), "patch_size": patch, "class_token": tower.class_token,
                       "num_registers": tower.num_registers}
-        key = (str(sorted(data.items())), cfg.get("num_examples"), str(native))
+        key = _cache_key(cfg)
         if key not in caches:
             caches[key] = _Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
-                                      cfg.pop("embed_batch_size", 256), cfg.get("num_examples"),
-                                      image_size, native, padding=text_padding(model), value_op=value_op)
-        cfg.pop("num_examples", None)
-        cfg.pop("embed_batch_size", None)
+                                      embed_batch.get(key, 256), cfg.get("num_examples"),
+                                      image_size, native, padding=text_padding(model), value_op=value_op,
+                                      captions=key in with_captions)
+        for setting in ("data", "native", "num_examples", "embed_batch_size"):
+            cfg.pop(setting, None)
+        if kind != "val_loss":  # the embedding pass's, above
+            cfg.pop("batch_size", None)
         if kind == "val_loss":
             cfg.setdefault("loss", "sigmoid" if loss.startswith("sigmoid") else "softmax")
         if kind == "zeroshot" and "class_names" not in cfg:
@@ -261,6 +415,13 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
             cfg.setdefault("fill", fill)
         evaluators[name] = TYPES[kind](caches[key], **cfg)
     return evaluators
+
+
+def _cache_key(cfg: dict) -> tuple:
+    """Evaluators whose settings agree on these share one embedding pass."""
+    native = cfg.get("native")
+    return (str(sorted(dict(cfg["data"]).items())), cfg.get("num_examples"),
+            str(sorted(dict(native).items())) if native else None)
 
 
 def text_padding(model) -> str:

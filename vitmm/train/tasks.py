@@ -248,7 +248,14 @@ class VLMTask:
         c = self.config
         evals = {}
         for name, cfg in evals_config(c).items():
-            if cfg.get("type") == "val_loss":  # held-out answer loss, with the training preprocessing by default
+            kind = cfg.get("type", "qa")
+            if kind not in VLM_EVAL_TYPES:  # at setup, not as a QA evaluator that fails (or misleads) at step N
+                raise ValueError(f"Unknown evaluator type {kind!r} for evals.{name} of a VLM run; choose one of "
+                                 f"{VLM_EVAL_TYPES}.")
+            if "every" in cfg:
+                raise ValueError(f"evals.{name}.every={cfg['every']!r}: every evaluator runs each eval_every steps; "
+                                 "set config.eval_every instead.")
+            if kind == "val_loss":  # held-out answer loss, with the training preprocessing by default
                 cfg["pp"] = pp_template.pp_string(c, cfg.get("pp") or c.input.pp)
                 cfg["pp"], row = self._sequence_row(cfg["pp"])
                 evals[name] = vlm_evaluators.VLMValLoss(self.loss_fn, cfg, self.tokenizer, row)
@@ -268,6 +275,9 @@ class VLMTask:
             return spec, None
         spec, layout = layout.split_affine(spec)
         return spec, layout.row
+
+
+VLM_EVAL_TYPES = ("qa", "val_loss")  # qa: a missing type
 
 
 def qa_evaluator(config, cfg: dict, model, tokenizer) -> vlm_evaluators.QAAccuracy:
