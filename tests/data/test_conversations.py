@@ -302,3 +302,74 @@ def test_an_answer_is_learned_up_to_any_end_of_turn_id_the_lm_stops_at(tmp_path)
         ex = op({"conversations": turns, "num_images": 1}, None)
         learned = ex["ids"][ex["answer_mask"] > 0].tolist()
         assert learned == tokenizer.encode("A cat.<|im_end|>") and learned[-1] == 2
+
+
+def _sentencepiece(path, prepend_scheme):
+    """A tiny SentencePiece-style ``tokenizer.json`` in the two layouts real checkpoints ship: the
+    legacy one (``Prepend('▁')`` + ``Replace(' ', '▁')`` normalizer: Llama 2, Vicuna, Mistral v0.1)
+    or a ``Metaspace(prepend_scheme='first')`` pre-tokenizer (Mistral v0.3); either adds a ``▁`` at
+    the start of each string it is given. BPE trained on a few phrases (deterministic)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    corpus = ["A red circle.", "What is in the picture?", "And the square?", "Blue, to the right.", "A cat.",
+              "USER: ASSISTANT:", "assistant user system\n"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        show_progress=False))
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t in ["<image>", "<|im_start|>", "<|im_end|>"]])
+    spec = json.loads(tok.to_str())
+    spec["model"]["vocab"]["▁▁"] = max(spec["model"]["vocab"].values()) + 1
+    spec["model"]["merges"].insert(0, ["▁", "▁"])  # Llama's first merge
+    if prepend_scheme == "legacy":
+        spec["pre_tokenizer"] = None
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+    else:
+        spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": prepend_scheme,
+                                 "split": False}
+    path.write_text(json.dumps(spec))
+    return path
+
+
+CHATML_TIGHT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # no newline between turns
+INST = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+        "{% elif m.role == 'assistant' %}{{ ' ' + m.content + eos_token }}{% endif %}{% endfor %}")
+# transformers' apply_chat_template(tokenize=True, return_assistant_tokens_mask=True) with {% generation %}
+# around each assistant turn, on these tokenizers (<image> an added token, its id taken out): the pieces
+# and the trained ones
+SENTENCEPIECE_HF = {
+    ("legacy", "chatml"): (
+        "<|im_start|> ▁user \n <unk> o o <unk> : ▁ ▁ \n Wh at ▁is ▁in ▁the ▁picture? <|im_end|> <|im_start|> "
+        "▁assistant \n A ▁red ▁circle. <|im_end|>", "A ▁red ▁circle. <|im_end|>", 9),
+    ("legacy", "inst"): (
+        "<s> ▁ <unk> I N S T <unk> ▁ <unk> o o <unk> : ▁ ▁ \n Wh at ▁is ▁in ▁the ▁picture? ▁ <unk> <unk> I N S T "
+        "<unk> ▁A ▁red ▁circle. </s>", "▁A ▁red ▁circle. </s>", 15),
+    ("first", "chatml"): (
+        "<|im_start|> user \n <unk> o o <unk> : ▁ \n Wh at ▁is ▁in ▁the ▁picture? <|im_end|> <|im_start|> as "
+        "sistan t \n A ▁red ▁circle. <|im_end|>", "A ▁red ▁circle. <|im_end|>", 9),
+    ("first", "inst"): (
+        "<s> <unk> I N S T <unk> ▁ <unk> o o <unk> : ▁ \n Wh at ▁is ▁in ▁the ▁picture? ▁ <unk> <unk> I N S T "
+        "<unk> ▁A ▁red ▁circle. </s>", "▁A ▁red ▁circle. </s>", 14),
+}
+
+
+@pytest.mark.parametrize("layout, template", list(SENTENCEPIECE_HF),
+                         ids=[f"{layout}-{template}" for layout, template in SENTENCEPIECE_HF])
+def test_a_sentencepiece_lm_gets_transformers_ids_and_mask_with_no_extra_leading_piece(tmp_path, layout, template):
+    """The whole rendering is tokenized at once, as transformers does: tokenized apart, each answer
+    (and the text after ``<image>``) would start with a ``▁`` that the LM never produces there."""
+    eos = "<|im_end|>" if template == "chatml" else "</s>"
+    path = _sentencepiece(tmp_path / "tokenizer.json", layout)
+    tokenizer = tok_lib.HFTokenizer(path, bos_id=1, pad_id=0, eos_id=tok_lib.HFTokenizer(path).token_id(eos),
+                                    chat_template=CHATML_TIGHT if template == "chatml" else INST)
+    turns = [{"from": "human", "value": "Look: <image>\nWhat is in the picture?"},
+             {"from": "gpt", "value": "A red circle."}]
+    ex = preprocess.parse("conversation_tokens(64)", tokenizer)({"conversations": turns, "num_images": 1}, None)
+    pieces, trained, image_pos = SENTENCEPIECE_HF[layout, template]
+    n = len(pieces.split(" "))
+    assert [tokenizer.token(i) for i in ex["ids"][:n]] == pieces.split(" ") and (ex["ids"][n:] == 0).all()
+    assert [tokenizer.token(i) for i in ex["ids"][ex["answer_mask"] > 0]] == trained.split(" ")
+    assert ex["answer_mask"][n - len(trained.split(" ")):n].all() and int(ex["image_pos"]) == image_pos

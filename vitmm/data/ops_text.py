@@ -374,9 +374,64 @@ def answer_end(answer: list[int], tokenizer, op: str, text: str) -> int:
     return at + 1
 
 
-def _assemble(segments, tokenizer) -> tuple[list[int], list[int], list[int]]:
-    """Token ids, the answer mask and each image's token index from ``segments``; ``<image>`` in a
-    text segment splits it (no token for the tag itself: the visual tokens go there)."""
+def _assemble(segments, tokenizer, op="conversation_tokens") -> tuple[list[int], list[int], list[int]]:
+    """Token ids, the answer mask and each image's token index from ``segments``; each ``<image>``
+    stands where its visual tokens go (no token for the tag itself), an ``answer_eos`` segment gets
+    the EOS right after it. A tokenizer that gives offsets (``tokenizer.json``'s) tokenizes the text
+    between BOS segments at once, as transformers' ``apply_chat_template`` does, and an answer is
+    the tokens that overlap its characters (a SentencePiece LM's pieces tokenized apart would
+    each start with a ``▁``); the others (bytes, words) tokenize each segment on its own."""
+    if not hasattr(tokenizer, "encode_offsets"):
+        return _assemble_apart(segments, tokenizer, op)
+    ids, mask, image_at, run = [], [], [], []
+    for kind, text in [*segments, ("bos", None)]:
+        if kind != "bos":
+            run.append((kind, text))
+            continue
+        if run:  # the text since the last BOS: tokenized at once
+            _assemble_at_once(run, tokenizer, op, ids, mask, image_at)
+        if text is not None:
+            ids.append(tokenizer.bos_id)
+            mask.append(0)
+        run = []
+    return ids, mask, image_at
+
+
+def _assemble_at_once(segments, tokenizer, op, ids, mask, image_at):
+    """``_assemble`` for segments with no BOS among them, appended to ``ids``, ``mask`` and
+    ``image_at``: one string tokenized with ``<image>`` and the EOS as tokens of their own."""
+    eos = tokenizer.token(tokenizer.eos_id)
+    full, images, answers = "", set(), []
+    for kind, text in segments:
+        if kind == "text":
+            at = text.find(IMAGE_PLACEHOLDER)
+            while at >= 0:
+                images.add(len(full) + at)
+                at = text.find(IMAGE_PLACEHOLDER, at + 1)
+        else:
+            answers.append((len(full), len(full) + len(text) + (len(eos) if kind == "answer_eos" else 0), text))
+        full += text + (eos if kind == "answer_eos" else "")
+    tokens, offsets = tokenizer.encode_offsets(full, (IMAGE_PLACEHOLDER, eos))
+    answer_tokens = [[] for _ in answers]  # each answer's indices in ids
+    k = 0
+    for token, (start, end) in zip(tokens, offsets, strict=True):
+        if start in images and end == start + len(IMAGE_PLACEHOLDER):
+            image_at.append(len(ids))
+            continue
+        while k < len(answers) and start >= answers[k][1]:
+            k += 1
+        if k < len(answers) and max(start + 1, end) > answers[k][0]:  # overlaps it (a prepended ▁ has no width)
+            answer_tokens[k].append(len(ids))
+        ids.append(token)
+        mask.append(0)
+    for at, (_, _, text) in zip(answer_tokens, answers, strict=True):
+        for i in at[: answer_end([ids[i] for i in at], tokenizer, op, text)]:
+            mask[i] = 1
+
+
+def _assemble_apart(segments, tokenizer, op) -> tuple[list[int], list[int], list[int]]:
+    """``_assemble`` for a tokenizer without offsets: each segment (and each piece of one around
+    ``<image>``) tokenized on its own."""
     ids, mask, image_at = [], [], []
     for kind, text in segments:
         if kind == "bos":
@@ -394,7 +449,7 @@ def _assemble(segments, tokenizer) -> tuple[list[int], list[int], list[int]]:
         answer = tokenizer.encode(text) if text else []
         if kind == "answer_eos":
             answer.append(tokenizer.eos_id)
-        end = answer_end(answer, tokenizer, "conversation_tokens", text)
+        end = answer_end(answer, tokenizer, op, text)
         ids += answer
         mask += [1] * end + [0] * (len(answer) - end)
     return ids, mask, image_at  # [0, …]: the image first, before BOS (PaliGemma's layout)
