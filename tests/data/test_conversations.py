@@ -373,3 +373,32 @@ def test_a_sentencepiece_lm_gets_transformers_ids_and_mask_with_no_extra_leading
     assert [tokenizer.token(i) for i in ex["ids"][:n]] == pieces.split(" ") and (ex["ids"][n:] == 0).all()
     assert [tokenizer.token(i) for i in ex["ids"][ex["answer_mask"] > 0]] == trained.split(" ")
     assert ex["answer_mask"][n - len(trained.split(" ")):n].all() and int(ex["image_pos"]) == image_pos
+
+
+MISTRAL_V3 = """{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}
+{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- endif %}
+{%- endfor %}"""
+
+
+def test_an_answer_found_in_a_rerendered_conversation_starts_at_the_templates_space_before_it(tiny_tokenizer):
+    """Mistral v0.3's template writes the system turn into the last user turn, so a conversation with
+    one takes the located path; its answer is ``' ' + answer + EOS``, trained with the space, as
+    transformers' mask (``{% generation %}`` around it) and the prefix rule (no system turn) have it."""
+    tiny_tokenizer.chat_template = MISTRAL_V3
+    turns = [{"from": "human", "value": "<image>\nWhat is in the picture?"}, {"from": "gpt", "value": "A red circle."}]
+    fn = preprocess.parse("conversation_tokens(128)", tiny_tokenizer)
+    want = tiny_tokenizer.encode(" A red circle.") + [HF["eos_id"]]
+    for head in ([], [{"from": "system", "value": "Be brief."}]):
+        ex = fn({"conversations": head + turns, "num_images": 1}, None)
+        assert ex["ids"][ex["answer_mask"] > 0].tolist() == want

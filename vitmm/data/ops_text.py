@@ -343,6 +343,9 @@ def _located_segments(messages, tokenizer, full: str) -> list[tuple[str, str]]:
         opened = full.rfind(header, read, start) if header else -1
         if opened >= 0:  # from the end of the assistant's header, as the prefix rule takes it (a think block too)
             start = opened + len(header)
+        else:  # from the whitespace the template writes before the text (Mistral's "[/INST] " + answer), as the
+            while start > read and full[start - 1].isspace():  # prefix rule takes it from the prompt's end
+                start -= 1
         segments += [("text", full[at:start]), ("answer", full[start:stop + len(end)])]
         at = read = stop + len(end)
     segments.append(("text", full[at:]))
