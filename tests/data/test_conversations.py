@@ -402,3 +402,19 @@ def test_an_answer_found_in_a_rerendered_conversation_starts_at_the_templates_sp
     for head in ([], [{"from": "system", "value": "Be brief."}]):
         ex = fn({"conversations": head + turns, "num_images": 1}, None)
         assert ex["ids"][ex["answer_mask"] > 0].tolist() == want
+
+
+def test_a_rerendered_conversation_finds_answers_ending_with_any_end_of_turn_id(tmp_path):
+    """An LM whose turns end with an id other than its EOS (Llama 3's ``<|eot_id|>``), with a
+    template that renders earlier turns anew (Qwen3's rule): every exchange is found, up to that id."""
+    from vitmm.interop import gguf_lm
+
+    _, _, tok, _ = gguf_lm.load(FIXTURES / "interop/gguf_llama/tiny.gguf")
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    tokenizer = tok_lib.HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=0, pad_id=0, eos_ids=[2],
+                                    chat_template=LAST_QUERY_TEMPLATE.replace("EOS", "<|im_end|>"))
+    turns = [{"from": "human", "value": "<image>\nwhat colour?"}, {"from": "gpt", "value": "red"},
+             {"from": "human", "value": "and now?"}, {"from": "gpt", "value": "blue"}]
+    ex = preprocess.parse("conversation_tokens(256)", tokenizer)({"conversations": turns, "num_images": 1}, None)
+    want = tokenizer.encode("red<|im_end|>") + tokenizer.encode("<think></think>blue<|im_end|>")
+    assert ex["ids"][ex["answer_mask"] > 0].tolist() == want and want.count(2) == 2

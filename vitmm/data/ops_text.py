@@ -321,7 +321,13 @@ def _located_segments(messages, tokenizer, full: str) -> list[tuple[str, str]]:
     rendering, as the text before the first end-of-turn (EOS) token that follows it."""
     from vitmm.data.skips import BadExample
 
-    end = tokenizer.token(tokenizer.eos_id)
+    ends = [tokenizer.token(i) for i in getattr(tokenizer, "eos_ids", (tokenizer.eos_id,))]
+
+    def next_end(after: int) -> tuple[int, str]:
+        """Where the first end-of-turn text (of any id the LM stops at) at or after ``after`` is, and which."""
+        found = [(full.find(end, after), end) for end in ends]
+        return min(((i, end) for i, end in found if i >= 0), default=(-1, ends[0]))
+
     segments, at, read = [], 0, 0  # read: past the last turn found (a question may quote an answer)
     for j, message in enumerate(messages):
         content = message["content"].strip()
@@ -332,13 +338,13 @@ def _located_segments(messages, tokenizer, full: str) -> list[tuple[str, str]]:
         content = content.split("</think>")[-1].strip()  # a template may drop a reasoning block it was given
         before = tokenizer.chat(messages[:j])  # the assistant's header: e.g. "<|im_start|>assistant\n"
         header = tokenizer.chat(messages[:j], add_generation_prompt=True)[len(before):]
-        stop = full.find(end, read)
+        stop, end = next_end(read)
         while stop >= 0 and not (content and full[:stop].rstrip().endswith(content)
                                  and full[:stop].rstrip().rindex(content) >= read):
-            stop = full.find(end, stop + len(end))
+            stop, end = next_end(stop + len(end))
         if stop < 0:
             raise BadExample("answer_not_rendered", f"the chat template does not render the answer {content[:60]!r} "
-                                                    f"before an end-of-turn {end!r}")
+                                                    f"before an end-of-turn (any of {ends})")
         start = full[:stop].rstrip().rindex(content)
         opened = full.rfind(header, read, start) if header else -1
         if opened >= 0:  # from the end of the assistant's header, as the prefix rule takes it (a think block too)
