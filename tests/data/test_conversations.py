@@ -202,7 +202,7 @@ SMOLVLM = ("<|im_start|>{% for message in messages %}{{message['role'] | capital
 
 
 @pytest.mark.parametrize(("template", "prompt", "answer", "eos"), [
-    (LLAVA_HF, ["USER: ", "\nWhat is shown? ASSISTANT:"], " A cat. ", True),  # EOS added: the template has none
+    (LLAVA_HF, ["USER: ", "\nWhat is shown? ASSISTANT:"], " A cat.", True),  # EOS added right after the text
     (SMOLVLM.replace("<end_of_utterance>", "<|im_end|>"),  # the tiny tokenizer's EOS ends each turn
      ["<|im_start|>User:", "What is shown?<|im_end|>\nAssistant:"], " A cat.<|im_end|>\n", False),
 ])

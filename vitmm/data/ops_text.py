@@ -304,11 +304,16 @@ def _chat_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
         upto = tokenizer.chat(messages[: j + 1])
         if not (full.startswith(upto) and upto.startswith(prompt) and len(prompt) >= at):
             return _located_segments(messages, tokenizer, full)
-        answer = full[len(prompt):len(upto)]
-        # A template that ends an assistant turn with nothing after its text (llava-hf's) gets EOS
-        # there, as LLaVA's own conversation format has it; one with an end marker keeps its own.
-        bare = answer.rstrip().endswith(message["content"].strip())
-        segments += [("text", full[at:len(prompt)]), ("answer_eos" if bare else "answer", answer)]
+        answer, content = full[len(prompt):len(upto)], message["content"].strip()
+        segments.append(("text", full[at:len(prompt)]))
+        if answer.rstrip().endswith(content):
+            # A template that ends an assistant turn with nothing after its text (llava-hf's) gets EOS
+            # right after the text, as LLaVA's own conversation format has it (``answer</s>``; what the
+            # template writes after it, a separator, is the prompt's); one with an end marker keeps its own.
+            cut = len(answer.rstrip())
+            segments += [("answer_eos", answer[:cut]), ("text", answer[cut:])]
+        else:
+            segments.append(("answer", answer))
         at = len(upto)
     segments.append(("text", full[at:]))
     return segments
