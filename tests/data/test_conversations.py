@@ -373,6 +373,10 @@ def test_a_sentencepiece_lm_gets_transformers_ids_and_mask_with_no_extra_leading
     assert [tokenizer.token(i) for i in ex["ids"][:n]] == pieces.split(" ") and (ex["ids"][n:] == 0).all()
     assert [tokenizer.token(i) for i in ex["ids"][ex["answer_mask"] > 0]] == trained.split(" ")
     assert ex["answer_mask"][n - len(trained.split(" ")):n].all() and int(ex["image_pos"]) == image_pos
+    qa = preprocess.parse("qa_tokens(64, chat=True)", tokenizer)(  # the same rule, one exchange
+        {"question": "What is in the picture?", "answer": "A red circle."}, None)
+    answer = [tokenizer.token(i) for i in qa["ids"][qa["answer_mask"] > 0]]
+    assert answer == trained.split(" ") and qa["answer_mask"][int(qa["prompt_len"])] == 1
 
 
 MISTRAL_V3 = """{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}
@@ -418,3 +422,16 @@ def test_a_rerendered_conversation_finds_answers_ending_with_any_end_of_turn_id(
     ex = preprocess.parse("conversation_tokens(256)", tokenizer)({"conversations": turns, "num_images": 1}, None)
     want = tokenizer.encode("red<|im_end|>") + tokenizer.encode("<think></think>blue<|im_end|>")
     assert ex["ids"][ex["answer_mask"] > 0].tolist() == want and want.count(2) == 2
+
+
+def test_chat_qa_tokens_end_a_bare_assistant_turn_with_eos_as_conversations_do(tiny_tokenizer):
+    """llava-hf's template leaves the assistant turn bare: qa_tokens(chat=True) trains ``answer EOS``
+    as conversation_tokens does (it was refused, with advice to convert the LM again)."""
+    tiny_tokenizer.chat_template = LLAVA_HF
+    fn = preprocess.parse("qa_tokens(64, chat=True)", tiny_tokenizer)
+    ex = fn({"question": "What is shown?", "answer": "A cat."}, None)
+    n = int(ex["prompt_len"])
+    want = tiny_tokenizer.encode(" A cat.") + [tiny_tokenizer.eos_id]
+    assert ex["ids"][ex["answer_mask"] > 0].tolist() == want and ex["answer_mask"][n:n + len(want)].all()
+    prompt = tiny_tokenizer.encode("USER: ") + tiny_tokenizer.encode("\nWhat is shown? ASSISTANT:")
+    assert ex["ids"][:n].tolist() == prompt and int(ex["image_pos"]) == len(tiny_tokenizer.encode("USER: "))

@@ -41,9 +41,10 @@ def qa_tokens(max_len, question_key="question", answer_key="answer", tokenizer=N
     A question too long for ``max_len`` is cut from the right so that the whole answer fits.
 
     ``chat=True``: the tokenizer's chat template (a converted LM's) renders a user turn
-    ``"<image>\nquestion"`` (after a ``system`` turn when given) and the assistant's answer; the
-    answer mask covers the assistant's answer up to and including EOS (the template's end of
-    turn), ``image_pos`` is where ``<image>`` stood (the visual tokens go there), and the text
+    ``"<image>\nquestion"`` (after a ``system`` turn when given) and the assistant's answer,
+    tokenized as ``conversation_tokens`` does; the answer mask covers the assistant's answer up to
+    and including EOS (the template's end of turn, or the EOS put after an answer the template ends
+    bare), ``image_pos`` is where ``<image>`` stood (the visual tokens go there), and the text
     after EOS is dropped. A chat example that does not fit ``max_len`` is an error.
 
     ``max_answer``: an answer of more tokens (EOS included) is an error (a VLM whose loss reads
@@ -98,26 +99,26 @@ def _qa_chat(max_len, question_key, answer_key, tokenizer, system):
     def fn(ex, rng):
         user = head + [{"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{ex[question_key]}"}]
         prompt = tokenizer.chat(user, add_generation_prompt=True)
-        full = tokenizer.chat(user + [{"role": "assistant", "content": ex[answer_key]}])
+        messages = user + [{"role": "assistant", "content": ex[answer_key]}]
+        full = tokenizer.chat(messages)
         if not full.startswith(prompt) or prompt.count(IMAGE_PLACEHOLDER) != 1:
             raise ValueError("qa_tokens(chat=True): the chat template must render the prompt as a prefix of the whole "
                              f"exchange with one {IMAGE_PLACEHOLDER}; got {prompt!r} and {full!r}.")
-        before, after = prompt.split(IMAGE_PLACEHOLDER)
-        before, after = tokenizer.encode(before), tokenizer.encode(after)
-        answer = tokenizer.encode(full[len(prompt):])
-        answer = answer[: answer_end(answer, tokenizer, "qa_tokens(chat=True)", full[len(prompt):])]
-        seq = before + after + answer
-        if not before:
+        # conversation_tokens' rule: the whole exchange tokenized at once, EOS after an answer the template ends bare
+        seq, mask, image_at = _assemble(_chat_segments(messages, tokenizer, None), tokenizer, "qa_tokens(chat=True)")
+        prompt_len, end = mask.index(1), len(mask) - mask[::-1].index(1)  # the text after the answer's EOS is dropped
+        seq = seq[:end]
+        if not image_at[0]:
             raise ValueError("qa_tokens(chat=True): the chat template puts no token before <image>.")
         if len(seq) > max_len:
             raise ValueError(f"qa_tokens(chat=True): the exchange is {len(seq)} tokens, more than max_len={max_len}; "
                              "raise model.max_len.")
         ids = np.full(max_len, tokenizer.pad_id, np.int32)
         ids[: len(seq)] = seq
-        mask = np.zeros(max_len, np.float32)
-        mask[len(before) + len(after): len(seq)] = 1.0
-        ex["ids"], ex["answer_mask"], ex["image_pos"] = ids, mask, np.int32(len(before))
-        ex["prompt_len"], ex["qa_truncated"] = np.int32(len(before) + len(after)), np.bool_(False)
+        answer = np.zeros(max_len, np.float32)
+        answer[prompt_len:end] = 1.0
+        ex["ids"], ex["answer_mask"], ex["image_pos"] = ids, answer, np.int32(image_at[0])
+        ex["prompt_len"], ex["qa_truncated"] = np.int32(prompt_len), np.bool_(False)
         return ex
 
     return fn
