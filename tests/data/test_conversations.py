@@ -202,7 +202,7 @@ SMOLVLM = ("<|im_start|>{% for message in messages %}{{message['role'] | capital
 
 
 @pytest.mark.parametrize(("template", "prompt", "answer", "eos"), [
-    (LLAVA_HF, ["USER: ", "\nWhat is shown? ASSISTANT:"], " A cat. ", True),  # EOS added: the template has none
+    (LLAVA_HF, ["USER: ", "\nWhat is shown? ASSISTANT:"], " A cat.", True),  # EOS added right after the text
     (SMOLVLM.replace("<end_of_utterance>", "<|im_end|>"),  # the tiny tokenizer's EOS ends each turn
      ["<|im_start|>User:", "What is shown?<|im_end|>\nAssistant:"], " A cat.<|im_end|>\n", False),
 ])
@@ -302,3 +302,136 @@ def test_an_answer_is_learned_up_to_any_end_of_turn_id_the_lm_stops_at(tmp_path)
         ex = op({"conversations": turns, "num_images": 1}, None)
         learned = ex["ids"][ex["answer_mask"] > 0].tolist()
         assert learned == tokenizer.encode("A cat.<|im_end|>") and learned[-1] == 2
+
+
+def _sentencepiece(path, prepend_scheme):
+    """A tiny SentencePiece-style ``tokenizer.json`` in the two layouts real checkpoints ship: the
+    legacy one (``Prepend('▁')`` + ``Replace(' ', '▁')`` normalizer: Llama 2, Vicuna, Mistral v0.1)
+    or a ``Metaspace(prepend_scheme='first')`` pre-tokenizer (Mistral v0.3); either adds a ``▁`` at
+    the start of each string it is given. BPE trained on a few phrases (deterministic)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    corpus = ["A red circle.", "What is in the picture?", "And the square?", "Blue, to the right.", "A cat.",
+              "USER: ASSISTANT:", "assistant user system\n"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        show_progress=False))
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t in ["<image>", "<|im_start|>", "<|im_end|>"]])
+    spec = json.loads(tok.to_str())
+    spec["model"]["vocab"]["▁▁"] = max(spec["model"]["vocab"].values()) + 1
+    spec["model"]["merges"].insert(0, ["▁", "▁"])  # Llama's first merge
+    if prepend_scheme == "legacy":
+        spec["pre_tokenizer"] = None
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+    else:
+        spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": prepend_scheme,
+                                 "split": False}
+    path.write_text(json.dumps(spec))
+    return path
+
+
+CHATML_TIGHT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # no newline between turns
+INST = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+        "{% elif m.role == 'assistant' %}{{ ' ' + m.content + eos_token }}{% endif %}{% endfor %}")
+# transformers' apply_chat_template(tokenize=True, return_assistant_tokens_mask=True) with {% generation %}
+# around each assistant turn, on these tokenizers (<image> an added token, its id taken out): the pieces
+# and the trained ones
+SENTENCEPIECE_HF = {
+    ("legacy", "chatml"): (
+        "<|im_start|> ▁user \n <unk> o o <unk> : ▁ ▁ \n Wh at ▁is ▁in ▁the ▁picture? <|im_end|> <|im_start|> "
+        "▁assistant \n A ▁red ▁circle. <|im_end|>", "A ▁red ▁circle. <|im_end|>", 9),
+    ("legacy", "inst"): (
+        "<s> ▁ <unk> I N S T <unk> ▁ <unk> o o <unk> : ▁ ▁ \n Wh at ▁is ▁in ▁the ▁picture? ▁ <unk> <unk> I N S T "
+        "<unk> ▁A ▁red ▁circle. </s>", "▁A ▁red ▁circle. </s>", 15),
+    ("first", "chatml"): (
+        "<|im_start|> user \n <unk> o o <unk> : ▁ \n Wh at ▁is ▁in ▁the ▁picture? <|im_end|> <|im_start|> as "
+        "sistan t \n A ▁red ▁circle. <|im_end|>", "A ▁red ▁circle. <|im_end|>", 9),
+    ("first", "inst"): (
+        "<s> <unk> I N S T <unk> ▁ <unk> o o <unk> : ▁ \n Wh at ▁is ▁in ▁the ▁picture? ▁ <unk> <unk> I N S T "
+        "<unk> ▁A ▁red ▁circle. </s>", "▁A ▁red ▁circle. </s>", 14),
+}
+
+
+@pytest.mark.parametrize("layout, template", list(SENTENCEPIECE_HF),
+                         ids=[f"{layout}-{template}" for layout, template in SENTENCEPIECE_HF])
+def test_a_sentencepiece_lm_gets_transformers_ids_and_mask_with_no_extra_leading_piece(tmp_path, layout, template):
+    """The whole rendering is tokenized at once, as transformers does: tokenized apart, each answer
+    (and the text after ``<image>``) would start with a ``▁`` that the LM never produces there."""
+    eos = "<|im_end|>" if template == "chatml" else "</s>"
+    path = _sentencepiece(tmp_path / "tokenizer.json", layout)
+    tokenizer = tok_lib.HFTokenizer(path, bos_id=1, pad_id=0, eos_id=tok_lib.HFTokenizer(path).token_id(eos),
+                                    chat_template=CHATML_TIGHT if template == "chatml" else INST)
+    turns = [{"from": "human", "value": "Look: <image>\nWhat is in the picture?"},
+             {"from": "gpt", "value": "A red circle."}]
+    ex = preprocess.parse("conversation_tokens(64)", tokenizer)({"conversations": turns, "num_images": 1}, None)
+    pieces, trained, image_pos = SENTENCEPIECE_HF[layout, template]
+    n = len(pieces.split(" "))
+    assert [tokenizer.token(i) for i in ex["ids"][:n]] == pieces.split(" ") and (ex["ids"][n:] == 0).all()
+    assert [tokenizer.token(i) for i in ex["ids"][ex["answer_mask"] > 0]] == trained.split(" ")
+    assert ex["answer_mask"][n - len(trained.split(" ")):n].all() and int(ex["image_pos"]) == image_pos
+    qa = preprocess.parse("qa_tokens(64, chat=True)", tokenizer)(  # the same rule, one exchange
+        {"question": "What is in the picture?", "answer": "A red circle."}, None)
+    answer = [tokenizer.token(i) for i in qa["ids"][qa["answer_mask"] > 0]]
+    assert answer == trained.split(" ") and qa["answer_mask"][int(qa["prompt_len"])] == 1
+
+
+MISTRAL_V3 = """{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}
+{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- endif %}
+{%- endfor %}"""
+
+
+def test_an_answer_found_in_a_rerendered_conversation_starts_at_the_templates_space_before_it(tiny_tokenizer):
+    """Mistral v0.3's template writes the system turn into the last user turn, so a conversation with
+    one takes the located path; its answer is ``' ' + answer + EOS``, trained with the space, as
+    transformers' mask (``{% generation %}`` around it) and the prefix rule (no system turn) have it."""
+    tiny_tokenizer.chat_template = MISTRAL_V3
+    turns = [{"from": "human", "value": "<image>\nWhat is in the picture?"}, {"from": "gpt", "value": "A red circle."}]
+    fn = preprocess.parse("conversation_tokens(128)", tiny_tokenizer)
+    want = tiny_tokenizer.encode(" A red circle.") + [HF["eos_id"]]
+    for head in ([], [{"from": "system", "value": "Be brief."}]):
+        ex = fn({"conversations": head + turns, "num_images": 1}, None)
+        assert ex["ids"][ex["answer_mask"] > 0].tolist() == want
+
+
+def test_a_rerendered_conversation_finds_answers_ending_with_any_end_of_turn_id(tmp_path):
+    """An LM whose turns end with an id other than its EOS (Llama 3's ``<|eot_id|>``), with a
+    template that renders earlier turns anew (Qwen3's rule): every exchange is found, up to that id."""
+    from vitmm.interop import gguf_lm
+
+    _, _, tok, _ = gguf_lm.load(FIXTURES / "interop/gguf_llama/tiny.gguf")
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    tokenizer = tok_lib.HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=0, pad_id=0, eos_ids=[2],
+                                    chat_template=LAST_QUERY_TEMPLATE.replace("EOS", "<|im_end|>"))
+    turns = [{"from": "human", "value": "<image>\nwhat colour?"}, {"from": "gpt", "value": "red"},
+             {"from": "human", "value": "and now?"}, {"from": "gpt", "value": "blue"}]
+    ex = preprocess.parse("conversation_tokens(256)", tokenizer)({"conversations": turns, "num_images": 1}, None)
+    want = tokenizer.encode("red<|im_end|>") + tokenizer.encode("<think></think>blue<|im_end|>")
+    assert ex["ids"][ex["answer_mask"] > 0].tolist() == want and want.count(2) == 2
+
+
+def test_chat_qa_tokens_end_a_bare_assistant_turn_with_eos_as_conversations_do(tiny_tokenizer):
+    """llava-hf's template leaves the assistant turn bare: qa_tokens(chat=True) trains ``answer EOS``
+    as conversation_tokens does (it was refused, with advice to convert the LM again)."""
+    tiny_tokenizer.chat_template = LLAVA_HF
+    fn = preprocess.parse("qa_tokens(64, chat=True)", tiny_tokenizer)
+    ex = fn({"question": "What is shown?", "answer": "A cat."}, None)
+    n = int(ex["prompt_len"])
+    want = tiny_tokenizer.encode(" A cat.") + [tiny_tokenizer.eos_id]
+    assert ex["ids"][ex["answer_mask"] > 0].tolist() == want and ex["answer_mask"][n:n + len(want)].all()
+    prompt = tiny_tokenizer.encode("USER: ") + tiny_tokenizer.encode("\nWhat is shown? ASSISTANT:")
+    assert ex["ids"][:n].tolist() == prompt and int(ex["image_pos"]) == len(tiny_tokenizer.encode("USER: "))

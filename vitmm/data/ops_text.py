@@ -41,9 +41,10 @@ def qa_tokens(max_len, question_key="question", answer_key="answer", tokenizer=N
     A question too long for ``max_len`` is cut from the right so that the whole answer fits.
 
     ``chat=True``: the tokenizer's chat template (a converted LM's) renders a user turn
-    ``"<image>\nquestion"`` (after a ``system`` turn when given) and the assistant's answer; the
-    answer mask covers the assistant's answer up to and including EOS (the template's end of
-    turn), ``image_pos`` is where ``<image>`` stood (the visual tokens go there), and the text
+    ``"<image>\nquestion"`` (after a ``system`` turn when given) and the assistant's answer,
+    tokenized as ``conversation_tokens`` does; the answer mask covers the assistant's answer up to
+    and including EOS (the template's end of turn, or the EOS put after an answer the template ends
+    bare), ``image_pos`` is where ``<image>`` stood (the visual tokens go there), and the text
     after EOS is dropped. A chat example that does not fit ``max_len`` is an error.
 
     ``max_answer``: an answer of more tokens (EOS included) is an error (a VLM whose loss reads
@@ -98,26 +99,26 @@ def _qa_chat(max_len, question_key, answer_key, tokenizer, system):
     def fn(ex, rng):
         user = head + [{"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{ex[question_key]}"}]
         prompt = tokenizer.chat(user, add_generation_prompt=True)
-        full = tokenizer.chat(user + [{"role": "assistant", "content": ex[answer_key]}])
+        messages = user + [{"role": "assistant", "content": ex[answer_key]}]
+        full = tokenizer.chat(messages)
         if not full.startswith(prompt) or prompt.count(IMAGE_PLACEHOLDER) != 1:
             raise ValueError("qa_tokens(chat=True): the chat template must render the prompt as a prefix of the whole "
                              f"exchange with one {IMAGE_PLACEHOLDER}; got {prompt!r} and {full!r}.")
-        before, after = prompt.split(IMAGE_PLACEHOLDER)
-        before, after = tokenizer.encode(before), tokenizer.encode(after)
-        answer = tokenizer.encode(full[len(prompt):])
-        answer = answer[: answer_end(answer, tokenizer, "qa_tokens(chat=True)", full[len(prompt):])]
-        seq = before + after + answer
-        if not before:
+        # conversation_tokens' rule: the whole exchange tokenized at once, EOS after an answer the template ends bare
+        seq, mask, image_at = _assemble(_chat_segments(messages, tokenizer, None), tokenizer, "qa_tokens(chat=True)")
+        prompt_len, end = mask.index(1), len(mask) - mask[::-1].index(1)  # the text after the answer's EOS is dropped
+        seq = seq[:end]
+        if not image_at[0]:
             raise ValueError("qa_tokens(chat=True): the chat template puts no token before <image>.")
         if len(seq) > max_len:
             raise ValueError(f"qa_tokens(chat=True): the exchange is {len(seq)} tokens, more than max_len={max_len}; "
                              "raise model.max_len.")
         ids = np.full(max_len, tokenizer.pad_id, np.int32)
         ids[: len(seq)] = seq
-        mask = np.zeros(max_len, np.float32)
-        mask[len(before) + len(after): len(seq)] = 1.0
-        ex["ids"], ex["answer_mask"], ex["image_pos"] = ids, mask, np.int32(len(before))
-        ex["prompt_len"], ex["qa_truncated"] = np.int32(len(before) + len(after)), np.bool_(False)
+        answer = np.zeros(max_len, np.float32)
+        answer[prompt_len:end] = 1.0
+        ex["ids"], ex["answer_mask"], ex["image_pos"] = ids, answer, np.int32(image_at[0])
+        ex["prompt_len"], ex["qa_truncated"] = np.int32(prompt_len), np.bool_(False)
         return ex
 
     return fn
@@ -304,11 +305,16 @@ def _chat_segments(messages, tokenizer, separator) -> list[tuple[str, str]]:
         upto = tokenizer.chat(messages[: j + 1])
         if not (full.startswith(upto) and upto.startswith(prompt) and len(prompt) >= at):
             return _located_segments(messages, tokenizer, full)
-        answer = full[len(prompt):len(upto)]
-        # A template that ends an assistant turn with nothing after its text (llava-hf's) gets EOS
-        # there, as LLaVA's own conversation format has it; one with an end marker keeps its own.
-        bare = answer.rstrip().endswith(message["content"].strip())
-        segments += [("text", full[at:len(prompt)]), ("answer_eos" if bare else "answer", answer)]
+        answer, content = full[len(prompt):len(upto)], message["content"].strip()
+        segments.append(("text", full[at:len(prompt)]))
+        if answer.rstrip().endswith(content):
+            # A template that ends an assistant turn with nothing after its text (llava-hf's) gets EOS
+            # right after the text, as LLaVA's own conversation format has it (``answer</s>``; what the
+            # template writes after it, a separator, is the prompt's); one with an end marker keeps its own.
+            cut = len(answer.rstrip())
+            segments += [("answer_eos", answer[:cut]), ("text", answer[cut:])]
+        else:
+            segments.append(("answer", answer))
         at = len(upto)
     segments.append(("text", full[at:]))
     return segments
@@ -321,7 +327,13 @@ def _located_segments(messages, tokenizer, full: str) -> list[tuple[str, str]]:
     rendering, as the text before the first end-of-turn (EOS) token that follows it."""
     from vitmm.data.skips import BadExample
 
-    end = tokenizer.token(tokenizer.eos_id)
+    ends = [tokenizer.token(i) for i in getattr(tokenizer, "eos_ids", (tokenizer.eos_id,))]
+
+    def next_end(after: int) -> tuple[int, str]:
+        """Where the first end-of-turn text (of any id the LM stops at) at or after ``after`` is, and which."""
+        found = [(full.find(end, after), end) for end in ends]
+        return min(((i, end) for i, end in found if i >= 0), default=(-1, ends[0]))
+
     segments, at, read = [], 0, 0  # read: past the last turn found (a question may quote an answer)
     for j, message in enumerate(messages):
         content = message["content"].strip()
@@ -332,17 +344,20 @@ def _located_segments(messages, tokenizer, full: str) -> list[tuple[str, str]]:
         content = content.split("</think>")[-1].strip()  # a template may drop a reasoning block it was given
         before = tokenizer.chat(messages[:j])  # the assistant's header: e.g. "<|im_start|>assistant\n"
         header = tokenizer.chat(messages[:j], add_generation_prompt=True)[len(before):]
-        stop = full.find(end, read)
+        stop, end = next_end(read)
         while stop >= 0 and not (content and full[:stop].rstrip().endswith(content)
                                  and full[:stop].rstrip().rindex(content) >= read):
-            stop = full.find(end, stop + len(end))
+            stop, end = next_end(stop + len(end))
         if stop < 0:
             raise BadExample("answer_not_rendered", f"the chat template does not render the answer {content[:60]!r} "
-                                                    f"before an end-of-turn {end!r}")
+                                                    f"before an end-of-turn (any of {ends})")
         start = full[:stop].rstrip().rindex(content)
         opened = full.rfind(header, read, start) if header else -1
         if opened >= 0:  # from the end of the assistant's header, as the prefix rule takes it (a think block too)
             start = opened + len(header)
+        else:  # from the whitespace the template writes before the text (Mistral's "[/INST] " + answer), as the
+            while start > read and full[start - 1].isspace():  # prefix rule takes it from the prompt's end
+                start -= 1
         segments += [("text", full[at:start]), ("answer", full[start:stop + len(end)])]
         at = read = stop + len(end)
     segments.append(("text", full[at:]))
@@ -374,9 +389,64 @@ def answer_end(answer: list[int], tokenizer, op: str, text: str) -> int:
     return at + 1
 
 
-def _assemble(segments, tokenizer) -> tuple[list[int], list[int], list[int]]:
-    """Token ids, the answer mask and each image's token index from ``segments``; ``<image>`` in a
-    text segment splits it (no token for the tag itself: the visual tokens go there)."""
+def _assemble(segments, tokenizer, op="conversation_tokens") -> tuple[list[int], list[int], list[int]]:
+    """Token ids, the answer mask and each image's token index from ``segments``; each ``<image>``
+    stands where its visual tokens go (no token for the tag itself), an ``answer_eos`` segment gets
+    the EOS right after it. A tokenizer that gives offsets (``tokenizer.json``'s) tokenizes the text
+    between BOS segments at once, as transformers' ``apply_chat_template`` does, and an answer is
+    the tokens that overlap its characters (a SentencePiece LM's pieces tokenized apart would
+    each start with a ``▁``); the others (bytes, words) tokenize each segment on its own."""
+    if not hasattr(tokenizer, "encode_offsets"):
+        return _assemble_apart(segments, tokenizer, op)
+    ids, mask, image_at, run = [], [], [], []
+    for kind, text in [*segments, ("bos", None)]:
+        if kind != "bos":
+            run.append((kind, text))
+            continue
+        if run:  # the text since the last BOS: tokenized at once
+            _assemble_at_once(run, tokenizer, op, ids, mask, image_at)
+        if text is not None:
+            ids.append(tokenizer.bos_id)
+            mask.append(0)
+        run = []
+    return ids, mask, image_at
+
+
+def _assemble_at_once(segments, tokenizer, op, ids, mask, image_at):
+    """``_assemble`` for segments with no BOS among them, appended to ``ids``, ``mask`` and
+    ``image_at``: one string tokenized with ``<image>`` and the EOS as tokens of their own."""
+    eos = tokenizer.token(tokenizer.eos_id)
+    full, images, answers = "", set(), []
+    for kind, text in segments:
+        if kind == "text":
+            at = text.find(IMAGE_PLACEHOLDER)
+            while at >= 0:
+                images.add(len(full) + at)
+                at = text.find(IMAGE_PLACEHOLDER, at + 1)
+        else:
+            answers.append((len(full), len(full) + len(text) + (len(eos) if kind == "answer_eos" else 0), text))
+        full += text + (eos if kind == "answer_eos" else "")
+    tokens, offsets = tokenizer.encode_offsets(full, (IMAGE_PLACEHOLDER, eos))
+    answer_tokens = [[] for _ in answers]  # each answer's indices in ids
+    k = 0
+    for token, (start, end) in zip(tokens, offsets, strict=True):
+        if start in images and end == start + len(IMAGE_PLACEHOLDER):
+            image_at.append(len(ids))
+            continue
+        while k < len(answers) and start >= answers[k][1]:
+            k += 1
+        if k < len(answers) and max(start + 1, end) > answers[k][0]:  # overlaps it (a prepended ▁ has no width)
+            answer_tokens[k].append(len(ids))
+        ids.append(token)
+        mask.append(0)
+    for at, (_, _, text) in zip(answer_tokens, answers, strict=True):
+        for i in at[: answer_end([ids[i] for i in at], tokenizer, op, text)]:
+            mask[i] = 1
+
+
+def _assemble_apart(segments, tokenizer, op) -> tuple[list[int], list[int], list[int]]:
+    """``_assemble`` for a tokenizer without offsets: each segment (and each piece of one around
+    ``<image>``) tokenized on its own."""
     ids, mask, image_at = [], [], []
     for kind, text in segments:
         if kind == "bos":
@@ -394,7 +464,7 @@ def _assemble(segments, tokenizer) -> tuple[list[int], list[int], list[int]]:
         answer = tokenizer.encode(text) if text else []
         if kind == "answer_eos":
             answer.append(tokenizer.eos_id)
-        end = answer_end(answer, tokenizer, "conversation_tokens", text)
+        end = answer_end(answer, tokenizer, op, text)
         ids += answer
         mask += [1] * end + [0] * (len(answer) - end)
     return ids, mask, image_at  # [0, …]: the image first, before BOS (PaliGemma's layout)

@@ -122,6 +122,23 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_offsets(self, text: str, keep: tuple[str, ...] = ()) -> tuple[list[int], list[tuple[int, int]]]:
+        """``text`` tokenized at once, as ``encode`` does, with each token's character span in it, and
+        each string of ``keep`` one token wherever it stands (as a VLM processor registers
+        ``<image>``; its id may then be past ``vocab_size``). Tokenizing a whole rendering once is
+        what transformers does: a SentencePiece tokenizer prepends ``▁`` to each string it is given,
+        so pieces tokenized apart would not add up to it."""
+        kept = self.__dict__.setdefault("_kept", {})
+        if keep not in kept:
+            from tokenizers import AddedToken, Tokenizer
+
+            tok = Tokenizer.from_str(self._tok.to_str())
+            tok.post_processor = None  # adds nothing without special tokens, but trims byte-level offsets
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in keep])
+            kept[keep] = tok
+        encoding = kept[keep].encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids) -> str:
         special = {self.bos_id, self.pad_id, *self.eos_ids}
         return self._tok.decode([int(i) for i in ids if int(i) not in special])
