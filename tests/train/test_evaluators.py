@@ -265,3 +265,33 @@ def test_zero_shot_accuracy_on_known_embeddings():
     zs = eval_lib.ZeroShot(emb, ["a", "b", "c"], templates=("{} one.", "{} two."))
     assert zs.prompts("a") == ["a one.", "a two."]
     assert zs.run(None) == {"accuracy": 0.75, "chance": pytest.approx(1 / 3), "examples": 4}
+
+
+def test_native_evaluation_embeds_each_image_at_its_own_size(tiny):
+    """``native`` evaluators: scenes at random sizes, each NaFlex-resized and packed with others
+    into rows; every image's embedding equals its own forward alone, in the examples' order, and
+    zero-shot and retrieval run on them."""
+    from vitmm.data import preprocess
+    from vitmm.data.packing import SceneSource
+
+    model, params = tiny
+    spec = dict(difficulty="easy", num_examples=40, seed=0, min_side=16, max_side=64, max_aspect=3.0)
+    data = dict(name="scenes_any", split="validation", scenes_any=spec)
+    native = dict(max_num_patches=16, seq_len=64, max_images=8)
+    evals = eval_lib.from_config({"zeroshot": dict(type="zeroshot", data=data, native=native, num_examples=40,
+                                                   embed_batch_size=16),
+                                  "retrieval": dict(type="retrieval", data=data, native=native, num_examples=40,
+                                                    embed_batch_size=16)},
+                                 model, 32, ByteTokenizer(), "softmax", 32)
+    emb = evals["zeroshot"].embeddings.get(params)
+    assert evals["retrieval"].embeddings is evals["zeroshot"].embeddings and emb["zimg"].shape == (40, 16)
+    source = SceneSource(**{**spec, "split": "validation"})
+    pp = preprocess.parse("naflex(16, 8)|value_range(-1, 1)")
+    sizes = set()
+    for i in (0, 7, 23, 39):
+        image = pp({"image": source[i]["image"]}, None)["image"]
+        sizes.add(image.shape)
+        alone = model.apply({"params": params}, jnp.asarray(image)[None])[0][0]
+        np.testing.assert_allclose(emb["zimg"][i], alone, atol=2e-5)
+    assert len(sizes) > 1  # the images really are at different sizes
+    assert 0 <= evals["zeroshot"].run(params)["accuracy"] <= 1 and evals["retrieval"].run(params)["examples"] == 40

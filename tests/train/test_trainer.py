@@ -279,47 +279,6 @@ def test_packed_native_resolution_run_trains_evaluates_and_resumes_exactly(tmp_p
         trainer.train(smoke_config(data_dir, "clip_scenes_native", parallel="pmap"), tmp_path / "pmap")
 
 
-def test_native_evaluation_embeds_each_image_at_its_own_size():
-    """``native`` evaluators: scenes at random sizes, each NaFlex-resized and packed with others
-    into rows; every image's embedding equals its own forward alone, in the examples' order, and
-    zero-shot and retrieval run on them."""
-    import jax
-    import jax.numpy as jnp
-
-    from vitmm.data import preprocess
-    from vitmm.data.packing import SceneSource
-    from vitmm.data.tokenizer import ByteTokenizer
-    from vitmm.models import two_towers
-    from vitmm.train import evaluators as eval_lib
-
-    model = two_towers.TwoTowers(
-        image=dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=8, pool="gap", class_token=False,
-                   posemb="sincos2d"),
-        text=dict(vocab_size=259, max_len=32, width=32, depth=1, mlp_dim=64, num_heads=2, causal=True, pool="eot"),
-        embed_dim=16)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), jnp.zeros((1, 32), jnp.int32))["params"]
-    spec = dict(difficulty="easy", num_examples=40, seed=0, min_side=16, max_side=64, max_aspect=3.0)
-    data = dict(name="scenes_any", split="validation", scenes_any=spec)
-    native = dict(max_num_patches=16, seq_len=64, max_images=8)
-    evals = eval_lib.from_config({"zeroshot": dict(type="zeroshot", data=data, native=native, num_examples=40,
-                                                   embed_batch_size=16),
-                                  "retrieval": dict(type="retrieval", data=data, native=native, num_examples=40,
-                                                    embed_batch_size=16)},
-                                 model, 32, ByteTokenizer(), "softmax", 32)
-    emb = evals["zeroshot"].embeddings.get(params)
-    assert evals["retrieval"].embeddings is evals["zeroshot"].embeddings and emb["zimg"].shape == (40, 16)
-    source = SceneSource(**{**spec, "split": "validation"})
-    pp = preprocess.parse("naflex(16, 8)|value_range(-1, 1)")
-    sizes = set()
-    for i in (0, 7, 23, 39):
-        image = pp({"image": source[i]["image"]}, None)["image"]
-        sizes.add(image.shape)
-        alone = model.apply({"params": params}, jnp.asarray(image)[None])[0][0]
-        np.testing.assert_allclose(emb["zimg"][i], alone, atol=2e-5)
-    assert len(sizes) > 1  # the images really are at different sizes
-    assert 0 <= evals["zeroshot"].run(params)["accuracy"] <= 1 and evals["retrieval"].run(params)["examples"] == 40
-
-
 def test_uint8_batches_normalised_on_the_device_train_as_the_host_normalised_ones(tmp_path, clip_smoke_run):
     """``input.device_normalize``: the host sends uint8 images, the step applies the pp's
     ``value_range``; the run ends where the session's host-normalised run ends (float32, 1e-6)."""
