@@ -435,3 +435,5 @@ def test_chat_qa_tokens_end_a_bare_assistant_turn_with_eos_as_conversations_do(t
     assert ex["ids"][ex["answer_mask"] > 0].tolist() == want and ex["answer_mask"][n:n + len(want)].all()
     prompt = tiny_tokenizer.encode("USER: ") + tiny_tokenizer.encode("\nWhat is shown? ASSISTANT:")
     assert ex["ids"][:n].tolist() == prompt and int(ex["image_pos"]) == len(tiny_tokenizer.encode("USER: "))
+    with pytest.raises(skips.BadExample, match="image_tag_mismatch: an <image> tag in the answer"):
+        fn({"question": "What is shown?", "answer": "A <image> cat."}, None)  # never vitmm's own token as an id

@@ -101,6 +101,10 @@ def _qa_chat(max_len, question_key, answer_key, tokenizer, system):
         prompt = tokenizer.chat(user, add_generation_prompt=True)
         messages = user + [{"role": "assistant", "content": ex[answer_key]}]
         full = tokenizer.chat(messages)
+        if IMAGE_PLACEHOLDER in str(ex[answer_key]):  # (its token would be vitmm's own, past the LM's vocabulary)
+            from vitmm.data.skips import BadExample
+
+            raise BadExample("image_tag_mismatch", f"an {IMAGE_PLACEHOLDER} tag in the answer {ex[answer_key]!r}")
         if not full.startswith(prompt) or prompt.count(IMAGE_PLACEHOLDER) != 1:
             raise ValueError("qa_tokens(chat=True): the chat template must render the prompt as a prefix of the whole "
                              f"exchange with one {IMAGE_PLACEHOLDER}; got {prompt!r} and {full!r}.")
