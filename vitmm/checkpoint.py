@@ -307,9 +307,18 @@ def merge_params(init: dict, loaded: dict, dont_load: Sequence[str] = (), source
     skip = lambda k: any(p.fullmatch(prefix + k) for p in patterns)  # noqa: E731
     lines = tree.mismatches(init, loaded, skip)
     if lines:
-        fix = ("Add regexes of what not to load to config.init.dont_load." if tree.fitting(init, loaded) else
-               f"Nothing in it fits the model (its top level: {', '.join(sorted(loaded))}; the model's: "
-               f"{', '.join(sorted(init))}): check that it is the checkpoint you meant.")
+        # A shape mismatch mostly means the model is built with other settings than the checkpoint's:
+        # dont_load would silently start those parts afresh, so it is offered only for parts meant to be new.
+        reshaped = any(line.lstrip().startswith("shape mismatch") for line in lines)
+        if not tree.fitting(init, loaded):
+            fix = (f"Nothing in it fits the model (its top level: {', '.join(sorted(loaded))}; the model's: "
+                   f"{', '.join(sorted(init))}): check that it is the checkpoint you meant.")
+        elif reshaped:
+            fix = ("The model is not built as the checkpoint's was: set model.* and input.image_size as its "
+                   "config.json has them; only for parts meant to start afresh (e.g. a new head), add regexes of "
+                   "what not to load to config.init.dont_load.")
+        else:
+            fix = "Add regexes of what not to load to config.init.dont_load."
         raise ValueError(f"Cannot initialise from {source or 'the checkpoint'}:\n" + tree.summarise(lines)
                          + f"\n{fix}")
     have = tree.flatten(loaded)

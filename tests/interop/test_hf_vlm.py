@@ -315,6 +315,30 @@ def test_an_imported_llava_fine_tunes_with_lora_as_it_is_and_chats(imported, fin
     assert "assistant:" in capsys.readouterr().out
 
 
+def test_a_run_started_from_the_imported_llavas_run_takes_the_imported_settings(imported, finetuned, capsys):
+    """Stage 2 with ``init.checkpoint`` = stage 1's workdir (stage 1 started from the imported LLaVA)
+    takes the imported model, tokenizer, special ids and image statistics as stage 1 did: stage 1's
+    config records the import (``source.imported_from``). It once took its own config's tower and LM
+    and 0.5 statistics, and died in merge_params suggesting init.dont_load."""
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm import config_args
+    from vitmm.train import imported_vlm
+
+    (out, _), (run, data, _) = imported, finetuned
+    first = ckpt_lib.load_config(run)
+    assert first["source"] == {"imported_from": ckpt_lib.load_config(out)["source"]}
+    config = config_args.load(pathlib.Path(__file__).resolve().parents[2] / "configs/llava_finetune.py", "smoke",
+                              **{"init.checkpoint": str(run), "input.data_path": str(data),
+                                 "input.image_folder": str(data.parent)})
+    second = imported_vlm.from_imported_vlm(config)
+    assert f"imported LlavaForConditionalGeneration in {run} (a run that started from it)" in capsys.readouterr().out
+    for key in ("model", "tokenizer", "tokens", "chat_template"):
+        assert second.to_dict()[key] == first[key], key
+    for key in ("image_size", "image_mean", "image_std"):
+        assert list(np.ravel(second.input[key])) == list(np.ravel(first["input"][key])), key
+    assert second.source.imported_from.architecture == "LlavaForConditionalGeneration"
+
+
 def test_an_exported_vlm_imports_back_to_the_same_parameters_and_image_steps(finetuned, tmp_path):
     """export_llava then the importer: the fine-tuned run's parameters (LoRA merged) and its image
     steps (LLaVA's pad-to-square, bilinear) come back as they were."""

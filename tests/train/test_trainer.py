@@ -163,6 +163,10 @@ def test_merge_params_lists_every_problem():
     text = str(err.value)
     assert "missing in checkpoint: d" in text and "unused from checkpoint: e" in text
     assert "shape mismatch: b/c: model (2, 3) vs checkpoint (3, 3)" in text
+    # a shape mismatch: the model's settings first; dont_load only for parts meant to start afresh
+    assert text.splitlines()[-1].startswith("The model is not built as the checkpoint's was: set model.*")
+    with pytest.raises(ValueError, match=r"\nAdd regexes of what not to load to config.init.dont_load.$"):
+        ckpt_lib.merge_params(init, {**loaded, "b": {"c": np.ones((2, 3))}})
     merged = ckpt_lib.merge_params(init, loaded, dont_load=("b/c", "d", "e"))
     np.testing.assert_array_equal(merged["a"], 1)
     np.testing.assert_array_equal(merged["b"]["c"], 0)

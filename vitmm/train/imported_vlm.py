@@ -24,14 +24,20 @@ def from_imported_vlm(config):
     of its own: ``IMPORTED_MODEL`` of ``model``, ``IMPORTED_INPUT`` of ``input``, ``tokenizer``,
     ``chat_template`` and ``tokens``; and when its pp holds ``MODEL_PP_OPS``, that pp and (unless
     the run sets ``input.sequences.length``) its ``input.sequences``. Otherwise ``config`` as it is
-    (a LLaVA's run keeps its own image steps, e.g. LLaVA-1.5's pad-to-square)."""
+    (a LLaVA's run keeps its own image steps, e.g. LLaVA-1.5's pad-to-square).
+
+    The returned config records the import as ``source.imported_from`` (the imported folder's
+    ``source``), so that a run started from this run's workdir (stage 2 after stage 1) takes the same
+    settings through it; not as ``source.architecture``, which makes ``vitmm.chat`` prompt a run as
+    transformers prompts the imported model, not as it was trained here."""
     from vitmm.data import preprocess
 
     start = (config.get("init") or {}).get("checkpoint")
     if config.get("task") != "vlm" or not start or config.init.get("vision") or config.init.get("lm"):
         return config
     saved = ckpt_lib.load_config(sources.folder(config, "checkpoint"))  # as pinned, for a resumed run
-    if saved.get("task") != "vlm" or not (saved.get("source") or {}).get("architecture"):
+    imported = imported_from(saved)
+    if saved.get("task") != "vlm" or not imported:
         return config
     config = config.copy_and_resolve_references()
     with config.unlocked():
@@ -46,7 +52,18 @@ def from_imported_vlm(config):
                 config.input.sequences = saved["input"]["sequences"]
         for key in ("tokenizer", "chat_template", "tokens"):
             config[key] = saved.get(key)
+        config.source = {"imported_from": imported}
     if jax.process_index() == 0:
-        print(f"model, tokenizer and image settings from the imported {saved['source']['architecture']} in {start}",
+        through = "" if imported is saved["source"] else " (a run that started from it)"
+        print(f"model, tokenizer and image settings from the imported {imported['architecture']} in {start}{through}",
               flush=True)
     return config
+
+
+def imported_from(saved: dict) -> dict | None:
+    """The ``source`` of the imported VLM a saved config comes from: its own (a ``vitmm.interop``
+    folder) or the one it recorded as started from (a run's workdir); None for neither."""
+    source = saved.get("source") or {}
+    if source.get("architecture"):
+        return source
+    return source.get("imported_from") if (source.get("imported_from") or {}).get("architecture") else None

@@ -37,11 +37,12 @@ from vitmm import tree
 # logs are read, how evaluation is done, when bad data stops the run, the layout (a restore
 # reshards), whether a GPU's sums round in a fixed order (``deterministic``) and what only step 0
 # reads (``init.dont_load``; an ``init`` folder too once its settings are pinned: ``check_config_change``'s
-# ``also_safe``). Anything else changes what is computed.
+# ``also_safe``), and ``source`` (where an imported VLM's settings came from: a run saved before it was
+# recorded resumes). Anything else changes what is computed.
 SAFE_TO_CHANGE = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "sync_every",
                   "allow_config_change", "evals", "input/data_dir", "input/num_threads", "input/prefetch",
                   "input/device_prefetch", "input/max_skipped_share", "multihost", "fsdp", "tensor_parallel",
-                  "deterministic", "init/dont_load", "init/allow_random_tower")
+                  "deterministic", "init/dont_load", "init/allow_random_tower", "source")
 
 
 class WorkdirLocked(RuntimeError):
