@@ -125,3 +125,9 @@ def test_an_init_checkpoint_of_weights_without_a_saved_config_is_not_pinned(tmp_
         ckpt_lib.load_config(tmp_path / "weights")
     config = ml_collections.ConfigDict({"init": {"checkpoint": str(tmp_path / "weights")}})
     assert sources.pin(tmp_path / "w", config) == []
+    # nor an imported VLM's: a VLM run (and its --dry_run) starts from it as weights, its own config's model
+    # (from_imported_vlm once read its config first and refused the run with "carries no config")
+    from vitmm.train import imported_vlm
+
+    vlm = ml_collections.ConfigDict({"task": "vlm", "init": {"checkpoint": str(tmp_path / "weights")}})
+    assert imported_vlm.from_imported_vlm(vlm) is vlm

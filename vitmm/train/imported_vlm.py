@@ -24,7 +24,8 @@ def from_imported_vlm(config):
     of its own: ``IMPORTED_MODEL`` of ``model``, ``IMPORTED_INPUT`` of ``input``, ``tokenizer``,
     ``chat_template`` and ``tokens``; and when its pp holds ``MODEL_PP_OPS``, that pp and (unless
     the run sets ``input.sequences.length``) its ``input.sequences``. Otherwise ``config`` as it is
-    (a LLaVA's run keeps its own image steps, e.g. LLaVA-1.5's pad-to-square).
+    (a LLaVA's run keeps its own image steps, e.g. LLaVA-1.5's pad-to-square; a checkpoint of weights
+    without a saved config is weights for the run's own model, as ``sources.pin`` takes it).
 
     The returned config records the import as ``source.imported_from`` (the imported folder's
     ``source``), so that a run started from this run's workdir (stage 2 after stage 1) takes the same
@@ -35,7 +36,10 @@ def from_imported_vlm(config):
     start = (config.get("init") or {}).get("checkpoint")
     if config.get("task") != "vlm" or not start or config.init.get("vision") or config.init.get("lm"):
         return config
-    saved = ckpt_lib.load_config(sources.folder(config, "checkpoint"))  # as pinned, for a resumed run
+    try:
+        saved = ckpt_lib.load_config(sources.folder(config, "checkpoint"))  # as pinned, for a resumed run
+    except (FileNotFoundError, ValueError):  # weights only (no saved config), as sources.pin takes them:
+        return config  # nothing imported; the run's own model.* says what they are
     imported = imported_from(saved)
     if saved.get("task") != "vlm" or not imported:
         return config
