@@ -60,6 +60,26 @@ def test_the_cli_prints_the_needs_and_writes_nothing(tmp_path, data_dir):
         dry_run.plan(load(ROOT / "configs/vlm_scenes.py", "smoke", **{"input.data_dir": data_dir, "parallel": "pmap"}))
 
 
+def test_the_dry_run_reads_no_weights_of_the_init_folders(data_dir, clip_smoke_run, monkeypatch):
+    """The parameters are the model's shapes: init.vision's weights (and init.lm's, a 7B LM's
+    gigabytes) are not read; it once restored them all on the host to learn their shapes."""
+    import ml_collections
+
+    from vitmm import checkpoint as ckpt_lib
+
+    config = load(ROOT / "configs/vlm_scenes.py", "smoke,connector=pool,budget=4",
+                  **{"input.data_dir": data_dir, "init.vision": str(clip_smoke_run.workdir),
+                     "init.allow_random_tower": False})
+    with config.unlocked():
+        config.evals = ml_collections.ConfigDict()
+
+    def refused(path, *args, **kwargs):
+        raise AssertionError(f"--dry_run read the weights of {path}")
+
+    monkeypatch.setattr(ckpt_lib, "load_params", refused)
+    assert dry_run.plan(config)["parameters"] > 0
+
+
 def test_a_gpu_target_is_a_known_card_and_needs_jaxs_cuda_plugin(data_dir):
     """``--dry_run_target``: the card's description as XLA reads it; without JAX's CUDA plugin (as in
     this environment) one error that names what to install, nothing compiled."""

@@ -5,8 +5,11 @@ run's devices and mesh, not run, and what it needs per device.
     outputs 0.0 MiB beyond the donated state: 248.4 MiB a device at the step's peak; 3.1 GFLOPs a step
 
 Nothing is trained or written: the parameters and the optimizer state are shapes only
-(``jax.eval_shape``; an ``init.*`` checkpoint is read for its shapes), the batch is one batch of the
-run's own input. The numbers are XLA's for the compiled program (``memory_analysis``,
+(``jax.eval_shape`` of the model's initialisation, ``init_params(load=False)``): no weight of an
+``init.*`` folder is read (a 7B LM would be gigabytes of host memory for shapes the model already
+has; the run checks the folders' shapes against the model when it starts); what the run reads of
+those folders besides weights is read (their saved config, the tokenizer). The batch is one batch
+of the run's own input. The numbers are XLA's for the compiled program (``memory_analysis``,
 ``cost_analysis``), per device: parameters, optimizer state and batch from their shardings, the
 temporaries (activations kept for the backward pass, gradients, workspace) from the buffer
 assignment, the peak as arguments + temporaries + outputs not aliased to a donated argument. On
@@ -74,7 +77,8 @@ def plan(config, tokenizer=None, target: str | None = None, num_devices: int = 1
 def _compile(config, tokenizer, par: Parallel, target: str | None) -> dict:
     tokenizer = tokenizer or tasks.tokenizer_for(config)
     task = tasks.from_config(config, par, tokenizer)
-    params = jax.eval_shape(task.init_params)  # also sets the task's host-side settings (e.g. num_visual)
+    # also sets the task's host-side settings (e.g. num_visual); load=False: the model's shapes, no weights read
+    params = jax.eval_shape(lambda: task.init_params(load=False))
     optim_cfg = config.optim.copy_and_resolve_references()
     with optim_cfg.unlocked():
         optim_cfg.total_steps = config.total_steps
