@@ -64,6 +64,22 @@ def test_an_imported_vlms_tokenizer_is_read_from_the_pinned_copy(tmp_path):
     assert sources.tokenizer_file(pinned) == str(tmp_path / "other.json")
 
 
+def test_an_init_checkpoint_naming_a_tokenizer_elsewhere_is_unchanged_until_that_file_changes(tmp_path):
+    """A stage-1 workdir of an imported VLM names the imported folder's tokenizer and holds none: pin
+    copies the named one, and changed_since_pinned compares with the same file (it once compared with
+    the workdir's own, absent, and said "has changed" on every resume)."""
+    (tmp_path / "imported").mkdir()
+    named = tmp_path / "imported/tokenizer.json"
+    named.write_text("tok")
+    stage1 = _folder(tmp_path / "s1", {"task": "vlm", "tokenizer": str(named)})
+    config = ml_collections.ConfigDict({"init": {"checkpoint": str(stage1)}})
+    assert sources.pin(tmp_path / "w", config) == ["checkpoint"]
+    pinned = sources.with_pinned(config, tmp_path / "w")
+    assert sources.changed_since_pinned(pinned) == []
+    named.write_text("tok2")
+    assert [line.split(" has ")[0] for line in sources.changed_since_pinned(pinned)] == [f"init.checkpoint={stage1}"]
+
+
 def test_an_init_folder_without_settings_for_vision_or_lm_is_an_error(tmp_path):
     (tmp_path / "lm").mkdir()
     config = ml_collections.ConfigDict({"init": {"lm": str(tmp_path / "lm")}})

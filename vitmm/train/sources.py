@@ -45,9 +45,7 @@ def pin(workdir, config, replace: bool = False) -> list[str]:
             if key == "checkpoint":  # weights only (no saved config): nothing the run reads from it again
                 continue
             raise
-        # An imported VLM's run read the tokenizer its config names (what step 0 used); else the folder's.
-        named = pathlib.Path(settings["tokenizer"]) if key == "checkpoint" and settings.get("tokenizer") else None
-        tokenizer = named if named is not None and named.is_file() else source / "tokenizer.json"
+        tokenizer = _tokenizer(key, source, settings)
         tmp = target.with_name(f".{key}.partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -57,6 +55,15 @@ def pin(workdir, config, replace: bool = False) -> list[str]:
         tmp.rename(target)
         pinned.append(key)
     return pinned
+
+
+def _tokenizer(key: str, source: pathlib.Path, settings: dict) -> pathlib.Path:
+    """The tokenizer ``pin`` copies from ``init.<key>`` = ``source`` saved with ``settings``, and
+    ``changed_since_pinned`` compares with: for ``init.checkpoint`` (an imported VLM, or a run started
+    from one) the file its config names, which step 0 used; else, or if that file is gone, the folder's."""
+    named = settings.get("tokenizer") if key == "checkpoint" else None
+    named = pathlib.Path(named).expanduser() if named else None
+    return named if named is not None and named.is_file() else source / "tokenizer.json"
 
 
 def with_pinned(config, workdir):
@@ -117,7 +124,7 @@ def changed_since_pinned(config) -> list[str]:
         except Exception:  # noqa: BLE001 - a folder that no longer reads is no difference to report
             continue
         kept = json.loads((pathlib.Path(pinned) / SETTINGS).read_text())
-        tokenizers = [pathlib.Path(p).expanduser() / "tokenizer.json" for p in (source, pinned)]
+        tokenizers = [_tokenizer(key, pathlib.Path(source).expanduser(), now), pathlib.Path(pinned) / "tokenizer.json"]
         if now != kept or len({t.read_bytes() if t.is_file() else b"" for t in tokenizers}) > 1:
             lines.append(f"init.{key}={source} has changed since this run started; the run keeps the settings it "
                          f"started with ({pinned}).")
