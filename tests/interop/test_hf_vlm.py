@@ -339,6 +339,23 @@ def test_a_run_started_from_the_imported_llavas_run_takes_the_imported_settings(
     assert second.source.imported_from.architecture == "LlavaForConditionalGeneration"
 
 
+def test_the_imported_settings_name_each_setting_of_the_run_they_replace(imported, capsys):
+    """A run asking for another resolution and statistics than the imported VLM's trains at the
+    imported ones (its weights are that model's), and says so key by key with both values."""
+    from vitmm import config_args
+    from vitmm.train import imported_vlm
+
+    out, _ = imported
+    config = config_args.load(pathlib.Path(__file__).resolve().parents[2] / "configs/llava_finetune.py", "smoke",
+                              **{"init.checkpoint": str(out), "input.image_size": 48,
+                                 "input.image_mean": (0.5, 0.5, 0.5), "input.image_std": (0.5, 0.5, 0.5)})
+    resolved = imported_vlm.from_imported_vlm(config)
+    printed = capsys.readouterr().out
+    assert resolved.input.image_size == 16 and "input.image_size 48 -> 16" in printed
+    assert "input.image_mean [0.5, 0.5, 0.5] -> [0.48145466, 0.4578275, 0.40821073]" in printed
+    assert "input.image_std [0.5, 0.5, 0.5] -> [0.26862954" in printed
+
+
 def test_an_exported_vlm_imports_back_to_the_same_parameters_and_image_steps(finetuned, tmp_path):
     """export_llava then the importer: the fine-tuned run's parameters (LoRA merged) and its image
     steps (LLaVA's pad-to-square, bilinear) come back as they were."""

@@ -44,6 +44,7 @@ def from_imported_vlm(config):
     if saved.get("task") != "vlm" or not imported:
         return config
     config = config.copy_and_resolve_references()
+    replaced = _replaced(config, saved)
     with config.unlocked():
         for key in IMPORTED_MODEL:
             config.model[key] = saved["model"].get(key)
@@ -59,9 +60,33 @@ def from_imported_vlm(config):
         config.source = {"imported_from": imported}
     if jax.process_index() == 0:
         through = "" if imported is saved["source"] else " (a run that started from it)"
-        print(f"model, tokenizer and image settings from the imported {imported['architecture']} in {start}{through}",
-              flush=True)
+        print(f"model, tokenizer and image settings from the imported {imported['architecture']} in {start}{through}"
+              + (f"; in place of the run's {', '.join(replaced)}" if replaced else ""), flush=True)
     return config
+
+
+def _plain(value):
+    """``value`` as JSON has it (a ConfigDict a dict, a tuple a list), to compare with a saved config's."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return {k: _plain(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def _replaced(config, saved: dict) -> list[str]:
+    """What the run set that the imported settings replace, key by key: the image settings with both
+    values (``input.image_size 48 -> 16``: a run asking for another resolution trains at the imported
+    one), a model part by its key (its value is a whole tower or LM). The imported settings win by
+    design (the weights are that model's), so a config's own defaults for them are not refused."""
+    lines = []
+    for key in IMPORTED_INPUT:
+        own, new = _plain(config.input.get(key)), saved["input"].get(key)
+        if own is not None and own != new:
+            lines.append(f"input.{key} {own} -> {new}")
+    lines += [f"model.{key}" for key in IMPORTED_MODEL
+              if config.model.get(key) is not None and _plain(config.model.get(key)) != saved["model"].get(key)]
+    return lines
 
 
 def imported_from(saved: dict) -> dict | None:
