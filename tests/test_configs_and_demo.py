@@ -149,7 +149,7 @@ def test_one_image_size_override_reaches_training_and_evaluation(tmp_path, monke
     one ``input.data_dir`` reaches every evaluator."""
     from vitmm.data import preprocess
     from vitmm.data import tokenizer as tok_lib
-    from vitmm.train import evaluators, pp_template, tasks
+    from vitmm.train import eval_embeddings, pp_template, tasks
     from vitmm.train.parallel import Parallel
 
     data_dir = str(tmp_path / "tfds")
@@ -158,14 +158,14 @@ def test_one_image_size_override_reaches_training_and_evaluation(tmp_path, monke
     assert pp.startswith("decode|resize(48)|") and "tokenize('caption', 64," in pp
     seen = []
     real_parse = preprocess.parse
-    monkeypatch.setattr(evaluators.preprocess, "parse", lambda pp, *a: seen.append(pp) or real_parse(pp, *a))
+    monkeypatch.setattr(eval_embeddings.preprocess, "parse", lambda pp, *a: seen.append(pp) or real_parse(pp, *a))
     sources = []
-    real_source = evaluators.pipeline.get_source
+    real_source = eval_embeddings.pipeline.get_source
     def get_source(name, split, data_dir, **kw):
         sources.append(data_dir)
         return real_source(name, split, data_dir, **kw)
 
-    monkeypatch.setattr(evaluators.pipeline, "get_source", get_source)
+    monkeypatch.setattr(eval_embeddings.pipeline, "get_source", get_source)
     tasks.from_config(c, Parallel("jit"), tok_lib.get_tokenizer(None)).evaluators()
     assert seen and all("resize(48)" in pp for pp in seen)
     assert sources and set(sources) == {data_dir}

@@ -20,13 +20,13 @@ parameters from the workdir's newest checkpoint. A converted LM folder
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import decode
+from vitmm.data import images as images_lib
 from vitmm.data import preprocess
 from vitmm.lm_chat import LMChat, reply_prompt, round_up
 
@@ -100,7 +100,7 @@ class Chat:
             return self._prepare_video(images, turns, video)
         if len(images) > self.max_images:
             raise ValueError(f"{len(images)} images; this model takes at most {self.max_images}.")
-        images = [_image_array(image) for image in images]
+        images = [images_lib.caller_image(image) for image in images]
         tags = sum(t["value"].count("<image>") for t in turns)
         if tags != len(images):
             raise ValueError(f"{tags} <image> tag(s) in the text for {len(images)} image(s).")
@@ -251,48 +251,6 @@ class Chat:
         example = self.prepare(images, [{"from": "human", "value": f"{tags}{question}"}])
         eos = self.tokenizer.eos_ids
         return self.tokenizer.decode([t for t in self.generate(example, max_new_tokens) if t not in eos])
-
-
-_IMAGE_TAKEN = "The image must be uint8 [H, W, 3] ([H, W], [H, W, 1] and [H, W, 4] are made RGB) or a PIL image"
-
-
-def _image_array(image) -> np.ndarray:
-    """``image`` as the uint8 array the run's pp takes: a uint8 ``[H, W, 3]`` array (greyscale and
-    RGBA are made RGB by the pp) or a PIL image (made RGB as image files are). Anything else is a
-    ``ValueError`` in one line naming what came and the fix, not pixels guessed at."""
-    from PIL import Image
-
-    from vitmm.data.images import _to_rgb
-
-    read = "read the file with vitmm.data.images.decode_image(open(path, 'rb').read())"
-    if isinstance(image, str | bytes | os.PathLike):
-        got = f"{len(image):,} bytes" if isinstance(image, bytes) else f"the path {str(image)!r}"
-        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: {read}.")
-    if isinstance(image, Image.Image):  # transparency kept: the pp's decode treats it as the run was trained
-        image = np.asarray(_to_rgb(image, alpha="keep"))
-    try:
-        array = np.asarray(image)
-    except ValueError:  # a ragged nested list
-        array = np.asarray(None)
-    if array.dtype == object:
-        raise ValueError(f"{_IMAGE_TAKEN}; got a {type(image).__name__}: pass pixels, or {read}.")
-    got = f"{array.dtype} {array.shape}"
-    if array.dtype.kind == "f":
-        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: float pixels have no agreed range, scale them to 0..255 and "
-                         "cast with .astype(np.uint8).")
-    if not (array.ndim == 2 or (array.ndim == 3 and array.shape[-1] in (1, 3, 4))):
-        if array.ndim == 3 and array.shape[0] in (1, 3, 4):
-            fix = "channels go last, e.g. image.transpose(1, 2, 0)"
-        elif array.ndim == 3:
-            fix = f"{array.shape[-1]} channels, pass 1, 3 or 4"
-        else:
-            fix = "pass one image, not a batch" if array.ndim > 3 else "pass rows × columns (× channels)"
-        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: {fix}.")
-    if array.dtype != np.uint8:
-        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: cast values in 0..255 with .astype(np.uint8).")
-    if array.size == 0:
-        raise ValueError(f"{_IMAGE_TAKEN}; got {got}, which has no pixels.")
-    return array
 
 
 def load(workdir, step: int | None = None) -> Chat | LMChat:

@@ -89,7 +89,7 @@ def kind_counts(workdir: pathlib.Path) -> dict:
     n = min(cfg.get("num_examples") or len(source), len(source))
     pick = preprocess.parse("choose(('questions', 'question_kinds'), ('question', 'question_kind'))|"
                             "keep('question_kind')")
-    from vitmm.train.evaluators import Prefix
+    from vitmm.train.eval_embeddings import Prefix
 
     kinds = np.concatenate([b["question_kind"][b["_mask"] > 0] for b in pipeline.eval_batches(
         Prefix(source, n), pick, cfg.get("batch_size", 64), process_index=0, process_count=1, num_threads=1)])

@@ -13,7 +13,7 @@ import pytest
 
 from vitmm.data import preprocess, skips
 from vitmm.data import tokenizer as tok_lib
-from vitmm.data.ops_text import conversation_messages
+from vitmm.data.chat_render import conversation_messages
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 HF = json.loads((FIXTURES / "data/conversations.json").read_text())

@@ -77,7 +77,7 @@ def test_zero_shot_runs_on_a_dataset_of_images_and_labels_only(tiny, monkeypatch
 
 
 class Fixed:
-    """Stands in for ``_Embeddings``: hands the evaluator the embeddings a test wrote."""
+    """Stands in for ``eval_embeddings.Embeddings``: hands the evaluator the embeddings a test wrote."""
 
     def __init__(self, **value):
         self.value = value

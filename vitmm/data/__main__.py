@@ -21,7 +21,7 @@ import os
 import sys
 
 from vitmm.data import formats, skips
-from vitmm.data.ops_text import IMAGE_PLACEHOLDER, conversation_messages
+from vitmm.data.chat_render import IMAGE_PLACEHOLDER, conversation_messages
 
 
 def check_example(example, max_images: int = 1) -> skips.Skipped | None:

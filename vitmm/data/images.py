@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import warnings
 
 import numpy as np
@@ -135,3 +136,42 @@ def shorter_side_size(hw: tuple[int, int], size: int) -> tuple[int, int]:
     short, long = min(h, w), max(h, w)
     new_long = int(size * long / short)
     return (new_long, size) if w <= h else (size, new_long)
+
+
+_IMAGE_TAKEN = "The image must be uint8 [H, W, 3] ([H, W], [H, W, 1] and [H, W, 4] are made RGB) or a PIL image"
+
+
+def caller_image(image) -> np.ndarray:
+    """An image a caller hands ``vitmm.chat`` / ``vitmm.serve`` as the uint8 array a run's pp takes:
+    a uint8 ``[H, W, 3]`` array (greyscale and RGBA are made RGB by the pp) or a PIL image (made RGB
+    as image files are). Anything else is a ``ValueError`` in one line naming what came and the fix,
+    not pixels guessed at."""
+    read = "read the file with vitmm.data.images.decode_image(open(path, 'rb').read())"
+    if isinstance(image, str | bytes | os.PathLike):
+        got = f"{len(image):,} bytes" if isinstance(image, bytes) else f"the path {str(image)!r}"
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: {read}.")
+    if isinstance(image, Image.Image):  # transparency kept: the pp's decode treats it as the run was trained
+        image = np.asarray(_to_rgb(image, alpha="keep"))
+    try:
+        array = np.asarray(image)
+    except ValueError:  # a ragged nested list
+        array = np.asarray(None)
+    if array.dtype == object:
+        raise ValueError(f"{_IMAGE_TAKEN}; got a {type(image).__name__}: pass pixels, or {read}.")
+    got = f"{array.dtype} {array.shape}"
+    if array.dtype.kind == "f":
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: float pixels have no agreed range, scale them to 0..255 and "
+                         "cast with .astype(np.uint8).")
+    if not (array.ndim == 2 or (array.ndim == 3 and array.shape[-1] in (1, 3, 4))):
+        if array.ndim == 3 and array.shape[0] in (1, 3, 4):
+            fix = "channels go last, e.g. image.transpose(1, 2, 0)"
+        elif array.ndim == 3:
+            fix = f"{array.shape[-1]} channels, pass 1, 3 or 4"
+        else:
+            fix = "pass one image, not a batch" if array.ndim > 3 else "pass rows × columns (× channels)"
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: {fix}.")
+    if array.dtype != np.uint8:
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}: cast values in 0..255 with .astype(np.uint8).")
+    if array.size == 0:
+        raise ValueError(f"{_IMAGE_TAKEN}; got {got}, which has no pixels.")
+    return array

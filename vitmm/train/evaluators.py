@@ -23,15 +23,11 @@ settings, the split from ``data.split``) draws scenes at random sizes instead of
 
 from __future__ import annotations
 
-import functools
-import hashlib
-
 import jax
 import numpy as np
 
 from vitmm import losses
-from vitmm.data import pipeline, preprocess, skips
-from vitmm.data import tokenizer as tok_lib
+from vitmm.train.eval_embeddings import Embeddings
 
 DEFAULT_TEMPLATES = ("a {}.", "there is a {}.", "one shape: a {}.")
 # For scenes: every colour and position is filled in and the class embedding is their average
@@ -39,174 +35,11 @@ DEFAULT_TEMPLATES = ("a {}.", "there is a {}.", "one shape: a {}.")
 SCENES_TEMPLATES = ("a {color} {} {at}.", "there is a {color} {} {at}.", "one shape: a {color} {} ({region}).")
 
 
-class _Embeddings:
-    """Embeds an evaluation split once per set of parameters; shared by the evaluators.
-
-    ``get`` returns ``zimg [I, D]`` and ``labels [I]`` (one per distinct image), and with captions
-    ``ztxt [T, D]``, ``tokens [T, L]`` and ``txt2img [T]`` (the image each caption describes).
-    An image has several captions where a record holds a list of them (``data.captions``, e.g.
-    COCO's ``"captions/text"``), or where rows of raw data (CSV, wds, parquet: one row per
-    image-caption pair, open_clip's layout) show the same image: such rows are one image when
-    their preprocessed pixels are identical byte for byte (the same file, or a copy of it; a model
-    cannot tell such images apart, so ranking one copy over another would be a coin toss).
-    """
-
-    def __init__(self, embed_images, embed_texts, data: dict, max_len: int, tokenizer, batch_size: int,
-                 num_examples: int | None, image_size: int, native: dict | None = None, padding: str = "pad",
-                 value_op: str = "value_range(-1, 1)", captions: bool = True):
-        self._embed_images, self._embed_texts = embed_images, embed_texts
-        self.tokenizer, self.max_len, self.batch_size = tokenizer, max_len, batch_size
-        self.padding = padding  # "eos" for a text tower pooled at its last position (SigLIP), as it trained
-        # captions=False (only zero-shot reads this split): no caption is read, tokenized or embedded,
-        # so a classification dataset of images and labels (cifar10, imagenet2012) works.
-        self.captions = captions
-        # data: name, split, data_dir (or scenes_any); keys to read (default image, caption,
-        # label) and the ops that turn a record into one "caption" (default: it already has one),
-        # or ``captions``: the path of a record's list of captions, every one of them scored.
-        from vitmm.data import formats
-
-        raw = formats.raw_format(data)  # image-caption pairs of the user's files: no labels
-        self.caption_list = data.get("captions") if captions else None
-        if self.caption_list and raw:
-            raise ValueError(f"data.captions={self.caption_list!r} reads a TFDS record's list of captions; raw data "
-                             "has one caption a row (rows that show the same image are grouped): leave it unset.")
-        self.group_rows = bool(raw and captions)
-        text = "caption" if not self.caption_list else self.caption_list.split("/")[0]
-        default = (("image", text) if raw or self.caption_list else ("image", text, "label") if captions
-                   else ("image", "label"))
-        keys = tuple(data.get("keys") or default)
-        self.source = source = pipeline.source_for(data, keys)
-        self.num_examples = min(num_examples or len(source), len(source))
-        label = "'label'" if "label" in keys else ""
-        self.native = native  # with it: NaFlex to a patch budget and packed rows, else squares
-        size = (f"naflex({native['max_num_patches']}, {native['patch_size'][0]})" if native
-                else f"resize({image_size})")
-        if self.caption_list:  # every caption tokenized here: tokenize takes one string
-            image_pp = preprocess.parse(f"{data.get('pp') or 'decode'}|{size}|{value_op}", tokenizer)
-            self._pp = functools.partial(self._all_captions, image_pp, keys="label" in keys)
-        else:
-            text = ((f"tokenize('caption', {max_len}, padding={padding!r})|", "'caption_tokens', ") if captions
-                    else ("", ""))
-            self._pp = preprocess.parse(
-                f"{data.get('pp') or 'decode'}|{size}|{value_op}|{text[0]}keep('image', {text[1]}{label})", tokenizer)
-        self.has_labels = "label" in keys
-        self._params, self._value = None, None
-
-    def _all_captions(self, image_pp, ex, rng, keys: bool):
-        """``image_pp(ex)`` with ``caption_tokens [C, L]``: each of the record's ``C`` captions."""
-        ex = image_pp(ex, rng)
-        texts = [t.decode("utf-8") if isinstance(t, bytes) else str(t)
-                 for t in preprocess.get_path(ex, self.caption_list)]
-        if not texts:
-            raise skips.BadExample("caption_missing", f"no entries in {self.caption_list!r}")
-        ids = [tok_lib.tokenize(self.tokenizer, t, self.max_len, padding=self.padding).ids for t in texts]
-        out = {k: v for k, v in ex.items() if k == "image" or k.startswith("_") or (keys and k == "label")}
-        return {**out, "caption_tokens": np.stack(ids)}
-
-    def get(self, params) -> dict:
-        # Keyed on the params object itself, held until clear(): an id() key could match a
-        # new params tree allocated where a freed one was, and return the old embeddings.
-        if params is not self._params:
-            images, labels, texts, tokens, txt2img, seen = [], [], [], [], [], {}
-            view = Prefix(self.source, self.num_examples)
-            batches = (self._native_batches(params, view) if self.native else
-                       pipeline.eval_batches(view, self._pp, self.batch_size, process_index=0, process_count=1,
-                                             num_threads=1))
-            for batch in batches:
-                kept = np.flatnonzero(batch["_mask"])
-                embedded = batch["zimg"] if self.native else np.asarray(self._embed_images(params, batch["image"]))
-                if self.captions and not self.caption_list:  # one caption a row, embedded as a batch
-                    texts.append(np.asarray(self._embed_texts(params, batch["caption_tokens"]))[kept])
-                for j in kept:
-                    image = len(images)
-                    if self.group_rows:  # raw rows showing the same image: one image, several captions
-                        pixels = batch["image_key"][j] if self.native else _pixels_key(batch["image"][j])
-                        image = seen.setdefault(pixels, image)
-                    if image == len(images):
-                        images.append(embedded[j])
-                        labels.append(batch["label"][j] if self.has_labels else -1)
-                    if self.captions:
-                        rows = np.asarray(batch["caption_tokens"][j]).reshape(-1, self.max_len)
-                        tokens.append(rows)
-                        txt2img += [image] * len(rows)
-            self._value = dict(zimg=np.stack(images), labels=np.asarray(labels))
-            if self.captions:
-                tokens = np.concatenate(tokens)
-                ztxt = np.concatenate(texts) if texts else self._embed_all(params, tokens)
-                self._value.update(ztxt=ztxt, tokens=tokens, txt2img=np.asarray(txt2img))
-            self._params = params
-        return self._value
-
-    def _embed_all(self, params, tokens) -> np.ndarray:
-        """``tokens [T, L]`` embedded ``batch_size`` at a time (the last chunk padded: one compiled shape)."""
-        out = []
-        for start in range(0, len(tokens), self.batch_size):
-            chunk = tokens[start : start + self.batch_size]
-            padded = np.concatenate([chunk, np.repeat(chunk[:1], self.batch_size - len(chunk), 0)])
-            out.append(np.asarray(self._embed_texts(params, padded))[: len(chunk)])
-        return np.concatenate(out)
-
-    def _native_batches(self, params, view):
-        """``eval_batches``' batches for images at their own sizes: each chunk of examples packed
-        into rows for the image tower, its embeddings (``zimg``) in the examples' order."""
-        from vitmm.models import packing
-
-        rng, n = np.random.default_rng(0), len(view)  # the ops used here draw nothing
-        guarded = skips.guard(self._pp)
-        for start in range(0, n, self.batch_size):
-            # A bad raw record (missing file, empty caption, undecodable image) is left out, as the
-            # square path masks it: it is not counted in ``examples``.
-            outs = (guarded(_record(view[i]), rng) for i in range(start, min(n, start + self.batch_size)))
-            examples = [out for out in outs if not isinstance(out, skips.Skipped)]
-            if not examples:
-                continue
-            packed = packing.pack([ex["image"] for ex in examples], self.native["patch_size"],
-                                  self.native["seq_len"], self.native["max_images"],
-                                  class_token=self.native["class_token"], num_registers=self.native["num_registers"])
-            batch = pipeline.collate([{k: v for k, v in ex.items() if k != "image"} for ex in examples])
-            batch["image_key"] = [_pixels_key(ex["image"]) for ex in examples]
-            batch["zimg"] = np.stack(packing.unpack(self._embed_images(params, packed), packed))
-            batch["_mask"] = np.ones(len(examples), np.int32)
-            yield batch
-
-    def clear(self) -> None:
-        """Drops the cached embeddings and the parameters they came from."""
-        self._params, self._value = None, None
-
-    def texts(self, params, strings) -> np.ndarray:
-        ids = np.stack([tok_lib.tokenize(self.tokenizer, s, self.max_len, padding=self.padding).ids for s in strings])
-        return np.asarray(self._embed_texts(params, ids))
-
-
-def _pixels_key(image: np.ndarray) -> tuple:
-    """An image's identity: its shape and a digest of its pixels."""
-    image = np.ascontiguousarray(image)
-    return image.shape, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
-
-
-def _record(record):
-    """A source's record as a dict the pp may change, or its ``Skipped`` (a bad raw record) as is."""
-    return record if isinstance(record, skips.Skipped) else dict(record)
-
-
-class Prefix:
-    """The first ``n`` examples of ``source`` (an evaluation's ``num_examples``)."""
-
-    def __init__(self, source, n):
-        self._source, self._n = source, n
-
-    def __len__(self):
-        return self._n
-
-    def __getitem__(self, i):
-        return self._source[i]
-
-
 class _OnEmbeddings:
     """An evaluator that reads the shared embeddings of its split; ``clear()`` releases them
     (and the parameters they were computed from) once a round of evaluation is done."""
 
-    embeddings: _Embeddings
+    embeddings: Embeddings
 
     def clear(self) -> None:
         self.embeddings.clear()
@@ -216,7 +49,7 @@ class ZeroShot(_OnEmbeddings):
     """``templates`` may use ``{color}``, ``{region}`` and ``{at}`` (e.g. "at the top left"),
     filled with every value in ``fill`` and averaged."""
 
-    def __init__(self, embeddings: _Embeddings, class_names, templates=DEFAULT_TEMPLATES, fill=None, **_):
+    def __init__(self, embeddings: Embeddings, class_names, templates=DEFAULT_TEMPLATES, fill=None, **_):
         self.embeddings, self.class_names = embeddings, list(class_names)
         self.templates, self.fill = tuple(templates), dict(fill or {})
 
@@ -253,7 +86,7 @@ class Retrieval(_OnEmbeddings):
     ``get_clip_metrics``. A caption identical word for word to one of an image's captions also
     counts as that image's (scenes repeat captions), and the chance levels account for that."""
 
-    def __init__(self, embeddings: _Embeddings, **_):
+    def __init__(self, embeddings: Embeddings, **_):
         self.embeddings = embeddings
 
     def run(self, params, t=None, b=None) -> dict:
@@ -308,7 +141,7 @@ class ValLoss(_OnEmbeddings):
     last batch, padded to ``batch_size`` with its padding masked out (``losses``' ``valid``), is
     the loss of its own pairs alone (fewer negatives than a full batch); the mean is over pairs."""
 
-    def __init__(self, embeddings: _Embeddings, loss: str = "softmax", batch_size: int = 256, **_):
+    def __init__(self, embeddings: Embeddings, loss: str = "softmax", batch_size: int = 256, **_):
         self.embeddings, self.loss, self.batch_size = embeddings, loss, batch_size
 
     def run(self, params, t=None, b=None) -> dict:
@@ -399,7 +232,7 @@ def from_config(evals_config, model, max_len: int, tokenizer, loss: str, image_s
                       "num_registers": tower.num_registers}
         key = _cache_key(cfg)
         if key not in caches:
-            caches[key] = _Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
+            caches[key] = Embeddings(embed_images, embed_texts, data, max_len, tokenizer,
                                       embed_batch.get(key, 256), cfg.get("num_examples"),
                                       image_size, native, padding=text_padding(model), value_op=value_op,
                                       captions=key in with_captions)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from vitmm.data import pipeline, preprocess
-from vitmm.train.evaluators import Prefix
+from vitmm.train.eval_embeddings import Prefix
 
 
 class QAAccuracy:
