@@ -11,13 +11,14 @@ shuffle ``Idefics3ForConditionalGeneration``, else ``LlavaForConditionalGenerati
 SigLIP-layout tower; ``LlavaNext…`` with AnyRes, ``LlavaOnevision…`` with ``max_patches``); weights
 as float32 in one ``model.safetensors``. A VLM none of them holds is refused with every reason. The
 default, ``parts``, writes ``out/lm/`` (transformers' ``config.json`` + ``model.safetensors``, LoRA adapters merged,
-with the tokenizer and chat template of the run's ``init.lm``), ``out/vision/`` (transformers'
+with the run's tokenizer, special ids and chat template), ``out/vision/`` (transformers'
 ``CLIPVisionModel`` layout, for towers of that form: a CLS token, learned positions with a CLS
 slot, pre-norm, LayerNorm, a square grid; a tower of another form is not written and the
-summary says why) and ``out/connector.safetensors`` with ``connector.json`` (the connector's
-settings, its parameters under their ``/``-joined paths). ``hf_lm.load_lm(out/lm)``,
-``hf.load_clip_vision(out/vision)`` and ``load_connector(out)`` give back the exact parameters
-(tested).
+summary says why) and ``out/connector.safetensors`` with ``connector.json`` (the connector's and
+the VLM's settings; every parameter but the tower's and the LM's under its ``/``-joined path: the
+connector's ``project``, AnyRes's ``image_newline``). Every part is made before anything is written.
+``hf_lm.load_lm(out/lm)``, ``hf.load_clip_vision(out/vision)`` and ``load_connector(out)`` give back
+the exact parameters (tested).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import shutil
 import sys
 
 import numpy as np
@@ -41,63 +41,76 @@ def clip_vision_problem(kwargs: dict, params: dict) -> str | None:
     return "; ".join(p.removeprefix("the tower: ") for p in tower_problems(kwargs, params, siglip=False)) or None
 
 
+# The VLM's own settings beside the connector's (connector.json), when the run sets them.
+VLM_SETTINGS = ("vision_layer", "use_cls", "anyres", "mrope", "prefix_lm", "max_len")
+
+
 def export_vlm(workdir, out) -> dict:
-    """Writes the parts of the VLM in ``workdir`` under ``out``; returns what was written."""
+    """Writes the parts of the VLM in ``workdir`` under ``out``; returns what was written. Every
+    part is made before the folder is created, so a refusal or an error leaves nothing behind."""
+    from vitmm.data import tokenizer as tok_lib
+    from vitmm.interop.vlm.common import export_start, generation_ids
 
-    from vitmm import checkpoint as ckpt_lib
-    from vitmm.models import lora as lora_lib
-    from vitmm.train import sources, tasks, vlm_start
+    config, vision, lm, params, tokenizer, _ = export_start(workdir)
+    out = cli.new_output_folder(out)  # refused before the work; created after it
+    files = {}  # path under out -> tensors (a dict) or text
 
-    config = sources.run_config(workdir)
-    if config.get("task") != "vlm":
-        raise ValueError(f"{workdir} holds a {config.get('task', 'contrastive')!r} run, not a VLM.")
-    out = cli.new_output_folder(out)
-    vision, lm = tasks.vlm_parts(config)
-    params = ckpt_lib.load_params(workdir)
-    if "lora" in params:
-        base = {k: v for k, v in params.items() if k != "lora"}
-        params = lora_lib.merge(base, params["lora"], vlm_start.lora_alpha(config))
-    written = {}
-
-    tensors, hf_config = hf_lm.export_lm(lm, params["language"])
-    (out / "lm").mkdir(parents=True)
-    io.write_safetensors(tensors, out / "lm" / "model.safetensors")
-    (out / "lm" / "config.json").write_text(json.dumps(hf_config, indent=1))
-    if sources.folder(config, "lm"):  # the tokenizer and chat template travel with the LM
-        source = pathlib.Path(sources.folder(config, "lm")).expanduser()
-        if (source / "tokenizer.json").is_file():
-            shutil.copy(source / "tokenizer.json", out / "lm" / "tokenizer.json")
-        saved = ckpt_lib.load_config(source)
-        if saved.get("chat_template"):
-            (out / "lm" / "tokenizer_config.json").write_text(json.dumps({"chat_template": saved["chat_template"]}))
-    written["lm"] = str(out / "lm")
+    tensors, lm_config = hf_lm.export_lm(lm, params["language"])
+    files["lm/model.safetensors"] = tensors
+    written = {"lm": str(out / "lm")}
+    if isinstance(tokenizer, tok_lib.HFTokenizer):  # a converted LM's: with its special ids and template
+        ids = generation_ids(tokenizer)
+        lm_config.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+        files["lm/tokenizer.json"] = tokenizer.to_str()
+        files["lm/tokenizer_config.json"] = json.dumps({
+            "bos_token": tokenizer.token(tokenizer.bos_id), "eos_token": tokenizer.token(tokenizer.eos_id),
+            "pad_token": tokenizer.token(tokenizer.pad_id), "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": int(config.model.get("max_len") or 2048),
+            **({"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {})}, indent=1)
+        files["lm/generation_config.json"] = json.dumps(ids, indent=1)
+    else:
+        written["tokenizer"] = ("not written: the run's byte tokenizer has no transformers form (train on a converted "
+                                "LM for one)")
+    files["lm/config.json"] = json.dumps(lm_config, indent=1)
 
     problem = clip_vision_problem(vision, params["tower"])
     if problem is None:
-        tensors, hf_config = hf.export_clip_vision(vision, params["tower"])
-        (out / "vision").mkdir()
-        io.write_safetensors(tensors, out / "vision" / "model.safetensors")
-        (out / "vision" / "config.json").write_text(json.dumps(hf_config, indent=1))
+        tensors, vision_config = hf.export_clip_vision(vision, params["tower"])
+        files["vision/model.safetensors"] = tensors
+        files["vision/config.json"] = json.dumps(vision_config, indent=1)
         written["vision"] = str(out / "vision")
     else:
         written["vision"] = f"not written: transformers' CLIP vision layout cannot hold this tower ({problem})"
 
-    flat = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tree.flatten(params["project"]).items()}
-    io.write_safetensors(flat, out / "connector.safetensors")
-    (out / "connector.json").write_text(json.dumps({"connector": config.model.connector.to_dict(),
-                                                    "vision_layer": config.model.vision_layer,
-                                                    "use_cls": config.model.use_cls}, indent=1))
+    # The connector and the VLM's other parameters (an AnyRes newline, a CLS projection): all but the
+    # tower and the LM, under their /-joined paths.
+    rest = {k: v for k, v in params.items() if k not in ("tower", "language")}
+    files["connector.safetensors"] = {k: np.ascontiguousarray(np.asarray(v, np.float32))
+                                      for k, v in tree.flatten(rest).items()}
+    model = config.model.to_dict()
+    settings = {"connector": model["connector"], **{k: model[k] for k in VLM_SETTINGS if model.get(k) is not None}}
+    files["connector.json"] = json.dumps(settings, indent=1)
     written["connector"] = str(out / "connector.safetensors")
+
+    for name, value in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(value, dict):
+            io.write_safetensors(value, out / name)
+        else:
+            (out / name).write_text(value + "\n")
     return written
 
 
 def load_connector(folder) -> tuple[dict, dict]:
-    """``(settings, params)`` of an exported connector (``export_vlm``'s ``out``)."""
+    """``(settings, params)`` of an exported connector (``export_vlm``'s ``out``): the VLM's
+    parameters but its tower and LM (``project``, the connector's; ``image_newline`` with AnyRes;
+    ``cls_proj`` with ``use_cls``)."""
     from safetensors.numpy import load_file
 
     folder = pathlib.Path(folder).expanduser()
     settings = json.loads((folder / "connector.json").read_text())
-    return settings, tree.unflatten(load_file(str(folder / "connector.safetensors")))
+    params = tree.unflatten(load_file(str(folder / "connector.safetensors")))
+    return settings, params if "project" in params else {"project": params}  # written before 2026-12-07: project only
 
 
 def main(argv=None) -> int:

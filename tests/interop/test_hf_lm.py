@@ -164,6 +164,9 @@ def test_export_round_trips_and_transformers_layout_loads_back(tmp_path, name):
     if name == "hf_phi3":  # written as a Mistral: the same computation, q/k/v and gate/up unfused
         assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] == 4
         return
+    saved = json.loads((FIXTURES / name / "config.json").read_text())  # transformers' own, typed as it checks them
+    as_saved = lambda v: json.dumps(v, sort_keys=True)  # noqa: E731 (24 is not 24.0 there)
+    assert {k: v for k, v in config.items() if k in saved and as_saved(v) != as_saved(saved[k])} == {}
     original = io.read_tensors(FIXTURES / name)
     assert set(tensors) == set(original) - ({"lm_head.weight"} if kwargs["tie_embeddings"] else set())
     for key, value in tensors.items():

@@ -94,6 +94,12 @@ def test_llava_next_gives_transformers_views_ids_logits_and_greedy_answers(next_
     config, params, _ = hf_vlm.load_llava(tmp_path / "hf")
     assert jax.tree.all(jax.tree.map(np.array_equal, params, vlm.params))
     assert config["input"]["pp"] == vlm.config.input.pp
+    from vitmm import export  # the parts carry the learned newline and the AnyRes settings too
+
+    export.export_vlm(out, tmp_path / "parts")
+    settings, rest = export.load_connector(tmp_path / "parts")
+    assert settings["anyres"] == vlm.config.model.anyres.to_dict() and sorted(rest) == ["image_newline", "project"]
+    np.testing.assert_array_equal(rest["image_newline"], vlm.params["image_newline"])
 
 
 def test_llava_onevision_gives_transformers_views_ids_logits_and_greedy_answers(tmp_path):
@@ -163,6 +169,55 @@ def test_llava_with_a_siglip_tower_gives_transformers_pixels_ids_logits_and_gree
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())  # hidden_states[depth] is [-1]
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**hf_config, "vision_feature_layer": 2}))
     assert jax.tree.all(jax.tree.map(np.array_equal, hf_vlm.load_llava(tmp_path / "hf")[1], vlm.params))
+
+
+def test_the_parts_export_of_an_import_carries_its_tokenizer_ids_and_template(imported, tmp_path):
+    """An imported VLM has no ``init.lm``: its LM's part still gets the run's tokenizer, its special
+    tokens and ids and its chat template (transformers' files), and nothing but what was asked."""
+    from vitmm import export
+
+    workdir, vlm = imported
+    tokenizer = vlm.tokenizer
+    written = export.export_vlm(workdir, tmp_path / "parts")
+    assert "tokenizer" not in written  # (a byte tokenizer would be named there, not written)
+    lm = tmp_path / "parts/lm"
+    assert (lm / "tokenizer.json").read_text().strip() == tokenizer.to_str().strip()
+    settings = json.loads((lm / "tokenizer_config.json").read_text())
+    assert settings["chat_template"] == tokenizer.chat_template
+    assert settings["eos_token"] == tokenizer.token(tokenizer.eos_id)
+    config = json.loads((lm / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
+    assert json.loads((lm / "generation_config.json").read_text())["eos_token_id"] in (tokenizer.eos_id,
+                                                                                       list(tokenizer.eos_ids))
+
+
+def test_a_clip_tower_without_a_final_norm_is_refused_where_it_is_read_and_exported_where_not(imported, tmp_path,
+                                                                                                monkeypatch):
+    """``final_norm=False``: a standalone CLIPVisionModel applies ``post_layernorm`` to what it returns
+    (the parts' tower is not written, with the reason); LLaVA reads an earlier hidden state, so
+    ``--format hf`` writes an identity norm. Nothing is left half-written either way."""
+    from vitmm import checkpoint as ckpt_lib
+    from vitmm import export
+    from vitmm.train import tasks
+
+    load_params, vlm_parts = ckpt_lib.load_params, tasks.vlm_parts
+
+    def without_norm(workdir):
+        params = load_params(workdir)
+        params["tower"]["encoder"].pop("encoder_norm")
+        return params
+
+    monkeypatch.setattr(ckpt_lib, "load_params", without_norm)
+    monkeypatch.setattr(tasks, "vlm_parts", lambda c: ({**vlm_parts(c)[0], "final_norm": False}, vlm_parts(c)[1]))
+    workdir, _ = imported
+    written = export.export_vlm(workdir, tmp_path / "parts")
+    assert written["vision"].startswith("not written") and "no final norm (final_norm=False" in written["vision"]
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == ["connector.json", "connector.safetensors", "lm"]
+    hf_vlm.export_hf(workdir, tmp_path / "hf")
+    tensors = io.read_tensors(tmp_path / "hf")
+    width = tensors["vision_tower.vision_model.post_layernorm.weight"].shape[0]
+    np.testing.assert_array_equal(tensors["vision_tower.vision_model.post_layernorm.weight"], np.ones(width))
+    np.testing.assert_array_equal(tensors["vision_tower.vision_model.post_layernorm.bias"], np.zeros(width))
 
 
 def test_the_workdir_holds_the_processors_settings_and_its_own_tokenizer(imported):

@@ -255,7 +255,7 @@ def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_
     same(vision_params, params["tower"])
     assert (vision_kwargs["act"], vision_kwargs["norm_eps"]) == ("quick_gelu", 1e-5)
     settings, connector = export.load_connector(tmp_path / "exported")
-    same(connector, params["project"])
+    same(connector, {"project": params["project"]})
     assert settings["connector"] == {"name": "pool", "budget": 4}
     assert (tmp_path / "exported/lm/tokenizer.json").is_file()
     assert (tmp_path / "exported/lm/tokenizer_config.json").is_file()  # the GGUF carries a chat template

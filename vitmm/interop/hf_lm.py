@@ -279,7 +279,11 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
     if family in ("gemma2", "gemma3_text"):
         depth = kwargs["depth"]
         layers = kwargs.get("window_layers")
-        config.update(sliding_window=kwargs["sliding_window"], query_pre_attn_scalar=kwargs["query_scale"],
+        scale = float(kwargs["query_scale"])
+        if not scale.is_integer():
+            raise ValueError(f"the LM's query_scale={scale} is not a whole number, which transformers' "
+                             "query_pre_attn_scalar (an int) cannot hold.")
+        config.update(sliding_window=kwargs["sliding_window"], query_pre_attn_scalar=int(scale),
                       attn_logit_softcapping=kwargs.get("attn_softcap"),
                       final_logit_softcapping=kwargs.get("logit_softcap"),
                       layer_types=["sliding_attention" if layers is None or i in layers else "full_attention"

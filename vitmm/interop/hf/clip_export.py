@@ -46,10 +46,16 @@ def vision_layout_problems(kwargs: dict, siglip: bool) -> list[str]:
     return wrong
 
 
-def tower_problems(kwargs: dict, tower: dict, siglip: bool) -> list[str]:
+def tower_problems(kwargs: dict, tower: dict, siglip: bool, reads_final_norm: bool = True) -> list[str]:
     """``vision_layout_problems``, and the tower's parameters': a square position grid, no pooling
-    head for SigLIP's layout (a VLM's tower: its tokens are what is exported)."""
+    head for SigLIP's layout (a VLM's tower: its tokens are what is exported), and a final norm when
+    what the layout returns passes through it (``reads_final_norm``; LLaVA reads an earlier hidden
+    state, so a tower without one gets an identity ``post_layernorm`` there)."""
     problems = [f"the tower: {p}" for p in vision_layout_problems(kwargs, siglip)]
+    settings = vision_settings(kwargs)
+    if reads_final_norm and not (settings["final_norm"] and not settings["fc_norm"]):
+        problems.append("the tower: no final norm (final_norm=False or fc_norm=True; transformers' layout applies "
+                        "post_layernorm to the output it returns)")
     grid = tower["pos_embedding"].shape[1:3] if "pos_embedding" in tower else None
     if grid is not None and grid[0] != grid[1]:
         problems.append(f"the tower: a {tuple(grid)} position grid (needs a square one)")
@@ -119,10 +125,14 @@ def export_siglip_vision(kwargs: dict, params: dict, prefix: str = "vision_model
 
 
 def _export_encoder(p: dict, kwargs: dict, prefix: str, out: dict) -> None:
-    """The encoder's blocks and final norm (``post_layernorm``) into ``out``, transformers' names."""
+    """The encoder's blocks and final norm (``post_layernorm``) into ``out``, transformers' names; a
+    tower without a final norm gets an identity one (for a reader that never applies it:
+    ``tower_problems``' ``reads_final_norm``)."""
     width = kwargs["width"]
-    out[f"{prefix}post_layernorm.weight"] = p["encoder"]["encoder_norm"]["scale"]
-    out[f"{prefix}post_layernorm.bias"] = p["encoder"]["encoder_norm"]["bias"]
+    identity = {"scale": np.ones(width, np.float32), "bias": np.zeros(width, np.float32)}
+    norm = p["encoder"].get("encoder_norm") or identity
+    out[f"{prefix}post_layernorm.weight"] = norm["scale"]
+    out[f"{prefix}post_layernorm.bias"] = norm["bias"]
     for i in range(kwargs["depth"]):
         b, q = p["encoder"][f"block_{i:02d}"], f"{prefix}encoder.layers.{i}"
         kernel, bias = b["attn"]["qkv"]["kernel"], b["attn"]["qkv"]["bias"]

@@ -221,14 +221,14 @@ def _export_problems(model: dict, vision: dict, tower: dict) -> list[str]:
 
     anyres = model.get("anyres")
     if not vision.get("class_token", True):  # a SigLIP tower: every patch (the "full" strategy)
-        problems = tower_problems(vision, tower, siglip=True)
+        problems = tower_problems(vision, tower, siglip=True, reads_final_norm=False)
         if model.get("vision_layer", -1) == -1 and vision.get("final_norm", True):
             problems.append("vision_layer=-1 of a tower with its final norm (transformers reads its last block "
                             "before it, hidden_states[-1]: final_norm=False)")
     elif anyres and anyres.get("max_patches"):
         problems = ["a CLIP tower with max_patches (LLaVA-OneVision's tower is SigLIP's)"]
     else:
-        problems = tower_problems(vision, tower, siglip=False)
+        problems = tower_problems(vision, tower, siglip=False, reads_final_norm=False)
         if not model.get("vision_layer", -1) <= -2:
             problems.append(f"vision_layer={model.get('vision_layer')} (LLaVA reads hidden_states[-2] or earlier; -1 "
                             "is vitmm's normed output)")
@@ -318,13 +318,10 @@ def export_llava(workdir, out) -> dict:
     images = _image_processor(pp_template.pp_string(config), size, mean, std, anyres)
 
     siglip = not vision.get("class_token", True)
-    if siglip:  # a tower read before its final norm gets an identity one, which transformers skips there too
+    if siglip:  # a tower read before its final norm gets an identity one, which LLaVA never applies
         from vitmm.interop.hf.clip_export import export_siglip_vision
 
-        width = vision["width"]
-        with_norm = {**params["tower"], "encoder": {"encoder_norm": {"scale": np.ones(width), "bias": np.zeros(width)},
-                                                   **params["tower"]["encoder"]}}
-        tower, vision_config = export_siglip_vision(vision, with_norm, prefix="vision_tower.vision_model.")
+        tower, vision_config = export_siglip_vision(vision, params["tower"], prefix="vision_tower.vision_model.")
     else:
         tower, vision_config = export_clip_vision(vision, params["tower"], prefix="vision_tower.vision_model.")
     language, text_config = hf_lm.export_lm(lm, params["language"])
