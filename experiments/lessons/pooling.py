@@ -6,7 +6,7 @@ whether a pretrained tower's pooled features separate the four shapes linearly.
 
 1. **Pooling.** Small ViTs (patch 8, sin-cos positions) trained from scratch with a CLS token
    (``pool="tok"``), mean pooling (``gap``) or a MAP head (``map``) on the single-shape
-   ``medium`` scenes, two tasks: ``shape`` and ``region`` (see ``lessons_positions.py``).
+   ``medium`` scenes, two tasks: ``shape`` and ``region`` (see ``positions.py``).
 2. **Linear probe.** The ``make demo`` CLIP image tower (``--tower``, default
    ``workdirs/clip_scenes``), frozen, and the same architecture untrained (random init): a
    softmax regression on its pooled features for the four-shape task (single-shape ``easy``

@@ -103,7 +103,7 @@ def main(argv=None) -> pathlib.Path:
         print(f"{workdir}: {time.perf_counter() - t0:.0f} s")
     setup = {"workdirs": args.workdirs, "num_examples": args.num_examples}
     shown = {**setup, "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"),
-             "command": " ".join(["python", "experiments/native/eval.py", *(sys.argv[1:] if argv is None else argv)])}
+             "command": " ".join(["python -m experiments.native.eval", *(sys.argv[1:] if argv is None else argv)])}
     (out / "native_eval.md").write_text(to_markdown(rows, shown))
     outputs.write_rows(rows, out / "native_eval.csv")
     print((out / "native_eval.md").read_text())

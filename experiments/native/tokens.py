@@ -8,7 +8,7 @@
 Scenes drawn at random sizes and aspect ratios (``data.packing.SceneSource``: longer side
 ``--min_side``–``--max_side`` px, aspect up to ``--max_aspect``; a shape's radius is a share of
 the shorter side, so a wide image holds small shapes) are encoded once by the frozen CLIP image
-tower (``workdirs/clip_scenes``, trained first when missing; its sin-cos positions read any grid)
+tower (``--tower``, else the one pinned in ``OUT/tower``; its sin-cos positions read any grid)
 along three paths, each handing the LM at most about ``M`` visual tokens (``--budgets``, each
 ``4·k²``):
 
@@ -176,7 +176,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--out", default=str(ROOT / "results/native/cosine"))
-    add("--tower", default=None, help="CLIP workdir (default workdirs/clip_scenes; smoke: OUT/tower)")
+    add("--tower", default=None, help="CLIP workdir (default OUT/tower, pinned from workdirs/clip_scenes at first)")
     add("--data_dir", default=None, help="TFDS data_dir for training the tower when it is missing")
     add("--smoke", action="store_true", help="a tiny run of every cell (the tests run it)")
     add("--report", action="store_true", help="train nothing: OUT/native_tokens.md again from runs.csv and setup.json")
@@ -196,14 +196,30 @@ def parse_args(argv=None):
     return args
 
 
+def run_settings(args, tower_id: str, lm_cfg: dict, max_len: int) -> tuple[dict, dict]:
+    """``(plan, settings)``: each run's training plan, and the settings that sign its stored result:
+    a finished run is reused by a sweep with the same settings. The seed list is not one of them
+    (tuning runs at the first seed), so a rerun with more seeds trains only the new ones."""
+    plan = dict(max_steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every, patience=args.patience,
+                min_delta=args.min_delta, curve_questions=args.curve_questions)
+    if args.schedule != "constant":  # a run before the option kept its settings' signature
+        plan["schedule"] = args.schedule
+    settings = dict(tower=tower_id, lm=lm_cfg, plan=plan, tune_seed=args.seeds[0], stage0=args.stage0_steps,
+                    stage0_lr=args.stage0_lr, stage1=args.stage1_steps, warmup=args.warmup, data=[
+                        args.difficulty, args.train_images, args.val_images, args.test_images, args.min_side,
+                        args.max_side, args.max_aspect], max_len=max_len)
+    if args.wide != 2.0:  # every stored run's acc_wide is at this threshold (runs at 2.0 kept their signature)
+        settings["wide"] = args.wide
+    return plan, settings
+
+
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
     if args.report:
         return write_report(out)
     out.mkdir(parents=True, exist_ok=True)
-    tower_dir = pathlib.Path(args.tower or (out / "tower" if args.smoke else ROOT / "workdirs/clip_scenes"))
-    tower_lib.ensure_tower(tower_dir, args.smoke, args.data_dir)
+    tower_dir = tower_lib.tower_dir(args.tower, out, args.smoke, args.data_dir)  # OUT/tower once pinned
     tower_cfg = ckpt_lib.load_config(tower_dir)["model"]["image"]
     if tower_cfg.get("posemb", "learn") == "learn":
         tower_cfg = {**tower_cfg, "dynamic_img_size": True}  # the learned table resampled to each grid
@@ -219,17 +235,7 @@ def main(argv=None) -> pathlib.Path:
             settings = features_lib.anyres_settings(budget, patch) if path == "anyres" else None
             views[f"@{path}{budget}"] = {"length": int(train[f"patches@{path}{budget}"].shape[1]), "anyres": settings}
     lm_cfg = dict(vocab_size=tokenizer.vocab_size, **args.lm)
-    plan = dict(max_steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every, patience=args.patience,
-                min_delta=args.min_delta, curve_questions=args.curve_questions)
-    if args.schedule != "constant":  # a run before the option kept its settings' signature
-        plan["schedule"] = args.schedule
-    # A finished run is reused by a sweep with the same settings; the seed list is not one of them
-    # (tuning runs at the first seed), so a rerun with more seeds trains only the new ones.
-    settings = dict(tower=tower_id, lm=lm_cfg, plan=plan, tune_seed=args.seeds[0],
-                    stage0=args.stage0_steps,
-                    stage0_lr=args.stage0_lr, stage1=args.stage1_steps, warmup=args.warmup, data=[
-                        args.difficulty, args.train_images, args.val_images, args.test_images, args.min_side,
-                        args.max_side, args.max_aspect], max_len=max_len)
+    plan, settings = run_settings(args, tower_id, lm_cfg, max_len)
     context = dict(tower_cfg=tower_cfg, lm_cfg=lm_cfg, in_dim=int(train[f"patches@square{args.budgets[0]}"].shape[-1]),
                    max_len=max_len, plan={**plan, "eval_batch": args.eval_batch}, seeds=args.seeds, stage0={},
                    stage1_steps=args.stage1_steps, warmup=args.warmup, views=views)  # eval_batch: speed, not settings

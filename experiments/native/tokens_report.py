@@ -35,7 +35,9 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
                ("acc_wide", "wide images"), ("acc_squarish", "near-square")]
     tokens = {(r["path"], r["budget"]): (r["tokens_mean"], r["tokens_max"]) for r in rows}
     cosine = setup.get("schedule") == "cosine"  # (the first protocol's setup.json has no schedule)
-    protocol = f"{setup['steps']:,} joint steps, the rate decayed to zero (cosine); " if cosine else ""
+    protocol = f"{setup['steps']:,} joint steps, the rate decayed to zero (cosine); " if cosine else \
+        (f"a constant rate, each run stopped at its validation plateau (no gain of {setup['min_delta']} in "
+         f"{setup['patience']} checks {setup['eval_every']} steps apart) or at {setup['steps']:,} steps; ")
     lines = ["# Square resize vs NaFlex vs AnyRes at equal LM tokens", "",
              f"`{setup['command']}` ({setup['date']}, {setup['backend']}); scenes `{setup['difficulty']}` at random "
              f"sizes (longer side {setup['min_side']}–{setup['max_side']} px, aspect ≤ {setup['max_aspect']}), "

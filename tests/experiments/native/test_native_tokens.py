@@ -165,3 +165,34 @@ def test_the_committed_report_is_written_again_from_its_runs_with_every_test_cor
     written = tokens.main(["--report", "--out", str(tmp_path)])
     assert written.read_text() == (committed / "native_tokens.md").read_text()
     assert "All 30 tests of this report corrected together (Holm)" in written.read_text()
+
+
+def test_the_wide_threshold_signs_the_runs_and_runs_at_the_default_keep_their_signature(nt):
+    """Every stored run carries ``acc_wide`` at the sweep's ``--wide``: a rerun at another threshold
+    must not reuse them; a run at 2.0 (all made before the threshold was signed) keeps its key."""
+    from vitmm.study import store
+
+    sign = lambda argv: store.signature(nt.run_settings(nt.parse_args(argv), "t", {}, 8)[1])  # noqa: E731
+    assert sign([]) == sign(["--wide", "2.0"])
+    assert "wide" not in nt.run_settings(nt.parse_args([]), "t", {}, 8)[1]  # the committed rows' signature
+    assert len({sign([]), sign(["--wide", "1.5"]), sign(["--wide", "3.0"])}) == 3
+
+
+def test_the_tower_defaults_to_the_one_pinned_in_the_output_folder(nt, tmp_path, monkeypatch):
+    """Without ``--tower`` the study resumes on the tower pinned in ``--out`` (``OUT/tower``), as
+    the token-budget study does, not on ``workdirs/clip_scenes``."""
+    from experiments.common import tower as tower_lib
+
+    (tmp_path / "tower/checkpoints").mkdir(parents=True)
+    monkeypatch.setattr(tower_lib, "ensure_tower", lambda *a: pytest.fail("trained or read another tower"))
+    monkeypatch.setattr(tower_lib, "pin_tower", lambda *a: pytest.fail("pinned another tower"))
+    seen = {}
+
+    def stop(folder):
+        seen["tower"] = pathlib.Path(folder)
+        raise SystemExit
+
+    monkeypatch.setattr(nt.ckpt_lib, "load_config", stop)
+    with pytest.raises(SystemExit):
+        nt.main(["--out", str(tmp_path)])
+    assert seen["tower"] == tmp_path / "tower"
