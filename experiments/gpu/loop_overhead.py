@@ -53,7 +53,7 @@ def loop_speed(config, skip: int) -> dict:
     """The trainer's logged img/s after the first ``skip`` intervals: median and range."""
     with tempfile.TemporaryDirectory() as workdir:
         summary = trainer.train(config, workdir)
-    speeds = [h["img_per_s"] for h in summary["history"]][skip:]
+    speeds = [h["img_per_s"] for h in summary["history"] if "img_per_s" in h][skip:]  # (none for a first step alone)
     return {"img_per_s": float(np.median(speeds)), "range": [float(min(speeds)), float(max(speeds))],
             "intervals": len(speeds)}
 

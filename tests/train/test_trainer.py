@@ -98,6 +98,34 @@ def test_resume_continues_exactly(tmp_path, clip_smoke_run, capsys):
     assert second["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
 
 
+def test_img_per_s_leaves_out_the_compiling_first_step_of_a_run_and_of_a_resume(tmp_path, data_dir, monkeypatch):
+    """On a fake clock where the process's first step takes 100 s (compiling) and every other 1 s,
+    each logged rate is exactly batch_size img/s; a row whose interval held only that first step has none."""
+    clock = {"now": 0.0, "calls": 0}
+    compile_step = trainer.Setup.compile
+
+    def timed(self, placed):
+        step_fn = compile_step(self, placed)
+
+        def step(state, batch):
+            clock["calls"] += 1
+            clock["now"] += 100.0 if clock["calls"] == 1 else 1.0
+            return step_fn(state, batch)
+        return step
+
+    monkeypatch.setattr(trainer.Setup, "compile", timed)
+    monkeypatch.setattr(trainer, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock["now"])}))
+    c = smoke_config(data_dir, evals=False, log_every=1, checkpoint_every=100)
+    first = trainer.train(c, tmp_path, stop_at=2)
+    clock["calls"] = 0  # a resume compiles again
+    second = trainer.train(c, tmp_path)
+    for summary in (first, second):
+        assert [h.get("img_per_s") for h in summary["history"]] == [None, c.batch_size]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    b = c.batch_size
+    assert [(r["step"], r.get("img_per_s")) for r in rows] == [(1, None), (2, b), (3, None), (4, b)]
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
     make_input = inputs.make
 

@@ -277,6 +277,9 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
         for step in range(start + 1, last + 1):
             batch = next(data)
             state, metrics = step_fn(state, batch)
+            if step == start + 1:  # the process's first step compiled the step: img/s counts the steps after it
+                jax.block_until_ready((state, metrics))
+                last_log = (time.perf_counter(), step)
             stopping = stop.requested() and step < total  # at the last step the run simply ends
             at_log = step % config.log_every == 0 or step == total
             at_ckpt = step % config.checkpoint_every == 0 or step in (total, stop_at) or stopping
@@ -286,7 +289,8 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
             if at_log:
                 now = time.perf_counter()
                 host = {k: float(v) for k, v in par.first(metrics).items()}
-                host["img_per_s"] = (step - last_log[1]) * config.batch_size / max(now - last_log[0], 1e-9)
+                if step > last_log[1]:  # no rate for an interval that held only the compiling step
+                    host["img_per_s"] = (step - last_log[1]) * config.batch_size / max(now - last_log[0], 1e-9)
                 skipped = _data_counts(data.get_state(), skipped, is_main)
                 host.update(skips.metrics_of_all_processes(data.get_state()))  # every host's share counted
                 if jax.process_count() > 1:  # (one process's own iterator checks at once)
@@ -295,7 +299,9 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                 history.append({"step": step, **host})
                 writer.write(step, host)
                 shown = {k: f"{host[k]:.3g}" for k in ("loss",) + task.aux_names[:1]}
-                progress.set_postfix(**shown, img_s=f"{host['img_per_s']:.0f}", refresh=False)
+                if "img_per_s" in host:
+                    shown["img_s"] = f"{host['img_per_s']:.0f}"
+                progress.set_postfix(**shown, refresh=False)
             if at_ckpt:  # before evaluating: a failing evaluator never costs the checkpoint
                 _save(checkpointer, step, par.host_state(state), device_feed.gather_states(data.get_state()), given)
             checkpointer.check_saves(step)
