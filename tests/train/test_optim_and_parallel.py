@@ -204,7 +204,7 @@ def test_accumulation_splits_each_devices_rows():
     path = pathlib.Path(__file__).resolve().parents[2] / "configs/clip_scenes.py"
     for parallel in ("pmap", "jit"):
         c = config_args.load(path, "smoke", **{"parallel": parallel, "batch_size": 8, "optim.accum_steps": 4})
-        with pytest.raises(ValueError, match=r"accum_steps=4: .* dividing batch_size=8 / 4 devices\."):
+        with pytest.raises(ValueError, match=r"accum_steps=4: .* batch_size=8 / the 4 devices of the data axis\."):
             trainer.validate(c)
     c.optim.accum_steps = 2
     trainer.validate(c)

@@ -103,14 +103,17 @@ def validate(config) -> None:
     if not formats.raw_format(inp) and "data" not in inp and not inp.get("scenes_any"):
         raise ValueError("The run names no training data: set one of --config.input.data_path (LLaVA JSON/JSONL/YAML, "
                          "with input.image_folder), input.wds, input.csv, input.parquet or input.mixture.")
-    if config.batch_size % jax.device_count():
-        raise ValueError(f"batch_size={config.batch_size} does not split over {jax.device_count()} devices; "
-                         f"use a multiple of {jax.device_count()}.")
+    n, tp = jax.device_count(), config.get("tensor_parallel", 1)
+    # Batches are sharded over the mesh's data axis: n / tensor_parallel devices (Parallel checks tensor_parallel).
+    per = n // tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and n % tp == 0 else n
+    axis = f"the {per} devices of the data axis" + (f" ({n} devices / tensor_parallel={tp})" if per != n else "")
+    if config.batch_size % per:
+        raise ValueError(f"batch_size={config.batch_size} does not split over {axis}; use a multiple of {per}.")
     accum = config.optim.get("accum_steps", 1)
-    per = jax.device_count()  # each device's rows are split into the micro-batches (pmap and jit alike)
+    # each data-axis device's rows are split into the micro-batches (pmap and jit alike)
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % (accum * per):
         raise ValueError(f"config.optim.accum_steps={accum!r}: must be a positive integer dividing "
-                         f"batch_size={config.batch_size}" + (f" / {per} devices." if per > 1 else "."))
+                         f"batch_size={config.batch_size}" + (f" / {axis}." if per > 1 else "."))
 
 
 def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, restart: bool = False) -> dict:
