@@ -126,6 +126,19 @@ def test_img_per_s_leaves_out_the_compiling_first_step_of_a_run_and_of_a_resume(
     assert [(r["step"], r.get("img_per_s")) for r in rows] == [(1, None), (2, b), (3, None), (4, b)]
 
 
+@pytest.mark.parametrize("name", ["clip_wds", "clip_scenes_native"])  # with and without an input.data beside
+def test_packing_raw_files_is_refused_before_anything_is_built(name):
+    """input.packing reads input.data or scenes: with input.wds it is one line naming both keys, not a
+    bare KeyError from the input builder nor (beside an input.data) a run on the other dataset."""
+    c = config_args.load(ROOT / "configs" / f"{name}.py", "smoke")
+    with c.unlocked():
+        c.input.wds = "shards/{00000..00003}.tar"
+        c.input.packing = ml_collections.ConfigDict(dict(max_num_patches=16, seq_len=64, max_images=16, bins=8))
+    with pytest.raises(ValueError, match=r"^input\.packing reads a TFDS dataset \(input\.data\) or scenes .* not the "
+                                         r"raw files of input\.wds: .* without input\.packing\.$"):
+        trainer.validate(c)
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
     make_input = inputs.make
 

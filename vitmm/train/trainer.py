@@ -103,6 +103,11 @@ def validate(config) -> None:
     if not formats.raw_format(inp) and "data" not in inp and not inp.get("scenes_any"):
         raise ValueError("The run names no training data: set one of --config.input.data_path (LLaVA JSON/JSONL/YAML, "
                          "with input.image_folder), input.wds, input.csv, input.parquet or input.mixture.")
+    raw = formats.raw_format(inp)
+    if inp.get("packing") and raw:  # (the packer does not count and skip bad examples as the raw readers do)
+        raise ValueError(f"input.packing reads a TFDS dataset (input.data) or scenes (input.scenes_any), not the raw "
+                         f"files of input.{raw}: point input.data at a TFDS dataset of them, or train on input.{raw} "
+                         "without input.packing.")
     n, tp = jax.device_count(), config.get("tensor_parallel", 1)
     # Batches are sharded over the mesh's data axis: n / tensor_parallel devices (Parallel checks tensor_parallel).
     per = n // tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and n % tp == 0 else n
