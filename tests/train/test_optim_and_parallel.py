@@ -36,6 +36,15 @@ def test_schedule_warms_up_then_decays_to_zero():
 def test_weight_decay_skips_biases_norms_positions_tokens_temperature():
     decay = optim.path_names(jax.tree.map(lambda no: not no, optim.regex_mask(PARAMS, optim.NO_DECAY)))
     assert {k for k, v in decay.items() if v} == {"img/embedding/kernel", "txt/token_embedding/embedding"}
+    # The connectors' learned queries/latents and position table and the VLM's image_newline are
+    # exempt like the ViT's; layers that merely share those names keep their kernels decayed.
+    kernel = {"kernel": jnp.ones((2, 2))}
+    vlm = {"project": {"latents": jnp.ones((4, 2)), "queries": jnp.ones((4, 2)), "query": jnp.ones((4, 2)),
+                       "pos_emb": jnp.ones((1, 4, 2)), "attn": {"query": kernel}, "resampler": {"latents": kernel}},
+           "image_newline": jnp.ones(2), "language": {"layers": {"query": kernel}, "pos_emb": kernel}}
+    decay = optim.path_names(jax.tree.map(lambda no: not no, optim.regex_mask(vlm, optim.NO_DECAY)))
+    assert {k for k, v in decay.items() if v} == {"project/attn/query/kernel", "project/resampler/latents/kernel",
+                                                  "language/layers/query/kernel", "language/pos_emb/kernel"}
 
 
 def test_decay_is_applied_only_where_the_mask_says():
