@@ -227,6 +227,28 @@ def test_accumulation_splits_each_devices_rows():
             trainer.validate(bad)
 
 
+def test_warmup_must_end_before_the_last_step_and_end_factor_lie_in_0_1():
+    """A warmup as long as the run (e.g. ``--config.total_steps`` shortened below the config's warmup)
+    or negative, or an end_factor outside [0, 1], is refused in one line instead of clamped silently."""
+    import pathlib
+
+    from vitmm import config_args
+    from vitmm.train import trainer
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "configs/clip_scenes.py"
+    trainer.validate(config_args.load(path, "smoke", **{"total_steps": 2, "optim.warmup_steps": 1}))
+    trainer.validate(config_args.load(path, "smoke,steps=1"))  # its smoke warms up for none of its one step
+    for total, warmup in ((20, 20), (100, 500), (4, -5)):
+        bad = config_args.load(path, "smoke", **{"total_steps": total, "optim.warmup_steps": warmup})
+        with pytest.raises(ValueError, match=rf"^config\.optim\.warmup_steps={warmup} with total_steps={total}: must "
+                                             rf"be an integer from 0 to {total - 1} .*--config\.optim\.warmup_steps="):
+            trainer.validate(bad)
+    for end in (1.5, -0.1):
+        with pytest.raises(ValueError, match=rf"^config\.optim\.end_factor={end}: must be a number from 0 to 1"):
+            trainer.validate(config_args.load(path, "smoke", **{"optim.end_factor": end}))
+    trainer.validate(config_args.load(path, "smoke", **{"optim.end_factor": 1.0}))
+
+
 def test_micro_batches_take_every_kth_row_and_stay_on_their_devices_under_jit():
     """Micro-batch i holds rows i, i + k, ...: on a batch sharded over 4 devices in contiguous
     blocks each device computes its own rows of each micro-batch, with no gather of the batch

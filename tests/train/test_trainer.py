@@ -184,11 +184,12 @@ def test_initialise_from_another_run(tmp_path, data_dir, clip_smoke_run):
     assert sum(float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(loaded)) == \
         pytest.approx(a["param_checksum"], rel=1e-9)
     # With a zero learning rate the run keeps exactly what it loaded.
-    b_config = smoke_config(data_dir, evals=False, total_steps=1, **{"optim.lr": 0.0, "init.checkpoint": a_dir})
+    one_step = {"total_steps": 1, "optim.warmup_steps": 0}
+    b_config = smoke_config(data_dir, evals=False, **one_step, **{"optim.lr": 0.0, "init.checkpoint": a_dir})
     b = trainer.train(b_config, tmp_path / "b")
     assert b["param_checksum"] == pytest.approx(a["param_checksum"], rel=1e-9)
     # A different head: loading fails loudly unless told what not to load.
-    other = smoke_config(data_dir, evals=False, total_steps=1, **{"model.embed_dim": 64, "init.checkpoint": a_dir})
+    other = smoke_config(data_dir, evals=False, **one_step, **{"model.embed_dim": 64, "init.checkpoint": a_dir})
     with pytest.raises(ValueError, match=r"shape mismatch: img_proj/kernel"):
         trainer.train(other, tmp_path / "c")
     with other.unlocked():

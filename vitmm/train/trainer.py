@@ -99,6 +99,13 @@ def validate(config) -> None:
     for key, value in counts:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"config.{key}={value!r}: must be a positive integer.")
+    total, warmup, end = config.total_steps, config.optim.get("warmup_steps", 0), config.optim.get("end_factor", 0.0)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < total:
+        raise ValueError(f"config.optim.warmup_steps={warmup!r} with total_steps={total}: must be an integer from 0 "
+                         f"to {total - 1} (a warmup to the last step never decays); set --config.optim.warmup_steps="
+                         "below total_steps, or the config's steps= arg, which sets both.")
+    if isinstance(end, bool) or not isinstance(end, int | float) or not 0 <= end <= 1:
+        raise ValueError(f"config.optim.end_factor={end!r}: must be a number from 0 to 1 (the final lr / optim.lr).")
     inp = config.input
     if not formats.raw_format(inp) and "data" not in inp and not inp.get("scenes_any"):
         raise ValueError("The run names no training data: set one of --config.input.data_path (LLaVA JSON/JSONL/YAML, "
