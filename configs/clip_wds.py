@@ -62,7 +62,7 @@ def get_config(arg=None):
     c.model.temperature_init = 1 / 0.07 if arg.loss == "softmax" else 10.0
     c.model.bias_init = config_dict.placeholder(float) if arg.loss == "softmax" else -10.0
 
-    c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps // 20, 1), weight_decay=0.1)
+    c.optim = common.optim(lr=1e-3, warmup_steps=min(max(arg.steps // 20, 1), arg.steps - 1), weight_decay=0.1)
     c.init = common.init()
 
     # Held-out pairs in any raw format (e.g. retrieval.data.wds='val/{00000..00001}.tar').
@@ -87,7 +87,7 @@ def get_config(arg=None):
         c.total_steps, c.batch_size = arg.steps, 8
         c.log_every, c.eval_every, c.checkpoint_every = 2, arg.steps, arg.steps
         c.input.image_size, c.input.num_threads, c.input.workers = 32, 1, 0
-        c.optim.warmup_steps = 1
+        c.optim.warmup_steps = min(1, arg.steps - 1)  # none in a one-step run
         c.evals.retrieval.num_examples = 16
         c.model.image.depth = c.model.text.depth = 1  # one block a tower, as common.smoke
         if arg.scale == "b16":

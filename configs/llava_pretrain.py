@@ -109,7 +109,7 @@ def get_config(arg=None):
     c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=config_dict.placeholder(float),  # unset: 2 x rank
                                             dropout=0.05,
                                             targets=(r"language/block_\d+/attn/(q|k|v|o)",)))
-    c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps * 3 // 100, 1), weight_decay=0.0,
+    c.optim = common.optim(lr=1e-3, warmup_steps=min(max(arg.steps * 3 // 100, 1), arg.steps - 1), weight_decay=0.0,
                            b2=0.999, eps=1e-8,  # LLaVA trains with transformers' Trainer's AdamW defaults
                            freeze=(r"tower/.*", r"language/.*"))  # stage 1: the connector alone
     c.init = common.init(vision=config_dict.placeholder(str),  # a vitmm.train CLIP workdir or vitmm.interop folder
@@ -126,7 +126,7 @@ def get_config(arg=None):
         c.model.lm.update(dict(width=32, depth=1))
         c.model.vision.depth = 2  # the fewest blocks that have a second-to-last (vision_layer=-2)
         c.model.max_len = 256
-        c.optim.warmup_steps = 1
+        c.optim.warmup_steps = min(1, arg.steps - 1)  # none in a one-step run
         c.evals.val.update(num_examples=8, batch_size=4)
         c.init.allow_random_tower = True
     c.lock()

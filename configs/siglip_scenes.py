@@ -54,7 +54,7 @@ def get_config(arg=None):
     c.model.temperature_init = 10.0
     c.model.bias_init = -10.0
 
-    c.optim = common.optim(lr=1e-3, warmup_steps=max(arg.steps // 20, 1), weight_decay=0.1)
+    c.optim = common.optim(lr=1e-3, warmup_steps=min(max(arg.steps // 20, 1), arg.steps - 1), weight_decay=0.1)
     c.init = common.init()
 
     val = common.data_spec(f"scenes/{arg.data}", "validation")

@@ -97,8 +97,8 @@ def get_config(arg=None):
     c.lora = ml_collections.ConfigDict(dict(rank=arg.lora, alpha=config_dict.placeholder(float),  # unset: 2 x rank
                                             dropout=0.05,
                                             targets=(r"language/block_\d+/attn/(q|k|v|o)",)))
-    c.optim = common.optim(lr=1e-3 if arg.stage == 1 else 3e-4, warmup_steps=max(arg.steps // 20, 1),
-                           weight_decay=0.0, freeze=freeze)
+    c.optim = common.optim(lr=1e-3 if arg.stage == 1 else 3e-4,
+                           warmup_steps=min(max(arg.steps // 20, 1), arg.steps - 1), weight_decay=0.0, freeze=freeze)
     # The tower and (with init.lm) the LM are built from the settings saved with their checkpoints;
     # model.vision / model.lm only say what a run without them uses.
     c.init = common.init(dont_load=(r"lora/.*",) if arg.lora else (),  # adapters start fresh after stage 1

@@ -36,6 +36,15 @@ def test_schedule_warms_up_then_decays_to_zero():
 def test_weight_decay_skips_biases_norms_positions_tokens_temperature():
     decay = optim.path_names(jax.tree.map(lambda no: not no, optim.regex_mask(PARAMS, optim.NO_DECAY)))
     assert {k for k, v in decay.items() if v} == {"img/embedding/kernel", "txt/token_embedding/embedding"}
+    # The connectors' learned queries/latents and position table and the VLM's image_newline are
+    # exempt like the ViT's; layers that merely share those names keep their kernels decayed.
+    kernel = {"kernel": jnp.ones((2, 2))}
+    vlm = {"project": {"latents": jnp.ones((4, 2)), "queries": jnp.ones((4, 2)), "query": jnp.ones((4, 2)),
+                       "pos_emb": jnp.ones((1, 4, 2)), "attn": {"query": kernel}, "resampler": {"latents": kernel}},
+           "image_newline": jnp.ones(2), "language": {"layers": {"query": kernel}, "pos_emb": kernel}}
+    decay = optim.path_names(jax.tree.map(lambda no: not no, optim.regex_mask(vlm, optim.NO_DECAY)))
+    assert {k for k, v in decay.items() if v} == {"project/attn/query/kernel", "project/resampler/latents/kernel",
+                                                  "language/layers/query/kernel", "language/pos_emb/kernel"}
 
 
 def test_decay_is_applied_only_where_the_mask_says():
@@ -204,7 +213,7 @@ def test_accumulation_splits_each_devices_rows():
     path = pathlib.Path(__file__).resolve().parents[2] / "configs/clip_scenes.py"
     for parallel in ("pmap", "jit"):
         c = config_args.load(path, "smoke", **{"parallel": parallel, "batch_size": 8, "optim.accum_steps": 4})
-        with pytest.raises(ValueError, match=r"accum_steps=4: .* dividing batch_size=8 / 4 devices\."):
+        with pytest.raises(ValueError, match=r"accum_steps=4: .* batch_size=8 / the 4 devices of the data axis\."):
             trainer.validate(c)
     c.optim.accum_steps = 2
     trainer.validate(c)
@@ -216,6 +225,28 @@ def test_accumulation_splits_each_devices_rows():
         bad = config_args.load(path, "smoke", **{key: value})
         with pytest.raises(ValueError, match=message.replace(".", r"\.")):
             trainer.validate(bad)
+
+
+def test_warmup_must_end_before_the_last_step_and_end_factor_lie_in_0_1():
+    """A warmup as long as the run (e.g. ``--config.total_steps`` shortened below the config's warmup)
+    or negative, or an end_factor outside [0, 1], is refused in one line instead of clamped silently."""
+    import pathlib
+
+    from vitmm import config_args
+    from vitmm.train import trainer
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "configs/clip_scenes.py"
+    trainer.validate(config_args.load(path, "smoke", **{"total_steps": 2, "optim.warmup_steps": 1}))
+    trainer.validate(config_args.load(path, "smoke,steps=1"))  # its smoke warms up for none of its one step
+    for total, warmup in ((20, 20), (100, 500), (4, -5)):
+        bad = config_args.load(path, "smoke", **{"total_steps": total, "optim.warmup_steps": warmup})
+        with pytest.raises(ValueError, match=rf"^config\.optim\.warmup_steps={warmup} with total_steps={total}: must "
+                                             rf"be an integer from 0 to {total - 1} .*--config\.optim\.warmup_steps="):
+            trainer.validate(bad)
+    for end in (1.5, -0.1):
+        with pytest.raises(ValueError, match=rf"^config\.optim\.end_factor={end}: must be a number from 0 to 1"):
+            trainer.validate(config_args.load(path, "smoke", **{"optim.end_factor": end}))
+    trainer.validate(config_args.load(path, "smoke", **{"optim.end_factor": 1.0}))
 
 
 def test_micro_batches_take_every_kth_row_and_stay_on_their_devices_under_jit():

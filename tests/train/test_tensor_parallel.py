@@ -30,6 +30,19 @@ def _step(setup, par):
     return jax.tree.map(np.asarray, state["params"]), float(metrics["loss"]), placed
 
 
+def test_the_batch_splits_over_the_data_axis_not_every_device():
+    """With tensor_parallel=K the batch (and each micro-batch) is sharded over the n/K devices of the
+    data axis: on the 4 test devices TP 4 takes a batch of 2, TP 2 refuses an odd one naming that axis."""
+    path = ROOT / "configs/clip_scenes.py"
+    trainer.validate(load(path, "smoke", tensor_parallel=4, batch_size=2))
+    trainer.validate(load(path, "smoke", tensor_parallel=2, batch_size=4, **{"optim.accum_steps": 2}))
+    axis = r"the 2 devices of the data axis \(4 devices / tensor_parallel=2\)"
+    with pytest.raises(ValueError, match=rf"batch_size=3 does not split over {axis}; use a multiple of 2\."):
+        trainer.validate(load(path, "smoke", tensor_parallel=2, batch_size=3))
+    with pytest.raises(ValueError, match=rf"accum_steps=4: .* dividing batch_size=4 / {axis}\."):
+        trainer.validate(load(path, "smoke", tensor_parallel=2, batch_size=4, **{"optim.accum_steps": 4}))
+
+
 @pytest.mark.parametrize("config", [pytest.param("clip_scenes.py:smoke", marks=pytest.mark.slow),  # the VLM's tower
                                     "vlm_scenes.py:smoke,stage=2"])  # and LM cover its layers (~5 s saved)
 def test_tensor_parallel_steps_equal_the_data_parallel_step(config, data_dir):

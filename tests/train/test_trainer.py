@@ -98,6 +98,47 @@ def test_resume_continues_exactly(tmp_path, clip_smoke_run, capsys):
     assert second["param_checksum"] == pytest.approx(straight["param_checksum"], rel=1e-6)
 
 
+def test_img_per_s_leaves_out_the_compiling_first_step_of_a_run_and_of_a_resume(tmp_path, data_dir, monkeypatch):
+    """On a fake clock where the process's first step takes 100 s (compiling) and every other 1 s,
+    each logged rate is exactly batch_size img/s; a row whose interval held only that first step has none."""
+    clock = {"now": 0.0, "calls": 0}
+    compile_step = trainer.Setup.compile
+
+    def timed(self, placed):
+        step_fn = compile_step(self, placed)
+
+        def step(state, batch):
+            clock["calls"] += 1
+            clock["now"] += 100.0 if clock["calls"] == 1 else 1.0
+            return step_fn(state, batch)
+        return step
+
+    monkeypatch.setattr(trainer.Setup, "compile", timed)
+    monkeypatch.setattr(trainer, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock["now"])}))
+    c = smoke_config(data_dir, evals=False, log_every=1, checkpoint_every=100)
+    first = trainer.train(c, tmp_path, stop_at=2)
+    clock["calls"] = 0  # a resume compiles again
+    second = trainer.train(c, tmp_path)
+    for summary in (first, second):
+        assert [h.get("img_per_s") for h in summary["history"]] == [None, c.batch_size]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    b = c.batch_size
+    assert [(r["step"], r.get("img_per_s")) for r in rows] == [(1, None), (2, b), (3, None), (4, b)]
+
+
+@pytest.mark.parametrize("name", ["clip_wds", "clip_scenes_native"])  # with and without an input.data beside
+def test_packing_raw_files_is_refused_before_anything_is_built(name):
+    """input.packing reads input.data or scenes: with input.wds it is one line naming both keys, not a
+    bare KeyError from the input builder nor (beside an input.data) a run on the other dataset."""
+    c = config_args.load(ROOT / "configs" / f"{name}.py", "smoke")
+    with c.unlocked():
+        c.input.wds = "shards/{00000..00003}.tar"
+        c.input.packing = ml_collections.ConfigDict(dict(max_num_patches=16, seq_len=64, max_images=16, bins=8))
+    with pytest.raises(ValueError, match=r"^input\.packing reads a TFDS dataset \(input\.data\) or scenes .* not the "
+                                         r"raw files of input\.wds: .* without input\.packing\.$"):
+        trainer.validate(c)
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
     make_input = inputs.make
 
@@ -143,11 +184,12 @@ def test_initialise_from_another_run(tmp_path, data_dir, clip_smoke_run):
     assert sum(float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(loaded)) == \
         pytest.approx(a["param_checksum"], rel=1e-9)
     # With a zero learning rate the run keeps exactly what it loaded.
-    b_config = smoke_config(data_dir, evals=False, total_steps=1, **{"optim.lr": 0.0, "init.checkpoint": a_dir})
+    one_step = {"total_steps": 1, "optim.warmup_steps": 0}
+    b_config = smoke_config(data_dir, evals=False, **one_step, **{"optim.lr": 0.0, "init.checkpoint": a_dir})
     b = trainer.train(b_config, tmp_path / "b")
     assert b["param_checksum"] == pytest.approx(a["param_checksum"], rel=1e-9)
     # A different head: loading fails loudly unless told what not to load.
-    other = smoke_config(data_dir, evals=False, total_steps=1, **{"model.embed_dim": 64, "init.checkpoint": a_dir})
+    other = smoke_config(data_dir, evals=False, **one_step, **{"model.embed_dim": 64, "init.checkpoint": a_dir})
     with pytest.raises(ValueError, match=r"shape mismatch: img_proj/kernel"):
         trainer.train(other, tmp_path / "c")
     with other.unlocked():

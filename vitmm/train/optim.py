@@ -12,9 +12,13 @@ import optax
 from flax import traverse_util
 
 # No weight decay on biases, norm scales (every "scale" in vitmm is a LayerNorm's or an RMSNorm's,
-# whatever the norm is called: norm1, ln_q, ...), temperature/bias, positions, CLS/registers, MAP probe.
+# whatever the norm is called: norm1, ln_q, ...), temperature/bias, positions, CLS/registers, MAP probe,
+# and the connectors' learned tokens of the same kinds: Perceiver latents, Q-Former queries, Qwen's
+# resampler query, C-Abstractor's position table, the VLM's image_newline. Those match a whole leaf
+# name, so a layer that happens to be called ``query`` keeps its ``query/kernel`` decayed.
 NO_DECAY = (r".*/bias$", r"(.*/)?scale$", r"^t$", r"^b$", r".*pos_embedding$", r".*/cls$",
-            r"^cls$", r".*registers$", r".*/probe$", r".*/ls[12]$")
+            r"^cls$", r".*registers$", r".*/probe$", r".*/ls[12]$",
+            r"(.*/)?(latents|queries|query|pos_emb|image_newline)$")
 
 
 def path_names(params) -> dict:

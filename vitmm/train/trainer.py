@@ -99,18 +99,33 @@ def validate(config) -> None:
     for key, value in counts:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"config.{key}={value!r}: must be a positive integer.")
+    total, warmup, end = config.total_steps, config.optim.get("warmup_steps", 0), config.optim.get("end_factor", 0.0)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < total:
+        raise ValueError(f"config.optim.warmup_steps={warmup!r} with total_steps={total}: must be an integer from 0 "
+                         f"to {total - 1} (a warmup to the last step never decays); set --config.optim.warmup_steps="
+                         "below total_steps, or the config's steps= arg, which sets both.")
+    if isinstance(end, bool) or not isinstance(end, int | float) or not 0 <= end <= 1:
+        raise ValueError(f"config.optim.end_factor={end!r}: must be a number from 0 to 1 (the final lr / optim.lr).")
     inp = config.input
     if not formats.raw_format(inp) and "data" not in inp and not inp.get("scenes_any"):
         raise ValueError("The run names no training data: set one of --config.input.data_path (LLaVA JSON/JSONL/YAML, "
                          "with input.image_folder), input.wds, input.csv, input.parquet or input.mixture.")
-    if config.batch_size % jax.device_count():
-        raise ValueError(f"batch_size={config.batch_size} does not split over {jax.device_count()} devices; "
-                         f"use a multiple of {jax.device_count()}.")
+    raw = formats.raw_format(inp)
+    if inp.get("packing") and raw:  # (the packer does not count and skip bad examples as the raw readers do)
+        raise ValueError(f"input.packing reads a TFDS dataset (input.data) or scenes (input.scenes_any), not the raw "
+                         f"files of input.{raw}: point input.data at a TFDS dataset of them, or train on input.{raw} "
+                         "without input.packing.")
+    n, tp = jax.device_count(), config.get("tensor_parallel", 1)
+    # Batches are sharded over the mesh's data axis: n / tensor_parallel devices (Parallel checks tensor_parallel).
+    per = n // tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and n % tp == 0 else n
+    axis = f"the {per} devices of the data axis" + (f" ({n} devices / tensor_parallel={tp})" if per != n else "")
+    if config.batch_size % per:
+        raise ValueError(f"batch_size={config.batch_size} does not split over {axis}; use a multiple of {per}.")
     accum = config.optim.get("accum_steps", 1)
-    per = jax.device_count()  # each device's rows are split into the micro-batches (pmap and jit alike)
+    # each data-axis device's rows are split into the micro-batches (pmap and jit alike)
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % (accum * per):
         raise ValueError(f"config.optim.accum_steps={accum!r}: must be a positive integer dividing "
-                         f"batch_size={config.batch_size}" + (f" / {per} devices." if per > 1 else "."))
+                         f"batch_size={config.batch_size}" + (f" / {axis}." if per > 1 else "."))
 
 
 def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, restart: bool = False) -> dict:
@@ -277,6 +292,9 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
         for step in range(start + 1, last + 1):
             batch = next(data)
             state, metrics = step_fn(state, batch)
+            if step == start + 1:  # the process's first step compiled the step: img/s counts the steps after it
+                jax.block_until_ready((state, metrics))
+                last_log = (time.perf_counter(), step)
             stopping = stop.requested() and step < total  # at the last step the run simply ends
             at_log = step % config.log_every == 0 or step == total
             at_ckpt = step % config.checkpoint_every == 0 or step in (total, stop_at) or stopping
@@ -286,7 +304,8 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
             if at_log:
                 now = time.perf_counter()
                 host = {k: float(v) for k, v in par.first(metrics).items()}
-                host["img_per_s"] = (step - last_log[1]) * config.batch_size / max(now - last_log[0], 1e-9)
+                if step > last_log[1]:  # no rate for an interval that held only the compiling step
+                    host["img_per_s"] = (step - last_log[1]) * config.batch_size / max(now - last_log[0], 1e-9)
                 skipped = _data_counts(data.get_state(), skipped, is_main)
                 host.update(skips.metrics_of_all_processes(data.get_state()))  # every host's share counted
                 if jax.process_count() > 1:  # (one process's own iterator checks at once)
@@ -295,7 +314,9 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                 history.append({"step": step, **host})
                 writer.write(step, host)
                 shown = {k: f"{host[k]:.3g}" for k in ("loss",) + task.aux_names[:1]}
-                progress.set_postfix(**shown, img_s=f"{host['img_per_s']:.0f}", refresh=False)
+                if "img_per_s" in host:
+                    shown["img_s"] = f"{host['img_per_s']:.0f}"
+                progress.set_postfix(**shown, refresh=False)
             if at_ckpt:  # before evaluating: a failing evaluator never costs the checkpoint
                 _save(checkpointer, step, par.host_state(state), device_feed.gather_states(data.get_state()), given)
             checkpointer.check_saves(step)
