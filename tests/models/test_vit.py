@@ -233,6 +233,26 @@ def test_drop_path_keeps_expectation():
     assert abs(float(y.mean()) - 1.0) < 0.03
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_drop_path_at_rate_one_drops_everything_with_zero_gradients(traced):
+    """At rate 1 nothing survives: the output is 0 and so is the gradient (timm), not 0·∞ = NaN."""
+    x = jnp.ones((4, 3))
+    f = lambda x, rate: transformer.drop_path(x, rate, jax.random.key(0)).sum()  # noqa: E731
+    rate = jnp.float32(1.0) if traced else 1.0  # the scanned encoder passes a traced rate
+    value, grad = jax.value_and_grad(f)(x, rate)
+    assert float(value) == 0.0
+    np.testing.assert_array_equal(grad, 0.0)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_vit_with_drop_path_rate_one_has_finite_gradients(scan):
+    model = vit.ViT(**TINY, drop_path_rate=1.0, scan=scan)
+    variables, images = _init(model)
+    grads = jax.grad(lambda p: model.apply({"params": p}, images, train=True,
+                                           rngs={"dropout": jax.random.key(1)})[0].sum())(variables["params"])
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
 def test_layerscale_qknorm_stem_norm_pre_norm_create_their_params():
     model = vit.ViT(**TINY, layerscale=1e-5, qk_norm=True, stem_norm=True, pre_norm=True)
     params = _init(model)[0]["params"]

@@ -24,11 +24,15 @@ REMAT_NONE = "none"
 def drop_path(x: jnp.ndarray, rate, rng: jax.Array) -> jnp.ndarray:
     """Stochastic depth: drops whole residual branches per example, rescaling the survivors.
 
-    ``rate`` may be a traced scalar (the scanned encoder gives each layer its own rate).
+    ``rate`` may be a traced scalar (the scanned encoder gives each layer its own rate). At rate 1
+    every branch is dropped and its gradient is zero (timm's ``drop_path``).
     """
     keep = 1.0 - rate
     mask = jax.random.bernoulli(rng, keep, (x.shape[0],) + (1,) * (x.ndim - 1))
-    return jnp.where(mask, x / keep, jnp.zeros_like(x))
+    # Divide by 1 where nothing is kept: the output is 0 either way, but x / 0 would make the
+    # untaken branch's gradient 0·∞ = NaN, which jnp.where passes on. (keep == 0) adds exactly 0
+    # otherwise, so the survivors' scale is unchanged.
+    return jnp.where(mask, x / (keep + (keep == 0)), jnp.zeros_like(x))
 
 
 class MlpBlock(nn.Module):
