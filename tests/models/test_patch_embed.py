@@ -118,6 +118,11 @@ def test_conv_stem_matches_patch_grid():
         ConvStem(48, 14).init(jax.random.key(0), jnp.zeros((1, 56, 56, 3)))
 
 
+def test_conv_stem_refuses_an_unknown_size_policy():
+    with pytest.raises(ValueError, match="Unknown size_policy='pad_to_fit'"):
+        ConvStem(48, 16, size_policy="pad_to_fit").init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+
+
 def test_trunc_normal_draws_the_same_numbers_as_flax_for_conv_kernels():
     import flax.linen as nn
 

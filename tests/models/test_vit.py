@@ -271,6 +271,22 @@ def test_conv_stem_and_overlapping_patches():
     assert overlap.apply(variables, images)[1]["stem"].shape == (2, 8, 8, 32)  # (32+4-8)/4+1
 
 
+def test_conv_stem_honours_embed_bias_and_keeps_its_default_parameters():
+    default = _init(vit.ViT(**TINY, stem="conv"))[0]["params"]["embedding"]
+    assert set(default["proj"]) == {"kernel", "bias"}
+    no_bias = _init(vit.ViT(**TINY, stem="conv", embed_bias=False))[0]["params"]["embedding"]
+    assert set(no_bias["proj"]) == {"kernel"}
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in default.items() if k != "proj"},
+                 {k: v for k, v in no_bias.items() if k != "proj"})
+
+
+def test_conv_stem_names_a_wrong_channel_count_like_the_patch_stem():
+    model = vit.ViT(**TINY, stem="conv")
+    variables, _ = _init(model)
+    with pytest.raises(ValueError, match=r"1 channels .* built for 3"):
+        model.apply(variables, jnp.zeros((1, 32, 32, 1)))
+
+
 def test_classifier_head_is_zero_initialised():
     model = vit.ViT(**TINY, num_classes=10)
     variables, images = _init(model)
@@ -361,7 +377,10 @@ def test_bad_image_sizes_rank_and_channels_raise():
      (dict(num_heads=5), "not divisible"),
      (dict(remat_policy="everything"), "Unknown remat_policy"),
      (dict(stem="conv", stride=4), r"stem='conv' .* takes no stride=4"),
-     (dict(embed_impl="bogus"), "Unknown embed_impl='bogus'")],
+     (dict(embed_impl="bogus"), "Unknown embed_impl='bogus'"),
+     (dict(size_policy="pad_to_fit"), "Unknown size_policy='pad_to_fit'"),
+     (dict(stem="conv", size_policy="pad_to_fit"), "Unknown size_policy='pad_to_fit'"),
+     (dict(stem_channels=(8, 16, 32)), r"stem_channels=\(8, 16, 32\) are the conv stem's")],
 )
 def test_bad_options_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):

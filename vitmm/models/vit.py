@@ -78,7 +78,8 @@ class ViT(nn.Module):
     Front end: ``stem`` ``"patch"`` (linear patch embedding, ``embed_impl`` ``"conv"`` or its
     equal ``"unfold"``; ``stride``/``padding`` for overlapping patches) or ``"conv"``
     (progressive conv stem with ``stem_channels``); ``stem_norm`` adds a LayerNorm after it;
-    ``embed_bias=False`` drops the patch projection's bias (OpenAI CLIP);
+    ``embed_bias=False`` drops the patch projection's bias (OpenAI CLIP; with the conv stem, its
+    1×1 projection's);
     ``size_policy`` ``"strict"`` (raise on images the patches do not tile) or ``"pad"``.
 
     Positions: ``posemb`` in ``learn | sincos2d | rope2d | none``; ``posemb_layout`` in
@@ -191,7 +192,7 @@ class ViT(nn.Module):
     def _stem(self, images: jnp.ndarray, arch: Arch) -> jnp.ndarray:
         if self.stem == "conv":
             return ConvStem(arch.width, arch.patch_size, self.stem_channels, self.size_policy,
-                            self.dtype_mm, name="embedding")(images)
+                            self.dtype_mm, self.embed_bias, name="embedding")(images)
         return PatchEmbed(arch.width, arch.patch_size, self.stride, self.padding, self.embed_impl,
                           self.size_policy, self.dtype_mm, self.embed_bias, name="embedding")(images)
 

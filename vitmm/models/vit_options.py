@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from vitmm.models import common
 from vitmm.models import posemb as pe
-from vitmm.models.patch_embed import to_pair
+from vitmm.models.patch_embed import SIZE_POLICIES, to_pair
 
 POSEMBS = ("learn", "sincos2d", "rope2d", "none")
 POSEMB_LAYOUTS = ("patches", "with_cls")
@@ -21,6 +21,7 @@ def check(vit, arch) -> None:
     common.check_choice("pool", vit.pool, POOLS)
     common.check_choice("stem", vit.stem, STEMS)
     common.check_choice("posemb_resample", vit.posemb_resample, pe.RESAMPLE_METHODS)
+    common.check_choice("size_policy", vit.size_policy, SIZE_POLICIES)
     if vit.pool == "tok" and not vit.class_token:
         raise ValueError("pool='tok' reads the CLS token; set class_token=True or pick gap/map.")
     if vit.fc_norm and not vit.final_norm:
@@ -36,6 +37,8 @@ def check(vit, arch) -> None:
         raise ValueError(f"stem='conv' (strided 3x3 convs to the patch size) takes no stride={vit.stride}, "
                          f"padding={vit.padding} or embed_impl={vit.embed_impl!r}: drop them, or use "
                          "stem='patch'.")
+    if vit.stem_channels is not None and vit.stem != "conv":
+        raise ValueError(f"stem_channels={vit.stem_channels} are the conv stem's; set stem='conv' or drop them.")
     common.check_choice("embed_impl", vit.embed_impl, ("conv", "unfold"))
     if vit.num_registers < 0:
         raise ValueError(f"num_registers must be >= 0, got {vit.num_registers}.")
