@@ -100,6 +100,21 @@ def test_every_posemb_and_pool_runs(posemb_type, pool):
     assert has_table == (posemb_type == "learn")
 
 
+def test_map_head_runs_the_encoders_attention_implementation():
+    from vitmm.models.attention import Attention
+
+    seen = []
+
+    def spy(next_fun, args, kwargs, context):
+        if isinstance(context.module, Attention) and context.method_name == "__call__":
+            seen.append(("/".join(context.module.scope.path), context.module.implementation))
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(spy):
+        _init(vit.ViT(**TINY, pool="map", class_token=False, attn_impl="xla"))
+    assert ("map_head/attn", "xla") in seen and all(impl == "xla" for _, impl in seen), seen
+
+
 def test_gap_pools_patch_tokens_only():
     model = vit.ViT(**TINY, pool="gap", num_registers=2)
     variables, images = _init(model)

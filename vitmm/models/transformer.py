@@ -222,13 +222,15 @@ class MAPHead(nn.Module):
     act: str = "gelu"
     norm_eps: float = 1e-6
     dtype_mm: str | jnp.dtype = "float32"
+    attn_impl: str | None = None  # as the encoder's (``Attention.implementation``)
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, mask: jnp.ndarray | None = None, num_queries: int | None = None):
         b, _, d = x.shape
         probe = self.param("probe", nn.initializers.xavier_uniform(), (1, 1, d), jnp.float32)
         probe = jnp.broadcast_to(probe, (b, num_queries or 1, d))
-        y = Attention(self.num_heads, dtype_mm=self.dtype_mm, name="attn")(probe, kv=x, mask=mask)
+        y = Attention(self.num_heads, dtype_mm=self.dtype_mm, implementation=self.attn_impl,
+                      name="attn")(probe, kv=x, mask=mask)
         z = nn.LayerNorm(epsilon=self.norm_eps, name="norm")(y)
         y = y + MlpBlock(self.mlp_dim, act=self.act, dtype_mm=self.dtype_mm, name="mlp")(z)
         return y if num_queries else y[:, 0]

@@ -247,7 +247,8 @@ class ViT(nn.Module):
         return x
 
     def _map_head(self, arch: Arch):
-        return MAPHead(arch.num_heads, arch.mlp_dim, self.act, self.norm_eps, self.dtype_mm, name="map_head")
+        return MAPHead(arch.num_heads, arch.mlp_dim, self.act, self.norm_eps, self.dtype_mm, self.attn_impl,
+                       name="map_head")
 
     def _finish(self, pooled, out: dict):
         if self.fc_norm:
