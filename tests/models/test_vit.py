@@ -207,6 +207,14 @@ def test_bfloat16_compute_stays_close_to_float32_and_keeps_float32_params():
     assert rel < 0.01, rel
 
 
+@pytest.mark.parametrize("pool", ["tok", "gap", "map"])
+def test_bfloat16_compute_gives_a_float32_pooled_vector_for_every_pool(pool):
+    model = vit.ViT(**TINY, pool=pool, dtype_mm="bfloat16")
+    variables, images = _init(model)
+    pooled, out = model.apply(variables, images)
+    assert pooled.dtype == out["encoded"].dtype == jnp.float32
+
+
 @pytest.mark.parametrize("scan,layerscale", [(False, None), (True, 0.1)])
 def test_bfloat16_residual_stream_stays_bfloat16_and_close(scan, layerscale):
     """dtype_residual keeps every block's output in bf16 (also through a scanned encoder and

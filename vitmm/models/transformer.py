@@ -214,7 +214,7 @@ class MAPHead(nn.Module):
     One learned probe attends over the tokens; a residual MLP follows. ``[B, N, D] → [B, D]``.
     With ``num_queries=K`` the probe is repeated K times, each copy attending where its row of
     ``mask`` (``[B, 1, K, N]``, True = attend) allows: ``[B, N, D] → [B, K, D]``, one pooled
-    vector per image of a packed sequence.
+    vector per image of a packed sequence. The output is float32 whatever ``dtype_mm``.
     """
 
     num_heads: int
@@ -231,6 +231,7 @@ class MAPHead(nn.Module):
         probe = jnp.broadcast_to(probe, (b, num_queries or 1, d))
         y = Attention(self.num_heads, dtype_mm=self.dtype_mm, implementation=self.attn_impl,
                       name="attn")(probe, kv=x, mask=mask)
+        y = y.astype(jnp.float32)  # a float32 residual and pooled vector, as tok/gap read from the final norm
         z = nn.LayerNorm(epsilon=self.norm_eps, name="norm")(y)
         y = y + MlpBlock(self.mlp_dim, act=self.act, dtype_mm=self.dtype_mm, name="mlp")(z)
         return y if num_queries else y[:, 0]
