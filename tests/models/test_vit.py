@@ -215,6 +215,21 @@ def test_bfloat16_compute_gives_a_float32_pooled_vector_for_every_pool(pool):
     assert pooled.dtype == out["encoded"].dtype == jnp.float32
 
 
+@pytest.mark.parametrize("posemb_type", ["learn", "sincos2d", "rope2d", "none"])
+@pytest.mark.parametrize("stem", ["patch", "conv"])
+def test_bfloat16_compute_keeps_a_float32_residual_stream_whatever_the_posemb(posemb_type, stem):
+    """dtype_residual=None means float32 between blocks, also where no float32 table is added
+    (rope2d, none); the stem itself still computes in bfloat16."""
+    model = vit.ViT(**TINY, posemb=posemb_type, stem=stem, dtype_mm="bfloat16")
+    variables, images = _init(model)
+    _, out = model.apply(variables, images)
+    assert out["stem"].dtype == out["with_posemb"].dtype == out["block_00"].dtype == jnp.float32
+    f32 = vit.ViT(**TINY, posemb=posemb_type, stem=stem).apply(variables, images)[1]["stem"]
+    bf16_stem = f32.astype(jnp.bfloat16).astype(jnp.float32)  # how far a bf16 stem may round
+    assert not np.array_equal(out["stem"], f32)
+    assert float(jnp.max(jnp.abs(out["stem"] - f32))) <= 4 * float(jnp.max(jnp.abs(bf16_stem - f32))) + 1e-6
+
+
 @pytest.mark.parametrize("scan,layerscale", [(False, None), (True, 0.1)])
 def test_bfloat16_residual_stream_stays_bfloat16_and_close(scan, layerscale):
     """dtype_residual keeps every block's output in bf16 (also through a scanned encoder and

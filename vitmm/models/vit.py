@@ -112,7 +112,8 @@ class ViT(nn.Module):
 
     Encoder: ``dropout``, ``drop_path_rate``, ``layerscale``, ``qk_norm``, ``act``, ``norm_eps``,
     ``scan``, ``remat_policy``, ``dtype_mm`` (compute dtype; parameters stay float32),
-    ``dtype_residual`` (dtype of the residual stream between blocks; None: float32).
+    ``dtype_residual`` (dtype of the residual stream between blocks; None: float32, whatever
+    ``posemb``: the stem's output is cast to float32 before positions are added).
     """
 
     variant: str | None = None
@@ -272,6 +273,7 @@ class ViT(nn.Module):
         b, h, w, d = x.shape
         if self.stem_norm:
             x = nn.LayerNorm(epsilon=self.norm_eps, name="stem_norm")(x)
+        x = x.astype(jnp.float32)  # the stem computes in dtype_mm; the residual stream starts float32 whatever posemb
         out["stem"] = x
         x = x.reshape(b, h * w, d)
 
@@ -339,6 +341,7 @@ class ViT(nn.Module):
         d = x.shape[-1]
         if self.stem_norm:
             x = nn.LayerNorm(epsilon=self.norm_eps, name="stem_norm")(x)
+        x = x.astype(jnp.float32)  # as in __call__: a float32 stream whatever posemb
         out["stem"] = x
         where_patch = lambda v: jnp.where(is_patch[..., None], v, 0)  # noqa: E731
         grids = jnp.take_along_axis(batch.grids, jnp.maximum(seg - 1, 0)[..., None], axis=1)  # [B, L, 2]
