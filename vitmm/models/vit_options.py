@@ -30,6 +30,9 @@ def check(vit, arch) -> None:
         raise ValueError("fc_norm normalises the pooled vector; pool='none' has none. Drop fc_norm.")
     if vit.posemb_layout == "with_cls" and not vit.class_token:
         raise ValueError("posemb_layout='with_cls' needs class_token=True.")
+    if vit.posemb_layout == "with_cls" and vit.posemb != "learn":
+        raise ValueError(f"posemb_layout='with_cls' gives the CLS a learned position; posemb={vit.posemb!r} has none: "
+                         "use posemb='learn' or posemb_layout='patches'.")
     if not 0 < vit.patch_keep <= 1:
         raise ValueError(f"patch_keep is the share of patches kept in training, in (0, 1]; got {vit.patch_keep}.")
     if vit.stem == "conv" and (vit.stride is not None or to_pair(vit.padding) != (0, 0)
