@@ -162,6 +162,18 @@ def test_learned_table_resampling_for_new_resolution():
     np.testing.assert_array_equal(same["pos_embedding"], variables["params"]["pos_embedding"])
 
 
+def test_grid_mismatch_advice_names_the_models_resampling_method():
+    """Following the error's advice gives the table the model's own dynamic_img_size path makes."""
+    model = vit.ViT(**TINY, posemb_resample="big_vision")
+    variables, _ = _init(model, (32, 32))
+    images = jax.random.normal(jax.random.key(3), (1, 48, 64, 3))
+    with pytest.raises(ValueError, match=r"resize_posemb\(params, new_grid, method='big_vision'\)"):
+        model.apply(variables, images)
+    resized = {"params": vit_tools.resize_posemb(variables["params"], (6, 8), method="big_vision")}
+    dynamic = vit.ViT(**TINY, posemb_resample="big_vision", dynamic_img_size=True)
+    np.testing.assert_array_equal(model.apply(resized, images)[0], dynamic.apply(variables, images)[0])
+
+
 @pytest.mark.parametrize("remat_policy", ["none", "nothing_saveable"])
 def test_scan_and_loop_encoders_agree(remat_policy):
     kw = dict(**TINY, layerscale=0.1, qk_norm=True, num_registers=1)

@@ -211,8 +211,8 @@ class ViT(nn.Module):
                 raise ValueError(
                     f"The learned position table is for a {table.shape[1]}x{table.shape[2]} grid "
                     f"but this image gives {grid[0]}x{grid[1]} patches. Resample the parameters "
-                    "once with vitmm.models.vit_tools.resize_posemb(params, new_grid) or build the "
-                    "model with dynamic_img_size=True."
+                    "once with vitmm.models.vit_tools.resize_posemb(params, new_grid, "
+                    f"method={self.posemb_resample!r}) or build the model with dynamic_img_size=True."
                 )
             table = pe.resample_grid(table, grid, self.posemb_resample)
         return table
