@@ -75,8 +75,8 @@ def get_config(arg=None):
         c.input.device_normalize = True  # uint8 to the GPU: a quarter of the bytes, the cast fused
         c.model.image = dict(variant="B/16", pool="gap", class_token=False, posemb="sincos2d", dtype_mm="bfloat16",
                              attn_impl="cudnn")
-        c.model.text = dict(c.model.text.to_dict(preserve_field_references=True), width=512, depth=12, mlp_dim=2048, num_heads=8,
-                            dtype_mm="bfloat16")
+        c.model.text = dict(c.model.text.to_dict(preserve_field_references=True), width=512, depth=12, mlp_dim=2048,
+                            num_heads=8, dtype_mm="bfloat16")
         c.model.embed_dim = 512
         c.optim.lr = 5e-4
     elif arg.scale != "demo":
