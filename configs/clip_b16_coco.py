@@ -10,7 +10,8 @@
 ViT-B/16: 224 px, patch 16, CLS pooling, positions covering CLS, LayerNorm before the encoder,
 eps 1e-5; a 12-layer causal text transformer of width 512 pooled at EOT; 512-d embeddings. Byte
 tokens by default (set ``--config.tokenizer`` and ``--config.model.text.vocab_size`` for a
-tokenizer.json). bfloat16 matmuls, scanned and rematerialised blocks, FSDP over the mesh.
+tokenizer.json, and ``--config.model.text.eos_id`` unless its EOS is its last id). bfloat16
+matmuls, scanned and rematerialised blocks, FSDP over the mesh.
 ``smoke``: the same configuration with one block per tower on tiny images, for one step.
 """
 
@@ -54,7 +55,7 @@ def get_config(arg=None):
     c.model.image = dict(variant="B/16", pool="tok", posemb_layout="with_cls", pre_norm=True, embed_bias=False,
                          **fast, **common.kernels())
     c.model.text = dict(vocab_size=259, max_len=77, width=512, depth=12, num_heads=8, causal=True, pool="eot",
-                        **fast)
+                        eos_id=config_dict.placeholder(int), **fast)
     c.model.embed_dim = 512
     c.model.temperature_init = 1 / 0.07
     c.model.bias_init = config_dict.placeholder(float)

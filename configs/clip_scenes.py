@@ -34,7 +34,7 @@ def get_config(arg=None):
     c.tensor_parallel = 1  # devices a layer's projections are split over (a `model` mesh axis)
     c.loss = "softmax"
     c.max_temperature = 100.0  # CLIP clamps the learned temperature at 100
-    c.tokenizer = config_dict.placeholder(str)  # a local tokenizer.json; default: bytes
+    c.tokenizer = config_dict.placeholder(str)  # a local tokenizer.json; default: bytes (EOS its last id)
     c.log_every = 10
     c.eval_every = c.checkpoint_every = max(arg.steps // 2, 1)
     c.keep_checkpoints = 2
@@ -49,7 +49,7 @@ def get_config(arg=None):
     c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
                          class_token=False, posemb="sincos2d", **common.kernels())
     c.model.text = dict(vocab_size=259, max_len=arg.text_len, width=128, depth=2, mlp_dim=512, num_heads=4, causal=True,
-                        pool="eot")
+                        pool="eot", eos_id=config_dict.placeholder(int))
     c.model.embed_dim = 128
     c.model.temperature_init = 1 / 0.07
     c.model.bias_init = config_dict.placeholder(float)  # softmax: no bias

@@ -57,7 +57,7 @@ def get_config(arg=None):
     c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
                          class_token=False, posemb="sincos2d", **common.kernels())
     c.model.text = dict(vocab_size=259, max_len=64, width=128, depth=2, mlp_dim=512, num_heads=4, causal=True,
-                        pool="eot" if arg.loss == "softmax" else "last")
+                        pool="eot" if arg.loss == "softmax" else "last", eos_id=config_dict.placeholder(int))
     c.model.embed_dim = 128
     c.model.temperature_init = 1 / 0.07 if arg.loss == "softmax" else 10.0
     c.model.bias_init = config_dict.placeholder(float) if arg.loss == "softmax" else -10.0
@@ -75,8 +75,8 @@ def get_config(arg=None):
         c.input.device_normalize = True  # uint8 to the GPU: a quarter of the bytes, the cast fused
         c.model.image = dict(variant="B/16", pool="gap", class_token=False, posemb="sincos2d", dtype_mm="bfloat16",
                              attn_impl="cudnn")
-        c.model.text = dict(c.model.text.to_dict(), width=512, depth=12, mlp_dim=2048, num_heads=8,
-                            dtype_mm="bfloat16")
+        c.model.text = dict(c.model.text.to_dict(preserve_field_references=True), width=512, depth=12, mlp_dim=2048,
+                            num_heads=8, dtype_mm="bfloat16")
         c.model.embed_dim = 512
         c.optim.lr = 5e-4
     elif arg.scale != "demo":

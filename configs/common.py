@@ -55,7 +55,7 @@ def b16_scale(c: ml_collections.ConfigDict, *, batch: int, attn: str, image: dic
     c.input.prefetch = 16  # grain runs no more reader threads than batches it may hold ahead
     c.model.image = dict(variant="B/16", class_token=False, posemb="sincos2d", dtype_mm="bfloat16", attn_impl=attn,
                          **image)
-    c.model.text = dict(c.model.text.to_dict(), depth=12, dtype_mm="bfloat16", **text)
+    c.model.text = dict(c.model.text.to_dict(preserve_field_references=True), depth=12, dtype_mm="bfloat16", **text)
     c.model.embed_dim = embed_dim
     c.optim.lr = lr
     if smoke:

@@ -96,6 +96,15 @@ CASES += [dict(posemb="learn", posemb_layout="with_cls", num_registers=2, pool="
           dict(posemb="learn", pool="gap", pre_norm=True, scan=True, posemb_resample="big_vision")]
 
 
+@pytest.mark.parametrize("posemb", ["sincos2d", "rope2d", "none"])
+def test_packed_bfloat16_compute_keeps_a_float32_residual_stream(posemb):
+    model = ViT(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=4, posemb=posemb, dtype_mm="bfloat16")
+    batch = packing.pack(_images(1)[:3], 4, seq_len=24, max_images=3)
+    params = model.init(jax.random.key(0), batch)["params"]
+    _, out = model.apply({"params": params}, batch)
+    assert out["stem"].dtype == out["block_00"].dtype == jnp.float32
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
 def test_packed_forward_equals_each_images_own_forward(case):
     model = ViT(width=32, depth=2 if case.get("scan") else 1, mlp_dim=64, num_heads=2, patch_size=4,

@@ -37,6 +37,20 @@ def test_sincos_equals_written_formula(convention, denom_of_q, h, w, dim):
     np.testing.assert_allclose(got, _written_formula(h, w, dim, 10_000.0, denom_of_q(dim // 4)), atol=1e-6)
 
 
+def test_mocov3_table_is_the_mae_table_with_its_halves_swapped_not_big_visions():
+    """MoCo v3's build_2d_sincos_position_embedding, written in numpy (meshgrid 'ij' over (w, h))."""
+    h = w = 4
+    dim, q = 32, 8
+    grid_w, grid_h = np.meshgrid(np.arange(w, dtype=np.float64), np.arange(h, dtype=np.float64), indexing="ij")
+    omega = 1.0 / 10_000.0 ** (np.arange(q) / q)
+    out_w, out_h = np.outer(grid_w.reshape(-1), omega), np.outer(grid_h.reshape(-1), omega)
+    mocov3 = np.concatenate([np.sin(out_w), np.cos(out_w), np.sin(out_h), np.cos(out_h)], axis=1)
+    mae = np.asarray(posemb.sincos_2d(h, w, dim, convention="mae"))
+    np.testing.assert_allclose(np.concatenate([mae[:, dim // 2:], mae[:, :dim // 2]], axis=1), mocov3, atol=1e-6)
+    for convention in posemb.SINCOS_CONVENTIONS:
+        assert np.abs(np.asarray(posemb.sincos_2d(h, w, dim, convention=convention)) - mocov3).max() > 0.1
+
+
 def test_sincos_is_deterministic_and_encodes_rows_and_cols_separately():
     a, b = posemb.sincos_2d(3, 5, 32), posemb.sincos_2d(3, 5, 32)
     np.testing.assert_array_equal(a, b)

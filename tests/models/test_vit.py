@@ -100,6 +100,21 @@ def test_every_posemb_and_pool_runs(posemb_type, pool):
     assert has_table == (posemb_type == "learn")
 
 
+def test_map_head_runs_the_encoders_attention_implementation():
+    from vitmm.models.attention import Attention
+
+    seen = []
+
+    def spy(next_fun, args, kwargs, context):
+        if isinstance(context.module, Attention) and context.method_name == "__call__":
+            seen.append(("/".join(context.module.scope.path), context.module.implementation))
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(spy):
+        _init(vit.ViT(**TINY, pool="map", class_token=False, attn_impl="xla"))
+    assert ("map_head/attn", "xla") in seen and all(impl == "xla" for _, impl in seen), seen
+
+
 def test_gap_pools_patch_tokens_only():
     model = vit.ViT(**TINY, pool="gap", num_registers=2)
     variables, images = _init(model)
@@ -147,6 +162,18 @@ def test_learned_table_resampling_for_new_resolution():
     np.testing.assert_array_equal(same["pos_embedding"], variables["params"]["pos_embedding"])
 
 
+def test_grid_mismatch_advice_names_the_models_resampling_method():
+    """Following the error's advice gives the table the model's own dynamic_img_size path makes."""
+    model = vit.ViT(**TINY, posemb_resample="big_vision")
+    variables, _ = _init(model, (32, 32))
+    images = jax.random.normal(jax.random.key(3), (1, 48, 64, 3))
+    with pytest.raises(ValueError, match=r"resize_posemb\(params, new_grid, method='big_vision'\)"):
+        model.apply(variables, images)
+    resized = {"params": vit_tools.resize_posemb(variables["params"], (6, 8), method="big_vision")}
+    dynamic = vit.ViT(**TINY, posemb_resample="big_vision", dynamic_img_size=True)
+    np.testing.assert_array_equal(model.apply(resized, images)[0], dynamic.apply(variables, images)[0])
+
+
 @pytest.mark.parametrize("remat_policy", ["none", "nothing_saveable"])
 def test_scan_and_loop_encoders_agree(remat_policy):
     kw = dict(**TINY, layerscale=0.1, qk_norm=True, num_registers=1)
@@ -192,6 +219,29 @@ def test_bfloat16_compute_stays_close_to_float32_and_keeps_float32_params():
     assert rel < 0.01, rel
 
 
+@pytest.mark.parametrize("pool", ["tok", "gap", "map"])
+def test_bfloat16_compute_gives_a_float32_pooled_vector_for_every_pool(pool):
+    model = vit.ViT(**TINY, pool=pool, dtype_mm="bfloat16")
+    variables, images = _init(model)
+    pooled, out = model.apply(variables, images)
+    assert pooled.dtype == out["encoded"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("posemb_type", ["learn", "sincos2d", "rope2d", "none"])
+@pytest.mark.parametrize("stem", ["patch", "conv"])
+def test_bfloat16_compute_keeps_a_float32_residual_stream_whatever_the_posemb(posemb_type, stem):
+    """dtype_residual=None means float32 between blocks, also where no float32 table is added
+    (rope2d, none); the stem itself still computes in bfloat16."""
+    model = vit.ViT(**TINY, posemb=posemb_type, stem=stem, dtype_mm="bfloat16")
+    variables, images = _init(model)
+    _, out = model.apply(variables, images)
+    assert out["stem"].dtype == out["with_posemb"].dtype == out["block_00"].dtype == jnp.float32
+    f32 = vit.ViT(**TINY, posemb=posemb_type, stem=stem).apply(variables, images)[1]["stem"]
+    bf16_stem = f32.astype(jnp.bfloat16).astype(jnp.float32)  # how far a bf16 stem may round
+    assert not np.array_equal(out["stem"], f32)
+    assert float(jnp.max(jnp.abs(out["stem"] - f32))) <= 4 * float(jnp.max(jnp.abs(bf16_stem - f32))) + 1e-6
+
+
 @pytest.mark.parametrize("scan,layerscale", [(False, None), (True, 0.1)])
 def test_bfloat16_residual_stream_stays_bfloat16_and_close(scan, layerscale):
     """dtype_residual keeps every block's output in bf16 (also through a scanned encoder and
@@ -233,6 +283,26 @@ def test_drop_path_keeps_expectation():
     assert abs(float(y.mean()) - 1.0) < 0.03
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_drop_path_at_rate_one_drops_everything_with_zero_gradients(traced):
+    """At rate 1 nothing survives: the output is 0 and so is the gradient (timm), not 0·∞ = NaN."""
+    x = jnp.ones((4, 3))
+    f = lambda x, rate: transformer.drop_path(x, rate, jax.random.key(0)).sum()  # noqa: E731
+    rate = jnp.float32(1.0) if traced else 1.0  # the scanned encoder passes a traced rate
+    value, grad = jax.value_and_grad(f)(x, rate)
+    assert float(value) == 0.0
+    np.testing.assert_array_equal(grad, 0.0)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_vit_with_drop_path_rate_one_has_finite_gradients(scan):
+    model = vit.ViT(**TINY, drop_path_rate=1.0, scan=scan)
+    variables, images = _init(model)
+    grads = jax.grad(lambda p: model.apply({"params": p}, images, train=True,
+                                           rngs={"dropout": jax.random.key(1)})[0].sum())(variables["params"])
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
 def test_layerscale_qknorm_stem_norm_pre_norm_create_their_params():
     model = vit.ViT(**TINY, layerscale=1e-5, qk_norm=True, stem_norm=True, pre_norm=True)
     params = _init(model)[0]["params"]
@@ -249,6 +319,22 @@ def test_conv_stem_and_overlapping_patches():
     overlap = vit.ViT(**TINY, stride=4, padding=2)
     variables, images = _init(overlap)
     assert overlap.apply(variables, images)[1]["stem"].shape == (2, 8, 8, 32)  # (32+4-8)/4+1
+
+
+def test_conv_stem_honours_embed_bias_and_keeps_its_default_parameters():
+    default = _init(vit.ViT(**TINY, stem="conv"))[0]["params"]["embedding"]
+    assert set(default["proj"]) == {"kernel", "bias"}
+    no_bias = _init(vit.ViT(**TINY, stem="conv", embed_bias=False))[0]["params"]["embedding"]
+    assert set(no_bias["proj"]) == {"kernel"}
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in default.items() if k != "proj"},
+                 {k: v for k, v in no_bias.items() if k != "proj"})
+
+
+def test_conv_stem_names_a_wrong_channel_count_like_the_patch_stem():
+    model = vit.ViT(**TINY, stem="conv")
+    variables, _ = _init(model)
+    with pytest.raises(ValueError, match=r"1 channels .* built for 3"):
+        model.apply(variables, jnp.zeros((1, 32, 32, 1)))
 
 
 def test_classifier_head_is_zero_initialised():
@@ -338,10 +424,16 @@ def test_bad_image_sizes_rank_and_channels_raise():
      (dict(pool="avg"), "Unknown pool='avg'"),
      (dict(posemb="sincos"), "Unknown posemb='sincos'"),
      (dict(posemb_layout="with_cls", class_token=False, pool="gap"), "needs class_token"),
+     (dict(posemb_layout="with_cls", posemb="sincos2d"), r"posemb_layout='with_cls' .* posemb='sincos2d'"),
+     (dict(posemb_layout="with_cls", posemb="rope2d"), r"posemb_layout='with_cls' .* posemb='rope2d'"),
+     (dict(posemb_layout="with_cls", posemb="none"), r"posemb_layout='with_cls' .* posemb='none'"),
      (dict(num_heads=5), "not divisible"),
      (dict(remat_policy="everything"), "Unknown remat_policy"),
      (dict(stem="conv", stride=4), r"stem='conv' .* takes no stride=4"),
-     (dict(embed_impl="bogus"), "Unknown embed_impl='bogus'")],
+     (dict(embed_impl="bogus"), "Unknown embed_impl='bogus'"),
+     (dict(size_policy="pad_to_fit"), "Unknown size_policy='pad_to_fit'"),
+     (dict(stem="conv", size_policy="pad_to_fit"), "Unknown size_policy='pad_to_fit'"),
+     (dict(stem_channels=(8, 16, 32)), r"stem_channels=\(8, 16, 32\) are the conv stem's")],
 )
 def test_bad_options_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):

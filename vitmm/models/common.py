@@ -11,7 +11,10 @@ import jax.numpy as jnp
 
 
 def trunc_normal(std: float = 0.02) -> Callable:
-    """Truncated normal at ±2σ (the ViT/timm ``trunc_normal_(std=.02)`` initialiser).
+    """N(0, std²) truncated at ±2·std (flax's ``truncated_normal(stddev)``, as big_vision's ViT
+    initialises), so the draws' standard deviation is ≈ 0.88·std. Not timm's
+    ``trunc_normal_(std=.02)``: its bounds ``a=-2, b=2`` are absolute (±100σ at std .02), so timm's
+    draws are effectively an untruncated N(0, std²).
 
     Draws conv kernels as ``[prod(leading dims), out]`` and reshapes: the same numbers (JAX's
     partitionable threefry counts elements in row-major order), compiled much faster by XLA:CPU.

@@ -215,7 +215,8 @@ class ConvStem(nn.Module):
     Follows Xiao et al. 2021 with LayerNorm in place of BatchNorm, so that the stem carries no
     batch statistics and behaves the same in training, evaluation and across devices. The total
     stride equals the (square, power-of-two) patch size, so the token grid matches
-    ``PatchEmbed``'s for the same patch size.
+    ``PatchEmbed``'s for the same patch size. ``use_bias=False`` drops the 1×1 projection's bias
+    (as ``PatchEmbed``'s; the 3×3 convs keep theirs).
     """
 
     width: int
@@ -223,6 +224,7 @@ class ConvStem(nn.Module):
     channels: Sequence[int] | None = None
     size_policy: str = "strict"
     dtype_mm: str | jnp.dtype = "float32"
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, images: jnp.ndarray) -> jnp.ndarray:
@@ -241,10 +243,14 @@ class ConvStem(nn.Module):
                 f"ConvStem for patch {ph} has {num_convs} stride-2 convs but got "
                 f"{len(channels)} channel counts {channels}."
             )
+        common.check_choice("size_policy", self.size_policy, SIZE_POLICIES)
         check_images(images)
         if self.size_policy == "pad":
             images = pad_to_fit(images, (ph, pw), (ph, pw), (0, 0))
         grid_size(images.shape[1:3], (ph, pw))
+        built = self.variables.get("params", {}).get("conv_0")
+        if built is not None:  # the friendly message, not flax's shape error from inside conv_0
+            check_images(images, built["kernel"].shape[2])
         dtype = jnp.dtype(self.dtype_mm)
         x = images.astype(dtype)
         for i, ch in enumerate(channels):
@@ -252,7 +258,7 @@ class ConvStem(nn.Module):
                         kernel_init=common.trunc_normal(0.02), name=f"conv_{i}")(x)
             x = nn.gelu(nn.LayerNorm(name=f"norm_{i}")(x))
         return nn.Conv(self.width, (1, 1), dtype=dtype, kernel_init=common.trunc_normal(0.02),
-                       name="proj")(x)
+                       use_bias=self.use_bias, name="proj")(x)
 
 
 def resize_kernel(kernel: jnp.ndarray, new_patch: int | Sequence[int], antialias: bool = False) -> jnp.ndarray:

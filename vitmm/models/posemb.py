@@ -29,12 +29,16 @@ def sincos_2d(
     ``[sin(x·ω), cos(x·ω), sin(y·ω), cos(y·ω)]`` with ``ω_k = temperature ** -(k / denom)``.
 
     ``convention`` picks the frequency denominator, the only way the two common tables differ:
-      * ``"big_vision"`` (default; MoCo v3, big_vision ``posemb_sincos_2d``): ``denom = dim/4 - 1``,
+      * ``"big_vision"`` (default; big_vision ``posemb_sincos_2d``): ``denom = dim/4 - 1``,
         so the slowest frequency is exactly ``1 / temperature``.
       * ``"mae"`` (MAE ``get_2d_sincos_pos_embed``, also used by many PyTorch ports):
         ``denom = dim/4``, the 1D transformer convention ``1 / temperature ** (2k / (dim/2))``.
     Both put x before y and sin before cos, so a table made with the matching convention
-    loads checkpoints from either family unchanged.
+    loads checkpoints from either family unchanged. MoCo v3's table
+    (``build_2d_sincos_position_embedding``) is neither: it has the ``"mae"`` denominator but
+    builds its grid with ``meshgrid(grid_w, grid_h)`` ('ij'), so its first half follows the row
+    (on a non-square grid the token order is transposed too); it matches this ``"mae"`` table
+    with the two halves swapped, not as is.
     """
     if dim % 4 != 0:
         raise ValueError(

@@ -2,7 +2,8 @@
 
 ``pool`` picks the sequence summary:
   * ``"eot"`` (CLIP): the end-of-text token, found as the first ``eos_id`` (or, with
-    ``eos_id=None``, as ``argmax(ids)``, CLIP's convention that EOT has the largest id);
+    ``eos_id=None``, as ``argmax(ids)``, CLIP's convention that EOT has the largest id: only
+    right for a vocabulary whose EOS is its last id, such as the byte tokenizer's);
   * ``"last"`` (SigLIP): the last position, which relies on "sticky" EOS padding;
   * ``"first"``, ``"mean"`` (over non-padding tokens).
 CLIP uses a causal mask with ``eot``; SigLIP is bidirectional with ``last``.

@@ -24,11 +24,15 @@ REMAT_NONE = "none"
 def drop_path(x: jnp.ndarray, rate, rng: jax.Array) -> jnp.ndarray:
     """Stochastic depth: drops whole residual branches per example, rescaling the survivors.
 
-    ``rate`` may be a traced scalar (the scanned encoder gives each layer its own rate).
+    ``rate`` may be a traced scalar (the scanned encoder gives each layer its own rate). At rate 1
+    every branch is dropped and its gradient is zero (timm's ``drop_path``).
     """
     keep = 1.0 - rate
     mask = jax.random.bernoulli(rng, keep, (x.shape[0],) + (1,) * (x.ndim - 1))
-    return jnp.where(mask, x / keep, jnp.zeros_like(x))
+    # Divide by 1 where nothing is kept: the output is 0 either way, but x / 0 would make the
+    # untaken branch's gradient 0·∞ = NaN, which jnp.where passes on. (keep == 0) adds exactly 0
+    # otherwise, so the survivors' scale is unchanged.
+    return jnp.where(mask, x / (keep + (keep == 0)), jnp.zeros_like(x))
 
 
 class MlpBlock(nn.Module):
@@ -210,7 +214,7 @@ class MAPHead(nn.Module):
     One learned probe attends over the tokens; a residual MLP follows. ``[B, N, D] → [B, D]``.
     With ``num_queries=K`` the probe is repeated K times, each copy attending where its row of
     ``mask`` (``[B, 1, K, N]``, True = attend) allows: ``[B, N, D] → [B, K, D]``, one pooled
-    vector per image of a packed sequence.
+    vector per image of a packed sequence. The output is float32 whatever ``dtype_mm``.
     """
 
     num_heads: int
@@ -218,13 +222,16 @@ class MAPHead(nn.Module):
     act: str = "gelu"
     norm_eps: float = 1e-6
     dtype_mm: str | jnp.dtype = "float32"
+    attn_impl: str | None = None  # as the encoder's (``Attention.implementation``)
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, mask: jnp.ndarray | None = None, num_queries: int | None = None):
         b, _, d = x.shape
         probe = self.param("probe", nn.initializers.xavier_uniform(), (1, 1, d), jnp.float32)
         probe = jnp.broadcast_to(probe, (b, num_queries or 1, d))
-        y = Attention(self.num_heads, dtype_mm=self.dtype_mm, name="attn")(probe, kv=x, mask=mask)
+        y = Attention(self.num_heads, dtype_mm=self.dtype_mm, implementation=self.attn_impl,
+                      name="attn")(probe, kv=x, mask=mask)
+        y = y.astype(jnp.float32)  # a float32 residual and pooled vector, as tok/gap read from the final norm
         z = nn.LayerNorm(epsilon=self.norm_eps, name="norm")(y)
         y = y + MlpBlock(self.mlp_dim, act=self.act, dtype_mm=self.dtype_mm, name="mlp")(z)
         return y if num_queries else y[:, 0]

@@ -78,7 +78,8 @@ class ViT(nn.Module):
     Front end: ``stem`` ``"patch"`` (linear patch embedding, ``embed_impl`` ``"conv"`` or its
     equal ``"unfold"``; ``stride``/``padding`` for overlapping patches) or ``"conv"``
     (progressive conv stem with ``stem_channels``); ``stem_norm`` adds a LayerNorm after it;
-    ``embed_bias=False`` drops the patch projection's bias (OpenAI CLIP);
+    ``embed_bias=False`` drops the patch projection's bias (OpenAI CLIP; with the conv stem, its
+    1×1 projection's);
     ``size_policy`` ``"strict"`` (raise on images the patches do not tile) or ``"pad"``.
 
     Positions: ``posemb`` in ``learn | sincos2d | rope2d | none``; ``posemb_layout`` in
@@ -111,7 +112,8 @@ class ViT(nn.Module):
 
     Encoder: ``dropout``, ``drop_path_rate``, ``layerscale``, ``qk_norm``, ``act``, ``norm_eps``,
     ``scan``, ``remat_policy``, ``dtype_mm`` (compute dtype; parameters stay float32),
-    ``dtype_residual`` (dtype of the residual stream between blocks; None: float32).
+    ``dtype_residual`` (dtype of the residual stream between blocks; None: float32, whatever
+    ``posemb``: the stem's output is cast to float32 before positions are added).
     """
 
     variant: str | None = None
@@ -191,7 +193,7 @@ class ViT(nn.Module):
     def _stem(self, images: jnp.ndarray, arch: Arch) -> jnp.ndarray:
         if self.stem == "conv":
             return ConvStem(arch.width, arch.patch_size, self.stem_channels, self.size_policy,
-                            self.dtype_mm, name="embedding")(images)
+                            self.dtype_mm, self.embed_bias, name="embedding")(images)
         return PatchEmbed(arch.width, arch.patch_size, self.stride, self.padding, self.embed_impl,
                           self.size_policy, self.dtype_mm, self.embed_bias, name="embedding")(images)
 
@@ -209,8 +211,8 @@ class ViT(nn.Module):
                 raise ValueError(
                     f"The learned position table is for a {table.shape[1]}x{table.shape[2]} grid "
                     f"but this image gives {grid[0]}x{grid[1]} patches. Resample the parameters "
-                    "once with vitmm.models.vit_tools.resize_posemb(params, new_grid) or build the "
-                    "model with dynamic_img_size=True."
+                    "once with vitmm.models.vit_tools.resize_posemb(params, new_grid, "
+                    f"method={self.posemb_resample!r}) or build the model with dynamic_img_size=True."
                 )
             table = pe.resample_grid(table, grid, self.posemb_resample)
         return table
@@ -246,7 +248,8 @@ class ViT(nn.Module):
         return x
 
     def _map_head(self, arch: Arch):
-        return MAPHead(arch.num_heads, arch.mlp_dim, self.act, self.norm_eps, self.dtype_mm, name="map_head")
+        return MAPHead(arch.num_heads, arch.mlp_dim, self.act, self.norm_eps, self.dtype_mm, self.attn_impl,
+                       name="map_head")
 
     def _finish(self, pooled, out: dict):
         if self.fc_norm:
@@ -270,6 +273,7 @@ class ViT(nn.Module):
         b, h, w, d = x.shape
         if self.stem_norm:
             x = nn.LayerNorm(epsilon=self.norm_eps, name="stem_norm")(x)
+        x = x.astype(jnp.float32)  # the stem computes in dtype_mm; the residual stream starts float32 whatever posemb
         out["stem"] = x
         x = x.reshape(b, h * w, d)
 
@@ -337,6 +341,7 @@ class ViT(nn.Module):
         d = x.shape[-1]
         if self.stem_norm:
             x = nn.LayerNorm(epsilon=self.norm_eps, name="stem_norm")(x)
+        x = x.astype(jnp.float32)  # as in __call__: a float32 stream whatever posemb
         out["stem"] = x
         where_patch = lambda v: jnp.where(is_patch[..., None], v, 0)  # noqa: E731
         grids = jnp.take_along_axis(batch.grids, jnp.maximum(seg - 1, 0)[..., None], axis=1)  # [B, L, 2]

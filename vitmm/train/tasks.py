@@ -53,6 +53,14 @@ class ContrastiveTask:
                 f"The text tower has vocab_size={config.model.text.vocab_size} but the tokenizer "
                 f"({config.get('tokenizer') or 'bytes'}) has {tokenizer.vocab_size} tokens; set "
                 f"--config.model.text.vocab_size={tokenizer.vocab_size}.")
+        text = config.model.text
+        if text.get("pool", "eot") == "eot" and text.get("eos_id") is None and \
+                tokenizer.eos_id != tokenizer.vocab_size - 1:
+            # eos_id=None pools at argmax(ids), CLIP's EOS-last convention: elsewhere it reads a word
+            raise ValueError(
+                f"The text tower pools at EOT with eos_id unset, which finds EOS as the largest id, but the "
+                f"tokenizer ({config.get('tokenizer') or 'bytes'}) has EOS {tokenizer.eos_id} of "
+                f"{tokenizer.vocab_size} ids; set --config.model.text.eos_id={tokenizer.eos_id}.")
         self.config, self.tokenizer = config, tokenizer
         model = config.model.to_dict()
         self.model = two_towers.TwoTowers(**{**model, "image": determinism.attention(model["image"], config,
