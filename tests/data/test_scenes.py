@@ -114,3 +114,49 @@ def test_bad_arguments():
         scenes.generate("extreme", 32, 0)
     with pytest.raises(ValueError, match="Unknown split"):
         scenes.generate("easy", 32, 0, split="dev")
+
+
+def _digest(difficulty: str) -> str:
+    import hashlib
+    import json
+
+    h = hashlib.sha1()
+    for split in ("train", "validation", "test"):
+        for i in range(20):
+            ex = scenes.generate(difficulty, 32, i, split)
+            h.update(ex["image"].tobytes())
+            h.update(json.dumps([ex["caption"], ex["questions"], ex["answers"]]).encode())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("difficulty, digest", [("easy", "1ae3b61104560e24"), ("medium", "02e57476b3d1a111"),
+                                                ("hard", "1f5daaf1a72991c2")])
+def test_the_difficulties_results_were_made_on_draw_the_same_scenes(difficulty, digest):
+    """Every committed study ran on these: their scenes (images, captions, questions) stay byte for
+    byte what they were (digests made on 2026-12-07 with the code that made the results)."""
+    assert _digest(difficulty) == digest
+
+
+@pytest.mark.parametrize("difficulty", ["easy-heldout", "medium-heldout"])
+def test_held_out_difficulties_keep_each_splits_layouts_apart_with_the_same_mix_of_counts(difficulty):
+    """A layout (each object's region, shape, colour, size) of a validation or test scene is never a
+    training scene's: each scene's layout hashes to its own split, and none of 100 test layouts is
+    among 1,500 training ones (easy has only 96 one-shape layouts: the plain difficulty repeats
+    them across splits). The splits draw the same numbers of shapes."""
+    def layouts(split, n):
+        out = []
+        for i in range(n):
+            ex = scenes.generate(difficulty, 32, i, split)
+            objs = [dict(zip(ex["objects"], values, strict=True)) for values in zip(*ex["objects"].values(),
+                                                                                      strict=True)]
+            assert scenes.layout_split(objs) == scenes.SPLIT_IDS[split]
+            out.append(tuple(sorted((o["region"], o["shape"], o["color"], o["size"]) for o in objs)))
+        return out
+
+    train, test = layouts("train", 1500), layouts("test", 100)
+    assert not set(test) & set(train)
+    counts = lambda ls: np.bincount([len(x) for x in ls], minlength=5)[1:] / len(ls)  # noqa: E731
+    assert np.abs(counts(train) - counts(test)).max() < 0.15
+    plain = [tuple(sorted(zip(*(scenes.generate(difficulty.split("-")[0], 32, i, "test")["objects"][k]
+                                for k in ("region", "shape", "color", "size")), strict=True))) for i in range(100)]
+    assert set(plain) & set(train)  # (what held_out prevents)

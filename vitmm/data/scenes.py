@@ -27,8 +27,11 @@ Positions are named on a 3×3 layout (``top left`` … ``center`` … ``bottom r
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 import math
 import re
+import zlib
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -55,7 +58,9 @@ NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "
 
 @dataclasses.dataclass(frozen=True)
 class Difficulty:
-    """What a difficulty level varies. ``grid=0`` means free placement without overlap."""
+    """What a difficulty level varies. ``grid=0`` means free placement (shapes kept apart by their
+    radii plus a margin). ``held_out``: validation and test scenes have layouts (each object's
+    region, shape, colour and size) that no training scene has (``layout_split``)."""
 
     shapes: tuple[str, ...]
     colors: tuple[str, ...]
@@ -63,6 +68,7 @@ class Difficulty:
     max_shapes: int
     grid: int
     noisy_background: bool
+    held_out: bool = False
 
 
 DIFFICULTIES = {
@@ -73,6 +79,11 @@ DIFFICULTIES = {
     # Six shapes, eight colours, three sizes, placed freely, up to six per image.
     "hard": Difficulty(SHAPES, tuple(COLORS), SIZES, 6, 0, True),
 }
+# On a grid the layouts are few (easy: 96 one-shape and 3,456 two-shape ones), so independent draws
+# repeat training layouts in the validation and test splits (easy: 72% of test questions ask about a
+# layout seen in training, with the same question). These two hold each split's layouts apart.
+DIFFICULTIES["easy-heldout"] = dataclasses.replace(DIFFICULTIES["easy"], held_out=True)
+DIFFICULTIES["medium-heldout"] = dataclasses.replace(DIFFICULTIES["medium"], held_out=True)
 SPLIT_IDS = {"train": 0, "validation": 1, "test": 2}
 # Radius of a shape as a fraction of its grid cell's half-width, or of the image for free placement.
 _GRID_RADIUS = {"small": 0.45, "medium": 0.6, "large": 0.8}
@@ -138,6 +149,15 @@ def _place(rng: np.random.Generator, diff: Difficulty, n: int) -> list[tuple[flo
                 placed.append((float(x), float(y), size))
                 break
     return placed
+
+
+def layout_split(objects: list[dict]) -> int:
+    """The split (``SPLIT_IDS``' number) a layout belongs to in a ``held_out`` difficulty: a stable
+    hash of its objects' (region, shape, colour, size) sends 80% of layouts to train, 10% to
+    validation and 10% to test."""
+    layout = sorted((o["region"], o["shape"], o["color"], o["size"]) for o in objects)
+    bucket = int(hashlib.sha1(repr(layout).encode()).hexdigest()[:8], 16) % 10
+    return 0 if bucket < 8 else 1 if bucket == 8 else 2
 
 
 def _radius(diff: Difficulty, size: str) -> float:
@@ -264,16 +284,25 @@ def generate(difficulty: str, resolution: int | tuple[int, int], index: int, spl
     height, width = (int(resolution),) * 2 if square else (int(resolution[0]), int(resolution[1]))
     if min(height, width) < 1:
         raise ValueError(f"Scenes need a positive size, got {resolution!r}.")
-    rng = np.random.default_rng([seed, SPLIT_IDS[split], index, *((height,) if height == width else (height, width))])
-    n = int(rng.integers(1, diff.max_shapes + 1))
+    key = [seed, SPLIT_IDS[split], index, *((height,) if height == width else (height, width))]
     layout = 2 if diff.grid == 2 else 3
-    objects = []
-    for x, y, size in _place(rng, diff, n):
-        objects.append(dict(
-            shape=diff.shapes[int(rng.integers(len(diff.shapes)))],
-            color=diff.colors[int(rng.integers(len(diff.colors)))],
-            size=size, x=x, y=y, region=region_of(x, y, layout),
-        ))
+    # A held-out difficulty draws again (the next attempt's stream, its own name in the key) until
+    # the layout belongs to the split, keeping the first draw's shape count (so every split has the
+    # same mix of counts); the others keep the key every committed result was made with.
+    n = None
+    for attempt in itertools.count():
+        rng = np.random.default_rng([*key, zlib.crc32(difficulty.encode()), attempt] if diff.held_out else key)
+        drawn = int(rng.integers(1, diff.max_shapes + 1))
+        n = drawn if n is None else n
+        objects = []
+        for x, y, size in _place(rng, diff, n):
+            objects.append(dict(
+                shape=diff.shapes[int(rng.integers(len(diff.shapes)))],
+                color=diff.colors[int(rng.integers(len(diff.colors)))],
+                size=size, x=x, y=y, region=region_of(x, y, layout),
+            ))
+        if not diff.held_out or layout_split(objects) == SPLIT_IDS[split]:
+            break
 
     scale = 4 if max(height, width) <= 64 else 2  # supersampling for anti-aliased edges
     canvas_h, canvas_w = height * scale, width * scale

@@ -145,7 +145,7 @@ class Scenes(tfds.core.GeneratorBasedBuilder):
         print(f"generated scenes/{self.builder_config.name} in {self.data_dir}", file=sys.stderr, flush=True)
 
 
-_NAME = re.compile(r"^(?P<d>[a-z]+)_(?P<r>\d+)(?:_(?P<tr>\d+)_(?P<va>\d+)_(?P<te>\d+)_s(?P<s>\d+))?$")
+_NAME = re.compile(r"^(?P<d>[a-z]+(?:-[a-z]+)?)_(?P<r>\d+)(?:_(?P<tr>\d+)_(?P<va>\d+)_(?P<te>\d+)_s(?P<s>\d+))?$")
 
 
 def config_from_name(name: str) -> ScenesConfig:
