@@ -173,6 +173,32 @@ def test_export_round_trips_and_transformers_layout_loads_back(tmp_path, name):
         np.testing.assert_array_equal(value, original[key])  # the very tensors transformers saved
 
 
+def test_each_export_runs_in_transformers_as_the_original(tmp_path):
+    """Every family exported (``export_lm``) loads in transformers' ``AutoModelForCausalLM`` and gives
+    the logits transformers gave on the original folder (≤ 1e-5 of the largest). One process for all."""
+    import os
+    import subprocess
+
+    from vitmm.interop import io
+
+    python = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
+    if not pathlib.Path(python or "/nonexistent").is_file():
+        pytest.skip("no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+    for name in FAMILIES:
+        tensors, config = hf_lm.export_lm(*hf_lm.load_lm(FIXTURES / name))
+        (tmp_path / name).mkdir()
+        io.write_safetensors(tensors, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    ran = subprocess.run([python, str(pathlib.Path(__file__).with_name("transformers_lm.py")), str(FIXTURES),
+                          *(str(tmp_path / name) for name in FAMILIES)], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    results = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
+    assert [r["name"] for r in results] == list(FAMILIES)
+    assert {r["name"]: r["error"] for r in results if r["error"] > 1e-5} == {}
+    assert {r["class"] for r in results if r["name"] == "hf_phi3"} == {"MistralForCausalLM"}
+
+
 @pytest.mark.parametrize("change, message", [
     ({"act": "gelu_tanh"}, r"act='gelu_tanh': 'llama''s layout runs silu"),
     ({"embed_scale": True}, r"embed_scale or norm_offset alone"),

@@ -288,9 +288,14 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
                       final_logit_softcapping=kwargs.get("logit_softcap"),
                       layer_types=["sliding_attention" if layers is None or i in layers else "full_attention"
                                    for i in range(depth)])
+    # transformers 4's RoPE fields too (5 reads either form alike; 4 reads only these)
+    config["rope_theta"] = kwargs.get("rope_theta", 10_000.0)
+    if kwargs.get("rope_scaling"):
+        config["rope_scaling"] = dict(kwargs["rope_scaling"])
     if family == "gemma3_text":  # the RoPE of each layer type: the sliding layers' own base, unscaled
+        config["rope_local_base_freq"] = kwargs.get("local_rope_theta") or 10_000.0
         config["rope_parameters"] = {"full_attention": config["rope_parameters"], "sliding_attention": {
-            "rope_type": "default", "rope_theta": kwargs.get("local_rope_theta") or 10_000.0}}
+            "rope_type": "default", "rope_theta": config["rope_local_base_freq"]}}
     if family in GEMMAS:
         config["hidden_activation"] = "gelu_pytorch_tanh"
     else:
