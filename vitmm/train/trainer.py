@@ -23,12 +23,13 @@ from tqdm import tqdm
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
-from vitmm.data import device_feed, formats, skips
+from vitmm.data import device_feed, skips
 from vitmm.train import determinism, distributed, imported_vlm, inputs, optim, pp_template, sources, startup, tasks
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
 from vitmm.train.stopping import Preempted, StopRequests
+from vitmm.train.validation import validate
 
 BASE_METRICS = ("loss", "grad_norm", "param_norm", "update_norm")
 
@@ -79,55 +80,6 @@ def make_train_step(task, tx, lr_schedule, config, par: Parallel):
 # ================================================================================================
 #                                          The loop
 # ================================================================================================
-POSITIVE = ("total_steps", "batch_size", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-            "sync_every")
-
-
-def validate(config) -> None:
-    """Counts and intervals are positive integers; checked before anything is built or compiled."""
-    counts = [(key, config.get(key)) for key in POSITIVE] + [("input.image_size", config.input.get("image_size"))]
-    counts += [(f"input.{key}", config.input.get(key)) for key in ("num_threads",)]
-    for key in ("prefetch", "device_prefetch"):  # 0 allowed: nothing ahead
-        value = config.input.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"config.input.{key}={value!r}: must be an integer, at least 0.")
-    lr = config.optim.get("lr")
-    if isinstance(lr, bool) or not isinstance(lr, int | float) or lr < 0:
-        raise ValueError(f"config.optim.lr={lr!r}: must be a number, at least 0.")
-    counts += [(f"evals.{name}.{key}", ev.get(key)) for name, ev in (config.get("evals") or {}).items()
-               for key in ("num_examples", "batch_size", "embed_batch_size", "max_new_tokens")]
-    for key, value in counts:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"config.{key}={value!r}: must be a positive integer.")
-    total, warmup, end = config.total_steps, config.optim.get("warmup_steps", 0), config.optim.get("end_factor", 0.0)
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < total:
-        raise ValueError(f"config.optim.warmup_steps={warmup!r} with total_steps={total}: must be an integer from 0 "
-                         f"to {total - 1} (a warmup to the last step never decays); set --config.optim.warmup_steps="
-                         "below total_steps, or the config's steps= arg, which sets both.")
-    if isinstance(end, bool) or not isinstance(end, int | float) or not 0 <= end <= 1:
-        raise ValueError(f"config.optim.end_factor={end!r}: must be a number from 0 to 1 (the final lr / optim.lr).")
-    inp = config.input
-    if not formats.raw_format(inp) and "data" not in inp and not inp.get("scenes_any"):
-        raise ValueError("The run names no training data: set one of --config.input.data_path (LLaVA JSON/JSONL/YAML, "
-                         "with input.image_folder), input.wds, input.csv, input.parquet or input.mixture.")
-    raw = formats.raw_format(inp)
-    if inp.get("packing") and raw:  # (the packer does not count and skip bad examples as the raw readers do)
-        raise ValueError(f"input.packing reads a TFDS dataset (input.data) or scenes (input.scenes_any), not the raw "
-                         f"files of input.{raw}: point input.data at a TFDS dataset of them, or train on input.{raw} "
-                         "without input.packing.")
-    n, tp = jax.device_count(), config.get("tensor_parallel", 1)
-    # Batches are sharded over the mesh's data axis: n / tensor_parallel devices (Parallel checks tensor_parallel).
-    per = n // tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and n % tp == 0 else n
-    axis = f"the {per} devices of the data axis" + (f" ({n} devices / tensor_parallel={tp})" if per != n else "")
-    if config.batch_size % per:
-        raise ValueError(f"batch_size={config.batch_size} does not split over {axis}; use a multiple of {per}.")
-    accum = config.optim.get("accum_steps", 1)
-    # each data-axis device's rows are split into the micro-batches (pmap and jit alike)
-    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1 or config.batch_size % (accum * per):
-        raise ValueError(f"config.optim.accum_steps={accum!r}: must be a positive integer dividing "
-                         f"batch_size={config.batch_size}" + (f" / {axis}." if per > 1 else "."))
-
-
 def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, restart: bool = False) -> dict:
     """Trains ``config`` in ``workdir`` (resuming from its newest readable checkpoint).
 
