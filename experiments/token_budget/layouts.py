@@ -3,7 +3,9 @@
     python -m experiments.token_budget.layouts easy=results/token_budget hard=results/token_budget/hard \\
         [medium=results/token_budget/medium] [--out results/token_budget/layouts.md]
 
-Each sweep (a folder with ``runs.csv``) is cut to the runs every sweep finished: the (family, token
+The sweeps must be finished and made under the same settings (``layout_checks``: the same LM,
+plan, stages, tokenizer, tuning protocol and image grid; the data, the tower and the chosen rates
+differ by design). Each sweep is cut to the runs every sweep finished: the (family, token
 count, seed) triples they share, main rows and blind (no equal-parameter or encoder-side rows). On
 that cut, each layout's tests are the ones its own report makes (``report.verdict_tests``: each cell
 against blind, each family's gain from its fewest to its most tokens, the best against the worst
@@ -20,14 +22,8 @@ import argparse
 import pathlib
 import re
 
-from experiments.token_budget import report
+from experiments.token_budget import layout_checks, report
 from vitmm.study import verdicts
-
-
-def load(folder: pathlib.Path) -> list[dict]:
-    if not (folder / "runs.csv").is_file():
-        raise SystemExit(f"{folder} has no runs.csv: a sweep writes it when every job has finished.")
-    return report.read_runs(folder / "runs.csv")
 
 
 def shared_design(sweeps: dict[str, list[dict]]) -> dict[str, list[dict]]:
@@ -98,7 +94,11 @@ def main(argv=None) -> str:
     pairs = [s.split("=", 1) for s in args.sweeps]
     if len(pairs) < 2 or any(len(p) != 2 for p in pairs):
         parser.error("name two or more sweeps as LAYOUT=FOLDER, e.g. easy=results/token_budget.")
-    text = compare({name: load(pathlib.Path(folder)) for name, folder in pairs})
+    if (why := layout_checks.distinct(pairs)) is not None:
+        parser.error(why)
+    loaded = {name: layout_checks.load(pathlib.Path(folder)) for name, folder in pairs}
+    layout_checks.check_same({name: setup for name, (_, setup) in loaded.items()})
+    text = compare({name: rows for name, (rows, _) in loaded.items()})
     if args.out:
         pathlib.Path(args.out).write_text(text)
         print(f"wrote {args.out}")

@@ -1,12 +1,32 @@
 """experiments/token_budget/layouts.py: finished sweeps' tests side by side on the design they share."""
 
+import json
 import pathlib
 import shutil
+
+import pytest
 
 from experiments.token_budget import layouts
 from vitmm.study import outputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
+EASY = ROOT / "results/token_budget"
+FIVE = ("blind", "pool", "pixel_shuffle", "perceiver", "qformer", "c_abstractor")  # the hard sweep's families
+
+
+def sweep(tmp_path, name, keep=lambda r: True, setup=None, rows=None):
+    """A finished sweep folder from the committed easy sweep's rows that ``keep`` keeps (or ``rows``),
+    its setup.json updated with ``setup``."""
+    folder = tmp_path / name
+    folder.mkdir()
+    rows = [r for r in outputs.read_rows(EASY / "runs.csv") if keep(r)] if rows is None else rows
+    outputs.write_rows(rows, folder / "runs.csv")
+    (folder / "setup.json").write_text(json.dumps({**json.loads((EASY / "setup.json").read_text()), **(setup or {})}))
+    return folder
+
+
+def five(r):
+    return r["family"] in FIVE and not r["variant"]
 
 
 def test_layouts_cut_to_the_shared_design_and_say_what_holds(tmp_path):
@@ -15,15 +35,15 @@ def test_layouts_cut_to_the_shared_design_and_say_what_holds(tmp_path):
     blind rows hold in both, the pixel-shuffle gain is shown with opposite signs."""
     other = tmp_path / "other"
     other.mkdir()
-    shutil.copy(ROOT / "results/token_budget/runs.csv", other / "runs.csv")
+    shutil.copy(EASY / "runs.csv", other / "runs.csv")
+    shutil.copy(EASY / "setup.json", other / "setup.json")
     rows = outputs.read_rows(other / "runs.csv")
     rows = [r for r in rows if r["family"] != "qformer"]
     for r in rows:
         if r["family"] == "pixel_shuffle" and str(r["tokens"]) == "64" and not r["variant"] and r["status"] == "ok":
             r["accuracy"] = str(float(r["accuracy"]) + 0.15)
     outputs.write_rows(rows, other / "runs.csv")
-    text = layouts.main(["easy=" + str(ROOT / "results/token_budget"), f"other={other}", "--out",
-                         str(tmp_path / "layouts.md")])
+    text = layouts.main(["easy=" + str(EASY), f"other={other}", "--out", str(tmp_path / "layouts.md")])
     assert text == (tmp_path / "layouts.md").read_text()
     assert "qformer" not in text.split("\n")[0] and "pixel_shuffle, pool" in text.split("\n")[0]
     row = next(line for line in text.splitlines() if line.startswith("| pixel_shuffle 4 → 64 tokens |"))
@@ -39,3 +59,51 @@ def test_layouts_cut_to_the_shared_design_and_say_what_holds(tmp_path):
     assert sizes["easy"] == sizes["other"] == "49"  # the same cut, the same tests: 49 each, not 98 together
     for layout, n in sizes.items():
         assert f"of {n}]`" in blind_row.split(" | ")[1 + list(sizes).index(layout)]
+
+
+def test_sweeps_made_under_other_settings_are_refused_in_one_line(tmp_path):
+    """Another training plan (or LM) is refused, naming the key and both values; what the hard sweep
+    changes by design (its data and so its question counts, vocabulary and longest question, its tower,
+    its chosen rates and tuning record, no equal-parameter rows, one worker, its families) is not."""
+    hard_like = dict(data="scenes/hard_64", tower="results/token_budget/hard/tower",
+                     tower_fingerprint="a0e3dbfc9dec98c7", tower_config={"width": 96},
+                     chosen={"pool": [3e-4, 25]}, chosen_given=True, tuning={}, param_budget=0, workers=1,
+                     vocab_size=60, max_len=20, train_questions=1, val_questions=2, test_questions=3,
+                     train_images=9, connectors={}, stage0_final_loss={}, date="2026-12-08", command="x",
+                     worker_hours=1.0, runs_timed=3, backend="gpu", seeds=[0, 1, 2])
+    easy = sweep(tmp_path, "easy", five)
+    text = layouts.main([f"easy={easy}", f"hard={sweep(tmp_path, 'hard', five, hard_like)}"])
+    assert "| pool@16 − blind |" in text
+    plan = dict(json.loads((EASY / "setup.json").read_text())["plan"], max_steps=300)
+    with pytest.raises(SystemExit, match=r"^easy and short differ in plan\.max_steps: 8000 vs 300; "):
+        layouts.main([f"easy={easy}", f"short={sweep(tmp_path, 'short', five, dict(hard_like, plan=plan))}"])
+    with pytest.raises(SystemExit, match=r"differ in lm\.width: 64 vs 576"):
+        big = sweep(tmp_path, "big", five, {"lm": dict(width=576, depth=2, num_heads=2)})
+        layouts.main([f"easy={easy}", f"big={big}"])
+    with pytest.raises(SystemExit, match=r"differ in stage0_steps: 1000 vs 0"):
+        layouts.main([f"easy={easy}", f"s={sweep(tmp_path, 's', five, {'stage0_steps': 0})}"])
+    (easy / "setup.json").unlink()
+    with pytest.raises(SystemExit, match="has no setup.json"):
+        layouts.main([f"easy={easy}", f"hard={tmp_path / 'hard'}"])
+
+
+def test_a_layout_or_folder_named_twice_is_refused(tmp_path, capsys):
+    easy, other = sweep(tmp_path, "easy", five), sweep(tmp_path, "other", five)
+    with pytest.raises(SystemExit):
+        layouts.main([f"easy={easy}", f"easy={other}"])
+    assert "name each layout once: easy" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        layouts.main([f"easy={easy}", f"hard={easy}"])
+    assert "give each sweep once" in capsys.readouterr().err
+
+
+def test_an_interim_sweep_is_refused(tmp_path):
+    easy = sweep(tmp_path, "easy", five)
+    interim = sweep(tmp_path, "interim", five, {"interim": {"runs": 60, "of": 80}})
+    with pytest.raises(SystemExit, match=r"interim sweep \(60 of 80 runs\): layouts compares finished sweeps"):
+        layouts.main([f"easy={easy}", f"hard={interim}"])
+    rows = [r for r in outputs.read_rows(EASY / "runs.csv") if five(r)]
+    rows = [r for r in rows if not (r["family"] == "qformer" and str(r["tokens"]) == "64")]
+    rows.append(dict(rows[-1], family="qformer", tokens="64", seed="", status="pending", note="no seed finished yet"))
+    with pytest.raises(SystemExit, match=r"interim sweep \(1 cells pending\)"):
+        layouts.main([f"easy={easy}", f"hard={sweep(tmp_path, 'pending', rows=rows)}"])
