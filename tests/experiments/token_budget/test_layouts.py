@@ -55,7 +55,7 @@ def test_layouts_cut_to_the_shared_design_and_say_what_holds(tmp_path):
     blind_row = next(line for line in text.splitlines() if line.startswith("| pool@16 − blind |"))
     assert blind_row.endswith("| holds in every layout |")
     # Each layout corrected on its own: its tags count its own tests, as the header says.
-    sizes = dict(part.split() for part in text.split("(Holm; ")[1].split(" tests)")[0].split(", "))
+    sizes = dict(part.split() for part in text.split("(Holm; ")[1].split(" tests")[0].split(", "))
     assert sizes["easy"] == sizes["other"] == "49"  # the same cut, the same tests: 49 each, not 98 together
     for layout, n in sizes.items():
         assert f"of {n}]`" in blind_row.split(" | ")[1 + list(sizes).index(layout)]
@@ -73,7 +73,7 @@ def test_sweeps_made_under_other_settings_are_refused_in_one_line(tmp_path):
                      worker_hours=1.0, runs_timed=3, backend="gpu", seeds=[0, 1, 2])
     easy = sweep(tmp_path, "easy", five)
     text = layouts.main([f"easy={easy}", f"hard={sweep(tmp_path, 'hard', five, hard_like)}"])
-    assert "| pool@16 − blind |" in text
+    assert "Data: easy scenes/easy_64, hard scenes/hard_64." in text.split("\n")[0]
     plan = dict(json.loads((EASY / "setup.json").read_text())["plan"], max_steps=300)
     with pytest.raises(SystemExit, match=r"^easy and short differ in plan\.max_steps: 8000 vs 300; "):
         layouts.main([f"easy={easy}", f"short={sweep(tmp_path, 'short', five, dict(hard_like, plan=plan))}"])
@@ -85,6 +85,31 @@ def test_sweeps_made_under_other_settings_are_refused_in_one_line(tmp_path):
     (easy / "setup.json").unlink()
     with pytest.raises(SystemExit, match="has no setup.json"):
         layouts.main([f"easy={easy}", f"hard={tmp_path / 'hard'}"])
+
+
+def test_the_header_says_what_the_cut_holds_and_lists_the_tests_it_lost(tmp_path):
+    """Pool never ran at 4 tokens in one sweep: the header says pool at 16 and 64 tokens only, and
+    pool@4 − blind is named among the tests the other's report makes that the cut cannot."""
+    easy = sweep(tmp_path, "easy", five)
+    other = sweep(tmp_path, "other", lambda r: five(r) and not (r["family"] == "pool" and str(r["tokens"]) == "4"))
+    text = layouts.main([f"easy={easy}", f"other={other}"])
+    head = text.split("\n")[0]
+    assert "pool at 16, 64 tokens" in head and "perceiver, pixel_shuffle, qformer at 4, 16, 64 tokens" in head
+    assert "and blind, seeds 0, 1, 2, 3, 4" in head
+    assert "The analysis of variance uses pixel_shuffle, c_abstractor, perceiver, qformer (the families" in head
+    lost = next(line for line in text.splitlines() if line.startswith("Tests easy's report makes that this cut cannot"))
+    assert "pool@4 − blind" in lost and "pool 4 → 64 tokens" in lost
+    assert "What the cut took from each sweep (besides its equal-parameter and encoder-side rows): easy: cells " \
+           "pool@4" in text
+
+
+def test_a_cut_without_blind_or_with_no_run_in_common_is_refused(tmp_path):
+    easy = sweep(tmp_path, "easy", five)
+    with pytest.raises(SystemExit, match="share no finished blind run"):
+        layouts.main([f"easy={easy}", f"nb={sweep(tmp_path, 'nb', lambda r: five(r) and r['family'] != 'blind')}"])
+    moved = [dict(r, seed=str(int(r["seed"]) + 5)) for r in outputs.read_rows(EASY / "runs.csv") if five(r)]
+    with pytest.raises(SystemExit, match="share no finished .family, token count, seed. run"):
+        layouts.main([f"easy={easy}", f"later={sweep(tmp_path, 'later', rows=moved)}"])
 
 
 def test_a_layout_or_folder_named_twice_is_refused(tmp_path, capsys):
@@ -107,3 +132,18 @@ def test_an_interim_sweep_is_refused(tmp_path):
     rows.append(dict(rows[-1], family="qformer", tokens="64", seed="", status="pending", note="no seed finished yet"))
     with pytest.raises(SystemExit, match=r"interim sweep \(1 cells pending\)"):
         layouts.main([f"easy={easy}", f"hard={sweep(tmp_path, 'pending', rows=rows)}"])
+
+
+def test_verdicts_that_differ_from_a_layouts_own_report_are_listed(tmp_path):
+    """On the hard sweep's five families the committed easy sweep's family × budget interaction is not
+    shown (39 tests, 5 families), though token_budget.md shows it (80 tests, 8 families): the output
+    says the tests are recomputed on the cut and names that verdict with both tags."""
+    text = layouts.main(["easy=" + str(EASY), f"hard={sweep(tmp_path, 'hard', five)}"])
+    assert "its report's tests recomputed on this cut" in text.split("\n")[0]
+    differ = text.split("Verdicts here that differ from easy's own report")[1].split("Tests hard's")[0]
+    assert ("- analysis of variance: family × budget (share of the variance, %): here `[not shown: +6.7, Holm p 0.37 "
+            "of 39]`; its report `[shown: +13.1, Holm p 8.8e-06 of 80]`") in differ
+    assert "(pixel_shuffle − qformer); its report `[shown: +9.2, Holm p 0.041 of 80]` (patch_merger − qformer)" \
+           in differ
+    assert ("Verdicts here that differ from hard's own report (cite that report for its design, this table for the "
+            "cut): none.") in text
