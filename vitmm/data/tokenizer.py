@@ -102,6 +102,10 @@ class HFTokenizer:
             raise FileNotFoundError(f"No tokenizer.json at {path}; pass the path of a local file "
                                     "(vitmm never downloads tokenizers).")
         self._tok = Tokenizer.from_file(str(path))
+        # A tokenizer.json may carry truncation and padding (saved by enable_truncation/enable_padding);
+        # transformers resets both on every call, and tokenize() cuts and pads explicitly.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id if bos_id is not None else self._find(self._BOS, "bos")
         self.eos_id = eos_id if eos_id is not None else self._find(self._EOS, "eos")
