@@ -10,6 +10,7 @@ length and truncates explicitly, telling the caller whether it did.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import pathlib
@@ -203,7 +204,9 @@ def content_parts(text: str) -> list[dict]:
 
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, **variables) -> str:
     """A Jinja chat template rendered as transformers renders it (sandboxed, ``trim_blocks`` and
-    ``lstrip_blocks``, loop controls, ``raise_exception``; ``variables`` such as ``bos_token``)."""
+    ``lstrip_blocks``, loop controls, ``raise_exception``, ``strftime_now``; ``tools`` and
+    ``documents`` None unless given; ``variables`` such as ``bos_token``)."""
+    variables = {"tools": None, "documents": None, **variables}
     return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
 
@@ -235,8 +238,9 @@ def _compiled(template: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols", Generation])
     env.filters["tojson"] = tojson
-    # No strftime_now: transformers' gives today's date (Llama 3 writes it), and a run's text must be the same
-    # every day (a resumed run, or one crossing midnight); such templates then write their own fixed date.
+    # transformers' strftime_now: today's date as the template asks (Llama 3's, Mistral-Small-3's system prompts
+    # tell the model the date; some templates call it without checking that it is defined)
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template)
 
