@@ -202,9 +202,12 @@ def content_parts(text: str) -> list[dict]:
     return parts
 
 
+TEMPLATE_DAY = datetime.date(2024, 7, 26)  # what a chat template's strftime_now formats (``_compiled``)
+
+
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, **variables) -> str:
     """A Jinja chat template rendered as transformers renders it (sandboxed, ``trim_blocks`` and
-    ``lstrip_blocks``, loop controls, ``raise_exception``, ``strftime_now``; ``tools`` and
+    ``lstrip_blocks``, loop controls, ``raise_exception``, ``strftime_now`` of one fixed day; ``tools`` and
     ``documents`` None unless given; ``variables`` such as ``bos_token``)."""
     variables = {"tools": None, "documents": None, **variables}
     return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
@@ -238,9 +241,11 @@ def _compiled(template: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols", Generation])
     env.filters["tojson"] = tojson
-    # transformers' strftime_now: today's date as the template asks (Llama 3's, Mistral-Small-3's system prompts
-    # tell the model the date; some templates call it without checking that it is defined)
-    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+    # strftime_now (Mistral-Small-3's template calls it unguarded) gives one fixed day, not transformers' today: a
+    # run's text, hence its tokens, must be the same every day (a resume, a run crossing midnight) and a prompt at
+    # inference must be the text the model trained on. The day is Llama 3's templates' own default, so those
+    # render as they did when strftime_now was undefined.
+    env.globals["strftime_now"] = lambda format: TEMPLATE_DAY.strftime(format)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template)
 
