@@ -97,3 +97,20 @@ def test_top_p_keeps_the_nucleus_only():
     draws = np.asarray([decode.sample(logits, jax.random.key(i), 1.0, 0.7)[0] for i in range(200)])
     assert set(draws) == {0, 1}  # 0.5 + 0.3 reach 0.7; 0.15 and 0.05 never drawn
     assert {int(decode.sample(logits, jax.random.key(i), 1.0, 0.0)[0]) for i in range(20)} == {0}  # top_p 0: greedy
+
+
+def test_an_lms_embedding_rows_past_the_tokenizers_ids_are_never_chosen(llama):
+    """Qwen pads its embedding past its tokenizer's ids: ``vocab_size`` (the tokenizer's) keeps the
+    padded rows' logits out of greedy and sampled choices, in ``sample`` and in the generator."""
+    logits = jnp.array([[0.0, 1.0, 5.0, 9.0]])  # rows 2 and 3: padding past a 2-id tokenizer
+    assert int(decode.sample(logits, jax.random.key(0), 0.0, 1.0, vocab_size=2)[0]) == 1
+    assert {int(decode.sample(logits, jax.random.key(i), 3.0, 1.0, vocab_size=2)[0]) for i in range(50)} == {0, 1}
+    assert int(decode.sample(logits, jax.random.key(0), 0.0, 1.0, vocab_size=4)[0]) == 3
+    kwargs, params, gen = llama
+    ids, mask = decode.left_pad([[5, 17, 33], [9, 12, 40]], pad_id=0)
+    greedy = gen.generate(params, ids, mask, 6, eos_id=0)
+    cut = int(greedy.max())  # the largest id chosen unmasked: no longer a token
+    masked = decode.Generator(kwargs, vocab_size=cut)
+    for temperature in (0.0, 1.5):
+        out = masked.generate(params, ids, mask, 6, eos_id=0, temperature=temperature, seed=1)
+        assert out.max() < cut

@@ -103,6 +103,20 @@ def test_a_character_spelled_out_over_several_tokens_is_streamed_whole():
     assert pieces[-1][1][0] == "stop"
 
 
+@pytest.mark.parametrize("text, stop, expected", [("x 🤖🤖 y", "🤖🤖", "x "), ("私は日本人です", "日本", "私は"),
+                                                   ("ab€€c", "€€", "ab")])
+def test_a_stop_string_starting_with_a_multibyte_character_shows_none_of_it(text, stop, expected):
+    """One token a byte (``ByteTokenizer``): while the stop string's second character is spelled out
+    the text ends in U+FFFD, which must not use up the hold, so its first character is never sent."""
+    from vitmm.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    chat = _FakeChat(text=tok.decode)
+    chat.stream_batch = lambda examples, n, *a: iter([[k] for k in tok.encode(text)] + [[0]])
+    pieces = list(_engine(chat).completion({**_request(64), "stop": [stop]}))
+    assert "".join(p for p, end in pieces) == expected and pieces[-1][1][0] == "stop"
+
+
 def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path):
     import subprocess
     import sys

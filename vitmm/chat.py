@@ -67,7 +67,7 @@ class Chat:
         self.params = self.task.eval_params(ckpt_lib.load_params(workdir, step))
         self._conversation = "conversation_tokens" in self.config.input.pp
         spec = served_pp(self.config)
-        self._decoder = decode.GreedyDecoder(self.task.model)
+        self._decoder = decode.GreedyDecoder(self.task.model, self.tokenizer.vocab_size)
         sq = self.config.input.get("sequences")
         # images one prompt may hold: a run on flat sequences (input.sequences) took its decode's max_images
         decoded = [kw.get("max_images", a[1] if len(a) > 1 else 1) for name, a, kw in preprocess.ops(spec)

@@ -47,8 +47,8 @@ class GreedyDecoder:
     then one compiled step per generated token (each compiled once per shape; the evaluator
     keeps one decoder)."""
 
-    def __init__(self, model: VLM):
-        self.model = model
+    def __init__(self, model: VLM, vocab_size: int | None = None):
+        self.model, self.vocab_size = model, vocab_size  # the tokenizer's: logits past it are never sampled
 
         def prefill(variables, images, ids, prompt_len, cache, image_pos, prefix_lm, visual_mask, layout):
             return model.apply(variables, images, ids, prompt_len, cache, image_pos, prefix_lm, visual_mask, layout,
@@ -56,7 +56,7 @@ class GreedyDecoder:
 
         def step(variables, token, position, cache, key, temperature, top_p, greedy):
             logits, cache = model.apply(variables, token, position, cache, method=VLM.step)
-            return sample(logits, key, temperature, top_p, greedy), cache
+            return sample(logits, key, temperature, top_p, greedy, vocab_size), cache
 
         def prefill_sequences(variables, images, tokens, visual, lengths, cache, prefix_lm, positions):
             return model.apply(variables, images, tokens, visual, lengths, cache, prefix_lm, positions,
@@ -126,7 +126,7 @@ class GreedyDecoder:
                                                greedy=temperature == 0)
             return token
 
-        first = sample(logits, jax.random.fold_in(key, 0), temperature, top_p)
+        first = sample(logits, jax.random.fold_in(key, 0), temperature, top_p, vocab_size=self.vocab_size)
         yield from stream_until_eos(first, max_new_tokens, eos_id, step)
 
 
@@ -164,12 +164,16 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
     return ids, mask
 
 
-def sample(logits: jnp.ndarray, key, temperature, top_p, greedy: bool | None = None) -> jnp.ndarray:
+def sample(logits: jnp.ndarray, key, temperature, top_p, greedy: bool | None = None,
+           vocab_size: int | None = None) -> jnp.ndarray:
     """Next tokens ``[B]`` from ``logits [B, vocab]``: argmax at temperature 0, else a draw from
     the softmax at ``temperature`` restricted to the smallest set of tokens whose probability
     reaches ``top_p`` (nucleus sampling; the most likely token always stays; ``top_p`` 1: every
     token). ``temperature`` and ``top_p`` may be traced; ``greedy`` (static) then says which of
-    the two it is (default: ``temperature == 0`` for a number)."""
+    the two it is (default: ``temperature == 0`` for a number). ``vocab_size``: the tokenizer's
+    ids; an LM's embedding rows past them (Qwen pads its embedding) are never chosen."""
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
     if temperature == 0 if greedy is None else greedy:
         return logits.argmax(-1).astype(jnp.int32)
     logits = logits / temperature
@@ -193,8 +197,8 @@ class Generator:
     compiled once per (batch, prompt length, cache length).
     """
 
-    def __init__(self, lm_config: dict):
-        self.lm_config = dict(lm_config)
+    def __init__(self, lm_config: dict, vocab_size: int | None = None):
+        self.lm_config, self.vocab_size = dict(lm_config), vocab_size  # as GreedyDecoder's
         self.model = lm_lib.LM(**self.lm_config)
         self._prefill = jax.jit(self._prefill_fn)
         self._step = jax.jit(self._step_fn, static_argnames=("greedy",), donate_argnums=(1,))
@@ -206,7 +210,7 @@ class Generator:
 
     def _step_fn(self, params, cache, token, position, key, temperature, top_p, greedy):
         logits, cache = self.model.apply({"params": params}, token[:, None], positions=position[:, None], cache=cache)
-        return sample(logits[:, -1], key, temperature, top_p, greedy), logits[:, -1], cache
+        return sample(logits[:, -1], key, temperature, top_p, greedy, self.vocab_size), logits[:, -1], cache
 
     def logits(self, params, ids, mask, continuation: np.ndarray) -> np.ndarray:
         """Logits ``[B, 1 + n, vocab]`` after the prompt and after each of the ``n`` forced
@@ -245,5 +249,5 @@ class Generator:
                                                   greedy=float(temperature) == 0)
             return token
 
-        yield from stream_until_eos(sample(last, jax.random.fold_in(key, 0), temperature, top_p), max_new_tokens,
-                                    eos_id, step)
+        first = sample(last, jax.random.fold_in(key, 0), temperature, top_p, vocab_size=self.vocab_size)
+        yield from stream_until_eos(first, max_new_tokens, eos_id, step)

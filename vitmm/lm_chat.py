@@ -26,7 +26,7 @@ class LMChat:
         ids = {k: v for k, v in (config.get("tokens") or {}).items() if v is not None}
         self.tokenizer = tok_lib.get_tokenizer(path, chat_template=config.get("chat_template"), **ids)
         self.params = ckpt_lib.load_params(folder, step)["lm"]
-        self.generator = decode.Generator(config["model"]["lm"])
+        self.generator = decode.Generator(config["model"]["lm"], self.tokenizer.vocab_size)
         self._tokens = ops_text.conversation_tokens(self.max_len, self.tokenizer)
 
     def prepare(self, images: list, turns: list[dict]) -> dict:

@@ -205,7 +205,9 @@ class Engine:
                 text, finish = text[:cut], "stop"
                 break
             # a character still being spelled out (byte-fallback tokenizers show each byte so far as U+FFFD)
-            ready = min(len(text) - hold, len(text.rstrip("\ufffd")))
+            # is not shown, and the hold counts back from the text before it: the character before the
+            # placeholder may be the first of a stop string whose next one is still being spelled out
+            ready = len(text.rstrip("\ufffd")) - hold
             if ready > len(shown):
                 yield text[len(shown):ready], None
                 shown = text[:ready]

@@ -33,12 +33,18 @@ def test_chat_templates_render_as_transformers_renders_them(case, tiny_tokenizer
     assert tiny_tokenizer.chat(case["messages"], case["add_generation_prompt"]) == case["text"]
 
 
-def test_templates_get_transformers_tojson_and_a_date_that_does_not_change():
-    """Tools as JSON as transformers writes them (no escaping); no ``strftime_now``, so Llama 3's
-    templates write their own fixed date and a run's tokens are the same every day."""
+def test_templates_get_transformers_tojson_a_fixed_strftime_now_tools_and_documents():
+    """Tools as JSON as transformers writes them (no escaping); a ``strftime_now`` that formats one fixed
+    day (Llama 3's default, so its templates render as without one), so a run's tokens are the same
+    every day and Mistral-Small-3's unguarded call renders; ``tools`` and ``documents`` None, as
+    transformers passes them, so an unguarded ``tools is not none`` takes no tools branch."""
     template = ("{% if strftime_now is defined %}{{ strftime_now('%d %b %Y') }}{% else %}26 Jul 2024{% endif %} "
                 "{{ messages[0]['content'] | tojson }}")
     assert tok_lib.render_chat(template, [{"role": "user", "content": "<a & b>"}], False) == '26 Jul 2024 "<a & b>"'
+    template = ('{%- set today = strftime_now("%Y-%m-%d") %}{{ today }}{% if tools is not none %}{{ tools | tojson }}'
+                "{% endif %}{% if documents is not none %}docs{% endif %}")
+    assert tok_lib.render_chat(template, [], False) == "2024-07-26"
+    assert tok_lib.render_chat(template, [], False, tools=[{"name": "f"}]).endswith('[{"name": "f"}]')
 
 
 def test_a_template_can_refuse_a_conversation(tiny_tokenizer):

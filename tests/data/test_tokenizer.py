@@ -77,3 +77,24 @@ def test_word_tokenizer_round_trips_closed_vocabulary_and_marks_unknown_words():
     assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == "is there a star?"
     with pytest.raises(ValueError, match="unique"):
         WordTokenizer(["a", "a"])
+
+
+def test_truncation_and_padding_saved_in_a_tokenizer_json_are_ignored_as_transformers_does(tmp_path):
+    """``enable_truncation``/``enable_padding`` are saved in ``tokenizer.json``; transformers resets
+    them on every call, and ``tokenize`` must see the whole text to report it truncated."""
+    import pathlib
+
+    from tokenizers import Tokenizer
+
+    src = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop/hf_llava/tokenizer.json"
+    text = "a long sentence about a red circle that goes on"
+    plain = tok_lib.HFTokenizer(src, bos_id=1, eos_id=2)
+    saved = Tokenizer.from_file(str(src))
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=32, pad_id=2)
+    saved.save(str(tmp_path / "tokenizer.json"))
+    tok = tok_lib.HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=2)
+    assert len(plain.encode(text)) > 4
+    assert tok.encode(text) == plain.encode(text)
+    assert tok.encode_offsets(text) == plain.encode_offsets(text)
+    assert tok_lib.tokenize(tok, text, 6).truncated

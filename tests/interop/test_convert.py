@@ -112,7 +112,9 @@ def test_an_lm_records_every_eos_id_its_configs_list_and_its_tokenizer_stops_on_
 def test_a_gguf_lm_records_its_end_of_turn_ids_as_eos():
     """llama.cpp records the end of turn apart from EOS (Gemma-it: ``<eos>`` 1, ``<end_of_turn>`` 107;
     Llama 3: ``<|eot_id|>``, ``<|eom_id|>``): each becomes an EOS id, the GGUF's EOS first (it pads).
-    A file with none of them keeps its one EOS."""
+    So does every token llama.cpp ends generation on by its text, which its converter writes no key
+    for: the SmolLM2-shaped file's ``<|endoftext|>`` (0) after its EOS ``<|im_end|>`` (2), Qwen2.5's
+    ``<|endoftext|>`` (151643), as its ``generation_config.json`` lists it."""
     from vitmm.interop import gguf_lm
 
     gemma = {"tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
@@ -123,7 +125,14 @@ def test_a_gguf_lm_records_its_end_of_turn_ids_as_eos():
     assert convert.gguf_special_ids(llama3)["eos_ids"] == [128009, 128008]
     metadata, _ = gguf_lm.read_metadata(FIXTURES / "gguf_llama" / "tiny.gguf")
     ids = convert.gguf_special_ids(metadata)
-    assert ids["eos_ids"] == [ids["eos_id"]] == [metadata["tokenizer.ggml.eos_token_id"]]
+    assert ids["eos_id"] == metadata["tokenizer.ggml.eos_token_id"] == 2 and ids["eos_ids"] == [2, 0]
+    tokens = ["a"] * 151665
+    tokens[151643], tokens[151644], tokens[151645] = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+    qwen = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.bos_token_id": 151643,
+            "tokenizer.ggml.eos_token_id": 151645, "tokenizer.ggml.padding_token_id": 151643}
+    assert convert.gguf_special_ids(qwen)["eos_ids"] == [151645, 151643]
+    assert convert.gguf_special_ids({"tokenizer.ggml.tokens": ["<eos>", "<|user|>"], "tokenizer.ggml.eos_token_id": 0}
+                                    )["eos_ids"] == [0]  # no text of llama.cpp's list: the EOS alone
 
 
 def test_a_vlm_export_lists_every_eos_id_and_a_reimport_records_them_all():

@@ -121,6 +121,36 @@ def test_each_pre_tokenizer_splits_as_transformers_gguf_loading():
         gguf_lm.tokenizer({**metadata, "tokenizer.ggml.pre": "tekken"})
 
 
+def test_control_tokens_outside_the_byte_alphabet_stay_whole_and_a_prompt_starts_with_bos(tmp_path):
+    """llama.cpp writes added tokens as they read: DeepSeek-R1-Distill-Qwen's control tokens
+    ``<｜begin▁of▁sentence｜>``/``<｜end▁of▁sentence｜>`` (fullwidth bar, ``▁``) are one id each, as its
+    ``tokenizer.json`` and llama.cpp match them (transformers' GGUF loading splits them into bytes),
+    at their vocabulary ids (no id added); its template's ``{{ bos_token }}`` is then the BOS id."""
+    from tokenizers import pre_tokenizers
+
+    from vitmm.data import ops_text
+    from vitmm.data.tokenizer import HFTokenizer
+    from vitmm.lm_chat import reply_prompt
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+    tokens = alphabet + specials
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-r1-qwen", "tokenizer.ggml.merges": [],
+                "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * len(alphabet) + [3, 3, 4, 4]}
+    tok = gguf_lm.tokenizer(metadata)
+    bos, eos = tokens.index(specials[0]), tokens.index(specials[1])
+    assert tok.get_vocab_size(with_added_tokens=True) == len(tokens)
+    assert tok.encode(specials[0] + "hi" + specials[1]).ids == [bos, *tok.encode("hi").ids, eos]
+    template = ("{{ bos_token }}{% for m in messages %}{{ '<｜User｜>' + m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}")  # DeepSeek-R1-Distill's, shortened
+    path = tmp_path / "tokenizer.json"
+    path.write_text(tok.to_str())
+    hf = HFTokenizer(path, bos_id=bos, eos_id=eos, pad_id=eos, chat_template=template)
+    out = reply_prompt(ops_text.conversation_tokens(64, hf), {"conversations": [{"from": "human", "value": "hi"}]})
+    prompt = [int(i) for i in out["ids"][: int(out["prompt_len"])]]
+    assert prompt == [bos, len(alphabet) + 2, *tok.encode("hi").ids, len(alphabet) + 3]
+
+
 def test_unsupported_or_broken_files_are_named(tmp_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes((FIXTURE / "tiny.gguf").read_bytes()[:5000])

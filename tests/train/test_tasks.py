@@ -32,3 +32,21 @@ def test_byte_tokenizer_eot_runs_build_the_model_they_always_did(data_dir):
     config = _clip(data_dir)
     task = tasks.ContrastiveTask(config, Parallel("jit"), tasks.tokenizer_for(config))
     assert task.model.text == config.model.text.to_dict() and task.model.text.get("eos_id") is None
+
+
+def test_a_vlm_takes_an_lm_whose_embedding_has_more_rows_than_its_tokenizer_has_ids(monkeypatch):
+    """Qwen2/2.5/3 pad their embedding (151,936 rows for 151,665 ids): only fewer rows than ids is refused,
+    with advice that fits that case."""
+    import unittest.mock
+
+    tok = types.SimpleNamespace(vocab_size=320)
+    for rows in (320, 384):
+        monkeypatch.setattr(tasks, "vlm_parts", lambda config, rows=rows: ({}, {"vocab_size": rows}))
+        try:
+            tasks.VLMTask(unittest.mock.MagicMock(), None, tok)
+        except Exception as err:  # noqa: BLE001 - the mocked config fails later; the vocabulary check passed
+            assert "vocab_size" not in str(err), err
+    monkeypatch.setattr(tasks, "vlm_parts", lambda config: ({}, {"vocab_size": 300}))
+    with pytest.raises(ValueError, match=r"tokenizer has 320 ids but the LM only vocab_size=300; use the tokenizer "
+                                         r"saved with init.lm, or .* --config.model.lm.vocab_size=320"):
+        tasks.VLMTask(unittest.mock.MagicMock(), None, tok)

@@ -10,6 +10,7 @@ length and truncates explicitly, telling the caller whether it did.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import pathlib
@@ -102,6 +103,10 @@ class HFTokenizer:
             raise FileNotFoundError(f"No tokenizer.json at {path}; pass the path of a local file "
                                     "(vitmm never downloads tokenizers).")
         self._tok = Tokenizer.from_file(str(path))
+        # A tokenizer.json may carry truncation and padding (saved by enable_truncation/enable_padding);
+        # transformers resets both on every call, and tokenize() cuts and pads explicitly.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id if bos_id is not None else self._find(self._BOS, "bos")
         self.eos_id = eos_id if eos_id is not None else self._find(self._EOS, "eos")
@@ -197,9 +202,14 @@ def content_parts(text: str) -> list[dict]:
     return parts
 
 
+TEMPLATE_DAY = datetime.date(2024, 7, 26)  # what a chat template's strftime_now formats (``_compiled``)
+
+
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, **variables) -> str:
     """A Jinja chat template rendered as transformers renders it (sandboxed, ``trim_blocks`` and
-    ``lstrip_blocks``, loop controls, ``raise_exception``; ``variables`` such as ``bos_token``)."""
+    ``lstrip_blocks``, loop controls, ``raise_exception``, ``strftime_now`` of one fixed day; ``tools`` and
+    ``documents`` None unless given; ``variables`` such as ``bos_token``)."""
+    variables = {"tools": None, "documents": None, **variables}
     return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
 
@@ -231,8 +241,11 @@ def _compiled(template: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols", Generation])
     env.filters["tojson"] = tojson
-    # No strftime_now: transformers' gives today's date (Llama 3 writes it), and a run's text must be the same
-    # every day (a resumed run, or one crossing midnight); such templates then write their own fixed date.
+    # strftime_now (Mistral-Small-3's template calls it unguarded) gives one fixed day, not transformers' today: a
+    # run's text, hence its tokens, must be the same every day (a resume, a run crossing midnight) and a prompt at
+    # inference must be the text the model trained on. The day is Llama 3's templates' own default, so those
+    # render as they did when strftime_now was undefined.
+    env.globals["strftime_now"] = lambda format: TEMPLATE_DAY.strftime(format)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template)
 

@@ -88,13 +88,23 @@ def special_ids(*configs: dict, generation: dict | None = None) -> dict:
     return {**first, "eos_id": eos_ids[0] if eos_ids else None, "eos_ids": eos_ids or None}
 
 
+# Token texts llama.cpp ends generation on wherever the vocabulary has them (llama-vocab.cpp): its
+# converter writes no eot/eom key for Qwen2/2.5/3 or Llama 3.x, whose generation_config.json lists them.
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                     "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+                     "<｜end▁of▁sentence｜>")
+
+
 def gguf_special_ids(metadata: dict) -> dict:
     """``{bos_id, eos_id, pad_id, eos_ids}`` from a GGUF's ``tokenizer.ggml.*`` keys. ``eos_ids``: the
     EOS, then the end-of-turn and end-of-message ids llama.cpp records apart (Gemma-it's
-    ``<end_of_turn>``, Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``), those present."""
+    ``<end_of_turn>``, Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``), those present, then every token
+    whose text llama.cpp ends generation on (``END_OF_GENERATION``: Qwen's ``<|endoftext|>``, Llama
+    3.1's ``<|end_of_text|>``), as the same model converted from its Hugging Face folder stops."""
     key = lambda name: metadata.get(f"tokenizer.ggml.{name}")  # noqa: E731
-    eos_ids = [int(i) for i in dict.fromkeys(key(n) for n in ("eos_token_id", "eot_token_id", "eom_token_id"))
-               if i is not None]
+    listed = [key(n) for n in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    named = [i for i, t in enumerate(key("tokens") or ()) if t in END_OF_GENERATION]
+    eos_ids = [int(i) for i in dict.fromkeys([*listed, *named]) if i is not None]
     return {"bos_id": key("bos_token_id"), "eos_id": key("eos_token_id"), "pad_id": key("padding_token_id"),
             "eos_ids": eos_ids or None}
 

@@ -278,8 +278,10 @@ def check_tokenizer(metadata: dict, src=None) -> None:
 def tokenizer(metadata: dict, src=None):
     """The ``tokenizers.Tokenizer`` the metadata describes (byte-level BPE after the split its
     ``tokenizer.ggml.pre`` names: ``PRE_SPLITS``), control tokens whole and special, user-defined
-    ones (Qwen3's ``<think>``) whole and not special, as llama.cpp and transformers' GGUF loading
-    match them."""
+    ones (Qwen3's ``<think>``) whole and not special, as llama.cpp and the model's own
+    ``tokenizer.json`` match them. transformers' GGUF loading differs by design on one point: it
+    drops control tokens spelled outside the byte alphabet as mislabels, so it splits
+    DeepSeek-R1-Distill-Qwen's ``<｜begin▁of▁sentence｜>`` into bytes; vitmm keeps them whole."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     check_tokenizer(metadata, src)
@@ -296,8 +298,10 @@ def tokenizer(metadata: dict, src=None):
         tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     types = list(metadata.get("tokenizer.ggml.token_type") or [])
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    control = [t for t, kind in zip(tokens, types, strict=False) if kind == 3 and set(t) <= alphabet | set("<>|_")]
+    # Every control token, whatever its characters: llama.cpp writes added tokens as they read, not in the
+    # byte alphabet (DeepSeek-R1-Distill-Qwen's <｜begin▁of▁sentence｜>), and matches each by its text, as the
+    # model's own tokenizer.json does. Each is already in the vocabulary, so it takes no new id.
+    control = [t for t, kind in zip(tokens, types, strict=False) if kind == 3 and t]
     if control:
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     user = [t for t, kind in zip(tokens, types, strict=False) if kind == 4]

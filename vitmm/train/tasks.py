@@ -125,10 +125,10 @@ class VLMTask:
     def __init__(self, config, par: Parallel, tokenizer):
         m = config.model
         self.vision, self.lm = vlm_parts(config)
-        if self.lm["vocab_size"] != tokenizer.vocab_size:
-            raise ValueError(f"The LM has vocab_size={self.lm['vocab_size']} but the tokenizer has "
-                             f"{tokenizer.vocab_size}; set --config.model.lm.vocab_size={tokenizer.vocab_size}, "
-                             "or use the tokenizer saved with init.lm.")
+        if tokenizer.vocab_size > self.lm["vocab_size"]:  # more rows (Qwen's padding): never sampled (decode)
+            raise ValueError(f"The tokenizer has {tokenizer.vocab_size} ids but the LM only vocab_size="
+                             f"{self.lm['vocab_size']}; use the tokenizer saved with init.lm, or (an LM trained "
+                             f"from scratch) set --config.model.lm.vocab_size={tokenizer.vocab_size}.")
         self.config, self.tokenizer = config, tokenizer
         anyres = m.get("anyres")
         if anyres is not None:  # LLaVA-NeXT's tiles: the tower sees tile x tile views

@@ -33,7 +33,7 @@ class QAAccuracy:
 
         data = dict(cfg["data"])
         self.tokenizer, self.prefix_lm = tokenizer, prefix_lm
-        self.decode = decode.GreedyDecoder(model)
+        self.decode = decode.GreedyDecoder(model, tokenizer.vocab_size)
         self.batch_size = cfg.get("batch_size", 64)
         self.max_new_tokens = cfg.get("max_new_tokens", 8)
         source = pipeline.source_for(data, keys=("image", "questions", "answers", "question_kinds"))
