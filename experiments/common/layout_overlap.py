@@ -121,8 +121,9 @@ def to_markdown(rows: list[tuple[str, str, dict]], n_train: int, fill: dict | No
 
 
 def main(argv=None) -> pathlib.Path:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "results/token_budget/layout_overlap.md"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "results/token_budget/layout_overlap.md"),
+                        help="the report (default results/token_budget/layout_overlap.md)")
     parser.add_argument("--train", type=int, default=10_000, help="training scenes (the studies' 10,000)")
     parser.add_argument("--eval", type=int, default=1_000, help="validation and test scenes (the studies' 1,000)")
     args = parser.parse_args(argv)
