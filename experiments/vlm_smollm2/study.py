@@ -6,7 +6,8 @@ from-scratch LM at the same connector and token budget (`configs/vlm_smollm2_sce
 
 Each run is a `python -m vitmm.train` process; its row (exact match per question kind, wall
 time, peak memory, training speed) is appended to ``runs.csv`` when it finishes, so a rerun
-skips finished runs (and the trainer resumes an interrupted one from its checkpoint).
+skips finished runs (and the trainer resumes an interrupted one from its checkpoint: the one it saves
+on SIGTERM or Ctrl-C, which reach it through the study, or its last of every 50 steps).
 
 The token-budget study's question on this frozen LM (``results/vlm_smollm2/frozen``) is a config
 of that study: ``python -m experiments.token_budget --config
@@ -32,15 +33,19 @@ FIELDS = ("run", "lm", "connector", "steps", "batch", "examples", "wall_s", "pea
 
 
 def plan(steps: int, scratch_steps: int, smoke: bool) -> list[dict]:
-    """The runs in order; ``after`` names the run whose checkpoint a run starts from."""
+    """The runs in order; ``after`` names the run whose checkpoint a run starts from, ``overrides``
+    its own flags: a SmolLM2 stage (~15-19 minutes; the config checkpoints at its last step only)
+    saves every 50 steps, so that one killed outright resumes part-way (checkpoints change no number)."""
     smol = "configs/vlm_smollm2_scenes.py"
     extra = ",smoke" if smoke else ""
+    saves = (f"--config.checkpoint_every={min(50, steps)}",)
     return [
-        dict(run="smollm2_stage1", lm="SmolLM2-135M (frozen)", config=f"{smol}:stage=1,steps={steps}{extra}"),
+        dict(run="smollm2_stage1", lm="SmolLM2-135M (frozen)", config=f"{smol}:stage=1,steps={steps}{extra}",
+             overrides=saves),
         dict(run="smollm2_stage2_lora", lm="SmolLM2-135M + LoRA r8", config=f"{smol}:stage=2,steps={steps}{extra}",
-             after="smollm2_stage1"),
+             after="smollm2_stage1", overrides=saves),
         dict(run="smollm2_stage2_lora_blind", lm="SmolLM2-135M + LoRA r8, blank images",
-             config=f"{smol}:stage=2,steps={steps},blind=True{extra}", after="smollm2_stage1"),
+             config=f"{smol}:stage=2,steps={steps},blind=True{extra}", after="smollm2_stage1", overrides=saves),
         dict(run="scratch_lm_same_examples", lm="from-scratch 4-layer LM, bytes",
              config=f"configs/vlm_scenes.py:connector=pool,budget=16,stage=2,steps={scratch_steps}{extra}"),
         dict(run="scratch_lm_500_steps", lm="from-scratch 4-layer LM, bytes",

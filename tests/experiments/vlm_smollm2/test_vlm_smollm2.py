@@ -67,3 +67,26 @@ def test_each_run_s_intervals_use_the_questions_it_answered(tmp_path):
     with pytest.raises(SystemExit, match="scratch_lm_same_examples answered 16 questions, but counts.json has 8"):
         study.main(["--report", "--out", str(tmp_path)])
 
+
+
+def test_each_smollm2_run_keeps_mid_run_checkpoints_so_a_killed_run_resumes_part_way(tmp_path, monkeypatch):
+    """The configs checkpoint only at their last step (``checkpoint_every = steps``): a SmolLM2 stage
+    (15-19 minutes) killed without a signal (``kill -9``, out of memory, a reboot) trained again from
+    step 0. The study asks for a checkpoint every 50 steps, as the frozen subset's config does."""
+    from vitmm.config_args import load
+
+    seen = {}
+
+    def fake_train(config, workdir, args, name):
+        seen[name] = (config, list(args))
+        return {}, [{"qa/accuracy": 0.5, "qa/examples": 8}]
+
+    monkeypatch.setattr(study.train_run, "train", fake_train)
+    for spec in study.plan(300, 150, smoke=False):
+        study.run_one(spec, tmp_path, [])
+    for name in ("smollm2_stage1", "smollm2_stage2_lora", "smollm2_stage2_lora_blind"):
+        config, args = seen[name]
+        every = [int(a.split("=")[1]) for a in args if a.startswith("--config.checkpoint_every=")]
+        assert every and every[-1] < 300, (name, args)
+        file, _, arg = config.partition(":")
+        assert load(study.ROOT / file, arg).checkpoint_every == 300  # what the run had without the override
