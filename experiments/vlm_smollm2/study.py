@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -69,13 +71,30 @@ def run_one(spec: dict, workdirs: pathlib.Path, overrides: list[str]) -> dict:
 
 
 def append_row(table: pathlib.Path, fields, row: dict) -> None:
-    """Appends ``row`` to the CSV ``table`` (its header first when the file is new)."""
+    """Appends ``row`` to the CSV ``table`` (its header first when the file is new), synced to
+    disk; a last row that a kill cut short (no newline after it) is dropped first."""
     new = not table.is_file()
+    with table.open("a+b") as f:
+        size = f.seek(0, 2)
+        if size and os.pread(f.fileno(), 1, size - 1) != b"\n":
+            f.truncate(os.pread(f.fileno(), size, 0).rfind(b"\n") + 1)
     with table.open("a", newline="") as f:
         writer = csv.DictWriter(f, fields)
         if new:
             writer.writeheader()
         writer.writerow(row)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_rows(table: pathlib.Path) -> list[dict]:
+    """The finished runs' rows of ``table`` (none when it is missing), without a last row a kill
+    cut short (no newline after it: not a finished run, and an open quote in it would swallow
+    the rows after it)."""
+    if not table.is_file():
+        return []
+    text = table.read_text()
+    return list(csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1])))
 
 
 def kind_counts(workdir: pathlib.Path) -> dict:
@@ -114,7 +133,7 @@ def report(table: pathlib.Path, counts: dict, out: pathlib.Path) -> None:
     ``{run: counts}`` where the runs answered different numbers (``--smoke``: 8 for SmolLM2, 16 for
     the scratch LM). Each row's intervals and tests use its own counts, checked against the number of
     questions it logged."""
-    rows = {r["run"]: r for r in csv.DictReader(table.open())}
+    rows = {r["run"]: r for r in read_rows(table)}
     per_run = {run: counts for run in rows} if "all" in counts else counts
     for run, r in rows.items():
         if run not in per_run or per_run[run]["all"] != int(r["qa_examples"]):
@@ -187,7 +206,7 @@ def main(argv=None):
         report(table, json.loads((out / "counts.json").read_text()), out)
         return out / "vlm_smollm2.md"
     out.mkdir(parents=True, exist_ok=True)
-    done = {r["run"] for r in csv.DictReader(table.open())} if table.is_file() else set()
+    done = {r["run"] for r in read_rows(table)}
     # The from-scratch LM sees as many examples as both SmolLM2 stages together (batch 64 there).
     scratch_steps = 4 if args.smoke else max(2 * args.steps * 16 // 64, 1)
     for spec in plan(args.steps, scratch_steps, args.smoke):
@@ -200,7 +219,7 @@ def main(argv=None):
         append_row(table, FIELDS, row)
         print(row, flush=True)
     if table.is_file():
-        counts = {r["run"]: kind_counts(workdirs / r["run"]) for r in csv.DictReader(table.open())}
+        counts = {r["run"]: kind_counts(workdirs / r["run"]) for r in read_rows(table)}
         same = all(c == next(iter(counts.values())) for c in counts.values())
         report(table, next(iter(counts.values())) if same else counts, out)
         print(f"wrote {out / 'vlm_smollm2.md'}")

@@ -90,3 +90,32 @@ def test_each_smollm2_run_keeps_mid_run_checkpoints_so_a_killed_run_resumes_part
         assert every and every[-1] < 300, (name, args)
         file, _, arg = config.partition(":")
         assert load(study.ROOT / file, arg).checkpoint_every == 300  # what the run had without the override
+
+
+def test_a_row_cut_short_by_a_kill_is_run_again_and_its_new_row_replaces_it(tmp_path, monkeypatch):
+    """A kill (or a full disk) while ``runs.csv`` is written leaves part of a row: that run is not
+    finished, so a rerun trains it again and its row replaces the torn one (which was taken for a
+    finished run, and the next row was appended onto it)."""
+    import pathlib
+    import shutil
+
+    committed = pathlib.Path(__file__).resolve().parents[3] / "results/vlm_smollm2"
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = (committed / "runs.csv").read_text().splitlines(keepends=True)
+    torn = lines[3][:40]  # smollm2_stage2_lora_blind's row, cut mid-way
+    (out / "runs.csv").write_text("".join(lines[:3]) + torn)
+    shutil.copy(committed / "counts.json", out / "counts.json")
+    full = {r["run"]: r for r in study.csv.DictReader(lines)}
+    trained = []
+
+    def fake_run(spec, workdirs, overrides):
+        trained.append(spec["run"])
+        return {k: full[spec["run"]][k] for k in study.FIELDS}
+
+    monkeypatch.setattr(study, "run_one", fake_run)
+    monkeypatch.setattr(study, "kind_counts", lambda workdir: study.json.loads((committed / "counts.json").read_text()))
+    study.main(["--out", str(out), "--workdirs", str(tmp_path / "w")])
+    assert trained == ["smollm2_stage2_lora_blind", "scratch_lm_same_examples", "scratch_lm_500_steps"]
+    assert (out / "runs.csv").read_text() == "".join(lines)
+    assert (out / "vlm_smollm2.md").read_text() == (committed / "vlm_smollm2.md").read_text()
