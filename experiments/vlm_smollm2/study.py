@@ -73,11 +73,12 @@ def run_one(spec: dict, workdirs: pathlib.Path, overrides: list[str]) -> dict:
 def append_row(table: pathlib.Path, fields, row: dict) -> None:
     """Appends ``row`` to the CSV ``table`` (its header first when the file is new), synced to
     disk; a last row that a kill cut short (no newline after it) is dropped first."""
-    new = not table.is_file()
     with table.open("a+b") as f:
         size = f.seek(0, 2)
         if size and os.pread(f.fileno(), 1, size - 1) != b"\n":
-            f.truncate(os.pread(f.fileno(), size, 0).rfind(b"\n") + 1)
+            size = os.pread(f.fileno(), size, 0).rfind(b"\n") + 1
+            f.truncate(size)
+    new = size == 0  # (a header cut short is written again)
     with table.open("a", newline="") as f:
         writer = csv.DictWriter(f, fields)
         if new:
