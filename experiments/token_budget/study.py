@@ -21,7 +21,7 @@ Each finished run is kept in ``OUT/cells.jsonl`` (tuning: ``OUT/tuning.jsonl``) 
 signature of the study's settings (``vitmm.study.store``): rerunning the same command skips it (a
 cell's run only at its family's current rate; tuning and the report read only the study's budget,
 rates, cells and seeds), more seeds train only the new ones, and a run killed mid-way resumes from
-its last checkpoint in ``WORKDIRS/<run>``, whose checkpoints are deleted once its row is kept
+its last checkpoint in ``WORKDIRS/<run>``, whose checkpoints are deleted once its row is saved
 (unless ``keep_checkpoints``). ``OUT/tower.json`` pins the tower: a study there with another tower
 is refused, and so is tuning on the test split (``tune.overrides`` naming the same split as
 ``test_overrides``) unless ``--tune_on_test``. Writes ``runs.csv`` (per run: the metric and its
@@ -151,9 +151,14 @@ def run(study, name: str, args: str, overrides: dict, workdirs: pathlib.Path) ->
     row["accuracy"] = round(last[study.metric], 4)
     for kind in study.kinds:
         row[f"acc_{kind}"] = round(last.get(f"{study.kinds_prefix}{kind}", float("nan")), 4)
-    if not study.keep_checkpoints:
-        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
     return row
+
+
+def drop_checkpoints(study, name: str, workdirs: pathlib.Path) -> None:
+    """Deletes a run's checkpoints once its row is saved (not before: a study killed between the two
+    would find a workdir without checkpoints, which the trainer refuses to train over)."""
+    if not study.keep_checkpoints:
+        shutil.rmtree(workdirs / name / "checkpoints", ignore_errors=True)
 
 
 def with_costs(rows: list[dict], settings: dict, grid, vision: dict, lm_cfg: dict | None, text_len: int) -> list[dict]:
@@ -301,6 +306,7 @@ def main(argv=None) -> pathlib.Path:
                 if seed not in done.get(key, {}) and not args.interim:
                     row = cell_row(cell, seed, lr, f"tune_{cell['family']}_{cell['budget']}_lr{lr:g}", tune_split)
                     store.save_cell(out / "tuning.jsonl", tune_sig, key, {seed: row})
+                    drop_checkpoints(study, row["run"], workdirs)
                     done.setdefault(key, {})[seed] = row
         # Only this tuning's runs: tune.budget, tune.lrs and the first seed (not an earlier grid's or seed's).
         tuned_rows = [done[key][seed] for key in ((c["family"], c["budget"], lr) for c in tune_cells
@@ -334,6 +340,7 @@ def main(argv=None) -> pathlib.Path:
             name += "" if row is None else f"_lr{lr:g}"  # not the workdir of the run at the other rate
             row = cell_row(cell, seed, lr, name, test_split, blind)
             store.save_cell(out / "cells.jsonl", test_sig, key, {seed: row})
+            drop_checkpoints(study, name, workdirs)
         if row is not None and float(row["lr"]) == lr:
             rows.append(row)
     knobs = {(c["family"], c["tokens"]): c["setting"] for c in cells}

@@ -71,3 +71,37 @@ def test_tuning_on_the_test_split_is_refused_unless_asked_for(tmp_path, fake_run
     with pytest.raises(SystemExit, match="same split"):
         study.main([*argv[:4], "--set", "tune.overrides.evals.val.data.data_path=val.json",
                     "--set", "test_overrides.evals.val.data.data_path=val.json"])
+
+
+def test_a_runs_checkpoints_are_deleted_only_after_its_row_is_saved(tmp_path, fake_runs, monkeypatch):
+    """A study killed between a run's end and its saved row finds the run's checkpoints (the
+    trainer refuses a workdir without them), so the rerun resumes and saves the row."""
+    ran, _ = fake_runs
+
+    def stop(*a):
+        raise KeyboardInterrupt  # (killed before the row is on disk)
+
+    for name in ("tune_pool_4_lr0.001", "pool_4_s0"):
+        (tmp_path / "w" / name / "checkpoints").mkdir(parents=True)
+    monkeypatch.setattr(study.store, "save_cell", stop)
+    argv = ["--config", CONFIG, "--out", str(tmp_path / "out"), "--workdirs", str(tmp_path / "w"), *SETS]
+    with pytest.raises(KeyboardInterrupt):
+        study.main(argv)
+    assert ran == ["tune_pool_4_lr0.001"] and (tmp_path / "w/tune_pool_4_lr0.001/checkpoints").is_dir()
+    monkeypatch.undo()
+    monkeypatch.setattr(study, "run", lambda s, name, *a: ran.append(name) or {"run": name, "accuracy": 0.5,
+                                                                              "batch": 16})
+    monkeypatch.setattr(study, "tower_grid", lambda config, need_lm=True: ((4, 4), {"width": 8}, None))
+    monkeypatch.setattr(study.store, "check_tower", lambda *a: None)
+    monkeypatch.setattr(study, "report", lambda *a: "")
+    study.main(argv)
+    assert not any((tmp_path / "w" / name / "checkpoints").exists() for name in ("tune_pool_4_lr0.001", "pool_4_s0"))
+
+
+def test_a_run_returns_its_row_with_its_checkpoints_kept(tmp_path, monkeypatch):
+    s = study.load(CONFIG, {})
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    monkeypatch.setattr(study.train_run, "train", lambda *a: ({"steps": 4}, [{s.metric: 0.5}]))
+    assert study.run(s, "r", "", {}, tmp_path)["accuracy"] == 0.5 and (tmp_path / "r/checkpoints").is_dir()
+    study.drop_checkpoints(s, "r", tmp_path)
+    assert not (tmp_path / "r/checkpoints").exists()
