@@ -142,12 +142,15 @@ def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path):
      "'stream_options.include_usage' must be true or false"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role",
      "must be system, developer, user or assistant; got 'robot'."),
-], ids=["options-string", "options-list", "stream-string", "include-usage-string", "role"])
-def test_malformed_stream_settings_and_roles_are_400s_naming_the_param(body, param, message):
+    ({"n": 2}, "n", "'n' must be 1 (one choice a request); got 2."),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content",
+     "a text part whose 'text' is not a string: 5"),
+], ids=["options-string", "options-list", "stream-string", "include-usage-string", "role", "n", "text-part"])
+def test_malformed_settings_and_parts_are_400s_naming_the_param(body, param, message):
     err = _refusal(_engine(_FakeChat()), **body)
     assert err.status == 400 and err.param == param and message in str(err)
     parsed = _engine(_FakeChat()).parse({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                        "stream": None, "stream_options": None})
+                                        "stream": None, "stream_options": None, "n": None})
     assert parsed["stream"] is False and parsed["include_usage"] is False  # null: the defaults, as OpenAI's
 
 

@@ -83,7 +83,7 @@ class Engine:
             seed = secrets.randbelow(2**31)
         _check_number("seed", seed, 0, 2**31 - 1, integer=True)
         if body.get("n", 1) not in (1, None):
-            raise RequestError("Only n=1 is supported.", param="n")
+            raise RequestError(f"'n' must be 1 (one choice a request); got {body['n']!r}.", param="n")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -109,7 +109,10 @@ class Engine:
         text = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise RequestError(f"messages[{i}].content has a text part whose 'text' is not a string: "
+                                       f"{part.get('text')!r}"[:200], param=f"messages[{i}].content")
                 text.append(part["text"])
             elif kind == "image_url":
                 url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
