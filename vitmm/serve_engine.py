@@ -35,7 +35,8 @@ class RequestError(Exception):
 
 
 class Engine:
-    """A VLM workdir behind the API: request checks, prompts, generation (one request at a time)."""
+    """A VLM workdir (or an LM folder) behind the API: request checks, prompts, generation
+    (concurrent greedy requests decoded together by ``serve_batching.Batcher``, sampled ones alone)."""
 
     def __init__(self, workdir, model_name: str | None = None, allow_local_files=None, max_batch: int = 8,
                  window_ms: float = 5.0):
