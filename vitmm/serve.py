@@ -12,9 +12,10 @@
 
 Endpoints: ``POST /v1/chat/completions`` (``messages`` with string content or ``text`` and
 ``image_url`` parts, several for a run on flat sequences, or one ``video_url`` part (vLLM's) for a
-run that took videos; ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
-``stop``, ``stream``; ``usage`` in every response, streamed as server-sent events with a last
-usage chunk), ``GET /v1/models`` (the model id: the workdir's name unless ``--model_name``) and
+run that took videos; ``max_tokens``/``max_completion_tokens`` (default 256), ``temperature``, ``top_p``,
+``seed``, ``stop``, ``stream``; ``n`` 1 only, ``logprobs`` ignored (null); ``usage`` in every response,
+streamed as server-sent events with a last usage chunk when ``stream_options.include_usage``),
+``GET /v1/models`` (the model id: the workdir's name unless ``--model_name``) and
 ``GET /health``. The run's own preprocessing, prompt format and chat template, merged LoRA and the
 KV-cache decoder answer (``vitmm.chat.Chat``); a ``python -m vitmm.interop`` LM folder is served
 text-only with its chat template (``vitmm.lm_chat.LMChat``). Images come as base64 ``data:`` URLs; local paths
