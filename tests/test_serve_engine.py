@@ -142,12 +142,15 @@ def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path):
      "'stream_options.include_usage' must be true or false"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role",
      "must be system, developer, user or assistant; got 'robot'."),
-], ids=["options-string", "options-list", "stream-string", "include-usage-string", "role"])
-def test_malformed_stream_settings_and_roles_are_400s_naming_the_param(body, param, message):
+    ({"n": 2}, "n", "'n' must be 1 (one choice a request); got 2."),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content",
+     "a text part whose 'text' is not a string: 5"),
+], ids=["options-string", "options-list", "stream-string", "include-usage-string", "role", "n", "text-part"])
+def test_malformed_settings_and_parts_are_400s_naming_the_param(body, param, message):
     err = _refusal(_engine(_FakeChat()), **body)
     assert err.status == 400 and err.param == param and message in str(err)
     parsed = _engine(_FakeChat()).parse({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                        "stream": None, "stream_options": None})
+                                        "stream": None, "stream_options": None, "n": None})
     assert parsed["stream"] is False and parsed["include_usage"] is False  # null: the defaults, as OpenAI's
 
 
@@ -186,17 +189,19 @@ def test_every_eos_id_ends_an_answer_in_serve_lm_chat_and_chat():
         assert list(asked.generate({"more_images": [None]}, 16)) == [7, 9]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("text", [None, lambda ids: ""], ids=["text", "no_text"])
-def test_a_non_streamed_request_stops_decoding_when_its_client_goes_away(text):
+def test_a_request_stops_decoding_when_its_client_goes_away(text, stream):
     """The client sends a request for 4,000 tokens and hangs up: its row stops within a fraction of
     a second instead of decoding to the end for no one (clients that time out and retry piled such
-    decodes up), also when its tokens decode to no text (special tokens that are not EOS)."""
+    decodes up, and the decoder serves no one else meanwhile), streamed or not, also when its tokens
+    decode to no text (special tokens that are not EOS)."""
     import json
 
     chat = _FakeChat(text=text)
     url, stop = serve.start_in_thread(_engine(chat))
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000,
-                       "temperature": 0}).encode()
+                       "temperature": 0, "stream": stream}).encode()
     try:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as client:
@@ -209,5 +214,28 @@ def test_a_non_streamed_request_stops_decoding_when_its_client_goes_away(text):
         stopped_at = chat.steps
         time.sleep(0.3)
         assert 20 <= stopped_at == chat.steps < 4000
+    finally:
+        stop()
+
+
+def test_a_failure_mid_stream_reaches_the_openai_client_as_an_error():
+    """Once a stream has begun its status is sent: a failure after that is an error event in OpenAI's
+    shape, which the openai client raises with the message, not a cut connection ("Connection error.")."""
+    import openai
+
+    chat = _FakeChat()
+
+    def fails(examples, max_new_tokens, *args):
+        yield [7]
+        raise RuntimeError("the device fell over")
+
+    chat.stream_batch = fails
+    url, stop = serve.start_in_thread(_engine(chat))
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+        stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=8, temperature=0, stream=True)
+        with pytest.raises(openai.APIError, match="RuntimeError: the device fell over"):
+            list(stream)
     finally:
         stop()

@@ -1,5 +1,5 @@
-"""Decoding and scoring: teacher-forced answer scoring and greedy generation with a VLM, and
-KV-cache generation (greedy or sampled) with a language model.
+"""Decoding and scoring: teacher-forced answer scoring, and KV-cache generation (greedy or
+sampled) with a VLM and with a language model.
 
 Teacher-forced scoring reads the VLM's output through ``vlm.text_logits`` (the last visual
 position predicts the token after the image), as the training loss does; ``GreedyDecoder``
@@ -43,8 +43,8 @@ def answer_scores(model: VLM, variables, ids, answer_mask, *, images=None, featu
 
 
 class GreedyDecoder:
-    """Greedy answers of a VLM over a KV cache: the image and the prompts are prefilled once,
-    then one compiled step per generated token (each compiled once per shape; the evaluator
+    """Answers of a VLM over a KV cache, greedy (or sampled: ``temperature``): the image and the
+    prompts are prefilled once, then one compiled step per generated token (each compiled once per shape; the evaluator
     keeps one decoder)."""
 
     def __init__(self, model: VLM, vocab_size: int | None = None):

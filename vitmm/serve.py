@@ -12,9 +12,10 @@
 
 Endpoints: ``POST /v1/chat/completions`` (``messages`` with string content or ``text`` and
 ``image_url`` parts, several for a run on flat sequences, or one ``video_url`` part (vLLM's) for a
-run that took videos; ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
-``stop``, ``stream``; ``usage`` in every response, streamed as server-sent events with a last
-usage chunk), ``GET /v1/models`` (the model id: the workdir's name unless ``--model_name``) and
+run that took videos; ``max_tokens``/``max_completion_tokens`` (default 256), ``temperature``, ``top_p``,
+``seed``, ``stop``, ``stream``; ``n`` 1 only, ``logprobs`` ignored (null); ``usage`` in every response,
+streamed as server-sent events with a last usage chunk when ``stream_options.include_usage``),
+``GET /v1/models`` (the model id: the workdir's name unless ``--model_name``) and
 ``GET /health``. The run's own preprocessing, prompt format and chat template, merged LoRA and the
 KV-cache decoder answer (``vitmm.chat.Chat``); a ``python -m vitmm.interop`` LM folder is served
 text-only with its chat template (``vitmm.lm_chat.LMChat``). Images come as base64 ``data:`` URLs; local paths
@@ -81,7 +82,7 @@ def make_app(engine: Engine):
         parsed = await run_in_threadpool(engine.parse, body)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
         if parsed["stream"]:
-            return StreamingResponse(_events(engine, parsed, head), media_type="text/event-stream")
+            return StreamingResponse(_events(engine, parsed, head, request), media_type="text/event-stream")
         pieces = await _whole(engine, parsed, request)
         if pieces is None:  # the client has gone away: no one reads a reply
             return Response(status_code=499)
@@ -122,9 +123,17 @@ async def _cancel_on_disconnect(request, cancelled: threading.Event):
     cancelled.set()
 
 
-def _events(engine: Engine, parsed: dict, head: dict):
+async def _events(engine: Engine, parsed: dict, head: dict, request):
     """Server-sent events: a role chunk, content deltas, a finish chunk, a usage chunk (asked for with
-    ``stream_options: {"include_usage": true}``, as OpenAI sends it), [DONE]."""
+    ``stream_options: {"include_usage": true}``, as OpenAI sends it), [DONE]. A client that goes away
+    cancels the request, as ``_whole``'s does (its row stops at the decoder's next step, not at
+    ``max_tokens``); a failure once the stream has begun is an error event in OpenAI's error shape
+    (the openai client raises it), not a cut connection."""
+    import asyncio
+    import traceback
+
+    from starlette.concurrency import iterate_in_threadpool
+
     def chunk(delta=None, finish=None, usage=None):
         body = {**head, "object": "chat.completion.chunk",
                 "choices": [] if usage else [{"index": 0, "delta": delta or {}, "finish_reason": finish,
@@ -133,14 +142,25 @@ def _events(engine: Engine, parsed: dict, head: dict):
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
-    for piece, end in engine.completion(parsed):
-        if end is None:
-            yield chunk({"content": piece})
-        else:
-            yield chunk(finish=end[0])
-            if parsed["include_usage"]:
-                yield chunk(usage=end[1])
+    cancelled = threading.Event()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, cancelled))
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for piece, end in iterate_in_threadpool(engine.completion({**parsed, "cancelled": cancelled})):
+            if end is None:
+                yield chunk({"content": piece})
+            else:
+                yield chunk(finish=end[0])
+                if parsed["include_usage"]:
+                    yield chunk(usage=end[1])
+    except Exception as err:  # noqa: BLE001 - the 200 and some chunks are sent: the error goes in the stream
+        traceback.print_exc()
+        body = RequestError(f"The server failed on this request: {type(err).__name__}: {err}", 500,
+                            kind="server_error").body()
+        yield f"data: {json.dumps(body)}\n\n"
+    finally:
+        watcher.cancel()
+        cancelled.set()
     yield "data: [DONE]\n\n"
 
 

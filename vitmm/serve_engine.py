@@ -35,7 +35,8 @@ class RequestError(Exception):
 
 
 class Engine:
-    """A VLM workdir behind the API: request checks, prompts, generation (one request at a time)."""
+    """A VLM workdir (or an LM folder) behind the API: request checks, prompts, generation
+    (concurrent greedy requests decoded together by ``serve_batching.Batcher``, sampled ones alone)."""
 
     def __init__(self, workdir, model_name: str | None = None, allow_local_files=None, max_batch: int = 8,
                  window_ms: float = 5.0):
@@ -83,7 +84,7 @@ class Engine:
             seed = secrets.randbelow(2**31)
         _check_number("seed", seed, 0, 2**31 - 1, integer=True)
         if body.get("n", 1) not in (1, None):
-            raise RequestError("Only n=1 is supported.", param="n")
+            raise RequestError(f"'n' must be 1 (one choice a request); got {body['n']!r}.", param="n")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -109,7 +110,10 @@ class Engine:
         text = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise RequestError(f"messages[{i}].content has a text part whose 'text' is not a string: "
+                                       f"{part.get('text')!r}"[:200], param=f"messages[{i}].content")
                 text.append(part["text"])
             elif kind == "image_url":
                 url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
