@@ -220,7 +220,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     metric_names = BASE_METRICS + task.aux_names
     if is_main and (rebuilt := workdir_lib.rebuild_metrics(workdir, start)):
         print(rebuilt, flush=True)
-    # A fresh start drops a lost run's rows.
+    # A resume drops the rows a killed run logged past its checkpoint; a fresh start keeps an earlier log aside.
     writer = workdir_lib.MetricWriter(workdir, enabled=is_main, resumed_at=start)
 
     total = config.total_steps

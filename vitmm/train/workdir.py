@@ -1,8 +1,9 @@
 """A run's workdir: one writer at a time, the config it was started with, honest logs on resume.
 
-* ``Lock``: ``WORKDIR/lock`` holds the writer's host, pid and start time, created exclusively
-  before anything else is written. A second run on the same workdir is refused naming the
-  holder; a lock whose pid is dead on this host is taken over with a warning. Released at exit.
+* ``Lock``: an exclusive ``flock`` on ``WORKDIR/lock``, taken before anything but the folder is
+  written and held while the run lives (the kernel lets go when it dies, ``kill -9`` too); the
+  file names the writer's host, pid and start time. A second run on the same workdir is refused
+  naming the holder; a file a dead holder left is taken over with a note. Released at exit.
 * ``check_config_change``: resuming with a config that differs from the one the checkpoint was
   written with prints the differences and refuses those that change the model, the data or its
   order, or the optimisation, unless ``config.allow_config_change`` is set.
