@@ -57,3 +57,25 @@ def test_a_step_that_is_not_there_is_named_with_the_steps_that_are(tmp_path):
         with pytest.raises(FileNotFoundError, match=r"No checkpoint at step 7 in .*; it holds steps 1, 2\.$"):
             read(tmp_path, 7)
     assert float(ckpt_lib.load_params(tmp_path, 1)["w"][0]) == 1.0
+
+
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/2"])
+def test_a_runs_checkpoints_folder_given_as_the_workdir_is_refused_not_trained_over(tmp_path, clip_smoke_run, inside):
+    """``load_params`` and ``init.checkpoint`` take ``W`` or ``W/checkpoints`` alike; ``--workdir
+    W/checkpoints`` found no checkpoint *in* it and silently trained a new run from step 0 inside the
+    old run's checkpoints (its config.json, metrics.jsonl, tensorboard/ and checkpoints/ among them)."""
+    from test_trainer import smoke_config
+
+    from vitmm.train import trainer
+    from vitmm.train import workdir as workdir_lib
+
+    run = tmp_path / "run"
+    _two_steps(run)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    config = smoke_config(clip_smoke_run.data_dir, evals=False)
+    with pytest.raises(workdir_lib.NotAWorkdir, match=rf"^--workdir {run / inside} is inside the checkpoints of the "
+                                                      rf"run in {run}: .* pass --workdir {run} to resume it\.$"):
+        trainer.train(config, run / inside)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+    assert workdir_lib.check_is_workdir(tmp_path / "checkpoints") is None  # a workdir may be named so
+

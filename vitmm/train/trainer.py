@@ -92,6 +92,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     determinism.set_flags(config)  # before JAX opens a backend
     distributed.maybe_initialize(config)
     workdir = pathlib.Path(workdir).expanduser()
+    workdir_lib.check_is_workdir(workdir)
     resuming = bool(ckpt_lib.step_folders(workdir))  # an unreadable one must not mean a fresh start
     given, config = config, _resolved(config, workdir, resuming)
     created = workdir_lib.make(workdir)
