@@ -79,3 +79,24 @@ def test_a_runs_checkpoints_folder_given_as_the_workdir_is_refused_not_trained_o
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
     assert workdir_lib.check_is_workdir(tmp_path / "checkpoints") is None  # a workdir may be named so
 
+
+def test_a_restarted_run_that_fails_to_close_its_checkpoints_says_so(tmp_path, clip_smoke_run, monkeypatch):
+    """``--restart`` over checkpoints none of which read trains again from step 0; that second start ran
+    inside the ``except`` that caught the first one's ``FreshStart``, so the checkpointer (and the metric
+    writer) took that caught exception for one stopping the run: a failure to finish its saves was a
+    warning under a run that ended as if it had succeeded."""
+    import orbax.checkpoint as ocp
+    from test_trainer import smoke_config
+
+    from vitmm.train import trainer
+
+    run = tmp_path / "run"
+    for step_dir in _two_steps(run).iterdir():
+        _damage(step_dir, "empty_folder")
+
+    def full_disk(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "close", full_disk)
+    with pytest.raises(ckpt_lib.SaveFailed, match=r"No space left on device"):
+        trainer.train(smoke_config(clip_smoke_run.data_dir, evals=False), run, restart=True)

@@ -112,7 +112,8 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
             try:
                 return _train(config, workdir, stop_at, is_main, stop, cleanup, restart, set_aside, resuming)
             except startup.FreshStart:  # --restart and no checkpoint read: step 0 from the folders as they are now
-                return _train(_resolved(given, workdir, False), workdir, stop_at, is_main, stop, cleanup)
+                pass  # (trained below, not in this handler: the closing checkpointer would take it for a failure)
+            return _train(_resolved(given, workdir, False), workdir, stop_at, is_main, stop, cleanup)
     finally:
         lock.release()
         if created and is_main:
