@@ -33,6 +33,10 @@ class NoReadableCheckpoint(RuntimeError):
     """Every checkpoint in a workdir failed to read."""
 
 
+class UnreadableCheckpoint(ValueError):
+    """Another run's checkpoint that cannot be read (a damaged folder, or a copy that stopped half way)."""
+
+
 class Checkpointer:
     def __init__(self, workdir: str | pathlib.Path, keep: int = 2, async_save: bool = True):
         self.directory = pathlib.Path(workdir).expanduser().absolute() / "checkpoints"
@@ -250,10 +254,21 @@ def _read_only(path: str | pathlib.Path, **handlers):
 
 
 def _step(mngr, path, step: int | None) -> int:
-    step = mngr.latest_step() if step is None else step
-    if step is None:
+    steps = sorted(mngr.all_steps())
+    if not steps:
         raise FileNotFoundError(f"No checkpoint in {path}.")
-    return step
+    if step is not None and step not in steps:
+        raise FileNotFoundError(f"No checkpoint at step {step} in {path}; it holds steps {', '.join(map(str, steps))}.")
+    return steps[-1] if step is None else step
+
+
+def _unreadable(mngr, path: pathlib.Path, step: int, err: Exception) -> UnreadableCheckpoint:
+    """The one-line error for a step that is listed but does not read, with the step a reader gets
+    once it is set aside as the trainer sets such steps aside (``<step>.unreadable``)."""
+    earlier = [s for s in mngr.all_steps() if s < step]
+    fix = f", or rename {path / str(step)} to {step}.unreadable to read step {max(earlier)}" if earlier else ""
+    return UnreadableCheckpoint(f"The checkpoint at step {step} in {path} cannot be read ({console.cause(err)}): a "
+                                f"damaged or incomplete copy; point at an intact one{fix}.")
 
 
 def load_params(path: str | pathlib.Path, step: int | None = None) -> dict:
@@ -263,13 +278,16 @@ def load_params(path: str | pathlib.Path, step: int | None = None) -> dict:
     path, meta_mngr = _read_only(path, state=ocp.StandardCheckpointHandler())
     with meta_mngr:
         step = _step(meta_mngr, path, step)
-        meta = meta_mngr.item_metadata(step)["state"]
-    abstract = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), meta["params"])
-    with _read_only(path)[1] as mngr:
-        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item={"params": abstract},
-            restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract}),
-            partial_restore=True)))
+        try:  # (a damaged step fails here or in the restore below, with any of orbax's errors)
+            meta = meta_mngr.item_metadata(step)["state"]
+            abstract = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), meta["params"])
+            with _read_only(path)[1] as mngr:
+                restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                    item={"params": abstract},
+                    restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract}),
+                    partial_restore=True)))
+        except Exception as err:  # noqa: BLE001 - re-raised as one line naming the step and the fix
+            raise _unreadable(meta_mngr, path, step, err) from err
     return jax.tree.map(np.asarray, restored.state["params"])
 
 
@@ -287,8 +305,12 @@ def load_config(path: str | pathlib.Path, step: int | None = None) -> dict:
         step = _step(mngr, path, step)
         try:
             meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        except KeyError:  # weights saved without vitmm's meta item
+        except KeyError as err:  # weights saved without vitmm's meta item; an emptied folder has no weights either
+            if not (path / str(step) / "state").is_dir():
+                raise _unreadable(mngr, path, step, err) from err
             meta = {}
+        except Exception as err:  # noqa: BLE001 - re-raised as one line naming the step and the fix
+            raise _unreadable(mngr, path, step, err) from err
     config = meta.get("config")
     if config is None:
         raise ValueError(f"The checkpoint at step {step} in {path} carries no config.")

@@ -92,6 +92,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     determinism.set_flags(config)  # before JAX opens a backend
     distributed.maybe_initialize(config)
     workdir = pathlib.Path(workdir).expanduser()
+    workdir_lib.check_is_workdir(workdir)
     resuming = bool(ckpt_lib.step_folders(workdir))  # an unreadable one must not mean a fresh start
     given, config = config, _resolved(config, workdir, resuming)
     created = workdir_lib.make(workdir)
@@ -111,7 +112,8 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
             try:
                 return _train(config, workdir, stop_at, is_main, stop, cleanup, restart, set_aside, resuming)
             except startup.FreshStart:  # --restart and no checkpoint read: step 0 from the folders as they are now
-                return _train(_resolved(given, workdir, False), workdir, stop_at, is_main, stop, cleanup)
+                pass  # (trained below, not in this handler: the closing checkpointer would take it for a failure)
+            return _train(_resolved(given, workdir, False), workdir, stop_at, is_main, stop, cleanup)
     finally:
         lock.release()
         if created and is_main:
@@ -220,7 +222,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     metric_names = BASE_METRICS + task.aux_names
     if is_main and (rebuilt := workdir_lib.rebuild_metrics(workdir, start)):
         print(rebuilt, flush=True)
-    # A fresh start drops a lost run's rows.
+    # A resume drops the rows a killed run logged past its checkpoint; a fresh start keeps an earlier log aside.
     writer = workdir_lib.MetricWriter(workdir, enabled=is_main, resumed_at=start)
 
     total = config.total_steps

@@ -1,8 +1,10 @@
 """A run's workdir: one writer at a time, the config it was started with, honest logs on resume.
 
-* ``Lock``: ``WORKDIR/lock`` holds the writer's host, pid and start time, created exclusively
-  before anything else is written. A second run on the same workdir is refused naming the
-  holder; a lock whose pid is dead on this host is taken over with a warning. Released at exit.
+* ``Lock``: an exclusive ``flock`` on ``WORKDIR/lock``, taken before anything but the folder is
+  written and held while the run lives (the kernel lets go when it dies, ``kill -9`` too); the
+  file names the writer's host, pid and start time. A second run on the same workdir is refused
+  naming the holder; a file a dead holder left is taken over with a note. Released at exit.
+* ``check_is_workdir``: a run's ``checkpoints`` folder given as ``--workdir`` is refused, not trained in.
 * ``check_config_change``: resuming with a config that differs from the one the checkpoint was
   written with prints the differences and refuses those that change the model, the data or its
   order, or the optimisation, unless ``config.allow_config_change`` is set.
@@ -32,6 +34,7 @@ import tempfile
 import time
 
 from vitmm import tree
+from vitmm.checkpoint import step_folders
 
 # Keys that may change between a run and its resume: how often things happen, where data and
 # logs are read, how evaluation is done, when bad data stops the run, the layout (a restore
@@ -59,6 +62,22 @@ class HistoryWithoutCheckpoint(ValueError):
 
 class NotWritable(ValueError):
     """The workdir cannot be created or written."""
+
+
+class NotAWorkdir(ValueError):
+    """A run's checkpoints folder (or one of its steps) given as the workdir."""
+
+
+def check_is_workdir(workdir: pathlib.Path) -> None:
+    """``NotAWorkdir`` for ``W/checkpoints`` or ``W/checkpoints/<step>`` of a run ``W``: the readers of
+    another run take either form, but training there would start a new run from step 0 inside the
+    old one's checkpoints instead of resuming it."""
+    workdir = pathlib.Path(workdir).expanduser().absolute()
+    for run in workdir.parents[:2]:
+        if workdir.is_relative_to(run / "checkpoints") and step_folders(run):
+            raise NotAWorkdir(f"--workdir {workdir} is inside the checkpoints of the run in {run}: training there "
+                              f"would start a new run from step 0, not resume that one; pass --workdir {run} to "
+                              "resume it.")
 
 
 def make(workdir: pathlib.Path) -> bool:
