@@ -4,7 +4,9 @@ skipping that runs inside each worker (``SkippingBatchesDataset``)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 
 import grain
 
@@ -126,11 +128,15 @@ class NoWorkers:
 
 
 class WorkerIterator:
-    """grain's multiprocess iterator with a checked state and ``close()`` (a process that exits
-    without it still ends: tried, 2026-12-06)."""
+    """grain's multiprocess iterator with a checked state and ``close()``, which also lets go of it:
+    its semaphores (``/dev/shm/sem.mp-*``) go at once, and grain's own ``__del__`` never runs in the
+    interpreter's teardown, where it prints ``Exception ignored`` tracebacks. A process that exits
+    without ``close()`` closes it on the way out (``atexit``)."""
 
     def __init__(self, iterator, workers: int, auto: bool = False):
         self._it, self.workers, self.auto = iterator, workers, auto
+        this = weakref.ref(self)
+        atexit.register(lambda: this() is not None and this().close())  # (atexit runs before the teardown)
 
     def __iter__(self):
         return self
@@ -139,6 +145,8 @@ class WorkerIterator:
         return next(self._it)
 
     def get_state(self) -> dict:
+        if self._it is None:  # closed: where it stopped
+            return self._closed_state
         return {"workers": self.workers, "grain": self._it.get_state()}
 
     def set_state(self, state: dict) -> None:
@@ -149,4 +157,7 @@ class WorkerIterator:
         self._it.set_state(state["grain"])
 
     def close(self) -> None:
-        self._it.close()
+        if self._it is not None:
+            self._closed_state = self.get_state()
+            self._it.close()
+            self._it = None
