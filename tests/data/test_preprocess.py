@@ -134,3 +134,13 @@ def test_normalize_stays_on_the_host_when_images_are_regrouped_after_it():
                  "decode|normalize()|keep('image')"):
         host, affine = preprocess.split_image_affine(spec)
         assert (affine is None) == ("temporal_patch" in spec) and (host == spec) == ("temporal_patch" in spec)
+
+
+def test_only_the_images_own_normalisation_moves_to_the_device_whichever_way_its_key_is_given():
+    """``value_range(0, 1, 'depth')`` (key as the third argument) normalises ``depth``, not the image:
+    it stays on the host, as ``key='depth'`` does, instead of the device applying it to the image."""
+    for spec in ("decode|value_range(0, 1, 'depth')", "decode|normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2), 'depth')",
+                 "decode|value_range(0, 1, key='depth')"):
+        assert preprocess.split_image_affine(spec) == (spec, None), spec
+    host, (scale, offset) = preprocess.split_image_affine("decode|value_range(0, 1, 'image')")
+    assert host == "decode" and np.allclose(scale, 1 / 255) and np.allclose(offset, 0)

@@ -176,7 +176,8 @@ def split_image_affine(spec: str) -> tuple[str, tuple | None]:
             return spec, None
         if name not in _IMAGE_OPS:
             continue
-        if name not in ("value_range", "normalize") or kwargs.get("key", "image") != "image":
+        key = kwargs.get("key", args[2] if len(args) > 2 else "image")  # (lo, hi, key) and (mean, std, key)
+        if name not in ("value_range", "normalize") or key != "image":
             return spec, None
         if name == "value_range":
             lo, hi = (list(args) + [kwargs.get("lo", -1.0), kwargs.get("hi", 1.0)][len(args):])[:2]
