@@ -158,6 +158,8 @@ class WorkerIterator:
 
     def close(self) -> None:
         if self._it is not None:
-            self._closed_state = self.get_state()
-            self._it.close()
-            self._it = None
+            it, self._it = self._it, None
+            try:
+                self._closed_state = {"workers": self.workers, "grain": it.get_state()}
+            finally:  # (a state that cannot be read must not keep the workers)
+                it.close()
