@@ -229,3 +229,18 @@ def test_close_frees_the_workers_semaphores_and_the_exit_prints_no_traceback(tmp
     _, before, open_, closed = (int(n) for n in done.stdout.split("SEMAPHORES")[1].split())
     assert open_ > before + 40 and closed == before
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_worker_killed_by_the_kernel_is_named_with_the_settings_to_lower(shards):
+    """A worker that dies (exit code -9: the out-of-memory killer's SIGKILL) ends the run in one line
+    that names ``input.workers`` and what to lower, not grain's bare exit code."""
+    it = pipeline.train_iterator(shards, preprocess.parse(PP), 4, seed=0, num_threads=1, workers=2)
+    try:
+        next(it)
+        os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"An input worker process died \(exit code -9: killed, most often by "
+                                               r"the kernel's out-of-memory killer\).*input.workers"):
+            for _ in range(40):
+                next(it)
+    finally:
+        it.close()

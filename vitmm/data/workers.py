@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import weakref
 
 import grain
@@ -142,7 +143,17 @@ class WorkerIterator:
         return self
 
     def __next__(self):
-        return next(self._it)
+        try:
+            return next(self._it)
+        except RuntimeError as err:  # grain's words for a worker that died: its exit code only
+            code = re.search(r"terminated unexpectedly with exit code (-?\d+)", str(err))
+            if code is None:
+                raise
+            why = ": killed, most often by the kernel's out-of-memory killer" if code[1] == "-9" else ""
+            raise RuntimeError(
+                f"An input worker process died (exit code {code[1]}{why}). Each of the input.workers={self.workers} "
+                "holds its own reader threads and buffers: lower input.workers, input.num_threads or input.prefetch, "
+                "or read in the trainer's process with input.workers=0.") from None
 
     def get_state(self) -> dict:
         if self._it is None:  # closed: where it stopped
