@@ -38,3 +38,28 @@ def test_a_multi_dot_field_stands_in_only_for_keys_whose_files_all_have_several_
     assert source[1].reason == "image_missing"
     alone = formats.WdsSource(_tar(tmp_path / "b.tar", [("x.y.png", white), ("x.y.txt", b"a white square")]))[0]
     assert decode_image(alone["image"]).min() == 255 and alone["caption"] == "a white square"
+
+
+def _png16_rgb(values: np.ndarray) -> bytes:
+    """A 16-bit RGB PNG, written by hand (PIL cannot write one)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    h, w, _ = values.shape
+    rows = b"".join(b"\0" + values[y].astype(">u2").tobytes() for y in range(h))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def test_16_bit_colour_pngs_come_within_one_level_of_the_greyscale_mapping():
+    """PIL reads a 16-bit colour PNG at its high byte (``images``' docstring says so): within one
+    level of value / 257, what 16-bit greyscale files and uint16 arrays get."""
+    from vitmm.data import preprocess
+
+    values = np.array([[[0, 383, 32767], [32896, 65535, 1000], [65280, 65281, 129]]], np.uint16)
+    got = decode_image(_png16_rgb(values)).astype(int)
+    np.testing.assert_array_equal(got, values >> 8)
+    assert np.abs(got - preprocess.to_rgb(values)).max() == 1

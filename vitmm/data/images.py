@@ -7,8 +7,9 @@ images become RGB the way PIL's ``convert("RGB")`` does it. Transparency (an alp
 palette's transparent colour) is either dropped (``alpha="drop"``, the default: what LLaVA's and
 open_clip's training code do, and what runs trained here see) or composited onto white
 (``alpha="white"``: what Hugging Face's processors do, ``convert_to_rgb``; imported VLMs' pp use
-it). 16-bit images map their full range onto 8 bits (value / 257, the same for every image),
-where PIL would clip them at 255.
+it). 16-bit greyscale images map their full range onto 8 bits (value / 257, the same for every
+image), where PIL would clip them at 255; 16-bit colour PNGs PIL itself reads at 8 bits, their high
+byte (value // 256, within one level of value / 257).
 """
 
 from __future__ import annotations

@@ -210,9 +210,10 @@ def to_rgb(image: np.ndarray, alpha: str = "drop") -> np.ndarray:
 
 
 def _to_uint8(image: np.ndarray) -> np.ndarray:
-    """uint8 pixels from an array of another dtype: uint16 as 16-bit image files (value / 257,
-    ``data.images``); floats as transformers' ``to_pil_image`` reads them (whole numbers in 0..255
-    as they are, else values in [0, 1] times 255), rounded; other integers in 0..255 as they are."""
+    """uint8 pixels from an array of another dtype: uint16 as 16-bit greyscale image files (value /
+    257, ``data.images``; colour files: within one level); floats as transformers' ``to_pil_image``
+    reads them (whole numbers in 0..255 as they are, else values in [0, 1] times 255), rounded; other
+    integers in 0..255 as they are."""
     if image.dtype == np.uint8:
         return image
     if image.dtype == np.uint16:
