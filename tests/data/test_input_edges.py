@@ -63,3 +63,23 @@ def test_16_bit_colour_pngs_come_within_one_level_of_the_greyscale_mapping():
     got = decode_image(_png16_rgb(values)).astype(int)
     np.testing.assert_array_equal(got, values >> 8)
     assert np.abs(got - preprocess.to_rgb(values)).max() == 1
+
+
+def test_flat_anyres_sequences_refuse_a_draft_decode(monkeypatch):
+    """With ``input.sequences`` and ``model.anyres`` the views are cut by ``data.sequences`` (no
+    ``anyres`` op for ``parse`` to see), from the decoded size: a draft decode is refused there too."""
+    import ml_collections
+    import pytest
+
+    from vitmm.train import inputs
+    from vitmm.train.sequence_layout import SequenceLayout
+
+    layout = SequenceLayout(576, 2048, 1, 0, None, None, {"tile": 336, "pinpoints": [(336, 672)]})
+    monkeypatch.setattr(SequenceLayout, "of", classmethod(lambda cls, task: layout))
+    config = ml_collections.ConfigDict({"input": {"pp": "decode(draft=336)|keep('image')", "image_size": 336,
+                                                  "sequences": {"length": 2048}}, "model": {}, "seed": 0,
+                                        "batch_size": 2})
+    task = type("Task", (), {"num_visual": 576})()
+    with pytest.raises(ValueError, match=r"^decode\(draft=336\) decodes a JPEG at a reduced size.*model.anyres.*"
+                                         r"drop draft from input.pp"):
+        inputs._sequences(config, config.input.pp, None, task)

@@ -149,10 +149,13 @@ def test_only_the_images_own_normalisation_moves_to_the_device_whichever_way_its
 def test_a_draft_decode_is_refused_before_an_op_that_sizes_the_image_from_its_own_size():
     """``decode(draft=N)`` decodes a large JPEG at 1/2-1/8 scale; ``smart_resize`` then sized the image
     from that reduced size (a 768×1024 photo came out 392×504 instead of 756×1036, a quarter of the
-    visual tokens): refused in one line, while a fixed-size ``resize`` after a draft decode is fine."""
-    for spec in ("decode(draft=224)|smart_resize(3136, 2000000, 28)", "decode('image', 1, 224)|smart_resize(4, 99, 2)"):
-        with pytest.raises(ValueError, match=r"^decode\(draft=224\) decodes a JPEG at a reduced size.*smart_resize.*"
-                                             r"drop draft"):
+    visual tokens), and ``anyres`` chose its resolution from it (a 1344² photo: 1176 visual tokens
+    instead of 2928): refused in one line, while a fixed-size ``resize`` after a draft decode is fine."""
+    anyres = "anyres([(336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)], 336, (24, 24))"
+    for spec in ("decode(draft=224)|smart_resize(3136, 2000000, 28)", "decode('image', 1, 224)|smart_resize(4, 99, 2)",
+                 f"decode(draft=224)|{anyres}"):
+        with pytest.raises(ValueError, match=r"^decode\(draft=224\) decodes a JPEG at a reduced size.*"
+                                             r"(smart_resize|anyres).*drop draft"):
             preprocess.parse(spec)
     preprocess.parse("decode(draft=224)|resize(224)")
     preprocess.parse("decode|smart_resize(3136, 2000000, 28)")

@@ -32,7 +32,7 @@ def decode_image(data: bytes, draft: int | None = None, alpha: str = "drop") -> 
     do not decode. ``draft``: a JPEG may be decoded at a reduced scale (1/2, 1/4, 1/8) as long as
     both sides stay at least ``draft`` pixels (libjpeg's DCT scaling: much faster for large photos
     that are resized down anyway to a fixed size; ``preprocess.parse`` refuses it before an op that
-    sizes the image from its own size, ``smart_resize``). ``alpha``: ``"drop"`` or ``"white"`` (see
+    sizes the image from its own size, ``preprocess.SIZED_FROM_INPUT``). ``alpha``: ``"drop"`` or ``"white"`` (see
     the module docstring), or ``"keep"``: RGBA ``[H, W, 4]`` for a transparent image, for the run's
     pp ``decode`` to treat as it was trained (what ``vitmm.chat`` and the server read files with)."""
     try:

@@ -117,15 +117,22 @@ def _split_ops(spec: str) -> list[str]:
     return [*parts, spec[start:]]
 
 
-_SIZED_FROM_INPUT = ("smart_resize",)  # ops whose output size follows the image's own: a draft decode changes it
+# Ops whose output size (AnyRes: the candidate resolution, so the token count) follows the image's own
+# size: after a draft decode they would follow the reduced size instead.
+SIZED_FROM_INPUT = ("smart_resize", "anyres")
+
+
+def decode_draft(spec: str) -> int | None:
+    """The ``draft`` of ``spec``'s ``decode`` op, if any (``images.decode_image``)."""
+    return next((kw.get("draft", args[2] if len(args) > 2 else None) for name, args, kw in ops(spec)
+                 if name == "decode"), None)
 
 
 def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], dict]:
     """Builds the per-example function for ``spec`` (ops separated by ``|``)."""
     fns, steps = [], ops(spec)
-    draft = next((kw.get("draft", args[2] if len(args) > 2 else None) for name, args, kw in steps if name == "decode"),
-                 None)
-    sized = next((name for name, _, _ in steps if name in _SIZED_FROM_INPUT), None)
+    draft = decode_draft(spec)
+    sized = next((name for name, _, _ in steps if name in SIZED_FROM_INPUT), None)
     if draft and sized:
         raise ValueError(f"decode(draft={draft}) decodes a JPEG at a reduced size, from which {sized} would size the "
                          f"image (not from the file's size, as without draft): drop draft from decode in {spec!r}.")
