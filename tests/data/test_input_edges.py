@@ -83,3 +83,15 @@ def test_flat_anyres_sequences_refuse_a_draft_decode(monkeypatch):
     with pytest.raises(ValueError, match=r"^decode\(draft=336\) decodes a JPEG at a reduced size.*model.anyres.*"
                                          r"drop draft from input.pp"):
         inputs._sequences(config, config.input.pp, None, task)
+
+
+def test_a_16_bit_greyscale_png_with_a_transparent_value_goes_onto_white():
+    """A 16-bit greyscale PNG's tRNS value is transparency as an 8-bit one's is: composited onto white
+    with ``alpha="white"`` (it was ignored: the 16-bit mapping returned first), dropped by default."""
+    values = np.array([[30000, 1000], [30000, 65535]], np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(values).save(buf, "PNG", transparency=30000)
+    mapped = np.round(values / 257).astype(np.uint8)
+    np.testing.assert_array_equal(decode_image(buf.getvalue())[..., 0], mapped)
+    np.testing.assert_array_equal(decode_image(buf.getvalue(), alpha="white")[..., 0],
+                                  np.where(values == 30000, 255, mapped))

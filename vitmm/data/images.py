@@ -69,7 +69,12 @@ def _to_rgb(image: Image.Image, alpha: str = "drop") -> Image.Image:
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit (PNG, TIFF): its full range onto 8 bits, one
         # mapping for every image (PIL's convert would clip at 255: nearly every 16-bit image white)
         values = np.asarray(image, np.float64) / 257.0
-        return Image.fromarray(np.round(np.clip(values, 0, 255)).astype(np.uint8)).convert("RGB")
+        grey = Image.fromarray(np.round(np.clip(values, 0, 255)).astype(np.uint8))
+        clear = image.info.get("transparency")  # (a tRNS value: its pixels are transparent)
+        if alpha != "drop" and isinstance(clear, int):
+            grey.putalpha(Image.fromarray(np.where(np.asarray(image) == clear, 0, 255).astype(np.uint8)))
+            return on_white(grey) if alpha == "white" else grey.convert("RGBA")
+        return grey.convert("RGB")
     if image.mode == "F":  # floats: clipped to 0-255 as PIL's convert does (negative values wrapped before)
         return Image.fromarray(np.round(np.clip(np.asarray(image, np.float64), 0, 255)).astype(np.uint8)).convert("RGB")
     if alpha != "drop" and ("A" in image.getbands() or image.info.get("transparency") is not None):
