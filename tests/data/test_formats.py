@@ -124,14 +124,14 @@ def _tar(path, members) -> str:
 
 def test_wds_takes_the_exact_field_before_a_multi_dot_one(tmp_path):
     """``key.jpg`` is the image and ``key.txt`` the caption even where ``key.depth.jpg`` and
-    ``key.ocr.txt`` come first in the tar (as sorted members do); several multi-dot candidates and no
-    exact field are a ``bad_record`` naming them."""
+    ``key.ocr.txt`` come first in the tar (as sorted members do); where every file of a key has several
+    dots, several multi-dot candidates and no exact field are a ``bad_record`` naming them."""
     black, white = _png(np.zeros((4, 4, 3), np.uint8)), _png(np.full((4, 4, 3), 255, np.uint8))
     ex = formats.WdsSource(_tar(tmp_path / "a.tar", [("0.depth.jpg", black), ("0.jpg", white), ("0.ocr.txt", b"ocr"),
                                                     ("0.txt", b"a white square")]))[0]
     assert decode_image(ex["image"]).min() == 255 and ex["caption"] == "a white square"
     bad = formats.WdsSource(_tar(tmp_path / "b.tar", [("0.depth.jpg", black), ("0.seg.png", white),
-                                                     ("0.txt", b"a square")]))[0]
+                                                     ("0.cap.txt", b"a square")]))[0]
     assert bad.reason == "bad_record" and "key.depth.jpg, key.seg.png" in bad.detail
 
 

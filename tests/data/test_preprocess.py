@@ -134,3 +134,28 @@ def test_normalize_stays_on_the_host_when_images_are_regrouped_after_it():
                  "decode|normalize()|keep('image')"):
         host, affine = preprocess.split_image_affine(spec)
         assert (affine is None) == ("temporal_patch" in spec) and (host == spec) == ("temporal_patch" in spec)
+
+
+def test_only_the_images_own_normalisation_moves_to_the_device_whichever_way_its_key_is_given():
+    """``value_range(0, 1, 'depth')`` (key as the third argument) normalises ``depth``, not the image:
+    it stays on the host, as ``key='depth'`` does, instead of the device applying it to the image."""
+    for spec in ("decode|value_range(0, 1, 'depth')", "decode|normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2), 'depth')",
+                 "decode|value_range(0, 1, key='depth')"):
+        assert preprocess.split_image_affine(spec) == (spec, None), spec
+    host, (scale, offset) = preprocess.split_image_affine("decode|value_range(0, 1, 'image')")
+    assert host == "decode" and np.allclose(scale, 1 / 255) and np.allclose(offset, 0)
+
+
+def test_a_draft_decode_is_refused_before_an_op_that_sizes_the_image_from_its_own_size():
+    """``decode(draft=N)`` decodes a large JPEG at 1/2-1/8 scale; ``smart_resize`` then sized the image
+    from that reduced size (a 768×1024 photo came out 392×504 instead of 756×1036, a quarter of the
+    visual tokens), and ``anyres`` chose its resolution from it (a 1344² photo: 1176 visual tokens
+    instead of 2928): refused in one line, while a fixed-size ``resize`` after a draft decode is fine."""
+    anyres = "anyres([(336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)], 336, (24, 24))"
+    for spec in ("decode(draft=224)|smart_resize(3136, 2000000, 28)", "decode('image', 1, 224)|smart_resize(4, 99, 2)",
+                 f"decode(draft=224)|{anyres}"):
+        with pytest.raises(ValueError, match=r"^decode\(draft=224\) decodes a JPEG at a reduced size.*"
+                                             r"(smart_resize|anyres).*drop draft"):
+            preprocess.parse(spec)
+    preprocess.parse("decode(draft=224)|resize(224)")
+    preprocess.parse("decode|smart_resize(3136, 2000000, 28)")

@@ -194,3 +194,53 @@ def test_workers_minus_one_is_resolved_alike_for_sequences_and_the_plain_stream(
     pp = preprocess.parse(PP)
     assert _take(pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, workers=-1), 2) == \
         _take(pipeline.train_iterator(shards, pp, 4, seed=1, num_threads=1, workers=0), 2)
+
+
+def test_close_frees_the_workers_semaphores_and_the_exit_prints_no_traceback(tmp_path):
+    """``close()`` lets go of grain's iterator: its semaphores (``/dev/shm/sem.mp-*``, 25 a worker) go
+    at once, not at exit, and grain's ``__del__`` does not run in the interpreter's teardown, where it
+    printed ``Exception ignored … AttributeError`` tracebacks at the end of every run with workers
+    (closed or not)."""
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(f"""
+        import gc, multiprocessing.synchronize
+        from vitmm.data import examples, formats, pipeline, preprocess
+
+        def semaphores():
+            gc.collect()
+            return sum(isinstance(o, multiprocessing.synchronize.SemLock) for o in gc.get_objects())
+
+        if __name__ == "__main__":
+            source = formats.WdsSource(examples.write_wds({str(tmp_path)!r}, 24, resolution=16))
+            counts = []
+            for _ in range(2):  # (the first also makes grain's few semaphores for good)
+                it = pipeline.train_iterator(source, preprocess.parse({PP!r}), 4, num_threads=1, workers=2)
+                next(it)
+                counts.append(semaphores())
+                it.close()
+                counts.append(semaphores())
+            print("SEMAPHORES", *counts, flush=True)
+            it = pipeline.train_iterator(source, preprocess.parse({PP!r}), 4, num_threads=1, workers=2)
+            next(it)  # and an exit without close(): closed on the way out, as quietly
+        """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    _, before, open_, closed = (int(n) for n in done.stdout.split("SEMAPHORES")[1].split())
+    assert open_ > before + 40 and closed == before
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_worker_killed_by_the_kernel_is_named_with_the_settings_to_lower(shards):
+    """A worker that dies (exit code -9: the out-of-memory killer's SIGKILL) ends the run in one line
+    that names ``input.workers`` and what to lower, not grain's bare exit code."""
+    it = pipeline.train_iterator(shards, preprocess.parse(PP), 4, seed=0, num_threads=1, workers=2)
+    try:
+        next(it)
+        os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"An input worker process died \(exit code -9: killed, most often by "
+                                               r"the kernel's out-of-memory killer\).*input.workers"):
+            for _ in range(40):
+                next(it)
+    finally:
+        it.close()

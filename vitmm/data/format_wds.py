@@ -89,7 +89,7 @@ def _field(fields: dict, extensions) -> str | list | None:
     extension is among them; several such fields and none exact (``depth.jpg`` and ``seg.png``) are
     ambiguous: the list of them, which the caller skips as a ``bad_record`` naming them."""
     exact = next((ext for ext in extensions if ext in fields), None)
-    if exact is not None:
+    if exact is not None or not all("." in field for field in fields):
         return exact
     dotted = [field for field in fields if "." in field and field.rpartition(".")[2] in extensions]
     return dotted if len(dotted) > 1 else dotted[0] if dotted else None

@@ -7,8 +7,9 @@ images become RGB the way PIL's ``convert("RGB")`` does it. Transparency (an alp
 palette's transparent colour) is either dropped (``alpha="drop"``, the default: what LLaVA's and
 open_clip's training code do, and what runs trained here see) or composited onto white
 (``alpha="white"``: what Hugging Face's processors do, ``convert_to_rgb``; imported VLMs' pp use
-it). 16-bit images map their full range onto 8 bits (value / 257, the same for every image),
-where PIL would clip them at 255.
+it). 16-bit greyscale images map their full range onto 8 bits (value / 257, the same for every
+image), where PIL would clip them at 255; 16-bit colour PNGs PIL itself reads at 8 bits, their high
+byte (value // 256, within one level of value / 257).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def decode_image(data: bytes, draft: int | None = None, alpha: str = "drop") -> 
     """uint8 RGB ``[H, W, 3]`` from encoded bytes; ``BadExample("image_unreadable")`` if they
     do not decode. ``draft``: a JPEG may be decoded at a reduced scale (1/2, 1/4, 1/8) as long as
     both sides stay at least ``draft`` pixels (libjpeg's DCT scaling: much faster for large photos
-    that are resized down anyway). ``alpha``: ``"drop"`` or ``"white"`` (see the module docstring),
-    or ``"keep"``: RGBA ``[H, W, 4]`` for a transparent image, for the run's pp ``decode`` to
-    treat as it was trained (what ``vitmm.chat`` and the server read files with)."""
+    that are resized down anyway to a fixed size; ``preprocess.parse`` refuses it before an op that
+    sizes the image from its own size, ``preprocess.SIZED_FROM_INPUT``). ``alpha``: ``"drop"`` or ``"white"`` (see
+    the module docstring), or ``"keep"``: RGBA ``[H, W, 4]`` for a transparent image, for the run's
+    pp ``decode`` to treat as it was trained (what ``vitmm.chat`` and the server read files with)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. PIL's palette-transparency note; the pixels are what count
@@ -67,7 +69,12 @@ def _to_rgb(image: Image.Image, alpha: str = "drop") -> Image.Image:
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit (PNG, TIFF): its full range onto 8 bits, one
         # mapping for every image (PIL's convert would clip at 255: nearly every 16-bit image white)
         values = np.asarray(image, np.float64) / 257.0
-        return Image.fromarray(np.round(np.clip(values, 0, 255)).astype(np.uint8)).convert("RGB")
+        grey = Image.fromarray(np.round(np.clip(values, 0, 255)).astype(np.uint8))
+        clear = image.info.get("transparency")  # (a tRNS value: its pixels are transparent)
+        if alpha != "drop" and isinstance(clear, int):
+            grey.putalpha(Image.fromarray(np.where(np.asarray(image) == clear, 0, 255).astype(np.uint8)))
+            return on_white(grey) if alpha == "white" else grey.convert("RGBA")
+        return grey.convert("RGB")
     if image.mode == "F":  # floats: clipped to 0-255 as PIL's convert does (negative values wrapped before)
         return Image.fromarray(np.round(np.clip(np.asarray(image, np.float64), 0, 255)).astype(np.uint8)).convert("RGB")
     if alpha != "drop" and ("A" in image.getbands() or image.info.get("transparency") is not None):

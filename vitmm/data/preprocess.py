@@ -117,9 +117,25 @@ def _split_ops(spec: str) -> list[str]:
     return [*parts, spec[start:]]
 
 
+# Ops whose output size (AnyRes: the candidate resolution, so the token count) follows the image's own
+# size: after a draft decode they would follow the reduced size instead.
+SIZED_FROM_INPUT = ("smart_resize", "anyres")
+
+
+def decode_draft(spec: str) -> int | None:
+    """The ``draft`` of ``spec``'s ``decode`` op, if any (``images.decode_image``)."""
+    return next((kw.get("draft", args[2] if len(args) > 2 else None) for name, args, kw in ops(spec)
+                 if name == "decode"), None)
+
+
 def parse(spec: str, tokenizer=None) -> Callable[[dict, np.random.Generator], dict]:
     """Builds the per-example function for ``spec`` (ops separated by ``|``)."""
     fns, steps = [], ops(spec)
+    draft = decode_draft(spec)
+    sized = next((name for name, _, _ in steps if name in SIZED_FROM_INPUT), None)
+    if draft and sized:
+        raise ValueError(f"decode(draft={draft}) decodes a JPEG at a reduced size, from which {sized} would size the "
+                         f"image (not from the file's size, as without draft): drop draft from decode in {spec!r}.")
     for name, args, kwargs in steps:
         if name not in _OPS:
             raise ValueError(f"Unknown preprocessing op {name!r} in {spec!r}; available: {available_ops()}.")
@@ -176,7 +192,8 @@ def split_image_affine(spec: str) -> tuple[str, tuple | None]:
             return spec, None
         if name not in _IMAGE_OPS:
             continue
-        if name not in ("value_range", "normalize") or kwargs.get("key", "image") != "image":
+        key = kwargs.get("key", args[2] if len(args) > 2 else "image")  # (lo, hi, key) and (mean, std, key)
+        if name not in ("value_range", "normalize") or key != "image":
             return spec, None
         if name == "value_range":
             lo, hi = (list(args) + [kwargs.get("lo", -1.0), kwargs.get("hi", 1.0)][len(args):])[:2]
@@ -209,9 +226,10 @@ def to_rgb(image: np.ndarray, alpha: str = "drop") -> np.ndarray:
 
 
 def _to_uint8(image: np.ndarray) -> np.ndarray:
-    """uint8 pixels from an array of another dtype: uint16 as 16-bit image files (value / 257,
-    ``data.images``); floats as transformers' ``to_pil_image`` reads them (whole numbers in 0..255
-    as they are, else values in [0, 1] times 255), rounded; other integers in 0..255 as they are."""
+    """uint8 pixels from an array of another dtype: uint16 as 16-bit greyscale image files (value /
+    257, ``data.images``; colour files: within one level); floats as transformers' ``to_pil_image``
+    reads them (whole numbers in 0..255 as they are, else values in [0, 1] times 255), rounded; other
+    integers in 0..255 as they are."""
     if image.dtype == np.uint8:
         return image
     if image.dtype == np.uint16:

@@ -4,7 +4,10 @@ skipping that runs inside each worker (``SkippingBatchesDataset``)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
+import weakref
 
 import grain
 
@@ -126,19 +129,35 @@ class NoWorkers:
 
 
 class WorkerIterator:
-    """grain's multiprocess iterator with a checked state and ``close()`` (a process that exits
-    without it still ends: tried, 2026-12-06)."""
+    """grain's multiprocess iterator with a checked state and ``close()``, which also lets go of it:
+    its semaphores (``/dev/shm/sem.mp-*``) go at once, and grain's own ``__del__`` never runs in the
+    interpreter's teardown, where it prints ``Exception ignored`` tracebacks. A process that exits
+    without ``close()`` closes it on the way out (``atexit``)."""
 
     def __init__(self, iterator, workers: int, auto: bool = False):
         self._it, self.workers, self.auto = iterator, workers, auto
+        this = weakref.ref(self)
+        atexit.register(lambda: this() is not None and this().close())  # (atexit runs before the teardown)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return next(self._it)
+        try:
+            return next(self._it)
+        except RuntimeError as err:  # grain's words for a worker that died: its exit code only
+            code = re.search(r"terminated unexpectedly with exit code (-?\d+)", str(err))
+            if code is None:
+                raise
+            why = ": killed, most often by the kernel's out-of-memory killer" if code[1] == "-9" else ""
+            raise RuntimeError(
+                f"An input worker process died (exit code {code[1]}{why}). Each of the input.workers={self.workers} "
+                "holds its own reader threads and buffers: lower input.workers, input.num_threads or input.prefetch, "
+                "or read in the trainer's process with input.workers=0.") from None
 
     def get_state(self) -> dict:
+        if self._it is None:  # closed: where it stopped
+            return self._closed_state
         return {"workers": self.workers, "grain": self._it.get_state()}
 
     def set_state(self, state: dict) -> None:
@@ -149,4 +168,9 @@ class WorkerIterator:
         self._it.set_state(state["grain"])
 
     def close(self) -> None:
-        self._it.close()
+        if self._it is not None:
+            it, self._it = self._it, None
+            try:
+                self._closed_state = {"workers": self.workers, "grain": it.get_state()}
+            finally:  # (a state that cannot be read must not keep the workers)
+                it.close()

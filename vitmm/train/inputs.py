@@ -60,6 +60,9 @@ def _sequences(config, spec, tokenizer, task):
     if layout.anyres is not None and "anyres" in preprocess.op_names(pp_template.pp_string(config)):
         raise ValueError("With input.sequences each image's AnyRes views are made by data.sequences: drop the anyres "
                          "op from input.pp (keep the images at their own sizes).")
+    if layout.anyres is not None and preprocess.decode_draft(spec):  # (parse refuses it before an anyres op)
+        raise ValueError(f"decode(draft={preprocess.decode_draft(spec)}) decodes a JPEG at a reduced size, from which "
+                         "model.anyres would choose each image's resolution and tokens: drop draft from input.pp.")
     spec, layout = layout.split_affine(spec)  # AnyRes views are cut before normalisation: black padding
     pp = preprocess.parse(spec, tokenizer)
     raw = formats.raw_format(inp)
