@@ -33,6 +33,15 @@ def test_schedule_warms_up_then_decays_to_zero():
     assert float(lr(55)) == pytest.approx(0.5, abs=1e-6) and float(lr(100)) == pytest.approx(0.0, abs=1e-7)
 
 
+def test_schedule_decays_to_end_factor_times_lr():
+    """``end_factor`` is a fraction of ``lr``: lr 2, end_factor 0.1 ends at 0.2 (not 0.1), and the
+    cosine's midpoint lies halfway between the peak and that floor (hand-computed)."""
+    lr = optim.schedule(_cfg(lr=2.0, end_factor=0.1))
+    assert float(lr(10)) == pytest.approx(2.0)
+    assert float(lr(55)) == pytest.approx(0.2 + (2.0 - 0.2) * 0.5, abs=1e-6)
+    assert float(lr(100)) == pytest.approx(0.2, abs=1e-6)
+
+
 def test_weight_decay_skips_biases_norms_positions_tokens_temperature():
     decay = optim.path_names(jax.tree.map(lambda no: not no, optim.regex_mask(PARAMS, optim.NO_DECAY)))
     assert {k for k, v in decay.items() if v} == {"img/embedding/kernel", "txt/token_embedding/embedding"}
