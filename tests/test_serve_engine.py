@@ -117,6 +117,19 @@ def test_a_stop_string_starting_with_a_multibyte_character_shows_none_of_it(text
     assert "".join(p for p, end in pieces) == expected and pieces[-1][1][0] == "stop"
 
 
+@pytest.mark.parametrize("stop", [["yz", "z"], ["z", "yz"]])
+def test_the_text_ends_before_the_earliest_stop_string_whichever_is_listed_first(stop):
+    """The token that spells out ``z`` completes both stop strings at once (``xyz``: "yz" at 1, "z"
+    at 2); OpenAI's API ends the text before the first one in the text, "x", in any order."""
+    from vitmm.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    chat = _FakeChat(text=tok.decode)
+    chat.stream_batch = lambda examples, n, *a: iter([[k] for k in tok.encode("xyzw")] + [[0]])
+    pieces = list(_engine(chat).completion({**_request(64), "stop": stop}))
+    assert "".join(p for p, end in pieces) == "x" and pieces[-1][1][0] == "stop"
+
+
 def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path):
     import subprocess
     import sys
