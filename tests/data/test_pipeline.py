@@ -98,6 +98,32 @@ def test_device_prefetch_0_puts_each_batch_on_the_devices_as_it_is_taken():
     assert [int(b["x"][0]) for b in finite] == [1, 2]
 
 
+def test_set_state_mid_stream_drops_the_batches_already_prefetched():
+    """``set_state`` on an iterator that has batches waiting in its queue: the next batch is the one
+    after the state, not a stale prefetched one (a host stream of 1, 2, 3, ...)."""
+
+    class Host:
+        def __init__(self):
+            self.i = 0
+
+        def __next__(self):
+            self.i += 1
+            return {"x": np.array([self.i])}
+
+        def get_state(self):
+            return self.i
+
+        def set_state(self, state):
+            self.i = state
+
+    it = device_feed.DeviceIterator(Host(), size=3, put=lambda b: b)
+    assert [int(next(it)["x"][0]) for _ in range(2)] == [1, 2]
+    saved = it.get_state()
+    assert saved == 2 and [int(next(it)["x"][0]) for _ in range(3)] == [3, 4, 5]
+    it.set_state(saved)  # batches 6-8 sit in the queue
+    assert [int(next(it)["x"][0]) for _ in range(3)] == [3, 4, 5] and it.get_state() == 5
+
+
 def test_processes_read_disjoint_records(data_dir, small_name):
     src = _source(data_dir, small_name)
     pp = preprocess.parse("decode|keep('image')")
