@@ -35,6 +35,29 @@ def test_adapters_start_as_the_base_model_and_merge_to_the_same_outputs(setup):
     np.testing.assert_allclose(np.asarray(adapted), np.asarray(merged), rtol=1e-5, atol=1e-5)
 
 
+def test_the_low_rank_branch_is_scaled_by_alpha_over_rank():
+    """One dense layer, checked against numpy: ``y = xW + b + (α/r)·x·A·B`` (Hu et al.'s scaling,
+    PEFT's ``lora_alpha / r``), applied and merged alike; α 6, rank 3: a factor of 2."""
+    import flax.linen as nn
+
+    class One(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="proj")(x)
+
+    x = np.random.default_rng(0).normal(size=(2, 5)).astype(np.float32)
+    params = One().init(jax.random.key(0), x)["params"]
+    assert list(lora.init(params, (r"proj",), rank=3, key=jax.random.key(1))) == ["proj"]
+    a = np.random.default_rng(1).normal(size=(5, 3)).astype(np.float32)
+    b = np.random.default_rng(2).normal(size=(3, 4)).astype(np.float32)
+    adapters = {"proj": {"a": jnp.asarray(a), "b": jnp.asarray(b)}}
+    w, bias = np.asarray(params["proj"]["kernel"]), np.asarray(params["proj"]["bias"])
+    want = x @ w + bias + 2.0 * (x @ a) @ b
+    np.testing.assert_allclose(np.asarray(lora.apply(One(), params, adapters, 6.0, x)), want, rtol=1e-5, atol=1e-5)
+    merged = One().apply({"params": lora.merge(params, adapters, 6.0)}, x)
+    np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-5, atol=1e-5)
+
+
 def test_only_adapters_train_and_the_loss_goes_down(setup):
     model, params, ids = setup
     adapters = lora.init(params, TARGETS, rank=4, key=jax.random.key(2))
