@@ -126,6 +126,25 @@ def test_resize_of_the_shorter_side_keeps_the_aspect_as_transformers_clip_proces
         preprocess.parse("resize((16, 20), shorter=True)")
 
 
+@pytest.mark.parametrize("op, want", [
+    ("value_range(-1, 1)", lambda x: x / 255 * 2 - 1),
+    ("value_range(0, 1)", lambda x: x / 255),
+    ("normalize((0.48, 0.45, 0.40), (0.27, 0.26, 0.28))",
+     lambda x: (x / 255 - np.array([0.48, 0.45, 0.40])) / np.array([0.27, 0.26, 0.28])),
+])
+def test_the_device_affine_of_uint8_images_is_the_host_op(op, want):
+    """``input.device_normalize``: ``split_image_affine``'s ``image * scale + offset`` on every uint8
+    value equals the host op and the formula written out here (float64), 1e-6."""
+    spec = f"{op}|keep('image')"
+    host, (scale, offset) = preprocess.split_image_affine(spec)
+    assert host == "keep('image')"
+    image = np.repeat(np.arange(256, dtype=np.uint8)[None, :, None], 3, axis=2)  # [1, 256, 3]
+    on_host = preprocess.parse(spec)({"image": image}, np.random.default_rng(0))["image"]
+    on_device = image.astype(np.float32) * scale + offset
+    np.testing.assert_allclose(on_device, want(image.astype(np.float64)), atol=1e-6)
+    np.testing.assert_allclose(on_device, on_host, atol=1e-6)
+
+
 def test_normalize_stays_on_the_host_when_images_are_regrouped_after_it():
     """``temporal_patch`` (two frames a 6-channel image) or ``idefics3_tiles`` after ``normalize``: a
     per-channel map on the device would meet other images than it was made for, so none is split off
