@@ -145,6 +145,29 @@ def test_the_device_affine_of_uint8_images_is_the_host_op(op, want):
     np.testing.assert_allclose(on_device, on_host, atol=1e-6)
 
 
+def test_a_draft_decode_shrinks_a_jpeg_by_the_largest_power_of_two_keeping_both_sides_at_least_draft():
+    """A 256×192 JPEG: ``draft=64`` decodes at 1/2 (128×96; 1/4 would make its height 48), ``draft=48``
+    at 1/4 (64×48); without ``draft`` and for a PNG, full size (libjpeg's DCT scaling by 1/2, 1/4, 1/8)."""
+    import io
+
+    from PIL import Image
+
+    from vitmm.data import images
+
+    pixels = np.random.default_rng(0).integers(0, 256, (192, 256, 3), dtype=np.uint8)
+
+    def encoded(fmt):
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, fmt)
+        return buf.getvalue()
+
+    jpeg, png = encoded("JPEG"), encoded("PNG")
+    assert images.decode_image(jpeg).shape == (192, 256, 3)
+    assert images.decode_image(jpeg, draft=64).shape == (96, 128, 3)
+    assert images.decode_image(jpeg, draft=48).shape == (48, 64, 3)
+    np.testing.assert_array_equal(images.decode_image(png, draft=48), pixels)
+
+
 def test_normalize_stays_on_the_host_when_images_are_regrouped_after_it():
     """``temporal_patch`` (two frames a 6-channel image) or ``idefics3_tiles`` after ``normalize``: a
     per-channel map on the device would meet other images than it was made for, so none is split off
