@@ -26,6 +26,18 @@ def test_mrope_positions_are_qwen2vls_get_rope_index():
         np.testing.assert_array_equal(deltas, data[f"{case}_deltas"].ravel(), err_msg=case)
 
 
+def test_mrope_positions_of_a_video_resume_after_its_frames():
+    """A video of 3 temporal patches of 2×2 tokens after two text tokens: ``(2 + τ, 2 + i, 2 + j)``,
+    then the text resumes at ``2 + max(t, h, w) = 5`` (Qwen2-VL's rule; ``max(h, w)`` would give 4),
+    written out by hand; the delta is the largest position + 1 minus the length: 7 - 16."""
+    types = np.array([[0, 0] + [1] * 12 + [0, 0]])
+    positions, deltas = rope.mrope_positions(types, [(3, 2, 2)])
+    tau, i, j = np.repeat([0, 1, 2], 4), np.tile([0, 0, 1, 1], 3), np.tile([0, 1], 6)
+    want = np.stack([np.r_[0, 1, 2 + tau, 5, 6], np.r_[0, 1, 2 + i, 5, 6], np.r_[0, 1, 2 + j, 5, 6]])
+    np.testing.assert_array_equal(positions[:, 0], want)
+    assert deltas.tolist() == [7 - 16]
+
+
 def test_mrope_positions_check_the_grids():
     with pytest.raises(ValueError, match=r"image run of 3 tokens where its grid \(1, 2, 2\) gives 4"):
         rope.mrope_positions(np.array([[0, 1, 1, 1, 0]]), [(1, 2, 2)])
