@@ -81,6 +81,22 @@ def test_a_cache_decodes_at_its_slots_and_refuses_tokens_past_its_end():
     assert np.isnan(np.asarray(step(ids[:, 3:], cache)[0])).all()
 
 
+def test_a_cached_prefix_lm_computes_what_the_forward_without_a_cache_does():
+    """``prefix_len`` 3 with a cache: a prefill of 6 tokens (prefix and 3 more) and 2 decode steps
+    give the logits of one forward pass over the 8 tokens without a cache; the prefix sees itself
+    both ways, the token after it (slot 3) stays unseen by the prefix."""
+    model = lm_lib.LM(**LM_KW)
+    ids = jnp.asarray([[5, 9, 14, 3, 77, 21, 8, 40]])
+    params = model.init(jax.random.key(0), ids)
+    full = np.asarray(jax.jit(lambda i: model.apply(params, i, prefix_len=3))(ids))
+    step = jax.jit(lambda ids, cache: model.apply(params, ids, cache=cache, prefix_len=3))
+    got, cache = step(ids[:, :6], lm_lib.init_cache(LM_KW, 1, 8))
+    for k in (6, 7):
+        out, cache = step(ids[:, k:k + 1], cache)
+        got = jnp.concatenate([got, out], axis=1)
+    np.testing.assert_allclose(np.asarray(got), full, atol=1e-5, rtol=0)
+
+
 def test_lm_has_no_biases_and_uses_rmsnorm_and_swiglu():
     params = lm_lib.LM(**LM_KW).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     block = params["block_00"]
