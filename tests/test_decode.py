@@ -99,6 +99,16 @@ def test_top_p_keeps_the_nucleus_only():
     assert {int(decode.sample(logits, jax.random.key(i), 1.0, 0.0)[0]) for i in range(20)} == {0}  # top_p 0: greedy
 
 
+def test_top_p_stops_at_the_first_token_whose_mass_reaches_it():
+    """Four equally likely tokens (probabilities exactly 1/4) and top_p 0.5: two tokens reach it, so a
+    third is never drawn (the smallest such set, as Hugging Face's TopPLogitsWarper keeps)."""
+    import jax
+
+    logits = jnp.zeros((1, 4))
+    draws = {int(decode.sample(logits, jax.random.key(i), 1.0, 0.5)[0]) for i in range(64)}
+    assert len(draws) == 2
+
+
 def test_an_lms_embedding_rows_past_the_tokenizers_ids_are_never_chosen(llama):
     """Qwen pads its embedding past its tokenizer's ids: ``vocab_size`` (the tokenizer's) keeps the
     padded rows' logits out of greedy and sampled choices, in ``sample`` and in the generator."""
