@@ -140,17 +140,19 @@ def test_processes_read_disjoint_records(data_dir, small_name):
         pipeline.train_iterator(src, pp, 16, process_index=0, process_count=3)
 
 
-@pytest.mark.parametrize("process_count", [1, 3])
-def test_eval_batches_see_every_record_once_with_padding_masked(data_dir, small_name, process_count):
+@pytest.mark.parametrize("process_count, batch", [(1, 4), (3, 4), (3, 3)])
+def test_eval_batches_see_every_record_once_with_padding_masked(data_dir, small_name, process_count, batch):
+    """Batches of 3 over 3 processes: shards of 4, 3 and 3 records, 2 batches each (the shortest
+    padded with a whole masked batch), since collectives need every process at every batch."""
     src = _source(data_dir, small_name, "test")  # 10 records
     pp = preprocess.parse("decode|keep('image')")
     indices, batches_per_process = [], set()
     for index in range(process_count):
-        batches = list(pipeline.eval_batches(src, pp, 4, process_index=index,
+        batches = list(pipeline.eval_batches(src, pp, batch, process_index=index,
                                              process_count=process_count))
         batches_per_process.add(len(batches))
         for b in batches:
-            assert b["image"].shape == (4, 32, 32, 3)
+            assert b["image"].shape == (batch, 32, 32, 3)
             np.testing.assert_array_equal(b["_mask"], b["_index"] >= 0)
             indices += [int(i) for i in b["_index"] if i >= 0]
     assert sorted(indices) == list(range(10))
