@@ -1,3 +1,6 @@
+import io
+import tarfile
+
 import pytest
 
 from vitmm.data import scenes_builder
@@ -16,3 +19,16 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_name():
     return SMALL
+
+
+@pytest.fixture(scope="session")
+def write_tar():
+    """``write_tar(path, [(member name, bytes), ...])`` writes a tar shard and returns its path."""
+    def write(path, members) -> str:
+        with tarfile.open(path, "w") as tar:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return str(path)
+    return write

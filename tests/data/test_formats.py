@@ -113,37 +113,28 @@ def test_wds_caption_falls_back_to_the_json_and_keys_follow_webdataset(tmp_path)
     assert format_wds.split_key("dir/x.y.PNG") == ("dir/x", "y.png")
 
 
-def _tar(path, members) -> str:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return str(path)
-
-
-def test_wds_takes_the_exact_field_before_a_multi_dot_one(tmp_path):
+def test_wds_takes_the_exact_field_before_a_multi_dot_one(tmp_path, write_tar):
     """``key.jpg`` is the image and ``key.txt`` the caption even where ``key.depth.jpg`` and
     ``key.ocr.txt`` come first in the tar (as sorted members do); where every file of a key has several
     dots, several multi-dot candidates and no exact field are a ``bad_record`` naming them."""
     black, white = _png(np.zeros((4, 4, 3), np.uint8)), _png(np.full((4, 4, 3), 255, np.uint8))
-    ex = formats.WdsSource(_tar(tmp_path / "a.tar", [("0.depth.jpg", black), ("0.jpg", white), ("0.ocr.txt", b"ocr"),
-                                                    ("0.txt", b"a white square")]))[0]
+    ex = formats.WdsSource(write_tar(tmp_path / "a.tar", [("0.depth.jpg", black), ("0.jpg", white),
+                                                          ("0.ocr.txt", b"ocr"), ("0.txt", b"a white square")]))[0]
     assert decode_image(ex["image"]).min() == 255 and ex["caption"] == "a white square"
-    bad = formats.WdsSource(_tar(tmp_path / "b.tar", [("0.depth.jpg", black), ("0.seg.png", white),
-                                                     ("0.cap.txt", b"a square")]))[0]
+    bad = formats.WdsSource(write_tar(tmp_path / "b.tar", [("0.depth.jpg", black), ("0.seg.png", white),
+                                                           ("0.cap.txt", b"a square")]))[0]
     assert bad.reason == "bad_record" and "key.depth.jpg, key.seg.png" in bad.detail
 
 
-def test_wds_repeated_keys_are_separate_examples_with_their_own_ids(tmp_path):
+def test_wds_repeated_keys_are_separate_examples_with_their_own_ids(tmp_path, write_tar):
     """webdataset's grouping: a key seen again later in a shard (tars joined end to end), or a field
     that the current example already has, starts a new example; each keeps its own id."""
     square = _png(np.zeros((4, 4, 3), np.uint8))
-    parts = [_tar(tmp_path / f"{n}.tar", [("s0.jpg", square), ("s0.txt", f"{n} s0".encode()), ("s1.jpg", square),
+    parts = [write_tar(tmp_path / f"{n}.tar", [("s0.jpg", square), ("s0.txt", f"{n} s0".encode()), ("s1.jpg", square),
                                           ("s1.txt", f"{n} s1".encode())]) for n in ("a", "b")]
     joined = tmp_path / "joined.tar"
     joined.write_bytes(b"".join(open(part, "rb").read() for part in parts))  # `cat a.tar b.tar`
-    _tar(tmp_path / "again.tar", [("k.jpg", square), ("k.txt", b"one"), ("k.jpg", square), ("k.txt", b"two")])
+    write_tar(tmp_path / "again.tar", [("k.jpg", square), ("k.txt", b"one"), ("k.jpg", square), ("k.txt", b"two")])
     source = formats.WdsSource(f"{joined}::{tmp_path}/again.tar")
     read = [source[i] for i in range(len(source))]
     assert [ex["caption"] for ex in read] == ["a s0", "a s1", "b s0", "b s1", "one", "two"]
