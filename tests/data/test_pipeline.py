@@ -68,33 +68,36 @@ def test_device_iterator_state_points_after_the_last_returned_batch(data_dir, sm
         np.testing.assert_array_equal(expected["caption_tokens"], np.asarray(got["caption_tokens"]))
 
 
+class _Host:
+    """A host stream of batches {"x": [1]}, {"x": [2]}, ... (ending after ``end``), with its state."""
+
+    def __init__(self, end=None):
+        self.i, self.end = 0, end
+
+    def __next__(self):
+        if self.i == self.end:
+            raise StopIteration
+        self.i += 1
+        return {"x": np.array([self.i])}
+
+    def get_state(self):
+        return self.i
+
+    def set_state(self, state):
+        self.i = state
+
+
 def test_device_prefetch_0_puts_each_batch_on_the_devices_as_it_is_taken():
     """``input.device_prefetch=0`` (allowed by the trainer's validate) once ended an endless stream at
     its first batch with a bare StopIteration."""
 
-    class Host:
-        def __init__(self, end=None):
-            self.i, self.end = 0, end
-
-        def __next__(self):
-            if self.i == self.end:
-                raise StopIteration
-            self.i += 1
-            return {"x": np.array([self.i])}
-
-        def get_state(self):
-            return self.i
-
-        def set_state(self, state):
-            self.i = state
-
     put = []
-    it = device_feed.DeviceIterator(Host(), size=0, put=lambda b: put.append(int(b["x"][0])) or b)
+    it = device_feed.DeviceIterator(_Host(), size=0, put=lambda b: put.append(int(b["x"][0])) or b)
     assert [int(next(it)["x"][0]) for _ in range(3)] == [1, 2, 3] and put == [1, 2, 3]  # none fetched ahead
     assert it.get_state() == 3
     it.set_state(1)
     assert int(next(it)["x"][0]) == 2 and it.get_state() == 2
-    finite = device_feed.DeviceIterator(Host(end=2), size=0, put=lambda b: b)
+    finite = device_feed.DeviceIterator(_Host(end=2), size=0, put=lambda b: b)
     assert [int(b["x"][0]) for b in finite] == [1, 2]
 
 
@@ -102,21 +105,7 @@ def test_set_state_mid_stream_drops_the_batches_already_prefetched():
     """``set_state`` on an iterator that has batches waiting in its queue: the next batch is the one
     after the state, not a stale prefetched one (a host stream of 1, 2, 3, ...)."""
 
-    class Host:
-        def __init__(self):
-            self.i = 0
-
-        def __next__(self):
-            self.i += 1
-            return {"x": np.array([self.i])}
-
-        def get_state(self):
-            return self.i
-
-        def set_state(self, state):
-            self.i = state
-
-    it = device_feed.DeviceIterator(Host(), size=3, put=lambda b: b)
+    it = device_feed.DeviceIterator(_Host(), size=3, put=lambda b: b)
     assert [int(next(it)["x"][0]) for _ in range(2)] == [1, 2]
     saved = it.get_state()
     assert saved == 2 and [int(next(it)["x"][0]) for _ in range(3)] == [3, 4, 5]
