@@ -4,6 +4,9 @@ and the command line, read into one namespace with every unset option at its pre
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
+import sys
 
 from experiments.common.feature_vlm import BLIND, EVAL_BATCH
 from vitmm.models import connectors
@@ -33,7 +36,9 @@ PRESETS = {
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="The token-budget experiment: connectors × visual-token "
-                                     "budgets × seeds on scenes questions (experiments/token_budget/sweep.py).")
+                                     "budgets × seeds on scenes questions (experiments/token_budget/sweep.py). "
+                                     "With --config FILE instead: the budget study on any VLM config "
+                                     "(experiments/token_budget/study.py; its options: --config FILE --help).")
     add = parser.add_argument
     add("--out", default="results/token_budget", help="output folder")
     add("--tower", default=None, help="CLIP workdir (default OUT/tower: workdirs/clip_scenes's image tower, "
@@ -100,7 +105,11 @@ def parse_args(argv=None):
         "(a sweep's later sitting may be running) in OUT/interim/")
     add("--report", action="store_true", help="train nothing: OUT/token_budget.md again from a finished sweep's "
         "runs.csv and setup.json (seconds)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.interim and not _flags(argv, ("--interim", "--out")):
+        argv = saved_flags(pathlib.Path(args.out)) or argv  # --interim alone: the sweep's own flags, as it ran
+        args = parser.parse_args(argv)
     preset = PRESETS["smoke" if args.smoke else "default"]
     lr_given = args.lr is not None  # (no preset: without it each family's rate is tuned)
     for key, value in preset.items():  # unset options take the preset's value
@@ -127,6 +136,35 @@ def parse_args(argv=None):
         parser.error(f"--tune_seeds {args.tune_seeds}: between 1 and the {len(args.seeds)} seeds of --seeds.")
     args.parser = parser
     return args
+
+
+def _flags(argv: list, dropped: tuple) -> list:
+    """``argv`` without the options ``dropped`` (and their values)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in dropped:
+            skip = name == "--out" and "=" not in a  # --out's value follows it
+            continue
+        kept.append(a)
+    return kept
+
+
+def saved_flags(out: pathlib.Path) -> list | None:
+    """The flags of the sweep that wrote ``OUT/setup.json`` (its command), with ``--interim --out OUT``."""
+    path = out / "setup.json"
+    if not path.is_file() or "command" not in (setup := json.loads(path.read_text())):
+        return None
+    words = setup["command"].split()  # "python -m experiments.token_budget FLAGS"
+    if words[1:3] not in (["-m", "experiments.token_budget"], ["-m", "experiments.token_budget.sweep"]):
+        return None
+    words = words[3:]
+    flags = _flags(words, ("--interim", "--report", "--out"))
+    print(f"--interim: the sweep's flags from {path}: {' '.join(flags) or '(none)'}")
+    return [*flags, "--interim", "--out", str(out)]
 
 
 def parse_chosen(text: str, parser) -> dict:

@@ -45,6 +45,7 @@ import time
 import numpy as np
 
 from experiments.common import train_run
+from experiments.token_budget import study_args
 from experiments.token_budget.study_report import BLIND, report
 from vitmm import config_args
 from vitmm.study import outputs, store
@@ -54,9 +55,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------------------------ the study
 def load(path: str, overrides: dict | None = None):
-    """The study config ``path[:arg]`` with ``overrides`` (``{key: value}``) applied."""
+    """The study config ``path[:arg]`` with ``overrides`` (``{key: value}``, ``study_args.apply``) applied."""
     path, _, arg = str(path).partition(":")
-    return config_args.load(path, arg or None, **(overrides or {}))
+    try:
+        config = config_args.load(path, arg or None)
+    except ValueError as err:  # a bad config arg
+        study_args.fail(str(err))
+    return study_args.apply(config, overrides or {}, pathlib.Path(path).name)
 
 
 def train_config(study, args: str, overrides: dict):
@@ -228,11 +233,13 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the study's config file[:arg]")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a study config value (a Python literal, or a string), e.g. --set seeds=(0,1)")
+                        help="a study config value (a Python literal, or a string), e.g. --set seeds=(0,1); under "
+                             "overrides, tune.overrides and test_overrides: any key of the train config")
     parser.add_argument("--out", default=None, help="the results folder (default: the study's out)")
     parser.add_argument("--workdirs", default=None, help="the runs' workdirs (default: the study's workdirs)")
     parser.add_argument("--interim", action="store_true",
-                        help="train nothing: the report of the runs finished so far in OUT/interim/")
+                        help="train nothing: the report of the runs finished so far in OUT/interim/ (the study's "
+                             "settings from OUT/setup.json once a sitting has finished; before: repeat --set)")
     parser.add_argument("--tune_on_test", action="store_true",
                         help="allow tune.overrides to name the test split (the rates then chosen on the questions "
                              "the families are compared on)")
@@ -256,10 +263,16 @@ def main(argv=None) -> pathlib.Path:
     out = pathlib.Path(args.out or ROOT / study.out)
     workdirs = pathlib.Path(args.workdirs or ROOT / study.workdirs)
     higher = study.higher_is_better
+    saved = study_args.saved(out, overrides) if args.interim or args.report else None  # read-only: as it ran
+    study = saved or study
     if args.report:
         return write_report(study, out)
+    if args.interim and saved is None and not any((out / f).is_file() for f in ("tuning.jsonl", "cells.jsonl")):
+        study_args.fail(f"--interim: {out} has no setup.json yet (a study writes it when it finishes) and no finished "
+                        f"runs: repeat the study's --set flags (and --out) with --interim.")
+    study_args.check(study, train_config(study, _args(study, study.families[0], study.budgets[0]), {}), args.config)
     test_split, tune_split = dotted(study.test_overrides), dotted(study.tune.overrides)
-    if len(study.tune.lrs) > 1 and not args.tune_on_test:
+    if len(study.tune.lrs) > 1 and not args.tune_on_test and not args.interim:
         refuse_tuning_on_test(study, tune_split, test_split)
 
     base = train_config(study, _args(study, study.families[0], study.budgets[0]), dotted(study.overrides))
@@ -349,6 +362,9 @@ def main(argv=None) -> pathlib.Path:
     rows = with_costs(rows, knobs, grid, vision, lm_cfg, text_len)
     tuned_rows = with_costs(tuned_rows, knobs, grid, vision, lm_cfg, text_len)
 
+    if args.interim and saved is None and not tuned_rows + rows:
+        study_args.fail(f"--interim: {out} has no setup.json yet (a study writes it when it finishes) and no finished "
+                        f"runs under these settings: repeat the study's --set flags (and --out) with --interim.")
     target = out / "interim" if args.interim else out
     target.mkdir(parents=True, exist_ok=True)
     if tuned_rows or rows:

@@ -216,7 +216,8 @@ def kept_tuning(args, holds=None):
         missing = [k for k in keys if k not in found]
         if missing:
             args.parser.error(f"--interim: {desc} has {len(missing)} runs to go (e.g. {missing[0]}), so the main stage "
-                              f"has no runs yet; the finished ones are in {path}.")
+                              f"has no runs yet; the finished ones are in {path} (without OUT/setup.json, --interim "
+                              f"needs the sweep's own flags again, e.g. --smoke).")
         return found
     return run_cells
 
