@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import sys
 
 from experiments.common.feature_vlm import BLIND, EVAL_BATCH
@@ -158,7 +159,7 @@ def saved_flags(out: pathlib.Path) -> list | None:
     path = out / "setup.json"
     if not path.is_file() or "command" not in (setup := json.loads(path.read_text())):
         return None
-    words = setup["command"].split()  # "python -m experiments.token_budget FLAGS"
+    words = shlex.split(setup["command"])  # "python -m experiments.token_budget FLAGS", quoted as outputs.command
     if words[1:3] not in (["-m", "experiments.token_budget"], ["-m", "experiments.token_budget.sweep"]):
         return None
     words = words[3:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
+import shlex
 import sys
 import time
 
@@ -54,7 +55,7 @@ def command(argv=None) -> str:
     ARGS`` when it was started with ``-m`` (``argv``: the options, when ``main`` was handed them)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     head = f"python -m {spec.name.removesuffix('.__main__')}" if spec is not None else f"python {sys.argv[0]}"
-    return " ".join([head, *(sys.argv[1:] if argv is None else argv)])
+    return " ".join([head, shlex.join(sys.argv[1:] if argv is None else argv)]).rstrip()  # (quoted: read back by shlex)
 
 
 def write_outputs(out: pathlib.Path, name: str, setup: dict, table: str, csvs: dict) -> None:
