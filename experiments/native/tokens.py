@@ -180,6 +180,7 @@ def parse_args(argv=None):
     add("--data_dir", default=None, help="TFDS data_dir for training the tower when it is missing")
     add("--smoke", action="store_true", help="a tiny run of every cell (the tests run it)")
     add("--report", action="store_true", help="train nothing: OUT/native_tokens.md again from runs.csv and setup.json")
+    add("--verbose", action="store_true", help="the libraries' routine warnings and INFO lines too")
     for key, value in PRESETS["default"].items():
         if key != "lm":
             add(f"--{key}", type=type(value) if not isinstance(value, str) else str, default=None,

@@ -165,8 +165,13 @@ def factor_test(summary: list[dict]) -> dict | None:
     them ran. Returns each source's sum of squares, degrees of freedom, share of the total (η²), F
     and p against the residual (family × budget is tested as well, so a budget effect that differs
     by family shows), and the range of the budget and family marginal means in points."""
-    cells = {(s["family"], str(s["budget"])): s for s in ok_rows(summary, "") if s["family"] != BLIND}
-    budgets = sorted({b for _, b in cells}, key=lambda b: (not b.isdigit(), int(b) if b.isdigit() else 0))
+    order = lambda b: (not b.isdigit(), int(b) if b.isdigit() else 0)
+    cells, reached = {}, set()  # a budget that reaches a count a smaller one did (all = 9 on 4×4): its runs, once
+    for s in sorted(ok_rows(summary, ""), key=lambda s: order(str(s["budget"]))):
+        if s["family"] != BLIND and (s["family"], int(s["tokens"])) not in reached:
+            reached.add((s["family"], int(s["tokens"])))
+            cells[(s["family"], str(s["budget"]))] = s
+    budgets = sorted({b for _, b in cells}, key=order)
     families = [f for f in dict.fromkeys(f for f, _ in cells) if all((f, b) in cells for b in budgets)]
     if len(families) < 2 or len(budgets) < 2:
         return None
@@ -213,8 +218,11 @@ def verdict_tests(summary: list[dict]) -> list[verdicts.Test]:
                 p, note = min(1.0, chosen_from * p), f"{note}: p × {chosen_from} (Bonferroni for the choice)"
             tests.append(verdicts.Test(name, scale * est, None if ci is None else scale * ci, p, unit, note))
 
-    ok = [s for s in ok_rows(summary) if s["family"] != BLIND]
-    blind = next((s for s in ok_rows(summary) if s["family"] == BLIND), None)
+    cells: dict[tuple, dict] = {}  # a cell is a job: two requested budgets that reach one token count
+    for s in ok_rows(summary):  # (9 and all on a 4×4 grid) share its runs, tested once
+        cells.setdefault((s["family"], int(s["tokens"]), s["variant"]), s)
+    ok = [s for s in cells.values() if s["family"] != BLIND]
+    blind = next((s for s in cells.values() if s["family"] == BLIND), None)
     main = [s for s in ok if s["variant"] == ""]
     default = {(s["family"], s["tokens"]): s for s in main}
     for s in ok if blind is not None else ():

@@ -195,6 +195,8 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--report", action="store_true", help="train nothing: vlm_smollm2.md again from runs.csv and "
                         "counts.json (the questions per kind)")
+    parser.add_argument("--verbose", action="store_true", help="the libraries' routine warnings and INFO lines too "
+                        "(python -m experiments.vlm_smollm2 reads it)")
     args = parser.parse_args(argv)
     overrides = [f"--config.init.{k}={v}" for k, v in (("vision", args.vision), ("lm", args.lm)) if v]
     if args.data_dir:
@@ -205,6 +207,7 @@ def main(argv=None):
         if not table.is_file() or not (out / "counts.json").is_file():
             raise SystemExit(f"--report: {out} has no runs.csv or counts.json; a finished study writes them.")
         report(table, json.loads((out / "counts.json").read_text()), out)
+        print(f"wrote {out / 'vlm_smollm2.md'}")
         return out / "vlm_smollm2.md"
     out.mkdir(parents=True, exist_ok=True)
     done = {r["run"] for r in read_rows(table)}

@@ -122,3 +122,21 @@ def test_longer_runs_with_another_min_delta_or_connector_width_are_not_compared(
     other["plan"]["min_delta"] = 0.0
     other["connectors"]["qformer|16|"]["connector"].pop("width")
     assert horizon.differences(main, other) == ["plan.min_delta", "connectors[qformer|16|]"]
+
+
+def test_two_budgets_that_reach_one_token_count_are_tested_once():
+    """On the smoke sweep's 4×4 grid budget 9 and ``all`` are both 16 tokens: the same runs, so each
+    comparison at 16 tokens is one test of the Verdicts table (and of its Holm family), not two."""
+    def rows(family, budget, tokens):
+        return [{"family": family, "budget": budget, "tokens": tokens, "note": "", "lr": 1e-3, "warmup": 25,
+                 "seed": k, "status": "ok", "accuracy": 0.3 + 0.01 * k * k + 0.02 * tokens + 0.05 * (family == "pool"),
+                 **{f"acc_{kind}": 0.5 + 0.01 * k * tokens for kind in report.KINDS}} for k in range(3)]
+
+    cells = [("blind", 0, 0), *((f, b, t) for f in ("mlp", "pool") for b, t in ((4, 4), (9, 16), ("all", 16)))]
+    summary = report.summarise([r for c in cells for r in rows(*c)])
+    names = [t.name for t in report.verdict_tests(summary)]
+    assert report.factor_test(summary)["budgets"] == ["4", "9"]  # the analysis of variance: "all" is budget 9's runs
+    assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]
+    assert "pool@16 − blind" in names and "best − worst family at 16 tokens (pool − mlp)" in names
+    once = [c for c in cells if c[1] != "all"]
+    assert len(names) == len(report.verdict_tests(report.summarise([r for c in once for r in rows(*c)])))

@@ -23,9 +23,10 @@ def test_the_smollm2_experiment_writes_a_row_per_finished_run_and_skips_it_on_a_
 
 
 
-def test_the_committed_report_is_written_again_from_its_runs_with_its_verdicts(tmp_path):
+def test_the_committed_report_is_written_again_from_its_runs_with_its_verdicts(tmp_path, capsys):
     """``--report`` rewrites vlm_smollm2.md from runs.csv and counts.json (no workdir needed): the
-    committed report, Verdicts table included, byte for byte; without them it refuses."""
+    committed report, Verdicts table included, byte for byte, and says where, as the other
+    ``--report``s do; without them it refuses."""
     import pathlib
     import shutil
 
@@ -37,6 +38,7 @@ def test_the_committed_report_is_written_again_from_its_runs_with_its_verdicts(t
     for name in ("runs.csv", "counts.json"):
         shutil.copy(committed / name, tmp_path / name)
     written = study.main(["--report", "--out", str(tmp_path)])
+    assert capsys.readouterr().out == f"wrote {written}\n"
     assert written.read_text() == (committed / "vlm_smollm2.md").read_text()
     assert "All 36 tests of this report corrected together (Holm)" in written.read_text()
 
