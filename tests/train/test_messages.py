@@ -1,0 +1,35 @@
+"""What the trainer says at the end of a run or when it stops: messages a newcomer follows."""
+
+import json
+import pathlib
+
+from vitmm.train import stopping
+
+
+class _NoCheckpoints:
+    def __init__(self, workdir: pathlib.Path, last=None):
+        self.directory, self.last = workdir / "checkpoints", last
+
+    def wait(self):
+        pass
+
+    def latest_step(self):
+        return self.last
+
+
+def test_non_finite_without_a_checkpoint_says_rerun_not_resume(tmp_path):
+    message = str(stopping.non_finite("param_norm", 2, _NoCheckpoints(tmp_path), checkpoint_every=100))
+    assert message.startswith("Non-finite param_norm at step 2; the run stops. No checkpoint had been written yet")
+    assert "rerun the same command and a lower learning rate" in message and "from step 0." in message
+    assert "resume" not in message.replace("nothing to resume", "") and "allow_config_change" not in message
+    # a log past two checkpoint intervals: a rerun in that workdir is refused without --restart
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (2, 4, 6)))
+    message = str(stopping.non_finite("loss", 7, _NoCheckpoints(tmp_path), checkpoint_every=2))
+    assert "rerun the same command with --restart and a lower learning rate" in message
+    assert "(metrics.jsonl logged up to step 6: --restart keeps that log aside)." in message
+
+
+def test_non_finite_with_a_checkpoint_says_resume(tmp_path):
+    message = str(stopping.non_finite("loss", 7, _NoCheckpoints(tmp_path, last=6), checkpoint_every=2))
+    assert f"The last good checkpoint (step 6) is kept in {tmp_path}/checkpoints." in message
+    assert message.endswith("then resume with --config.allow_config_change=True.")
