@@ -5,6 +5,8 @@ import pathlib
 
 from vitmm.train import stopping
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
 
 class _NoCheckpoints:
     def __init__(self, workdir: pathlib.Path, last=None):
@@ -33,3 +35,24 @@ def test_non_finite_with_a_checkpoint_says_resume(tmp_path):
     message = str(stopping.non_finite("loss", 7, _NoCheckpoints(tmp_path, last=6), checkpoint_every=2))
     assert f"The last good checkpoint (step 6) is kept in {tmp_path}/checkpoints." in message
     assert message.endswith("then resume with --config.allow_config_change=True.")
+
+
+def test_a_bad_config_arg_is_one_line_without_an_exception_name(tmp_path, capsys):
+    """The config file's ValueError is a user error like the others: its message, no ``ValueError:``;
+    a config file that is itself broken keeps the name of what broke."""
+    import pytest
+
+    from vitmm.train import __main__ as cli
+
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config(arg=None):\n    return undefined_name\n")
+    for config, expected in [
+            (f"{ROOT / 'configs/clip_scenes.py'}:stepz=3", "python -m vitmm.train: Unknown config arg 'stepz' in "
+                                                           "'stepz=3' (did you mean 'steps'?); known args: ["),
+            (str(broken), "python -m vitmm.train: NameError: name 'undefined_name' is not defined")]:
+        with pytest.raises(SystemExit) as stop:
+            cli.parse_flags(["vitmm.train", f"--config={config}", f"--workdir={tmp_path / 'w'}"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[0].startswith(expected) and err[1:] == ["(--debug shows the traceback)"], err
+    assert not (tmp_path / "w").exists()

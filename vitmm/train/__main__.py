@@ -97,8 +97,23 @@ def parse_flags(argv):
     except Exception as err:  # noqa: BLE001 - config_flags raises whatever the config file raised
         if _debug(argv):
             raise
-        lines = [line for line in str(err).splitlines() if line.strip()]
-        _fail(_config_key_error(argv) or (lines[-1] if lines else repr(err)), 2)
+        _fail(_config_key_error(argv) or _one_line(err), 2)
+
+
+def _one_line(err: Exception) -> str:
+    """A flag or config error in one line. A user error says itself, without its exception's name, as
+    the run's own one-line errors do (``Unknown config arg 'stepz' …``, not ``ValueError: …``, the last line
+    of the config file's traceback that absl's error carries); any other error from a broken config file
+    keeps its name, the cause (``NameError: name 'x' is not defined``)."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return repr(err)
+    name, sep, message = lines[-1].partition(": ")
+    if sep and name in {e.__name__ for e in USER_ERRORS}:
+        return message
+    if not isinstance(err, (flags.Error, *USER_ERRORS)):  # raised by the config file when first used
+        return f"{type(err).__name__}: {lines[-1]}"
+    return lines[-1]
 
 
 def summary_table(summary: dict) -> str:
