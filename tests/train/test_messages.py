@@ -56,3 +56,21 @@ def test_a_bad_config_arg_is_one_line_without_an_exception_name(tmp_path, capsys
         err = capsys.readouterr().err.splitlines()
         assert err[0].startswith(expected) and err[1:] == ["(--debug shows the traceback)"], err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_run_without_held_out_data_still_says_where_its_checkpoints_are_and_what_did_not_run():
+    """A LLaVA config without evals.val.data.data_path ended with nothing after the progress bar."""
+    from vitmm import config_args
+    from vitmm.train import __main__ as cli
+
+    summary = dict(evals={}, final_step=2, checkpoints=[2], workdir="w")
+    for name in ("llava_pretrain", "llava_finetune"):
+        config = config_args.load(ROOT / "configs" / f"{name}.py", "smoke")
+        assert cli.final_report(summary, config).splitlines() == [
+            "checkpoints [2] in w",
+            "evals.val: no data.data_path (nor wds, csv, parquet), not run; set --config.evals.val.data.data_path "
+            "(held-out examples) to evaluate"]
+        config = config_args.load(ROOT / "configs" / f"{name}.py", "smoke", **{"evals.val.data.data_path": "v.json"})
+        ran = dict(summary, evals={"val/loss": 1.5})
+        assert cli.final_report(ran, config) == cli.summary_table(ran)  # the table, ending in the checkpoints line
+        assert cli.final_report(ran, config).splitlines()[-1] == "checkpoints [2] in w"
