@@ -74,3 +74,45 @@ def test_a_run_without_held_out_data_still_says_where_its_checkpoints_are_and_wh
         ran = dict(summary, evals={"val/loss": 1.5})
         assert cli.final_report(ran, config) == cli.summary_table(ran)  # the table, ending in the checkpoints line
         assert cli.final_report(ran, config).splitlines()[-1] == "checkpoints [2] in w"
+
+
+def _vlm_config(tmp_path, **overrides):
+    from vitmm import config_args
+
+    (tmp_path / "saved_tower").mkdir(exist_ok=True)
+    return config_args.load(ROOT / "configs/vlm_scenes.py", "smoke",
+                            **{"input.data_dir": str(tmp_path), "init.vision": str(tmp_path / "saved_tower"),
+                               **overrides})
+
+
+def test_config_json_shows_the_tower_and_lm_a_vlm_was_built_with(tmp_path):
+    """config.json showed the config's placeholder model.vision while the run used init.vision's tower."""
+    from vitmm.train import workdir as workdir_lib
+
+    c = _vlm_config(tmp_path)
+    built = {"vision": {**c.model.vision.to_dict(), "width": 32, "depth": 3}, "lm": {"width": 64, "depth": 2}}
+    task = type("Task", (), built)
+    workdir_lib.write_config(tmp_path, c, task)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model"]["vision"] == built["vision"]  # from init.vision
+    assert saved["model"]["lm"] == json.loads(c.model.lm.to_json_best_effort())  # no init.lm: the config's own
+    assert saved["init"]["vision"] == str(tmp_path / "saved_tower") and saved["total_steps"] == c.total_steps
+    workdir_lib.write_config(tmp_path, c)  # a task without parts of its own (contrastive): the config as it is
+    assert json.loads((tmp_path / "config.json").read_text())["model"]["vision"]["width"] == c.model.vision.width
+
+
+def test_a_loaded_tower_made_for_another_image_size_is_said(tmp_path, capsys, monkeypatch):
+    """The run feeds 64x64 images to a tower converted for 48x64: said, as an imported VLM's start says it."""
+    from vitmm.train import tasks
+
+    c = _vlm_config(tmp_path, **{"input.image_size": 64})
+    tower = dict(c.model.vision.to_dict())
+    folder = {"model": {"image": tower}, "input": {"image_size": [48, 64]}}
+    monkeypatch.setattr(tasks.ckpt_lib, "load_config", lambda path: folder)
+    tasks.vlm_parts(c)
+    assert capsys.readouterr().out.splitlines() == [
+        f"input.image_size 64: the tower saved in {tmp_path / 'saved_tower'} was made for input.image_size [48, 64]; "
+        "the run feeds it 64 (its positions fitted to that grid)"]
+    folder["input"]["image_size"] = [64, 64]  # the same size, either way written: nothing to say
+    tasks.vlm_parts(c)
+    assert capsys.readouterr().out == ""

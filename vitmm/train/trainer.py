@@ -216,7 +216,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                     print(line, flush=True)
     if is_main:
         sources.pin(workdir, given, replace=not resuming)  # the settings of the folders step 0 was loaded from
-        workdir_lib.write_config(workdir, given)
+        workdir_lib.write_config(workdir, given, task)  # a VLM's tower and LM as built from init.*
     state = par.put_state(state)
     step_fn = setup.compile(state)
     metric_names = BASE_METRICS + task.aux_names
