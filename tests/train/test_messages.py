@@ -22,7 +22,7 @@ class _NoCheckpoints:
 def test_non_finite_without_a_checkpoint_says_rerun_not_resume(tmp_path):
     message = str(stopping.non_finite("param_norm", 2, _NoCheckpoints(tmp_path), checkpoint_every=100))
     assert message.startswith("Non-finite param_norm at step 2; the run stops. No checkpoint had been written yet")
-    assert "rerun the same command and a lower learning rate" in message and "from step 0." in message
+    assert "rerun the same command with a lower learning rate" in message and "from step 0." in message
     assert "resume" not in message.replace("nothing to resume", "") and "allow_config_change" not in message
     # a log past two checkpoint intervals: a rerun in that workdir is refused without --restart
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (2, 4, 6)))

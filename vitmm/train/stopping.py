@@ -76,7 +76,7 @@ def non_finite(name: str, step: int, checkpointer, checkpoint_every: int) -> Flo
     workdir = pathlib.Path(checkpointer.directory).parent
     restart = workdir_lib.history_without_checkpoint(workdir, checkpoint_every)
     return FloatingPointError(
-        head + "No checkpoint had been written yet, so there is nothing to resume: rerun the same command"
-        + (" with --restart" if restart else "") + " and a lower learning rate (--config.optim.lr), more warmup or "
+        head + "No checkpoint had been written yet, so there is nothing to resume: rerun the same command with "
+        + ("--restart and " if restart else "") + "a lower learning rate (--config.optim.lr), more warmup or "
         "harder clipping; it trains from step 0" + (f" ({restart[0]}: --restart keeps that log aside)." if restart
                                                       else "."))
