@@ -90,3 +90,26 @@ def test_a_first_scenes_build_says_generated_in_one_line(tmp_path):
     assert [line for line in shown if line] == [
         f"generated scenes/easy_32_8_8_8_s0 in {tmp_path}/scenes/easy_32_8_8_8_s0/1.0.0"], printed
     assert printed.count("generating scenes/easy_32_8_8_8_s0") == bars >= 1  # one bar, redrawn
+
+
+def test_quiet_keeps_tfds_tensorflow_banner_off_stdout(capsys):
+    """A dataset not prepared made TFDS probe TensorFlow, which printed a starred "Failed to import
+    TensorFlow … Please install" block on stdout before vitmm's own error: TensorFlow is not a dependency."""
+    import importlib.util
+
+    import pytest
+    from tensorflow_datasets.core.utils import lazy_imports_utils as utils
+
+    if importlib.util.find_spec("tensorflow") is not None:
+        pytest.skip("TensorFlow is installed here: TFDS prints no banner")
+    try:
+        console.quiet()
+        with pytest.raises(ImportError):
+            getattr(utils.tensorflow, "io")  # noqa: B009 - what TFDS's file utilities reach for
+        assert capsys.readouterr().out == ""
+        console.quiet(verbose=True)
+        with pytest.raises(ImportError):
+            getattr(utils.tensorflow, "io")  # noqa: B009
+        assert "Failed to import TensorFlow" in capsys.readouterr().out
+    finally:
+        console.quiet()

@@ -4,7 +4,9 @@ A healthy run made TFDS, grain and orbax print warnings a newcomer reads as prob
 data configuration" for every scenes build, "OpenCV is not installed" (vitmm decodes with Pillow
 on purpose), orbax's notes on every read-only checkpoint read and on the data-iterator item a
 parameter-only restore leaves out. ``quiet()`` drops exactly those (``--verbose`` keeps them);
-every other warning still prints.
+every other warning still prints. It also keeps off stdout the starred "Failed to import TensorFlow …
+Please install" banner TFDS prints when a data folder is probed without TensorFlow (a dataset not
+prepared): TensorFlow is not a dependency, and vitmm's own error says what to do.
 
 A failed save or restore made orbax and TensorStore print hundreds of lines from their own threads
 (an error per array, then an asyncio traceback per aborted write) before vitmm's one-line message.
@@ -68,6 +70,20 @@ def quiet(verbose: bool = False) -> None:
             handler.removeFilter(_EXPECTED)
         elif _EXPECTED not in handler.filters:
             handler.addFilter(_EXPECTED)
+    _tensorflow_banner(verbose)
+
+
+def _tensorflow_banner(shown: bool) -> None:
+    """TFDS's lazy ``tensorflow`` module prints its banner (``error_callback``) before it raises the
+    ImportError, which is still raised. Only where TFDS is loaded (the commands that read data import
+    it before calling ``quiet``): importing it here would slow the others down."""
+    utils = sys.modules.get("tensorflow_datasets.core.utils.lazy_imports_utils")
+    lazy = getattr(utils, "tensorflow", None)
+    pending = [lazy] if hasattr(lazy, "error_callback") else []
+    while pending:  # the lazy module and the submodules it made so far, which copied its callback
+        module = pending.pop()
+        object.__setattr__(module, "error_callback", utils.tf_error_callback if shown else None)
+        pending.extend(getattr(module, "_submodules", {}).values())
 
 
 class _FromLibraries(logging.Filter):

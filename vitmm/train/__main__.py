@@ -97,8 +97,23 @@ def parse_flags(argv):
     except Exception as err:  # noqa: BLE001 - config_flags raises whatever the config file raised
         if _debug(argv):
             raise
-        lines = [line for line in str(err).splitlines() if line.strip()]
-        _fail(_config_key_error(argv) or (lines[-1] if lines else repr(err)), 2)
+        _fail(_config_key_error(argv) or _one_line(err), 2)
+
+
+def _one_line(err: Exception) -> str:
+    """A flag or config error in one line. A user error says itself, without its exception's name, as
+    the run's own one-line errors do (``Unknown config arg 'stepz' …``, not ``ValueError: …``, the last line
+    of the config file's traceback that absl's error carries); any other error from a broken config file
+    keeps its name, the cause (``NameError: name 'x' is not defined``)."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return repr(err)
+    name, sep, message = lines[-1].partition(": ")
+    if sep and name in {e.__name__ for e in USER_ERRORS}:
+        return message
+    if not isinstance(err, (flags.Error, *USER_ERRORS)):  # raised by the config file when first used
+        return f"{type(err).__name__}: {lines[-1]}"
+    return lines[-1]
 
 
 def summary_table(summary: dict) -> str:
@@ -122,7 +137,28 @@ def summary_table(summary: dict) -> str:
     for key, value in evals.items():  # anything else an evaluator reports (e.g. VLM accuracies)
         if key not in shown and "chance" not in key and not key.endswith(("examples", "batches")):
             lines.append(f"{key:<28} {value:>8.3f} {'-':>8}")
-    lines.append(f"checkpoints {summary['checkpoints']} in {summary['workdir']}")
+    lines.append(checkpoints_line(summary))
+    return "\n".join(lines)
+
+
+def checkpoints_line(summary: dict) -> str:
+    return f"checkpoints {summary['checkpoints']} in {summary['workdir']}"
+
+
+def final_report(summary: dict, config) -> str:
+    """What a finished run prints: the final evaluation's table (``summary_table``), or only where its
+    checkpoints are when nothing was evaluated; then each evaluator the config sets up that did not run
+    for want of data (``tasks.evals_config`` leaves those out: a LLaVA config without held-out data)."""
+    from vitmm.data import formats
+    from vitmm.train import tasks
+
+    lines = [summary_table(summary) if summary["evals"] else checkpoints_line(summary)]
+    run = tasks.evals_config(config)
+    keys = [k for k in formats.RAW_KEYS if k != "mixture"]
+    for name in config.get("evals") or {}:
+        if name not in run:
+            lines.append(f"evals.{name}: no data.{keys[0]} (nor {', '.join(keys[1:])}), not run; set "
+                         f"--config.evals.{name}.data.{keys[0]} (held-out examples) to evaluate")
     return "\n".join(lines)
 
 
@@ -167,8 +203,7 @@ def main(argv):
         logged = f"; the full error is in {errors_log}" if errors_log.is_file() else ""
         _fail(f"{console.cause(err)}{logged}. Free space or fix the path, then rerun the same command (a run "
               "resumes from its last checkpoint).", 1)
-    if summary["evals"]:
-        print(summary_table(summary))
+    print(final_report(summary, flags.FLAGS.config))
 
 
 if __name__ == "__main__":

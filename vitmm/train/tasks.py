@@ -322,14 +322,15 @@ def vlm_parts(config) -> tuple[dict, dict]:
                                     "at the start its weights) from that folder: restore it there, or pass "
                                     f"--config.init.{key}=its new place.")
     if found["vision"]:
-        saved = (ckpt_lib.load_config(found["vision"]).get("model") or {}).get("image")
+        tower_config = ckpt_lib.load_config(found["vision"])
+        saved = (tower_config.get("model") or {}).get("image")
         if saved is None:
             raise ValueError(f"{found['vision']} does not say how its image tower was built (no model.image in "
                              "its config); use a `python -m vitmm.train` workdir or a `python -m vitmm.interop` "
                              "folder.")
         saved = _with_run_kernels(saved, vision)
-        if vision is not None and _set(vision) != _set(saved) and jax.process_index() == 0:
-            print(f"model.vision is replaced by the tower saved in {found['vision']}: {saved}", flush=True)
+        vlm_start.say_tower(config, found["vision"], tower_config, saved,
+                            vision is not None and _set(vision) != _set(saved))
         vision = saved
     if vision is None:
         raise ValueError("The VLM has no tower: set --config.init.vision=DIR (or model.vision for a random tower).")

@@ -28,7 +28,7 @@ from vitmm.train import determinism, distributed, imported_vlm, inputs, optim, p
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
-from vitmm.train.stopping import Preempted, StopRequests
+from vitmm.train.stopping import Preempted, StopRequests, non_finite
 from vitmm.train.validation import validate
 
 BASE_METRICS = ("loss", "grad_norm", "param_norm", "update_norm")
@@ -216,7 +216,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
                     print(line, flush=True)
     if is_main:
         sources.pin(workdir, given, replace=not resuming)  # the settings of the folders step 0 was loaded from
-        workdir_lib.write_config(workdir, given)
+        workdir_lib.write_config(workdir, given, task)  # a VLM's tower and LM as built from init.*
     state = par.put_state(state)
     step_fn = setup.compile(state)
     metric_names = BASE_METRICS + task.aux_names
@@ -254,7 +254,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
             at_ckpt = step % config.checkpoint_every == 0 or step in (total, stop_at) or stopping
             at_eval = bool(evaluators) and (step % config.eval_every == 0 or step == total) and not stopping
             if at_log or at_ckpt or at_eval or (sync_every and step % sync_every == 0):
-                _check_finite(par.host_state(state["bad"]), checkpointer, metric_names)
+                _check_finite(par.host_state(state["bad"]), checkpointer, metric_names, config.checkpoint_every)
             if at_log:
                 now = time.perf_counter()
                 host = {k: float(v) for k, v in par.first(metrics).items()}
@@ -324,17 +324,10 @@ def _host_params(params):
     return jax.tree.map(to_host, params)
 
 
-def _check_finite(bad, checkpointer, names) -> None:
+def _check_finite(bad, checkpointer, names, checkpoint_every: int) -> None:
     bad = to_host(bad)
     if bad[0] >= 0:
-        last = checkpointer.latest_step()
-        raise FloatingPointError(
-            f"Non-finite {names[int(bad[1])]} at step {int(bad[0]) + 1}; the run stops. "
-            + (f"The last good checkpoint (step {last}) is kept in {checkpointer.directory}."
-               if last is not None else "No checkpoint had been written yet.")
-            + " Lower the learning rate, raise warmup or clip harder, then resume with "
-              "--config.allow_config_change=True."
-        )
+        raise non_finite(names[int(bad[1])], int(bad[0]) + 1, checkpointer, checkpoint_every)
 
 
 def _evaluate_state(evaluators, task, par, state) -> dict:

@@ -1,6 +1,6 @@
 """A VLM's start, checked and fitted before anything trains: the connector's token budget on the
 tower's grid, a pretrained tower's positions and patch kernel fitted to the run, LoRA's scale and
-the kernels its adapters stand in for (frozen)."""
+the kernels its adapters stand in for (frozen); what a tower loaded from ``init.vision`` changes (``say_tower``)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,26 @@ def check_budget(connector: dict, vision: dict, image_size) -> None:
             f"connector {connector.get('name')!r} with budget {connector.get('budget')!r} gives {tokens} visual "
             f"tokens, more than the {grid[0]}x{grid[1]} = {grid[0] * grid[1]} patches it summarises; choose a "
             f"budget of at most {grid[0] * grid[1]}.")
+
+
+def say_tower(config, folder, tower_config: dict, tower: dict, replaced: bool) -> None:
+    """Says (process 0) that the tower saved in ``folder`` replaces ``model.vision``, and when the
+    run's ``input.image_size`` differs from the one that tower was trained or converted for (its
+    positions are fitted to the run's grid: ``fit_positions``), as an imported VLM's start reports it."""
+    import jax
+
+    lines = [f"model.vision is replaced by the tower saved in {folder}: {tower}"] if replaced else []
+    own, made = _plain(config.input.get("image_size")), _plain((tower_config.get("input") or {}).get("image_size"))
+    if own is not None and made is not None and _pair(own) != _pair(made):
+        lines.append(f"input.image_size {own}: the tower saved in {folder} was made for input.image_size {made}; "
+                     f"the run feeds it {own} (its positions fitted to that grid)")
+    for line in lines if jax.process_index() == 0 else ():
+        print(line, flush=True)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def _pair(value):
+    return list(value) if isinstance(value, list) else [value, value]

@@ -210,10 +210,21 @@ def check_config_change(saved: dict | None, config, checkpoint_dir, also_safe=()
     return lines
 
 
-def write_config(workdir: pathlib.Path, config) -> None:
+def write_config(workdir: pathlib.Path, config, task=None) -> None:
+    """``WORKDIR/config.json``: ``config`` as the run resolved it. A VLM whose tower or LM came from
+    ``init.vision`` / ``init.lm`` shows there the settings they were built with (``task.vision`` /
+    ``task.lm``, read from those folders: ``tasks.vlm_parts``), not the config's placeholder
+    ``model.vision`` / ``model.lm``. (Only here: the checkpoints keep the config as given, which a
+    resume compares and the ``init.*`` copies in ``W/sources/`` complete.)"""
     path = pathlib.Path(workdir) / "config.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(json.loads(config.to_json_best_effort()), indent=1, sort_keys=True) + "\n")
+    saved = json.loads(config.to_json_best_effort())
+    for key in ("vision", "lm"):
+        built = getattr(task, key, None)
+        if isinstance(built, dict) and (config.get("init") or {}).get(key):
+            saved["model"][key] = json.loads(json.dumps(built, default=lambda v: v.item() if hasattr(v, "item")
+                                                        else str(v)))
+    tmp.write_text(json.dumps(saved, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
 
 
