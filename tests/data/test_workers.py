@@ -214,20 +214,20 @@ def test_close_frees_the_workers_semaphores_and_the_exit_prints_no_traceback(tmp
             source = formats.WdsSource(examples.write_wds({str(tmp_path)!r}, 24, resolution=16))
             counts = []
             for _ in range(2):  # (the first also makes grain's few semaphores for good)
-                it = pipeline.train_iterator(source, preprocess.parse({PP!r}), 4, num_threads=1, workers=2)
+                it = pipeline.train_iterator(source, preprocess.parse({PP!r}), 4, num_threads=1, workers=1)
                 next(it)
                 counts.append(semaphores())
                 it.close()
                 counts.append(semaphores())
             print("SEMAPHORES", *counts, flush=True)
-            it = pipeline.train_iterator(source, preprocess.parse({PP!r}), 4, num_threads=1, workers=2)
+            it = pipeline.train_iterator(source, preprocess.parse({PP!r}), 4, num_threads=1, workers=1)
             next(it)  # and an exit without close(): closed on the way out, as quietly
         """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     _, before, open_, closed = (int(n) for n in done.stdout.split("SEMAPHORES")[1].split())
-    assert open_ > before + 40 and closed == before
+    assert open_ > before + 20 and closed == before  # (~25 a worker)
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 

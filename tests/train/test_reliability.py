@@ -548,6 +548,8 @@ def test_resuming_on_fewer_devices_continues_the_same_global_data_order(tmp_path
                                rtol=1e-5)
 
 
+@pytest.mark.slow  # ~19 s: its parts each have a cheaper test (a resume equals the straight run: test_trainer's
+# test_resume_continues_exactly; the rows past the checkpoint dropped: test_a_resume_drops_the_logged_steps_...)
 def test_a_sigkill_at_a_random_step_ends_where_an_uninterrupted_run_ends(tmp_path, data_dir):
     loop = importlib.import_module("experiments.reliability.preemption_loop")
     # One SIGKILL at a random step (SIGTERM at a known step: the multi-host test; SIGINT, which takes

@@ -192,7 +192,9 @@ def test_qa_evaluator_reports_the_right_values_on_known_answers(clip_smoke_run, 
             assert result[f"acc_{name}"] == 0.0
 
 
-@pytest.mark.parametrize("chat", [False, True])
+# chat=False (plain prompts) is slow: the converted tower and GGUF LM are the same with chat=True, and plain prompts are
+# every other VLM test's
+@pytest.mark.parametrize("chat", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_vlm_from_a_converted_hf_tower_and_a_converted_gguf_lm(tmp_path, data_dir, capsys, chat):
     """Nothing restated: the tower comes from a `python -m vitmm.interop` folder of transformers'
     CLIP vision tower (quick_gelu, eps 1e-5, pre-norm; its 4x4 position table resampled to the
