@@ -17,6 +17,11 @@
   step compiled in 24 s instead of 8 and ran in 4.6 s instead of 4.2), so users keep the MLIR
   emitters. Benchmarks and experiments run with XLA's defaults; ``VITMM_TEST_XLA_OPT=1`` runs
   the tests with them too.
+* Each xdist worker is pinned to one core of those it may use (``VITMM_TEST_PIN=0``: not pinned). XLA
+  sizes its CPU thread pool from the process's affinity, so two unpinned workers each ran a pool as
+  wide as the machine on the same cores; pinned, tests/models took 163 s instead of 193 s (2 workers,
+  2 cores, cold cache, one run each). Subprocesses a test starts share their worker's core (the
+  two-process tests give each process a core of its own: ``VITMM_TEST_CORES``).
 * One persistent XLA compilation cache for the session, shared by both xdist workers and every
   subprocess a test starts (through the environment): many tests compile the very same smoke
   train step (the trainer's resume test alone compiles it three times: 78 s without the cache,
@@ -45,6 +50,12 @@ os.environ["VITMM_TEST_XLA_FLAGS"] = TEST_XLA_FLAGS  # for the subprocesses that
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS, "--xla_force_host_platform_device_count=4"]).strip()
 from vitmm import xla_flags  # noqa: E402 - the suite runs with the settings vitmm's entry points use
+
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and os.environ.get("VITMM_TEST_PIN", "1") == "1":
+    _cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VITMM_TEST_CORES", ",".join(map(str, _cores)))  # (for tests that spread processes)
+    os.sched_setaffinity(0, {_cores[int(_worker[2:]) % len(_cores)]})
 
 xla_flags.use_vitmm_defaults()
 

@@ -69,6 +69,13 @@ def _slurm_job_id() -> int:
     raise RuntimeError("no free port in 61440-65535")
 
 
+def _own_core(i: int) -> list[str]:
+    """The command prefix that runs process ``i`` on a core of its own (the suite pins each test worker
+    to one: ``tests/conftest.py``; a ``preexec_fn`` would fork the multithreaded test process)."""
+    cores = [c for c in os.environ.get("VITMM_TEST_CORES", "").split(",") if c]
+    return ["taskset", "-c", cores[i % len(cores)]] if cores and shutil.which("taskset") else []
+
+
 def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, at_batch=3, slurm=False,
              parallel="jit") -> list[str]:
     """Both processes' stdout, after each exits with ``expect``; ``slurm``: no coordinator in the
@@ -84,8 +91,8 @@ def _run_two(tmp_path, workdir, data_dir, signalled=None, expect=0, at_batch=3, 
                            "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)} if slurm else {}
     extra = [] if signalled is None else [str(signalled), str(pathlib.Path(__file__).resolve().parent), str(at_batch)]
     procs = [subprocess.Popen(
-        ["timeout", "-s", "KILL", "240", sys.executable, str(script), str(ROOT / "configs/clip_scenes.py"),
-         str(workdir), str(data_dir), coordinator, str(i), *extra],
+        [*_own_core(i), "timeout", "-s", "KILL", "240", sys.executable, str(script),
+         str(ROOT / "configs/clip_scenes.py"), str(workdir), str(data_dir), coordinator, str(i), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **slurm_env(i)}, cwd=ROOT)
         for i in range(2)]
     outs = []
