@@ -112,4 +112,7 @@ def main(argv=None) -> pathlib.Path:
 
 if __name__ == "__main__":
     xla_flags.use_vitmm_defaults()
+    from experiments.common import entry
+
+    entry.quiet()  # the libraries' routine warnings off the console; --verbose keeps them
     main()

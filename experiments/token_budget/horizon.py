@@ -193,4 +193,7 @@ def write(main_dir: pathlib.Path, out: pathlib.Path, families: list[str], budget
 
 if __name__ == "__main__":
     tb.xla_flags.use_vitmm_defaults()
+    from experiments.common import entry
+
+    entry.quiet()  # the libraries' routine warnings off the console; --verbose keeps them
     main()
