@@ -254,7 +254,8 @@ def test_qwen_resampler_key_positions_follow_the_grid():
 @pytest.mark.parametrize("k, grid", [(3, (4, 6)), (3, (1, 5)), (2, (4, 4))])
 def test_depthwise_conv_equals_flax_grouped_conv(k, grid):
     """C-Abstractor's and LDP's depthwise conv (shifted multiply-adds, fast on XLA:CPU) computes
-    flax's grouped ``nn.Conv`` with the same parameters, even kernels' SAME padding included."""
+    flax's grouped ``nn.Conv`` with the same parameters, even kernels' SAME padding included, and
+    the same gradients."""
     import flax.linen as nn
 
     x = jax.random.normal(jax.random.key(0), (2, *grid, 8))
@@ -264,7 +265,8 @@ def test_depthwise_conv_equals_flax_grouped_conv(k, grid):
     assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, flax_conv.init(jax.random.key(1), x))
     params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(2), p.shape), params)  # bias too
     np.testing.assert_allclose(ours.apply(params, x), flax_conv.apply(params, x), atol=1e-5, rtol=0)
-    grad = lambda f: jax.grad(lambda p: (f.apply(p, x) ** 2).sum())(params)  # noqa: E731
+    # The gradient is written out (``depthwise_conv``): the parameters' and the input's.
+    grad = lambda f: jax.grad(lambda p, x: (f.apply(p, x) ** 2).sum(), argnums=(0, 1))(params, x)  # noqa: E731
     for a, b in zip(jax.tree.leaves(grad(ours)), jax.tree.leaves(grad(flax_conv)), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
 
