@@ -349,3 +349,30 @@ def test_vitmm_chat_refuses_a_workdir_that_is_not_a_vlm_in_one_line(clip_smoke_r
     assert chat.main(["--workdir", str(clip_smoke_run.workdir), "--question", "what is it?"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m vitmm.chat: ") and "not a VLM" in err[0]
+
+
+def test_a_body_over_the_limit_is_refused_413_by_its_length_or_as_it_streams_in(server):
+    """``--max_request_mb``: a body whose Content-Length is over the limit, and one sent chunked
+    with no length, are each refused (413, OpenAI's error shape) naming the flag; under it, answered."""
+    import http.client
+    import urllib.parse
+
+    url, stop = serve.start_in_thread(server["engine"], max_request_mb=0.002)  # 2,000 bytes
+    try:
+        name = server["engine"].model_name
+        small = json.dumps(dict(model=name, messages=[{"role": "user", "content": "Spell 'red'"}], max_tokens=1))
+        big = json.dumps(dict(model=name, messages=[{"role": "user", "content": "x" * 3000}], max_tokens=1))
+        assert _http(url + "/v1/chat/completions", small.encode())[0] == 200
+        code, reply = _http(url + "/v1/chat/completions", big.encode())
+        assert code == 413 and "--max_request_mb" in reply["error"]["message"]
+        netloc = urllib.parse.urlsplit(url).netloc
+        connection = http.client.HTTPConnection(netloc, timeout=30)
+        connection.request("POST", "/v1/chat/completions", body=iter([big[:1500].encode(), big[1500:].encode()]),
+                           headers={"content-type": "application/json"}, encode_chunked=True)
+        response = connection.getresponse()
+        assert response.status == 413
+        assert "over the server's limit of 0.002 MB" in json.loads(response.read())["error"]["message"]
+        connection.close()
+        assert _http(url + "/health")[0] == 200
+    finally:
+        stop()

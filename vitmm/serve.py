@@ -2,7 +2,7 @@
 (FastAPI on uvicorn).
 
     python -m vitmm.serve --workdir workdirs/llava_s2 [--host 127.0.0.1] [--port 8000] \\
-        [--model_name NAME] [--allow_local_files ROOT]
+        [--model_name NAME] [--allow_local_files ROOT] [--max_request_mb 50]
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
@@ -35,11 +35,15 @@ import uuid
 
 from vitmm.serve_engine import Engine, RequestError
 
+MAX_REQUEST_MB = 50.0  # a request body's limit: ~35 MB of images once base64 has grown them by a third
+
 
 # ----------------------------------------------------------------------------------------------
 #                                             The app
 # ----------------------------------------------------------------------------------------------
-def make_app(engine: Engine):
+def make_app(engine: Engine, max_request_mb: float = MAX_REQUEST_MB):
+    """The FastAPI app over ``engine``; a request body over ``max_request_mb`` MB is refused (413)
+    before more of it is held in memory."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -76,7 +80,7 @@ def make_app(engine: Engine):
         from starlette.concurrency import run_in_threadpool
 
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await _body(request, max_request_mb))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise RequestError(f"The request body is not valid JSON ({err}).") from None
         parsed = await run_in_threadpool(engine.parse, body)
@@ -93,6 +97,24 @@ def make_app(engine: Engine):
             "logprobs": None}]}
 
     return app
+
+
+async def _body(request, max_mb: float) -> bytes:
+    """The request's body, read piece by piece and refused (413) once it is over ``max_mb`` MB, or
+    at once when its Content-Length says so."""
+    limit = int(max_mb * 1e6)
+    refusal = (f"The request body is over the server's limit of {max_mb:g} MB: send smaller images (e.g. JPEG "
+               "at the model's input size), or start the server with a larger --max_request_mb.")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise RequestError(refusal, 413)
+    pieces, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise RequestError(refusal, 413)
+        pieces.append(piece)
+    return b"".join(pieces)
 
 
 async def _whole(engine: Engine, parsed: dict, request) -> list | None:
@@ -164,7 +186,7 @@ async def _events(engine: Engine, parsed: dict, head: dict, request):
     yield "data: [DONE]\n\n"
 
 
-def start_in_thread(engine: Engine, host: str = "127.0.0.1"):
+def start_in_thread(engine: Engine, host: str = "127.0.0.1", max_request_mb: float = MAX_REQUEST_MB):
     """Serves ``engine`` on a free port from a background thread (tests, load tests):
     ``(base URL, stop())``."""
     import socket
@@ -174,7 +196,8 @@ def start_in_thread(engine: Engine, host: str = "127.0.0.1"):
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(engine), host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(make_app(engine, max_request_mb), host=host, port=port,
+                                                log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60
@@ -202,9 +225,13 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model_name", default=None, help="the model id (default: the workdir's name)")
     parser.add_argument("--allow_local_files", default=None, help="image paths under this folder are allowed")
+    parser.add_argument("--max_request_mb", type=float, default=MAX_REQUEST_MB,
+                        help="a request body over this many MB is refused with 413 (default: %(default)g)")
     parser.add_argument("--verbose", action="store_true", help="the libraries' INFO lines and usual warnings too")
     args = parser.parse_args(argv)
     console.quiet(args.verbose)
+    if not args.max_request_mb > 0:
+        parser.error(f"--max_request_mb {args.max_request_mb:g}: give a positive size in MB.")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port}: a port is 0 to 65535.")
     try:  # the address first: a port in use is said before the model is loaded, not after
@@ -226,7 +253,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     print(f"serving {engine.model_name!r} on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
-    uvicorn.Server(uvicorn.Config(make_app(engine), log_level="warning")).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(make_app(engine, args.max_request_mb), log_level="warning")).run(sockets=[sock])
     print("stopped", flush=True)
     return 0
 
