@@ -81,6 +81,10 @@ def test_the_decoder_stops_when_every_answer_is_complete_or_no_longer_read():
     reader.close()  # a stop string found, or the client gone
     time.sleep(0.5)
     assert chat.steps < 100
+    gone = threading.Event()
+    gone.set()  # its client went away while it waited in the queue: no decode (no prefill) for it
+    seen = len(batcher.batch_sizes)
+    assert list(batcher.submit(_request(5, cancelled=gone))) == [] and batcher.batch_sizes[seen:] == []
 
 
 def test_a_character_spelled_out_over_several_tokens_is_streamed_whole():

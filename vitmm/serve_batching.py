@@ -61,7 +61,13 @@ class Batcher:
 
     def _decode(self, group):
         """One decode for ``group``, its rows rounded up to a power of two (filled with copies of the
-        first; the chat rounds the other shapes) so that a server compiles a handful of programs."""
+        first; the chat rounds the other shapes) so that a server compiles a handful of programs.
+        Requests cancelled while they waited in the queue are dropped first."""
+        for gone in [item for item in group if item[0]["cancelled"].is_set()]:  # left while it waited: no prefill
+            gone[1].put(None)
+            group.remove(gone)
+        if not group:
+            return
         rows = 1 << (len(group) - 1).bit_length()
         examples = [request["example"] for request, _ in group]
         examples += examples[:1] * (rows - len(examples))
