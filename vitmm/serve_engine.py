@@ -197,10 +197,10 @@ class Engine:
         tokenizer, stops = self.chat.tokenizer, request["stop"]
         hold = max((len(s) for s in stops), default=1) - 1
         prompt = self.chat.num_prompt_tokens(request["example"])
-        tokens, shown, finish, text = [], "", "length", ""
+        tokens, shown, finish, text, ended = [], "", "length", "", 0
         for token in self.batcher.submit(request):
             if token in tokenizer.eos_ids:  # any of them: an instruct LM's end of turn too
-                finish = "stop"
+                finish, ended = "stop", 1  # generated, so counted in the usage (as vLLM does), never shown
                 break
             tokens.append(token)
             text = tokenizer.decode(tokens)
@@ -217,7 +217,8 @@ class Engine:
                 shown = text[:ready]
         if len(text) > len(shown):
             yield text[len(shown):], None
-        usage = {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
+        generated = len(tokens) + ended
+        usage = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
         yield "", (finish, usage)
 
 
