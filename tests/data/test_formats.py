@@ -116,7 +116,8 @@ def test_wds_caption_falls_back_to_the_json_and_keys_follow_webdataset(tmp_path)
 def test_wds_takes_the_exact_field_before_a_multi_dot_one(tmp_path, write_tar):
     """``key.jpg`` is the image and ``key.txt`` the caption even where ``key.depth.jpg`` and
     ``key.ocr.txt`` come first in the tar (as sorted members do); where every file of a key has several
-    dots, several multi-dot candidates and no exact field are a ``bad_record`` naming them."""
+    dots, several multi-dot candidates and no exact field are a ``bad_record`` naming them, as is a
+    caption that is not UTF-8."""
     black, white = _png(np.zeros((4, 4, 3), np.uint8)), _png(np.full((4, 4, 3), 255, np.uint8))
     ex = formats.WdsSource(write_tar(tmp_path / "a.tar", [("0.depth.jpg", black), ("0.jpg", white),
                                                           ("0.ocr.txt", b"ocr"), ("0.txt", b"a white square")]))[0]
@@ -124,6 +125,9 @@ def test_wds_takes_the_exact_field_before_a_multi_dot_one(tmp_path, write_tar):
     bad = formats.WdsSource(write_tar(tmp_path / "b.tar", [("0.depth.jpg", black), ("0.seg.png", white),
                                                            ("0.cap.txt", b"a square")]))[0]
     assert bad.reason == "bad_record" and "key.depth.jpg, key.seg.png" in bad.detail
+    latin1 = formats.WdsSource(write_tar(tmp_path / "c.tar", [("0.jpg", white),
+                                                              ("0.txt", "un café".encode("latin-1"))]))
+    assert latin1[0].reason == "bad_record" and "key.txt is not UTF-8 text (byte 6)" in latin1[0].detail
 
 
 def test_wds_repeated_keys_are_separate_examples_with_their_own_ids(tmp_path, write_tar):

@@ -75,7 +75,11 @@ class WdsSource:
                 return Skipped("bad_record", example_id, "key.json is not JSON")
             if not isinstance(meta, dict):
                 return Skipped("bad_record", example_id, "key.json is not a JSON object")
-        caption = read(txt_field).decode("utf-8", errors="replace") if txt_field else meta.get("caption")
+        try:  # (as open_clip's webdataset decoder: a caption that is not UTF-8 loses its example, counted)
+            caption = read(txt_field).decode("utf-8") if txt_field else meta.get("caption")
+        except UnicodeDecodeError as err:
+            return Skipped("bad_record", example_id, f"key.{txt_field} is not UTF-8 text (byte {err.start}); "
+                           "re-encode the captions as UTF-8")
         if not isinstance(caption, str) or not caption.strip():
             return Skipped("caption_missing", example_id)
         example["caption"] = caption.strip()
