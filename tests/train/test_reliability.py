@@ -388,8 +388,8 @@ def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path, straight):
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 130 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert [line for line in run.stderr.splitlines() if line.startswith("python -m vitmm.train:")] == [
-        "python -m vitmm.train: Ctrl-C twice: stopped at once, without a checkpoint of this step; rerun the same "
-        "command to resume from the last one."]
+        "python -m vitmm.train: Ctrl-C twice: stopped at once, the checkpoint of this step perhaps unfinished; "
+        "rerun the same command to resume from the last one saved."]
 
 
 def test_a_signal_saves_the_current_step_and_the_resumed_run_matches(tmp_path, straight):

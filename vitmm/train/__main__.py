@@ -186,8 +186,8 @@ def main(argv):
     except KeyboardInterrupt:  # a second Ctrl-C while the first one's checkpoint was on its way
         if debug:
             raise
-        _fail("Ctrl-C twice: stopped at once, without a checkpoint of this step; rerun the same command to resume "
-              "from the last one.", INTERRUPTED)
+        _fail("Ctrl-C twice: stopped at once, the checkpoint of this step perhaps unfinished; rerun the same "
+              "command to resume from the last one saved.", INTERRUPTED)
     except USER_ERRORS as err:
         if debug:
             raise
