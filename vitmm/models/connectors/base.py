@@ -112,10 +112,15 @@ def _depthwise_conv_bwd(saved, g):
     before, after = (k - 1) // 2, k // 2
     dx = _shifted_sum(g, kernel[::-1, ::-1], after, before)  # the transpose: the flipped kernel, padding swapped
     xp = jnp.pad(x, ((0, 0), (before, after), (before, after), (0, 0)))
-    products = jnp.stack([xp[:, i:i + h, j:j + w, :] * g for i in range(k) for j in range(k)], axis=-2)
-    dkernel = jnp.dot(jnp.ones((b * h * w,), g.dtype), products.reshape(b * h * w, k * k * c),
-                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)  # no TF32 on GPUs
-    return dx.astype(x.dtype), dkernel.reshape(k, k, c).astype(kernel.dtype)
+    ones = jnp.ones((b * h * w,), g.dtype)
+
+    def tap(i, j):  # one product at a time: no k²-times-the-activation array
+        product = (xp[:, i:i + h, j:j + w, :] * g).reshape(b * h * w, c)
+        return jnp.dot(ones, product, precision=jax.lax.Precision.HIGHEST,  # (no TF32 on GPUs)
+                       preferred_element_type=jnp.float32)
+
+    dkernel = jnp.stack([jnp.stack([tap(i, j) for j in range(k)]) for i in range(k)])
+    return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
 
 
 depthwise_conv.defvjp(_depthwise_conv_fwd, _depthwise_conv_bwd)
