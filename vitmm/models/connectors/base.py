@@ -92,14 +92,22 @@ def _shifted_sum(x, kernel, before: int, after: int):
     return sum(xp[:, i:i + h, j:j + w, :] * kernel[i, j] for i in range(k) for j in range(k))
 
 
+def _same_depthwise(x, kernel):
+    k = kernel.shape[0]
+    return _shifted_sum(x, kernel, (k - 1) // 2, k // 2)
+
+
 @jax.custom_vjp
 def depthwise_conv(x, kernel):
     """Depthwise k×k convolution with SAME padding (an even kernel's extra row/column after),
-    ``x [B, h, w, C]``, ``kernel [k, k, C]``. Its gradient is written out: the kernel's as one
-    matrix product over the batch and positions; autodiff's nine per-channel sums over the leading
-    axes (column reductions) ran the C-Abstractor's whole gradient ~1.6× slower on XLA:CPU."""
-    k = kernel.shape[0]
-    return _shifted_sum(x, kernel, (k - 1) // 2, k // 2)
+    ``x [B, h, w, C]``, ``kernel [k, k, C]``, its gradient written out for XLA:CPU: the kernel's as
+    one matrix-vector product per tap, where autodiff's per-channel sums over the batch and positions
+    (column reductions) ran the C-Abstractor's gradient ~1.6× slower, and the input's as the
+    correlation with the flipped kernel. A written JVP (``layers.dense``'s way, which keeps forward
+    mode) transposed to a slower input gradient: its step was ~1.3× this one's. So forward mode
+    (``jax.jvp``, forward-over-reverse Hessian products) does not go through it; ``DepthwiseConv``
+    uses it on CPU only, reverse mode of any order works."""
+    return _same_depthwise(x, kernel)
 
 
 def _depthwise_conv_fwd(x, kernel):
@@ -129,7 +137,7 @@ depthwise_conv.defvjp(_depthwise_conv_fwd, _depthwise_conv_bwd)
 class DepthwiseConv(nn.Module):
     """``nn.Conv(C, (k, k), padding="SAME", feature_group_count=C)`` with the same parameters
     (``kernel [k, k, 1, C]``, ``bias [C]``), computed as k² shifted multiply-adds, which XLA:CPU
-    runs (with their gradients, ``depthwise_conv``) much faster than a grouped convolution;
+    runs (with their gradients, ``depthwise_conv`` on CPU) much faster than a grouped convolution;
     equality, gradients included, is tested in the connector tests."""
 
     features: int
@@ -140,7 +148,7 @@ class DepthwiseConv(nn.Module):
     def __call__(self, x):  # x: [B, h, w, C]
         k = self.kernel_size
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, k, 1, self.features), jnp.float32)
-        out = depthwise_conv(x, kernel[:, :, 0])
+        out = (depthwise_conv if layers.platform() == "cpu" else _same_depthwise)(x, kernel[:, :, 0])
         if self.use_bias:
             out = out + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
         return out
