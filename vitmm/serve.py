@@ -196,8 +196,8 @@ def start_in_thread(engine: Engine, host: str = "127.0.0.1", max_request_mb: flo
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, max_request_mb), host=host, port=port,
-                                                log_level="warning"))
+    app = make_app(engine, max_request_mb)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60

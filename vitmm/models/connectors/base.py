@@ -124,8 +124,7 @@ def _depthwise_conv_bwd(saved, g):
 
     def tap(i, j):  # one product at a time: no k²-times-the-activation array
         product = (xp[:, i:i + h, j:j + w, :] * g).reshape(b * h * w, c)
-        return jnp.dot(ones, product, precision=jax.lax.Precision.HIGHEST,  # (no TF32 on GPUs)
-                       preferred_element_type=jnp.float32)
+        return jnp.dot(ones, product, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
     dkernel = jnp.stack([jnp.stack([tap(i, j) for j in range(k)]) for i in range(k)])
     return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
