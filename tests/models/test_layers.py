@@ -76,3 +76,28 @@ def test_dense_bfloat16_compute_and_flax_fallbacks():
     # an explicit precision goes to flax's own code, with the same parameters
     x, params, ours, flax_dense = _both(precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_array_equal(np.asarray(ours.apply(params, x)), np.asarray(flax_dense.apply(params, x)))
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 4, 5, 16), jnp.float32), ((2, 7, 16), jnp.bfloat16)])
+def test_layernorm_is_flax_layernorm_bit_for_bit_and_in_every_derivative(shape, dtype):
+    """vitmm's LayerNorm (its scale/bias gradients as products on CPU) gives flax's outputs bit for
+    bit, its gradients (input, scale, bias), forward mode and a gradient of a gradient."""
+    x = jax.random.normal(jax.random.key(0), shape).astype(dtype)
+    ours, theirs = layers.LayerNorm(epsilon=1e-5), nn.LayerNorm(epsilon=1e-5)
+    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(2), p.shape, p.dtype),
+                          ours.init(jax.random.key(1), x))
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, theirs.init(jax.random.key(1), x))
+    out = ours.apply(params, x)
+    assert out.dtype == theirs.apply(params, x).dtype and np.array_equal(out, theirs.apply(params, x))
+    r = jax.random.normal(jax.random.key(3), shape)
+    loss = lambda f: lambda p, x: (f.apply(p, x).astype(jnp.float32) * r).sum()  # noqa: E731
+    for a, b in zip(jax.tree.leaves(jax.grad(loss(ours), argnums=(0, 1))(params, x)),
+                    jax.tree.leaves(jax.grad(loss(theirs), argnums=(0, 1))(params, x)), strict=True):
+        np.testing.assert_allclose(np.float32(a), np.float32(b), atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
+    tangents = jax.tree.map(lambda p: jax.random.normal(jax.random.key(4), p.shape, p.dtype), (params, x))
+    for a, b in zip(jax.jvp(ours.apply, (params, x), tangents), jax.jvp(theirs.apply, (params, x), tangents),
+                    strict=True):
+        np.testing.assert_allclose(np.float32(a), np.float32(b), atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
+    second = lambda f: jax.grad(lambda x: (jax.grad(loss(f))(params, x)["params"]["scale"] ** 2).sum())(x)  # noqa: E731
+    np.testing.assert_allclose(np.float32(second(ours)), np.float32(second(theirs)),
+                               atol=5e-2 if dtype == jnp.bfloat16 else 1e-4)

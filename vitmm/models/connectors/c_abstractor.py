@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from vitmm.models import common
+from vitmm.models import common, layers
 from vitmm.models.connectors.base import MLP, DepthwiseConv, adaptive_avg_pool, check_tokens
 from vitmm.models.connectors.budget import square_side
 
@@ -26,7 +26,7 @@ class ResBlock(nn.Module):
     def __call__(self, x):  # x: [B, h, w, C]
         conv = lambda n, name: nn.Conv(n, (1, 1), use_bias=False, name=name)  # noqa: E731
         # timm's ConvNormAct turns Honeybee's LayerNorm2d into LayerNormAct2d, whose eps is 1e-5.
-        norm = lambda name: nn.LayerNorm(epsilon=1e-5, name=name)  # noqa: E731
+        norm = lambda name: layers.LayerNorm(epsilon=1e-5, name=name)  # noqa: E731 - flax's, its gradient faster on CPU
         y = nn.silu(norm("norm1")(conv(self.width, "conv1")(x)))
         y = nn.silu(norm("norm2")(DepthwiseConv(self.width, use_bias=False, name="conv2")(y)))
         se = y.mean(axis=(1, 2), keepdims=True)
