@@ -109,10 +109,10 @@ def test_a_loaded_tower_made_for_another_image_size_is_said(tmp_path, capsys, mo
     tower = dict(c.model.vision.to_dict())
     folder = {"model": {"image": tower}, "input": {"image_size": [48, 64]}}
     monkeypatch.setattr(tasks.ckpt_lib, "load_config", lambda path: folder)
-    tasks.vlm_parts(c)
+    tasks.vlm_parts(c, say=True)
     assert capsys.readouterr().out.splitlines() == [
         f"input.image_size 64: the tower saved in {tmp_path / 'saved_tower'} was made for input.image_size [48, 64]; "
         "the run feeds it 64 (its positions fitted to that grid)"]
     folder["input"]["image_size"] = [64, 64]  # the same size, either way written: nothing to say
-    tasks.vlm_parts(c)
+    tasks.vlm_parts(c, say=True)
     assert capsys.readouterr().out == ""

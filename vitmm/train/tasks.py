@@ -159,6 +159,8 @@ class VLMTask:
             else None  # flat sequences' M-RoPE positions are made on the host (data.sequences)
         params = dict(variables["params"])
         dont_load = c.init.get("dont_load") or ()
+        if load:  # a start from the init folders (a resume reads its own checkpoint): say what they replace
+            vlm_parts(c, say=True)
         if c.init.get("vision") and load:
             tower = ckpt_lib.load_params(c.init.vision)
             if "img" not in tower:
@@ -308,10 +310,11 @@ def _set(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if not (k in KERNEL_KEYS and v is None)}
 
 
-def vlm_parts(config) -> tuple[dict, dict]:
+def vlm_parts(config, say: bool = False) -> tuple[dict, dict]:
     """``(tower settings, LM settings)`` of a VLM run: read from the checkpoints ``init.vision``
     and ``init.lm`` point at (what built them), otherwise ``model.vision`` / ``model.lm``. A
-    config value that a checkpoint overrides is reported, never silently mixed in; the run's
+    config value that a checkpoint overrides is reported with ``say`` (once, as the run starts from
+    those folders: not again on a resume, nor by every reader of the settings), never silently mixed in; the run's
     ``attn_impl`` (e.g. ``cudnn`` on a GPU) and ``remat_policy`` apply to a loaded tower or LM too."""
     vision = config.model.vision.to_dict() if config.model.get("vision") else None
     lm = config.model.lm.to_dict()
@@ -329,8 +332,9 @@ def vlm_parts(config) -> tuple[dict, dict]:
                              "its config); use a `python -m vitmm.train` workdir or a `python -m vitmm.interop` "
                              "folder.")
         saved = _with_run_kernels(saved, vision)
-        vlm_start.say_tower(config, found["vision"], tower_config, saved,
-                            vision is not None and _set(vision) != _set(saved))
+        if say:
+            vlm_start.say_tower(config, found["vision"], tower_config, saved,
+                                vision is not None and _set(vision) != _set(saved))
         vision = saved
     if vision is None:
         raise ValueError("The VLM has no tower: set --config.init.vision=DIR (or model.vision for a random tower).")
