@@ -244,3 +244,18 @@ def test_a_worker_killed_by_the_kernel_is_named_with_the_settings_to_lower(shard
                 next(it)
     finally:
         it.close()
+
+
+def test_counts_past_2_to_the_31_add_up_across_processes(monkeypatch):
+    """Each process's counts gathered as JAX arrays (int32 without x64) and summed: a long run's
+    examples read past 2**31 on one host still add up exactly."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    local = {"data/read": 3_000_000_007.0, "data/skipped": 5.0, "data/truncated": 0.0, "data/skipped/bad_record": 5.0}
+    monkeypatch.setattr(skips, "metrics", lambda state: local)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: jnp.stack([jnp.asarray(x)] * 2))
+    total = skips.metrics_of_all_processes(None)
+    assert total == {"data/read": 6_000_000_014, "data/skipped": 10, "data/truncated": 0, "data/skipped/bad_record": 10}

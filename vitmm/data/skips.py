@@ -235,8 +235,11 @@ def metrics_of_all_processes(state) -> dict:
     from jax.experimental import multihost_utils
 
     keys = ("data/read", "data/skipped", "data/truncated", *(f"data/skipped/{r}" for r in REASONS))
-    counts = np.array([local.get(k, 0) for k in keys] + [bool(local)], np.int32)
-    total = np.asarray(multihost_utils.process_allgather(counts)).sum(0)
+    counts = np.array([local.get(k, 0) for k in keys] + [bool(local)], np.int64)
+    # Gathered as 31-bit halves: JAX without x64 holds int32, and a long run reads past 2**31 examples a host.
+    halves = np.stack([counts >> 31, counts & (2**31 - 1)]).astype(np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(halves)).astype(np.int64)
+    total = ((gathered[:, 0] << 31) + gathered[:, 1]).sum(0)
     if not total[-1]:
         return {}
     return {k: np.float64(v) for k, v in zip(keys, total[:-1], strict=True) if v or not k.startswith("data/skipped/")}
