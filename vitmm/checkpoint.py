@@ -211,7 +211,11 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for background saves and closes. Called while another error propagates (a NaN, a failed
-        evaluation, a preemption), a failed save is logged and said, and that error stays the one raised."""
+        evaluation, a preemption), a failed save is logged and said, and that error stays the one raised.
+        Once closed, a second call does nothing."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         failing, error = sys.exc_info()[1] is not None, None
         for finish in (self._mngr.wait_until_finished, self._mngr.close):  # (close waits again)
             try:

@@ -234,13 +234,18 @@ def test_a_resume_drops_the_logged_steps_it_redoes_and_writes_the_config(tmp_pat
     assert saved["optim"]["lr"] == config.optim.lr and saved["total_steps"] == 4
 
 
-def test_a_resume_with_a_changed_config_says_what_changed_and_refuses_what_matters(tmp_path, straight, capsys):
+def test_a_resume_with_a_changed_config_says_what_changed_and_refuses_what_matters(tmp_path, straight, capsys,
+                                                                                   monkeypatch):
     _, _, config = straight
     trainer.train(config, tmp_path, stop_at=2)
     changed = smoke_config(straight[2].input.data_dir, evals=False, log_every=1, checkpoint_every=1,
                            **{"optim.lr": 0.5})
+    closed, close = [], ckpt_lib.Checkpointer.close
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "close", lambda self: (closed.append(self), close(self))[1])
     with pytest.raises(workdir_lib.ConfigChanged, match=r"would change optim/lr:\n  optim/lr: 0.001 -> 0.5"):
         trainer.train(changed, tmp_path)
+    assert len(closed) == 1 and closed[0]._closed  # the refused run's checkpoint manager closed, not left open
+    monkeypatch.undo()
     assert ckpt_lib.Checkpointer(tmp_path).all_steps() == [1, 2]  # nothing written
     harmless = smoke_config(straight[2].input.data_dir, evals=False, log_every=2, checkpoint_every=1)
     assert trainer.train(harmless, tmp_path, stop_at=3)["final_step"] == 3

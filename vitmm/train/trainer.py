@@ -186,6 +186,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     if set_aside:  # --restart over an earlier run's log, once this run's settings have all been checked
         startup.set_aside_history(workdir)
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=config.get("keep_checkpoints", 2))
+    cleanup.callback(checkpointer.close)  # also when a resume is refused or starts afresh, before the loop's own close
     start = 0
     if resuming:
         abstract = par.abstract_for_restore(jax.eval_shape(lambda: state))
