@@ -244,3 +244,19 @@ def test_bfloat16_safetensors_read_in_a_process_that_has_not_imported_jax(tmp_pa
             "assert 'jax' not in sys.modules; print(t['w'].astype('float32').tolist())")
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]", run.stderr[-2000:]
+
+
+def test_configs_that_change_which_layers_are_windowed_are_read_or_refused():
+    """Gemma 3 configs on the Hub set ``sliding_window_pattern`` (transformers builds ``layer_types``
+    from it, 6 by default); Qwen3's ``use_sliding_window`` windows layers vitmm does not, so it is
+    refused as Qwen2's is; an unsupported RoPE scaling names the file and the way out."""
+    config = json.loads((FIXTURES / "hf_gemma3" / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in ("layer_types", "_sliding_window_pattern")}
+    assert hf_lm.lm_kwargs({**config, "num_hidden_layers": 7}, "g")["window_layers"] == (0, 1, 2, 3, 4, 6)
+    two = {**config, "num_hidden_layers": 4, "sliding_window_pattern": 2}
+    assert hf_lm.lm_kwargs(two, "g")["window_layers"] == (0, 2)
+    qwen3 = json.loads((FIXTURES / "hf_qwen3" / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"^q3: qwen3's use_sliding_window=true .* set it to false"):
+        hf_lm.lm_kwargs({**qwen3, "use_sliding_window": True, "sliding_window": 4}, "q3")
+    with pytest.raises(ValueError, match=r"^q3: RoPE scaling 'yarn' is not supported.*config.json\.$"):
+        hf_lm.lm_kwargs({**qwen3, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "q3")

@@ -132,3 +132,18 @@ def test_a_is_drawn_as_peft_draws_it_and_b_is_zero(setup):
         assert np.abs(a).max() <= fan_in ** -0.5 and np.abs(a).max() > 0.8 * fan_in ** -0.5, name
         assert abs(a.std() - fan_in ** -0.5 / np.sqrt(3)) < 0.2 * fan_in ** -0.5, name  # a uniform's std
         assert not np.any(np.asarray(ad["b"]))
+
+
+def test_on_a_gpu_the_branch_is_added_once_as_merge_folds_it(setup):
+    """Off CPU vitmm's ``Dense.__call__`` calls flax's, and flax runs the interceptor on both calls:
+    the branch must still be added once, so training (``apply``) and export (``merge``) agree there
+    too (traced as for a GPU on this machine, the path a GPU takes)."""
+    from vitmm.models import layers
+
+    model, params, ids = setup
+    adapters = lora.init(params, TARGETS, rank=4, key=jax.random.key(2))
+    adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(3), x.shape), adapters)
+    merged = np.asarray(model.apply({"params": lora.merge(params, adapters, 8.0)}, ids))
+    with layers.compiling_for("gpu"):
+        adapted = np.asarray(lora.apply(model, params, adapters, 8.0, ids))
+    np.testing.assert_allclose(adapted, merged, rtol=1e-5, atol=1e-5)

@@ -32,7 +32,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "ge
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 
 
-def _rope(config: dict) -> tuple[float, dict | None]:
+def _rope(config: dict, src=None) -> tuple[float, dict | None]:
     """``(theta, scaling)`` from either transformers 5's ``rope_parameters`` or the older
     ``rope_theta`` + ``rope_scaling``."""
     params = dict(config.get("rope_parameters") or {})
@@ -45,7 +45,9 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     if kind == "linear":
         return theta, {"rope_type": "linear", "factor": float(scaling["factor"])}
     if kind != "llama3":
-        raise ValueError(f"RoPE scaling {kind!r} is not supported; vitmm reads 'default', 'linear' and 'llama3'.")
+        raise ValueError(f"{src}: RoPE scaling {kind!r} is not supported; vitmm reads 'default', 'linear' and "
+                         "'llama3'. To run it at its original context length, drop the scaling (rope_scaling, or "
+                         "rope_parameters' rope_type and factor) from its config.json.")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return theta, {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
 
@@ -90,11 +92,12 @@ def lm_kwargs(config: dict, src) -> dict:
     if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"{src}: partial_rotary_factor={config['partial_rotary_factor']} (RoPE on part of each head) "
                          "is not supported.")
-    if family == "qwen2" and config.get("use_sliding_window"):
-        raise ValueError(f"{src}: Qwen2's use_sliding_window=true (windows on some layers) is not supported.")
+    if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+        raise ValueError(f"{src}: {family}'s use_sliding_window=true (windows on the layers from max_window_layers on) "
+                         "is not supported; set it to false in config.json to run every layer unwindowed.")
     width, heads = config["hidden_size"], config["num_attention_heads"]
     per_type = (config.get("rope_parameters") or {}).get("full_attention")  # Gemma 3: per layer type
-    theta, scaling = _rope({**config, "rope_parameters": per_type} if per_type else config)
+    theta, scaling = _rope({**config, "rope_parameters": per_type} if per_type else config, src)
     head_dim = config.get("head_dim") or width // heads
     act = config.get("hidden_activation") or config.get("hidden_act", "silu")
     if family == "gemma" and act == "gelu" and not config.get("hidden_activation"):
@@ -130,7 +133,8 @@ def _gemma2(config: dict, src) -> dict:
     """Gemma 2's own fields: the window on its ``sliding_attention`` layers (every other one by
     default), the sub-layers' output norms, its query scale and the two soft caps."""
     depth = config["num_hidden_layers"]
-    pattern = 6 if config.get("model_type") == "gemma3_text" else 2  # Gemma 3: every 6th layer global
+    # Gemma 3: every 6th layer global, or its config's sliding_window_pattern (as transformers reads it)
+    pattern = int(config.get("sliding_window_pattern") or 6) if config.get("model_type") == "gemma3_text" else 2
     types = config.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                           for i in range(depth)]
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})

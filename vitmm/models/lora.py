@@ -77,13 +77,20 @@ def apply(model: nn.Module, params: dict, adapters: dict, alpha: float, *args, d
     scale = _scale(adapters, alpha)
     if dropout and rng is None:
         raise ValueError("LoRA dropout needs an rng.")
-    counter = [0]
+    counter, inside = [0], set()
 
     def interceptor(next_fun, call_args, call_kwargs, context):
-        out = next_fun(*call_args, **call_kwargs)
         if context.method_name != "__call__" or not isinstance(context.module, nn.Dense):
-            return out
-        ab = adapters.get(".".join(context.module.path))
+            return next_fun(*call_args, **call_kwargs)
+        layer = ".".join(context.module.path)
+        if layer in inside:  # a Dense's __call__ calling its parent's (vitmm's Dense off CPU): the branch once
+            return next_fun(*call_args, **call_kwargs)
+        inside.add(layer)
+        try:
+            out = next_fun(*call_args, **call_kwargs)
+        finally:
+            inside.discard(layer)
+        ab = adapters.get(layer)
         if ab is None:
             return out
         x = call_args[0]
