@@ -116,10 +116,14 @@ def compare(main_rows: list[dict], long_rows: list[dict], steps: tuple[int, int]
 def horizon_tests(main_rows: list[dict], long_rows: list[dict], steps: tuple[int, int]) -> list[verdicts.Test]:
     """Each cell's gain from the shorter to the longer horizon, at each horizon the gap between every
     two families (does their order hold when the runs train longer?), and each gap's change between
-    the horizons, over the seeds both ran."""
+    the horizons: a gain over the seeds its cell ran at both horizons (the table's), a gap and its
+    change over the seeds both families ran at both."""
     cells = list(dict.fromkeys((r["family"], r["tokens"]) for r in long_rows if r["status"] == "ok"))
     acc = {cell: [by_seed(rows, *cell, "accuracy") for rows in (main_rows, long_rows)] for cell in cells}
-    seeds = sorted(set.intersection(*(set(a) & set(b) for a, b in acc.values()))) if acc else []
+
+    def both(*of):  # the seeds every horizon of every cell named holds
+        return sorted(set.intersection(*(set(runs) for cell in of for runs in acc[cell])))
+
     tests = []
 
     def add(name, diffs):
@@ -127,15 +131,16 @@ def horizon_tests(main_rows: list[dict], long_rows: list[dict], steps: tuple[int
             tests.append(verdicts.Test(name, *test))
 
     for (family, tokens), (short, long) in acc.items():
-        add(f"{family}@{tokens}: {steps[1]:,} − {steps[0]:,} steps", [long[k] - short[k] for k in seeds])
+        add(f"{family}@{tokens}: {steps[1]:,} − {steps[0]:,} steps",
+            [long[k] - short[k] for k in both((family, tokens))])
     for h, n in enumerate(steps):
         for i, a in enumerate(cells):
             for b in cells[i + 1:]:
-                add(f"{a[0]} − {b[0]} at {n:,} steps", [acc[a][h][k] - acc[b][h][k] for k in seeds])
+                add(f"{a[0]} − {b[0]} at {n:,} steps", [acc[a][h][k] - acc[b][h][k] for k in both(a, b)])
     for i, a in enumerate(cells):  # does a gap close with training? (the spread partly how fast each learns)
         for b in cells[i + 1:]:
             add(f"{a[0]} − {b[0]}: change from {steps[0]:,} to {steps[1]:,} steps",
-                [(acc[a][1][k] - acc[b][1][k]) - (acc[a][0][k] - acc[b][0][k]) for k in seeds])
+                [(acc[a][1][k] - acc[b][1][k]) - (acc[a][0][k] - acc[b][0][k]) for k in both(a, b)])
     return tests
 
 

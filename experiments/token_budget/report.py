@@ -164,7 +164,7 @@ def factor_test(summary: list[dict]) -> dict | None:
     part of the main table: the families that ran at every requested budget, over the seeds all of
     them ran. Returns each source's sum of squares, degrees of freedom, share of the total (η²), F
     and p against the residual (family × budget is tested as well, so a budget effect that differs
-    by family shows), and the range of the budget and family marginal means in points."""
+    by family shows), and the budget and family marginal means in points."""
     order = lambda b: (not b.isdigit(), int(b) if b.isdigit() else 0)
     cells, reached = {}, set()  # a budget that reaches a count a smaller one did (all = 9 on 4×4): its runs, once
     for s in sorted(ok_rows(summary, ""), key=lambda s: order(str(s["budget"]))):

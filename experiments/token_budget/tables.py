@@ -365,7 +365,8 @@ def seed_lines(summary: list[dict]) -> list[str]:
     for s, n in got["cells"]:
         name = s["family"] + (f" ({s['variant']})" if s["variant"] else "")
         lines.append(f"| {name} | {s['tokens']} | {s['seeds']} | " + " | ".join(str(n[k]) for k in SPATIAL)
-                     + f" | {s['late_best']} | {100 * s['late_gain']:+.1f} ± {100 * s['late_gain_ci']:.1f} |")
+                     + f" | {s['late_best']} | {100 * s['late_gain']:+.1f}"
+                     + ("" if s["late_gain_ci"] != s["late_gain_ci"] else f" ± {100 * s['late_gain_ci']:.1f}") + " |")
     groups = []
     for label, families in (("locality-preserving", LOCALITY), ("learned-query", LEARNED_QUERY)):
         cells = [(s, n) for s, n in got["cells"] if s["family"] in families and s["variant"] == ""]

@@ -49,3 +49,25 @@ def test_intervals_and_paired_tests_against_scipy():
     assert stats.paired(*noise)[1] == 1.0  # float noise of either sign around no difference: nothing
     lo, hi = stats.wilson(0.5, 100)
     assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
+
+
+def test_a_difference_with_a_missing_value_is_no_evidence():
+    """A NaN among the per-seed values (a run without its accuracy) makes no test: a NaN p, which
+    Holm counts as 1. Not the sign-flip test of values that do not vary (NaN compares as neither
+    varying nor not), which gave 2 / 2^6 = 0.031, "shown", with six seeds."""
+    values = [0.01, 0.01, 0.01, 0.01, 0.01, float("nan")]
+    assert np.isnan(stats.one_sample(values)[2])
+    assert np.isnan(stats.paired(dict(enumerate(values)), {k: 0.0 for k in range(6)})[1])
+    assert stats.holm([stats.one_sample(values)[2], 0.01]) == [1.0, 0.02]
+
+
+def test_the_blocked_anova_of_seeds_that_agree_has_no_residual_to_test_against():
+    """Every seed giving the same accuracy (as deterministic runs would) leaves no residual variance:
+    no F and no p ("n/a" in the report), not the F of float noise (~1e17, p = 0, "shown") nor a
+    negative residual sum of squares; the shares still add up to the whole."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        y = np.repeat(np.round(rng.uniform(70, 90, size=(8, 3)), 1)[:, :, None], 5, axis=2)
+        out = stats.anova_blocked(y, ("family", "budget"))["sources"]
+        assert out["residual"]["ss"] == 0.0 and all(s["f"] is None and s["p"] is None for s in out.values())
+        assert all(s["eta2"] >= 0 for s in out.values()) and sum(s["eta2"] for s in out.values()) == pytest.approx(1)

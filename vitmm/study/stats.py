@@ -22,7 +22,8 @@ def ci95(values) -> float:
 
 def paired(a: dict, b: dict) -> tuple[float, float] | None:
     """``(mean difference, two-sided p)`` of a t-test paired over the seeds both ``{seed: value}``
-    dicts hold; None with fewer than two shared seeds."""
+    dicts hold (a difference that does not vary: ``_constant_p``'s p); None with fewer than two
+    shared seeds."""
     from scipy import stats
 
     seeds = sorted(set(a) & set(b))
@@ -37,7 +38,10 @@ def paired(a: dict, b: dict) -> tuple[float, float] | None:
 def _constant_p(values) -> float | None:
     """The two-sided p of values that do not vary (float noise apart), where a t-test's zero variance
     would say p = 0 at any number of seeds: 1 when they are 0, else the exact sign-flip test's
-    (only all signs flipped together are as extreme: 2 / 2^n, 0.25 with 3 seeds). None otherwise."""
+    (only all signs flipped together are as extreme: 2 / 2^n, 0.25 with 3 seeds). None otherwise, also
+    where a value is NaN (the t-test's p is then NaN too, which ``holm`` counts as 1: nothing shown)."""
+    if not np.isfinite(values).all():
+        return None
     scale = float(np.abs(values).max())
     if scale <= 1e-12:  # zero, float noise of either sign apart
         return 1.0
@@ -47,7 +51,8 @@ def _constant_p(values) -> float | None:
 
 
 def one_sample(values) -> tuple[float, float, float] | None:
-    """``(mean, 95% CI half-width, two-sided p of a one-sample t-test against 0)``."""
+    """``(mean, 95% CI half-width, two-sided p of a one-sample t-test against 0)`` (values that do
+    not vary: ``_constant_p``'s p); None with fewer than two values."""
     from scipy import stats
 
     values = np.asarray(values, float)
@@ -109,8 +114,9 @@ def holm(ps: list[float]) -> list[float]:
 def anova_blocked(y: np.ndarray, names: tuple[str, str] = ("a", "b")) -> dict:
     """Two-way analysis of variance of ``y[a, b, seed]`` (a balanced grid, every cell with every
     seed) with seeds as blocks: each source's sum of squares, degrees of freedom, share of the
-    total (η²), F and p against the residual. The interaction ``"a × b"`` is tested as well, so an
-    effect of ``b`` that differs by ``a`` shows. ``names`` labels the two factors."""
+    total sum of squares (η², not partial), F and p against the residual (None, both, where there is
+    no residual variance). The interaction ``"a × b"`` is tested as well, so an effect of ``b`` that
+    differs by ``a`` shows. ``names`` labels the two factors."""
     from scipy import stats
 
     a, b = names
@@ -122,11 +128,15 @@ def anova_blocked(y: np.ndarray, names: tuple[str, str] = ("a", "b")) -> dict:
           "seed": n_a * n_b * ((m_s - grand) ** 2).sum()}
     total = ((y - grand) ** 2).sum()
     df = {b: n_b - 1, a: n_a - 1, f"{a} × {b}": (n_a - 1) * (n_b - 1), "seed": n_s - 1}
-    ss["residual"], df["residual"] = total - sum(ss.values()), (n_a * n_b - 1) * (n_s - 1)
-    ms_e = ss["residual"] / df["residual"]
+    # The residual from its own deviations (not the total less the sources: float noise of either
+    # sign where it is 0); at float noise of the values' scale it is 0, e.g. where every seed agrees.
+    residual = ((y - m_ab[:, :, None] - m_s[None, None, :] + grand) ** 2).sum()
+    ss["residual"] = 0.0 if residual <= y.size * (1e-9 * np.abs(y).max()) ** 2 else residual
+    df["residual"] = (n_a * n_b - 1) * (n_s - 1)
+    ms_e = ss["residual"] / df["residual"] if df["residual"] else 0.0  # one seed: no residual either
     sources = {}
     for name in ss:
-        f_stat = ss[name] / df[name] / ms_e if name != "residual" and ms_e > 0 else None
+        f_stat = float(ss[name] / df[name] / ms_e) if name != "residual" and ms_e > 0 else None
         p = None if f_stat is None else float(stats.f.sf(f_stat, df[name], df["residual"]))
         eta2 = float(ss[name] / total) if total else 0.0
         sources[name] = dict(ss=float(ss[name]), df=df[name], eta2=eta2, f=f_stat, p=p)

@@ -140,3 +140,18 @@ def test_two_budgets_that_reach_one_token_count_are_tested_once():
     assert "pool@16 − blind" in names and "best − worst family at 16 tokens (pool − mlp)" in names
     once = [c for c in cells if c[1] != "all"]
     assert len(names) == len(report.verdict_tests(report.summarise([r for c in once for r in rows(*c)])))
+
+
+def test_a_cell_of_one_seed_prints_its_last_quarter_gain_without_an_interval():
+    """``--interim``: a cell with one finished seed has no 95% interval; the per-seed table prints the
+    mean alone, as ``mean_ci`` does for accuracies, not '± nan'."""
+    from experiments.token_budget import tables
+
+    def row(family, seed, acc):
+        return {"family": family, "budget": 4, "tokens": 4, "note": "", "lr": 1e-3, "warmup": 25, "seed": seed,
+                "status": "ok", "accuracy": acc, "best_step": 90, "steps_trained": 100, "late_gain": 0.01,
+                **{f"acc_{kind}": acc for kind in report.KINDS}}
+
+    summary = report.summarise([row("blind", 0, 0.4), row("blind", 1, 0.41), row("pool", 0, 0.8)])
+    line = next(x for x in tables.seed_lines(summary) if x.startswith("| pool |"))
+    assert "nan" not in line and line.endswith("| 1 | +1.0 |")

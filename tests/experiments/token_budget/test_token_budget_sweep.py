@@ -969,3 +969,25 @@ def test_every_number_in_the_token_budget_discussion_is_in_a_committed_table():
     assert len(cited) > 100
     missing = [n for n in cited if n not in printed]
     assert not missing, f"numbers in the discussion that no committed table prints: {missing}"
+
+
+def test_the_horizon_verdicts_test_the_gains_the_table_shows():
+    """A cell's gain in the Verdicts table is the table's (the seeds that cell ran at both horizons),
+    not a gain over only the seeds every cell ran; a gap between two families pairs the seeds both ran."""
+    from experiments.token_budget import horizon
+
+    def row(family, seed, acc, steps):
+        return {"family": family, "tokens": "16", "variant": "", "seed": str(seed), "status": "ok",
+                "accuracy": str(acc), "acc_color_at": "0.5", "acc_shape_at": "0.7", "best_step": "100",
+                "steps_trained": str(steps)}
+
+    pool = {0: (0.80, 0.82), 1: (0.76, 0.81), 2: (0.79, 0.80)}
+    short = [row("pool", k, a, 8000) for k, (a, _) in pool.items()] + [row("qformer", k, 0.7, 8000) for k in (0, 1)]
+    long = [row("pool", k, b, 16000) for k, (_, b) in pool.items()] + [row("qformer", k, 0.72 + k / 100, 16000)
+                                                                      for k in (0, 1)]
+    tests = {t.name: t for t in horizon.horizon_tests(short, long, (8000, 16000))}
+    table = next(line for line in horizon.compare(short, long, (8000, 16000)) if line.startswith("| pool |"))
+    gain = tests["pool@16: 16,000 − 8,000 steps"]
+    assert table.startswith("| pool | 16 | 3 |") and f"| {gain.estimate:+.1f} ± {gain.ci:.1f} | {gain.p:.2g} |" in table
+    assert gain.estimate == pytest.approx(100 * (0.02 + 0.05 + 0.01) / 3)
+    assert tests["pool − qformer at 8,000 steps"].estimate == pytest.approx(100 * (0.10 + 0.06) / 2)
