@@ -310,8 +310,9 @@ def claim_lines(summary: list[dict]) -> list[str]:
     def fmt(t):
         return "too few rows" if t is None else f"{100 * t[0]:+.1f} ± {100 * t[1]:.1f} points (p={t[2]:.2g})"
 
-    lines = ["Claims, tested (mean over seeds ± 95% CI; t-tests over seeds, p unadjusted; the Verdicts table at the "
-             "end corrects every test of this report together, and the verdicts follow it):", ""]
+    lines = ["Claims, tested (mean over seeds ± 95% CI; t-tests over seeds, the variance shares' p the analysis of "
+             "variance's F-tests; p unadjusted; the Verdicts table at the end corrects every test of this report "
+             "together, and the verdicts follow it):", ""]
     counts = sorted({int(s["tokens"]) for s in ok_rows(summary, "") if s["family"] != BLIND})
     honeybee = [(tokens, name, test) for tokens in counts
                 for name, kinds in (("spatial kinds (" + ", ".join(SPATIAL) + ")", SPATIAL),
