@@ -227,7 +227,9 @@ def param_lines(summary: list[dict], setup: dict) -> list[str]:
     best, worst = max(acc, key=acc.get), min(acc, key=acc.get)
     test = paired_vs(*(next(s for s in sized if s["family"] == f) for f in (best, worst)))
     lines += ["", f"Spread at equal parameters: {best} {acc[best]:.1f} − {worst} {acc[worst]:.1f} = "
-              f"{acc[best] - acc[worst]:.1f} points{'' if test is None else f' (p={test[1]:.2g}, paired by seed)'}."]
+              f"{acc[best] - acc[worst]:.1f} points"
+              + ("" if test is None else f" (p={test[1]:.2g}, paired by seed, unadjusted: the pair was chosen after "
+                 "seeing the means, so the Verdicts table's test pays for the choice)") + "."]
     return lines
 
 

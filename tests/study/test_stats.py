@@ -49,6 +49,7 @@ def test_intervals_and_paired_tests_against_scipy():
     assert stats.paired(*noise)[1] == 1.0  # float noise of either sign around no difference: nothing
     lo, hi = stats.wilson(0.5, 100)
     assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
+    assert stats.wilson(0.0, 209)[0] == 0.0 and stats.wilson(1.0, 209)[1] == 1.0  # not -1.7e-18 / 1 + 2e-16
 
 
 def test_a_difference_with_a_missing_value_is_no_evidence():

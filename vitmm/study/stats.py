@@ -144,10 +144,11 @@ def anova_blocked(y: np.ndarray, names: tuple[str, str] = ("a", "b")) -> dict:
 
 
 def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson interval of a proportion ``p`` measured on ``n`` questions."""
+    """The 95% Wilson interval of a proportion ``p`` measured on ``n`` questions (within [0, 1]: at
+    p = 0 or 1 float rounding would put the bound a hair outside)."""
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
+    return max(float(centre - half), 0.0), min(float(centre + half), 1.0)
 
 
 def two_proportion_p(p1: float, p2: float, n: int, n2: int | None = None) -> float:
