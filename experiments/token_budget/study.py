@@ -75,16 +75,16 @@ def tower_grid(config, need_lm: bool = True) -> tuple[tuple[int, int], dict, dic
     ``init.lm`` where they point at checkpoints, as the trainer does); without ``need_lm`` (a
     report of finished runs) the LM's folder is not read and its settings are None."""
     from vitmm.models.vit import ViT
-    from vitmm.train import tasks
+    from vitmm.train import vlm_start
 
     lm_dir = config.init.get("lm")
     if not need_lm and lm_dir and not (pathlib.Path(lm_dir) / "checkpoints").is_dir():
         config = config.copy_and_resolve_references()
         with config.unlocked():
             config.init.lm = None
-        vision, _ = tasks.vlm_parts(config)
+        vision, _ = vlm_start.vlm_parts(config)
         return tuple(ViT(**vision).grid((config.input.image_size,) * 2)), vision, None
-    vision, lm_cfg = tasks.vlm_parts(config)
+    vision, lm_cfg = vlm_start.vlm_parts(config)
     size = config.input.image_size
     return tuple(ViT(**vision).grid((size, size))), vision, lm_cfg
 

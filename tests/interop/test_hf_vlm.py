@@ -198,9 +198,9 @@ def test_a_clip_tower_without_a_final_norm_is_refused_where_it_is_read_and_expor
     ``--format hf`` writes an identity norm. Nothing is left half-written either way."""
     from vitmm import checkpoint as ckpt_lib
     from vitmm import export
-    from vitmm.train import tasks
+    from vitmm.train import vlm_start
 
-    load_params, vlm_parts = ckpt_lib.load_params, tasks.vlm_parts
+    load_params, vlm_parts = ckpt_lib.load_params, vlm_start.vlm_parts
 
     def without_norm(workdir):
         params = load_params(workdir)
@@ -208,7 +208,8 @@ def test_a_clip_tower_without_a_final_norm_is_refused_where_it_is_read_and_expor
         return params
 
     monkeypatch.setattr(ckpt_lib, "load_params", without_norm)
-    monkeypatch.setattr(tasks, "vlm_parts", lambda c: ({**vlm_parts(c)[0], "final_norm": False}, vlm_parts(c)[1]))
+    monkeypatch.setattr(vlm_start, "vlm_parts",
+                        lambda c, **kw: ({**vlm_parts(c)[0], "final_norm": False}, vlm_parts(c)[1]))
     workdir, _ = imported
     written = export.export_vlm(workdir, tmp_path / "parts")
     assert written["vision"].startswith("not written") and "no final norm (final_norm=False" in written["vision"]

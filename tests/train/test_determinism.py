@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from vitmm.config_args import load
-from vitmm.train import determinism, dry_run, tasks
+from vitmm.train import determinism, dry_run, tasks, vlm_start
 from vitmm.train.parallel import Parallel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_cudnn_attention_runs_as_xlas_in_a_deterministic_run(data_dir, capsys, m
                                                            "model.vision.attn_impl": "cudnn",
                                                            "model.lm.attn_impl": "cudnn"})
     for _ in range(2):
-        vision, lm = tasks.vlm_parts(vlm)
+        vision, lm = vlm_start.vlm_parts(vlm)
         assert vision["attn_impl"] == lm["attn_impl"] == "xla"
     said = capsys.readouterr().out.splitlines()
     assert [line.split(" runs ")[0] for line in said] == [f"deterministic=True: {part}" for part in
@@ -79,7 +79,7 @@ def test_cudnn_attention_runs_as_xlas_in_a_deterministic_run(data_dir, capsys, m
     assert all("not attn_impl='cudnn'" in line and "docs/failures.md" in line for line in said)
     with vlm.unlocked():
         vlm.deterministic = False
-    assert tasks.vlm_parts(vlm)[0]["attn_impl"] == "cudnn"
+    assert vlm_start.vlm_parts(vlm)[0]["attn_impl"] == "cudnn"
 
 
 GPU_AOT = """

@@ -103,16 +103,16 @@ def test_config_json_shows_the_tower_and_lm_a_vlm_was_built_with(tmp_path):
 
 def test_a_loaded_tower_made_for_another_image_size_is_said(tmp_path, capsys, monkeypatch):
     """The run feeds 64x64 images to a tower converted for 48x64: said, as an imported VLM's start says it."""
-    from vitmm.train import tasks
+    from vitmm.train import tasks, vlm_start
 
     c = _vlm_config(tmp_path, **{"input.image_size": 64})
     tower = dict(c.model.vision.to_dict())
     folder = {"model": {"image": tower}, "input": {"image_size": [48, 64]}}
     monkeypatch.setattr(tasks.ckpt_lib, "load_config", lambda path: folder)
-    tasks.vlm_parts(c, say=True)
+    vlm_start.vlm_parts(c, say=True)
     assert capsys.readouterr().out.splitlines() == [
         f"input.image_size 64: the tower saved in {tmp_path / 'saved_tower'} was made for input.image_size [48, 64]; "
         "the run feeds it 64 (its positions fitted to that grid)"]
     folder["input"]["image_size"] = [64, 64]  # the same size, either way written: nothing to say
-    tasks.vlm_parts(c, say=True)
+    vlm_start.vlm_parts(c, say=True)
     assert capsys.readouterr().out == ""

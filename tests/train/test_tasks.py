@@ -6,7 +6,7 @@ import types
 import pytest
 
 from vitmm.config_args import load
-from vitmm.train import tasks
+from vitmm.train import tasks, vlm_start
 from vitmm.train.parallel import Parallel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -41,12 +41,12 @@ def test_a_vlm_takes_an_lm_whose_embedding_has_more_rows_than_its_tokenizer_has_
 
     tok = types.SimpleNamespace(vocab_size=320)
     for rows in (320, 384):
-        monkeypatch.setattr(tasks, "vlm_parts", lambda config, rows=rows: ({}, {"vocab_size": rows}))
+        monkeypatch.setattr(vlm_start, "vlm_parts", lambda config, rows=rows, **kw: ({}, {"vocab_size": rows}))
         try:
             tasks.VLMTask(unittest.mock.MagicMock(), None, tok)
         except Exception as err:  # noqa: BLE001 - the mocked config fails later; the vocabulary check passed
             assert "vocab_size" not in str(err), err
-    monkeypatch.setattr(tasks, "vlm_parts", lambda config: ({}, {"vocab_size": 300}))
+    monkeypatch.setattr(vlm_start, "vlm_parts", lambda config, **kw: ({}, {"vocab_size": 300}))
     with pytest.raises(ValueError, match=r"tokenizer has 320 ids but the LM only vocab_size=300; use the tokenizer "
                                          r"saved with init.lm, or .* --config.model.lm.vocab_size=320"):
         tasks.VLMTask(unittest.mock.MagicMock(), None, tok)

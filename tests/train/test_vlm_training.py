@@ -300,7 +300,7 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
     SmolLM2: stage 1 (connector), then stage 2 from it (fresh LoRA adapters + the connector; the
     LM's weights stay the converted ones), and the blind variant sees only blank images."""
     from vitmm.interop import __main__ as cli
-    from vitmm.train import tasks
+    from vitmm.train import tasks, vlm_start
 
     fixtures = pathlib.Path(__file__).resolve().parents[1] / "fixtures/interop"
     cli.main(["--from", "gguf", "--src", str(fixtures / "gguf_llama" / "tiny.gguf"), "--out", str(tmp_path / "lm")])
@@ -311,7 +311,7 @@ def test_the_smollm2_config_runs_both_stages_on_converted_fixtures(tmp_path, dat
     assert c2.lora.rank == 8 and "chat=True" in c2.input.pp and "chat=True" in c2.evals.qa.pp
     with c2.unlocked():  # a kernel setting of the run applies to the converted LM (its weights unchanged)
         c2.model.lm.attn_impl = "xla"
-    assert tasks.vlm_parts(c2)[1] == {**ckpt_lib.load_config(tmp_path / "lm")["model"]["lm"], "attn_impl": "xla"}
+    assert vlm_start.vlm_parts(c2)[1] == {**ckpt_lib.load_config(tmp_path / "lm")["model"]["lm"], "attn_impl": "xla"}
     c2.model.lm.attn_impl = None
     summary = trainer.train(c2, tmp_path / "s2")
     assert "qa/accuracy" in summary["evals"]
@@ -444,17 +444,17 @@ def test_native_resolution_keys_build_train_and_answer(tmp_path, data_dir, arg):
 def test_a_loaded_tower_is_reported_only_where_it_differs_from_the_config(data_dir, capsys, monkeypatch, tmp_path):
     """A config holds the kernel keys at None (the model's default); a tower saved before they existed
     does not: that alone is no difference to report. A different width is."""
-    from vitmm.train import tasks
+    from vitmm.train import tasks, vlm_start
 
     (tmp_path / "saved_tower").mkdir()  # its config is the monkeypatched one below
     c = _config("vlm_scenes", "smoke", data_dir, **{"init.vision": str(tmp_path / "saved_tower")})
-    saved = {k: v for k, v in c.model.vision.to_dict().items() if v is not None or k not in tasks.KERNEL_KEYS}
+    saved = {k: v for k, v in c.model.vision.to_dict().items() if v is not None or k not in vlm_start.KERNEL_KEYS}
     assert saved != c.model.vision.to_dict()  # the config's None kernel keys are not in the saved tower
     monkeypatch.setattr(tasks.ckpt_lib, "load_config", lambda path: {"model": {"image": dict(saved)}})
-    assert tasks.vlm_parts(c, say=True)[0] == saved and capsys.readouterr().out == ""
+    assert vlm_start.vlm_parts(c, say=True)[0] == saved and capsys.readouterr().out == ""
     saved["width"] = 2 * saved["width"]
-    assert tasks.vlm_parts(c)[0]["width"] == saved["width"] and capsys.readouterr().out == ""  # readers: silent
-    assert tasks.vlm_parts(c, say=True)[0]["width"] == saved["width"]
+    assert vlm_start.vlm_parts(c)[0]["width"] == saved["width"] and capsys.readouterr().out == ""  # readers: silent
+    assert vlm_start.vlm_parts(c, say=True)[0]["width"] == saved["width"]
     assert f"model.vision is replaced by the tower saved in {tmp_path / 'saved_tower'}" in capsys.readouterr().out
 
 

@@ -70,9 +70,9 @@ def pp_string(config, template: str | None = None) -> str:
     if "{patch_size}" in template and config.get("task") == "vlm":  # the tower's, init.vision's where it comes from
         from vitmm.models.patch_embed import to_pair
         from vitmm.models.vit import ViT
-        from vitmm.train import tasks
+        from vitmm.train import vlm_start
 
-        fields["patch_size"] = to_pair(ViT(**tasks.vlm_parts(config)[0]).arch().patch_size)[0]
+        fields["patch_size"] = to_pair(ViT(**vlm_start.vlm_parts(config)[0]).arch().patch_size)[0]
     if "{anyres}" in template:
         fields["anyres"] = anyres_op(config)
     if "{normalize}" in template:
@@ -112,13 +112,13 @@ def anyres_op(config) -> str:
     resolutions and the connector's token grid on a tile (what each view hands the LM)."""
     from vitmm.models import connectors
     from vitmm.models.vit import ViT
-    from vitmm.train import tasks
+    from vitmm.train import vlm_start
 
     settings = config.model.get("anyres")
     if not settings:
         raise ValueError("The pp template uses {anyres}, but model.anyres is not set.")
     tile = int(settings["tile"])
-    tower_grid = ViT(**tasks.vlm_parts(config)[0]).grid((tile, tile))
+    tower_grid = ViT(**vlm_start.vlm_parts(config)[0]).grid((tile, tile))
     tile_grid = connectors.token_grid(config.model.connector.to_dict(), tower_grid)
     if tile_grid is None:
         raise ValueError(f"model.anyres needs a grid-shaped connector; {config.model.connector.name!r} hands the LM "

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import jax.numpy as jnp
 
@@ -124,7 +122,7 @@ class VLMTask:
 
     def __init__(self, config, par: Parallel, tokenizer):
         m = config.model
-        self.vision, self.lm = vlm_parts(config)
+        self.vision, self.lm = vlm_start.vlm_parts(config)
         if tokenizer.vocab_size > self.lm["vocab_size"]:  # more rows (Qwen's padding): never sampled (decode)
             raise ValueError(f"The tokenizer has {tokenizer.vocab_size} ids but the LM only vocab_size="
                              f"{self.lm['vocab_size']}; use the tokenizer saved with init.lm, or (an LM trained "
@@ -160,7 +158,7 @@ class VLMTask:
         params = dict(variables["params"])
         dont_load = c.init.get("dont_load") or ()
         if load:  # a start from the init folders (a resume reads its own checkpoint): say what they replace
-            vlm_parts(c, say=True)
+            vlm_start.vlm_parts(c, say=True)
         if c.init.get("vision") and load:
             tower = ckpt_lib.load_params(c.init.vision)
             if "img" not in tower:
@@ -294,57 +292,6 @@ def qa_evaluator(config, cfg: dict, model, tokenizer) -> vlm_evaluators.QAAccura
     """The ``qa`` evaluator ``cfg`` (an entry of ``evals_config(config)``) with the run's own pp fields."""
     cfg = {**cfg, "pp": pp_template.pp_string(config, cfg.get("pp") or vlm_evaluators.QAAccuracy.PP)}
     return vlm_evaluators.QAAccuracy(model, cfg, tokenizer, config.model.prefix_lm)
-
-
-# Settings that choose how to compute, not the weights: the run's own hold over a checkpoint's.
-KERNEL_KEYS = ("attn_impl", "remat_policy")
-
-
-def _with_run_kernels(saved: dict, run: dict | None) -> dict:
-    return {**saved, **{k: run[k] for k in KERNEL_KEYS if run and run.get(k) is not None}}
-
-
-def _set(settings: dict) -> dict:
-    """``settings`` without kernel keys left at None (the model's default), which a config always holds
-    and a checkpoint from before the keys existed does not: no difference to report."""
-    return {k: v for k, v in settings.items() if not (k in KERNEL_KEYS and v is None)}
-
-
-def vlm_parts(config, say: bool = False) -> tuple[dict, dict]:
-    """``(tower settings, LM settings)`` of a VLM run: read from the checkpoints ``init.vision``
-    and ``init.lm`` point at (what built them), otherwise ``model.vision`` / ``model.lm``. A
-    config value that a checkpoint overrides is reported with ``say`` (once, as the run starts from
-    those folders: not again on a resume, nor by every reader of the settings), never silently mixed in; the run's
-    ``attn_impl`` (e.g. ``cudnn`` on a GPU) and ``remat_policy`` apply to a loaded tower or LM too."""
-    vision = config.model.vision.to_dict() if config.model.get("vision") else None
-    lm = config.model.lm.to_dict()
-    found = {key: sources.folder(config, key) for key in ("vision", "lm")}
-    for key, source in found.items():
-        if source and not pathlib.Path(source).expanduser().is_dir():
-            raise FileNotFoundError(f"init.{key}={source} does not exist; the run reads its {key} settings (and "
-                                    "at the start its weights) from that folder: restore it there, or pass "
-                                    f"--config.init.{key}=its new place.")
-    if found["vision"]:
-        tower_config = ckpt_lib.load_config(found["vision"])
-        saved = (tower_config.get("model") or {}).get("image")
-        if saved is None:
-            raise ValueError(f"{found['vision']} does not say how its image tower was built (no model.image in "
-                             "its config); use a `python -m vitmm.train` workdir or a `python -m vitmm.interop` "
-                             "folder.")
-        saved = _with_run_kernels(saved, vision)
-        if say:
-            vlm_start.say_tower(config, found["vision"], tower_config, saved,
-                                vision is not None and _set(vision) != _set(saved))
-        vision = saved
-    if vision is None:
-        raise ValueError("The VLM has no tower: set --config.init.vision=DIR (or model.vision for a random tower).")
-    if found["lm"]:
-        saved = (ckpt_lib.load_config(found["lm"]).get("model") or {}).get("lm")
-        if saved is None:
-            raise ValueError(f"{found['lm']} holds no language model settings (model.lm); convert one with "
-                             "`python -m vitmm.interop --from hf|gguf`.")
-        lm = _with_run_kernels(saved, lm)
-    return determinism.attention(vision, config, "the tower"), determinism.attention(lm, config, "the LM")
 
 
 def tokenizer_for(config):

@@ -1,12 +1,17 @@
 """A VLM's start, checked and fitted before anything trains: the connector's token budget on the
 tower's grid, a pretrained tower's positions and patch kernel fitted to the run, LoRA's scale and
-the kernels its adapters stand in for (frozen); what a tower loaded from ``init.vision`` changes (``say_tower``)."""
+the kernels its adapters stand in for (frozen); the tower and LM settings a run builds from its
+init folders (``vlm_parts``) and what a tower loaded from ``init.vision`` changes (``say_tower``)."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import numpy as np
+
+from vitmm import checkpoint as ckpt_lib
+from vitmm.train import determinism, sources
 
 
 def lora_alpha(config) -> float:
@@ -92,3 +97,54 @@ def _plain(value):
 
 def _pair(value):
     return list(value) if isinstance(value, list) else [value, value]
+
+
+# Settings that choose how to compute, not the weights: the run's own hold over a checkpoint's.
+KERNEL_KEYS = ("attn_impl", "remat_policy")
+
+
+def _with_run_kernels(saved: dict, run: dict | None) -> dict:
+    return {**saved, **{k: run[k] for k in KERNEL_KEYS if run and run.get(k) is not None}}
+
+
+def _set(settings: dict) -> dict:
+    """``settings`` without kernel keys left at None (the model's default), which a config always holds
+    and a checkpoint from before the keys existed does not: no difference to report."""
+    return {k: v for k, v in settings.items() if not (k in KERNEL_KEYS and v is None)}
+
+
+def vlm_parts(config, say: bool = False) -> tuple[dict, dict]:
+    """``(tower settings, LM settings)`` of a VLM run: read from the checkpoints ``init.vision``
+    and ``init.lm`` point at (what built them), otherwise ``model.vision`` / ``model.lm``. A
+    config value that a checkpoint overrides is reported with ``say`` (once, as the run starts from
+    those folders: not again on a resume, nor by every reader of the settings), never silently mixed in; the run's
+    ``attn_impl`` (e.g. ``cudnn`` on a GPU) and ``remat_policy`` apply to a loaded tower or LM too."""
+    vision = config.model.vision.to_dict() if config.model.get("vision") else None
+    lm = config.model.lm.to_dict()
+    found = {key: sources.folder(config, key) for key in ("vision", "lm")}
+    for key, source in found.items():
+        if source and not pathlib.Path(source).expanduser().is_dir():
+            raise FileNotFoundError(f"init.{key}={source} does not exist; the run reads its {key} settings (and "
+                                    "at the start its weights) from that folder: restore it there, or pass "
+                                    f"--config.init.{key}=its new place.")
+    if found["vision"]:
+        tower_config = ckpt_lib.load_config(found["vision"])
+        saved = (tower_config.get("model") or {}).get("image")
+        if saved is None:
+            raise ValueError(f"{found['vision']} does not say how its image tower was built (no model.image in "
+                             "its config); use a `python -m vitmm.train` workdir or a `python -m vitmm.interop` "
+                             "folder.")
+        saved = _with_run_kernels(saved, vision)
+        if say:
+            say_tower(config, found["vision"], tower_config, saved,
+                                vision is not None and _set(vision) != _set(saved))
+        vision = saved
+    if vision is None:
+        raise ValueError("The VLM has no tower: set --config.init.vision=DIR (or model.vision for a random tower).")
+    if found["lm"]:
+        saved = (ckpt_lib.load_config(found["lm"]).get("model") or {}).get("lm")
+        if saved is None:
+            raise ValueError(f"{found['lm']} holds no language model settings (model.lm); convert one with "
+                             "`python -m vitmm.interop --from hf|gguf`.")
+        lm = _with_run_kernels(saved, lm)
+    return determinism.attention(vision, config, "the tower"), determinism.attention(lm, config, "the LM")

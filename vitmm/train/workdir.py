@@ -213,7 +213,7 @@ def check_config_change(saved: dict | None, config, checkpoint_dir, also_safe=()
 def write_config(workdir: pathlib.Path, config, task=None) -> None:
     """``WORKDIR/config.json``: ``config`` as the run resolved it. A VLM whose tower or LM came from
     ``init.vision`` / ``init.lm`` shows there the settings they were built with (``task.vision`` /
-    ``task.lm``, read from those folders: ``tasks.vlm_parts``), not the config's placeholder
+    ``task.lm``, read from those folders: ``vlm_start.vlm_parts``), not the config's placeholder
     ``model.vision`` / ``model.lm``. (Only here: the checkpoints keep the config as given, which a
     resume compares and the ``init.*`` copies in ``W/sources/`` complete.)"""
     path = pathlib.Path(workdir) / "config.json"

@@ -131,7 +131,7 @@ def export_start(workdir) -> tuple:
     config = sources.run_config(workdir)
     if config.get("task") != "vlm":
         raise ValueError(f"{workdir} holds a {config.get('task', 'contrastive')!r} run, not a VLM.")
-    vision, lm = tasks.vlm_parts(config)
+    vision, lm = vlm_start.vlm_parts(config)
     params = ckpt_lib.load_params(workdir)
     if "lora" in params:
         base = {k: v for k, v in params.items() if k != "lora"}
