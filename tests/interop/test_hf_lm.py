@@ -279,6 +279,21 @@ def test_q_k_v_biases_export_to_what_transformers_runs_as_vitmm(tmp_path):
     assert {r["name"]: r["missing"] + r["unexpected"] for r in results if r["missing"] + r["unexpected"]} == {}
 
 
+def test_an_lm_with_output_norms_and_the_default_query_scale_exports_the_head_size():
+    """Gemma 2's layout with ``query_scale=None`` (vitmm's default: scores scaled by head_dim^-1/2)
+    is written with ``query_pre_attn_scalar`` = head_dim, which reads back to the same scores."""
+    kwargs, params = hf_lm.load_lm(FIXTURES / "hf_gemma2")
+    kwargs = {**kwargs, "query_scale": None}
+    head_dim = kwargs["head_dim"] or kwargs["width"] // kwargs["num_heads"]
+    _, config = hf_lm.export_lm(kwargs, params)
+    assert config["query_pre_attn_scalar"] == head_dim
+    again = hf_lm.lm_kwargs(config, "exported")
+    assert again["query_scale"] == head_dim
+    ids = jnp.asarray(np.load(FIXTURES / "hf_gemma2" / "io.npz")["input_ids"][:1])
+    np.testing.assert_allclose(np.asarray(LM(**again).apply({"params": params}, ids)),
+                               np.asarray(LM(**kwargs).apply({"params": params}, ids)), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"act": "gelu_tanh"}, r"act='gelu_tanh': 'llama''s layout runs silu"),
     ({"embed_scale": True}, r"embed_scale or norm_offset alone"),

@@ -296,7 +296,8 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
     if family in ("gemma2", "gemma3_text"):
         depth = kwargs["depth"]
         layers = kwargs.get("window_layers")
-        scale = float(kwargs["query_scale"])
+        # the scale the LM runs: query_scale, or by default the head size (scores times head_dim^-1/2)
+        scale = float(kwargs.get("query_scale") or kwargs.get("head_dim") or kwargs["width"] // heads)
         if not scale.is_integer():
             raise ValueError(f"the LM's query_scale={scale} is not a whole number, which transformers' "
                              "query_pre_attn_scalar (an int) cannot hold.")
