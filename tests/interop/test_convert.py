@@ -149,3 +149,22 @@ def test_a_vlm_export_lists_every_eos_id_and_a_reimport_records_them_all():
     text_config = {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}  # what the export's config.json holds
     assert convert.special_ids(text_config, generation=generation)["eos_ids"] == [1, 107]
     assert generation_ids(tok_lib.get_tokenizer(path, bos_id=2, eos_id=1, pad_id=0))["eos_token_id"] == 1
+
+
+def test_a_list_of_named_chat_templates_gives_the_one_named_default(tmp_path):
+    """Some tokenizer_config.json files hold named templates (``[{"name": "default", ...},
+    {"name": "tool_use", ...}]``); transformers runs the one named "default", and so does vitmm. A
+    list with no "default" is refused in one line naming the file and the names."""
+    import json
+
+    from vitmm.interop import io
+
+    named = [{"name": "tool_use", "template": "{{ tools }}"}, {"name": "default", "template": "{{ messages }}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert io.chat_template(tmp_path) == "{{ messages }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named[:1]}))
+    with pytest.raises(ValueError, match=r"^\S*tokenizer_config.json holds chat templates named \['tool_use'\] and "
+                                         r"none named 'default'.*chat_template.jinja[^\n]*$"):
+        io.chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ plain }}"}))
+    assert io.chat_template(tmp_path) == "{{ plain }}"

@@ -76,6 +76,66 @@ def test_llama3_rope_rescaling_comes_from_rope_freqs_as_llama_cpp_writes_it():
         hf_lm.export_lm(kwargs, params)  # an export transformers could not load: refused
 
 
+def _write_tiny_llama(path: pathlib.Path, **rope_scaling) -> None:
+    """A one-layer ``llama`` GGUF of random F32 weights, its RoPE scaling set as llama.cpp's converter
+    writes it (``rope_scaling``: the ``gguf`` writer's ``add_rope_scaling_*`` values, e.g. type and factor)."""
+    import gguf
+
+    width, heads, kv, mlp, vocab = 32, 4, 2, 64, 24
+    rng = np.random.default_rng(0)
+    w = lambda *shape: rng.normal(0, 0.3, shape).astype(np.float32)  # noqa: E731
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_embedding_length(width)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(mlp)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10_000.0)
+    for key, value in rope_scaling.items():
+        getattr(writer, f"add_rope_scaling_{key}")(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    writer.add_token_types([1] * vocab)
+    writer.add_token_merges([])
+    head_dim = width // heads
+    for name, shape in [("token_embd", (vocab, width)), ("blk.0.attn_q", (width, width)),
+                        ("blk.0.attn_k", (kv * head_dim, width)), ("blk.0.attn_v", (kv * head_dim, width)),
+                        ("blk.0.attn_output", (width, width)), ("blk.0.ffn_gate", (mlp, width)),
+                        ("blk.0.ffn_up", (mlp, width)), ("blk.0.ffn_down", (width, mlp))]:
+        writer.add_tensor(f"{name}.weight", w(*shape))
+    for name in ("blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"):
+        writer.add_tensor(f"{name}.weight", 1 + w(width))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_llama_files_linear_rope_scaling_divides_the_positions_by_its_factor(tmp_path):
+    """``llama.rope.scaling.type = linear`` (factor 4): the model at positions 4p runs as the unscaled
+    one at p (the rotations' angles are the same); unscaled, it differs. Yarn is refused in one line
+    that names the value and the way out."""
+    import gguf
+
+    _write_tiny_llama(tmp_path / "linear.gguf", type=gguf.RopeScalingType.LINEAR, factor=4.0)
+    kwargs, params, _, _ = gguf_lm.load(tmp_path / "linear.gguf")
+    assert kwargs["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    ids = jnp.arange(1, 9)[None] % kwargs["vocab_size"]
+    positions = jnp.arange(8)[None]
+    unscaled = {**kwargs, "rope_scaling": None}
+    scaled_at_4p = LM(**kwargs).apply({"params": params}, ids, positions=4 * positions)
+    np.testing.assert_allclose(np.asarray(scaled_at_4p), np.asarray(LM(**unscaled).apply({"params": params}, ids,
+                                                                                          positions=positions)),
+                               rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(LM(**unscaled).apply({"params": params}, ids, positions=4 * positions))
+                  - np.asarray(scaled_at_4p)).max() > 1e-3
+    _write_tiny_llama(tmp_path / "yarn.gguf", type=gguf.RopeScalingType.YARN, factor=4.0)
+    with pytest.raises(ValueError, match=r"^\S*yarn.gguf: RoPE scaling 'yarn' \(llama.rope.scaling.type\) is not "
+                                         r"supported; .*--remove-metadata llama.rope.scaling.type[^\n]*$"):
+        gguf_lm.load(tmp_path / "yarn.gguf")
+
+
 def test_logits_match_transformers_gguf_loading(loaded):
     kwargs, params, _, _ = loaded
     ref = np.load(FIXTURE / "io.npz")
@@ -201,7 +261,7 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path):
      r"tokenizer.ggml.model 'llama' \(SentencePiece, which llama.cpp writes for Gemma 2/3, Phi-3 and Llama-2-style "
      r"models .*\) is not supported; .*python -m vitmm.interop --from hf --src FOLDER"),
     ({"general.architecture": "mamba"}, r"architecture 'mamba' is not supported"),
-    ({"llama.rope.scaling.type": "yarn"}, r"RoPE scaling 'yarn' is not supported")])
+    ({"llama.rope.scaling.type": "yarn"}, r"RoPE scaling 'yarn' \(llama.rope.scaling.type\) is not supported")])
 def test_what_the_metadata_refuses_is_refused_before_any_tensor_is_dequantized(monkeypatch, change, message):
     """A real Gemma 2 9B file is ~37 GB in float32: its (metadata-only) refusal must not come after
     dequantizing it."""

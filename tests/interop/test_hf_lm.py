@@ -196,7 +196,102 @@ def test_each_export_runs_in_transformers_as_the_original(tmp_path):
     results = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
     assert [r["name"] for r in results] == list(FAMILIES)
     assert {r["name"]: r["error"] for r in results if r["error"] > 1e-5} == {}
+    assert {r["name"]: r["missing"] + r["unexpected"] for r in results if r["missing"] + r["unexpected"]} == {}
     assert {r["class"] for r in results if r["name"] == "hf_phi3"} == {"MistralForCausalLM"}
+
+
+def _with_qkv_biases(name: str, seed: int) -> tuple[dict, dict]:
+    """The fixture ``name``'s LM given nonzero q/k/v biases (which a Llama, Qwen3 or Gemma 2 holds under
+    transformers' ``attention_bias``, together with an o_proj bias)."""
+    import jax
+
+    kwargs, params = hf_lm.load_lm(FIXTURES / name)
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(np.asarray, params)
+    for i in range(kwargs["depth"]):
+        attn = params[f"block_{i:02d}"]["attn"]
+        for role in "qkv":
+            attn[role]["bias"] = rng.normal(0, 0.5, attn[role]["kernel"].shape[1]).astype(np.float32)
+    return {**kwargs, "qkv_bias": True}, params
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen3", "hf_gemma2"])
+def test_q_k_v_biases_export_with_the_zero_o_proj_bias_that_attention_bias_implies(tmp_path, name):
+    """transformers' ``attention_bias=true`` gives o_proj a bias too: the export writes it as zeros
+    (missing, transformers would initialise it at random and only warn) and the import takes it back
+    when it is zeros, and refuses a nonzero one (vitmm's attention output has no bias)."""
+    from vitmm.interop import io
+
+    kwargs, params = _with_qkv_biases(name, 0)
+    tensors, config = hf_lm.export_lm(kwargs, params, family=name[3:])
+    assert config["attention_bias"] is True
+    np.testing.assert_array_equal(tensors["model.layers.0.self_attn.o_proj.bias"], np.zeros(kwargs["width"]))
+    io.write_safetensors(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    again_kwargs, again = hf_lm.load_lm(tmp_path)
+    assert again_kwargs == kwargs
+    import jax
+
+    jax.tree.map(np.testing.assert_array_equal, again, params)
+    with pytest.raises(ValueError, match=r"q/k/v biases .* 'mistral''s layout has none"):
+        hf_lm.export_lm({**kwargs, "sliding_window": 4}, params, family="mistral")
+    tensors["model.layers.1.self_attn.o_proj.bias"][3] = 0.25
+    io.write_safetensors(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"^\S+: model.layers.1.self_attn.o_proj.bias is not all zeros .*no bias "
+                                         r"on the attention output[^\n]*$"):
+        hf_lm.load_lm(tmp_path)
+
+
+def test_q_k_v_biases_export_to_what_transformers_runs_as_vitmm(tmp_path):
+    """A Llama, Qwen3 and Gemma 2 with q/k/v biases, exported, give in transformers vitmm's logits on the
+    fixtures' ragged batch (≤ 1e-5 of the largest), every weight transformers expects written (the o_proj
+    bias its ``attention_bias`` adds, as zeros) and every weight written read (Gemma 2's q/k/v biases)."""
+    import os
+    import subprocess
+
+    from vitmm.interop import io
+
+    python = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
+    if not pathlib.Path(python or "/nonexistent").is_file():
+        pytest.skip("no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+    names = ("hf_llama", "hf_qwen3", "hf_gemma2")
+    for seed, name in enumerate(names):
+        kwargs, params = _with_qkv_biases(name, seed)
+        ref = dict(np.load(FIXTURES / name / "io.npz"))
+        ref["logits"] = np.asarray(LM(**kwargs).apply({"params": params}, jnp.asarray(ref["input_ids"]),
+                                                      pad_mask=jnp.asarray(ref["attention_mask"]) > 0,
+                                                      positions=jnp.asarray(ref["position_ids"])))
+        (tmp_path / "ref" / name).mkdir(parents=True)
+        np.savez(tmp_path / "ref" / name / "io.npz", **ref)
+        tensors, config = hf_lm.export_lm(kwargs, params, family=name[3:])
+        (tmp_path / "out" / name).mkdir(parents=True)
+        io.write_safetensors(tensors, tmp_path / "out" / name / "model.safetensors")
+        (tmp_path / "out" / name / "config.json").write_text(json.dumps(config))
+    ran = subprocess.run([python, str(pathlib.Path(__file__).with_name("transformers_lm.py")), str(tmp_path / "ref"),
+                          *(str(tmp_path / "out" / name) for name in names)], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    results = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
+    assert [r["name"] for r in results] == list(names)
+    assert {r["name"]: r["error"] for r in results if r["error"] > 1e-5} == {}
+    # every weight written is read, none left to transformers' own initialisation (it zeroes a missing
+    # o_proj bias, with a warning: the logits alone would not show one)
+    assert {r["name"]: r["missing"] + r["unexpected"] for r in results if r["missing"] + r["unexpected"]} == {}
+
+
+def test_an_lm_with_output_norms_and_the_default_query_scale_exports_the_head_size():
+    """Gemma 2's layout with ``query_scale=None`` (vitmm's default: scores scaled by head_dim^-1/2)
+    is written with ``query_pre_attn_scalar`` = head_dim, which reads back to the same scores."""
+    kwargs, params = hf_lm.load_lm(FIXTURES / "hf_gemma2")
+    kwargs = {**kwargs, "query_scale": None}
+    head_dim = kwargs["head_dim"] or kwargs["width"] // kwargs["num_heads"]
+    _, config = hf_lm.export_lm(kwargs, params)
+    assert config["query_pre_attn_scalar"] == head_dim
+    again = hf_lm.lm_kwargs(config, "exported")
+    assert again["query_scale"] == head_dim
+    ids = jnp.asarray(np.load(FIXTURES / "hf_gemma2" / "io.npz")["input_ids"][:1])
+    np.testing.assert_allclose(np.asarray(LM(**again).apply({"params": params}, ids)),
+                               np.asarray(LM(**kwargs).apply({"params": params}, ids)), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("change, message", [

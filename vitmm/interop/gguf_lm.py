@@ -17,8 +17,9 @@ side); they are put back in Hugging Face's half-split order, which is vitmm's, s
 — shapes alone would fit either way (Qwen's files keep the half-split order). Llama 3's RoPE
 rescaling comes as llama.cpp writes it, a ``rope_freqs`` tensor of per-frequency factors
 (``rope_scaling={"rope_type": "factors", ...}``; transformers' GGUF loading drops it, vitmm keeps
-it: tested against the original checkpoint's logits). The tokenizer is rebuilt from the metadata as
-a ``tokenizers`` byte-level BPE (``tokenizer.ggml.model = gpt2``) after the split its
+it: tested against the original checkpoint's logits); a ``linear`` ``rope.scaling.type`` (llama,
+gemma3) divides the frequencies by ``rope.scaling.factor``, other types are refused. The tokenizer
+is rebuilt from the metadata as a ``tokenizers`` byte-level BPE (``tokenizer.ggml.model = gpt2``) after the split its
 ``tokenizer.ggml.pre`` names (Llama 3's, Qwen2's or GPT-2's; another is refused), with the control
 and user-defined tokens kept whole, as transformers' GGUF loading builds it; the
 ``tokenizer.chat_template`` string is returned as is. Parity with transformers' own GGUF loading is
@@ -228,8 +229,11 @@ def lm_kwargs(metadata: dict, src, tensor_names=()) -> dict:
         raise ValueError(f"{src}: rope.dimension_count {get('rope.dimension_count')} ≠ the head size {head_dim}; "
                          "partial rotary dimensions are not supported.")
     scaling = get("rope.scaling.type")
-    if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
-        raise ValueError(f"{src}: RoPE scaling {scaling!r} is not supported.")
+    if scaling not in (None, "none") and not (arch in ("llama", "gemma3") and scaling == "linear"):
+        raise ValueError(f"{src}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported; vitmm reads "
+                         "'linear' for llama and gemma3. To run it at its original context length, drop the key: "
+                         f"gguf-new-metadata --remove-metadata {arch}.rope.scaling.type IN.gguf OUT.gguf (the gguf "
+                         "package's script).")
     depth = int(get("block_count"))
     gemma = arch in ("gemma2", "gemma3")
     window = get("attention.sliding_window")
@@ -245,8 +249,14 @@ def lm_kwargs(metadata: dict, src, tensor_names=()) -> dict:
     if arch == "gemma3":  # every sixth layer global; the others windowed, RoPE base 10,000 (llama.cpp's)
         extra.update(post_norms=True, window_layers=tuple(i for i in range(depth) if (i + 1) % 6),
                      query_scale=query_scale, local_rope_theta=10_000.0)
-        if scaling == "linear":
-            extra["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if scaling == "linear":  # llama.cpp divides each frequency by the factor (transformers' "linear")
+        if not get("rope.scaling.factor"):
+            raise ValueError(f"{src}: {arch}.rope.scaling.type is 'linear' but the metadata has no "
+                             f"{arch}.rope.scaling.factor; the file is incomplete.")
+        if "rope_freqs.weight" in tensor_names:
+            raise ValueError(f"{src}: both a rope_freqs tensor and {arch}.rope.scaling.type 'linear'; vitmm "
+                             "runs one RoPE rescaling or the other, not both.")
+        extra["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     return dict(vocab_size=len(metadata["tokenizer.ggml.tokens"]), width=width, depth=depth,
                 num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
                 head_dim=None if head_dim * heads == width else head_dim,

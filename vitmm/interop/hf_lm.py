@@ -30,6 +30,8 @@ from vitmm.interop.common import StateDict, finish
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text")
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
+# the families whose config's attention_bias gives q, k, v and o_proj each a bias (Qwen2: q/k/v always)
+ATTENTION_BIAS = ("llama", "qwen3", *GEMMAS)
 
 
 def _rope(config: dict, src=None) -> tuple[float, dict | None]:
@@ -202,6 +204,11 @@ def lm_from_tensors(config: dict, tensors: dict, src) -> tuple[dict, dict]:
             _split(sd, f"{p}.mlp.gate_up_proj", ("gate", "up"), (kwargs["mlp_dim"],) * 2)
         attn = {r: _linear(sd, f"{p}.self_attn.{r}_proj", kwargs["qkv_bias"]) for r in ("q", "k", "v")}
         attn["o"] = _linear(sd, f"{p}.self_attn.o_proj", False)
+        if sd.has(f"{p}.self_attn.o_proj.bias"):  # attention_bias=true biases o_proj too; vitmm's o has none
+            if np.any(sd.take(f"{p}.self_attn.o_proj.bias") != 0):
+                raise ValueError(f"{src}: {p}.self_attn.o_proj.bias is not all zeros (attention_bias=true), and "
+                                 "vitmm's LM has no bias on the attention output (only q/k/v biases): it cannot run "
+                                 "this model.")
         if kwargs.get("qk_norm"):
             attn.update({f"{r}_norm": {"scale": sd.take(f"{p}.self_attn.{r}_norm.weight")} for r in "qk"})
         norms = NORMS["gemma2" if kwargs.get("post_norms") else "llama"]  # Gemma 3's are Gemma 2's
@@ -217,7 +224,8 @@ def lm_from_tensors(config: dict, tensors: dict, src) -> tuple[dict, dict]:
 def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[dict, dict]:
     """``(tensors, config.json dict)`` of a vitmm ``LM`` in transformers' layout (the inverse of
     ``load_lm``): Gemma if the settings say so (norm offset, embedding scale), else Qwen2 with
-    q/k/v biases, else Llama; merge LoRA adapters first (``lora.merge``)."""
+    q/k/v biases, else Llama; merge LoRA adapters first (``lora.merge``). A Llama, Qwen3 or Gemma
+    with q/k/v biases is written with ``attention_bias`` and the zero o_proj bias it implies."""
     import numpy as np
 
     family = family or ("gemma3_text" if kwargs.get("post_norms") and kwargs.get("qk_norm")
@@ -225,6 +233,9 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
                         else "qwen3" if kwargs.get("qk_norm")
                         else "qwen2" if kwargs.get("qkv_bias") else "mistral" if kwargs.get("sliding_window")
                         else "llama")
+    if kwargs.get("qkv_bias") and family not in (*ATTENTION_BIAS, "qwen2"):
+        raise ValueError("An LM with q/k/v biases is a Qwen2 (or a Llama, Qwen3, Gemma with attention_bias); "
+                         f"{family!r}'s layout has none.")
     if kwargs.get("sliding_window") and family not in ("mistral", "gemma2", "gemma3_text"):
         raise ValueError(f"An LM with a sliding window is written as a Mistral; {family!r}'s layout has none.")
     if kwargs.get("qk_norm") and family not in ("qwen3", "gemma3_text"):
@@ -253,6 +264,8 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
             tensors[f"{p}.self_attn.{role}_proj.weight"] = t(b["attn"][role]["kernel"])
             if "bias" in b["attn"][role]:
                 tensors[f"{p}.self_attn.{role}_proj.bias"] = np.asarray(b["attn"][role]["bias"], np.float32)
+        if kwargs.get("qkv_bias") and family in ATTENTION_BIAS:  # its attention_bias biases o_proj too: zeros
+            tensors[f"{p}.self_attn.o_proj.bias"] = np.zeros(kwargs["width"], np.float32)
         for role in ("gate", "up", "down"):
             tensors[f"{p}.mlp.{role}_proj.weight"] = t(b["mlp"][role]["kernel"])
         for role in ("q", "k") if kwargs.get("qk_norm") else ():
@@ -276,14 +289,15 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
               "rope_parameters": {"rope_theta": kwargs.get("rope_theta", 10_000.0),
                                   **(kwargs.get("rope_scaling") or {"rope_type": "default"})},
               "torch_dtype": "float32"}
-    if family in ("llama", "qwen3"):
+    if family in ATTENTION_BIAS:
         config["attention_bias"] = bool(kwargs.get("qkv_bias"))
     if family == "mistral":
         config["sliding_window"] = kwargs["sliding_window"]
     if family in ("gemma2", "gemma3_text"):
         depth = kwargs["depth"]
         layers = kwargs.get("window_layers")
-        scale = float(kwargs["query_scale"])
+        # the scale the LM runs: query_scale, or by default the head size (scores times head_dim^-1/2)
+        scale = float(kwargs.get("query_scale") or kwargs.get("head_dim") or kwargs["width"] // heads)
         if not scale.is_integer():
             raise ValueError(f"the LM's query_scale={scale} is not a whole number, which transformers' "
                              "query_pre_attn_scalar (an int) cannot hold.")

@@ -92,12 +92,21 @@ def generation_config(src: str | pathlib.Path) -> dict:
 
 def chat_template(folder: pathlib.Path) -> str | None:
     """A transformers folder's chat template: ``chat_template.jinja`` (transformers 5),
-    ``chat_template.json`` or ``tokenizer_config.json``'s ``chat_template`` (older saves); None without one."""
+    ``chat_template.json`` or ``tokenizer_config.json``'s ``chat_template`` (older saves); None without one.
+    Where that is a list of named templates (``[{"name": "default", "template": ...}, {"name": "tool_use",
+    ...}]``), the one named "default", which transformers applies when no tools are passed."""
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text()
     for name in ("chat_template.json", "tokenizer_config.json"):
         if (folder / name).is_file():
             template = json.loads((folder / name).read_text()).get("chat_template")
+            if isinstance(template, list):
+                named = {t["name"]: t["template"] for t in template}
+                if "default" not in named:
+                    raise ValueError(f"{folder / name} holds chat templates named {sorted(named)} and none named "
+                                     "'default', the one vitmm (as transformers without tools) applies; write the "
+                                     "one to use to chat_template.jinja in that folder.")
+                template = named["default"]
             if template:
                 return template
     return None
