@@ -242,6 +242,23 @@ def test_q_k_v_biases_export_with_the_zero_o_proj_bias_that_attention_bias_impli
         hf_lm.load_lm(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["hf_mistral", "hf_phi3"])
+def test_attention_bias_in_a_family_without_attention_biases_adds_none(name):
+    """transformers' Mistral and Phi-3 build their attention without biases whatever attention_bias
+    the config carries: vitmm reads no q/k/v biases for them (it would look for tensors not there)."""
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    assert hf_lm.lm_kwargs({**config, "attention_bias": True}, name)["qkv_bias"] is False
+    assert hf_lm.lm_kwargs({**json.loads((FIXTURES / "hf_llama" / "config.json").read_text()),
+                            "attention_bias": True}, "hf_llama")["qkv_bias"] is True
+
+
+def test_an_lm_without_q_k_v_biases_is_not_written_as_a_qwen2():
+    """transformers' Qwen2 always has q/k/v biases (missing, it would fill them itself): refused, naming Llama."""
+    kwargs, params = hf_lm.load_lm(FIXTURES / "hf_llama")
+    with pytest.raises(ValueError, match=r"family 'qwen2': .* always has q/k/v biases .* write it as a 'llama'"):
+        hf_lm.export_lm(kwargs, params, family="qwen2")
+
+
 def test_q_k_v_biases_export_to_what_transformers_runs_as_vitmm(tmp_path):
     """A Llama, Qwen3 and Gemma 2 with q/k/v biases, exported, give in transformers vitmm's logits on the
     fixtures' ragged batch (≤ 1e-5 of the largest), every weight transformers expects written (the o_proj

@@ -114,7 +114,9 @@ def lm_kwargs(config: dict, src) -> dict:
     return dict(vocab_size=config["vocab_size"], width=width, depth=config["num_hidden_layers"], num_heads=heads,
                 num_kv_heads=config.get("num_key_value_heads") or heads,
                 head_dim=None if head_dim * heads == width else head_dim, mlp_dim=config["intermediate_size"],
-                qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)), rope_theta=theta,
+                # Mistral's and Phi-3's attention has no biases, whatever attention_bias a config carries
+                qkv_bias=family == "qwen2" or (family in ATTENTION_BIAS and bool(config.get("attention_bias"))),
+                rope_theta=theta,
                 rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)), norm_offset=gemma,
                 embed_scale=gemma, act=acts[act], tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
                 **({"qk_norm": True} if family in ("qwen3", "gemma3_text") else {}),
@@ -233,6 +235,9 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
                         else "qwen3" if kwargs.get("qk_norm")
                         else "qwen2" if kwargs.get("qkv_bias") else "mistral" if kwargs.get("sliding_window")
                         else "llama")
+    if family == "qwen2" and not kwargs.get("qkv_bias"):
+        raise ValueError("family 'qwen2': transformers' Qwen2 always has q/k/v biases and this LM has none; write it "
+                         "as a 'llama' (the same layers without the biases).")
     if kwargs.get("qkv_bias") and family not in (*ATTENTION_BIAS, "qwen2"):
         raise ValueError("An LM with q/k/v biases is a Qwen2 (or a Llama, Qwen3, Gemma with attention_bias); "
                          f"{family!r}'s layout has none.")
