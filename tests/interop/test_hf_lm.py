@@ -252,6 +252,16 @@ def test_attention_bias_in_a_family_without_attention_biases_adds_none(name):
                             "attention_bias": True}, "hf_llama")["qkv_bias"] is True
 
 
+def test_a_gemma_without_a_window_is_written_with_every_layer_full():
+    """A Gemma 2 layout whose LM has no sliding window (vitmm's ``sliding_window=None``) is written with
+    every layer ``full_attention``, not every layer windowed by a window of None."""
+    kwargs, params = hf_lm.load_lm(FIXTURES / "hf_gemma2")
+    _, config = hf_lm.export_lm({**kwargs, "sliding_window": None, "window_layers": None}, params, family="gemma2")
+    assert config["layer_types"] == ["full_attention"] * kwargs["depth"]
+    _, config = hf_lm.export_lm(kwargs, params, family="gemma2")
+    assert "sliding_attention" in config["layer_types"]
+
+
 def test_an_lm_without_q_k_v_biases_is_not_written_as_a_qwen2():
     """transformers' Qwen2 always has q/k/v biases (missing, it would fill them itself): refused, naming Llama."""
     kwargs, params = hf_lm.load_lm(FIXTURES / "hf_llama")

@@ -299,7 +299,7 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
     if family == "mistral":
         config["sliding_window"] = kwargs["sliding_window"]
     if family in ("gemma2", "gemma3_text"):
-        depth = kwargs["depth"]
+        depth, windowed = kwargs["depth"], bool(kwargs.get("sliding_window"))  # no window: every layer full
         layers = kwargs.get("window_layers")
         # the scale the LM runs: query_scale, or by default the head size (scores times head_dim^-1/2)
         scale = float(kwargs.get("query_scale") or kwargs.get("head_dim") or kwargs["width"] // heads)
@@ -309,8 +309,8 @@ def export_lm(kwargs: dict, params: dict, family: str | None = None) -> tuple[di
         config.update(sliding_window=kwargs["sliding_window"], query_pre_attn_scalar=int(scale),
                       attn_logit_softcapping=kwargs.get("attn_softcap"),
                       final_logit_softcapping=kwargs.get("logit_softcap"),
-                      layer_types=["sliding_attention" if layers is None or i in layers else "full_attention"
-                                   for i in range(depth)])
+                      layer_types=["sliding_attention" if windowed and (layers is None or i in layers)
+                                   else "full_attention" for i in range(depth)])
     # transformers 4's RoPE fields too (5 reads either form alike; 4 reads only these)
     config["rope_theta"] = kwargs.get("rope_theta", 10_000.0)
     if kwargs.get("rope_scaling"):
