@@ -193,6 +193,27 @@ def test_anyres_layout_is_the_order_llava_next_hands_the_lm_its_tokens():
             np.testing.assert_array_equal(got, case["layout"], err_msg=f"{name} {case['height']}x{case['width']}")
 
 
+def test_onevision_downsampling_of_an_image_with_no_rows_left_is_the_base_view():
+    """A banner so wide that unpadding leaves no row of tiles' tokens: LLaVA-OneVision hands the LM
+    the base view alone (its processor's counts, transformers 5.25, stored here), not a crash."""
+    from vitmm.data import preprocess
+    from vitmm.models import anyres
+
+    next_pins, tiny_pins = _anyres_fixture()["llava_next"]["pinpoints"], _anyres_fixture()["tiny"]["pinpoints"]
+    hf_counts = {((1, 2000), 336, 24): 576, ((7, 1000), 336, 24): 576, ((3, 1000), 336, 24): 576,
+                 ((1, 47), 16, 4): 16, ((1, 9), 16, 4): 16, ((2, 333), 16, 4): 16}
+    for (hw, tile, g), want in hf_counts.items():
+        pins = next_pins if tile == 336 else tiny_pins
+        assert anyres.num_tokens(hw, pins, tile, (g, g)) == want  # NeXT: no rows, so no newlines either
+        for n in (1, 9):
+            index, weights = anyres.downsampled(hw, pins, tile, (g, g), n)
+            assert len(index) == len(weights) == want, (hw, n)
+            np.testing.assert_array_equal(index[:, 0], np.arange(g * g))
+    op = preprocess.parse(f"anyres({tiny_pins}, 16, (4, 4), max_patches=2)")
+    out = op({"image": np.full((1, 47, 3), 200, np.uint8)}, np.random.default_rng(0))
+    assert out["visual_mask"].sum() == 16
+
+
 @pytest.mark.parametrize("pinpoints, tile, message", [
     ([], 16, r"anyres pinpoints \[\] are empty: give at least one \(height, width\), each a multiple of the 16px "
              r"tile, e\.g\. \[\(16, 32\), \(32, 16\), \(32, 32\)\]"),

@@ -146,11 +146,13 @@ def downsampled(image_hw: Sequence[int], pinpoints, tile: int, tile_grid: Sequen
     gh, gw = tile_grid
     base, grid = flat[:gh * gw], flat[gh * gw:]
     rows = int(np.sum(grid == NEWLINE))
+    one = lambda idx: (np.stack([idx, idx, idx, idx], -1), np.tile(np.array([1, 0, 0, 0], np.float32),  # noqa: E731
+                                                                      (len(idx), 1)))
+    if not rows:  # a banner whose unpadded grid kept no row: the base view alone, as LLaVA-OneVision gives it
+        return one(flat)
     grid = grid.reshape(rows, -1)[:, :-1]  # the unpadded grid without its newlines
     h, w = grid.shape
     ratio = math.sqrt(h * w / (max_patches * gh * gw))
-    one = lambda idx: (np.stack([idx, idx, idx, idx], -1), np.tile(np.array([1, 0, 0, 0], np.float32),  # noqa: E731
-                                                                      (len(idx), 1)))
     if ratio <= 1.1:
         return one(flat)
     oh, ow = int(h // ratio), int(w // ratio)
