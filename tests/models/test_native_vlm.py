@@ -193,6 +193,65 @@ def test_anyres_layout_is_the_order_llava_next_hands_the_lm_its_tokens():
             np.testing.assert_array_equal(got, case["layout"], err_msg=f"{name} {case['height']}x{case['width']}")
 
 
+def test_onevision_downsampling_of_an_image_with_no_rows_left_is_the_base_view():
+    """A banner so wide that unpadding leaves no row of tiles' tokens: LLaVA-OneVision hands the LM
+    the base view alone (its processor's counts, transformers 5.25, stored here), not a crash."""
+    from vitmm.data import preprocess
+    from vitmm.models import anyres
+
+    next_pins, tiny_pins = _anyres_fixture()["llava_next"]["pinpoints"], _anyres_fixture()["tiny"]["pinpoints"]
+    hf_counts = {((1, 2000), 336, 24): 576, ((7, 1000), 336, 24): 576, ((3, 1000), 336, 24): 576,
+                 ((1, 47), 16, 4): 16, ((1, 9), 16, 4): 16, ((2, 333), 16, 4): 16}
+    for (hw, tile, g), want in hf_counts.items():
+        pins = next_pins if tile == 336 else tiny_pins
+        assert anyres.num_tokens(hw, pins, tile, (g, g)) == want  # NeXT: no rows, so no newlines either
+        for n in (1, 9):
+            index, weights = anyres.downsampled(hw, pins, tile, (g, g), n)
+            assert len(index) == len(weights) == want, (hw, n)
+            np.testing.assert_array_equal(index[:, 0], np.arange(g * g))
+    op = preprocess.parse(f"anyres({tiny_pins}, 16, (4, 4), max_patches=2)")
+    out = op({"image": np.full((1, 47, 3), 200, np.uint8)}, np.random.default_rng(0))
+    assert out["visual_mask"].sum() == 16
+
+
+@pytest.mark.parametrize("pinpoints, tile, message", [
+    ([], 16, r"anyres pinpoints \[\] are empty: give at least one \(height, width\), each a multiple of the 16px "
+             r"tile, e\.g\. \[\(16, 32\), \(32, 16\), \(32, 32\)\]"),
+    ([(32, 32), (20, 32)], 16, r"anyres pinpoint \(20, 32\) is not a whole number of 16px tiles a side \(at least "
+                               r"one\): use multiples of 16 \(e\.g\. \(16, 32\)\)"),
+    ([336, 672], 336, r"anyres pinpoint 336 is not a \(height, width\) pair: give a list of pairs, e\.g\. "
+                      r"\[\(336, 672\), \(672, 336\), \(672, 672\)\]"),
+    ([(0, 16)], 16, r"anyres pinpoint \(0, 16\) is not a whole number of 16px tiles a side \(at least one\): "
+                    r"use multiples of 16 \(e\.g\. \(16, 16\)\)"),
+    ([(16, 16)], 0, r"anyres tile=0 must be a positive whole number of pixels"),
+])
+def test_anyres_pinpoints_that_cannot_tile_are_refused_in_one_line(pinpoints, tile, message):
+    """Every candidate is checked where the pinpoints are first read (the op, the model, the
+    library), not only the one an image happens to choose: one line naming the value and the fix."""
+    from vitmm.data import preprocess
+    from vitmm.models import anyres
+    from vitmm.models.vlm import VLM
+
+    calls = [lambda: anyres.plan((30, 30), pinpoints, tile), lambda: anyres.max_views(pinpoints, tile),
+             lambda: anyres.max_tokens(pinpoints, tile, (4, 4)),
+             lambda: preprocess.parse(f"anyres({pinpoints}, {tile}, (4, 4))"),
+             lambda: VLM(vision=dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=4, class_token=False,
+                                     pool="gap"), connector={"name": "mlp"}, lm=dict(width=32, depth=1, num_heads=2),
+                         anyres=dict(pinpoints=pinpoints, tile=tile)).init(
+                 jax.random.key(0), jnp.zeros((1, 16, 16, 3)), jnp.ones((1, 3), jnp.int32))]
+    for call in calls:
+        with pytest.raises(ValueError, match=message) as info:
+            call()
+        assert "\n" not in str(info.value)
+
+
+def test_anyres_of_an_image_without_pixels_is_refused_in_one_line():
+    from vitmm.models import anyres
+
+    with pytest.raises(ValueError, match=r"AnyRes of an image of 0x100 pixels: it needs at least one pixel a side"):
+        anyres.plan((0, 100), [(16, 16)], 16)
+
+
 def _anyres_vlm(cfg):
     from vitmm.models.vlm import VLM
 

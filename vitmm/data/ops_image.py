@@ -113,7 +113,8 @@ def anyres(pinpoints, tile, tile_grid=None, key="image", method="bilinear", max_
     ``[max_tokens, 4]`` with ``anyres_weights`` beside it. Put it before ``value_range``/``normalize``."""
     from vitmm.models import anyres as anyres_lib
 
-    pinpoints, views = [tuple(p) for p in pinpoints], anyres_lib.max_views(pinpoints, tile)
+    pinpoints = anyres_lib.check_pinpoints(pinpoints, tile)  # one line naming what cannot be tiled, at parse time
+    views = anyres_lib.max_views(pinpoints, tile)
 
     def fn(ex, rng):
         image = ex[key]
@@ -143,7 +144,7 @@ def anyres_views(image: np.ndarray, pinpoints, tile: int, method: str = "bilinea
     resized with its aspect kept and centred on black, as LLaVA-NeXT's processor pads)."""
     from vitmm.models import anyres as anyres_lib
 
-    plan = anyres_lib.plan(image.shape[:2], [tuple(p) for p in pinpoints], tile)
+    plan = anyres_lib.plan(image.shape[:2], pinpoints, tile)
     (fh, fw), (top, left), (rows, cols) = plan["fitted"], plan["offset"], plan["tiles"]
     canvas = np.zeros((*plan["best"], image.shape[2]), image.dtype)
     canvas[top:top + fh, left:left + fw] = images_lib.resize(image, (fh, fw), method)

@@ -137,7 +137,8 @@ def _anyres_layout(images: list, first: np.ndarray, num_visual: int, anyres: dic
     from vitmm.data.ops_image import anyres_views
     from vitmm.models import anyres as anyres_lib
 
-    pinpoints, tile, grid = [tuple(p) for p in anyres["pinpoints"]], anyres["tile"], tuple(anyres["tile_grid"])
+    tile, grid = anyres["tile"], tuple(anyres["tile_grid"])
+    pinpoints = anyres_lib.check_pinpoints(anyres["pinpoints"], tile)
     method, affine = anyres.get("method", "bilinear"), anyres.get("affine")
     views, spans = [], []
     for image in images:

@@ -24,10 +24,39 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def check_pinpoints(pinpoints, tile: int) -> list[tuple[int, int]]:
+    """The candidate resolutions as ``(h, w)`` pairs, or ValueError in one line naming what cannot
+    be tiled and the fix: an empty list, an entry that is not a pair, a side that is not a positive
+    whole number of ``tile``-pixel tiles (every candidate, not only the one an image chooses:
+    ``max_views`` and ``max_tokens`` size batches by all of them), a tile that is not positive."""
+    if isinstance(tile, bool) or not isinstance(tile, int | np.integer) or tile < 1:
+        raise ValueError(f"anyres tile={tile!r} must be a positive whole number of pixels (the tower's input side, "
+                         "e.g. 336).")
+    example = f"[({tile}, {2 * tile}), ({2 * tile}, {tile}), ({2 * tile}, {2 * tile})]"
+    if not len(pinpoints):
+        raise ValueError(f"anyres pinpoints {list(pinpoints)} are empty: give at least one (height, width), each a "
+                         f"multiple of the {tile}px tile, e.g. {example}.")
+    out = []
+    for p in pinpoints:
+        if isinstance(p, str) or not hasattr(p, "__len__") or len(p) != 2:
+            raise ValueError(f"anyres pinpoint {p!r} is not a (height, width) pair: give a list of pairs, e.g. "
+                             f"{example}.")
+        sides = [int(v) if isinstance(v, int | float | np.number) and not isinstance(v, bool) and
+                 float(v).is_integer() else None for v in p]
+        if any(v is None or v < tile or v % tile for v in sides):
+            fix = tuple(tile if v is None else max(tile, round(v / tile) * tile) for v in sides)
+            raise ValueError(f"anyres pinpoint {tuple(p)} is not a whole number of {tile}px tiles a side "
+                             f"(at least one): use multiples of {tile} (e.g. {fix}).")
+        out.append((sides[0], sides[1]))
+    return out
+
+
 def best_resolution(image_hw: Sequence[int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
     """The candidate ``(h, w)`` that shows the most of the image's own pixels after an
     aspect-preserving resize (at most its pixel count: upscaling adds none), ties broken by the
     least padding; the first such candidate."""
+    if not len(pinpoints):
+        raise ValueError(f"anyres pinpoints {list(pinpoints)} are empty: give at least one (height, width).")
     h, w = image_hw
     best, best_key = None, None
     for ch, cw in pinpoints:
@@ -54,9 +83,11 @@ def fitted_size(image_hw: Sequence[int], target_hw: Sequence[int]) -> tuple[int,
 def plan(image_hw: Sequence[int], pinpoints, tile: int) -> dict:
     """``best`` resolution, the ``fitted`` size in it, the ``offset`` (top, left) of the centred
     image, and the ``tiles`` (rows, cols)."""
+    pinpoints = check_pinpoints(pinpoints, tile)
+    if min(image_hw) < 1:
+        raise ValueError(f"AnyRes of an image of {image_hw[0]}x{image_hw[1]} pixels: it needs at least one pixel a "
+                         "side; check how it was decoded or cropped.")
     best = best_resolution(image_hw, pinpoints)
-    if best[0] % tile or best[1] % tile:
-        raise ValueError(f"AnyRes candidate {best} is not a whole number of {tile}px tiles.")
     fitted = fitted_size(image_hw, best)
     return dict(best=best, fitted=fitted, offset=((best[0] - fitted[0]) // 2, (best[1] - fitted[1]) // 2),
                 tiles=(best[0] // tile, best[1] // tile))
@@ -115,11 +146,13 @@ def downsampled(image_hw: Sequence[int], pinpoints, tile: int, tile_grid: Sequen
     gh, gw = tile_grid
     base, grid = flat[:gh * gw], flat[gh * gw:]
     rows = int(np.sum(grid == NEWLINE))
+    one = lambda idx: (np.stack([idx, idx, idx, idx], -1), np.tile(np.array([1, 0, 0, 0], np.float32),  # noqa: E731
+                                                                      (len(idx), 1)))
+    if not rows:  # a banner whose unpadded grid kept no row: the base view alone, as LLaVA-OneVision gives it
+        return one(flat)
     grid = grid.reshape(rows, -1)[:, :-1]  # the unpadded grid without its newlines
     h, w = grid.shape
     ratio = math.sqrt(h * w / (max_patches * gh * gw))
-    one = lambda idx: (np.stack([idx, idx, idx, idx], -1), np.tile(np.array([1, 0, 0, 0], np.float32),  # noqa: E731
-                                                                      (len(idx), 1)))
     if ratio <= 1.1:
         return one(flat)
     oh, ow = int(h // ratio), int(w // ratio)
@@ -147,6 +180,7 @@ def downsampled(image_hw: Sequence[int], pinpoints, tile: int, tile_grid: Sequen
 def max_downsampled_tokens(pinpoints, tile: int, tile_grid: Sequence[int], max_patches: int) -> int:
     """A bound on ``downsampled``'s token count: the base view, at most ``1.1² · N`` tiles' tokens
     (more are resized below that) and a newline for each of the tallest canvas's rows."""
+    pinpoints = check_pinpoints(pinpoints, tile)
     gh, gw = tile_grid
     rows = max(h // tile for h, _ in pinpoints) * gh
     return min(gh * gw + int(1.21 * max_patches * gh * gw) + rows, max_tokens(pinpoints, tile, tile_grid))
@@ -154,11 +188,13 @@ def max_downsampled_tokens(pinpoints, tile: int, tile_grid: Sequence[int], max_p
 
 def max_views(pinpoints, tile: int) -> int:
     """The most views (base + tiles) any image gets: what a batch pads its views to."""
+    pinpoints = check_pinpoints(pinpoints, tile)
     return 1 + max((h // tile) * (w // tile) for h, w in pinpoints)
 
 
 def max_tokens(pinpoints, tile: int, tile_grid: Sequence[int]) -> int:
     """The most visual tokens any image gets (a candidate's full canvas, nothing unpadded)."""
+    pinpoints = check_pinpoints(pinpoints, tile)
     gh, gw = tile_grid
     return gh * gw + max((h // tile) * gh * ((w // tile) * gw + 1) for h, w in pinpoints)
 

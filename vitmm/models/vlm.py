@@ -72,6 +72,7 @@ class VLM(nn.Module):
         if self.anyres is not None:
             if self.use_cls or self.mrope:
                 raise ValueError("anyres works without use_cls and mrope.")
+            anyres_lib.check_pinpoints(self.anyres["pinpoints"], self.anyres["tile"])
             self.image_newline = self.param("image_newline", common.trunc_normal(0.02), (self.language.width,))
 
     def num_visual_tokens(self, image_hw) -> int:

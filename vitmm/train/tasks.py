@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from vitmm import checkpoint as ckpt_lib
 from vitmm import losses
 from vitmm.data import sequences
+from vitmm.models import anyres as anyres_lib
 from vitmm.models import lm as lm_lib
 from vitmm.models import lora as lora_lib
 from vitmm.models import packing, rope, two_towers, vlm
@@ -130,7 +131,8 @@ class VLMTask:
         self.config, self.tokenizer = config, tokenizer
         anyres = m.get("anyres")
         if anyres is not None:  # LLaVA-NeXT's tiles: the tower sees tile x tile views
-            anyres = {"pinpoints": [tuple(p) for p in anyres["pinpoints"]], "tile": int(anyres["tile"]),
+            anyres = {"pinpoints": anyres_lib.check_pinpoints(anyres["pinpoints"], int(anyres["tile"])),
+                      "tile": int(anyres["tile"]),
                       **({"max_patches": int(anyres["max_patches"])} if anyres.get("max_patches") else {})}
         if m.get("mrope") and self.lm.get("mrope_section") is None:  # Qwen2-VL's 3D positions on any LM
             self.lm = {**self.lm, "mrope_section": rope.mrope_split(lm_lib.LM(**self.lm).attn_head_dim)}
