@@ -396,3 +396,27 @@ def _assert_packed_equals_each_alone(task, params, packed, examples, sequence, v
     (got, _), got_grads = jax.jit(jax.value_and_grad(task.loss_fn, has_aux=True))(params, packed, None)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_grads, want_grads)
+
+
+def _two_image_example():
+    """A QA example (one ``<image>`` place, ``image_pos``) with a second image beside it."""
+    ex = {"ids": np.array([1, 10, 11, 12, 13, 2], np.int32), "answer_mask": np.array([0, 0, 0, 1, 1, 1], np.float32),
+          "image": np.zeros((4, 4, 3), np.float32), "more_images": [np.ones((4, 4, 3), np.float32)],
+          "image_pos": np.int32(1), "prompt_len": np.int32(3), "_id": "rec-7"}
+    return ex
+
+
+def test_images_without_a_place_each_are_refused_naming_the_example_and_the_fix():
+    """Two images but one place (``image_pos`` alone: a one-``<image>`` text op such as ``qa_tokens``,
+    or a ``keep`` that dropped ``image_positions``): one error naming the example, not both images
+    stacked silently where the one tag stood; a count of places other than the images' likewise."""
+    ex = _two_image_example()
+    for make in (sequences.to_sequence, sequences.prompt_sequence):
+        with pytest.raises(ValueError, match=r"rec-7 has 2 images but its text places one \(image_pos\).*"
+                                             r"image_positions.*conversation_tokens"):
+            make(ex, 2)
+    with pytest.raises(ValueError, match=r"rec-7 has 3 image places \(image_positions\) for 2 images"):
+        sequences.to_sequence({**ex, "image_positions": np.array([1, 1, 3], np.int32)}, 2)
+    seq = sequences.to_sequence({**ex, "image_positions": np.array([1, 3], np.int32)}, 2)  # one place each: fine
+    np.testing.assert_array_equal(seq["visual"], [-1, 0, 1, -1, -1, 2, 3, -1, -1, -1])
+

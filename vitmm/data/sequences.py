@@ -178,9 +178,17 @@ def _interleave(ex: dict, end: int, spans: list):
     where it goes: ``(tokens, visual, text index of each position (-1 on visual ones))``."""
     ids = np.asarray(ex["ids"])
     places = ex.get("image_positions")
+    name = f"Example {ex['_id']}" if "_id" in ex else "An example"
+    if places is None and len(spans) > 1:  # stacking them all where the one place is would be silent
+        raise ValueError(f"{name} has {len(spans)} images but its text places one (image_pos): each image needs its "
+                         "own <image> place (image_positions), as conversation_tokens writes them. Give several "
+                         "images to conversation_tokens (qa_tokens places one), and keep image_positions and "
+                         "more_images (keep(..., optional=('more_images', 'image_positions'))).")
     places = [int(p) for p in places] if places is not None else [int(ex.get("image_pos", 1))] * len(spans)
     if len(places) != len(spans):
-        raise ValueError(f"to_sequence: {len(places)} image positions for {len(spans)} images.")
+        raise ValueError(f"{name} has {len(places)} image places (image_positions) for {len(spans)} images: an op "
+                         "after conversation_tokens changed the images, or the chat template writes <image> tags of "
+                         "its own; one <image> an image (after any op that splits or merges images).")
     if places != sorted(places) or any(not 0 <= p <= end for p in places):
         raise ValueError(f"to_sequence: image positions {places} are not ascending within the {end} text tokens.")
     text_at, visual = [], []
