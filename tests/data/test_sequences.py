@@ -420,3 +420,20 @@ def test_images_without_a_place_each_are_refused_naming_the_example_and_the_fix(
     seq = sequences.to_sequence({**ex, "image_positions": np.array([1, 3], np.int32)}, 2)  # one place each: fine
     np.testing.assert_array_equal(seq["visual"], [-1, 0, 1, -1, -1, 2, 3, -1, -1, -1])
 
+
+def test_a_held_out_example_too_long_for_a_row_is_masked_and_counted_as_training_skips_it():
+    """``val_loss`` on flat sequences (``SequenceLayout.row`` in ``pipeline.eval_batches``): an
+    example whose visual and text tokens overflow the row is a ``too_long_for_row`` bad example,
+    masked out and counted as ``packed_batches`` skips it in training, not an error that ends the run
+    at its first evaluation."""
+    from vitmm.data import pipeline, skips
+    from vitmm.train.sequence_layout import SequenceLayout
+
+    layout = SequenceLayout(per_image=4, length=12, max_images=2)
+    short = {k: v for k, v in _two_image_example().items() if k != "more_images"}
+    long = {**short, "more_images": [np.ones((4, 4, 3), np.float32)], "image_positions": np.array([1, 3], np.int32)}
+    with pytest.raises(skips.BadExample, match="too_long_for_row: An example of 14 positions and 2 images"):
+        layout.row(long)
+    batches = list(pipeline.eval_batches([short, long, short], lambda ex, rng: layout.row(ex), 3,
+                                         process_index=0, process_count=1, num_threads=1))
+    assert len(batches) == 1 and batches[0]["_mask"].tolist() == [1, 0, 1]

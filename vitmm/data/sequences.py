@@ -343,15 +343,19 @@ def tower_batch(batch: dict):
                           image_ids=grids[..., 0] * 0 - 1)
 
 
+class RowOverflow(ValueError):
+    """A sequence longer than a row (``one_row``)."""
+
+
 def one_row(seq: dict, length: int, max_images: int, tower_length: int = 0) -> dict:
     """A sequence alone in a row of ``length`` positions and ``max_images`` image slots (what the
     packer makes of it with ``pack=False``; images at their own sizes: ``tower_length`` tower
     tokens): fixed shapes, for evaluation batches and prompts."""
     n, k = len(seq["tokens"]), len(seq["grids" if "grids" in seq else "images"])
     if n > length or k > max_images or len(seq.get("tower_kinds", ())) > tower_length * ("grids" in seq):
-        raise ValueError(f"An example of {n} positions and {k} images does not fit a row of input.sequences.length="
-                         f"{length} and max_images={max_images}" + (f", tower_length={tower_length}" if "grids" in seq
-                                                                     else "") + ".")
+        raise RowOverflow(f"An example of {n} positions and {k} images does not fit a row of input.sequences.length="
+                          f"{length} and max_images={max_images}"
+                          + (f", tower_length={tower_length}" if "grids" in seq else "") + ".")
     row = {key: np.pad(seq[key], (0, length - n), constant_values=-1 if key == "visual" else 0)
            for key in SEQUENCE_KEYS if key in seq}
     if "mrope" in seq:

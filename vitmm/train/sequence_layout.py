@@ -67,8 +67,15 @@ class SequenceLayout:
         return sequences.prompt_sequence(ex, self.per_image, self.mrope_grid, self.tower, self.anyres)
 
     def row(self, ex: dict) -> dict:
-        """A pp'd example alone in a row (held-out batches)."""
-        return sequences.one_row(self.sequence(ex), self.length, self.max_images, self.tower_length)
+        """A pp'd example alone in a row (held-out batches). One that does not fit is a bad example
+        (``too_long_for_row``): evaluation masks it out and counts it, as training skips it."""
+        from vitmm.data.skips import BadExample
+
+        seq = self.sequence(ex)
+        try:
+            return sequences.one_row(seq, self.length, self.max_images, self.tower_length)
+        except sequences.RowOverflow as err:
+            raise BadExample("too_long_for_row", str(err)) from None
 
     def batches(self, source, pp_fn, **kwargs):
         """``data.sequences.packed_batches`` of ``source`` through ``pp_fn`` in this layout."""
