@@ -201,3 +201,19 @@ def test_a_draft_decode_is_refused_before_an_op_that_sizes_the_image_from_its_ow
             preprocess.parse(spec)
     preprocess.parse("decode(draft=224)|resize(224)")
     preprocess.parse("decode|smart_resize(3136, 2000000, 28)")
+
+
+def test_keep_refuses_to_drop_an_examples_further_images_or_their_places():
+    """``keep('image', ..., 'image_pos')`` without ``optional=('more_images', 'image_positions')`` on
+    an example with several images would train it on its first image alone (its other ``<image>``
+    places silently empty): one error with the fix. Dropping every image (a text model's pp) is fine."""
+    ex = {"image": np.zeros((2, 2, 3), np.uint8), "more_images": [np.zeros((2, 2, 3), np.uint8)],
+          "ids": np.arange(4), "image_pos": np.int32(1), "image_positions": np.array([1, 2], np.int32)}
+    with pytest.raises(ValueError, match=r"keep\('image', 'ids', 'image_pos'\) drops more_images, image_positions "
+                                         r".*2 images.*optional=\('more_images', 'image_positions'\)"):
+        _run("keep('image', 'ids', 'image_pos')", ex)
+    kept = _run("keep('image', 'ids', 'image_pos', optional=('more_images', 'image_positions'))", ex)
+    assert sorted(kept) == ["ids", "image", "image_pos", "image_positions", "more_images"]
+    assert sorted(_run("keep('ids')", ex)) == ["ids"]
+    single = {k: v for k, v in ex.items() if k not in ("more_images", "image_positions")}
+    assert sorted(_run("keep('image', 'ids', 'image_pos')", single)) == ["ids", "image", "image_pos"]

@@ -352,11 +352,23 @@ def choose(keys=("questions", "answers", "question_kinds"), out_keys=("question"
 @register("keep")
 def keep(*keys, optional=()):
     """Only ``keys``, ``optional`` ones where present (e.g. ``more_images``), and the bookkeeping
-    fields whose names start with ``_`` (e.g. ``_id``)."""
+    fields whose names start with ``_`` (e.g. ``_id``). An example's further images
+    (``more_images``) and their places (``image_positions``) are never dropped while its first image
+    or place is kept: the example would train on its first image alone, its other ``<image>`` places
+    left empty without a word (a ``ValueError`` names the fix)."""
+    several = {MORE_IMAGES: "image", "image_positions": "image_pos"}  # dropped while this is kept: an error
+
     def fn(ex, rng):
         missing = [k for k in keys if k not in ex]
         if missing:
             raise KeyError(f"keep{keys}: the example has no {missing}; it has {sorted(ex)}.")
+        lost = [k for k, first in several.items() if k in ex and first in keys and k not in keys + tuple(optional)]
+        if lost:
+            count = max(1 + len(ex.get(MORE_IMAGES, ())), len(ex.get("image_positions", ())))
+            name = f"example {ex['_id']}" if "_id" in ex else "an example"
+            raise ValueError(f"keep{keys} drops {', '.join(lost)} of {name} with {count} images: "
+                             "it would train on its first image alone. Keep them: keep(..., optional=('more_images', "
+                             "'image_positions')), and set input.sequences for several images.")
         return {k: v for k, v in ex.items() if k in keys or k in optional or k.startswith("_")}
 
     return fn
