@@ -50,3 +50,20 @@ def test_a_vlm_takes_an_lm_whose_embedding_has_more_rows_than_its_tokenizer_has_
     with pytest.raises(ValueError, match=r"tokenizer has 320 ids but the LM only vocab_size=300; use the tokenizer "
                                          r"saved with init.lm, or .* --config.model.lm.vocab_size=320"):
         tasks.VLMTask(unittest.mock.MagicMock(), None, tok)
+
+
+def test_a_tower_length_the_merging_connector_cannot_split_is_refused_at_setup():
+    """Images at their own sizes packed for a pixel-shuffle connector with merge=2: each run of 2² = 4
+    packed patches becomes one token, so a row's tower length must be a multiple of 4 (it failed inside
+    jit with a reshape error); one line names the key and the next multiple."""
+    from vitmm.train.sequence_layout import SequenceLayout
+
+    c = load(ROOT / "configs/llava_pretrain.py", "smoke,native=16,pack=256,connector=pixel_shuffle",
+             **{"input.sequences.tower_length": 30})
+    task = tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))
+    with pytest.raises(ValueError, match=r"^input.sequences.tower_length=30 is not a multiple of merge²=4 .* set it "
+                                         r"to 32\.$"):
+        SequenceLayout.of(task)
+    with c.unlocked():
+        c.input.sequences.tower_length = 32
+    assert SequenceLayout.of(tasks.from_config(c, Parallel(c.parallel), tasks.tokenizer_for(c))).tower_length == 32

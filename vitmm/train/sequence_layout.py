@@ -36,7 +36,11 @@ class SequenceLayout:
         if sq.get("tower_length"):
             tower = {"patch": to_pair(vit.arch().patch_size)[0], "class_token": vit.class_token,
                      "num_registers": vit.num_registers, "merge": task.config.model.connector.get("merge") or 1}
-            per_image = 0
+            per_image, runs = 0, tower["merge"] ** 2
+            if sq.tower_length % runs:  # the connector merges each run of merge² packed patches
+                raise ValueError(f"input.sequences.tower_length={sq.tower_length} is not a multiple of merge²={runs} "
+                                 f"(the connector's merge={tower['merge']} takes the packed patches {runs} at a time): "
+                                 f"set it to {-(-sq.tower_length // runs) * runs}.")
         if task.model.anyres is not None:
             if task.model.anyres.get("max_patches"):
                 raise ValueError("input.sequences (flat sequences) take AnyRes views without max_patches (LLaVA-"
