@@ -132,6 +132,16 @@ def test_unknown_parallel_kind():
         Parallel("dp")
 
 
+def test_fsdp_under_pmap_is_refused_not_silently_replicated():
+    """pmap keeps a whole copy of the state on every device: fsdp=True there sharded nothing (a
+    config asking for it, e.g. clip_b16_coco.py with --config.parallel=pmap, ran out of memory
+    instead of being told)."""
+    with pytest.raises(ValueError, match=r"^fsdp=True .* parallel='pmap' .*--config\.parallel=jit, or "
+                                         r"--config\.fsdp=False\.$"):
+        Parallel("pmap", fsdp=True)
+    assert Parallel("pmap").kind == "pmap" and Parallel("jit", fsdp=True).fsdp
+
+
 @pytest.mark.parametrize("kind", ["pmap", "jit"])
 def test_the_step_is_traced_once_from_the_first_step_on(kind):
     """The state put on the devices has the layout the step's own outputs have, so the second

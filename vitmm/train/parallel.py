@@ -52,6 +52,10 @@ class Parallel:
                 (tensor_parallel > 1 and kind != "jit"):
             raise ValueError(f"tensor_parallel={tensor_parallel!r}: a number of devices dividing the {n} there are, "
                              "with parallel=jit.")
+        if fsdp and kind != "jit":  # pmap keeps a whole copy of the state on every device: nothing would be sharded
+            raise ValueError(f"fsdp=True shards parameters and optimizer state over a mesh, which parallel={kind!r} "
+                             "does not have (every device would hold all of it): set --config.parallel=jit, or "
+                             "--config.fsdp=False.")
         local = len([d for d in self.devices if d.process_index == jax.process_index()])
         if not self.abstract and tensor_parallel > 1 and local % tensor_parallel:
             # a row of the mesh across processes would take each process's rows for the whole batch
