@@ -19,6 +19,7 @@ state and batches and compiles the step:
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -62,6 +63,7 @@ class Parallel:
             raise ValueError(f"tensor_parallel={tensor_parallel} must divide the {local} devices of each process: "
                              "a model split spans one host's devices.")
         self.kind, self.fsdp, self.fsdp_min_size, self.tensor_parallel = kind, fsdp, fsdp_min_size, tensor_parallel
+        self._warned_whole = False  # (state_sharding's warning, once a run)
         self.mesh = jax.sharding.Mesh(np.array(self.devices).reshape(n // tensor_parallel, tensor_parallel),
                                       (MESH_AXIS, MODEL_AXIS))
         self.replicated = NamedSharding(self.mesh, P())
@@ -83,7 +85,10 @@ class Parallel:
     def state_sharding(self, abstract_state):
         """NamedShardings for a state of ``ShapeDtypeStruct``s (jit path): the tensor-parallel split
         of the layers' projections (their optimizer moments alike, found by the same path), then
-        FSDP's (see the module docstring)."""
+        FSDP's (see the module docstring). A large leaf none of whose free axes divides the data
+        axis stays whole on every device, with a warning (once) naming it: FSDP then saves no memory
+        on it, and a device count that leaves every axis odd would save none at all."""
+        whole = []
 
         def rule(path, x):
             shape = getattr(x, "shape", ())
@@ -99,9 +104,19 @@ class Parallel:
                     if spec[axis] is None and shape[axis] % n == 0:
                         spec[axis] = MESH_AXIS
                         break
+                else:
+                    whole.append((name, tuple(shape), np.prod(shape, dtype=np.int64) * getattr(x.dtype, "itemsize", 4)))
             return NamedSharding(self.mesh, P(*spec)) if any(spec) else self.replicated
 
-        return jax.tree_util.tree_map_with_path(rule, abstract_state)
+        shardings = jax.tree_util.tree_map_with_path(rule, abstract_state)
+        if whole and not self._warned_whole:
+            self._warned_whole = True
+            shown = ", ".join(f"{name} {shape}" for name, shape, _ in whole[:3]) + (", ..." if len(whole) > 3 else "")
+            warnings.warn(f"fsdp=True: {len(whole)} leaves of the state ({sum(b for *_, b in whole) / 2**20:.1f} MiB) "
+                          "stay whole over the data axis, as none of their axes (those tensor_parallel leaves free) "
+                          f"divides its {self.mesh.shape[MESH_AXIS]} devices: {shown}. Train on a number of "
+                          "devices that divides them to shard them.", stacklevel=2)
+        return shardings
 
     def put_state(self, state):
         if self.kind == "pmap":
