@@ -119,8 +119,8 @@ def test_fsdp_shards_large_parameters_on_their_largest_divisible_axis():
     n = par.mesh.shape[MESH_AXIS]
     state = {"big": jnp.zeros((6, 8 * n)), "odd": jnp.zeros((7, 9, 3)), "small": jnp.zeros(4)}
     # FSDP saves nothing on a leaf no axis of which divides the data axis: said once, not left silent
-    with pytest.warns(UserWarning, match=rf"^fsdp=True: 1 leaves of the state \(0\.0 MiB\) stay whole over the "
-                                         rf"data axis, .* divides its {n} devices: odd \(7, 9, 3\)\. Train on"):
+    with pytest.warns(UserWarning, match=rf"^fsdp=True: 1 leaves of the state \(0\.0 MiB\) stay whole on every "
+                                         rf"device, .* the {n} devices of the data axis: odd \(7, 9, 3\)\. Train on"):
         shardings = par.state_sharding(jax.eval_shape(lambda: state))
     assert shardings["big"].spec == jax.sharding.PartitionSpec(None, MESH_AXIS)
     assert shardings["odd"].spec == jax.sharding.PartitionSpec()  # nothing divides: replicated

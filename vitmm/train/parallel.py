@@ -85,9 +85,9 @@ class Parallel:
     def state_sharding(self, abstract_state):
         """NamedShardings for a state of ``ShapeDtypeStruct``s (jit path): the tensor-parallel split
         of the layers' projections (their optimizer moments alike, found by the same path), then
-        FSDP's (see the module docstring). A large leaf none of whose free axes divides the data
-        axis stays whole on every device, with a warning (once) naming it: FSDP then saves no memory
-        on it, and a device count that leaves every axis odd would save none at all."""
+        FSDP's (see the module docstring). A large leaf none of whose axes divides the data axis
+        (and not split over the model axis) stays whole on every device, with a warning (once)
+        naming it: FSDP saves no memory on it, and on a device count that divides no axis, none."""
         whole = []
 
         def rule(path, x):
@@ -104,7 +104,7 @@ class Parallel:
                     if spec[axis] is None and shape[axis] % n == 0:
                         spec[axis] = MESH_AXIS
                         break
-                else:
+                if not any(spec):  # (a leaf split over the model axis alone is still split)
                     whole.append((name, tuple(shape), np.prod(shape, dtype=np.int64) * getattr(x.dtype, "itemsize", 4)))
             return NamedSharding(self.mesh, P(*spec)) if any(spec) else self.replicated
 
@@ -113,8 +113,8 @@ class Parallel:
             self._warned_whole = True
             shown = ", ".join(f"{name} {shape}" for name, shape, _ in whole[:3]) + (", ..." if len(whole) > 3 else "")
             warnings.warn(f"fsdp=True: {len(whole)} leaves of the state ({sum(b for *_, b in whole) / 2**20:.1f} MiB) "
-                          "stay whole over the data axis, as none of their axes (those tensor_parallel leaves free) "
-                          f"divides its {self.mesh.shape[MESH_AXIS]} devices: {shown}. Train on a number of "
+                          "stay whole on every device, as none of their axes divides the "
+                          f"{self.mesh.shape[MESH_AXIS]} devices of the data axis: {shown}. Train on a number of "
                           "devices that divides them to shard them.", stacklevel=2)
         return shardings
 
