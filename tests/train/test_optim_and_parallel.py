@@ -1,5 +1,7 @@
 """Optimizer rules (schedule, weight-decay mask, freezing) and state sharding (FSDP)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -116,11 +118,16 @@ def test_fsdp_shards_large_parameters_on_their_largest_divisible_axis():
     par = Parallel("jit", fsdp=True, fsdp_min_size=64)
     n = par.mesh.shape[MESH_AXIS]
     state = {"big": jnp.zeros((6, 8 * n)), "odd": jnp.zeros((7, 9, 3)), "small": jnp.zeros(4)}
-    shardings = par.state_sharding(jax.eval_shape(lambda: state))
+    # FSDP saves nothing on a leaf no axis of which divides the data axis: said once, not left silent
+    with pytest.warns(UserWarning, match=rf"^fsdp=True: 1 leaves of the state \(0\.0 MiB\) stay whole on every "
+                                         rf"device, .* the {n} devices of the data axis: odd \(7, 9, 3\)\. Train on"):
+        shardings = par.state_sharding(jax.eval_shape(lambda: state))
     assert shardings["big"].spec == jax.sharding.PartitionSpec(None, MESH_AXIS)
     assert shardings["odd"].spec == jax.sharding.PartitionSpec()  # nothing divides: replicated
     assert shardings["small"].spec == jax.sharding.PartitionSpec()
-    placed = par.put_state(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once a run: not again for every placement or compile)
+        placed = par.put_state(state)
     assert placed["big"].sharding.spec == jax.sharding.PartitionSpec(None, MESH_AXIS)
     x = jnp.arange(6 * 8 * n, dtype=jnp.float32).reshape(6, 8 * n)
     sharded = jax.device_put(x, shardings["big"])
@@ -130,6 +137,16 @@ def test_fsdp_shards_large_parameters_on_their_largest_divisible_axis():
 def test_unknown_parallel_kind():
     with pytest.raises(ValueError, match="Unknown parallel='dp'"):
         Parallel("dp")
+
+
+def test_fsdp_under_pmap_is_refused_not_silently_replicated():
+    """pmap keeps a whole copy of the state on every device: fsdp=True there sharded nothing (a
+    config asking for it, e.g. clip_b16_coco.py with --config.parallel=pmap, ran out of memory
+    instead of being told)."""
+    with pytest.raises(ValueError, match=r"^fsdp=True .* parallel='pmap' .*--config\.parallel=jit, or "
+                                         r"--config\.fsdp=False\.$"):
+        Parallel("pmap", fsdp=True)
+    assert Parallel("pmap").kind == "pmap" and Parallel("jit", fsdp=True).fsdp
 
 
 @pytest.mark.parametrize("kind", ["pmap", "jit"])

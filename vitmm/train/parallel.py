@@ -19,6 +19,7 @@ state and batches and compiles the step:
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -52,12 +53,17 @@ class Parallel:
                 (tensor_parallel > 1 and kind != "jit"):
             raise ValueError(f"tensor_parallel={tensor_parallel!r}: a number of devices dividing the {n} there are, "
                              "with parallel=jit.")
+        if fsdp and kind != "jit":  # pmap keeps a whole copy of the state on every device: nothing would be sharded
+            raise ValueError(f"fsdp=True shards parameters and optimizer state over a mesh, which parallel={kind!r} "
+                             "does not have (every device would hold all of it): set --config.parallel=jit, or "
+                             "--config.fsdp=False.")
         local = len([d for d in self.devices if d.process_index == jax.process_index()])
         if not self.abstract and tensor_parallel > 1 and local % tensor_parallel:
             # a row of the mesh across processes would take each process's rows for the whole batch
             raise ValueError(f"tensor_parallel={tensor_parallel} must divide the {local} devices of each process: "
                              "a model split spans one host's devices.")
         self.kind, self.fsdp, self.fsdp_min_size, self.tensor_parallel = kind, fsdp, fsdp_min_size, tensor_parallel
+        self._warned_whole = False  # (state_sharding's warning, once a run)
         self.mesh = jax.sharding.Mesh(np.array(self.devices).reshape(n // tensor_parallel, tensor_parallel),
                                       (MESH_AXIS, MODEL_AXIS))
         self.replicated = NamedSharding(self.mesh, P())
@@ -79,7 +85,10 @@ class Parallel:
     def state_sharding(self, abstract_state):
         """NamedShardings for a state of ``ShapeDtypeStruct``s (jit path): the tensor-parallel split
         of the layers' projections (their optimizer moments alike, found by the same path), then
-        FSDP's (see the module docstring)."""
+        FSDP's (see the module docstring). A large leaf none of whose axes divides the data axis
+        (and not split over the model axis) stays whole on every device, with a warning (once)
+        naming it: FSDP saves no memory on it, and on a device count that divides no axis, none."""
+        whole = []
 
         def rule(path, x):
             shape = getattr(x, "shape", ())
@@ -95,9 +104,19 @@ class Parallel:
                     if spec[axis] is None and shape[axis] % n == 0:
                         spec[axis] = MESH_AXIS
                         break
+                if not any(spec):  # (a leaf split over the model axis alone is still split)
+                    whole.append((name, tuple(shape), np.prod(shape, dtype=np.int64) * getattr(x.dtype, "itemsize", 4)))
             return NamedSharding(self.mesh, P(*spec)) if any(spec) else self.replicated
 
-        return jax.tree_util.tree_map_with_path(rule, abstract_state)
+        shardings = jax.tree_util.tree_map_with_path(rule, abstract_state)
+        if whole and not self._warned_whole:
+            self._warned_whole = True
+            shown = ", ".join(f"{name} {shape}" for name, shape, _ in whole[:3]) + (", ..." if len(whole) > 3 else "")
+            warnings.warn(f"fsdp=True: {len(whole)} leaves of the state ({sum(b for *_, b in whole) / 2**20:.1f} MiB) "
+                          "stay whole on every device, as none of their axes divides the "
+                          f"{self.mesh.shape[MESH_AXIS]} devices of the data axis: {shown}. Train on a number of "
+                          "devices that divides them to shard them.", stacklevel=2)
+        return shardings
 
     def put_state(self, state):
         if self.kind == "pmap":
