@@ -295,3 +295,31 @@ def test_native_evaluation_embeds_each_image_at_its_own_size(tiny):
         np.testing.assert_allclose(emb["zimg"][i], alone, atol=2e-5)
     assert len(sizes) > 1  # the images really are at different sizes
     assert 0 <= evals["zeroshot"].run(params)["accuracy"] <= 1 and evals["retrieval"].run(params)["examples"] == 40
+
+
+def test_the_vlm_val_loss_weights_each_batch_by_the_tokens_its_loss_averaged(monkeypatch):
+    """``val_loss`` of a VLM whose loss reads the first K answer tokens (``model.loss_positions``):
+    each batch weighs by the tokens its loss averaged (the loss's ``answer_tokens``), not by every
+    answer token of the batch. Two batches, 3- and 1-token answers, K = 1: the mean over the four
+    examples' first tokens is (1 + 1 + 3 + 3) / 4 = 2, where weighing by all answer tokens gives 1.5."""
+    import jax.numpy as jnp
+
+    from vitmm.data import pipeline
+    from vitmm.train import vlm_evaluators
+
+    def example(answer_len, value):
+        mask = np.zeros(6, np.int32)
+        mask[1:1 + answer_len] = 1
+        return {"answer_mask": mask, "value": np.float32(value)}
+
+    examples = [example(3, 1.0), example(3, 1.0), example(1, 3.0), example(1, 3.0)]
+    monkeypatch.setattr(pipeline, "source_for", lambda data: examples)
+
+    def loss_fn(params, batch, rng):  # the loss at each example's first answer token (K = 1)
+        first = (batch["answer_mask"][:, 1:].sum(1) > 0).astype(jnp.float32)
+        return (batch["value"] * first).sum() / first.sum(), {"token_acc": 0.5, "answer_tokens": first.sum()}
+
+    evaluator = vlm_evaluators.VLMValLoss(loss_fn, {"data": {}, "pp": "keep('answer_mask', 'value')",
+                                                    "batch_size": 2}, None)
+    out = evaluator.run(None)
+    assert out["loss"] == pytest.approx(2.0) and out["examples"] == 4 and out["skipped"] == 0

@@ -117,9 +117,9 @@ class VLMValLoss:
         def sums(params, batch):
             key = "weights" if "weights" in batch else "answer_mask"
             mask = batch[key] * batch["_mask"][:, None].astype(batch[key].dtype)
-            loss, acc = loss_fn(params, {**batch, key: mask}, None)
-            tokens = mask.sum() if key == "weights" else mask[:, 1:].sum()
-            return loss * tokens, acc["token_acc"] * tokens, tokens
+            loss, aux = loss_fn(params, {**batch, key: mask}, None)
+            tokens = aux["answer_tokens"]  # what the loss averaged over (model.loss_positions: the first K only)
+            return loss * tokens, aux["token_acc"] * tokens, tokens
 
         self._sums = jax.jit(sums)
 
