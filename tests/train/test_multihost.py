@@ -198,3 +198,29 @@ def test_the_launcher_is_found_from_the_environment(monkeypatch, env, found):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert distributed.launcher() == found
+
+
+def test_an_unexpected_error_on_process_0_while_checking_the_workdir_stops_every_process(monkeypatch, tmp_path):
+    """Process 0 checks the workdir alone; an error there that is not a refusal (say, a permission
+    error reading its log) reaches the others through the same broadcast, which they would otherwise
+    wait at until the coordination timeout. The broadcast faked: process 0 sends, the others receive."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from vitmm.train import startup
+
+    sent = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: sent.append(int(x)) or np.int32(sent[0]))
+    with pytest.raises(PermissionError, match="metrics.jsonl"):  # process 0: its own error, as it was
+        startup.refuse_together(PermissionError("metrics.jsonl: permission denied"), tmp_path)
+    with pytest.raises(startup.ProcessZeroFailed, match="process 0 failed while checking the workdir"):
+        startup.refuse_together(None, tmp_path)  # another process: told to stop, not left waiting
+    sent.clear()
+    with pytest.raises(startup.HistoryWithoutCheckpoint):
+        startup.refuse_together(startup.HistoryWithoutCheckpoint("earlier run"), tmp_path)
+    with pytest.raises(startup.HistoryWithoutCheckpoint, match="process 0 refused this run"):
+        startup.refuse_together(None, tmp_path)
+    sent[:] = [0]
+    startup.refuse_together(None, tmp_path)  # nothing refused: every process goes on

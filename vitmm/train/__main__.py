@@ -20,13 +20,13 @@ from ml_collections import config_flags
 
 from vitmm import checkpoint as ckpt_lib
 from vitmm import config_args, console, tree, xla_flags
-from vitmm.train import trainer
+from vitmm.train import startup, trainer
 from vitmm.train import workdir as workdir_lib
 
 PREEMPTED = 75  # EX_TEMPFAIL: try again (resume)
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports an interrupted command
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, workdir_lib.WorkdirLocked)
-RUN_FAILURES = (FloatingPointError, ckpt_lib.SaveFailed, ckpt_lib.NoReadableCheckpoint)
+RUN_FAILURES = (FloatingPointError, ckpt_lib.SaveFailed, ckpt_lib.NoReadableCheckpoint, startup.ProcessZeroFailed)
 
 config_flags.DEFINE_config_file("config", None, "Config file (with :args).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and TensorBoard files go.")

@@ -24,16 +24,23 @@ class FreshStart(Exception):  # noqa: N818 - a signal between the trainer's step
     settings read from the init folders again (not the copies the earlier run pinned)."""
 
 
+class ProcessZeroFailed(RuntimeError):
+    """Another process's view of an unexpected error process 0 met while checking the workdir."""
+
+
 def refuse_together(refusal: Exception | None, workdir: pathlib.Path) -> None:
-    """Process 0 alone checks the workdir; every process stops with it (the others would wait at the
-    first checkpoint's barrier until the coordination timeout)."""
+    """Process 0 alone checks the workdir; every process stops with it, whether it refused the run
+    (``REFUSALS``) or met another error there (the others would otherwise wait at the first
+    checkpoint's barrier until the coordination timeout)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        code = REFUSALS.index(type(refusal)) + 1 if refusal is not None else 0
+        kinds = (*REFUSALS, ProcessZeroFailed)
+        code = 0 if refusal is None else kinds.index(type(refusal)) + 1 if type(refusal) in REFUSALS else len(kinds)
         code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
         if code and refusal is None:
-            raise REFUSALS[code - 1](f"{workdir}: process 0 refused this run; its output says why.")
+            said = "refused this run" if code <= len(REFUSALS) else "failed while checking the workdir"
+            raise kinds[code - 1](f"{workdir}: process 0 {said}; its output says why.")
     if refusal is not None:
         raise refusal
 

@@ -104,7 +104,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
             try:
                 lock.acquire()
                 set_aside = startup.check_history(workdir, config, restart)
-            except startup.REFUSALS as err:
+            except Exception as err:  # noqa: BLE001 - every process stops with it (refuse_together), then re-raised
                 refusal = err
         startup.refuse_together(refusal, workdir)
         with (console.library_errors_to(workdir / console.ERRORS_LOG), StopRequests() as stop,
