@@ -38,3 +38,29 @@ def test_flip_lr_swaps_left_and_right_in_conversations_and_any_case():
     kept = preprocess.parse("flip_lr(prob=1.0, mode='skip')")({"image": image, "conversations": turns},
                                                                 np.random.default_rng(0))
     assert kept["image"][0, 0, 0] == 0
+
+
+def test_flip_lr_swaps_leftmost_and_rightward_as_it_swaps_left():
+    """RefCOCO-style "the leftmost man" is as wrong after a flip as "the man on the left"; words
+    that merely start with the letters (``rightly``, ``leftover``, ``bright``) stay."""
+    image = np.arange(6, dtype=np.uint8).reshape(1, 2, 3)
+    caption = "The LEFTMOST man looks rightwards, Rightmost leftover is rightly bright."
+    out = preprocess.parse("flip_lr(prob=1.0)")({"image": image, "caption": caption}, np.random.default_rng(0))
+    assert out["caption"] == "The RIGHTMOST man looks leftwards, Leftmost leftover is rightly bright."
+    kept = preprocess.parse("flip_lr(prob=1.0, mode='skip')")({"image": image, "caption": "the leftmost cup"},
+                                                                np.random.default_rng(0))
+    assert kept["image"][0, 0, 0] == 0  # "leftmost" is seen: the example stays unflipped
+
+
+def test_flip_lr_swaps_nested_captions_before_they_are_chosen():
+    """COCO's captions are nested features (``captions/text``): flipped before ``choose``, the
+    caption picked must be a swapped one, and ``skip`` must see them."""
+    image = np.arange(6, dtype=np.uint8).reshape(1, 2, 3)
+    ex = {"image": image, "captions": {"id": [7, 8], "text": [b"a dog on the left", b"a cat at left"]}}
+    spec = "decode|flip_lr(prob=1.0)|choose(keys=('captions/text',), out_keys=('caption',))"
+    for seed in range(4):
+        out = preprocess.parse(spec)(ex, np.random.default_rng(seed))
+        assert out["caption"] in ("a dog on the right", "a cat at right") and out["image"][0, 0, 0] == 3
+        assert out["captions"]["id"] == [7, 8]
+    kept = preprocess.parse("decode|flip_lr(prob=1.0, mode='skip')")(ex, np.random.default_rng(0))
+    assert kept["image"][0, 0, 0] == 0 and kept["captions"]["text"] == ["a dog on the left", "a cat at left"]

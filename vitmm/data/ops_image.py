@@ -225,9 +225,13 @@ def flip_lr(prob=0.5, text_keys=TEXT_DEFAULT, mode="swap", key="image"):
 
 
 def _texts(value):
-    """The strings of a text field: a string, a list of them, or a conversation's turns."""
+    """The strings of a text field: a string, a list of them, a conversation's turns, or nested
+    features holding them (COCO's ``captions``: ``{"id": [...], "text": [...]}``)."""
     if isinstance(value, str):
         yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _texts(item)
     elif isinstance(value, list):
         for item in value:
             if isinstance(item, str):
@@ -239,6 +243,8 @@ def _texts(value):
 def _swapped(value):
     if isinstance(value, str):
         return swap_left_right(value)
+    if isinstance(value, dict):  # nested features (a flip before ``choose('captions/text')``)
+        return {k: _swapped(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_swapped(item) if isinstance(item, str) else
                 {k: swap_left_right(v) if k in TURN_TEXT and isinstance(v, str) else v for k, v in item.items()}

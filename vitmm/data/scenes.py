@@ -164,16 +164,19 @@ def _radius(diff: Difficulty, size: str) -> float:
     return _GRID_RADIUS[size] * 0.5 / diff.grid if diff.grid else _FREE_RADIUS[size]
 
 
-LEFT_RIGHT = re.compile(r"\b(left|right)\b", re.IGNORECASE)
+# ``left``/``right`` and the words made of them (``leftmost``, ``rightward(s)``): RefCOCO-style
+# phrases ("the leftmost man") are as wrong after a flip as "the man on the left".
+LEFT_RIGHT = re.compile(r"\b(left|right)(most|wards?)?\b", re.IGNORECASE)
 
 
 def swap_left_right(text: str) -> str:
-    """Swaps the words ``left`` and ``right`` in any case, keeping it (``Left`` → ``Right``): what
-    a horizontal flip does to a description."""
+    """Swaps the words ``left`` and ``right`` (and ``leftmost``/``rightmost``,
+    ``leftward(s)``/``rightward(s)``) in any case, keeping it (``Left`` → ``Right``): what a
+    horizontal flip does to a description."""
     def swap(match):
-        word = match.group(0)
+        word, rest = match.group(1), match.group(2) or ""
         other = "right" if word.lower() == "left" else "left"
-        return other.upper() if word.isupper() else other.capitalize() if word[0].isupper() else other
+        return (other.upper() if word.isupper() else other.capitalize() if word[0].isupper() else other) + rest
 
     return LEFT_RIGHT.sub(swap, text)
 
