@@ -129,6 +129,18 @@ def compare(by_step: dict, rates: dict, seeds: list[int], min_delta: float) -> l
     return lines
 
 
+def preflight(setup: dict, passthrough: list[str]) -> list[str]:
+    """The settings in which the sweep the options ``passthrough`` would run differs from the finished
+    one's ``setup`` (its LM, stages, tokenizer, plan): checked before anything trains, as the rate
+    sweeps' own setup.json is compared with the main one's only once they have finished."""
+    args = tb.parse_args([*passthrough, "--out", "/nonexistent"])
+    plan = {"batch_size": args.batch_size, "eval_every": args.eval_every, "curve_questions": args.curve_questions,
+            "min_delta": args.min_delta, "patience": args.patience}
+    out = [k for k in ("stage0_lr", "stage0_steps", "stage1_steps", "tokenizer") if setup.get(k) != getattr(args, k)]
+    out += ["lm"] if setup.get("lm") != args.lm else []
+    return out + [f"plan.{k}" for k, v in plan.items() if setup["plan"].get(k) != v]
+
+
 def main(argv=None) -> pathlib.Path:
     args, passthrough = parse_args(argv)
     main_dir = pathlib.Path(args.main)
@@ -153,6 +165,10 @@ def main(argv=None) -> pathlib.Path:
     budgets = ",".join(dict.fromkeys(str(r["budget"]) for r in rows if r["family"] in families))
     rates = {f: {k: step_rate(setup["chosen"][f][0], k) for k in [0, *args.steps_away]} for f in families}
     argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report"]
+    differ = [] if args.report else preflight(setup, passthrough)
+    if differ:
+        args.parser.error(f"the options after this script's own would train under other settings than the sweep in "
+                          f"{main_dir} ({differ}): pass the options it ran with (its setup.json 'command').")
     for k in args.steps_away if not args.report else ():
         tower = ["--tower", str(main_dir / "tower")] if "--tower" not in passthrough else []
         tb.main([*passthrough, *tower, "--out", str(folder(out, k)), "--families", ",".join(families), "--budgets",

@@ -18,9 +18,12 @@ RUNS = {("pool", 4): {0: [(0.50, 0.48), (0.52, 0.50)], -1: [(0.40, 0.41), (0.42,
                        1: [(0.69, 0.64), (0.69, 0.60)]},
         ("qformer", 16): {0: [(0.45, 0.44), (0.47, 0.46)], -1: [(0.47, 0.45), (0.47, 0.45)],
                           1: [(0.30, 0.3), (0.3, 0.3)]}}
-SETUP = {"tower_fingerprint": "t", "data": "hard_64", "lm": {"width": 64}, "seeds": [0, 1, 2],
-         "plan": {"max_steps": 1000, "batch_size": 32, "min_delta": 0.005}, "tune_budget": 16, "tune_seed": 0,
-         "chosen": {"pool": [3e-4, 25], "qformer": [1e-4, 250], "blind": [1e-3, 25]}}
+_SMOKE = tb.parse_args(["--smoke", "--out", "/nonexistent"])  # the settings the faked sweeps ran with
+SETUP = {"tower_fingerprint": "t", "data": "hard_64", "lm": _SMOKE.lm, "seeds": [0, 1, 2],
+         **{k: getattr(_SMOKE, k) for k in ("stage0_lr", "stage0_steps", "stage1_steps", "tokenizer")},
+         "plan": {"max_steps": 1000, **{k: getattr(_SMOKE, k) for k in ("batch_size", "eval_every", "curve_questions",
+                                                                        "patience")}, "min_delta": 0.005},
+         "tune_budget": 16, "tune_seed": 0, "chosen": {"pool": [3e-4, 25], "qformer": [1e-4, 250], "blind": [1e-3, 25]}}
 
 
 def write_sweep(directory, step, seeds=(0, 1), blind=True):
@@ -94,6 +97,17 @@ def test_the_neighbours_run_as_sweeps_of_their_own_and_rates_md_compares_them(tm
     (out / "lr_+1" / "setup.json").write_text(json.dumps({**setup, "data": "easy_64"}))
     with pytest.raises(SystemExit, match=r"differ from the sweep .* in \['data'\]"):
         rates.main(["--main", str(main_dir), "--report"])
+
+
+def test_options_that_would_train_under_other_settings_are_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    """The rate sweeps' settings are compared with the main sweep's before anything trains (their own
+    setup.json exists only once they have finished): a sweep run with other options is refused at once."""
+    write_sweep(tmp_path / "m", 0)
+    monkeypatch.setattr(tb, "main", lambda argv: pytest.fail("trained"))
+    with pytest.raises(SystemExit):
+        rates.main(["--main", str(tmp_path / "m"), "--smoke", "--stage1_steps", "99"])
+    err = capsys.readouterr().err
+    assert "other settings than the sweep" in err and "'stage1_steps'" in err
 
 
 @pytest.mark.parametrize("argv, says", [
