@@ -172,6 +172,21 @@ def test_raw_rows_that_show_the_same_image_are_one_image_with_several_captions(t
     assert out["examples"] == 3 and out["caption_examples"] == 6
 
 
+@pytest.mark.parametrize("native", [None, NATIVE], ids=["square", "native"])
+def test_captions_that_differ_only_past_max_len_are_different_captions(tmp_path, tiny, native):
+    """Captions 0 and 1 share their first 40 bytes, so their 32 tokens (max_len) are the same: they
+    are still two captions, each its own image's alone. Each of the 4 captions is then one of the 4
+    images' own and chance R@1 is 1/4; counting caption 1 as image 0's too gave (2+2+1+1)/4/4 = 0.375."""
+    model, params = tiny
+    long = "a caption that runs on past the max_len of the text tower"
+    csv = write_csv(tmp_path, [f"{long}: one", f"{long}: two", "short a", "short b"])
+    evals = build(model, {"retrieval": dict(type="retrieval", data=dict(csv=csv), native=native)})
+    emb = evals["retrieval"].embeddings.get(params)
+    assert (emb["tokens"][0] == emb["tokens"][1]).all()  # the text tower reads the same ids
+    assert list(emb["captions"]) == [f"{long}: one", f"{long}: two", "short a", "short b"]
+    assert evals["retrieval"].run(params)["chance_r1"] == pytest.approx(1 / 4)
+
+
 def test_a_records_list_of_captions_is_scored_caption_by_caption(tiny, monkeypatch):
     """``data.captions="captions/text"`` (TFDS coco_captions' layout): every caption of a record is
     embedded, as the text tower embeds it alone, and points at the record's image."""
@@ -189,6 +204,7 @@ def test_a_records_list_of_captions_is_scored_caption_by_caption(tiny, monkeypat
     assert emb["zimg"].shape == (3, 16) and emb["txt2img"].tolist() == [0] * 5 + [1] * 6 + [2] * 5
     alone = evals["retrieval"].embeddings.texts(params, [f"image 1 caption {c}" for c in range(6)])
     np.testing.assert_allclose(emb["ztxt"][5:11], alone, atol=1e-5)
+    assert list(emb["captions"][5:11]) == [f"image 1 caption {c}" for c in range(6)]
     assert evals["retrieval"].run(params)["caption_examples"] == 16
 
 

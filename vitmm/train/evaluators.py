@@ -84,7 +84,8 @@ class Retrieval(_OnEmbeddings):
     hit when any of its captions is among the ``k`` best of all captions; text→image: each caption
     is a query over the distinct images. With one caption per image this is open_clip's
     ``get_clip_metrics``. A caption identical word for word to one of an image's captions also
-    counts as that image's (scenes repeat captions), and the chance levels account for that."""
+    counts as that image's (scenes repeat captions), and the chance levels account for that;
+    identical means the whole text, not the tokens the text tower reads (cut to ``max_len``)."""
 
     def __init__(self, embeddings: Embeddings, **_):
         self.embeddings = embeddings
@@ -93,7 +94,12 @@ class Retrieval(_OnEmbeddings):
         emb = self.embeddings.get(params)
         zimg, ztxt = emb["zimg"], emb["ztxt"]
         txt2img = emb.get("txt2img", np.arange(len(ztxt)))
-        _, caption_id = np.unique(emb["tokens"], axis=0, return_inverse=True)
+        # Identical captions: the same whole text, not the same tokens (cut to max_len, captions that
+        # differ past it have the same ids; hand-made embeddings without texts have tokens alone).
+        if "captions" in emb:
+            _, caption_id = np.unique(np.asarray(emb["captions"], str), return_inverse=True)
+        else:
+            _, caption_id = np.unique(emb["tokens"], axis=0, return_inverse=True)
         caption_id = caption_id.reshape(-1)
         has = np.zeros((len(zimg), caption_id.max() + 1), bool)
         has[txt2img, caption_id] = True
