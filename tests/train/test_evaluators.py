@@ -234,6 +234,20 @@ def test_val_loss_scores_every_pair_the_last_batch_padded_and_masked(loss):
     assert out["examples"] == 10 and out["batches"] == 3
 
 
+def test_val_loss_with_several_captions_per_image_puts_one_pair_per_image_in_a_batch():
+    """4 images x 2 captions, side by side as a record's list gives them ([0, 0, 1, 1, ...]), a
+    perfect model (each caption its image's embedding, t = 100), batches of 4: each batch holds
+    the 4 images once and the loss is ~0 (1e-6). In the split's order a batch held images
+    0, 0, 1, 1, each copy the other's negative, and the loss was log 2 = 0.693."""
+    zimg = np.eye(4, dtype=np.float32)
+    txt2img = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    emb = Fixed(zimg=zimg, ztxt=zimg[txt2img], tokens=np.arange(8)[:, None], txt2img=txt2img, labels=-np.ones(4))
+    out = eval_lib.ValLoss(emb, batch_size=4).run(None, t=100.0)
+    assert out["loss"] == pytest.approx(0.0, abs=1e-6) and out["examples"] == 8 and out["batches"] == 2
+    assert eval_lib._round_robin([0, 0, 1, 2, 2, 2]).tolist() == [0, 2, 3, 1, 4, 5]
+    assert eval_lib._round_robin(np.arange(5)).tolist() == list(range(5))
+
+
 def test_zeroshot_and_retrieval_embed_in_batches_of_their_batch_size(tmp_path, tiny, monkeypatch):
     """``evals.<name>.batch_size`` of zeroshot/retrieval sets the embedding pass's batches (lowered
     to fit memory, it must not be 256 regardless); a split shared with val_loss embeds in the

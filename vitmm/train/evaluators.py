@@ -145,14 +145,20 @@ def _chance(matches: np.ndarray, n: int) -> dict:
 class ValLoss(_OnEmbeddings):
     """The training loss on consecutive batches of ``batch_size`` pairs, every pair scored: the
     last batch, padded to ``batch_size`` with its padding masked out (``losses``' ``valid``), is
-    the loss of its own pairs alone (fewer negatives than a full batch); the mean is over pairs."""
+    the loss of its own pairs alone (fewer negatives than a full batch); the mean is over pairs.
+    With several captions per image (``data.captions``, grouped raw rows) the pairs are taken each
+    image's first caption first, then each one's second, ...: in the split's order an image's
+    captions sit side by side, and a batch holding one image several times scores the copies as
+    each other's negatives (a perfect model's loss no lower than log 5 with COCO's 5 captions), a
+    loss the training batches, one pair per image, never see."""
 
     def __init__(self, embeddings: Embeddings, loss: str = "softmax", batch_size: int = 256, **_):
         self.embeddings, self.loss, self.batch_size = embeddings, loss, batch_size
 
     def run(self, params, t=None, b=None) -> dict:
         emb = self.embeddings.get(params)
-        zimg, ztxt = emb["zimg"][emb["txt2img"]], emb["ztxt"]  # the split's image-caption pairs
+        order = _round_robin(emb["txt2img"])
+        zimg, ztxt = emb["zimg"][emb["txt2img"][order]], emb["ztxt"][order]  # the split's image-caption pairs
         n, size = len(zimg), self.batch_size
         values, weights = [], []
         for i in range(0, n, size):
@@ -167,6 +173,17 @@ class ValLoss(_OnEmbeddings):
                 values.append(float(_sigmoid_loss(zi, zt, t, b, valid)))
             weights.append(len(zi) if valid is None else int(valid.sum()))
         return {"loss": float(np.average(values, weights=weights)), "batches": len(values), "examples": n}
+
+
+def _round_robin(txt2img: np.ndarray) -> np.ndarray:
+    """The captions' order by their rank among their image's captions (each image's first, then
+    each one's second, ...), the split's order within a rank; ``arange`` with one caption per image."""
+    txt2img = np.asarray(txt2img)
+    by_image = np.argsort(txt2img, kind="stable")
+    grouped = txt2img[by_image]
+    rank = np.empty(len(txt2img), np.int64)
+    rank[by_image] = np.arange(len(grouped)) - np.searchsorted(grouped, grouped, side="left")
+    return np.lexsort((np.arange(len(txt2img)), rank))
 
 
 # Compiled once per batch shape (eagerly, each of the loss's ~15 operations is a program of its own).
