@@ -53,6 +53,23 @@ def test_a_bad_raw_record_is_left_out_of_either_evaluation_path(tmp_path, tiny, 
     assert out["examples"] == 5 and 0 <= out["i2t_r1"] <= out["i2t_r5"] <= 1
 
 
+def test_a_data_pp_with_clips_resize_and_crop_is_what_the_tower_sees(tmp_path, tiny):
+    """CLIP's evaluation protocol in ``data.pp`` (shorter side, bicubic, centre crop) on 24x40
+    images: the square resize the evaluator appends leaves the 32x32 crop as it is (it would
+    otherwise squash and resample), so each embedding is the tower's on the cropped pixels."""
+    from vitmm.data import preprocess
+
+    model, params = tiny
+    csv = write_csv(tmp_path, ["caption 0", "caption 1"])
+    clip_pp = "decode|resize(32, method='bicubic', shorter=True)|center_crop(32)"
+    evals = build(model, {"r": dict(type="retrieval", data=dict(csv=csv, pp=clip_pp))})
+    zimg = evals["r"].embeddings.get(params)["zimg"]
+    pp = preprocess.parse(f"{clip_pp}|value_range(-1, 1)")
+    for i in range(2):
+        image = pp({"image": (tmp_path / f"{i}.png").read_bytes()}, None)["image"]
+        np.testing.assert_allclose(zimg[i], model.apply({"params": params}, jnp.asarray(image)[None])[0][0], atol=1e-5)
+
+
 def test_zero_shot_runs_on_a_dataset_of_images_and_labels_only(tiny, monkeypatch):
     """Zero-shot on a classification split (cifar10-like records: image, label; no caption) with
     ``class_names``: the pass reads no caption and tokenizes none; each image goes to its class's

@@ -19,6 +19,14 @@ Any of them reads images at their own sizes with ``native={"max_num_patches", "s
 "max_images"}``: each image resized by NaFlex to the patch budget and the images packed into
 rows (``models.packing``) for the image tower; ``data.scenes_any`` (``data.packing.SceneSource``
 settings, the split from ``data.split``) draws scenes at random sizes instead of a TFDS split.
+
+Images: ``data.pp`` (default ``decode``), then a square ``resize(input.image_size)`` (PIL bilinear,
+the aspect not kept: what vitmm's configs train with), then the run's ``value_range``/``normalize``
+(for a converted tower, the mean and std its checkpoint records). A converted checkpoint records
+no resize protocol, so an imported OpenAI CLIP is not evaluated as CLIP's papers and open_clip
+evaluate it (shorter side to the size, bicubic, centre crop) unless ``data.pp`` does that:
+``decode|resize(224, method='bicubic', shorter=True)|center_crop(224)``; the square resize after
+it then changes nothing (an image already at ``image_size`` is left as it is).
 """
 
 from __future__ import annotations
