@@ -53,6 +53,23 @@ def test_a_bad_raw_record_is_left_out_of_either_evaluation_path(tmp_path, tiny, 
     assert out["examples"] == 5 and 0 <= out["i2t_r1"] <= out["i2t_r5"] <= 1
 
 
+def test_a_data_pp_with_clips_resize_and_crop_is_what_the_tower_sees(tmp_path, tiny):
+    """CLIP's evaluation protocol in ``data.pp`` (shorter side, bicubic, centre crop) on 24x40
+    images: the square resize the evaluator appends leaves the 32x32 crop as it is (it would
+    otherwise squash and resample), so each embedding is the tower's on the cropped pixels."""
+    from vitmm.data import preprocess
+
+    model, params = tiny
+    csv = write_csv(tmp_path, ["caption 0", "caption 1"])
+    clip_pp = "decode|resize(32, method='bicubic', shorter=True)|center_crop(32)"
+    evals = build(model, {"r": dict(type="retrieval", data=dict(csv=csv, pp=clip_pp))})
+    zimg = evals["r"].embeddings.get(params)["zimg"]
+    pp = preprocess.parse(f"{clip_pp}|value_range(-1, 1)")
+    for i in range(2):
+        image = pp({"image": (tmp_path / f"{i}.png").read_bytes()}, None)["image"]
+        np.testing.assert_allclose(zimg[i], model.apply({"params": params}, jnp.asarray(image)[None])[0][0], atol=1e-5)
+
+
 def test_zero_shot_runs_on_a_dataset_of_images_and_labels_only(tiny, monkeypatch):
     """Zero-shot on a classification split (cifar10-like records: image, label; no caption) with
     ``class_names``: the pass reads no caption and tokenizes none; each image goes to its class's
@@ -172,6 +189,21 @@ def test_raw_rows_that_show_the_same_image_are_one_image_with_several_captions(t
     assert out["examples"] == 3 and out["caption_examples"] == 6
 
 
+@pytest.mark.parametrize("native", [None, NATIVE], ids=["square", "native"])
+def test_captions_that_differ_only_past_max_len_are_different_captions(tmp_path, tiny, native):
+    """Captions 0 and 1 share their first 40 bytes, so their 32 tokens (max_len) are the same: they
+    are still two captions, each its own image's alone. Each of the 4 captions is then one of the 4
+    images' own and chance R@1 is 1/4; counting caption 1 as image 0's too gave (2+2+1+1)/4/4 = 0.375."""
+    model, params = tiny
+    long = "a caption that runs on past the max_len of the text tower"
+    csv = write_csv(tmp_path, [f"{long}: one", f"{long}: two", "short a", "short b"])
+    evals = build(model, {"retrieval": dict(type="retrieval", data=dict(csv=csv), native=native)})
+    emb = evals["retrieval"].embeddings.get(params)
+    assert (emb["tokens"][0] == emb["tokens"][1]).all()  # the text tower reads the same ids
+    assert list(emb["captions"]) == [f"{long}: one", f"{long}: two", "short a", "short b"]
+    assert evals["retrieval"].run(params)["chance_r1"] == pytest.approx(1 / 4)
+
+
 def test_a_records_list_of_captions_is_scored_caption_by_caption(tiny, monkeypatch):
     """``data.captions="captions/text"`` (TFDS coco_captions' layout): every caption of a record is
     embedded, as the text tower embeds it alone, and points at the record's image."""
@@ -189,6 +221,7 @@ def test_a_records_list_of_captions_is_scored_caption_by_caption(tiny, monkeypat
     assert emb["zimg"].shape == (3, 16) and emb["txt2img"].tolist() == [0] * 5 + [1] * 6 + [2] * 5
     alone = evals["retrieval"].embeddings.texts(params, [f"image 1 caption {c}" for c in range(6)])
     np.testing.assert_allclose(emb["ztxt"][5:11], alone, atol=1e-5)
+    assert list(emb["captions"][5:11]) == [f"image 1 caption {c}" for c in range(6)]
     assert evals["retrieval"].run(params)["caption_examples"] == 16
 
 
@@ -216,6 +249,20 @@ def test_val_loss_scores_every_pair_the_last_batch_padded_and_masked(loss):
     per_batch = [float(fn(zimg[i : i + 4], ztxt[i : i + 4])) for i in (0, 4, 8)]
     assert out["loss"] == pytest.approx((4 * per_batch[0] + 4 * per_batch[1] + 2 * per_batch[2]) / 10, rel=1e-6)
     assert out["examples"] == 10 and out["batches"] == 3
+
+
+def test_val_loss_with_several_captions_per_image_puts_one_pair_per_image_in_a_batch():
+    """4 images x 2 captions, side by side as a record's list gives them ([0, 0, 1, 1, ...]), a
+    perfect model (each caption its image's embedding, t = 100), batches of 4: each batch holds
+    the 4 images once and the loss is ~0 (1e-6). In the split's order a batch held images
+    0, 0, 1, 1, each copy the other's negative, and the loss was log 2 = 0.693."""
+    zimg = np.eye(4, dtype=np.float32)
+    txt2img = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    emb = Fixed(zimg=zimg, ztxt=zimg[txt2img], tokens=np.arange(8)[:, None], txt2img=txt2img, labels=-np.ones(4))
+    out = eval_lib.ValLoss(emb, batch_size=4).run(None, t=100.0)
+    assert out["loss"] == pytest.approx(0.0, abs=1e-6) and out["examples"] == 8 and out["batches"] == 2
+    assert eval_lib._round_robin([0, 0, 1, 2, 2, 2]).tolist() == [0, 2, 3, 1, 4, 5]
+    assert eval_lib._round_robin(np.arange(5)).tolist() == list(range(5))
 
 
 def test_zeroshot_and_retrieval_embed_in_batches_of_their_batch_size(tmp_path, tiny, monkeypatch):

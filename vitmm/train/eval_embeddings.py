@@ -18,7 +18,9 @@ class Embeddings:
     """Embeds an evaluation split once per set of parameters; shared by the evaluators.
 
     ``get`` returns ``zimg [I, D]`` and ``labels [I]`` (one per distinct image), and with captions
-    ``ztxt [T, D]``, ``tokens [T, L]`` and ``txt2img [T]`` (the image each caption describes).
+    ``ztxt [T, D]``, ``tokens [T, L]``, ``captions [T]`` (each caption's whole text: its tokens are
+    cut to ``max_len``, and captions that differ only past it are different captions) and
+    ``txt2img [T]`` (the image each caption describes).
     An image has several captions where a record holds a list of them (``data.captions``, e.g.
     COCO's ``"captions/text"``), or where rows of raw data (CSV, wds, parquet: one row per
     image-caption pair, open_clip's layout) show the same image: such rows are one image when
@@ -60,7 +62,8 @@ class Embeddings:
             image_pp = preprocess.parse(f"{data.get('pp') or 'decode'}|{size}|{value_op}", tokenizer)
             self._pp = functools.partial(self._all_captions, image_pp, keys="label" in keys)
         else:
-            text = ((f"tokenize('caption', {max_len}, padding={padding!r})|", "'caption_tokens', ") if captions
+            text = ((f"tokenize('caption', {max_len}, padding={padding!r})|", "'caption_tokens', 'caption', ")
+                    if captions
                     else ("", ""))
             self._pp = preprocess.parse(
                 f"{data.get('pp') or 'decode'}|{size}|{value_op}|{text[0]}keep('image', {text[1]}{label})", tokenizer)
@@ -76,13 +79,13 @@ class Embeddings:
             raise skips.BadExample("caption_missing", f"no entries in {self.caption_list!r}")
         ids = [tok_lib.tokenize(self.tokenizer, t, self.max_len, padding=self.padding).ids for t in texts]
         out = {k: v for k, v in ex.items() if k == "image" or k.startswith("_") or (keys and k == "label")}
-        return {**out, "caption_tokens": np.stack(ids)}
+        return {**out, "caption_tokens": np.stack(ids), "caption": texts}
 
     def get(self, params) -> dict:
         # Keyed on the params object itself, held until clear(): an id() key could match a
         # new params tree allocated where a freed one was, and return the old embeddings.
         if params is not self._params:
-            images, labels, texts, tokens, txt2img, seen = [], [], [], [], [], {}
+            images, labels, texts, tokens, strings, txt2img, seen = [], [], [], [], [], [], {}
             view = Prefix(self.source, self.num_examples)
             batches = (self._native_batches(params, view) if self.native else
                        pipeline.eval_batches(view, self._pp, self.batch_size, process_index=0, process_count=1,
@@ -103,12 +106,15 @@ class Embeddings:
                     if self.captions:
                         rows = np.asarray(batch["caption_tokens"][j]).reshape(-1, self.max_len)
                         tokens.append(rows)
+                        caption = batch["caption"][j]
+                        strings += [_text(c) for c in (caption if self.caption_list else [caption])]
                         txt2img += [image] * len(rows)
             self._value = dict(zimg=np.stack(images), labels=np.asarray(labels))
             if self.captions:
                 tokens = np.concatenate(tokens)
                 ztxt = np.concatenate(texts) if texts else self._embed_all(params, tokens)
-                self._value.update(ztxt=ztxt, tokens=tokens, txt2img=np.asarray(txt2img))
+                self._value.update(ztxt=ztxt, tokens=tokens, captions=np.asarray(strings, object),
+                                   txt2img=np.asarray(txt2img))
             self._params = params
         return self._value
 
@@ -151,6 +157,11 @@ class Embeddings:
     def texts(self, params, strings) -> np.ndarray:
         ids = np.stack([tok_lib.tokenize(self.tokenizer, s, self.max_len, padding=self.padding).ids for s in strings])
         return np.asarray(self._embed_texts(params, ids))
+
+
+def _text(caption) -> str:
+    """A caption as a string (a TFDS record's are bytes)."""
+    return caption.decode("utf-8") if isinstance(caption, (bytes, np.bytes_)) else str(caption)
 
 
 def _pixels_key(image: np.ndarray) -> tuple:

@@ -19,6 +19,14 @@ Any of them reads images at their own sizes with ``native={"max_num_patches", "s
 "max_images"}``: each image resized by NaFlex to the patch budget and the images packed into
 rows (``models.packing``) for the image tower; ``data.scenes_any`` (``data.packing.SceneSource``
 settings, the split from ``data.split``) draws scenes at random sizes instead of a TFDS split.
+
+Images: ``data.pp`` (default ``decode``), then a square ``resize(input.image_size)`` (PIL bilinear,
+the aspect not kept: what vitmm's configs train with), then the run's ``value_range``/``normalize``
+(for a converted tower, the mean and std its checkpoint records). A converted checkpoint records
+no resize protocol, so an imported OpenAI CLIP is not evaluated as CLIP's papers and open_clip
+evaluate it (shorter side to the size, bicubic, centre crop) unless ``data.pp`` does that:
+``decode|resize(224, method='bicubic', shorter=True)|center_crop(224)``; the square resize after
+it then changes nothing (an image already at ``image_size`` is left as it is).
 """
 
 from __future__ import annotations
@@ -84,7 +92,8 @@ class Retrieval(_OnEmbeddings):
     hit when any of its captions is among the ``k`` best of all captions; text→image: each caption
     is a query over the distinct images. With one caption per image this is open_clip's
     ``get_clip_metrics``. A caption identical word for word to one of an image's captions also
-    counts as that image's (scenes repeat captions), and the chance levels account for that."""
+    counts as that image's (scenes repeat captions), and the chance levels account for that;
+    identical means the whole text, not the tokens the text tower reads (cut to ``max_len``)."""
 
     def __init__(self, embeddings: Embeddings, **_):
         self.embeddings = embeddings
@@ -93,7 +102,12 @@ class Retrieval(_OnEmbeddings):
         emb = self.embeddings.get(params)
         zimg, ztxt = emb["zimg"], emb["ztxt"]
         txt2img = emb.get("txt2img", np.arange(len(ztxt)))
-        _, caption_id = np.unique(emb["tokens"], axis=0, return_inverse=True)
+        # Identical captions: the same whole text, not the same tokens (cut to max_len, captions that
+        # differ past it have the same ids; hand-made embeddings without texts have tokens alone).
+        if "captions" in emb:
+            _, caption_id = np.unique(np.asarray(emb["captions"], str), return_inverse=True)
+        else:
+            _, caption_id = np.unique(emb["tokens"], axis=0, return_inverse=True)
         caption_id = caption_id.reshape(-1)
         has = np.zeros((len(zimg), caption_id.max() + 1), bool)
         has[txt2img, caption_id] = True
@@ -139,14 +153,20 @@ def _chance(matches: np.ndarray, n: int) -> dict:
 class ValLoss(_OnEmbeddings):
     """The training loss on consecutive batches of ``batch_size`` pairs, every pair scored: the
     last batch, padded to ``batch_size`` with its padding masked out (``losses``' ``valid``), is
-    the loss of its own pairs alone (fewer negatives than a full batch); the mean is over pairs."""
+    the loss of its own pairs alone (fewer negatives than a full batch); the mean is over pairs.
+    With several captions per image (``data.captions``, grouped raw rows) the pairs are taken each
+    image's first caption first, then each one's second, ...: in the split's order an image's
+    captions sit side by side, and a batch holding one image several times scores the copies as
+    each other's negatives (a perfect model's loss no lower than log 5 with COCO's 5 captions), a
+    loss the training batches, one pair per image, never see."""
 
     def __init__(self, embeddings: Embeddings, loss: str = "softmax", batch_size: int = 256, **_):
         self.embeddings, self.loss, self.batch_size = embeddings, loss, batch_size
 
     def run(self, params, t=None, b=None) -> dict:
         emb = self.embeddings.get(params)
-        zimg, ztxt = emb["zimg"][emb["txt2img"]], emb["ztxt"]  # the split's image-caption pairs
+        order = _round_robin(emb["txt2img"])
+        zimg, ztxt = emb["zimg"][emb["txt2img"][order]], emb["ztxt"][order]  # the split's image-caption pairs
         n, size = len(zimg), self.batch_size
         values, weights = [], []
         for i in range(0, n, size):
@@ -161,6 +181,17 @@ class ValLoss(_OnEmbeddings):
                 values.append(float(_sigmoid_loss(zi, zt, t, b, valid)))
             weights.append(len(zi) if valid is None else int(valid.sum()))
         return {"loss": float(np.average(values, weights=weights)), "batches": len(values), "examples": n}
+
+
+def _round_robin(txt2img: np.ndarray) -> np.ndarray:
+    """The captions' order by their rank among their image's captions (each image's first, then
+    each one's second, ...), the split's order within a rank; ``arange`` with one caption per image."""
+    txt2img = np.asarray(txt2img)
+    by_image = np.argsort(txt2img, kind="stable")
+    grouped = txt2img[by_image]
+    rank = np.empty(len(txt2img), np.int64)
+    rank[by_image] = np.arange(len(grouped)) - np.searchsorted(grouped, grouped, side="left")
+    return np.lexsort((np.arange(len(txt2img)), rank))
 
 
 # Compiled once per batch shape (eagerly, each of the loss's ~15 operations is a program of its own).
