@@ -116,6 +116,26 @@ def test_evaluate_returns_lmms_eval_s_scores_when_every_request_was_answered(tmp
         "vitmm_qa/accuracy": 0.75}
 
 
+def test_evaluate_gives_no_score_when_lmms_eval_exits_0_without_results_of_its_own(tmp_path, monkeypatch):
+    """lmms-eval 0.7.3 prints an error raised while it evaluates (a task that does not load, a failed
+    request vitmm's task refuses to score) and exits 0 without writing results: an earlier run's
+    results in the same folder are not this run's score."""
+    import sys
+
+    python, _ = fake_lmms_eval(tmp_path, monkeypatch, [sample(0, "no")])
+    assert lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python) == {
+        "vitmm_qa/accuracy": 0.75}
+    silent = tmp_path / "silent"
+    silent.write_text(f"#!{sys.executable}\nprint('  FileNotFoundError: test.jsonl\\nError during evaluation: "
+                      "FileNotFoundError(test.jsonl)')\n")
+    silent.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"^lmms-eval exited 0 but wrote no results to .*/out/lmms/vitmm, so there "
+                                           r"is no score; the exceptions it printed: FileNotFoundError: test\.jsonl; "
+                                           r"the end of its output:   FileNotFoundError: test\.jsonl\nError during "
+                                           r"evaluation: FileNotFoundError\(test\.jsonl\)\n$"):
+        lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=str(silent))
+
+
 def test_evaluate_asks_under_an_id_lmms_eval_never_takes_for_a_reasoning_model(tmp_path, monkeypatch):
     """lmms-eval drops the temperature for an id holding o1, o3, o4 or gpt-5, and vitmm.serve then
     samples at 1: ``evaluate`` asks as ``lmms_task.MODEL`` and refuses model_args that name another."""

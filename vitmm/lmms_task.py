@@ -150,9 +150,9 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
     """Scores ``workdir`` with lmms-eval (``python``: its environment's interpreter) through
     ``vitmm.serve`` on a free local port, served from this process: ``tasks`` from ``include_path``,
     or (None) the run's own ``qa`` task written to ``out/task``. Returns ``{"<task>/<metric>": value}``; lmms-eval's
-    output (with every sample) stays in ``out/lmms``. ``RuntimeError`` with the tail of what failed, or
-    naming the requests lmms-eval recorded as failed (``check_requests``): no score then."""
-    import glob
+    output (with every sample) stays in ``out/lmms``. ``RuntimeError`` with the tail of what failed (lmms-eval
+    exiting 0 without writing results of this run among it), or naming the requests lmms-eval recorded as
+    failed (``check_requests``): no score then."""
     import os
     import subprocess
 
@@ -169,6 +169,8 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
     if include_path is None:
         include_path = out / "task"
         write(workdir, include_path, tasks)
+    logs = out / "lmms" / MODEL  # lmms-eval's results of earlier runs there are not this run's
+    before = {path: path.stat().st_mtime_ns for path in logs.glob("*_results.json")}
     url, stop = serve.start_in_thread(serve.Engine(workdir, model_name=MODEL))
     try:
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
@@ -184,7 +186,16 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
         stop()
     if done.returncode != 0:
         raise RuntimeError(f"lmms-eval failed (exit {done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
-    found = Path(sorted(glob.glob(str(out / "lmms" / MODEL / "*_results.json")))[-1])
+    # lmms-eval 0.7.3 prints an error raised while it evaluates (a task that does not load, a failed request
+    # vitmm's task refuses to score) and exits 0 without results: a run with no results file of its own failed
+    written = [path for path in sorted(logs.glob("*_results.json")) if before.get(path) != path.stat().st_mtime_ns]
+    if not written:  # the exceptions it printed first: the cause may be far from the end of a long traceback
+        output = done.stdout + done.stderr
+        errors = dict.fromkeys(line.strip() for line in output.splitlines()
+                               if re.match(r"[A-Za-z_][\w.]*(Error|Exception): ", line.strip()))
+        raise RuntimeError(f"lmms-eval exited 0 but wrote no results to {logs}, so there is no score; the exceptions "
+                           f"it printed: {' | '.join(errors) or 'none'}; the end of its output: {output[-2000:]}")
+    found = written[-1]
     check_requests(found.parent, found.name.removesuffix("_results.json"))
     results = json.loads(found.read_text())
     return {f"{task}/{key.split(',')[0]}": value for task, metrics in results["results"].items()
