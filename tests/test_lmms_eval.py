@@ -15,7 +15,7 @@ import pytest
 
 from experiments.bench import lmms_eval as bench
 from experiments.token_budget import study
-from vitmm import lmms_task
+from vitmm import lmms_task, lmms_task_utils
 
 EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
 
@@ -134,6 +134,21 @@ def test_evaluate_gives_no_score_when_lmms_eval_exits_0_without_results_of_its_o
                                            r"the end of its output:   FileNotFoundError: test\.jsonl\nError during "
                                            r"evaluation: FileNotFoundError\(test\.jsonl\)\n$"):
         lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=str(silent))
+
+
+def test_the_task_refuses_to_score_a_request_lmms_eval_recorded_as_failed():
+    """lmms-eval hands a request that failed after its retries to ``process_results`` as the answer
+    text ``[LMMS_EVAL_REQUEST_FAILED …] <error>``: no score, rather than a wrong answer."""
+    doc = {"index": 3, "kind": "exists", "question": "Is there a star?", "answer": "no"}
+    assert lmms_task_utils.process_results(doc, ["no"])["accuracy"] == {"index": 3, "kind": "exists", "correct": 1.0}
+    assert lmms_task_utils.process_results(doc, ["No."])["accuracy"]["correct"] == 0.0  # exact, as the evaluator
+    failed = "[LMMS_EVAL_REQUEST_FAILED after 5 retries] Error code: 404 - {'error': {'message': \"The model ..."
+    with pytest.raises(RuntimeError, match=r"^doc 3 \('Is there a star\?'\) has no answer, so there is no score: "
+                                           r"lmms-eval recorded its request as failed: \[LMMS_EVAL_REQUEST_FAILED "
+                                           r"after 5 retries\] Error code: 404"):
+        lmms_task_utils.process_results(doc, [failed])
+    with pytest.raises(RuntimeError, match="has no answer"):
+        lmms_task_utils.process_results(doc, ["[LMMS_EVAL_BUDGET_EXCEEDED]"])
 
 
 def test_evaluate_asks_under_an_id_lmms_eval_never_takes_for_a_reasoning_model(tmp_path, monkeypatch):

@@ -26,6 +26,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from vitmm import lmms_task_utils
+
 _YAML = """\
 # Written by `python -m vitmm.lmms_task` from {workdir}: its `{evaluator}` evaluator's questions.
 task: {task}
@@ -116,8 +118,9 @@ MODEL = "vitmm"
 REASONING_SUBSTRINGS = ("o1", "o3", "o4", "gpt-5")
 
 # What lmms-eval 0.7.3's OpenAI chat model (models/chat/openai.py) records as the *answer* of a request
-# that failed after its retries, or that its token budget stopped: it scores that text, exits 0.
-FAILED_MARKERS = ("[LMMS_EVAL_REQUEST_FAILED", "[LMMS_EVAL_BUDGET_EXCEEDED")
+# that failed after its retries, or that its token budget stopped: a task scores that text (vitmm's own
+# raises on it instead, lmms_task_utils.process_results), and lmms-eval exits 0.
+FAILED_MARKERS = lmms_task_utils.FAILED_MARKERS
 
 
 def check_requests(folder, stamp: str) -> None:
