@@ -234,3 +234,90 @@ def test_lmms_eval_sends_a_task_s_images_before_its_text():
             "print([part['type'] for part in T._build_user_turn([Image.new('RGB', (2, 2))], 'q')[0]['content']])")
     done = subprocess.run([EVAL_PYTHON, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[-2] == "['image', 'text']"
+
+
+class _AnsweringChat:
+    """A chat that answers "no" to every question (one token, then EOS) and keeps each prompt's
+    images and turns: what ``vitmm.serve`` made of lmms-eval's requests."""
+
+    max_images, image_separator = 1, "\n"
+    tokenizer = type("Tok", (), {"eos_ids": (0,), "decode": staticmethod(lambda ids: "no" * len(ids))})
+
+    def __init__(self):
+        self.prompts = []
+
+    def prepare(self, images, turns):
+        self.prompts.append((images, turns))
+        return {}
+
+    def num_prompt_tokens(self, example):
+        return 1
+
+    def stream_batch(self, examples, max_new_tokens, temperature, top_p, seed):
+        import numpy as np
+
+        assert temperature == 0 and max_new_tokens == 8  # the task's generation_kwargs, as lmms-eval sends them
+        yield np.full(len(examples), 5)
+        yield np.zeros(len(examples), int)
+
+
+def _engine(chat, model_name):
+    from vitmm import serve_batching, serve_engine
+
+    engine = serve_engine.Engine.__new__(serve_engine.Engine)
+    engine.chat, engine.model_name, engine.local_root = chat, model_name, None
+    engine.batcher = serve_batching.Batcher(chat)
+    return engine
+
+
+def written_task(out, monkeypatch) -> list:
+    """``lmms_task.write``'s folder at ``out`` for two questions about two scenes (the smoke scenes
+    config's qa evaluator, its questions stood in for); returns the images."""
+    from types import SimpleNamespace
+
+    from vitmm.data import scenes
+    from vitmm.train import sources, tasks
+
+    config = scenes_with_two_qa_evaluators()
+    monkeypatch.setattr(sources, "run_config", lambda workdir, step=None: config)
+    images = [scenes.generate("easy", 32, i)["image"] for i in range(2)]
+    asked = [("Is there a star?", "no", "exists"), ("How many circles are there?", "two", "count")]
+    questions = [dict(index=i, record={"image": image}, question=q, answer=a, kind=k)
+                 for i, (image, (q, a, k)) in enumerate(zip(images, asked, strict=True))]
+    qa = SimpleNamespace(questions=lambda: questions, kinds=scenes.QUESTION_KINDS)
+    monkeypatch.setattr(tasks, "qa_evaluator", lambda config, cfg, model, tokenizer: qa)
+    assert lmms_task.write("W", out) == {"task": "vitmm_qa", "questions": 2, "kinds": ["exists", "count"]}
+    return images
+
+
+@pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
+                    reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+def test_a_moved_task_is_asked_through_vitmm_serve_and_a_refused_request_gives_no_score(tmp_path, monkeypatch):
+    """The real lmms-eval on a task folder written elsewhere and then moved (as a checkout of it is):
+    it reads its questions and images, the server gets each image and question as the evaluator asks
+    them, and its answers are scored. Against a server that refuses every request lmms-eval scores
+    nothing (the task raises on the failed requests, lmms-eval exits 0 without results) and
+    ``evaluate`` gives no score, not the earlier run's in the same folder."""
+    import shutil
+
+    from vitmm import serve
+
+    images = written_task(tmp_path / "written", monkeypatch)
+    shutil.move(tmp_path / "written", tmp_path / "moved")
+    chat = _AnsweringChat()
+    monkeypatch.setattr(serve, "Engine", lambda workdir, model_name: _engine(chat, model_name))
+    assert lmms_task.evaluate("W", tmp_path / "out", include_path=tmp_path / "moved", python=EVAL_PYTHON) == {
+        "vitmm_qa/accuracy": 0.5, "vitmm_qa/acc_exists": 1.0, "vitmm_qa/acc_count": 0.0}
+    asked = sorted(chat.prompts, key=lambda prompt: prompt[1][0]["value"])
+    assert [turns for _, turns in asked] == [[{"from": "human", "value": "<image>\nHow many circles are there?"}],
+                                             [{"from": "human", "value": "<image>\nIs there a star?"}]]
+    assert all((got[0] == image).all() for (got, _), image in zip(asked, images[::-1], strict=True))
+
+    monkeypatch.setattr(serve, "Engine", lambda workdir, model_name: _engine(chat, "another"))
+    with pytest.raises(RuntimeError, match=r"^lmms-eval exited 0 but wrote no results .*; the exceptions it printed: "
+                                           r"RuntimeError: doc \d \('[^']*'\) has no answer, so there is no score: "
+                                           r"lmms-eval recorded its request as failed: "
+                                           r"\[LMMS_EVAL_REQUEST_FAILED after 1 retries\] Error code: 404 "
+                                           r".*does not exist"):
+        lmms_task.evaluate("W", tmp_path / "out", include_path=tmp_path / "moved", python=EVAL_PYTHON,
+                           model_args="max_retries=1")

@@ -13,8 +13,9 @@ evaluator read), and scores as the evaluator does (exact match, overall and per 
 lmms-eval through ``vitmm.serve`` gives the evaluator's numbers at temperature 0
 (``tests/test_lmms_eval.py``), under a model id in which lmms-eval sees no reasoning model (``MODEL``;
 one holding ``o1``, ``o3``, ``o4`` or ``gpt-5`` makes it drop the temperature, and the server then
-samples). Nothing comes from a hub: the YAML points lmms-eval's ``json`` loader at ``test.jsonl`` by
-its absolute path (write the task again after moving it).
+samples). Nothing comes from a hub: the YAML points lmms-eval's ``json`` loader at ``test.jsonl`` next
+to it (lmms-eval 0.7.3 reads a relative ``data_files`` path from the YAML's folder), and ``utils.py`` reads
+the images from its own folder, so the folder works wherever it is moved or checked out.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {data}
+    test: test.jsonl  # next to this file: lmms-eval reads a relative path from the YAML's folder
 test_split: test
 output_type: generate_until
 doc_to_visual: !function utils.doc_to_visual
@@ -104,8 +105,7 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
     metrics = "\n".join(f"  - metric: {m}\n    aggregation: !function utils.{m}\n    higher_is_better: true"
                         for m in ["accuracy", *(f"acc_{k}" for k in kinds)])
     (out / f"{task}.yaml").write_text(_YAML.format(
-        workdir=workdir, evaluator=evaluator, task=task, data=json.dumps(str((out / "test.jsonl").resolve())),
-        max_new_tokens=cfg.get("max_new_tokens", 8), metrics=metrics))
+        workdir=workdir, evaluator=evaluator, task=task, max_new_tokens=cfg.get("max_new_tokens", 8), metrics=metrics))
     return {"task": task, "questions": len(rows), "kinds": kinds}
 
 
