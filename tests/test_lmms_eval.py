@@ -321,3 +321,41 @@ def test_a_moved_task_is_asked_through_vitmm_serve_and_a_refused_request_gives_n
                                            r".*does not exist"):
         lmms_task.evaluate("W", tmp_path / "out", include_path=tmp_path / "moved", python=EVAL_PYTHON,
                            model_args="max_retries=1")
+
+
+LOCAL_MME = '''
+import os, sys, datasets, lmms_eval.tasks
+from PIL import Image
+from lmms_eval.tasks import TaskManager, get_task_dict
+root, tasks = sys.argv[1], sys.argv[2]
+features = datasets.Features({name: datasets.Value("string") for name in ("question_id", "question", "answer",
+                                                                          "category")} | {"image": datasets.Image()})
+datasets.Dataset.from_dict({"question_id": ["a.png"], "image": [Image.new("RGB", (40, 30), "red")],
+                            "category": ["color"], "question": ["Is it red? Please answer yes or no."],
+                            "answer": ["Yes"]},
+                           features=features).to_parquet(f"{root}/data/test-00000-of-00001.parquet")
+own = os.path.dirname(lmms_eval.tasks.__file__)
+open(f"{tasks}/mme_local.yaml", "w").write(f"include: {own}/mme/mme.yaml\\ntask: mme_local\\ndataset_path: {root}\\n")
+task = get_task_dict(["mme_local"], TaskManager(include_path=tasks), task_type="chat")["mme_local"]
+doc = task.test_docs()[0]
+print([(part["type"], part.get("text")) for part in task.doc_to_messages(doc)[0]["content"]])
+print(task.process_results(doc, ["yes."]))
+'''
+
+
+@pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
+                    reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+def test_a_standard_task_reads_a_local_copy_of_its_dataset_as_docs_serve_md_says(tmp_path):
+    """docs/serve.md's recipe: a YAML including lmms-eval's MME task with ``dataset_path`` a local copy in
+    the HF parquet layout loads offline, and asks one user message: the image, then MME's question."""
+    import subprocess
+
+    (tmp_path / "MME/data").mkdir(parents=True)
+    (tmp_path / "tasks").mkdir()
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([EVAL_PYTHON, "-c", LOCAL_MME, str(tmp_path / "MME"), str(tmp_path / "tasks")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    parts, score = done.stdout.strip().split("\n")[-2:]
+    assert parts == "[('image', None), ('text', 'Is it red?\\nAnswer the question using a single word or phrase.')]"
+    assert "'score': 1" in score  # MME's own normalisation: "yes." is "Yes"
