@@ -15,7 +15,7 @@ import pytest
 
 from experiments.bench import lmms_eval as bench
 from experiments.token_budget import study
-from vitmm import lmms_task
+from vitmm import lmms_task, lmms_task_utils
 
 EVAL_PYTHON = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
 
@@ -116,6 +116,41 @@ def test_evaluate_returns_lmms_eval_s_scores_when_every_request_was_answered(tmp
         "vitmm_qa/accuracy": 0.75}
 
 
+def test_evaluate_gives_no_score_when_lmms_eval_exits_0_without_results_of_its_own(tmp_path, monkeypatch):
+    """lmms-eval 0.7.3 prints an error raised while it evaluates (a task that does not load, a failed
+    request vitmm's task refuses to score) and exits 0 without writing results: an earlier run's
+    results in the same folder are not this run's score."""
+    import sys
+
+    python, _ = fake_lmms_eval(tmp_path, monkeypatch, [sample(0, "no")])
+    assert lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python) == {
+        "vitmm_qa/accuracy": 0.75}
+    silent = tmp_path / "silent"
+    silent.write_text(f"#!{sys.executable}\nprint('  FileNotFoundError: test.jsonl\\nError during evaluation: "
+                      "FileNotFoundError(test.jsonl)')\n")
+    silent.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"^lmms-eval exited 0 but wrote no results to .*/out/lmms/vitmm, so there "
+                                           r"is no score; the exceptions it printed: FileNotFoundError: test\.jsonl; "
+                                           r"the end of its output:   FileNotFoundError: test\.jsonl\nError during "
+                                           r"evaluation: FileNotFoundError\(test\.jsonl\)\n$"):
+        lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=str(silent))
+
+
+def test_the_task_refuses_to_score_a_request_lmms_eval_recorded_as_failed():
+    """lmms-eval hands a request that failed after its retries to ``process_results`` as the answer
+    text ``[LMMS_EVAL_REQUEST_FAILED …] <error>``: no score, rather than a wrong answer."""
+    doc = {"index": 3, "kind": "exists", "question": "Is there a star?", "answer": "no"}
+    assert lmms_task_utils.process_results(doc, ["no"])["accuracy"] == {"index": 3, "kind": "exists", "correct": 1.0}
+    assert lmms_task_utils.process_results(doc, ["No."])["accuracy"]["correct"] == 0.0  # exact, as the evaluator
+    failed = "[LMMS_EVAL_REQUEST_FAILED after 5 retries] Error code: 404 - {'error': {'message': \"The model ..."
+    with pytest.raises(RuntimeError, match=r"^doc 3 \('Is there a star\?'\) has no answer, so there is no score: "
+                                           r"lmms-eval recorded its request as failed: \[LMMS_EVAL_REQUEST_FAILED "
+                                           r"after 5 retries\] Error code: 404"):
+        lmms_task_utils.process_results(doc, [failed])
+    with pytest.raises(RuntimeError, match="has no answer"):
+        lmms_task_utils.process_results(doc, ["[LMMS_EVAL_BUDGET_EXCEEDED]"])
+
+
 def test_evaluate_asks_under_an_id_lmms_eval_never_takes_for_a_reasoning_model(tmp_path, monkeypatch):
     """lmms-eval drops the temperature for an id holding o1, o3, o4 or gpt-5, and vitmm.serve then
     samples at 1: ``evaluate`` asks as ``lmms_task.MODEL`` and refuses model_args that name another."""
@@ -199,3 +234,128 @@ def test_lmms_eval_sends_a_task_s_images_before_its_text():
             "print([part['type'] for part in T._build_user_turn([Image.new('RGB', (2, 2))], 'q')[0]['content']])")
     done = subprocess.run([EVAL_PYTHON, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[-2] == "['image', 'text']"
+
+
+class _AnsweringChat:
+    """A chat that answers "no" to every question (one token, then EOS) and keeps each prompt's
+    images and turns: what ``vitmm.serve`` made of lmms-eval's requests."""
+
+    max_images, image_separator = 1, "\n"
+    tokenizer = type("Tok", (), {"eos_ids": (0,), "decode": staticmethod(lambda ids: "no" * len(ids))})
+
+    def __init__(self):
+        self.prompts = []
+
+    def prepare(self, images, turns):
+        self.prompts.append((images, turns))
+        return {}
+
+    def num_prompt_tokens(self, example):
+        return 1
+
+    def stream_batch(self, examples, max_new_tokens, temperature, top_p, seed):
+        import numpy as np
+
+        assert temperature == 0 and max_new_tokens == 8  # the task's generation_kwargs, as lmms-eval sends them
+        yield np.full(len(examples), 5)
+        yield np.zeros(len(examples), int)
+
+
+def _engine(chat, model_name):
+    from vitmm import serve_batching, serve_engine
+
+    engine = serve_engine.Engine.__new__(serve_engine.Engine)
+    engine.chat, engine.model_name, engine.local_root = chat, model_name, None
+    engine.batcher = serve_batching.Batcher(chat)
+    return engine
+
+
+def written_task(out, monkeypatch) -> list:
+    """``lmms_task.write``'s folder at ``out`` for two questions about two scenes (the smoke scenes
+    config's qa evaluator, its questions stood in for); returns the images."""
+    from types import SimpleNamespace
+
+    from vitmm.data import scenes
+    from vitmm.train import sources, tasks
+
+    config = scenes_with_two_qa_evaluators()
+    monkeypatch.setattr(sources, "run_config", lambda workdir, step=None: config)
+    images = [scenes.generate("easy", 32, i)["image"] for i in range(2)]
+    asked = [("Is there a star?", "no", "exists"), ("How many circles are there?", "two", "count")]
+    questions = [dict(index=i, record={"image": image}, question=q, answer=a, kind=k)
+                 for i, (image, (q, a, k)) in enumerate(zip(images, asked, strict=True))]
+    qa = SimpleNamespace(questions=lambda: questions, kinds=scenes.QUESTION_KINDS)
+    monkeypatch.setattr(tasks, "qa_evaluator", lambda config, cfg, model, tokenizer: qa)
+    assert lmms_task.write("W", out) == {"task": "vitmm_qa", "questions": 2, "kinds": ["exists", "count"]}
+    return images
+
+
+@pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
+                    reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+def test_a_moved_task_is_asked_through_vitmm_serve_and_a_refused_request_gives_no_score(tmp_path, monkeypatch):
+    """The real lmms-eval on a task folder written elsewhere and then moved (as a checkout of it is):
+    it reads its questions and images, the server gets each image and question as the evaluator asks
+    them, and its answers are scored. Against a server that refuses every request lmms-eval scores
+    nothing (the task raises on the failed requests, lmms-eval exits 0 without results) and
+    ``evaluate`` gives no score, not the earlier run's in the same folder."""
+    import shutil
+
+    from vitmm import serve
+
+    images = written_task(tmp_path / "written", monkeypatch)
+    shutil.move(tmp_path / "written", tmp_path / "moved")
+    chat = _AnsweringChat()
+    monkeypatch.setattr(serve, "Engine", lambda workdir, model_name: _engine(chat, model_name))
+    assert lmms_task.evaluate("W", tmp_path / "out", include_path=tmp_path / "moved", python=EVAL_PYTHON) == {
+        "vitmm_qa/accuracy": 0.5, "vitmm_qa/acc_exists": 1.0, "vitmm_qa/acc_count": 0.0}
+    asked = sorted(chat.prompts, key=lambda prompt: prompt[1][0]["value"])
+    assert [turns for _, turns in asked] == [[{"from": "human", "value": "<image>\nHow many circles are there?"}],
+                                             [{"from": "human", "value": "<image>\nIs there a star?"}]]
+    assert all((got[0] == image).all() for (got, _), image in zip(asked, images[::-1], strict=True))
+
+    monkeypatch.setattr(serve, "Engine", lambda workdir, model_name: _engine(chat, "another"))
+    with pytest.raises(RuntimeError, match=r"^lmms-eval exited 0 but wrote no results .*; the exceptions it printed: "
+                                           r"RuntimeError: doc \d \('[^']*'\) has no answer, so there is no score: "
+                                           r"lmms-eval recorded its request as failed: "
+                                           r"\[LMMS_EVAL_REQUEST_FAILED after 1 retries\] Error code: 404 "
+                                           r".*does not exist"):
+        lmms_task.evaluate("W", tmp_path / "out", include_path=tmp_path / "moved", python=EVAL_PYTHON,
+                           model_args="max_retries=1")
+
+
+LOCAL_MME = '''
+import os, sys, datasets, lmms_eval.tasks
+from PIL import Image
+from lmms_eval.tasks import TaskManager, get_task_dict
+root, tasks = sys.argv[1], sys.argv[2]
+features = datasets.Features({name: datasets.Value("string") for name in ("question_id", "question", "answer",
+                                                                          "category")} | {"image": datasets.Image()})
+datasets.Dataset.from_dict({"question_id": ["a.png"], "image": [Image.new("RGB", (40, 30), "red")],
+                            "category": ["color"], "question": ["Is it red? Please answer yes or no."],
+                            "answer": ["Yes"]},
+                           features=features).to_parquet(f"{root}/data/test-00000-of-00001.parquet")
+own = os.path.dirname(lmms_eval.tasks.__file__)
+open(f"{tasks}/mme_local.yaml", "w").write(f"include: {own}/mme/mme.yaml\\ntask: mme_local\\ndataset_path: {root}\\n")
+task = get_task_dict(["mme_local"], TaskManager(include_path=tasks), task_type="chat")["mme_local"]
+doc = task.test_docs()[0]
+print([(part["type"], part.get("text")) for part in task.doc_to_messages(doc)[0]["content"]])
+print(task.process_results(doc, ["yes."]))
+'''
+
+
+@pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
+                    reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
+def test_a_standard_task_reads_a_local_copy_of_its_dataset_as_docs_serve_md_says(tmp_path):
+    """docs/serve.md's recipe: a YAML including lmms-eval's MME task with ``dataset_path`` a local copy in
+    the HF parquet layout loads offline, and asks one user message: the image, then MME's question."""
+    import subprocess
+
+    (tmp_path / "MME/data").mkdir(parents=True)
+    (tmp_path / "tasks").mkdir()
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([EVAL_PYTHON, "-c", LOCAL_MME, str(tmp_path / "MME"), str(tmp_path / "tasks")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    parts, score = done.stdout.strip().split("\n")[-2:]
+    assert parts == "[('image', None), ('text', 'Is it red?\\nAnswer the question using a single word or phrase.')]"
+    assert "'score': 1" in score  # MME's own normalisation: "yes." is "Yes"

@@ -13,8 +13,9 @@ evaluator read), and scores as the evaluator does (exact match, overall and per 
 lmms-eval through ``vitmm.serve`` gives the evaluator's numbers at temperature 0
 (``tests/test_lmms_eval.py``), under a model id in which lmms-eval sees no reasoning model (``MODEL``;
 one holding ``o1``, ``o3``, ``o4`` or ``gpt-5`` makes it drop the temperature, and the server then
-samples). Nothing comes from a hub: the YAML points lmms-eval's ``json`` loader at ``test.jsonl`` by
-its absolute path (write the task again after moving it).
+samples). Nothing comes from a hub: the YAML points lmms-eval's ``json`` loader at ``test.jsonl`` next
+to it (lmms-eval 0.7.3 reads a relative ``data_files`` path from the YAML's folder), and ``utils.py`` reads
+the images from its own folder, so the folder works wherever it is moved or checked out.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ import shutil
 import sys
 from pathlib import Path
 
+from vitmm import lmms_task_utils
+
 _YAML = """\
 # Written by `python -m vitmm.lmms_task` from {workdir}: its `{evaluator}` evaluator's questions.
 task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {data}
+    test: test.jsonl  # next to this file: lmms-eval reads a relative path from the YAML's folder
 test_split: test
 output_type: generate_until
 doc_to_visual: !function utils.doc_to_visual
@@ -102,8 +105,7 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
     metrics = "\n".join(f"  - metric: {m}\n    aggregation: !function utils.{m}\n    higher_is_better: true"
                         for m in ["accuracy", *(f"acc_{k}" for k in kinds)])
     (out / f"{task}.yaml").write_text(_YAML.format(
-        workdir=workdir, evaluator=evaluator, task=task, data=json.dumps(str((out / "test.jsonl").resolve())),
-        max_new_tokens=cfg.get("max_new_tokens", 8), metrics=metrics))
+        workdir=workdir, evaluator=evaluator, task=task, max_new_tokens=cfg.get("max_new_tokens", 8), metrics=metrics))
     return {"task": task, "questions": len(rows), "kinds": kinds}
 
 
@@ -116,8 +118,9 @@ MODEL = "vitmm"
 REASONING_SUBSTRINGS = ("o1", "o3", "o4", "gpt-5")
 
 # What lmms-eval 0.7.3's OpenAI chat model (models/chat/openai.py) records as the *answer* of a request
-# that failed after its retries, or that its token budget stopped: it scores that text, exits 0.
-FAILED_MARKERS = ("[LMMS_EVAL_REQUEST_FAILED", "[LMMS_EVAL_BUDGET_EXCEEDED")
+# that failed after its retries, or that its token budget stopped: a task scores that text (vitmm's own
+# raises on it instead, lmms_task_utils.process_results), and lmms-eval exits 0.
+FAILED_MARKERS = lmms_task_utils.FAILED_MARKERS
 
 
 def check_requests(folder, stamp: str) -> None:
@@ -150,9 +153,9 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
     """Scores ``workdir`` with lmms-eval (``python``: its environment's interpreter) through
     ``vitmm.serve`` on a free local port, served from this process: ``tasks`` from ``include_path``,
     or (None) the run's own ``qa`` task written to ``out/task``. Returns ``{"<task>/<metric>": value}``; lmms-eval's
-    output (with every sample) stays in ``out/lmms``. ``RuntimeError`` with the tail of what failed, or
-    naming the requests lmms-eval recorded as failed (``check_requests``): no score then."""
-    import glob
+    output (with every sample) stays in ``out/lmms``. ``RuntimeError`` with the tail of what failed (lmms-eval
+    exiting 0 without writing results of this run among it), or naming the requests lmms-eval recorded as
+    failed (``check_requests``): no score then."""
     import os
     import subprocess
 
@@ -169,6 +172,8 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
     if include_path is None:
         include_path = out / "task"
         write(workdir, include_path, tasks)
+    logs = out / "lmms" / MODEL  # lmms-eval's results of earlier runs there are not this run's
+    before = {path: path.stat().st_mtime_ns for path in logs.glob("*_results.json")}
     url, stop = serve.start_in_thread(serve.Engine(workdir, model_name=MODEL))
     try:
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
@@ -184,7 +189,16 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
         stop()
     if done.returncode != 0:
         raise RuntimeError(f"lmms-eval failed (exit {done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
-    found = Path(sorted(glob.glob(str(out / "lmms" / MODEL / "*_results.json")))[-1])
+    # lmms-eval 0.7.3 prints an error raised while it evaluates (a task that does not load, a failed request
+    # vitmm's task refuses to score) and exits 0 without results: a run with no results file of its own failed
+    written = [path for path in sorted(logs.glob("*_results.json")) if before.get(path) != path.stat().st_mtime_ns]
+    if not written:  # the exceptions it printed first: the cause may be far from the end of a long traceback
+        output = done.stdout + done.stderr
+        errors = dict.fromkeys(line.strip() for line in output.splitlines()
+                               if re.match(r"[A-Za-z_][\w.]*(Error|Exception): ", line.strip()))
+        raise RuntimeError(f"lmms-eval exited 0 but wrote no results to {logs}, so there is no score; the exceptions "
+                           f"it printed: {' | '.join(errors) or 'none'}; the end of its output: {output[-2000:]}")
+    found = written[-1]
     check_requests(found.parent, found.name.removesuffix("_results.json"))
     results = json.loads(found.read_text())
     return {f"{task}/{key.split(',')[0]}": value for task, metrics in results["results"].items()
