@@ -290,6 +290,10 @@ def written_task(out, monkeypatch) -> list:
     return images
 
 
+# ~32 s; in make test: the task's refusal of a failed request and evaluate's of a run without results
+# (test_the_task_refuses_*, test_evaluate_gives_no_score_*), and a real lmms-eval run of a written task
+# (relative data_files included) in test_the_budget_study_scores_runs_*
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
                     reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
 def test_a_moved_task_is_asked_through_vitmm_serve_and_a_refused_request_gives_no_score(tmp_path, monkeypatch):
@@ -343,6 +347,7 @@ print(task.process_results(doc, ["yes."]))
 '''
 
 
+@pytest.mark.slow  # ~9 s: docs/serve.md's recipe for lmms-eval's own tasks on local data, end to end
 @pytest.mark.skipif(not os.path.exists(EVAL_PYTHON),
                     reason="lmms-eval's environment not built (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
 def test_a_standard_task_reads_a_local_copy_of_its_dataset_as_docs_serve_md_says(tmp_path):

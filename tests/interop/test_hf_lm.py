@@ -175,7 +175,10 @@ def test_export_round_trips_and_transformers_layout_loads_back(tmp_path, name):
 
 def test_each_export_runs_in_transformers_as_the_original(tmp_path):
     """Every family exported (``export_lm``) loads in transformers' ``AutoModelForCausalLM`` and gives
-    the logits transformers gave on the original folder (≤ 1e-5 of the largest). One process for all."""
+    the logits transformers gave on the original folder (≤ 1e-5 of the largest); a Llama, Qwen3 and
+    Gemma 2 with q/k/v biases give vitmm's logits. Every weight written is read and none is left to
+    transformers' own initialisation (it zeroes a missing o_proj bias with a warning: the logits alone
+    would not show one). One process for all."""
     import os
     import subprocess
 
@@ -189,12 +192,13 @@ def test_each_export_runs_in_transformers_as_the_original(tmp_path):
         (tmp_path / name).mkdir()
         io.write_safetensors(tensors, tmp_path / name / "model.safetensors")
         (tmp_path / name / "config.json").write_text(json.dumps(config))
+    biased = _biased_exports(tmp_path / "biased")
     ran = subprocess.run([python, str(pathlib.Path(__file__).with_name("transformers_lm.py")), str(FIXTURES),
-                          *(str(tmp_path / name) for name in FAMILIES)], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          *(str(tmp_path / name) for name in FAMILIES), *map(str, biased)], capture_output=True,
+                         text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert ran.returncode == 0, ran.stderr[-3000:]
     results = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
-    assert [r["name"] for r in results] == list(FAMILIES)
+    assert [r["name"] for r in results] == [*FAMILIES, *(f.name for f in biased)]
     assert {r["name"]: r["error"] for r in results if r["error"] > 1e-5} == {}
     assert {r["name"]: r["missing"] + r["unexpected"] for r in results if r["missing"] + r["unexpected"]} == {}
     assert {r["class"] for r in results if r["name"] == "hf_phi3"} == {"MistralForCausalLM"}
@@ -269,41 +273,26 @@ def test_an_lm_without_q_k_v_biases_is_not_written_as_a_qwen2():
         hf_lm.export_lm(kwargs, params, family="qwen2")
 
 
-def test_q_k_v_biases_export_to_what_transformers_runs_as_vitmm(tmp_path):
-    """A Llama, Qwen3 and Gemma 2 with q/k/v biases, exported, give in transformers vitmm's logits on the
-    fixtures' ragged batch (≤ 1e-5 of the largest), every weight transformers expects written (the o_proj
-    bias its ``attention_bias`` adds, as zeros) and every weight written read (Gemma 2's q/k/v biases)."""
-    import os
-    import subprocess
-
+def _biased_exports(root: pathlib.Path) -> list[pathlib.Path]:
+    """A Llama, Qwen3 and Gemma 2 with q/k/v biases, exported into ``root/biased_NAME``, each with its
+    own reference (``io.npz``: the fixture's ragged batch and vitmm's logits on it)."""
     from vitmm.interop import io
 
-    python = os.environ.get("VITMM_LMMS_EVAL_PYTHON", "")
-    if not pathlib.Path(python or "/nonexistent").is_file():
-        pytest.skip("no environment with transformers (make eval-env; VITMM_LMMS_EVAL_PYTHON)")
-    names = ("hf_llama", "hf_qwen3", "hf_gemma2")
-    for seed, name in enumerate(names):
+    folders = []
+    for seed, name in enumerate(("hf_llama", "hf_qwen3", "hf_gemma2")):
         kwargs, params = _with_qkv_biases(name, seed)
         ref = dict(np.load(FIXTURES / name / "io.npz"))
         ref["logits"] = np.asarray(LM(**kwargs).apply({"params": params}, jnp.asarray(ref["input_ids"]),
                                                       pad_mask=jnp.asarray(ref["attention_mask"]) > 0,
                                                       positions=jnp.asarray(ref["position_ids"])))
-        (tmp_path / "ref" / name).mkdir(parents=True)
-        np.savez(tmp_path / "ref" / name / "io.npz", **ref)
         tensors, config = hf_lm.export_lm(kwargs, params, family=name[3:])
-        (tmp_path / "out" / name).mkdir(parents=True)
-        io.write_safetensors(tensors, tmp_path / "out" / name / "model.safetensors")
-        (tmp_path / "out" / name / "config.json").write_text(json.dumps(config))
-    ran = subprocess.run([python, str(pathlib.Path(__file__).with_name("transformers_lm.py")), str(tmp_path / "ref"),
-                          *(str(tmp_path / "out" / name) for name in names)], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    results = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
-    assert [r["name"] for r in results] == list(names)
-    assert {r["name"]: r["error"] for r in results if r["error"] > 1e-5} == {}
-    # every weight written is read, none left to transformers' own initialisation (it zeroes a missing
-    # o_proj bias, with a warning: the logits alone would not show one)
-    assert {r["name"]: r["missing"] + r["unexpected"] for r in results if r["missing"] + r["unexpected"]} == {}
+        folder = root / f"biased_{name}"
+        folder.mkdir(parents=True)
+        np.savez(folder / "io.npz", **ref)
+        io.write_safetensors(tensors, folder / "model.safetensors")
+        (folder / "config.json").write_text(json.dumps(config))
+        folders.append(folder)
+    return folders
 
 
 def test_an_lm_with_output_norms_and_the_default_query_scale_exports_the_head_size():

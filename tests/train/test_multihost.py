@@ -148,8 +148,17 @@ def test_two_processes_train_as_one_and_stop_together_on_sigterm(tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(straight), strict=True))
 
 
-    # A workdir process 0 refuses (held by another run) stops both at once, each in one line, nothing written.
+# ~13 s: a third pair of processes; in make test, refuse_together's broadcast with the collective faked
+# (test_an_unexpected_error_on_process_0_*) and a held workdir refused in one process (test_reliability)
+@pytest.mark.slow
+def test_a_workdir_process_0_refuses_stops_both_processes_at_once(tmp_path):
+    """A workdir process 0 refuses (held by another run) stops both at once, each in one line, nothing written."""
+    data_dir = tmp_path / "tfds"
+    from configs import common
+    from vitmm.data import pipeline
     from vitmm.train import workdir as workdir_lib
+
+    pipeline.get_source(common.SMOKE_DATA, "train", str(data_dir))
 
     held = workdir_lib.Lock(tmp_path / "busy")
     (tmp_path / "busy").mkdir()
