@@ -9,6 +9,7 @@ import pathlib
 import jax
 import numpy as np
 import optax
+import pytest
 
 from vitmm.config_args import load
 from vitmm.train import inputs, trainer
@@ -34,6 +35,9 @@ def _gradients(setup, par):
     return float(metrics["loss"]), float(metrics["answer_tokens"]), grads
 
 
+# ~6-12 s; in make test: the token-mean loss over micro-batches and devices on its own
+# (test_optim_and_parallel's test_a_token_mean_loss_is_the_same_*) and pmap against jit (test_trainer)
+@pytest.mark.slow
 def test_a_vlm_step_is_the_same_on_1_2_or_4_devices_and_with_micro_batches(data_dir):
     config = load(ROOT / "configs/vlm_scenes.py", "smoke,stage=2", **{"input.data_dir": data_dir})
     setup = trainer.build(config)
