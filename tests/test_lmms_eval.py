@@ -65,8 +65,9 @@ def test_a_task_is_refused_for_a_run_without_a_qa_evaluator_and_nothing_is_writt
 
 FAKE_LMMS_EVAL = '''#!{python}
 """Stands in for lmms-eval's interpreter: records its arguments and writes the logs in SRC as the run's."""
-import shutil, sys
+import os, shutil, sys
 open({argv!r}, "w").write(repr(sys.argv))
+open({argv!r} + ".image_format", "w").write(os.environ.get("LMMS_IMAGE_ENCODE_FORMAT", "unset"))
 shutil.copytree({src!r}, sys.argv[sys.argv.index("--output_path") + 1] + "/vitmm")
 '''
 
@@ -160,7 +161,9 @@ def test_evaluate_asks_under_an_id_lmms_eval_never_takes_for_a_reasoning_model(t
         lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python,
                            model_args="model=demo1,max_retries=1")
     assert not argv.exists()  # refused before lmms-eval ran
+    monkeypatch.setenv("LMMS_IMAGE_ENCODE_FORMAT", "JPEG")  # lossy: the served pixels would not be the task's
     lmms_task.evaluate("unused", tmp_path / "out", include_path=tmp_path, python=python, model_args="max_retries=1")
+    assert pathlib.Path(f"{argv}.image_format").read_text() == "PNG"
     args = ast.literal_eval(argv.read_text())
     model = args[args.index("--model_args") + 1].split(",")
     assert model[0] == f"model={lmms_task.MODEL}" and "max_retries=1" in model

@@ -178,7 +178,8 @@ def evaluate(workdir, out, tasks: str = "vitmm_qa", include_path=None, python: s
     try:
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"),
-               "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "unused")}
+               "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "unused"),
+               "LMMS_IMAGE_ENCODE_FORMAT": "PNG"}  # lossless, as lmms-eval's default: the task's own pixels
         env.pop("XLA_FLAGS", None)
         args = f"model={MODEL},base_url={url}/v1" + (f",{model_args}" if model_args else "")
         done = subprocess.run([python, "-m", "lmms_eval", "eval", "--model", "openai", "--model_args", args,
