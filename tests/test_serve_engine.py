@@ -160,9 +160,11 @@ def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path):
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role",
      "must be system, developer, user or assistant; got 'robot'."),
     ({"n": 2}, "n", "'n' must be 1 (one choice a request); got 2."),
+    ({"n": True}, "n", "'n' must be 1 (one choice a request); got True."),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content",
      "a text part whose 'text' is not a string: 5"),
-], ids=["options-string", "options-list", "stream-string", "include-usage-string", "role", "n", "text-part"])
+], ids=["options-string", "options-list", "stream-string", "include-usage-string", "role", "n", "n-true",
+      "text-part"])
 def test_malformed_settings_and_parts_are_400s_naming_the_param(body, param, message):
     err = _refusal(_engine(_FakeChat()), **body)
     assert err.status == 400 and err.param == param and message in str(err)

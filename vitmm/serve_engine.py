@@ -83,7 +83,8 @@ class Engine:
         if seed is None:  # no seed: a draw of its own each request (OpenAI's way), not always the same one
             seed = secrets.randbelow(2**31)
         _check_number("seed", seed, 0, 2**31 - 1, integer=True)
-        if body.get("n", 1) not in (1, None):
+        n = body.get("n", 1)
+        if n is not None and (type(n) is not int or n != 1):  # an integer 1 (True and 1.0 compare equal to it)
             raise RequestError(f"'n' must be 1 (one choice a request); got {body['n']!r}.", param="n")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
