@@ -157,7 +157,7 @@ def clip_metrics(zimg, ztxt) -> dict:
     for name, logits in (("i2t", zimg @ ztxt.T), ("t2i", ztxt @ zimg.T)):
         ranking = np.argsort(-logits, axis=1)
         preds = np.nonzero(ranking == np.arange(len(logits))[:, None])[1]
-        for k in (1, 5):
+        for k in (1, 5, 10):
             out[f"{name}_r{k}"] = float(np.mean(preds < k))
     return out
 
@@ -169,9 +169,10 @@ def test_retrieval_with_one_caption_per_image_equals_open_clip():
     ztxt = zimg + 0.9 * rng.normal(size=(200, 16))
     out = eval_lib.Retrieval(Fixed(zimg=zimg, ztxt=ztxt, tokens=np.arange(200)[:, None], txt2img=np.arange(200),
                                    labels=-np.ones(200))).run(None)
-    assert {k: out[k] for k in ("i2t_r1", "i2t_r5", "t2i_r1", "t2i_r5")} == clip_metrics(zimg, ztxt)
-    assert 0 < out["i2t_r1"] < out["i2t_r5"] < 1  # the test is not trivially at 0 or 1
+    assert {k: out[k] for k in clip_metrics(zimg, ztxt)} == clip_metrics(zimg, ztxt)
+    assert 0 < out["i2t_r1"] < out["i2t_r5"] < out["i2t_r10"] < 1  # the test is not trivially at 0 or 1
     assert out["chance_r1"] == pytest.approx(1 / 200) and out["chance_r5"] == pytest.approx(5 / 200)
+    assert out["chance_r10"] == pytest.approx(10 / 200)
     assert "caption_examples" not in out
 
 
@@ -311,7 +312,20 @@ def test_zero_shot_accuracy_on_known_embeddings():
     emb = Prompts(vectors, zimg=zimg, labels=np.array([0, 1, 2, 1, -1]))
     zs = eval_lib.ZeroShot(emb, ["a", "b", "c"], templates=("{} one.", "{} two."))
     assert zs.prompts("a") == ["a one.", "a two."]
-    assert zs.run(None) == {"accuracy": 0.75, "chance": pytest.approx(1 / 3), "examples": 4}
+    assert zs.run(None) == {"accuracy": 0.75, "chance": pytest.approx(1 / 3), "examples": 4}  # no top-5 of 3 classes
+
+
+def test_zero_shot_top5_counts_the_label_among_the_five_nearest_classes():
+    """Eight classes, each prompt its own axis: image i's similarities are its coordinates, so the
+    label's rank is known by construction (top-1 1 of 4, top-5 3 of 4: label 5 ranks 6th)."""
+    e = np.eye(8, dtype=np.float32)
+    names = list("abcdefgh")
+    vectors = {f"{n} one.": e[i] for i, n in enumerate(names)}
+    ranks = np.arange(8, 0, -1, dtype=np.float32)  # class 0 nearest, class 7 farthest
+    zimg = np.stack([ranks, ranks, ranks, ranks])
+    out = eval_lib.ZeroShot(Prompts(vectors, zimg=zimg, labels=np.array([0, 1, 4, 5])), names,
+                            templates=("{} one.",)).run(None)
+    assert out == {"accuracy": 0.25, "chance": 0.125, "top5": 0.75, "top5_chance": 5 / 8, "examples": 4}
 
 
 def test_native_evaluation_embeds_each_image_at_its_own_size(tiny):

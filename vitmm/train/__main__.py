@@ -120,10 +120,13 @@ def summary_table(summary: dict) -> str:
     """Final evaluation, each metric next to its chance level where one is known."""
     evals = summary["evals"]
     rows = [("zero-shot accuracy", "zeroshot/accuracy", "zeroshot/chance"),
+            ("zero-shot top-5 accuracy", "zeroshot/top5", "zeroshot/top5_chance"),
             ("retrieval image→text R@1", "retrieval/i2t_r1", "retrieval/chance_r1"),
             ("retrieval text→image R@1", "retrieval/t2i_r1", "retrieval/chance_r1"),
             ("retrieval image→text R@5", "retrieval/i2t_r5", "retrieval/chance_r5"),
             ("retrieval text→image R@5", "retrieval/t2i_r5", "retrieval/chance_r5"),
+            ("retrieval image→text R@10", "retrieval/i2t_r10", "retrieval/chance_r10"),
+            ("retrieval text→image R@10", "retrieval/t2i_r10", "retrieval/chance_r10"),
             ("validation loss", "val/loss", None)]
     lines = [f"{'after step ' + str(summary['final_step']):<28} {'value':>8} {'chance':>8}"]
     for label, key, chance in rows:
