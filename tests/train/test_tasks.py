@@ -34,6 +34,20 @@ def test_byte_tokenizer_eot_runs_build_the_model_they_always_did(data_dir):
     assert task.model.text == config.model.text.to_dict() and task.model.text.get("eos_id") is None
 
 
+def test_a_sigmoid_loss_without_a_bias_warns_once_and_names_siglips_init(data_dir, recwarn):
+    """loss=sigmoid on clip_scenes (softmax's init, no bias) trains with the bias fixed at 0: said, with the fix;
+    SigLIP's init (bias -10, t 10) and softmax say nothing."""
+    config = _clip(data_dir, loss="sigmoid")
+    with pytest.warns(UserWarning, match=r"loss='sigmoid' without model.bias_init: the logit bias stays 0 .*"
+                                         r"--config.model.bias_init=-10 with --config.model.temperature_init=10"):
+        tasks.ContrastiveTask(config, Parallel("jit"), tasks.tokenizer_for(config))
+    recwarn.clear()
+    siglip = _clip(data_dir, loss="sigmoid", **{"model.bias_init": -10.0, "model.temperature_init": 10.0})
+    tasks.ContrastiveTask(siglip, Parallel("jit"), tasks.tokenizer_for(siglip))
+    tasks.ContrastiveTask(_clip(data_dir), Parallel("jit"), tasks.tokenizer_for(config))
+    assert not [w for w in recwarn if "bias_init" in str(w.message)]
+
+
 def test_a_vlm_takes_an_lm_whose_embedding_has_more_rows_than_its_tokenizer_has_ids(monkeypatch):
     """Qwen2/2.5/3 pad their embedding (151,936 rows for 151,665 ids): only fewer rows than ids is refused,
     with advice that fits that case."""

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -65,6 +67,10 @@ class ContrastiveTask:
         self.model = two_towers.TwoTowers(**{**model, "image": determinism.attention(model["image"], config,
                                                                                      "the image tower")})
         self._loss = _contrastive_impl(config.loss, par)
+        if config.loss.startswith("sigmoid") and model.get("bias_init") is None:
+            warnings.warn(f"loss={config.loss!r} without model.bias_init: the logit bias stays 0 and is not learned "
+                          f"(temperature_init {model.get('temperature_init')}); SigLIP learns it from "
+                          "--config.model.bias_init=-10 with --config.model.temperature_init=10.", stacklevel=2)
         if config.input.get("packing") and (par.kind == "pmap" or config.loss == "sigmoid_chunked"):
             raise ValueError("input.packing (images at their own sizes) needs parallel='jit' and loss 'softmax' "
                              f"or 'sigmoid'; got parallel={par.kind!r}, loss={config.loss!r}.")
