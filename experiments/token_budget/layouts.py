@@ -152,10 +152,12 @@ def compare(sweeps: dict[str, list[dict]], data: dict[str, str] | None = None) -
     lines += ["", "What the cut took from each sweep (besides its equal-parameter and encoder-side rows): "
               + "; ".join(f"{name}: {_dropped(sweeps[name], rows)}" for name, rows in cut.items()) + "."]
     for name, rows in sweeps.items():
-        full = _tests(main_rows(rows))
-        lost = [n for n in full if n not in per_layout[name]]
-        lines += ["", f"Tests {name}'s report makes that this cut cannot: " + ("; ".join(lost) or "none") + ".", ""]
-        lines += differs(name, per_layout[name], _tests(rows))
+        own = _tests(rows)  # its report's tests: equal-parameter and encoder-side rows' too
+        lost = [n for n in own if n not in per_layout[name]]
+        count = f" ({len(lost)} of its {len(own)})" if lost else ""
+        lines += ["", f"Tests {name}'s report makes that this cut cannot{count}: " + ("; ".join(lost) or "none") + ".",
+                  ""]
+        lines += differs(name, per_layout[name], own)
     return "\n".join(lines) + "\n"
 
 

@@ -147,3 +147,16 @@ def test_verdicts_that_differ_from_a_layouts_own_report_are_listed(tmp_path):
            in differ
     assert ("Verdicts here that differ from hard's own report (cite that report for its design, this table for the "
             "cut): none.") in text
+
+
+def test_the_tests_a_report_makes_that_the_cut_cannot_include_its_variant_rows(tmp_path):
+    """Easy's report makes 80 tests, the cut 39 of them: the 41 it cannot include the equal-parameter and
+    encoder-side rows' tests (27), not only the main table's (14), and the line says how many."""
+    text = layouts.main(["easy=" + str(EASY), f"hard={sweep(tmp_path, 'hard', five)}"])
+    lost = next(line for line in text.splitlines() if line.startswith("Tests easy's report makes that this cut"))
+    assert lost.startswith("Tests easy's report makes that this cut cannot (41 of its 80): ")
+    for name in ("patch_merger@4 − blind", "pool@16 (params ≈ 100,000) − default size",
+                 "best − worst at equal parameters", "image 16 px − pool at 4 tokens",
+                 "patch 32 − best connector at 4 tokens (pixel_shuffle)"):
+        assert name in lost
+    assert "Tests hard's report makes that this cut cannot: none." in text
