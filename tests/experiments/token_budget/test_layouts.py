@@ -160,3 +160,8 @@ def test_the_tests_a_report_makes_that_the_cut_cannot_include_its_variant_rows(t
                  "patch 32 − best connector at 4 tokens (pixel_shuffle)"):
         assert name in lost
     assert "Tests hard's report makes that this cut cannot: none." in text
+
+
+def test_the_header_says_a_verdict_shown_in_some_layouts_only_is_no_difference_between_them(tmp_path):
+    text = layouts.main(["easy=" + str(EASY), f"hard={sweep(tmp_path, 'hard', five)}"])
+    assert "A test shown in some layouts only is not shown to differ between them" in text.split("\n")[0]
