@@ -4,18 +4,18 @@
     python -m experiments.token_budget.rates --main M --steps_away=-2,-1,1    # one further, where -1 won at an edge
 
 A sweep tunes each family's lr and warmup at one token count on its first seed (``--tune_budget``) and
-reuses them at every budget, so a budget effect could be partly a rate that suits one budget better
-than another. This trains every main-table cell of a finished sweep (``--main``) again on its first
+reuses them at every budget, so a budget effect could be partly a rate that suits one budget better than
+another. This trains every main-table cell of a finished sweep (``--main``) again on its first
 ``--seeds`` at the chosen rate's neighbours on the 1-3-10 ladder (``--steps_away``: -1 is the next
-smaller rate, 1 the next larger), the warmup and everything else the sweep's (its pinned tower,
-stage-0 LM and stage 1 per seed); each step away is a token-budget sweep of its own in
-``OUT/lr_<step>`` (resumable the same way: a step already run trains nothing again; the steps reach 0
-without a gap, so that each cell's best is chosen among every rung between). ``rates.md`` there compares the rates cell by cell on
-validation (the curve's questions at each run's tested check: the split a choice is made on), names
-each cell's best, flags a best at the outermost rate tried (the grid should grow: rerun with one more
-step that way), and sets each family's change from its fewest to its most tokens (test) under the
-sweep's rate beside the same change under each budget's best rate: whether the budget effect
-depends on the rate choice. With two seeds these are estimates to read, not tests.
+smaller rate, 1 the next larger), the warmup and everything else the sweep's (its pinned tower, stage-0
+LM and stage 1 per seed); each step away is a token-budget sweep of its own in ``OUT/lr_<step>``
+(resumable the same way: a step already run trains nothing again; the steps reach 0 without a gap, so
+that each cell's best is chosen among every rung between). ``rates.md`` there compares the rates cell by
+cell on validation (the curve's questions at each run's tested check: the split a choice is made on),
+names each cell's best, flags a best at the outermost rate tried (the grid should grow: rerun with one
+more step that way), and sets each family's change from its fewest to its most tokens (test) under the
+sweep's rate beside the same change under each budget's best rate: whether the budget effect depends on
+the rate choice. With two seeds these are estimates to read, not tests.
 Options after the script's own go to the sweep (as ``horizon``'s) and must be those the sweep ran with.
 """
 
@@ -55,8 +55,8 @@ def parse_args(argv=None):
     gap = [k - (1 if k > 0 else -1) for k in args.steps_away if abs(k) > 1 and k - (1 if k > 0 else -1)
            not in args.steps_away]
     if gap:
-        parser.error(f"--steps_away {','.join(map(str, args.steps_away))}: include {gap[0]} (each cell's best is chosen "
-                     "among the rates run, so a rung between would be left out), e.g. --steps_away=-2,-1,1.")
+        parser.error(f"--steps_away {','.join(map(str, args.steps_away))}: include {gap[0]} (each cell's best is "
+                     "chosen among the rates run, so a rung between would be left out), e.g. --steps_away=-2,-1,1.")
     return args, passthrough
 
 
