@@ -6,8 +6,9 @@ Sweeps of different layouts differ by design in their data (and so in their ques
 and longest question), in the tower trained on that data, in the rates tuning chose there, and in
 which rows they ran (families, token counts, seeds, equal-parameter and encoder-side rows: the cut
 keeps what they share). Everything else that shapes a run must match (``SAME``): the LM, the training
-plan, stage 0 and stage 1, the tokenizer, the tuning protocol and the image size and patch grid the
-tower gives the connectors.
+plan, stage 0 and stage 1, the tokenizer, the tuning protocol (whether the rates were tuned on the
+layout or given with ``--chosen``, and how) and the image size and patch grid the tower gives the
+connectors.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from experiments.token_budget import report
 
 # setup.json's keys that must match across the compared sweeps (sweep.py writes them); a dict is
 # compared key by key, so a refusal names e.g. ``plan.max_steps``. ``tune_each_budget`` and
-# ``tune_seeds`` are written only when not the default (absent in both: the same protocol).
-SAME = ("lm", "plan", "stage0_steps", "stage0_lr", "stage1_steps", "tokenizer", "tune_lrs", "tune_warmups",
-        "tune_budget", "tune_seed", "tune_each_budget", "tune_seeds", "image_size", "grid")
+# ``tune_seeds`` are written only when not the default (absent in both: the same protocol);
+# ``chosen_given``: the rates were given with ``--chosen``, not tuned on the layout's own validation split.
+SAME = ("lm", "plan", "stage0_steps", "stage0_lr", "stage1_steps", "tokenizer", "chosen_given", "tune_lrs",
+        "tune_warmups", "tune_budget", "tune_seed", "tune_each_budget", "tune_seeds", "image_size", "grid")
 
 
 def load(folder: pathlib.Path) -> tuple[list[dict], dict]:

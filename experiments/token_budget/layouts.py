@@ -18,7 +18,8 @@ word (or chosen pair) differs from that layout's own report, and the tests its r
 the cut cannot. The table puts the tests the layouts share in one row, each layout's verdict tag in
 its column, and says what holds across them: the same sign shown in every layout, opposite signs
 shown, or shown in some layouts only (a best − worst test holds only where the layouts' best and
-worst are the same pair). It adds no test of its own.
+worst are the same pair). It adds no test of its own: "shown in 1 of 2" is not evidence that the
+effect differs between the layouts (that needs a test of the difference, which none here makes).
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ def compare(sweeps: dict[str, list[dict]], data: dict[str, str] | None = None) -
              f"tests are its report's tests recomputed on this cut and corrected together within the layout (Holm; "
              f"{sizes} tests: each layout's count on this cut): the best − worst pairs are chosen among the cut's "
              "families and the analysis of variance and Honeybee's groups use the cut's families only, so a verdict "
-             "here is not its report's (those that differ are listed below the table); this table adds no test."
+             "here is not its report's (those that differ are listed below the table); this table adds no test. "
+             "A test shown in some layouts only is not shown to differ between them (no test here compares the "
+             "layouts: a verdict can change with the noise alone); only opposite signs, each shown, say they differ."
              + f" {design(any_rows)}"
              + ("" if data is None else " Data: " + ", ".join(f"{name} {d}" for name, d in data.items()) + "."), "",
              "| test | " + " | ".join(per_layout) + " | across layouts |", "|---|" + "---|" * (len(per_layout) + 1)]
@@ -152,10 +155,12 @@ def compare(sweeps: dict[str, list[dict]], data: dict[str, str] | None = None) -
     lines += ["", "What the cut took from each sweep (besides its equal-parameter and encoder-side rows): "
               + "; ".join(f"{name}: {_dropped(sweeps[name], rows)}" for name, rows in cut.items()) + "."]
     for name, rows in sweeps.items():
-        full = _tests(main_rows(rows))
-        lost = [n for n in full if n not in per_layout[name]]
-        lines += ["", f"Tests {name}'s report makes that this cut cannot: " + ("; ".join(lost) or "none") + ".", ""]
-        lines += differs(name, per_layout[name], _tests(rows))
+        own = _tests(rows)  # its report's tests: equal-parameter and encoder-side rows' too
+        lost = [n for n in own if n not in per_layout[name]]
+        count = f" ({len(lost)} of its {len(own)})" if lost else ""
+        lines += ["", f"Tests {name}'s report makes that this cut cannot{count}: " + ("; ".join(lost) or "none") + ".",
+                  ""]
+        lines += differs(name, per_layout[name], own)
     return "\n".join(lines) + "\n"
 
 

@@ -1,20 +1,21 @@
 """Was each family's learning rate, chosen at one token count, also its best at the others?
 
     python -m experiments.token_budget.rates --main results/token_budget/hard  # a ladder step each way, seeds 0,1
-    python -m experiments.token_budget.rates --main M --steps_away=-2          # one further, where -1 won at an edge
+    python -m experiments.token_budget.rates --main M --steps_away=-2,-1,1    # one further, where -1 won at an edge
 
 A sweep tunes each family's lr and warmup at one token count on its first seed (``--tune_budget``) and
-reuses them at every budget, so a budget effect could be partly a rate that suits one budget better
-than another. This trains every main-table cell of a finished sweep (``--main``) again on its first
+reuses them at every budget, so a budget effect could be partly a rate that suits one budget better than
+another. This trains every main-table cell of a finished sweep (``--main``) again on its first
 ``--seeds`` at the chosen rate's neighbours on the 1-3-10 ladder (``--steps_away``: -1 is the next
-smaller rate, 1 the next larger), the warmup and everything else the sweep's (its pinned tower,
-stage-0 LM and stage 1 per seed); each step away is a token-budget sweep of its own in
-``OUT/lr_<step>`` (resumable the same way). ``rates.md`` there compares the rates cell by cell on
-validation (the curve's questions at each run's tested check: the split a choice is made on), names
-each cell's best, flags a best at the outermost rate tried (the grid should grow: rerun with one more
-step that way), and sets each family's change from its fewest to its most tokens (test) under the
-sweep's rate beside the same change under each budget's best rate: whether the budget effect
-depends on the rate choice. With two seeds these are estimates to read, not tests.
+smaller rate, 1 the next larger), the warmup and everything else the sweep's (its pinned tower, stage-0
+LM and stage 1 per seed); each step away is a token-budget sweep of its own in ``OUT/lr_<step>``
+(resumable the same way: a step already run trains nothing again; the steps reach 0 without a gap, so
+that each cell's best is chosen among every rung between). ``rates.md`` there compares the rates cell by
+cell on validation (the curve's questions at each run's tested check: the split a choice is made on),
+names each cell's best, flags a best at the outermost rate tried (the grid should grow: rerun with one
+more step that way), and sets each family's change from its fewest to its most tokens (test) under the
+sweep's rate beside the same change under each budget's best rate: whether the budget effect depends on
+the rate choice. With two seeds these are estimates to read, not tests.
 Options after the script's own go to the sweep (as ``horizon``'s) and must be those the sweep ran with.
 """
 
@@ -51,6 +52,11 @@ def parse_args(argv=None):
         parser.error(f"--steps_away {args.steps_away!r} / --seeds {args.seeds!r}: comma-separated integers, e.g. -1,1")
     if 0 in args.steps_away or not args.steps_away:
         parser.error("--steps_away: nonzero ladder steps, e.g. -1,1 (0 is the sweep's own rate, which it ran)")
+    gap = [k - (1 if k > 0 else -1) for k in args.steps_away if abs(k) > 1 and k - (1 if k > 0 else -1)
+           not in args.steps_away]
+    if gap:
+        parser.error(f"--steps_away {','.join(map(str, args.steps_away))}: include {gap[0]} (each cell's best is "
+                     "chosen among the rates run, so a rung between would be left out), e.g. --steps_away=-2,-1,1.")
     return args, passthrough
 
 
@@ -72,13 +78,14 @@ def val_at_check(curves: dict, row: dict) -> float | None:
     return float(at[0]) if at else None
 
 
-def runs(directory: pathlib.Path, seeds: list[int]) -> dict:
-    """``{(family, tokens): {seed: (validation at the tested check, test accuracy)}}`` of a sweep's main table."""
+def runs(directory: pathlib.Path, seeds: list[int], families) -> dict:
+    """``{(family, tokens): {seed: (validation at the tested check, test accuracy)}}`` of a sweep's main table,
+    ``families``' cells only."""
     rows = tb.report.read_runs(directory / "runs.csv")
     curves = json.loads((directory / "curves.json").read_text())
     out = {}
     for r in rows:
-        if r["status"] == "ok" and r["variant"] == "" and r["family"] != tb.BLIND and int(r["seed"]) in seeds:
+        if r["status"] == "ok" and r["variant"] == "" and r["family"] in families and int(r["seed"]) in seeds:
             out.setdefault((r["family"], int(r["tokens"])), {})[int(r["seed"])] = (val_at_check(curves, r),
                                                                                     float(r["accuracy"]))
     return out
@@ -176,7 +183,7 @@ def main(argv=None) -> pathlib.Path:
                  "--param_budget", "0", "--encoder_budgets", "", "--no_blind",
                  "--chosen", ",".join(f"{f}={rates[f][k]:g}/{setup['chosen'][f][1]}" for f in families),
                  *(["--workers", str(args.workers)] if args.workers else [])])
-    by_step = {0: runs(main_dir, args.seeds)}
+    by_step = {0: runs(main_dir, args.seeds, families)}
     for k in args.steps_away:
         if not (folder(out, k) / "setup.json").is_file():
             args.parser.error(f"--report: {folder(out, k)} holds no finished sweep; run without --report first.")
@@ -184,7 +191,7 @@ def main(argv=None) -> pathlib.Path:
         if differ:
             sys.exit(f"the runs in {folder(out, k)} differ from the sweep in {main_dir} in {differ}: pass "
                      "token_budget.py the options the sweep ran with (its setup.json 'command'); nothing compared.")
-        by_step[k] = runs(folder(out, k), args.seeds)
+        by_step[k] = runs(folder(out, k), args.seeds, families)
     first = json.loads((folder(out, args.steps_away[0]) / "setup.json").read_text())
     date = first.get("date", time.strftime("%Y-%m-%d"))
     lines = [f"# Each family's learning rate at every budget: {main_dir} ({date})", "",

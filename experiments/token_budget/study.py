@@ -27,9 +27,11 @@ is refused, and so is tuning on the test split (``tune.overrides`` naming the sa
 ``test_overrides``) unless ``--tune_on_test``. Writes ``runs.csv`` (per run: the metric and its
 per-kind parts, the visual tokens, the connector's parameters and compiled FLOPs, the LM's forward
 FLOPs, milliseconds per training example, peak host memory, wall time), ``REPORT.md`` (``report``:
-the tuning grid, means ± 95% CIs over seeds with tests paired by seed against blind, Holm-adjusted
-across the table, costs, and for exact-match metrics with question kinds the token-budget sweep's
-spread and claim tests) and ``setup.json``.
+the tuning grid, means ± 95% CIs over seeds with tests paired by seed against blind (without blind:
+every pair of families), costs, for exact-match metrics with question kinds the token-budget sweep's
+spread and claim tests, and a Verdicts table of all its tests corrected together (Holm; a metric
+where lower is better: the rows' tests Holm-adjusted among themselves, no Verdicts table)) and
+``setup.json``.
 """
 
 from __future__ import annotations

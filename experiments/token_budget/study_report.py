@@ -1,7 +1,9 @@
 """The Markdown report of a token-budget study on any inputs (``study.py``): the tuning grid, means ±
 95% CIs over seeds with each row's test against blind (or, without a blind row, every pair of
-families), Holm-adjusted across the table, the costs per cell, and for exact-match metrics with
-question kinds the sweep's spread, claim tests and Verdicts table (``report.py``, ``tables.py``)."""
+families), the costs per cell, for exact-match metrics with question kinds the sweep's spread and
+claim tests (``report.py``, ``tables.py``), and a Verdicts table of every test the report makes,
+corrected together (Holm), whose adjusted p the rows' lines print (a metric where lower is better:
+no Verdicts table, the rows' tests Holm-adjusted among themselves)."""
 
 from __future__ import annotations
 
@@ -52,8 +54,11 @@ def report(study, tuned: list[dict], rows: list[dict], chosen: dict, unreachable
                          + " |")
         if kinds:
             lines += ["", *tables.spread_lines(summary), "", *tables.claim_lines(summary)]
-        corrected = verdicts.correct(tbr.verdict_tests(summary)) if kinds else None
-        tests = _holm_lines(summary, corrected) if has_blind else _pairwise_lines(summary)
+        # Every test the report makes, corrected together (a metric where lower is better would name its worst
+        # family "best": the rows' tests are then Holm-adjusted among themselves, with no Verdicts table).
+        made = [*tbr.verdict_tests(summary), *([] if has_blind else _pair_tests(summary))]
+        corrected = verdicts.correct(made) if made and study.higher_is_better else None
+        tests = _holm_lines(summary, corrected) if has_blind else _pairwise_lines(summary, corrected)
         lines += ["", *tests, "", *_cost_lines(grid)] if tests else ["", *_cost_lines(grid)]
         if corrected is not None:
             lines += ["", *verdicts.table_lines(corrected, "**Verdicts.** The tables' tests (points; the analysis of "
@@ -80,19 +85,39 @@ def _holm_lines(summary: list[dict], corrected: list | None = None) -> list[str]
             + "."]
 
 
-def _pairwise_lines(summary: list[dict]) -> list[str]:
-    """Without a blind row: every pair of families at each token count, the mean difference paired
-    by seed and its p, Holm-adjusted across all the pairs."""
+def _pairs(summary: list[dict]) -> list[tuple[dict, dict, tuple]]:
+    """Every pair of families at each token count with its paired test ``(mean difference, p)``."""
     by_tokens: dict = {}
     for s in summary:
         by_tokens.setdefault(s["tokens"], []).append(s)
     pairs = [(a, b, stats.paired(a["by_seed"], b["by_seed"])) for cells in by_tokens.values()
              for i, a in enumerate(cells) for b in cells[i + 1:]]
-    pairs = [(a, b, t) for a, b, t in pairs if t is not None]
+    return [(a, b, t) for a, b, t in pairs if t is not None]
+
+
+def _pair_name(a: dict, b: dict) -> str:
+    return f"{a['family']} − {b['family']} at {a['tokens']} tokens"
+
+
+def _pair_tests(summary: list[dict]) -> list[verdicts.Test]:
+    """Without a blind row, the pairs of families as the report's tests (points, paired by seed)."""
+    return [verdicts.paired(_pair_name(a, b), a["by_seed"], b["by_seed"]) for a, b, _ in _pairs(summary)]
+
+
+def _pairwise_lines(summary: list[dict], corrected: list | None = None) -> list[str]:
+    """Without a blind row: every pair of families at each token count, the mean difference paired
+    by seed and its p: the report's own adjusted p (``corrected``, its Verdicts table's tests), else
+    Holm-adjusted across all the pairs."""
+    pairs = _pairs(summary)
     if not pairs:
         return []
-    adjusted = stats.holm([t[1] for _, _, t in pairs])
-    return [f"Families paired by seed at each token count, Holm-adjusted across the {len(pairs)} pairs: "
+    if corrected is None:
+        adjusted, what = stats.holm([t[1] for _, _, t in pairs]), f"Holm-adjusted across the {len(pairs)} pairs"
+    else:
+        by_name = {t.name: t.p_adj for t in corrected}
+        adjusted = [by_name[_pair_name(a, b)] for a, b, _ in pairs]
+        what = f"Holm-adjusted with all {len(corrected)} tests of this report (as in the Verdicts table)"
+    return [f"Families paired by seed at each token count, {what}: "
             + ", ".join(f"{a['family']} − {b['family']} at {a['tokens']}: {100 * t[0]:+.1f} (p={p:.2g})"
                         for (a, b, t), p in zip(pairs, adjusted, strict=True)) + "."]
 

@@ -67,7 +67,7 @@ def test_sweeps_made_under_other_settings_are_refused_in_one_line(tmp_path):
     its chosen rates and tuning record, no equal-parameter rows, one worker, its families) is not."""
     hard_like = dict(data="scenes/hard_64", tower="results/token_budget/hard/tower",
                      tower_fingerprint="a0e3dbfc9dec98c7", tower_config={"width": 96},
-                     chosen={"pool": [3e-4, 25]}, chosen_given=True, tuning={}, param_budget=0, workers=1,
+                     chosen={"pool": [3e-4, 25]}, tuning={}, param_budget=0, workers=1,
                      vocab_size=60, max_len=20, train_questions=1, val_questions=2, test_questions=3,
                      train_images=9, connectors={}, stage0_final_loss={}, date="2026-12-08", command="x",
                      worker_hours=1.0, runs_timed=3, backend="gpu", seeds=[0, 1, 2])
@@ -82,6 +82,9 @@ def test_sweeps_made_under_other_settings_are_refused_in_one_line(tmp_path):
         layouts.main([f"easy={easy}", f"big={big}"])
     with pytest.raises(SystemExit, match=r"differ in stage0_steps: 1000 vs 0"):
         layouts.main([f"easy={easy}", f"s={sweep(tmp_path, 's', five, {'stage0_steps': 0})}"])
+    # Rates given with --chosen, not tuned on the layout's own validation split: another tuning protocol.
+    with pytest.raises(SystemExit, match=r"differ in chosen_given: False vs True"):
+        layouts.main([f"easy={easy}", f"given={sweep(tmp_path, 'given', five, {'chosen_given': True})}"])
     (easy / "setup.json").unlink()
     with pytest.raises(SystemExit, match="has no setup.json"):
         layouts.main([f"easy={easy}", f"hard={tmp_path / 'hard'}"])
@@ -147,3 +150,21 @@ def test_verdicts_that_differ_from_a_layouts_own_report_are_listed(tmp_path):
            in differ
     assert ("Verdicts here that differ from hard's own report (cite that report for its design, this table for the "
             "cut): none.") in text
+
+
+def test_the_tests_a_report_makes_that_the_cut_cannot_include_its_variant_rows(tmp_path):
+    """Easy's report makes 80 tests, the cut 39 of them: the 41 it cannot include the equal-parameter and
+    encoder-side rows' tests (27), not only the main table's (14), and the line says how many."""
+    text = layouts.main(["easy=" + str(EASY), f"hard={sweep(tmp_path, 'hard', five)}"])
+    lost = next(line for line in text.splitlines() if line.startswith("Tests easy's report makes that this cut"))
+    assert lost.startswith("Tests easy's report makes that this cut cannot (41 of its 80): ")
+    for name in ("patch_merger@4 − blind", "pool@16 (params ≈ 100,000) − default size",
+                 "best − worst at equal parameters", "image 16 px − pool at 4 tokens",
+                 "patch 32 − best connector at 4 tokens (pixel_shuffle)"):
+        assert name in lost
+    assert "Tests hard's report makes that this cut cannot: none." in text
+
+
+def test_the_header_says_a_verdict_shown_in_some_layouts_only_is_no_difference_between_them(tmp_path):
+    text = layouts.main(["easy=" + str(EASY), f"hard={sweep(tmp_path, 'hard', five)}"])
+    assert "A test shown in some layouts only is not shown to differ between them" in text.split("\n")[0]

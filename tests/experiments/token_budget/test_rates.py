@@ -141,3 +141,24 @@ def test_the_rate_check_reruns_a_finished_smoke_sweep(tmp_path, clip_smoke_run):
     assert higher["chosen"] == {"pool": [rates.step_rate(lr, 1), warmup]} and higher["seeds"] == [0, 1]
     md = (checked / "rates.md").read_text()
     assert "| pool | 4 | 2 |" in md and "| pool | 16 | 2 |" in md and "| pool | 4 → 16 |" in md  # smoke: a 4×4 grid
+
+
+def test_a_ladder_with_a_gap_is_refused(tmp_path, capsys):
+    """``--steps_away=-2`` alone would choose each cell's best among the sweep's rate and two rungs down,
+    leaving out the rung between (and rates.md's earlier -1 and +1 columns): the steps must reach 0."""
+    write_sweep(tmp_path / "m", 0)
+    with pytest.raises(SystemExit):
+        rates.main(["--main", str(tmp_path / "m"), "--steps_away=-2"])
+    assert "--steps_away -2: include -1" in capsys.readouterr().err
+    assert "--steps_away=-2,-1,1" in rates.__doc__
+
+
+def test_families_not_checked_are_left_out_of_rates_md(tmp_path, monkeypatch):
+    """With ``--families pool`` the sweep's Q-Former cells were not rerun: rates.md has no row saying
+    'not all rates ran' for them."""
+    write_sweep(tmp_path / "m", 0)
+    monkeypatch.setattr(tb, "main", lambda argv: write_sweep(pathlib.Path(argv[argv.index("--out") + 1]),
+                                                             int(argv[argv.index("--out") + 1].rsplit("_", 1)[1]),
+                                                             blind=False))
+    md = (rates.main(["--main", str(tmp_path / "m"), "--families", "pool", "--smoke"]) / "rates.md").read_text()
+    assert "| pool | 4 | 2 |" in md and "qformer" not in md.split("chose each rate")[1]
