@@ -267,7 +267,8 @@ def encoder_lines(summary: list[dict], setup: dict) -> list[str]:
         return []
     lines = ["Encoder side against connector side at equal LM tokens (the encoder-side rows: `mlp` on all patches "
              "of a smaller image, sin-cos positions recomputed, or of larger patches, the patch kernel PI-resized; "
-             "p: paired by seed against the best connector-side row; forward MFLOP per example: the tower's "
+             "p: paired by seed against the best connector-side row, unadjusted: that row was chosen after seeing "
+             "the means, so the Verdicts table's test pays for the choice; forward MFLOP per example: the tower's "
              "(analytic ViT count), and tower + connector + LM):", "",
              f"| tokens | how | all | vs best connector side | {' | '.join(KINDS)} | tower MFLOP | total MFLOP |",
              "|---:|---|---:|---:|" + "---:|" * (len(KINDS) + 2)]
