@@ -93,11 +93,33 @@ def parse_flags(argv):
     try:
         parsed = flags.FLAGS(argv)
         flags.FLAGS.config.get("task")  # config_flags reports a config file that failed to load only when used
-        return parsed
     except Exception as err:  # noqa: BLE001 - config_flags raises whatever the config file raised
         if _debug(argv):
             raise
         _fail(_config_key_error(argv) or _one_line(err), 2)
+    problem = _flags_problem(flags.FLAGS)
+    if problem:
+        _fail(problem, 2)
+    return parsed
+
+
+def _flags_problem(f) -> str | None:
+    """Flags that parse but would do something else than asked: an empty ``--workdir`` (``--workdir=$W``
+    with W unset: the current folder), a dry run's flag without ``--dry_run`` (a training run), devices
+    without a target (ignored: this machine's devices are compiled for)."""
+    if not f.workdir.strip():
+        return "--workdir is empty (an unset shell variable?); name the folder the run writes checkpoints to."
+    devices = f"--dry_run_devices={f.dry_run_devices}" if f.dry_run_devices != 1 else None
+    if not f.dry_run and (f.dry_run_target or devices):
+        given = f"--dry_run_target={f.dry_run_target}" if f.dry_run_target else devices
+        return (f"{given} applies to --dry_run only; add --dry_run to compile the step without training, or leave it "
+                "out to train.")
+    if devices and not f.dry_run_target:
+        from vitmm.train.gpu_targets import CARDS
+
+        return (f"{devices} counts GPUs of --dry_run_target; add --dry_run_target=h100 ({', '.join(sorted(CARDS))}), "
+                "or leave it out to compile for this machine's devices.")
+    return None
 
 
 def _one_line(err: Exception) -> str:
