@@ -201,3 +201,11 @@ def test_config_args_given_explicitly_survive_smoke():
     c = config_args.load(ROOT / "configs/clip_scenes.py", "smoke")
     assert (c.batch_size, c.total_steps) == (16, 4) and c.input.data.name.startswith("scenes/easy_32")
     assert config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,data=hard_64").input.data.name == "scenes/hard_64"
+
+
+def test_a_config_arg_of_the_wrong_type_names_the_type_in_words():
+    """It said ``steps='abc' is not a int.``"""
+    with pytest.raises(ValueError, match=r"^Config arg steps='abc' is not an integer \(steps=400 by default\)\.$"):
+        config_args.parse_arg("steps=abc", steps=400)
+    with pytest.raises(ValueError, match=r"^Config arg lr='x' is not a number \(lr=0.001 by default\)\.$"):
+        config_args.parse_arg("lr=x", lr=1e-3)

@@ -26,7 +26,8 @@ def _cast(key: str, text: str, default):
     try:
         return type(default)(text)
     except ValueError as err:
-        raise ValueError(f"Config arg {key}={text!r} is not a {type(default).__name__}.") from err
+        kind = {int: "an integer", float: "a number"}.get(type(default), f"a {type(default).__name__}")
+        raise ValueError(f"Config arg {key}={text!r} is not {kind} ({key}={default!r} by default).") from err
 
 
 def _castable(text: str, default) -> bool:
