@@ -1,5 +1,6 @@
 """Configs parse and build; the front-end demo and the token-count experiment run."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -118,6 +119,25 @@ def test_demo_command_line_with_overrides_and_typo():
     assert lines[0].startswith("python -m vitmm.demo: Unknown ViT variant 'Q/99'")
 
 
+@pytest.mark.parametrize("args, cwd, message", [
+    # the default config is read when the flag is defined: an override's error escaped as a traceback, exit 1
+    (["--config.model.num_registrs=2"], ROOT, "unknown config key 'model.num_registrs'; did you mean "
+                                              "model.num_registers?"),
+    (["--config.variant=B/16"], ROOT, "unknown config key 'variant'; did you mean model.variant or variants?"),
+    (["--config", "configs/frontend_demo.py", "--config.modell.x=1"], ROOT,
+     "unknown config key 'modell.x'; the keys are in configs/frontend_demo.py."),
+    (["--config", "configs/nope.py"], ROOT, "--config configs/nope.py: no such file; the demo's is "
+                                            "configs/frontend_demo.py."),
+    # started elsewhere: the default config is the repository's, not ./configs/frontend_demo.py
+    (["--config.modell.x=1"], "/", f"unknown config key 'modell.x'; the keys are in {ROOT}/configs/frontend_demo.py."),
+])
+def test_demo_refuses_a_bad_override_or_file_in_one_line(args, cwd, message):
+    result = subprocess.run([sys.executable, "-m", "vitmm.demo", *args], cwd=cwd, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [f"python -m vitmm.demo: {message}"]
+
+
 def test_every_readme_model_example_builds():
     """vitmm/models/README.md shows a constructor per ViT option; each must build as written."""
     import re
@@ -181,3 +201,11 @@ def test_config_args_given_explicitly_survive_smoke():
     c = config_args.load(ROOT / "configs/clip_scenes.py", "smoke")
     assert (c.batch_size, c.total_steps) == (16, 4) and c.input.data.name.startswith("scenes/easy_32")
     assert config_args.load(ROOT / "configs/vlm_scenes.py", "smoke,data=hard_64").input.data.name == "scenes/hard_64"
+
+
+def test_a_config_arg_of_the_wrong_type_names_the_type_in_words():
+    """It said ``steps='abc' is not a int.``"""
+    with pytest.raises(ValueError, match=r"^Config arg steps='abc' is not an integer \(steps=400 by default\)\.$"):
+        config_args.parse_arg("steps=abc", steps=400)
+    with pytest.raises(ValueError, match=r"^Config arg lr='x' is not a number \(lr=0.001 by default\)\.$"):
+        config_args.parse_arg("lr=x", lr=1e-3)

@@ -260,7 +260,11 @@ def _read_only(path: str | pathlib.Path, **handlers):
 def _step(mngr, path, step: int | None) -> int:
     steps = sorted(mngr.all_steps())
     if not steps:
-        raise FileNotFoundError(f"No checkpoint in {path}.")
+        path = pathlib.Path(path)
+        why = ("no such folder" if not path.exists() else "a file, not a folder" if not path.is_dir() else
+               "no step folder in it")
+        raise FileNotFoundError(f"No checkpoint in {path} ({why}); point at a `python -m vitmm.train` workdir or a "
+                                "`python -m vitmm.interop` folder.")
     if step is not None and step not in steps:
         raise FileNotFoundError(f"No checkpoint at step {step} in {path}; it holds steps {', '.join(map(str, steps))}.")
     return steps[-1] if step is None else step

@@ -26,7 +26,8 @@ def _cast(key: str, text: str, default):
     try:
         return type(default)(text)
     except ValueError as err:
-        raise ValueError(f"Config arg {key}={text!r} is not a {type(default).__name__}.") from err
+        kind = {int: "an integer", float: "a number"}.get(type(default), f"a {type(default).__name__}")
+        raise ValueError(f"Config arg {key}={text!r} is not {kind} ({key}={default!r} by default).") from err
 
 
 def _castable(text: str, default) -> bool:
@@ -55,6 +56,39 @@ def suggest_keys(key: str, config) -> list[str]:
     last = key.rsplit(".", 1)[-1]
     same_name = [k for k in keys if k.rsplit(".", 1)[-1] == last]
     return list(dict.fromkeys(same_name + difflib.get_close_matches(key, keys, n=3, cutoff=0.75)))[:4]
+
+
+def config_spec(argv) -> str | None:
+    """``FILE[:ARGS]`` of ``--config`` in a command line, if given."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+        spec = argv[argv.index("--config") + 1]
+    return spec
+
+
+def unknown_override(argv, default: str | None = None, keys_are: str = "") -> str | None:
+    """A message for the first ``--config.KEY=…`` of ``argv`` that the config file (``--config``'s, else
+    ``default``) does not have, with the existing keys it most resembles, else where ``keys_are`` listed.
+    None when every key exists or the file does not load (its own error says why)."""
+    from vitmm import tree
+
+    spec = config_spec(argv) or default
+    if spec is None:
+        return None
+    path, _, arg = spec.partition(":")
+    try:
+        config = load(path, arg or None)
+    except Exception:  # noqa: BLE001 - the file itself is the problem; the parser's message says so
+        return None
+    known = {k.replace("/", ".") for k in tree.flatten(config.to_dict())}
+    for a in argv:
+        if a.startswith("--config.") and "=" in a:
+            key = a[len("--config."):].split("=", 1)[0]
+            if key not in known and not any(k.startswith(key + ".") for k in known):
+                close = suggest_keys(key, config)
+                return f"unknown config key {key!r}" + (f"; did you mean {' or '.join(close)}?" if close else
+                                                         f"; the keys are {keys_are}.")
+    return None
 
 
 def parse_arg(arg: str | None, presets: dict | None = None, **spec) -> ml_collections.ConfigDict:

@@ -109,6 +109,17 @@ def run(config, print_fn=print) -> dict:
                 variants=variants, rows=rows, pooled_shape=tuple(pooled.shape))
 
 
+DEFAULT_CONFIG = "configs/frontend_demo.py"
+
+
+def _default_config() -> str:
+    """``configs/frontend_demo.py`` here, else the repository's (the demo started from another folder)."""
+    import pathlib
+
+    here = pathlib.Path(DEFAULT_CONFIG)
+    return DEFAULT_CONFIG if here.is_file() else str(pathlib.Path(__file__).resolve().parents[1] / DEFAULT_CONFIG)
+
+
 def main(argv=None) -> None:
     """The demo; a bad config file, arg, key or value is one line and exit 2 (``VITMM_DEBUG=1``: the
     traceback)."""
@@ -117,24 +128,34 @@ def main(argv=None) -> None:
     from absl import app, flags, logging
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", "configs/frontend_demo.py", "Demo config file.",
-                                    lock_config=True)
+    from vitmm import config_args
+
+    argv = list(argv or sys.argv)
+    if config_args.config_spec(argv) is None:  # the default as if given: a flag's default is read when
+        argv.insert(1, f"--config={_default_config()}")  # it is defined, where its overrides' errors escaped
+    config_flags.DEFINE_config_file("config", None, f"Demo config file (default: {DEFAULT_CONFIG}).",
+                                    lock_config=True, sys_argv=argv)
     debug = os.environ.get("VITMM_DEBUG", "") not in ("", "0")
 
-    def fail(err: BaseException):
-        if debug:
+    def fail(err: BaseException | str):
+        if debug and isinstance(err, BaseException):
             raise err
         lines = [line for line in str(err).splitlines() if line.strip()]
-        print(f"python -m vitmm.demo: {lines[-1] if lines else repr(err)}", file=sys.stderr)
+        print(f"python -m vitmm.demo: {lines[-1].strip() if lines else repr(err)}", file=sys.stderr)
         sys.exit(2)
 
     def parse(args):
+        path = config_args.config_spec(args).partition(":")[0]
+        if not os.path.isfile(path) and not debug:
+            fail(f"--config {path}: no such file; the demo's is {DEFAULT_CONFIG}.")
         try:
             parsed = flags.FLAGS(args)
             flags.FLAGS.config.get("model")  # a config file that failed to load raises only when used
             return parsed
         except Exception as err:  # noqa: BLE001 - config_flags raises whatever the config file raised
-            fail(err)
+            if not debug:
+                fail(config_args.unknown_override(args, keys_are=f"in {path}") or err)
+            raise
 
     def _main(_):
         logging.set_verbosity(logging.WARNING)  # hide JAX's "no TPU/GPU backend" INFO lines
@@ -143,7 +164,7 @@ def main(argv=None) -> None:
         except (ValueError, KeyError, TypeError) as err:
             fail(err)
 
-    app.run(_main, argv=argv or sys.argv, flags_parser=parse)
+    app.run(_main, argv=argv, flags_parser=parse)
 
 
 if __name__ == "__main__":

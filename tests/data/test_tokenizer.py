@@ -98,3 +98,20 @@ def test_truncation_and_padding_saved_in_a_tokenizer_json_are_ignored_as_transfo
     assert tok.encode(text) == plain.encode(text)
     assert tok.encode_offsets(text) == plain.encode_offsets(text)
     assert tok_lib.tokenize(tok, text, 6).truncated
+
+
+def test_a_file_that_is_not_a_tokenizer_json_is_named_in_one_line(tmp_path):
+    """tokenizers' own ``Exception: expected `,` or `}` …`` reached the console as a traceback, exit 1."""
+    for text in ('{"a": 1, "b":', '{"a": 1}', "\x00\x01"):
+        bad = tmp_path / "tokenizer.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError) as err:
+            tok_lib.HFTokenizer(bad)
+        message = str(err.value)
+        assert message.startswith(f"{bad} is not a tokenizer.json the tokenizers library reads (")
+        assert "\n" not in message
+        assert message.endswith("; pass the tokenizer.json of a Hugging Face model folder.")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match="No tokenizer.json at"):
+        tok_lib.HFTokenizer(folder)

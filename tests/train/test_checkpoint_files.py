@@ -100,3 +100,17 @@ def test_a_restarted_run_that_fails_to_close_its_checkpoints_says_so(tmp_path, c
     monkeypatch.setattr(ocp.CheckpointManager, "close", full_disk)
     with pytest.raises(ckpt_lib.SaveFailed, match=r"No space left on device"):
         trainer.train(smoke_config(clip_smoke_run.data_dir, evals=False), run, restart=True)
+
+
+def test_a_folder_without_checkpoints_says_why_and_what_to_point_at(tmp_path):
+    """``vitmm.chat``/``serve``/``export``, lmms tasks and ``init.checkpoint`` said only 'No checkpoint in X.'"""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    fix = "point at a `python -m vitmm.train` workdir or a `python -m vitmm.interop` folder."
+    for name, why in [("gone", "no such folder"), ("file", "a file, not a folder"),
+                      ("empty", "no step folder in it")]:
+        for read in (ckpt_lib.load_params, ckpt_lib.load_config):
+            with pytest.raises(FileNotFoundError) as err:
+                read(tmp_path / name)
+            assert str(err.value) == f"No checkpoint in {tmp_path / name} ({why}); {fix}"
+    assert not (tmp_path / "gone").exists() and list((tmp_path / "empty").iterdir()) == []

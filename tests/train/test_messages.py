@@ -3,6 +3,8 @@
 import json
 import pathlib
 
+import pytest
+
 from vitmm.train import stopping
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -40,7 +42,6 @@ def test_non_finite_with_a_checkpoint_says_resume(tmp_path):
 def test_a_bad_config_arg_is_one_line_without_an_exception_name(tmp_path, capsys):
     """The config file's ValueError is a user error like the others: its message, no ``ValueError:``;
     a config file that is itself broken keeps the name of what broke."""
-    import pytest
 
     from vitmm.train import __main__ as cli
 
@@ -116,3 +117,16 @@ def test_a_loaded_tower_made_for_another_image_size_is_said(tmp_path, capsys, mo
     folder["input"]["image_size"] = [64, 64]  # the same size, either way written: nothing to say
     vlm_start.vlm_parts(c, say=True)
     assert capsys.readouterr().out == ""
+
+
+def test_a_missing_init_lm_folder_is_said_to_be_missing(tmp_path):
+    """init.lm=a folder that is not there said '… has no tokenizer.json; convert the LM', not that it is missing."""
+    from vitmm.train import tasks, vlm_start
+
+    c = _vlm_config(tmp_path, **{"init.lm": str(tmp_path / "gone")})
+    expected = (f"init.lm={tmp_path / 'gone'} does not exist; the run reads its lm settings (and at the start its "
+                "weights) from that folder: restore it there, or pass --config.init.lm=its new place.")
+    for read in (tasks.tokenizer_for, vlm_start.vlm_parts):
+        with pytest.raises(FileNotFoundError) as err:
+            read(c)
+        assert str(err.value) == expected

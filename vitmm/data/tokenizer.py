@@ -102,7 +102,12 @@ class HFTokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"No tokenizer.json at {path}; pass the path of a local file "
                                     "(vitmm never downloads tokenizers).")
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
+            cause = " ".join(str(err).split())[:160] or type(err).__name__
+            raise ValueError(f"{path} is not a tokenizer.json the tokenizers library reads ({cause}); pass the "
+                             "tokenizer.json of a Hugging Face model folder.") from err
         # A tokenizer.json may carry truncation and padding (saved by enable_truncation/enable_padding);
         # transformers resets both on every call, and tokenize() cuts and pads explicitly.
         self._tok.no_truncation()

@@ -50,6 +50,42 @@ def image_size_arg(text: str) -> int | tuple[int, int]:
     return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
+def guess_source(src) -> str | None:
+    """The ``--from`` that ``src`` looks like by its file names and headers (no weights read); None
+    when it looks like none. A hint for a refusal, never a choice made for the user."""
+    import json
+    import struct
+
+    path = pathlib.Path(src).expanduser()
+    folder = path if path.is_dir() else path.parent
+    try:
+        if path.is_file():
+            with open(path, "rb") as f:
+                head = f.read(8)
+            if head[:4] == b"GGUF":
+                return "gguf"
+            if path.suffix == ".npz":
+                return "big_vision"
+        if (folder / "open_clip_config.json").is_file() or path.name.startswith("open_clip_"):
+            return "open_clip"
+        if (folder / "config.json").is_file():  # timm's hub folders have one too, naming an architecture
+            config = json.loads((folder / "config.json").read_text())
+            return "timm" if "architecture" in config or "pretrained_cfg" in config else "hf"
+        weights = path if path.is_file() else folder / "model.safetensors"
+        if weights.suffix != ".safetensors" or not weights.is_file():
+            return None
+        with open(weights, "rb") as f:  # safetensors: an 8-byte length, then a JSON header naming the tensors
+            (length,) = struct.unpack("<Q", f.read(8))
+            names = set(json.loads(f.read(min(length, 100_000_000)))) if length < 100_000_000 else set()
+    except (OSError, ValueError, struct.error):
+        return None
+    if any(name.startswith("visual.") for name in names):
+        return "open_clip"
+    if "patch_embed.proj.weight" in names:
+        return "timm"
+    return None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vitmm.interop", description=__doc__.splitlines()[0])
     parser.add_argument("--from", dest="source", required=True, choices=(*LOADERS, "gguf"))
@@ -92,7 +128,10 @@ def main(argv=None) -> None:
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one message, exit 2
         if os.environ.get("VITMM_DEBUG", "") not in ("", "0"):
             raise
-        print(f"python -m vitmm.interop: {e}", file=sys.stderr)
+        looks = guess_source(args.src)
+        hint = f" (--src looks like a --from {looks} checkpoint: rerun with --from {looks}.)" if looks not in (
+            None, args.source) else ""
+        print(f"python -m vitmm.interop: {e}{hint}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {out}")
 

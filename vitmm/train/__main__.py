@@ -19,7 +19,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from vitmm import checkpoint as ckpt_lib
-from vitmm import config_args, console, tree, xla_flags
+from vitmm import config_args, console, xla_flags
 from vitmm.train import startup, trainer
 from vitmm.train import workdir as workdir_lib
 
@@ -54,50 +54,42 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _config_spec(argv) -> str | None:
-    """``FILE[:ARGS]`` of ``--config``, if given."""
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if spec is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
-        spec = argv[argv.index("--config") + 1]
-    return spec
-
-
-def _config_key_error(argv) -> str | None:
-    """A message for the first ``--config.KEY`` that the config file does not have, with the
-    existing keys it most resembles."""
-    spec = _config_spec(argv)
-    if spec is None:
-        return None
-    path, _, arg = spec.partition(":")
-    try:
-        config = config_args.load(path, arg or None)
-    except Exception:  # noqa: BLE001 - the file itself is the problem; the parser's message says so
-        return None
-    known = {k.replace("/", ".") for k in tree.flatten(config.to_dict())}
-    for a in argv:
-        if a.startswith("--config.") and "=" in a:
-            key = a[len("--config."):].split("=", 1)[0]
-            if key not in known and not any(k.startswith(key + ".") for k in known):
-                close = config_args.suggest_keys(key, config)
-                return f"unknown config key {key!r}" + (f"; did you mean {' or '.join(close)}?" if close else
-                                                         "; the keys are listed in README.md (Config keys).")
-    return None
-
-
 def parse_flags(argv):
     """absl's parsing, with a bad flag, config file or config override reported in one line (exit 2)."""
-    spec = _config_spec(argv)
+    spec = config_args.config_spec(argv)
     if spec is not None and not os.path.isfile(spec.partition(":")[0]) and not _debug(argv):
         _fail(f"--config {spec.partition(':')[0]}: no such file; the configs are in configs/ (listed in README.md).",
               2)
     try:
         parsed = flags.FLAGS(argv)
         flags.FLAGS.config.get("task")  # config_flags reports a config file that failed to load only when used
-        return parsed
     except Exception as err:  # noqa: BLE001 - config_flags raises whatever the config file raised
         if _debug(argv):
             raise
-        _fail(_config_key_error(argv) or _one_line(err), 2)
+        _fail(config_args.unknown_override(argv, keys_are="listed in README.md (Config keys)") or _one_line(err), 2)
+    problem = _flags_problem(flags.FLAGS)
+    if problem:
+        _fail(problem, 2)
+    return parsed
+
+
+def _flags_problem(f) -> str | None:
+    """Flags that parse but would do something else than asked: an empty ``--workdir`` (``--workdir=$W``
+    with W unset: the current folder), a dry run's flag without ``--dry_run`` (a training run), devices
+    without a target (ignored: this machine's devices are compiled for)."""
+    if not f.workdir.strip():
+        return "--workdir is empty (an unset shell variable?); name the folder the run writes checkpoints to."
+    devices = f"--dry_run_devices={f.dry_run_devices}" if f.dry_run_devices != 1 else None
+    if not f.dry_run and (f.dry_run_target or devices):
+        given = f"--dry_run_target={f.dry_run_target}" if f.dry_run_target else devices
+        return (f"{given} applies to --dry_run only; add --dry_run to compile the step without training, or leave it "
+                "out to train.")
+    if devices and not f.dry_run_target:
+        from vitmm.train.gpu_targets import CARDS
+
+        return (f"{devices} counts GPUs of --dry_run_target; add --dry_run_target=h100 ({', '.join(sorted(CARDS))}), "
+                "or leave it out to compile for this machine's devices.")
+    return None
 
 
 def _one_line(err: Exception) -> str:

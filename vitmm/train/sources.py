@@ -92,6 +92,17 @@ def folder(config, key: str) -> str | None:
     return (config.get("init", {}).get("pinned") or {}).get(key) or config.get("init", {}).get(key)
 
 
+def existing_folder(config, key: str) -> str | None:
+    """``folder(config, key)``, refused in one line naming ``init.<key>`` when it is not there (moved or
+    mistyped), before any of its files is looked for."""
+    source = folder(config, key)
+    if source and not pathlib.Path(source).expanduser().is_dir():
+        raise FileNotFoundError(f"init.{key}={source} does not exist; the run reads its {key} settings (and at the "
+                                f"start its weights) from that folder: restore it there, or pass "
+                                f"--config.init.{key}=its new place.")
+    return source
+
+
 def tokenizer_file(config) -> str | None:
     """``config.tokenizer``; the pinned copy when it is the tokenizer of the imported VLM the run
     started from (``init.checkpoint``)."""

@@ -310,7 +310,7 @@ def tokenizer_for(config):
 
     from vitmm.data import tokenizer as tok_lib
 
-    lm_dir = sources.folder(config, "lm") if config.get("task") == "vlm" else None
+    lm_dir = sources.existing_folder(config, "lm") if config.get("task") == "vlm" else None
     if lm_dir:
         path = pathlib.Path(lm_dir).expanduser() / "tokenizer.json"
         if not path.is_file():

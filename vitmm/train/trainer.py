@@ -117,7 +117,7 @@ def train(config, workdir: str | pathlib.Path, stop_at: int | None = None, resta
     finally:
         lock.release()
         if created and is_main:
-            workdir_lib.remove_if_empty(workdir)
+            workdir_lib.remove_if_empty(workdir, up_to=created)
 
 
 def _resolved(config, workdir: pathlib.Path, resuming: bool):

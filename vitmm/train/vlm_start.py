@@ -5,7 +5,6 @@ init folders (``vlm_parts``) and what a tower loaded from ``init.vision`` change
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import numpy as np
@@ -121,12 +120,7 @@ def vlm_parts(config, say: bool = False) -> tuple[dict, dict]:
     ``attn_impl`` (e.g. ``cudnn`` on a GPU) and ``remat_policy`` apply to a loaded tower or LM too."""
     vision = config.model.vision.to_dict() if config.model.get("vision") else None
     lm = config.model.lm.to_dict()
-    found = {key: sources.folder(config, key) for key in ("vision", "lm")}
-    for key, source in found.items():
-        if source and not pathlib.Path(source).expanduser().is_dir():
-            raise FileNotFoundError(f"init.{key}={source} does not exist; the run reads its {key} settings (and "
-                                    "at the start its weights) from that folder: restore it there, or pass "
-                                    f"--config.init.{key}=its new place.")
+    found = {key: sources.existing_folder(config, key) for key in ("vision", "lm")}
     if found["vision"]:
         tower_config = ckpt_lib.load_config(found["vision"])
         saved = (tower_config.get("model") or {}).get("image")

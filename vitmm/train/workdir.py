@@ -80,25 +80,41 @@ def check_is_workdir(workdir: pathlib.Path) -> None:
                               "resume it.")
 
 
-def make(workdir: pathlib.Path) -> bool:
-    """Creates ``workdir`` (and its parents); returns whether it was created. An unwritable or
-    impossible path is a ``NotWritable`` naming it."""
-    existed = workdir.is_dir()
+def make(workdir: pathlib.Path) -> pathlib.Path | None:
+    """Creates ``workdir`` (and its parents); returns the topmost folder it created (None: ``workdir``
+    was there), for ``remove_if_empty`` to take back. A file, an unwritable or impossible path is a
+    ``NotWritable`` naming it, and nothing is left made."""
+    workdir = pathlib.Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise NotWritable(f"--workdir {workdir} is a file; choose a folder.")
+    top = next((p for p in reversed((workdir, *workdir.parents)) if not p.exists()), None)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=workdir).close()  # a writable folder, not just an existing one
     except OSError as err:
+        if top is not None:
+            remove_if_empty(workdir, up_to=top)
         raise NotWritable(f"--workdir {workdir}: cannot write there ({err.strerror or err}); choose a folder you "
                           "can write to.") from None
-    return not existed
+    return top
 
 
-def remove_if_empty(workdir: pathlib.Path) -> None:
-    """Removes ``workdir`` if it holds no file at any depth (a run refused before it wrote anything)."""
+def remove_if_empty(workdir: pathlib.Path, up_to: pathlib.Path | None = None) -> None:
+    """Removes ``workdir`` if it holds no file at any depth (a run refused before it wrote anything),
+    then its parents up to ``up_to`` (the topmost folder ``make`` created) while they are empty."""
+    workdir = pathlib.Path(workdir)
     if workdir.is_dir() and not any(p.is_file() or p.is_symlink() for p in workdir.rglob("*")):
         for sub in sorted(workdir.rglob("*"), key=lambda p: len(p.parts), reverse=True):
             sub.rmdir()
         workdir.rmdir()
+    if up_to is not None and not workdir.exists() and workdir.is_relative_to(up_to):
+        for parent in workdir.parents:
+            if not parent.is_relative_to(up_to):
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # not empty: something else was written there
+                break
 
 
 class Lock:
