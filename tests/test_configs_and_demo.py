@@ -26,7 +26,7 @@ def test_parse_arg_types_bare_flags_and_errors():
     assert config_args.parse_arg(None, variant="B/16").variant == "B/16"
     with pytest.raises(ValueError, match="Unknown config arg 'varient'.*known args"):
         config_args.parse_arg("varient=S/16", variant="B/16")
-    with pytest.raises(ValueError, match="not a int"):
+    with pytest.raises(ValueError, match=r"not an integer \(image_size=224 by default\)"):
         config_args.parse_arg("image_size=big", image_size=224)
     with pytest.raises(ValueError, match="not a boolean"):
         config_args.parse_arg("smoke=maybe", smoke=False)
