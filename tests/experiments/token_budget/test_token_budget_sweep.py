@@ -619,6 +619,27 @@ def test_the_horizon_check_pairs_each_seed_with_its_shorter_run():
         "stage0_final_loss[0]", "plan.batch_size"]
 
 
+def test_the_horizon_tests_gaps_among_gap_families_only_and_every_gain():
+    """Four families at both horizons: every family's gain is tested, the gaps (at each horizon, and their
+    change) only between ``gap_families``: 4 gains + 3 pairs x 3 = 13 tests, not 4 + 6 x 3 = 22."""
+    from experiments.token_budget import horizon
+
+    def row(family, seed, acc, steps):
+        return {"family": family, "tokens": "16", "variant": "", "seed": str(seed), "status": "ok",
+                "accuracy": str(acc), "acc_color_at": "0.5", "acc_shape_at": "0.7", "best_step": "100",
+                "steps_trained": str(steps)}
+
+    families = ("pool", "perceiver", "qformer", "c_abstractor")
+    short = [row(f, k, 0.6 + 0.01 * i + 0.003 * k * k, 8000) for i, f in enumerate(families) for k in range(3)]
+    long = [row(f, k, 0.62 + 0.02 * i + 0.001 * k * i, 16000) for i, f in enumerate(families) for k in range(3)]
+    names = [t.name for t in horizon.horizon_tests(short, long, (8000, 16000))]
+    assert len(names) == 13 and not [n for n in names if "c_abstractor −" in n or "− c_abstractor" in n]
+    assert "c_abstractor@16: 16,000 − 8,000 steps" in names and "pool − qformer at 16,000 steps" in names
+    assert len(horizon.horizon_tests(short, long, (8000, 16000), families)) == 22
+    verdict = next(line for line in horizon.compare(short, long, (8000, 16000)) if line.startswith("**Verdicts"))
+    assert "between pool, perceiver, qformer (`--gap_families`; the others: gains alone)" in verdict
+
+
 def test_chosen_settings_replace_tuning_and_must_cover_every_family(tb, capsys):
     args = tb.parse_args(["--families", "pool,qformer", "--chosen", "pool=3e-4/25,qformer=1e-4/250,blind=1e-3/25"])
     assert args.chosen == {"pool": (3e-4, 25), "qformer": (1e-4, 250), "blind": (1e-3, 25)}
