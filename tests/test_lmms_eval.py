@@ -259,7 +259,7 @@ class _AnsweringChat:
     def stream_batch(self, examples, max_new_tokens, temperature, top_p, seed):
         import numpy as np
 
-        assert temperature == 0 and max_new_tokens == 8  # the task's generation_kwargs, as lmms-eval sends them
+        assert temperature == 0 and max_new_tokens == 9  # the task's generation_kwargs: the evaluator's 8 + EOS
         yield np.full(len(examples), 5)
         yield np.zeros(len(examples), int)
 

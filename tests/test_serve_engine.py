@@ -151,6 +151,17 @@ def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path):
         "check --host, choose another --port, or stop what holds it."]
 
 
+@pytest.mark.parametrize("name", ["missing", "a_file.txt", ""])
+def test_allow_local_files_that_is_not_a_folder_is_refused_at_startup_in_one_line(tmp_path, capsys, name):
+    (tmp_path / "a_file.txt").write_text("x")
+    folder = str(tmp_path / name) if name else ""
+    # refused before the port is taken or the (here nonexistent) workdir is read
+    assert serve.main(["--workdir", str(tmp_path / "never_read"), "--port", "0", "--allow_local_files", folder]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m vitmm.serve: --allow_local_files {folder!r} is not a folder; give an existing folder "
+                   "to serve local images from."]
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"stream_options": "yes"}, "stream_options", "'stream_options' must be an object"),
     ({"stream": True, "stream_options": ["x"]}, "stream_options", "'stream_options' must be an object"),

@@ -7,15 +7,16 @@
         --include_path tasks/vlm_s2_qa --tasks vitmm_qa --log_samples --output_path lmms_out
 
 The task holds exactly the questions the run's ``qa`` evaluator asks (the same images of the same
-split, the same seeded choice of one question per image, its ``num_examples`` and
-``max_new_tokens``), each image as a PNG file (lossless: the server decodes the pixels the
-evaluator read), and scores as the evaluator does (exact match, overall and per question kind), so
-lmms-eval through ``vitmm.serve`` gives the evaluator's numbers at temperature 0
-(``tests/test_lmms_eval.py``), under a model id in which lmms-eval sees no reasoning model (``MODEL``;
-one holding ``o1``, ``o3``, ``o4`` or ``gpt-5`` makes it drop the temperature, and the server then
-samples). Nothing comes from a hub: the YAML points lmms-eval's ``json`` loader at ``test.jsonl`` next
-to it (lmms-eval 0.7.3 reads a relative ``data_files`` path from the YAML's folder), and ``utils.py`` reads
-the images from its own folder, so the folder works wherever it is moved or checked out.
+split, the same seeded choice of one question per image, its ``num_examples`` and the tokens it
+decodes: ``max_new_tokens`` and one more, where a full-length answer ends), each image as a PNG file
+(lossless: the server decodes the pixels the evaluator read), and scores as the evaluator does
+(exact match, overall and per question kind), so lmms-eval through ``vitmm.serve`` gives the
+evaluator's numbers at temperature 0 (``tests/test_lmms_eval.py``), under a model id in which
+lmms-eval sees no reasoning model (``MODEL``; one holding ``o1``, ``o3``, ``o4`` or ``gpt-5`` makes
+it drop the temperature, and the server then samples). Nothing comes from a hub: the YAML points
+lmms-eval's ``json`` loader at ``test.jsonl`` next to it (lmms-eval 0.7.3 reads a relative
+``data_files`` path from the YAML's folder), and ``utils.py`` reads the images from its own folder,
+so the folder works wherever it is moved or checked out.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
     metrics = "\n".join(f"  - metric: {m}\n    aggregation: !function utils.{m}\n    higher_is_better: true"
                         for m in ["accuracy", *(f"acc_{k}" for k in kinds)])
     (out / f"{task}.yaml").write_text(_YAML.format(
-        workdir=workdir, evaluator=evaluator, task=task, max_new_tokens=cfg.get("max_new_tokens", 8), metrics=metrics))
+        workdir=workdir, evaluator=evaluator, task=task, max_new_tokens=qa.decoded_tokens, metrics=metrics))
     return {"task": task, "questions": len(rows), "kinds": kinds}
 
 

@@ -27,6 +27,7 @@ requests are decoded together (``vitmm.serve_batching.Batcher``), each answered 
 
 import argparse
 import json
+import pathlib
 import signal
 import sys
 import threading
@@ -234,6 +235,11 @@ def main(argv=None) -> int:
         parser.error(f"--max_request_mb {args.max_request_mb:g}: give a positive size in MB.")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port}: a port is 0 to 65535.")
+    if args.allow_local_files is not None and not (args.allow_local_files and
+                                                   pathlib.Path(args.allow_local_files).expanduser().is_dir()):
+        print(f"python -m vitmm.serve: --allow_local_files {args.allow_local_files!r} is not a folder; give an "
+              "existing folder to serve local images from.", file=sys.stderr)  # not at the first request's 400
+        return 2
     try:  # the address first: a port in use is said before the model is loaded, not after
         sock = _listening_socket(args.host, args.port)
     except OSError as err:

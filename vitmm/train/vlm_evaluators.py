@@ -22,7 +22,9 @@ class QAAccuracy:
     sizes, e.g. for an AnyRes VLM with the ``anyres`` op in ``pp``), ``pp`` (the preprocessing up to
     ``qa_tokens``, fields filled: the training run's image normalisation and prompt format;
     default ``PP``), ``num_examples`` (images; one seeded random question each),
-    ``batch_size``, ``max_new_tokens``.
+    ``batch_size``, ``max_new_tokens`` (the longest answer read, in tokens: one token more is
+    decoded, ``decoded_tokens``, so that an answer filling the budget is seen to end there and one
+    that goes on, e.g. "triangles" for "triangle", is not an exact match).
     """
 
     PP = "decode|resize({image_size})|normalize({image_mean}, {image_std})|choose|qa_tokens({max_len})"
@@ -36,6 +38,7 @@ class QAAccuracy:
         self.decode = decode.GreedyDecoder(model, tokenizer.vocab_size)
         self.batch_size = cfg.get("batch_size", 64)
         self.max_new_tokens = cfg.get("max_new_tokens", 8)
+        self.decoded_tokens = decoded_tokens(cfg)
         source = pipeline.source_for(data, keys=("image", "questions", "answers", "question_kinds"))
         self.source = Prefix(source, min(cfg.get("num_examples") or len(source), len(source)))
         self.kinds = scenes.QUESTION_KINDS
@@ -68,7 +71,7 @@ class QAAccuracy:
         for batch in self._batches():
             prompts = batch["ids"].copy()
             prompts[np.arange(prompts.shape[1])[None, :] >= batch["prompt_len"][:, None]] = self.tokenizer.pad_id
-            rows = self.decode(variables, batch["image"], prompts, batch["prompt_len"], self.max_new_tokens,
+            rows = self.decode(variables, batch["image"], prompts, batch["prompt_len"], self.decoded_tokens,
                                self.tokenizer.eos_ids, self.prefix_lm, batch.get("image_pos"),
                                batch.get("visual_mask"), batch.get("anyres_layout"))
             for (index, question, answer, kind), i in zip(self._rows(batch), np.flatnonzero(batch["_mask"]),
@@ -89,6 +92,12 @@ class QAAccuracy:
 
     def clear(self) -> None:  # nothing cached between rounds
         pass
+
+
+def decoded_tokens(cfg: dict) -> int:
+    """The tokens a ``qa`` evaluator ``cfg`` decodes: ``max_new_tokens`` and one more, where an
+    answer of ``max_new_tokens`` tokens has its EOS (what ``vitmm.lmms_task`` asks lmms-eval for)."""
+    return cfg.get("max_new_tokens", 8) + 1
 
 
 def answer_text(tokenizer, row) -> str:
