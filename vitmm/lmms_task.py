@@ -64,7 +64,7 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
     from vitmm import chat, cli
     from vitmm.data import preprocess
     from vitmm.train import pp_template, sources, tasks
-    from vitmm.train.vlm_evaluators import QAAccuracy
+    from vitmm.train.vlm_evaluators import QAAccuracy, decoded_tokens
 
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", task):
         raise ValueError(f"--task {task!r}: a task name is letters, digits, '_', '.' and '-' (lmms-eval's "
@@ -106,7 +106,7 @@ def write(workdir, out, task: str = "vitmm_qa", evaluator: str = "qa", step: int
     metrics = "\n".join(f"  - metric: {m}\n    aggregation: !function utils.{m}\n    higher_is_better: true"
                         for m in ["accuracy", *(f"acc_{k}" for k in kinds)])
     (out / f"{task}.yaml").write_text(_YAML.format(
-        workdir=workdir, evaluator=evaluator, task=task, max_new_tokens=qa.decoded_tokens, metrics=metrics))
+        workdir=workdir, evaluator=evaluator, task=task, max_new_tokens=decoded_tokens(cfg), metrics=metrics))
     return {"task": task, "questions": len(rows), "kinds": kinds}
 
 
