@@ -60,6 +60,15 @@ def test_clip_b16_coco_trains_with_clips_optimizer_and_heads():
     assert (c.model.text.max_len, c.model.text.width, c.model.text.num_heads, c.model.embed_dim) == (77, 512, 8, 512)
 
 
+@pytest.mark.parametrize("scale", ["demo", "b16"])
+def test_clip_wds_sigmoid_is_siglips_text_tower(scale):
+    c = _config("clip_wds", f"loss=sigmoid,scale={scale}")
+    assert (c.model.text.causal, c.model.text.pool, _pp_padding(c)) == (False, "last", "eos")  # was causal
+    assert (c.model.temperature_init, c.model.bias_init, c.max_temperature) == (10.0, -10.0, None)
+    clip = _config("clip_wds", f"scale={scale}")
+    assert (clip.model.text.causal, clip.model.text.pool, _pp_padding(clip)) == (True, "eot", "pad")
+
+
 def test_llava_stages_follow_llava_15():
     s1 = _config("llava_pretrain", "steps=1000")
     b2, eps = _adam_b2_eps(s1.optim)  # transformers' Trainer AdamW defaults
