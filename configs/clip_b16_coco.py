@@ -8,7 +8,9 @@
 ``coco_captions`` must be prepared in ``data_dir`` as array_record (``tfds build coco_captions
 --file_format array_record``; vitmm reads it without TensorFlow). Towers as OpenAI CLIP
 ViT-B/16: 224 px, patch 16, CLS pooling, positions covering CLS, LayerNorm before the encoder,
-eps 1e-5; a 12-layer causal text transformer of width 512 pooled at EOT; 512-d embeddings. Byte
+eps 1e-5; a 12-layer causal text transformer of width 512 pooled at EOT; 512-d embeddings. The
+MLPs use GELU, as open_clip's ViT-B-16 (OpenAI's weights use QuickGELU: ``act="quick_gelu"`` in
+both towers' dicts below to match them). Byte
 tokens by default (set ``--config.tokenizer`` and ``--config.model.text.vocab_size`` for a
 tokenizer.json, and ``--config.model.text.eos_id`` unless its EOS is its last id). bfloat16
 matmuls, scanned and rematerialised blocks, FSDP over the mesh.

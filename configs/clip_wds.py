@@ -56,8 +56,11 @@ def get_config(arg=None):
     c.model = ml_collections.ConfigDict()
     c.model.image = dict(width=128, depth=4, mlp_dim=512, num_heads=4, patch_size=8, pool="gap",
                          class_token=False, posemb="sincos2d", **common.kernels())
-    c.model.text = dict(vocab_size=259, max_len=64, width=128, depth=2, mlp_dim=512, num_heads=4, causal=True,
-                        pool="eot" if arg.loss == "softmax" else "last", eos_id=config_dict.placeholder(int))
+    # softmax: CLIP's causal text tower pooled at EOT; sigmoid: SigLIP's bidirectional one pooled at the
+    # last position (the pp pads with EOS, "sticky")
+    c.model.text = dict(vocab_size=259, max_len=64, width=128, depth=2, mlp_dim=512, num_heads=4,
+                        causal=arg.loss == "softmax", pool="eot" if arg.loss == "softmax" else "last",
+                        eos_id=config_dict.placeholder(int))
     c.model.embed_dim = 128
     c.model.temperature_init = 1 / 0.07 if arg.loss == "softmax" else 10.0
     c.model.bias_init = config_dict.placeholder(float) if arg.loss == "softmax" else -10.0

@@ -12,9 +12,11 @@ conversations (LLaVA's ``blip_laion_cc_sbu_558k.json`` layout), tower and LM fro
 Each example is rendered with the LM's chat template (``init.lm``'s; without one, plain
 ``[BOS] question answer [EOS]`` turns), the loss on every assistant turn, the visual tokens where
 ``<image>`` stands; text-only examples train the LM part alone. Images are padded to a square with
-the tower's mean colour and resized, as LLaVA-1.5 does. A conversation longer than ``model.max_len``
-text tokens loses whole exchanges from its end (``conversation_tokens``' ``overflow``), and an
-example that cannot be used is skipped and counted (``input.max_skipped_share``).
+the tower's mean colour and resized, as LLaVA-1.5's stage 2 does (``--image_aspect_ratio pad``). Its
+stage 1 (``scripts/v1_5/pretrain.sh``) differs in both: the shorter side resized and centre-cropped,
+and the ``plain`` template (``<image>`` then the caption, no chat turns). A conversation longer
+than ``model.max_len`` text tokens loses whole exchanges from its end (``conversation_tokens``'
+``overflow``), and an example that cannot be used is skipped and counted (``input.max_skipped_share``).
 
 Args: ``connector`` (a name in ``vitmm.models.connectors.REGISTRY``; LLaVA-1.5's is ``mlp``),
 ``budget`` (visual tokens, or ``all``), ``steps``, ``batch``, ``smoke``, ``pack`` (a row length in

@@ -7,7 +7,8 @@
 As SigLIP-B/16 (Zhai et al. 2023): a MAP-pooled ViT-B/16 without CLS and tanh-GELU, a
 bidirectional 12-layer text transformer of width 768 pooled at the last token (sticky EOS
 padding), 768-d embeddings, temperature 10 and bias -10 at init, the sigmoid loss passed around
-the devices in chunks (memory O(local batch²)). Defaults to COCO captions (``data=`` names any
+the devices in chunks (memory O(local batch²)); AdamW with b2 0.95, lr 1e-3 and big_vision's decoupled
+wd 1e-4 (``weight_decay`` 0.1 here: optax multiplies it by lr). Defaults to COCO captions (``data=`` names any
 prepared image-text dataset whose pp yields a ``caption``). ``smoke``: one block per tower on
 tiny images, for one step.
 """
@@ -56,9 +57,11 @@ def get_config(arg=None):
     c.model.temperature_init = 10.0
     c.model.bias_init = -10.0
 
-    # big_vision's SigLIP: wd 1e-4 decoupled from the rate (p -= wd * schedule * p); optax's AdamW multiplies
-    # the decay by the rate, so the same decay is 1e-4 / lr = 0.1 here (1e-4 here gave 1e-7 a step)
-    c.optim = common.optim(lr=1e-3, warmup_steps=min(2000, arg.steps // 10), weight_decay=0.1)
+    # big_vision's SigLIP: lr 1e-3, wd 1e-4 decoupled from the rate (p -= wd * schedule * p); optax's AdamW
+    # multiplies the decay by the rate, so the same decay is 1e-4 / lr = 0.1 here (1e-4 here gave 1e-7 a step).
+    # Adam's b2 0.95 (SigLIP's fix for large-batch instability; big_vision's b2=0.95) and optax's eps 1e-8,
+    # not the CLIP defaults (0.98, 1e-6) of common.optim.
+    c.optim = common.optim(lr=1e-3, warmup_steps=min(2000, arg.steps // 10), weight_decay=0.1, b2=0.95, eps=1e-8)
     c.init = common.init()
 
     # No labels: no zero-shot. Retrieval scores all of an image's captions (~5), as published COCO

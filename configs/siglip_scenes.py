@@ -6,8 +6,9 @@
 
 Args: ``steps``, ``data`` (scenes config), ``parallel`` (``jit``/``pmap``), ``loss``
 (``sigmoid`` or ``sigmoid_chunked``, the ppermute ring), ``smoke``, ``scale``: ``demo`` (tiny towers)
-or ``b16``, the GPU run of the same job with SigLIP-B/16's towers (MAP-pooled ViT-B/16 at 224 px, the
-scenes upsampled; a 12-layer width-768 text tower; tanh-GELU) in bfloat16 matmuls with ``attn``
+or ``b16``, the GPU run of the same job with SigLIP-B/16-sized towers (MAP-pooled ViT-B/16 at 224 px, the
+scenes upsampled, with sin-cos positions where SigLIP learns them; a 12-layer width-768 text tower;
+tanh-GELU) in bfloat16 matmuls with ``attn``
 attention (default ``cudnn``; ``xla`` on a CPU) and ``batch`` pairs a step (default 256, 128 at ``demo`` scale; as
 ``clip_scenes.py:scale=b16``). As in SigLIP: a bidirectional text tower pooled at the last position
 (sticky EOS padding), a MAP-pooled image tower, temperature 10 and bias -10 at init, no temperature clamp.
