@@ -40,7 +40,7 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
              f"{setup['train_images']:,} training images, {setup['test_questions']:,} test questions; tower "
              f"`{setup['tower']}`; connector `mlp`; LM {setup['lm']}; {_seeds(s, setup['seeds'])}; "
              f"{_protocol(setup)}learning rates (validation, budget {max(setup['budgets'])}, seed "
-             f"{setup['seeds'][0]}): {setup['chosen']}.", "",
+             f"{setup['seeds'][0]}): {setup['chosen']}.{_tuning(setup)}", "",
              "Exact match in %, mean ± 95% CI over seeds. Tokens: the visual tokens the LM reads per image (mean / "
              "max over the test images). *spatial* = mean of color_at, shape_at, relative; *wide* = questions on "
              f"images with aspect ≥ {setup['wide']} ({setup['wide_share']:.0%} of test questions).", "",
@@ -91,6 +91,31 @@ def _seeds(s: dict, planned: list) -> str:
     return (f"{len(planned)} seeds, fewer in {len(short)} cells (" + ", ".join(
         f"{p} at {b}: {n}" for (p, b), n in sorted(short.items(), key=lambda kv: (kv[0][1], kv[0][0])))
             + "; their means, CIs and tests over the seeds they hold)")
+
+
+def _tuning(setup: dict) -> str:
+    """Each path's validation accuracy per rate (the chosen one bold), and the paths whose chosen
+    rate sits at an edge of the grid it was chosen from, the rate past it never tried."""
+    grids: dict = {}
+    for key, acc in (setup.get("tuning") or {}).items():
+        point, lr = key.split("|")
+        grids.setdefault(point.split("@")[0], {})[float(lr)] = acc
+    if not grids:
+        return ""
+    chosen = setup["chosen"]
+
+    def point(path, lr, acc):
+        return f"**{lr:g}: {100 * acc:.1f}**" if lr == chosen.get(path) else f"{lr:g}: {100 * acc:.1f}"
+
+    text = " Validation accuracy per rate (%): " + "; ".join(
+        f"{path} " + ", ".join(point(path, lr, acc) for lr, acc in sorted(grid.items()))
+        for path, grid in grids.items()) + "."
+    edges = [f"{path} ({chosen[path]:g})" for path, grid in grids.items()
+             if len(grid) > 1 and chosen.get(path) in (min(grid), max(grid))]
+    if edges:
+        text += (f" Chosen at an edge of its grid (the rate past it not tried): {', '.join(edges)}; such a path "
+                 "may be under-tuned.")
+    return text
 
 
 def write_report(out: pathlib.Path) -> pathlib.Path:

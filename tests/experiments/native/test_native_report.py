@@ -1,5 +1,5 @@
 """The native study's report (``experiments/native/tokens_report.py``) says what its runs were: the
-protocol they ran and the seeds each cell holds."""
+protocol they ran, the seeds each cell holds and where each rate sits in its tuning grid."""
 
 import numpy as np
 
@@ -56,3 +56,18 @@ def test_the_cosine_protocol_says_which_checkpoint_is_tested_and_whether_runs_st
     assert "6,000 joint steps, the rate" not in stopped
     assert "stopped at its validation plateau (no gain of 0.005 in 4 checks 250 steps apart)" in stopped
 
+
+def test_a_rate_chosen_at_an_edge_of_its_grid_is_flagged():
+    """Each path's validation accuracy per rate is printed, and a chosen rate at an edge of the grid
+    it was chosen from (the rate past it never tried) is named: that path may be under-tuned."""
+    tuning = {"square@64|0.0003": 0.60, "square@64|0.001": 0.65, "square@64|0.003": 0.62,
+              "naflex@64|0.0003": 0.70, "naflex@64|0.001": 0.66, "naflex@64|0.003": 0.61,
+              "naflex@64|0.0001": 0.69, "blind@64|0.0003": 0.42, "blind@64|0.001": 0.43, "blind@64|0.003": 0.43}
+    chosen = {"square": 0.001, "naflex": 0.0003, "blind": 0.001}
+    text = tokens_report.to_markdown(_rows(FULL), _setup(tuning=tuning, chosen=chosen))
+    assert "naflex 0.0001: 69.0, **0.0003: 70.0**, 0.001: 66.0, 0.003: 61.0" in text
+    assert "at an edge of its grid" not in text  # naflex's low edge was extended, and lost
+    edge = {**tuning, "naflex@64|0.0001": None}
+    del edge["naflex@64|0.0001"]
+    text = tokens_report.to_markdown(_rows(FULL), _setup(tuning=edge, chosen=chosen))
+    assert "at an edge of its grid (the rate past it not tried): naflex (0.0003)" in text
