@@ -74,10 +74,11 @@ def _protocol(setup: dict) -> str:
     steps, every, delta = setup["steps"], setup["eval_every"], setup["min_delta"]
     plateau = (f"each run stopped at its validation plateau (no gain of {delta} in {setup['patience']} checks "
                f"{every} steps apart) or at {steps:,} steps; ")
-    if setup.get("schedule") != "cosine":  # (the first protocol's setup.json has no schedule)
-        return f"a constant rate, {plateau}" if setup["patience"] else f"{steps:,} joint steps at a constant rate; "
     tested = (f"the parameters of the last validation check ({setup.get('curve_questions', 0):,} questions every "
               f"{every} steps) that beat the best before it by {100 * delta:g} points tested; ")
+    if setup.get("schedule") != "cosine":  # (the first protocol's setup.json has no schedule)
+        return (f"a constant rate, {plateau}" if setup["patience"] else
+                f"{steps:,} joint steps at a constant rate; {tested}")
     if setup["patience"]:
         return f"the rate on a cosine decay to zero at {steps:,} steps, {plateau}{tested}"
     return f"{steps:,} joint steps, the rate decayed to zero (cosine); {tested}"

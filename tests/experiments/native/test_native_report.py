@@ -55,6 +55,8 @@ def test_the_cosine_protocol_says_which_checkpoint_is_tested_and_whether_runs_st
     stopped = tokens_report.to_markdown(_rows(FULL), _setup(patience=4))
     assert "6,000 joint steps, the rate" not in stopped
     assert "stopped at its validation plateau (no gain of 0.005 in 4 checks 250 steps apart)" in stopped
+    constant = tokens_report.to_markdown(_rows(FULL), _setup(schedule="constant", patience=0))
+    assert "6,000 joint steps at a constant rate; the parameters of the last validation check" in constant
 
 
 def test_a_rate_chosen_at_an_edge_of_its_grid_is_flagged():
