@@ -34,17 +34,13 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
     metrics = [("accuracy", "all"), *((f"acc_{k}", k) for k in KINDS), ("spatial", "spatial"),
                ("acc_wide", "wide images"), ("acc_squarish", "near-square")]
     tokens = {(r["path"], r["budget"]): (r["tokens_mean"], r["tokens_max"]) for r in rows}
-    cosine = setup.get("schedule") == "cosine"  # (the first protocol's setup.json has no schedule)
-    protocol = f"{setup['steps']:,} joint steps, the rate decayed to zero (cosine); " if cosine else \
-        (f"a constant rate, each run stopped at its validation plateau (no gain of {setup['min_delta']} in "
-         f"{setup['patience']} checks {setup['eval_every']} steps apart) or at {setup['steps']:,} steps; ")
     lines = ["# Square resize vs NaFlex vs AnyRes at equal LM tokens", "",
              f"`{setup['command']}` ({setup['date']}, {setup['backend']}); scenes `{setup['difficulty']}` at random "
              f"sizes (longer side {setup['min_side']}–{setup['max_side']} px, aspect ≤ {setup['max_aspect']}), "
              f"{setup['train_images']:,} training images, {setup['test_questions']:,} test questions; tower "
-             f"`{setup['tower']}`; connector `mlp`; LM {setup['lm']}; {len(setup['seeds'])} seeds; {protocol}"
-             f"learning rates (validation, budget {max(setup['budgets'])}, seed {setup['seeds'][0]}): "
-             f"{setup['chosen']}.", "",
+             f"`{setup['tower']}`; connector `mlp`; LM {setup['lm']}; {_seeds(s, setup['seeds'])}; "
+             f"{_protocol(setup)}learning rates (validation, budget {max(setup['budgets'])}, seed "
+             f"{setup['seeds'][0]}): {setup['chosen']}.{_tuning(setup)}", "",
              "Exact match in %, mean ± 95% CI over seeds. Tokens: the visual tokens the LM reads per image (mean / "
              "max over the test images). *spatial* = mean of color_at, shape_at, relative; *wide* = questions on "
              f"images with aspect ≥ {setup['wide']} ({setup['wide_share']:.0%} of test questions).", "",
@@ -65,10 +61,62 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
                 test = stats.paired(s[(a, budget)][m], s[(b, budget)][m])
                 if test:
                     lines.append(f"| {budget} | {a} − {b} | {name} | {100 * test[0]:+.1f} | {test[1]:.3g} |")
+                    n = len(set(s[(a, budget)][m]) & set(s[(b, budget)][m]))
                     tests.append(verdicts.paired(f"{a} − {b} at {budget}, {name}", s[(a, budget)][m],
-                                                 s[(b, budget)][m]))
+                                                 s[(b, budget)][m], note="" if n == len(setup["seeds"]) else
+                                                 f"{n} of {len(setup['seeds'])} seeds"))
     lines += verdicts.section(tests, "The paired tests above (points).", heading="## Verdicts\n\n")
     return "\n".join(lines) + "\n"
+
+
+def _protocol(setup: dict) -> str:
+    """How each run trained and which of its checkpoints is tested (``feature_vlm.train_and_eval``)."""
+    steps, every, delta = setup["steps"], setup["eval_every"], setup["min_delta"]
+    plateau = (f"each run stopped at its validation plateau (no gain of {delta} in {setup['patience']} checks "
+               f"{every} steps apart) or at {steps:,} steps; ")
+    tested = (f"the parameters of the last validation check ({setup.get('curve_questions', 0):,} questions every "
+              f"{every} steps) that beat the best before it by {100 * delta:g} points tested; ")
+    if setup.get("schedule") != "cosine":  # (the first protocol's setup.json has no schedule)
+        return (f"a constant rate, {plateau}" if setup["patience"] else
+                f"{steps:,} joint steps at a constant rate; {tested}")
+    if setup["patience"]:
+        return f"the rate on a cosine decay to zero at {steps:,} steps, {plateau}{tested}"
+    return f"{steps:,} joint steps, the rate decayed to zero (cosine); {tested}"
+
+
+def _seeds(s: dict, planned: list) -> str:
+    """``N seeds``, or the cells holding fewer of them (a partial sweep's rows)."""
+    short = {cell: len(v["accuracy"]) for cell, v in s.items() if len(v.get("accuracy", ())) < len(planned)}
+    if not short:
+        return f"{len(planned)} seeds"
+    return (f"{len(planned)} seeds, fewer in {len(short)} cells (" + ", ".join(
+        f"{p} at {b}: {n}" for (p, b), n in sorted(short.items(), key=lambda kv: (kv[0][1], kv[0][0])))
+            + "; their means, CIs and tests over the seeds they hold)")
+
+
+def _tuning(setup: dict) -> str:
+    """Each path's validation accuracy per rate (the chosen one bold), and the paths whose chosen
+    rate sits at an edge of the grid it was chosen from, the rate past it never tried."""
+    grids: dict = {}
+    for key, acc in (setup.get("tuning") or {}).items():
+        point, lr = key.split("|")
+        grids.setdefault(point.split("@")[0], {})[float(lr)] = acc
+    if not grids:
+        return ""
+    chosen = setup["chosen"]
+
+    def point(path, lr, acc):
+        return f"**{lr:g}: {100 * acc:.1f}**" if lr == chosen.get(path) else f"{lr:g}: {100 * acc:.1f}"
+
+    text = " Validation accuracy per rate (%): " + "; ".join(
+        f"{path} " + ", ".join(point(path, lr, acc) for lr, acc in sorted(grid.items()))
+        for path, grid in grids.items()) + "."
+    edges = [f"{path} ({chosen[path]:g})" for path, grid in grids.items()
+             if len(grid) > 1 and chosen.get(path) in (min(grid), max(grid))]
+    if edges:
+        text += (f" Chosen at an edge of its grid (the rate past it not tried): {', '.join(edges)}; such a path "
+                 "may be under-tuned.")
+    return text
 
 
 def write_report(out: pathlib.Path) -> pathlib.Path:
