@@ -70,7 +70,7 @@ def get_config(arg=None):
 
     # Held-out pairs in any raw format (e.g. retrieval.data.wds='val/{00000..00001}.tar').
     c.evals = ml_collections.ConfigDict()
-    c.evals.retrieval = dict(type="retrieval", data=dict(common.raw_input(), split="validation"), num_examples=1000)
+    c.evals.retrieval = dict(type="retrieval", data=common.raw_data(split="validation"), num_examples=1000)
 
     if arg.scale == "b16":
         c.batch_size, c.input.image_size = 256, 224

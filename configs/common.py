@@ -91,10 +91,10 @@ def train_input(data: str, *, image_size: int, keys: tuple, pp: str, num_threads
                                           device_normalize=False))
 
 
-def raw_input(**more) -> dict:
-    """The raw-data keys of ``config.input`` or an evaluator's ``data`` (``vitmm.data.formats``),
-    named as open_clip's and LLaVA's flags; a run reads the one of ``wds``, ``csv``, ``parquet``,
-    ``data_path`` and ``mixture`` that is set."""
+def raw_data(**more) -> dict:
+    """The raw-data keys of an evaluator's ``data`` (``vitmm.data.formats``), named as open_clip's and
+    LLaVA's flags: a run reads the one of ``wds``, ``csv``, ``parquet``, ``data_path`` and ``mixture``
+    that is set."""
     return dict(
         wds=config_dict.placeholder(str),  # tar shards: 'shards/{00000..00099}.tar' (several joined by ::)
         csv=config_dict.placeholder(str),  # a CSV/TSV of image paths and captions
@@ -106,6 +106,14 @@ def raw_input(**more) -> dict:
         image_folder=config_dict.placeholder(str),  # where the JSON's (or CSV's) image paths start
         mixture=config_dict.placeholder(list),  # [dict(data_path=..., sampling='first:1000', weight=...), ...]
         sampling="all",  # LLaVA-NeXT's subsampling: all, first:N, end:N, random:N, random:P%
+        **more,
+    )
+
+
+def raw_input(**more) -> dict:
+    """``config.input`` for raw data: ``raw_data``'s keys and the training reader's own (what stops the
+    run on bad data, reader processes, uint8 images to the device), which evaluators do not read."""
+    return raw_data(
         max_skipped_share=0.01,  # stop when more of the examples read are bad than this
         workers=0,  # input worker processes (0: threads in the trainer's process; -1: the spare cores / num_threads)
         device_normalize=False,  # uint8 images to the device, the pp's final value_range/normalize done there

@@ -119,7 +119,7 @@ def get_config(arg=None):
                          allow_random_tower=False)
     # Held-out conversations (e.g. --config.evals.val.data.data_path=val.json): the answer-token loss.
     c.evals = ml_collections.ConfigDict()
-    c.evals.val = dict(type="val_loss", data=common.raw_input(split="validation"), num_examples=500, batch_size=16)
+    c.evals.val = dict(type="val_loss", data=common.raw_data(split="validation"), num_examples=500, batch_size=16)
 
     c.multihost = common.multihost()
     if arg.smoke:

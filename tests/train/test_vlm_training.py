@@ -475,3 +475,20 @@ def test_a_vlm_evaluator_of_an_unknown_type_is_refused_at_setup(tmp_path, kind):
     with pytest.raises(ValueError, match=rf"Unknown evaluator type '{kind}' for evals.heldout of a VLM run; "
                                          r"choose one of \('qa', 'val_loss'\)"):
         task.evaluators()
+
+
+@pytest.mark.parametrize("kind, setting", [("qa", "max_new_token"), ("val_loss", "max_new_tokens"),
+                                           ("qa", "embed_batch_size")])
+def test_a_vlm_evaluator_setting_it_would_ignore_is_refused_at_setup(kind, setting):
+    """A config file's misspelt or foreign ``evals.<name>`` key (``--config.`` overrides are checked on the
+    command line) is one line naming it and the type's settings, as the two-tower evaluators' is, not
+    silently ignored."""
+    from vitmm.train import tasks
+
+    c = config_args.load("configs/vlm_scenes.py", "smoke", **{"init.allow_random_tower": True})
+    with c.unlocked():
+        c.evals = {"heldout": {"type": kind, "data": {"name": "scenes/easy_64", "split": "validation"},
+                               setting: 4}}
+    task = tasks.VLMTask(c, None, tasks.tokenizer_for(c))
+    with pytest.raises(ValueError, match=rf"evals.heldout \({kind}\) has no setting\(s\) \['{setting}'\]; it takes"):
+        task.evaluators()

@@ -92,6 +92,9 @@ class Concat:
 #                                         From the config
 # ----------------------------------------------------------------------------------------------
 RAW_KEYS = ("data_path", "wds", "csv", "parquet", "mixture")
+# The options of those sources (``source_from``): what else a raw ``input``, evaluator ``data`` or mixture entry reads.
+RAW_OPTIONS = ("image_folder", "csv_img_key", "csv_caption_key", "csv_separator", "parquet_image_key",
+               "parquet_text_key", "sampling")
 
 
 def raw_format(inp) -> str | None:
@@ -159,8 +162,7 @@ def llava_next_yaml(path, image_folder=None) -> list[dict]:
 def _mixture(entries, seed: int):
     entries = [dict(e) for e in entries]
     for e in entries:
-        unknown = set(e) - {*RAW_KEYS, "image_folder", "csv_img_key", "csv_caption_key", "csv_separator",
-                            "parquet_image_key", "parquet_text_key", "sampling", "weight"} - {"mixture"}
+        unknown = set(e) - {*RAW_KEYS, *RAW_OPTIONS, "weight"} - {"mixture"}
         if unknown or e.get("mixture"):
             raise ValueError(f"input.mixture entry {e}: unknown key(s) {sorted(unknown) or ['mixture']}.")
     sources = [source_from(e, seed + i) for i, e in enumerate(entries)]

@@ -271,6 +271,10 @@ class VLMTask:
             if "every" in cfg:
                 raise ValueError(f"evals.{name}.every={cfg['every']!r}: every evaluator runs each eval_every steps; "
                                  "set config.eval_every instead.")
+            unknown = sorted(set(cfg) - {"type"} - VLM_EVAL_SETTINGS[kind])
+            if unknown:  # a setting the evaluator would ignore (as evaluators.SETTINGS for two towers)
+                raise ValueError(f"evals.{name} ({kind}) has no setting(s) {unknown}; it takes "
+                                 f"{sorted(VLM_EVAL_SETTINGS[kind])}.")
             if kind == "val_loss":  # held-out answer loss, with the training preprocessing by default
                 cfg["pp"] = pp_template.pp_string(c, cfg.get("pp") or c.input.pp)
                 cfg["pp"], row = self._sequence_row(cfg["pp"])
@@ -294,6 +298,8 @@ class VLMTask:
 
 
 VLM_EVAL_TYPES = ("qa", "val_loss")  # qa: a missing type
+VLM_EVAL_SETTINGS = {"qa": {"data", "pp", "num_examples", "batch_size", "max_new_tokens"},  # evals.<name> keys
+                     "val_loss": {"data", "pp", "num_examples", "batch_size"}}  # (besides type)
 
 
 def qa_evaluator(config, cfg: dict, model, tokenizer) -> vlm_evaluators.QAAccuracy:
