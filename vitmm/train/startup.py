@@ -8,13 +8,8 @@ import pathlib
 import jax
 import numpy as np
 
-from vitmm.train.workdir import (
-    HistoryWithoutCheckpoint,
-    WorkdirLocked,
-    evaluated_at,
-    history_without_checkpoint,
-    set_aside_for_restart,
-)
+from vitmm.train.metrics_log import evaluated_at, set_aside_for_restart
+from vitmm.train.workdir import HistoryWithoutCheckpoint, WorkdirLocked, history_without_checkpoint
 
 REFUSALS = (WorkdirLocked, HistoryWithoutCheckpoint)
 

@@ -24,7 +24,18 @@ from tqdm import tqdm
 from vitmm import checkpoint as ckpt_lib
 from vitmm import console
 from vitmm.data import device_feed, skips
-from vitmm.train import determinism, distributed, imported_vlm, inputs, optim, pp_template, sources, startup, tasks
+from vitmm.train import (
+    determinism,
+    distributed,
+    imported_vlm,
+    inputs,
+    metrics_log,
+    optim,
+    pp_template,
+    sources,
+    startup,
+    tasks,
+)
 from vitmm.train import step as step_lib
 from vitmm.train import workdir as workdir_lib
 from vitmm.train.parallel import Parallel, to_host
@@ -200,7 +211,7 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
 
         found = checkpointer.restore_newest_readable(abstract, check, restart=restart)
         if found is None:  # --restart over checkpoints none of which read: set aside, and a fresh start
-            kept = workdir_lib.set_aside_for_restart(workdir) if is_main else None
+            kept = metrics_log.set_aside_for_restart(workdir) if is_main else None
             if is_main:
                 print(f"Restarting from step 0 in {workdir} (--restart; no checkpoint read, set aside as "
                       "<step>.unreadable)" + (f"; the earlier log is {kept.name}." if kept else "."), flush=True)
@@ -221,10 +232,10 @@ def _train(config, workdir: pathlib.Path, stop_at, is_main: bool, stop: StopRequ
     state = par.put_state(state)
     step_fn = setup.compile(state)
     metric_names = BASE_METRICS + task.aux_names
-    if is_main and (rebuilt := workdir_lib.rebuild_metrics(workdir, start)):
+    if is_main and (rebuilt := metrics_log.rebuild_metrics(workdir, start)):
         print(rebuilt, flush=True)
     # A resume drops the rows a killed run logged past its checkpoint; a fresh start keeps an earlier log aside.
-    writer = workdir_lib.MetricWriter(workdir, enabled=is_main, resumed_at=start)
+    writer = metrics_log.MetricWriter(workdir, enabled=is_main, resumed_at=start)
 
     total = config.total_steps
     evals = {}
