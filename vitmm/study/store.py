@@ -54,8 +54,22 @@ def check_tower(out: pathlib.Path, tower_dir: pathlib.Path, params) -> str:
                 f"with ({known['fingerprint']}, {known['workdir']}): pass --tower with that one, or write these "
                 f"runs to a new --out.")
     else:
-        record.write_text(json.dumps({"workdir": str(tower_dir), "fingerprint": current}, indent=1) + "\n")
+        _replace(record, json.dumps({"workdir": str(tower_dir), "fingerprint": current}, indent=1) + "\n")
     return current
+
+
+def _replace(path: pathlib.Path, text: str) -> None:
+    """``path`` holds ``text`` whole, or what it held before: written aside, synced, then renamed
+    over it (a rename alone, unsynced, can leave an empty file after a crash on some filesystems)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def signed(signature, key) -> str | None:
@@ -144,9 +158,7 @@ def resign(paths, old: str, new) -> int:
             if row["signature"] == old and sig not in (None, old):
                 lines[i], hits = json.dumps({**row, "signature": sig}), hits + 1
         if hits:
-            tmp = path.with_suffix(".resign")
-            tmp.write_text("".join(line + "\n" for line in lines))
-            os.replace(tmp, path)
+            _replace(path, "".join(line + "\n" for line in lines))
             changed += hits
     return changed
 
