@@ -10,6 +10,7 @@ gets back ``{key: {seed: result}}``."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -83,6 +84,8 @@ def _rows(path: pathlib.Path) -> list[dict]:
     mid-write) is skipped with a warning naming it, so that the rest still load."""
     rows = []
     for number, line in enumerate(path.read_text().splitlines() if path.is_file() else (), 1):
+        if not line.strip():  # no row (two writers once both ended a line they took for torn)
+            continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
@@ -129,11 +132,15 @@ def seed_results(paths, signature, holds=None) -> dict:
 
 def save_cell(path: pathlib.Path, signature, key, results: dict) -> None:
     """Appends one finished cell (all its seeds) as a line of a ``.jsonl`` file, synced to disk;
-    on a line of its own even after a torn last line (``_rows`` skips that one)."""
+    on a line of its own even after a torn last line (``_rows`` skips that one). Writers (a sweep's
+    workers) take turns: one whose line is on its way holds the file, so that the next does not
+    take that line for torn."""
     line = json.dumps({"signature": signed(signature, key), "key": list(key),
                        "results": {str(k): v for k, v in results.items()}})
     with path.open("a+b") as f:
-        torn = f.tell() > 0 and os.pread(f.fileno(), 1, f.tell() - 1) != b"\n"
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        end = os.fstat(f.fileno()).st_size  # now, not when the file was opened
+        torn = end > 0 and os.pread(f.fileno(), 1, end - 1) != b"\n"
         f.write((("\n" if torn else "") + line + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
