@@ -148,7 +148,17 @@ def tune_job(key, arrays, context, progress) -> dict:
     view = "@" + view_name(path, budget)
     return {seed: run_lib.train_and_eval(_run(c, path, budget, lr), seed, arrays["train"], arrays["val"],
                                          arrays["val"], c["plan"], view, progress=progress,
-                                         snapshot=run_lib.snapshot_path(c, "tuning", key, seed))}
+                                         snapshot=run_lib.snapshot_path(c, "tuning", key, seed), keep_snapshot=True)}
+
+
+def forget_snapshots(context, kind: str, results: dict) -> None:
+    """Removes the mid-run snapshots of ``results`` (``{key: {seed: result}}``, their rows kept):
+    ``kind`` ``"tuning"`` names a tuning point's, whose job leaves it for the sweep's process."""
+    for key, by_seed in results.items():
+        for seed in by_seed:
+            path = run_lib.snapshot_path(context, kind, key, seed)
+            if path is not None:
+                path.unlink(missing_ok=True)
 
 
 def cell_job(key, arrays, context, progress) -> dict:
@@ -157,14 +167,16 @@ def cell_job(key, arrays, context, progress) -> dict:
     c = context
     run, view = _run(c, path, budget, c["chosen"][path]), "@" + view_name(path, budget)
 
-    def one(seed):
+    def snapshot_of(seed):
+        return run_lib.snapshot_path(c, key, seed, c["chosen"][path])
+
+    def one(seed):  # the snapshot kept until run_seeds has kept the row
         result = run_lib.train_and_eval(run, seed, arrays["train"], arrays["val"], arrays["test"], c["plan"], view,
-                                        progress=progress,
-                                        snapshot=run_lib.snapshot_path(c, key, seed, c["chosen"][path]))
+                                        progress=progress, snapshot=snapshot_of(seed), keep_snapshot=True)
         return {**result, **run_lib.time_steps(run, arrays["train"], arrays["test"], c["plan"]["batch_size"], view,
                                                eval_batch=c["plan"].get("eval_batch", run_lib.EVAL_BATCH))}
 
-    return run_lib.run_seeds(key, c, progress, one)
+    return run_lib.run_seeds(key, c, progress, one, snapshot_of)
 
 
 def view_name(path: str, budget: int) -> str:
@@ -259,6 +271,7 @@ def main(argv=None) -> pathlib.Path:
     while len(args.tune_lrs) > 1:  # the grid, then one more rate past an edge that wins, until none does
         tuned = run_cells(tune_job, [(p, b, lr) for (p, b), grid in lrs.items() for lr in grid], "tuning.jsonl",
                           "tuning", [seed0])
+        forget_snapshots(context, "tuning", tuned)  # their rows are in tuning.jsonl now
         extra = tune.extend_grid({(p, b, lr, 0): r for (p, b, lr), r in tuned.items()}, lrs, args.tune_lrs,
                                  args.tune_extend, args.min_delta)
         if not extra:

@@ -99,3 +99,60 @@ def test_each_key_may_carry_its_own_signature_and_old_rows_are_re_signed_to_it(t
         "lr3e-4", "old", "other", "lr1e-3"]
     assert store.load_cells(path, own) == {("pool", 4): {0: {"a": 0}}, ("mlp", 4): {1: {"a": 3}}}
     assert store.resign([path], "old", own) == 0  # idempotent: nothing left to move
+
+
+def test_a_rewritten_file_is_synced_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    """``resign`` rewrites the rows of days of runs and ``check_tower`` pins the tower: each file is
+    written aside and synced before the rename, so that a crash leaves the old file or the new one,
+    never an empty one; a sync that fails (a full disk) leaves the old file as it was, no temporary."""
+    import numpy as np
+
+    path = tmp_path / "cells.jsonl"
+    store.save_cell(path, "old", ("pool", 4), {0: {"a": 0}})
+    before = path.read_text()
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        store.resign([path], "old", lambda key: "new")
+    with pytest.raises(OSError, match="No space"):
+        store.check_tower(tmp_path, tmp_path / "tower", {"a": np.ones(2, np.float32)})
+    assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["cells.jsonl"]
+
+
+def test_writers_appending_to_one_file_take_turns_so_no_row_is_split_or_blank(tmp_path):
+    """Workers append each finished seed to one ``seeds.jsonl``: a writer whose line is on its way
+    (a reader may see part of it) holds the file, so the next one neither sees it as torn (and adds
+    a blank line) nor writes into it. A blank line (from before) is skipped without a warning."""
+    import fcntl
+    import threading
+    import time
+    import warnings
+
+    path = tmp_path / "seeds.jsonl"
+    other = json.dumps({"signature": "sig", "key": ["pool", 4, ""], "results": {"0": {"a": 0}}})
+    started = threading.Event()
+
+    def slow_writer():
+        with path.open("ab") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            f.write(other[:20].encode())
+            f.flush()
+            started.set()
+            time.sleep(0.3)
+            f.write((other[20:] + "\n").encode())
+
+    thread = threading.Thread(target=slow_writer)
+    thread.start()
+    started.wait()
+    store.save_cell(path, "sig", ("ldp", 16, ""), {1: {"a": 1}})
+    thread.join()
+    assert path.read_text().splitlines()[0] == other
+    with path.open("a") as f:
+        f.write("\n")
+    store.save_cell(path, "sig", ("mlp", 4, ""), {2: {"a": 2}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(store.load_cells(path, "sig")) == {("pool", 4, ""), ("ldp", 16, ""), ("mlp", 4, "")}

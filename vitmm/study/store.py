@@ -10,6 +10,7 @@ gets back ``{key: {seed: result}}``."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -54,8 +55,22 @@ def check_tower(out: pathlib.Path, tower_dir: pathlib.Path, params) -> str:
                 f"with ({known['fingerprint']}, {known['workdir']}): pass --tower with that one, or write these "
                 f"runs to a new --out.")
     else:
-        record.write_text(json.dumps({"workdir": str(tower_dir), "fingerprint": current}, indent=1) + "\n")
+        _replace(record, json.dumps({"workdir": str(tower_dir), "fingerprint": current}, indent=1) + "\n")
     return current
+
+
+def _replace(path: pathlib.Path, text: str) -> None:
+    """``path`` holds ``text`` whole, or what it held before: written aside, synced, then renamed
+    over it (a rename alone, unsynced, can leave an empty file after a crash on some filesystems)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def signed(signature, key) -> str | None:
@@ -69,6 +84,8 @@ def _rows(path: pathlib.Path) -> list[dict]:
     mid-write) is skipped with a warning naming it, so that the rest still load."""
     rows = []
     for number, line in enumerate(path.read_text().splitlines() if path.is_file() else (), 1):
+        if not line.strip():  # no row (two writers once both ended a line they took for torn)
+            continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
@@ -115,11 +132,15 @@ def seed_results(paths, signature, holds=None) -> dict:
 
 def save_cell(path: pathlib.Path, signature, key, results: dict) -> None:
     """Appends one finished cell (all its seeds) as a line of a ``.jsonl`` file, synced to disk;
-    on a line of its own even after a torn last line (``_rows`` skips that one)."""
+    on a line of its own even after a torn last line (``_rows`` skips that one). Writers (a sweep's
+    workers) take turns: one whose line is on its way holds the file, so that the next does not
+    take that line for torn."""
     line = json.dumps({"signature": signed(signature, key), "key": list(key),
                        "results": {str(k): v for k, v in results.items()}})
     with path.open("a+b") as f:
-        torn = f.tell() > 0 and os.pread(f.fileno(), 1, f.tell() - 1) != b"\n"
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        end = os.fstat(f.fileno()).st_size  # now, not when the file was opened
+        torn = end > 0 and os.pread(f.fileno(), 1, end - 1) != b"\n"
         f.write((("\n" if torn else "") + line + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
@@ -144,9 +165,7 @@ def resign(paths, old: str, new) -> int:
             if row["signature"] == old and sig not in (None, old):
                 lines[i], hits = json.dumps({**row, "signature": sig}), hits + 1
         if hits:
-            tmp = path.with_suffix(".resign")
-            tmp.write_text("".join(line + "\n" for line in lines))
-            os.replace(tmp, path)
+            _replace(path, "".join(line + "\n" for line in lines))
             changed += hits
     return changed
 

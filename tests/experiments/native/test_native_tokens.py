@@ -139,6 +139,7 @@ def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
             assert top <= b + 3 * math.isqrt(b // 4)
     lines = (out / "cells.jsonl").read_text().splitlines()
     assert len(lines) == len(cells)
+    assert len(list((out / "snapshots").iterdir())) == 1  # stage 0's LM; each run's snapshot gone with its row kept
     # More seeds: only the new seed is trained (one seed-log line per cell), the others come back unchanged.
     seed_log = (out / "seeds.jsonl").read_text().splitlines()
     nt.main([*argv, "--seeds", "0,1"])
