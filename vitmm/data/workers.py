@@ -137,6 +137,7 @@ class WorkerIterator:
     def __init__(self, iterator, workers: int, auto: bool = False):
         self._it, self.workers, self.auto = iterator, workers, auto
         this = weakref.ref(self)
+        atexit.register(_free_shared_memory)  # after close (atexit runs last in, first out): what an error held
         atexit.register(lambda: this() is not None and this().close())  # (atexit runs before the teardown)
 
     def __iter__(self):
