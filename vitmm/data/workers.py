@@ -137,6 +137,7 @@ class WorkerIterator:
     def __init__(self, iterator, workers: int, auto: bool = False):
         self._it, self.workers, self.auto = iterator, workers, auto
         this = weakref.ref(self)
+        atexit.register(_free_shared_memory)  # after close (atexit runs last in, first out): what an error held
         atexit.register(lambda: this() is not None and this().close())  # (atexit runs before the teardown)
 
     def __iter__(self):
@@ -174,3 +175,23 @@ class WorkerIterator:
                 self._closed_state = {"workers": self.workers, "grain": it.get_state()}
             finally:  # (a state that cannot be read must not keep the workers)
                 it.close()
+                del it
+                _free_shared_memory()
+
+
+def _free_shared_memory() -> None:
+    """Unlinks now the shared memory of the batches the workers sent that nothing holds any more.
+    Batches taken from grain's iterator live in reference cycles (the trainer's steps, grain's
+    buffers), whose arrays unlink their segments only when the cycle collector runs: left to the
+    interpreter's exit, the resource tracker unlinks them and warns of "leaked shared_memory
+    objects" at the end of every run with workers (a process that trains several runs holds them
+    until the collector happens to run). grain unlinks on a thread of its own (one: its queue is
+    done in order), waited for here."""
+    import gc
+
+    from grain._src.python.ipc import shared_memory_array
+
+    gc.collect()
+    pool = getattr(shared_memory_array.SharedMemoryArray, "_del_thread_pool", None)
+    if pool is not None:
+        pool.apply(int)
