@@ -189,9 +189,12 @@ def _free_shared_memory() -> None:
     done in order), waited for here."""
     import gc
 
-    from grain._src.python.ipc import shared_memory_array
-
     gc.collect()
-    pool = getattr(shared_memory_array.SharedMemoryArray, "_del_thread_pool", None)
-    if pool is not None:
-        pool.apply(int)
+    try:  # grain's private unlink pool: a grain without it (another version) leaves the unlinking to its own pace
+        from grain._src.python.ipc import shared_memory_array
+
+        pool = getattr(shared_memory_array.SharedMemoryArray, "_del_thread_pool", None)
+        if pool is not None:
+            pool.apply(int)
+    except (ImportError, ValueError, RuntimeError):  # ValueError: the pool already closed, at the interpreter's exit
+        pass
