@@ -15,6 +15,7 @@ from experiments.token_budget.report import (
     LEARNED_QUERY,
     LOCALITY,
     SPATIAL,
+    chosen_pair,
     detail_test,
     factor_test,
     group_test,
@@ -184,7 +185,7 @@ def spread_lines(summary: list[dict]) -> list[str]:
         acc = at[tokens]
         if len(acc) < 2:
             continue
-        best, worst = max(acc, key=acc.get), min(acc, key=acc.get)
+        best, worst = (s["family"] for s in chosen_pair([cell[(tokens, f)] for f in acc]))
         test = paired_vs(cell[(tokens, best)], cell[(tokens, worst)])
         lines.append(f"| {tokens} | {len(acc)} | {best} {acc[best]:.1f} | {worst} {acc[worst]:.1f} | "
                      f"{acc[best] - acc[worst]:.1f} | {'' if test is None else f'{test[1]:.2g}'} | "
@@ -224,8 +225,9 @@ def param_lines(summary: list[dict], setup: dict) -> list[str]:
                      f"{mean_ci(s, 'accuracy')} | {vs_default(s, base)} | "
                      + " | ".join(mean_ci(s, f"acc_{k}") for k in KINDS) + " |")
     acc = {s["family"]: 100 * s["accuracy"] for s in sized}
-    best, worst = max(acc, key=acc.get), min(acc, key=acc.get)
-    test = paired_vs(*(next(s for s in sized if s["family"] == f) for f in (best, worst)))
+    best_cell, worst_cell = chosen_pair(sized)
+    best, worst = best_cell["family"], worst_cell["family"]
+    test = paired_vs(best_cell, worst_cell)
     lines += ["", f"Spread at equal parameters: {best} {acc[best]:.1f} − {worst} {acc[worst]:.1f} = "
               f"{acc[best] - acc[worst]:.1f} points"
               + ("" if test is None else f" (p={test[1]:.2g}, paired by seed, unadjusted: the pair was chosen after "
@@ -274,7 +276,7 @@ def encoder_lines(summary: list[dict], setup: dict) -> list[str]:
              "|---:|---|---:|---:|" + "---:|" * (len(KINDS) + 2)]
     for tokens in sorted({s["tokens"] for s in enc}):
         side = [s for s in ok_rows(summary, "") if s["tokens"] == tokens and s["family"] != BLIND]
-        best = max(side, key=lambda s: s["accuracy"]) if side else None
+        best = chosen_pair(side)[0] if side else None
         for s in [s for s in enc if s["tokens"] == tokens] + sorted(side, key=lambda s: -s["accuracy"]):
             how = f"encoder: {s['variant']}" if s in enc else f"connector: {s['family']}"
             vs = diff_p(paired_vs(s, best)) if s in enc and best is not None else ""

@@ -155,3 +155,21 @@ def test_a_cell_of_one_seed_prints_its_last_quarter_gain_without_an_interval():
     summary = report.summarise([row("blind", 0, 0.4), row("blind", 1, 0.41), row("pool", 0, 0.8)])
     line = next(x for x in tables.seed_lines(summary) if x.startswith("| pool |"))
     assert "nan" not in line and line.endswith("| 1 | +1.0 |")
+
+
+def test_an_interim_pair_is_chosen_on_the_seeds_every_family_ran():
+    """``--interim``: pool has seeds 0-2, Q-Former seeds 0-1. On their shared seeds pool leads
+    (87.5 against 80.0), though pool's own three-seed mean (70.0) is below Q-Former's: the best −
+    worst pair (and the spread table's) is pool − Q-Former, on the seeds the paired test compares."""
+    from experiments.token_budget import tables
+
+    def row(family, seed, acc):
+        return {"family": family, "budget": 4, "tokens": 4, "note": "", "lr": 1e-3, "warmup": 25, "seed": seed,
+                "status": "ok", "accuracy": acc, **{f"acc_{kind}": acc for kind in report.KINDS}}
+
+    summary = report.summarise([row("pool", 0, 0.9), row("pool", 1, 0.85), row("pool", 2, 0.35),
+                                row("qformer", 0, 0.8), row("qformer", 1, 0.8)])
+    names = [t.name for t in report.verdict_tests(summary)]
+    assert "best − worst family at 4 tokens (pool − qformer)" in names
+    line = next(x for x in tables.spread_lines(summary) if x.startswith("| 4 |"))
+    assert line.startswith("| 4 | 2 | pool ")
