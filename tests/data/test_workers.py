@@ -284,3 +284,17 @@ def test_counts_past_2_to_the_31_add_up_across_processes(monkeypatch):
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: jnp.stack([jnp.asarray(x)] * 2))
     total = skips.metrics_of_all_processes(None)
     assert total == {"data/read": 6_000_000_014, "data/skipped": 10, "data/truncated": 0, "data/skipped/bad_record": 10}
+
+
+def test_the_exit_frees_shared_memory_once_however_many_iterators_were_made():
+    """Each iterator registers its own close with atexit; the shared-memory sweep after them is
+    registered once per process (a process that trains many runs does not pile up exit hooks)."""
+    import atexit
+
+    from vitmm.data import workers
+
+    first = workers.WorkerIterator(iter(()), 1)
+    before = atexit._ncallbacks()
+    second = workers.WorkerIterator(iter(()), 1)
+    assert atexit._ncallbacks() - before == 1 and workers._FREE_AT_EXIT
+    del first, second

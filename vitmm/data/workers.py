@@ -128,6 +128,9 @@ class NoWorkers:
         self._it.set_state(state)
 
 
+_FREE_AT_EXIT = False  # whether _free_shared_memory is registered with atexit
+
+
 class WorkerIterator:
     """grain's multiprocess iterator with a checked state and ``close()``, which also lets go of it:
     its semaphores (``/dev/shm/sem.mp-*``) go at once, and grain's own ``__del__`` never runs in the
@@ -137,7 +140,10 @@ class WorkerIterator:
     def __init__(self, iterator, workers: int, auto: bool = False):
         self._it, self.workers, self.auto = iterator, workers, auto
         this = weakref.ref(self)
-        atexit.register(_free_shared_memory)  # after close (atexit runs last in, first out): what an error held
+        global _FREE_AT_EXIT
+        if not _FREE_AT_EXIT:  # once, before the first close (atexit runs last in, first out): after every close,
+            atexit.register(_free_shared_memory)  # what an error held
+            _FREE_AT_EXIT = True
         atexit.register(lambda: this() is not None and this().close())  # (atexit runs before the teardown)
 
     def __iter__(self):
