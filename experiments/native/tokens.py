@@ -4,6 +4,7 @@
     python -m experiments.native --schedule constant --patience 4 --tune_extend 0 --steps 6000 \
         --seeds 0,1,2,3,4,5,6,7,8,9 --out results/native/tokens_6000  # the first protocol (trains it again)
     python -m experiments.native --smoke --out /tmp/nt  # a minute or two; the tests run it
+    python -m experiments.native --out results/native/heldout --difficulty easy-heldout --interim  # while it runs
 
 Scenes drawn at random sizes and aspect ratios (``data.packing.SceneSource``: longer side
 ``--min_side``–``--max_side`` px, aspect up to ``--max_aspect``; a shape's radius is a share of
@@ -43,7 +44,9 @@ rerun with the same settings skips it), ``seeds.jsonl`` (each finished seed of a
 rerun does not train again; a rerun with more ``--seeds`` trains only the new ones), ``runs.csv``
 (one row per run), ``native_tokens.md`` (means ± 95% CIs, tests paired by seed),
 ``native_tokens.png`` and ``setup.json``; ``feature_cache/`` (git-ignored) keeps each view's encoded features, so
-that a later sitting on the same tower and data reads them instead of encoding them again.
+that a later sitting on the same tower and data reads them instead of encoding them again. ``--interim``
+trains nothing and writes the same files to ``OUT/interim/`` from the seeds finished so far (a sitting may
+be running; give its flags again: ``setup.json`` is written when it ends), once the tuning has finished.
 """
 
 from __future__ import annotations
@@ -151,6 +154,20 @@ def tune_job(key, arrays, context, progress) -> dict:
                                          snapshot=run_lib.snapshot_path(c, "tuning", key, seed), keep_snapshot=True)}
 
 
+def kept_runs(path: pathlib.Path, signature: str, keys: list, desc: str, seeds: list, context: dict) -> dict:
+    """``--interim``'s ``run_cells``: the tuning runs, all of them finished (else it stops, naming
+    one to go), or each cell's seeds finished so far (``cells.jsonl`` and ``seeds.jsonl``)."""
+    if desc == "tuning":
+        found = store.finished(path, signature, keys, seeds)
+        missing = [k for k in keys if k not in found]
+        if missing:
+            raise SystemExit(f"--interim: the tuning has {len(missing)} of its {len(keys)} runs to go (e.g. "
+                             f"{missing[0]}), so no cell has trained yet; the finished ones are in {path}.")
+        return found
+    return {k: {s: r for s, r in context["seeds_done"][k].items() if s in seeds}
+            for k in keys if k in context["seeds_done"]}
+
+
 def forget_snapshots(context, kind: str, results: dict) -> None:
     """Removes the mid-run snapshots of ``results`` (``{key: {seed: result}}``, their rows kept):
     ``kind`` ``"tuning"`` names a tuning point's, whose job leaves it for the sweep's process."""
@@ -192,6 +209,8 @@ def parse_args(argv=None):
     add("--data_dir", default=None, help="TFDS data_dir for training the tower when it is missing")
     add("--smoke", action="store_true", help="a tiny run of every cell (the tests run it)")
     add("--report", action="store_true", help="train nothing: OUT/native_tokens.md again from runs.csv and setup.json")
+    add("--interim", action="store_true", help="train nothing: the tables and plot of the seeds finished so far (a "
+        "sitting may be running; give its flags again) in OUT/interim/")
     add("--verbose", action="store_true", help="the libraries' routine warnings and INFO lines too")
     for key, value in PRESETS["default"].items():
         if key != "lm":
@@ -231,6 +250,9 @@ def main(argv=None) -> pathlib.Path:
     out = pathlib.Path(args.out)
     if args.report:
         return write_report(out)
+    if args.interim and not (args.tower or (out / "tower" / "checkpoints").is_dir()):
+        raise SystemExit(f"--interim: {out} has no pinned tower yet (OUT/tower), so no run has finished there; "
+                         "check --out.")
     out.mkdir(parents=True, exist_ok=True)
     tower_dir = tower_lib.tower_dir(args.tower, out, args.smoke, args.data_dir)  # OUT/tower once pinned
     tower_cfg = ckpt_lib.load_config(tower_dir)["model"]["image"]
@@ -262,6 +284,8 @@ def main(argv=None) -> pathlib.Path:
             print(f"stage 0, seed {seed}: final loss {loss:.3f}")
 
     def run_cells(fn, keys, name, desc, seeds):
+        if args.interim:  # nothing trained: the tuning must have finished, the cells show the seeds they hold
+            return kept_runs(out / name, store.signature(settings), keys, desc, seeds, context)
         return store.run_cells(out / name, store.signature(settings), keys, fn, arrays, context, args.workers, desc,
                                len(seeds) * (args.stage1_steps + args.steps), seeds, before=ensure_stage0)
 
@@ -271,7 +295,8 @@ def main(argv=None) -> pathlib.Path:
     while len(args.tune_lrs) > 1:  # the grid, then one more rate past an edge that wins, until none does
         tuned = run_cells(tune_job, [(p, b, lr) for (p, b), grid in lrs.items() for lr in grid], "tuning.jsonl",
                           "tuning", [seed0])
-        forget_snapshots(context, "tuning", tuned)  # their rows are in tuning.jsonl now
+        if not args.interim:  # (a running sitting's snapshots are its own)
+            forget_snapshots(context, "tuning", tuned)  # their rows are in tuning.jsonl now
         extra = tune.extend_grid({(p, b, lr, 0): r for (p, b, lr), r in tuned.items()}, lrs, args.tune_lrs,
                                  args.tune_extend, args.min_delta)
         if not extra:
@@ -288,6 +313,11 @@ def main(argv=None) -> pathlib.Path:
     context["seed_log"] = (str(out / "seeds.jsonl"), signature)
     context["seeds_done"] = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], signature)
     results = run_cells(cell_job, keys, "cells.jsonl", "cells", args.seeds)
+    interim = dict(runs=sum(len(set(v) & set(args.seeds)) for v in results.values()), of=len(keys) * len(args.seeds),
+                   pending=[f"{p}@{b}" for p, b in keys if not results.get((p, b))])
+    if args.interim:
+        out = out / "interim"
+        out.mkdir(exist_ok=True)
 
     rows = []
     seq_text = max_len - 1
@@ -305,7 +335,7 @@ def main(argv=None) -> pathlib.Path:
                           else tower_dir), "tower_config": tower_cfg, "lm": lm_cfg, "chosen": chosen,
              "tuning": {f"{p}@{b}|{lr:g}": r[seed0]["accuracy"] for (p, b, lr), r in tuned.items()},
              "test_questions": int(len(test["ids"])), "wide_share": float(test["in_wide"].mean()),
-             "views": {k: v["length"] for k, v in views.items()}}
+             "views": {k: v["length"] for k, v in views.items()}, **({"interim": interim} if args.interim else {})}
     command = " ".join(["python", "-m", "experiments.native", *(sys.argv[1:] if argv is None else argv)])
     shown = {**setup, "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": command}
     outputs.write_outputs(out, "native_tokens", setup, to_markdown(rows, shown), {"runs.csv": rows})

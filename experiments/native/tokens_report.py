@@ -40,7 +40,7 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
              f"{setup['train_images']:,} training images, {setup['test_questions']:,} test questions; tower "
              f"`{setup['tower']}`; connector `mlp`; LM {setup['lm']}; {_seeds(s, setup['seeds'])}; "
              f"{_protocol(setup)}learning rates (validation, budget {max(setup['budgets'])}, seed "
-             f"{setup['seeds'][0]}): {setup['chosen']}.{_tuning(setup)}", "",
+             f"{setup['seeds'][0]}): {setup['chosen']}.{_tuning(setup)}{_interim(setup)}", "",
              "Exact match in %, mean ± 95% CI over seeds. Tokens: the visual tokens the LM reads per image (mean / "
              "max over the test images). *spatial* = mean of color_at, shape_at, relative; *wide* = questions on "
              f"images with aspect ≥ {setup['wide']} ({setup['wide_share']:.0%} of test questions).", "",
@@ -82,6 +82,15 @@ def _protocol(setup: dict) -> str:
     if setup["patience"]:
         return f"the rate on a cosine decay to zero at {steps:,} steps, {plateau}{tested}"
     return f"{steps:,} joint steps, the rate decayed to zero (cosine); {tested}"
+
+
+def _interim(setup: dict) -> str:
+    """``--interim``: how many of the planned runs the tables hold, and the cells with none yet."""
+    part = setup.get("interim")
+    if not part:
+        return ""
+    pending = f"; no seed finished yet: {', '.join(part['pending'])}" if part["pending"] else ""
+    return f" **Interim**: {part['runs']} of {part['of']} runs finished{pending}."
 
 
 def _seeds(s: dict, planned: list) -> str:

@@ -139,6 +139,11 @@ def test_smoke_run_writes_outputs_and_resumes(nt, tmp_path, clip_smoke_run):
             assert top <= b + 3 * math.isqrt(b // 4)
     lines = (out / "cells.jsonl").read_text().splitlines()
     assert len(lines) == len(cells)
+    kept = (out / "seeds.jsonl").read_text()
+    nt.main([*argv, "--seeds", "0,1", "--interim"])  # trains nothing: seed 1 of every cell still to go
+    assert (out / "cells.jsonl").read_text().splitlines() == lines and (out / "seeds.jsonl").read_text() == kept
+    interim = (out / "interim/native_tokens.md").read_text()
+    assert f"**Interim**: {len(cells)} of {2 * len(cells)} runs finished." in interim
     assert len(list((out / "snapshots").iterdir())) == 1  # stage 0's LM; each run's snapshot gone with its row kept
     # More seeds: only the new seed is trained (one seed-log line per cell), the others come back unchanged.
     seed_log = (out / "seeds.jsonl").read_text().splitlines()
@@ -197,3 +202,24 @@ def test_the_tower_defaults_to_the_one_pinned_in_the_output_folder(nt, tmp_path,
     with pytest.raises(SystemExit):
         nt.main(["--out", str(tmp_path)])
     assert seen["tower"] == tmp_path / "tower"
+
+
+def test_interim_reads_the_finished_seeds_and_stops_while_the_tuning_runs(nt, tmp_path):
+    """``--interim`` trains nothing: with a tuning run still to go it stops and names one; with the
+    tuning done, each cell shows the seeds it holds (of the seeds asked for) and a cell without any
+    is left out, its name in the report's Interim sentence."""
+    from experiments.native import tokens_report
+    from vitmm.study import store
+
+    keys = [("square", 16, 1e-3), ("square", 16, 3e-3)]
+    store.save_cell(tmp_path / "tuning.jsonl", "sig", keys[0], {0: {"accuracy": 0.5}})
+    with pytest.raises(SystemExit, match=r"the tuning has 1 of its 2 runs to go \(e.g. \('square', 16, 0.003\)\)"):
+        nt.kept_runs(tmp_path / "tuning.jsonl", "sig", keys, "tuning", [0], {})
+    assert nt.kept_runs(tmp_path / "tuning.jsonl", "sig", keys[:1], "tuning", [0], {}) == {keys[0]: {0: {
+        "accuracy": 0.5}}}
+    done = {("square", 16): {0: {"accuracy": 0.5}, 1: {"accuracy": 0.6}, 7: {"accuracy": 0.9}}}
+    assert nt.kept_runs(tmp_path / "cells.jsonl", "sig", [("square", 16), ("naflex", 16)], "cells", [0, 1],
+                        {"seeds_done": done}) == {("square", 16): {0: {"accuracy": 0.5}, 1: {"accuracy": 0.6}}}
+    setup = {"interim": {"runs": 2, "of": 4, "pending": ["naflex@16"]}}
+    assert tokens_report._interim(setup) == " **Interim**: 2 of 4 runs finished; no seed finished yet: naflex@16."
+    assert tokens_report._interim({}) == ""
