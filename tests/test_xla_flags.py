@@ -49,5 +49,6 @@ def test_every_entry_point_applies_them():
 
     root = pathlib.Path(__file__).resolve().parents[1]
     for path in ("vitmm/train/__main__.py", "vitmm/demo.py", "experiments/token_budget/__main__.py",
-                 "experiments/bench/input.py", "experiments/bench/workers.py"):
+                 "experiments/bench/input.py", "experiments/bench/workers.py", "experiments/bench/decode.py",
+                 "experiments/bench/resample_parity.py"):
         assert "xla_flags.use_vitmm_defaults()" in (root / path).read_text(), path

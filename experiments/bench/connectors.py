@@ -9,7 +9,8 @@ connector family and each ``--budgets`` visual-token count (the family's nearest
 within a factor 2, else listed as unreachable): the connector's parameters and forward FLOPs per
 image (``connectors.cost``), its forward time on a batch of tower features, and each ``--lms``
 LM's prefill (the forward of ``tokens + --text_tokens`` embeddings to the next token's logits,
-bf16 matmuls) in FLOPs (XLA's count) and time. For ``--step_families`` the stage-1 training step is timed as well: the
+bf16 matmuls) in FLOPs (XLA:CPU's count of the program as lowered, not as compiled) and time. For
+``--step_families`` the stage-1 training step is timed as well: the
 connector's gradient through the frozen LM, the loss on the last ``--answer_tokens`` positions
 (``logits_at``: the head there only). Times are medians of ``--repeats`` runs after compilation,
 per batch of ``--batch`` images. Writes the rows to ``--out`` (JSON) and a Markdown table next to
@@ -31,7 +32,7 @@ import optax
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 from vitmm import tree  # noqa: E402
-from vitmm.models import connectors  # noqa: E402
+from vitmm.models import common, connectors  # noqa: E402
 from vitmm.models import lm as lm_lib  # noqa: E402
 from vitmm.models.vit import ViT  # noqa: E402
 
@@ -66,14 +67,16 @@ def lm_config(name: str, dtype: str) -> dict:
 
 def prefill(lm_cfg: dict, batch: int, seq: int, repeats: int, key) -> dict:
     """The LM's forward over ``seq`` embeddings up to the next token's logits (the head at the
-    last position only): FLOPs per sequence (XLA's count of the timed program) and ms per batch."""
+    last position only): FLOPs per sequence (XLA:CPU's count of the timed program as lowered:
+    ``common.lowered_flops``; an H200's count of the compiled one missed most matmuls) and ms per
+    batch."""
     model = lm_lib.LM(**lm_cfg)
     x = jax.random.normal(key, (batch, seq, model.width), jnp.float32)
     params = jax.jit(model.init)(key, embeds=x[:1])
     last = jnp.full((batch, 1), seq - 1)
-    compiled = jax.jit(lambda p, x: model.apply(p, embeds=x, logits_at=last)).lower(params, x).compile()
-    return {"lm_gflops": compiled.cost_analysis()["flops"] / batch / 1e9,
-            "prefill_ms": timed(compiled, params, x, repeats=repeats)}
+    lowered = jax.jit(lambda p, x: model.apply(p, embeds=x, logits_at=last)).lower(params, x)
+    return {"lm_gflops": common.lowered_flops(lowered) / batch / 1e9,
+            "prefill_ms": timed(lowered.compile(), params, x, repeats=repeats)}
 
 
 def stage1_step(cfg: dict, lm_cfg: dict, features, grid, text_tokens: int, answer_tokens: int, repeats: int,

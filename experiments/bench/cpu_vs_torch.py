@@ -43,9 +43,10 @@ large blocks, and XLA's per-step temporaries no longer page-fault 4 KiB at a tim
 column counts them).
 
 Writes ``benchmark.csv`` and ``benchmark.md`` (with ratios vitmm / reference) to ``--out``.
-``--rounds R`` runs every worker R times, taking turns: times are medians over the rounds, a
-ratio is the median of the rounds' paired ratios, shown with their range (on a shared machine
-one run's ratio can move by ±0.1).
+``--rounds R`` runs every worker R times, taking turns (the first to go alternating between
+rounds: since 2026-12-07; before, vitmm's worker went first in every round): times are medians
+over the rounds, a ratio is the median of the rounds' paired ratios, shown with their range (on
+a shared machine one run's ratio can move by ±0.1).
 
 ``--scaling WIDTH`` instead times vitmm alone (inference and training) at 224 px with patches 32, 16
 and 8 and at 448 px with patch 16 (49 to 3,136 tokens), and sets each time, relative to /16 at
@@ -124,6 +125,15 @@ def to_markdown(rows: list[dict], setup: dict) -> str:
         lines.append(f"| {_label(r)} | {r['mode']} | {r['framework']} | {r['images_s']:.1f} | {ratio} | "
                      f"{r['gflops']:.1f} | {r['util']:.0%} | {xla} | {compile_s} | {r['peak_rss_mb']:.0f} | {faults} |")
     return "\n".join(lines) + "\n"
+
+
+def _one_round(workers: list[tuple], r: int, threads: int, tunables: str) -> list[dict]:
+    """Round ``r``: every worker once, in ``workers``' order in even rounds and in reverse in odd
+    ones, so that a machine drifting slower or faster over the run does not always favour the side
+    that goes first; the results in ``workers``' order."""
+    order = range(len(workers)) if r % 2 == 0 else reversed(range(len(workers)))
+    out = {i: _run_worker(workers[i][0], workers[i][1], workers[i][2], threads, tunables) for i in order}
+    return [out[i] for i in range(len(workers))]
 
 
 def _over_rounds(results: list[dict]) -> dict:
@@ -240,8 +250,7 @@ def main(argv=None) -> pathlib.Path:
                 workers.append((args.torch_python, "torch", {**spec, "ref": "transformers"}))
             if args.timm_python and task == "vit":
                 workers.append((args.timm_python, "torch", {**spec, "ref": "timm"}))
-            rounds = [[_run_worker(python, kind, worker_spec, args.threads, args.glibc_tunables)
-                       for python, kind, worker_spec in workers] for _ in range(args.rounds)]
+            rounds = [_one_round(workers, r, args.threads, args.glibc_tunables) for r in range(args.rounds)]
             results = [_over_rounds([rnd[i] for rnd in rounds]) for i in range(len(workers))]
             for r in results:
                 r["images_s"] = args.batch / r["step_s"]

@@ -8,7 +8,8 @@ Measures, in one run:
   * a jit-compiled AdamW training step of the image tower alone (ViT width 128, depth 4, patch 8,
     64×64 images: the tiny tower the CPU pretraining config uses) in examples/s, median over
     repeats. The real CLIP step also runs a text tower and a loss, so it consumes examples more
-    slowly; the ratio printed is therefore a lower bound on input headroom.
+    slowly; but the two are timed one after the other, each with the machine to itself, where in
+    training they share its cores: the ratio printed is an estimate of the headroom, not a bound.
 The input must be at least 10× faster than the step so that it never limits training.
 Results are written to ``results/bench_input/bench_input.{csv,md}``.
 """

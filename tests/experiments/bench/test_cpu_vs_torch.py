@@ -76,8 +76,9 @@ def test_benchmark_scaling_table_sets_measured_next_to_predicted_ratios(tmp_path
 
 
 def test_benchmark_rounds_take_turns_and_report_the_median_paired_ratio(tmp_path, monkeypatch):
-    """``--rounds 3``: each round runs vitmm then the reference; a row's time is the median over
-    rounds and its ratio the median of the rounds' paired ratios, with their range."""
+    """``--rounds 3``: each round runs vitmm and the reference, the first to go alternating (drift over
+    the run then favours neither); a row's time is the median over rounds and its ratio the median of
+    the rounds' paired ratios, with their range."""
     bench = importlib.import_module("experiments.bench.cpu_vs_torch")
     calls = []
     times = {"jax": [1.0, 2.0, 1.0], "torch": [1.5, 2.0, 3.0]}  # paired ratios 1.5, 1.0, 3.0 per mode
@@ -91,7 +92,7 @@ def test_benchmark_rounds_take_turns_and_report_the_median_paired_ratio(tmp_path
 
     monkeypatch.setattr(bench, "_run_worker", fake)
     out = bench.main(["--variants", "Ti/16", "--pair", "", "--rounds", "3", "--out", str(tmp_path)])
-    assert calls == ["jax", "torch"] * 6  # turns, for train then infer
+    assert calls == ["jax", "torch", "torch", "jax", "jax", "torch"] * 2  # turns, for train then infer
     rows = list(csv.DictReader(open(out / "benchmark.csv")))
     ref = rows[1]
     assert float(rows[0]["step_s"]) == 1.0 and float(ref["step_s"]) == 2.0
