@@ -88,6 +88,24 @@ def test_llava_next_frame_folders_and_image_tags_are_read_as_videos(tmp_path):
             {**source[0], "conversations": [{**conv[0], "value": "<image><image>"}, conv[1]]}, None)
 
 
+def test_a_configs_pp_keeps_a_videos_frame_count_for_mrope(tmp_path):
+    """The LLaVA configs' ``keep(...)`` names no ``video_frames``; it stays with ``more_images``, so
+    M-RoPE (``model.mrope``) places the video's 2 temporal patches at ``(p + τ, p + i, p + j)``, not
+    as two images one after the other."""
+    from vitmm.data import sequences
+    from vitmm.train import pp_template
+
+    path = examples.write_llava(tmp_path / "d", 2, resolution=32, video_every=2)
+    config = load("configs/llava_finetune.py", "smoke,pack=600,frames=4,temporal=2",
+                  **{"input.data_path": str(path), "model.mrope": True})
+    ex = preprocess.parse(pp_template.pp_string(config))(formats.LlavaSource(path)[1], np.random.default_rng(0))
+    assert ex["video_frames"] == 2 and len(ex["more_images"]) == 1
+    seq = sequences.to_sequence(ex, 4, mrope_grid=(2, 2))
+    p = int(np.flatnonzero(seq["visual"] >= 0)[0])
+    tau, i, j = np.repeat([0, 1], 4), np.tile([0, 0, 1, 1], 2), np.tile([0, 1], 4)
+    np.testing.assert_array_equal(seq["mrope"][seq["visual"] >= 0].T, p + np.stack([tau, i, j]))
+
+
 def test_videos_and_images_train_packed_with_temporal_patches_from_an_inflated_tower(tmp_path, clip_smoke_run):
     """Stage 2 on LLaVA data with videos (8 frames, merged two at a time: 4 images of 6 channels)
     among single and multi-image conversations, the tower a 3-channel CLIP run whose patch kernel is
