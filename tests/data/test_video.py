@@ -106,6 +106,22 @@ def test_a_configs_pp_keeps_a_videos_frame_count_for_mrope(tmp_path):
     np.testing.assert_array_equal(seq["mrope"][seq["visual"] >= 0].T, p + np.stack([tau, i, j]))
 
 
+def test_chat_and_serve_take_a_video_from_a_run_with_frames_and_one_image_an_example():
+    """``frames=8,temporal=2`` (``images=1``: one image an example) trains on videos, 4 image slots
+    each, so its prompts take one; a run whose rows hold fewer slots than a video fills skipped
+    every video in training and refuses one in a line."""
+    from vitmm import chat
+
+    def slots(arg):
+        config = load("configs/llava_finetune.py", f"smoke,{arg}")
+        return chat.video_slots(config, chat.served_pp(config))
+
+    assert slots("pack=600,frames=8,temporal=2") == 4 and slots("pack=600,frames=5") == 5
+    for arg in ("pack=600", "images=1"):  # 8 frames (decode's default) for 2 slots; no flat sequences
+        with pytest.raises(ValueError, match=r"^This model takes no video \(a run on input.sequences with frames"):
+            slots(arg)
+
+
 def test_videos_and_images_train_packed_with_temporal_patches_from_an_inflated_tower(tmp_path, clip_smoke_run):
     """Stage 2 on LLaVA data with videos (8 frames, merged two at a time: 4 images of 6 channels)
     among single and multi-image conversations, the tower a 3-channel CLIP run whose patch kernel is
