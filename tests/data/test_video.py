@@ -122,6 +122,20 @@ def test_chat_and_serve_take_a_video_from_a_run_with_frames_and_one_image_an_exa
             slots(arg)
 
 
+def test_frame_counts_below_one_are_refused_in_one_line_before_any_example():
+    """``frames=-3`` or ``temporal=0`` (a ZeroDivisionError before), and ``decode(num_frames=0)`` or
+    ``temporal_patch(0)``, which skipped every video as unreadable or raised mid-run: each a one-line
+    ``ValueError`` naming the value, at config or pp construction."""
+    for arg in ("frames=-3", "temporal=0", "frames=8,temporal=-1"):
+        with pytest.raises(ValueError, match=r"^frames=-?\d+, temporal=-?\d+: frames is a video's frames \(0: no"):
+            load("configs/llava_finetune.py", f"smoke,pack=600,{arg}")
+    for spec, name in (("decode(num_frames=0)", "decode num_frames=0"),
+                       ("decode(num_frames=-2)", "decode num_frames=-2"),
+                       ("decode|temporal_patch(0)", "temporal_patch size=0")):
+        with pytest.raises(ValueError, match=rf"^{name}: a number of frames, at least 1\.$"):
+            preprocess.parse(spec)
+
+
 def test_videos_and_images_train_packed_with_temporal_patches_from_an_inflated_tower(tmp_path, clip_smoke_run):
     """Stage 2 on LLaVA data with videos (8 frames, merged two at a time: 4 images of 6 channels)
     among single and multi-image conversations, the tower a 3-channel CLIP run whose patch kernel is

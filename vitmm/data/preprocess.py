@@ -275,6 +275,7 @@ def decode(image_key="image", max_images=1, draft=None, num_frames=8, alpha="dro
     ``<image>`` tags; ``video_frames`` counts them.
     ``alpha``: ``"drop"`` or ``"white"`` (``data.images``)."""
     images_lib.check_alpha(alpha)
+    video_lib.check_count("decode num_frames", num_frames)
 
     def fn(ex, rng):
         del rng
