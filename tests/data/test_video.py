@@ -38,6 +38,23 @@ def test_frames_are_sampled_by_llava_videos_rule_from_a_file(tmp_path):
         video.decode_video(b"not a video", 4)
 
 
+def test_a_file_without_a_video_stream_says_so():
+    """An audio file FFmpeg reads is refused as having no video stream, not ``tuple index out of range``."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    with pytest.raises(BadExample, match=r"^image_unreadable: the file has no video stream \(audio only\?\)$"):
+        video.decode_video(buf.getvalue(), 4)
+
+
 def test_a_video_becomes_frames_where_its_tag_stood_and_temporal_patches_halve_them(tmp_path):
     (tmp_path / "f").mkdir()
     names = []

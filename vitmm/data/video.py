@@ -49,6 +49,8 @@ def decode_video(data: bytes, num_frames: int) -> list[np.ndarray]:
 
     try:
         with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise BadExample("image_unreadable", "the file has no video stream (audio only?)")
             stream = container.streams.video[0]
             total = stream.frames
             if not total:  # a container that does not say: count by decoding
