@@ -38,6 +38,25 @@ def test_frames_are_sampled_by_llava_videos_rule_from_a_file(tmp_path):
         video.decode_video(b"not a video", 4)
 
 
+def test_a_container_without_a_frame_count_is_counted_by_decoding():
+    """Matroska/WebM headers hold no frame count (``stream.frames`` is 0): the frames are counted by
+    decoding, then the file is read again from its start, by the same rule."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.height, stream.width, stream.pix_fmt = 32, 48, "yuv420p"
+        for frame in _bars(11):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    with av.open(io.BytesIO(buf.getvalue())) as container:
+        assert container.streams.video[0].frames == 0
+    assert [_which(f) for f in video.decode_video(buf.getvalue(), 4)] == [0, 3, 6, 10]
+
+
 def test_a_file_without_a_video_stream_says_so():
     """An audio file FFmpeg reads is refused as having no video stream, not ``tuple index out of range``."""
     import io
