@@ -50,6 +50,9 @@ def get_config(arg=None):
     if arg.frames < 0 or arg.temporal < 1:
         raise ValueError(f"frames={arg.frames}, temporal={arg.temporal}: frames is a video's frames (0: no video) and "
                          "temporal the frames a temporal patch merges (1: none, Qwen2-VL's 2).")
+    if arg.frames and arg.anyres:  # each frame would be a base view and tiles: more than the slots, every video skipped
+        raise ValueError(f"frames={arg.frames} with anyres={arg.anyres}: a video's frames as AnyRes views are not "
+                         "supported yet (LLaVA-OneVision shows a video's frames as base views only); leave anyres out.")
     if (arg.images > 1 or arg.frames or arg.native or arg.anyres) and not arg.pack:
         raise ValueError(f"images={arg.images}, frames={arg.frames}, native={arg.native}, anyres={arg.anyres}: several "
                          "images, a video or images at their own sizes train as flat sequences; set pack=LENGTH too "

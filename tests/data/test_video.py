@@ -160,8 +160,11 @@ def test_chat_and_serve_take_a_video_from_a_run_with_frames_and_one_image_an_exa
 
 def test_frame_counts_below_one_are_refused_in_one_line_before_any_example():
     """``frames=-3`` or ``temporal=0`` (a ZeroDivisionError before), and ``decode(num_frames=0)`` or
-    ``temporal_patch(0)``, which skipped every video as unreadable or raised mid-run: each a one-line
-    ``ValueError`` naming the value, at config or pp construction."""
+    ``temporal_patch(0)``, which skipped every video as unreadable or raised mid-run, and ``frames``
+    with ``anyres`` (each frame's views overflowed its row: every video skipped): each a one-line
+    ``ValueError`` naming the values, at config or pp construction."""
+    with pytest.raises(ValueError, match=r"^frames=4 with anyres=16: a video's frames as AnyRes views are not supp"):
+        load("configs/llava_finetune.py", "smoke,pack=600,frames=4,anyres=16")  # was: every video too long for a row
     for arg in ("frames=-3", "temporal=0", "frames=8,temporal=-1"):
         with pytest.raises(ValueError, match=r"^frames=-?\d+, temporal=-?\d+: frames is a video's frames \(0: no"):
             load("configs/llava_finetune.py", f"smoke,pack=600,{arg}")
