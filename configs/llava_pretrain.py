@@ -47,6 +47,12 @@ KEEP = "keep('image', 'ids', 'answer_mask', 'prompt_len', 'image_pos', 'has_imag
 def get_config(arg=None):
     arg = parse_arg(arg, presets=common.SMOKE_LLAVA_ARGS, connector="mlp", budget="all", steps=1000, batch=32,
                     smoke=False, pack=0, images=1, frames=0, temporal=1, native=0, anyres=0)
+    if arg.frames < 0 or arg.temporal < 1:
+        raise ValueError(f"frames={arg.frames}, temporal={arg.temporal}: frames is a video's frames (0: no video) and "
+                         "temporal the frames a temporal patch merges (1: none, Qwen2-VL's 2).")
+    if arg.frames and arg.anyres:  # each frame would be a base view and tiles: more than the slots, every video skipped
+        raise ValueError(f"frames={arg.frames} with anyres={arg.anyres}: a video's frames as AnyRes views are not "
+                         "supported yet (LLaVA-OneVision shows a video's frames as base views only); leave anyres out.")
     if (arg.images > 1 or arg.frames or arg.native or arg.anyres) and not arg.pack:
         raise ValueError(f"images={arg.images}, frames={arg.frames}, native={arg.native}, anyres={arg.anyres}: several "
                          "images, a video or images at their own sizes train as flat sequences; set pack=LENGTH too "

@@ -174,8 +174,11 @@ def test_allow_local_files_that_is_not_a_folder_is_refused_at_startup_in_one_lin
     ({"n": True}, "n", "'n' must be 1 (one choice a request); got True."),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content",
      "a text part whose 'text' is not a string: 5"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "/data/clip.mp4"}}]}]},
+     "messages[0].content", "Local video paths are refused; start the server with --allow_local_files ROOT, or send "
+     "the video as a base64 data URL."),
 ], ids=["options-string", "options-list", "stream-string", "include-usage-string", "role", "n", "n-true",
-      "text-part"])
+      "text-part", "local-video"])
 def test_malformed_settings_and_parts_are_400s_naming_the_param(body, param, message):
     err = _refusal(_engine(_FakeChat()), **body)
     assert err.status == 400 and err.param == param and message in str(err)

@@ -49,6 +49,24 @@ def served_pp(config, why: bool = False):
     return (spec, source) if why else spec
 
 
+def video_slots(config, spec: str) -> int:
+    """The image slots a video fills in a run's prompts (``spec``, its ``served_pp``): its
+    ``decode``'s ``num_frames``, merged ``temporal_patch``'s size at a time. A ``ValueError`` for a
+    run that takes no video: an imported VLM, one not trained on flat conversations, or one whose
+    rows hold fewer slots (``input.sequences.max_images``: its training skipped every video)."""
+    ops = preprocess.ops(spec)
+    imported = {"smart_resize": "Qwen2-VL", "idefics3_tiles": "Idefics3"}
+    for name in (name for name, _, _ in ops if name in imported):  # their processors' video tokens are not vitmm's
+        raise ValueError(f"Video through an imported {imported[name]}'s image steps is not supported yet; send images.")
+    frames = [kw.get("num_frames", a[3] if len(a) > 3 else 8) for name, a, kw in ops if name == "decode"]
+    sizes = [kw.get("size", a[0] if a else 2) for name, a, kw in ops if name == "temporal_patch"]
+    slots = -(-int(frames[0]) // int(sizes[0] if sizes else 1)) if frames else 0
+    sq = config.input.get("sequences")
+    if not (sq and sq.get("length")) or "conversation_tokens" not in spec or not 0 < slots <= int(sq.max_images):
+        raise ValueError("This model takes no video (a run on input.sequences with frames takes one).")
+    return slots
+
+
 class Chat:
     max_images = 1  # images one prompt may hold; a run on flat sequences (input.sequences) sets its own
     image_separator = "\n"  # the text after an image's <image> tag: LLaVA's convention, which its data has
@@ -123,13 +141,7 @@ class Chat:
         return self._pp({"image": images[0], "question": question, "answer": ""}, rng)
 
     def _prepare_video(self, images: list, turns: list[dict], video) -> dict:
-        if self.max_images < 2 or not self._conversation:
-            raise ValueError("This model takes no video (a run on input.sequences with frames takes one).")
-        imported = {"smart_resize": "Qwen2-VL", "idefics3_tiles": "Idefics3"}
-        for op in preprocess.op_names(self.config.input.pp):
-            if op in imported:  # their processors' video tokens and frame sizes are not vitmm's video path
-                raise ValueError(f"Video through an imported {imported[op]}'s image steps is not supported yet; send "
-                                 "images.")
+        video_slots(self.config, self._spec)  # a frames=K run with images=1 too: a video is not its images
         if images:
             raise ValueError("A video goes alone, without images.")
         return reply_prompt(self._pp, {"images": [], "video": video, "conversations": turns}, np.random.default_rng(0),

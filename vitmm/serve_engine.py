@@ -173,16 +173,16 @@ class Engine:
             raise RequestError(f"Remote {kind} URLs are not fetched; send the {kind} as a base64 data URL.",
                                param=param)
         else:
-            data = self._local_file(url.removeprefix("file://localhost").removeprefix("file://"), param)
+            data = self._local_file(url.removeprefix("file://localhost").removeprefix("file://"), param, kind)
         limit = MAX_IMAGE_BYTES if kind == "image" else MAX_VIDEO_BYTES
         if len(data) > limit:
             raise RequestError(f"The {kind} is {len(data):,} bytes, more than {limit:,}.", 413, param)
         return data
 
-    def _local_file(self, path: str, param: str) -> bytes:
+    def _local_file(self, path: str, param: str, kind: str = "image") -> bytes:
         if self.local_root is None:
-            raise RequestError("Local image paths are refused; start the server with --allow_local_files ROOT, or "
-                               "send the image as a base64 data URL.", param=param)
+            raise RequestError(f"Local {kind} paths are refused; start the server with --allow_local_files ROOT, or "
+                               f"send the {kind} as a base64 data URL.", param=param)
         resolved = (self.local_root / pathlib.Path(path).expanduser()).resolve()  # a relative path: under the root
         if not resolved.is_relative_to(self.local_root):
             raise RequestError(f"{path} is outside --allow_local_files {self.local_root}.", 403, param)

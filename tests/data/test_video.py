@@ -38,6 +38,42 @@ def test_frames_are_sampled_by_llava_videos_rule_from_a_file(tmp_path):
         video.decode_video(b"not a video", 4)
 
 
+def test_a_container_without_a_frame_count_is_counted_by_decoding():
+    """Matroska/WebM headers hold no frame count (``stream.frames`` is 0): the frames are counted by
+    decoding, then the file is read again from its start, by the same rule."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.height, stream.width, stream.pix_fmt = 32, 48, "yuv420p"
+        for frame in _bars(11):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    with av.open(io.BytesIO(buf.getvalue())) as container:
+        assert container.streams.video[0].frames == 0
+    assert [_which(f) for f in video.decode_video(buf.getvalue(), 4)] == [0, 3, 6, 10]
+
+
+def test_a_file_without_a_video_stream_says_so():
+    """An audio file FFmpeg reads is refused as having no video stream, not ``tuple index out of range``."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    with pytest.raises(BadExample, match=r"^image_unreadable: the file has no video stream \(audio only\?\)$"):
+        video.decode_video(buf.getvalue(), 4)
+
+
 def test_a_video_becomes_frames_where_its_tag_stood_and_temporal_patches_halve_them(tmp_path):
     (tmp_path / "f").mkdir()
     names = []
@@ -86,6 +122,57 @@ def test_llava_next_frame_folders_and_image_tags_are_read_as_videos(tmp_path):
     with pytest.raises(BadExample, match=r"0 <video> tag\(s\) for one video \(and 2 <image>"):
         preprocess.parse("decode(num_frames=3)")(
             {**source[0], "conversations": [{**conv[0], "value": "<image><image>"}, conv[1]]}, None)
+
+
+def test_a_configs_pp_keeps_a_videos_frame_count_for_mrope(tmp_path):
+    """The LLaVA configs' ``keep(...)`` names no ``video_frames``; it stays with ``more_images``, so
+    M-RoPE (``model.mrope``) places the video's 2 temporal patches at ``(p + τ, p + i, p + j)``, not
+    as two images one after the other."""
+    from vitmm.data import sequences
+    from vitmm.train import pp_template
+
+    path = examples.write_llava(tmp_path / "d", 2, resolution=32, video_every=2)
+    config = load("configs/llava_finetune.py", "smoke,pack=600,frames=4,temporal=2",
+                  **{"input.data_path": str(path), "model.mrope": True})
+    ex = preprocess.parse(pp_template.pp_string(config))(formats.LlavaSource(path)[1], np.random.default_rng(0))
+    assert ex["video_frames"] == 2 and len(ex["more_images"]) == 1
+    seq = sequences.to_sequence(ex, 4, mrope_grid=(2, 2))
+    p = int(np.flatnonzero(seq["visual"] >= 0)[0])
+    tau, i, j = np.repeat([0, 1], 4), np.tile([0, 0, 1, 1], 2), np.tile([0, 1], 4)
+    np.testing.assert_array_equal(seq["mrope"][seq["visual"] >= 0].T, p + np.stack([tau, i, j]))
+
+
+def test_chat_and_serve_take_a_video_from_a_run_with_frames_and_one_image_an_example():
+    """``frames=8,temporal=2`` (``images=1``: one image an example) trains on videos, 4 image slots
+    each, so its prompts take one; a run whose rows hold fewer slots than a video fills skipped
+    every video in training and refuses one in a line."""
+    from vitmm import chat
+
+    def slots(arg):
+        config = load("configs/llava_finetune.py", f"smoke,{arg}")
+        return chat.video_slots(config, chat.served_pp(config))
+
+    assert slots("pack=600,frames=8,temporal=2") == 4 and slots("pack=600,frames=5") == 5
+    for arg in ("pack=600", "images=1"):  # 8 frames (decode's default) for 2 slots; no flat sequences
+        with pytest.raises(ValueError, match=r"^This model takes no video \(a run on input.sequences with frames"):
+            slots(arg)
+
+
+def test_frame_counts_below_one_are_refused_in_one_line_before_any_example():
+    """``frames=-3`` or ``temporal=0`` (a ZeroDivisionError before), and ``decode(num_frames=0)`` or
+    ``temporal_patch(0)``, which skipped every video as unreadable or raised mid-run, and ``frames``
+    with ``anyres`` (each frame's views overflowed its row: every video skipped): each a one-line
+    ``ValueError`` naming the values, at config or pp construction."""
+    with pytest.raises(ValueError, match=r"^frames=4 with anyres=16: a video's frames as AnyRes views are not supp"):
+        load("configs/llava_finetune.py", "smoke,pack=600,frames=4,anyres=16")  # was: every video too long for a row
+    for arg in ("frames=-3", "temporal=0", "frames=8,temporal=-1"):
+        with pytest.raises(ValueError, match=r"^frames=-?\d+, temporal=-?\d+: frames is a video's frames \(0: no"):
+            load("configs/llava_finetune.py", f"smoke,pack=600,{arg}")
+    for spec, name in (("decode(num_frames=0)", "decode num_frames=0"),
+                       ("decode(num_frames=-2)", "decode num_frames=-2"),
+                       ("decode|temporal_patch(0)", "temporal_patch size=0")):
+        with pytest.raises(ValueError, match=rf"^{name}: a number of frames, at least 1\.$"):
+            preprocess.parse(spec)
 
 
 def test_videos_and_images_train_packed_with_temporal_patches_from_an_inflated_tower(tmp_path, clip_smoke_run):

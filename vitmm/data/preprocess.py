@@ -275,6 +275,7 @@ def decode(image_key="image", max_images=1, draft=None, num_frames=8, alpha="dro
     ``<image>`` tags; ``video_frames`` counts them.
     ``alpha``: ``"drop"`` or ``"white"`` (``data.images``)."""
     images_lib.check_alpha(alpha)
+    video_lib.check_count("decode num_frames", num_frames)
 
     def fn(ex, rng):
         del rng
@@ -355,7 +356,9 @@ def keep(*keys, optional=()):
     fields whose names start with ``_`` (e.g. ``_id``). An example's further images
     (``more_images``) and their places (``image_positions``) are never dropped while its first image
     or place is kept: the example would train on its first image alone, its other ``<image>`` places
-    left empty without a word (a ``ValueError`` names the fix)."""
+    left empty without a word (a ``ValueError`` names the fix). A video's ``video_frames`` (``decode``'s)
+    stays with its frames in ``more_images``: without it M-RoPE would place its temporal patches as
+    separate images (``data.sequences.mrope_positions``)."""
     several = {MORE_IMAGES: "image", "image_positions": "image_pos"}  # dropped while this is kept: an error
 
     def fn(ex, rng):
@@ -369,7 +372,8 @@ def keep(*keys, optional=()):
             raise ValueError(f"keep{keys} drops {', '.join(lost)} of {name} with {count} images: "
                              "it would train on its first image alone. Keep them: keep(..., optional=('more_images', "
                              "'image_positions')), and set input.sequences for several images.")
-        return {k: v for k, v in ex.items() if k in keys or k in optional or k.startswith("_")}
+        kept = keys + tuple(optional) + (("video_frames",) if MORE_IMAGES in keys + tuple(optional) else ())
+        return {k: v for k, v in ex.items() if k in kept or k.startswith("_")}
 
     return fn
 

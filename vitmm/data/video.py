@@ -29,6 +29,12 @@ VIDEO_PLACEHOLDER = "<video>"
 IMAGE_PLACEHOLDER = "<image>"
 
 
+def check_count(name: str, value) -> None:
+    """A ``ValueError`` in one line unless ``value`` is a whole number of frames, at least 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r}: a number of frames, at least 1.")
+
+
 def sample_indices(total: int, num_frames: int) -> np.ndarray:
     """The frame indices ``num_frames`` samples take of a ``total``-frame video (see above)."""
     if total < 1:
@@ -43,6 +49,8 @@ def decode_video(data: bytes, num_frames: int) -> list[np.ndarray]:
 
     try:
         with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise BadExample("image_unreadable", "the file has no video stream (audio only?)")
             stream = container.streams.video[0]
             total = stream.frames
             if not total:  # a container that does not say: count by decoding
@@ -103,6 +111,7 @@ def temporal_patch(size=2, key="image"):
     last frame; its ``<image>`` tags cut to one a group), and a still image repeated ``size`` times
     the same way, so the tower's patch embedding sees ``size`` frames at once. Put it after the
     image ops (``normalize`` included) and before ``conversation_tokens``."""
+    check_count("temporal_patch size", size)
 
     def fn(ex, rng):
         images = [ex[key], *ex.get("more_images", [])]
