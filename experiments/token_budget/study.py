@@ -170,7 +170,7 @@ def drop_checkpoints(study, name: str, workdirs: pathlib.Path) -> None:
 
 def with_costs(rows: list[dict], settings: dict, grid, vision: dict, lm_cfg: dict | None, text_len: int) -> list[dict]:
     """``rows`` with each cell's cost: milliseconds per training example (the trainer's logged
-    speed), the connector's parameters and compiled FLOPs (XLA's count; blind: pool's, on blank
+    speed), the connector's parameters and FLOPs (XLA's count of the lowered program; blind: pool's, on blank
     images) and the LM's forward FLOPs per example at its visual tokens and ``text_len`` text
     positions (left out without the LM's settings: a report made where its folder is absent)."""
     from experiments.token_budget.jobs import costs

@@ -48,6 +48,17 @@ def test_num_visual_tokens_equals_the_real_output_shape(name, budget, grid):
     assert (report["flops"] > 0) == (name != "identity")
 
 
+def test_cost_counts_the_lowered_forward_not_a_compiled_one(monkeypatch):
+    """A GPU's cost analysis of a compiled program leaves out the matmuls it hands to cuBLAS (an
+    H200 counted ~1/11 of SmolLM2's prefill): with every compiled count made 1, ``cost`` still
+    gives the MLP connector's matmul FLOPs (2 per multiply-add) and nothing is compiled."""
+    monkeypatch.setattr(jax.stages.Compiled, "cost_analysis", lambda self: pytest.fail("compiled"))
+    cfg, grid = {"name": "mlp", "budget": "all", "hidden": 40}, (4, 6)
+    flops = C.cost(cfg, D_IN, D_OUT, grid)["flops"]
+    matmuls = 2 * grid[0] * grid[1] * (D_IN * 40 + 40 * D_OUT)
+    assert matmuls <= flops <= 1.1 * matmuls  # (biases and the activation: the rest)
+
+
 GRID_CASES = [c for c in CASES if c[0] not in ("identity", "linear", "mlp")] + [("mlp", "all", (4, 6))]
 
 

@@ -354,7 +354,7 @@ def init_cache(lm_config: dict, batch: int, length: int, dtype=jnp.float32) -> d
 
 def forward_flops(lm_config: dict, seq_len: int) -> float:
     """Forward FLOPs of one sequence of ``seq_len`` input embeddings through the LM (XLA's count
-    of the compiled program: blocks, final norm and the vocabulary head)."""
+    of the lowered program, ``common.lowered_flops``: blocks, final norm and the vocabulary head)."""
     model = LM(**lm_config)
     x = jnp.zeros((1, seq_len, model.width), jnp.float32)
     _, flops = common.traced_cost(lambda k, x: model.init(k, embeds=x), lambda p, x: model.apply(p, embeds=x), x)

@@ -54,7 +54,7 @@ def build(cfg: dict, out_dim: int):
 
 
 def cost(cfg: dict, in_dim: int, out_dim: int, grid: tuple[int, int]) -> dict:
-    """Parameters and forward FLOPs per image (XLA's count of the compiled program)."""
+    """Parameters and forward FLOPs per image (XLA's count of the lowered program: ``common.lowered_flops``)."""
     module = build(cfg, out_dim)
     x = jnp.zeros((1, grid[0] * grid[1], in_dim), jnp.float32)
     grid = tuple(grid)
