@@ -70,9 +70,9 @@ def test_arrays_of_other_dtypes_map_as_image_files_and_transformers_do():
     gray16 = np.full((2, 2), 4112, np.uint16)  # 16 · 257
     png = io.BytesIO()
     Image.fromarray(gray16).save(png, "PNG")
-    assert preprocess.to_rgb(gray16)[0, 0].tolist() == images.decode_image(png.getvalue())[0, 0].tolist() == [16] * 3
-    assert preprocess.to_rgb(np.full((2, 2, 3), 0.7))[0, 0].tolist() == [178] * 3  # round(0.7 · 255)
-    assert preprocess.to_rgb(np.full((2, 2, 3), 200.0))[0, 0].tolist() == [200] * 3
-    assert preprocess.to_rgb(np.full((2, 2, 3), 7, np.int64))[0, 0].tolist() == [7] * 3
+    assert images.array_to_rgb(gray16)[0, 0].tolist() == images.decode_image(png.getvalue())[0, 0].tolist() == [16] * 3
+    assert images.array_to_rgb(np.full((2, 2, 3), 0.7))[0, 0].tolist() == [178] * 3  # round(0.7 · 255)
+    assert images.array_to_rgb(np.full((2, 2, 3), 200.0))[0, 0].tolist() == [200] * 3
+    assert images.array_to_rgb(np.full((2, 2, 3), 7, np.int64))[0, 0].tolist() == [7] * 3
     with pytest.raises(ValueError, match=r"^A float32 image with values in \[0, 254.5\]: give uint8"):
-        preprocess.to_rgb(np.array([[0.0, 254.5]], np.float32))
+        images.array_to_rgb(np.array([[0.0, 254.5]], np.float32))

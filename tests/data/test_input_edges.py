@@ -47,12 +47,12 @@ def _png16_rgb(values: np.ndarray) -> bytes:
 def test_16_bit_colour_pngs_come_within_one_level_of_the_greyscale_mapping():
     """PIL reads a 16-bit colour PNG at its high byte (``images``' docstring says so): within one
     level of value / 257, what 16-bit greyscale files and uint16 arrays get."""
-    from vitmm.data import preprocess
+    from vitmm.data import images
 
     values = np.array([[[0, 383, 32767], [32896, 65535, 1000], [65280, 65281, 129]]], np.uint16)
     got = decode_image(_png16_rgb(values)).astype(int)
     np.testing.assert_array_equal(got, values >> 8)
-    assert np.abs(got - preprocess.to_rgb(values)).max() == 1
+    assert np.abs(got - images.array_to_rgb(values)).max() == 1
 
 
 def test_flat_anyres_sequences_refuse_a_draft_decode(monkeypatch):

@@ -48,7 +48,6 @@ import ast
 from collections.abc import Callable
 
 import numpy as np
-from PIL import Image
 
 from vitmm.data import images as images_lib
 from vitmm.data import ops_image, ops_text
@@ -207,43 +206,6 @@ def split_image_affine(spec: str) -> tuple[str, tuple | None]:
 
 
 # ----------------------------------------------------------------------------------------------
-def to_rgb(image: np.ndarray, alpha: str = "drop") -> np.ndarray:
-    """uint8 RGB ``[H, W, 3]`` from grayscale ``[H, W]``/``[H, W, 1]``, RGB or RGBA (its alpha
-    dropped, or the image composited onto white with ``alpha="white"``)."""
-    image = np.asarray(image)
-    if image.ndim == 2:
-        image = image[..., None]
-    if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"Expected an image [H, W], [H, W, 1|3|4], got shape {image.shape}.")
-    image = _to_uint8(image)
-    if image.shape[-1] == 1:
-        image = np.repeat(image, 3, axis=-1)
-    elif image.shape[-1] == 4 and alpha == "white":
-        image = np.asarray(images_lib.on_white(Image.fromarray(np.ascontiguousarray(image), "RGBA")))
-    elif image.shape[-1] == 4:
-        image = image[..., :3]
-    return np.ascontiguousarray(image)
-
-
-def _to_uint8(image: np.ndarray) -> np.ndarray:
-    """uint8 pixels from an array of another dtype: uint16 as 16-bit greyscale image files (value /
-    257, ``data.images``; colour files: within one level); floats as transformers' ``to_pil_image``
-    reads them (whole numbers in 0..255 as they are, else values in [0, 1] times 255), rounded; other
-    integers in 0..255 as they are."""
-    if image.dtype == np.uint8:
-        return image
-    if image.dtype == np.uint16:
-        return np.round(image / 257.0).astype(np.uint8)
-    values = np.asarray(image, np.float64)
-    whole = np.array_equal(values, np.round(values))
-    if image.dtype.kind == "f" and not whole and values.min() >= 0 and values.max() <= 1:
-        values = values * 255.0
-    elif values.size and (values.min() < 0 or values.max() > 255 or (image.dtype.kind == "f" and not whole)):
-        raise ValueError(f"A {image.dtype} image with values in [{values.min():g}, {values.max():g}]: give uint8 "
-                         "(0..255), uint16, or floats in [0, 1] or whole numbers in 0..255.")
-    return np.round(values).astype(np.uint8)
-
-
 def _decode_text(value):
     if isinstance(value, bytes):
         return value.decode("utf-8")
@@ -300,7 +262,7 @@ def decode(image_key="image", max_images=1, draft=None, num_frames=8, alpha="dro
 
 
 def _decoded(value, draft, alpha="drop"):
-    return decode_image(value, draft, alpha) if isinstance(value, bytes) else to_rgb(value, alpha)
+    return decode_image(value, draft, alpha) if isinstance(value, bytes) else images_lib.array_to_rgb(value, alpha)
 
 
 @register("value_range")
