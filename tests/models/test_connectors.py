@@ -275,14 +275,15 @@ def test_depthwise_conv_equals_flax_grouped_conv(k, grid):
     params = ours.init(jax.random.key(1), x)
     assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, flax_conv.init(jax.random.key(1), x))
     params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(2), p.shape), params)  # bias too
-    np.testing.assert_allclose(ours.apply(params, x), flax_conv.apply(params, x), atol=1e-5, rtol=0)
+    # (each jitted: one program instead of op-by-op dispatch of the forward and both backward passes)
+    np.testing.assert_allclose(jax.jit(ours.apply)(params, x), jax.jit(flax_conv.apply)(params, x), atol=1e-5, rtol=0)
     # The gradient is written out (``depthwise_conv``): the parameters' and the input's, and the
     # gradient of a function of the gradient.
-    grad = lambda f: jax.grad(lambda p, x: (f.apply(p, x) ** 2).sum(), argnums=(0, 1))(params, x)  # noqa: E731
+    grad = lambda f: jax.jit(jax.grad(lambda p, x: (f.apply(p, x) ** 2).sum(), argnums=(0, 1)))(params, x)  # noqa: E731
     for a, b in zip(jax.tree.leaves(grad(ours)), jax.tree.leaves(grad(flax_conv)), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
-    second = lambda f: jax.grad(lambda x: (jax.grad(lambda p: (f.apply(p, x) ** 2).sum())(params)  # noqa: E731
-                                            ["params"]["kernel"] ** 2).sum())(x)
+    second = lambda f: jax.jit(jax.grad(lambda x: (jax.grad(lambda p: (f.apply(p, x) ** 2).sum())(params)  # noqa: E731
+                                                    ["params"]["kernel"] ** 2).sum()))(x)
     np.testing.assert_allclose(second(ours), second(flax_conv), atol=1e-3, rtol=1e-4)  # reverse over reverse
 
 

@@ -292,15 +292,16 @@ def test_cached_decoding_equals_the_full_forward_with_image_pos_and_prefix(prefi
         buffer[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts])
     cache = lm_lib.init_cache(LM_KW, 2, 4 + m + 3)
-    first, _ = model.apply(variables, images, jnp.asarray(buffer), lengths, cache, pos, prefix_lm,
-                           method=vlm_lib.VLM.prefill)
+    first, _ = jax.jit(lambda *a: model.apply(variables, *a, prefix_lm, method=vlm_lib.VLM.prefill))(
+        images, jnp.asarray(buffer), lengths, cache, pos)  # one program each: eager costs seconds
     out = decode.greedy_decode(model, variables, images, buffer, lengths, 3, eos_id=258, prefix_lm=prefix_lm,
                                image_pos=pos)
+    forward = jax.jit(lambda image, ids, image_pos, prompt_len: model.apply(
+        variables, image, ids, image_pos=image_pos, prompt_len=prompt_len, prefix_lm=prefix_lm))
     for i, p in enumerate(prompts):
         seq = list(p)
         for step in range(3):
-            logits = model.apply(variables, images[i:i + 1], jnp.asarray([seq], jnp.int32), image_pos=pos[i:i + 1],
-                                 prompt_len=lengths[i:i + 1], prefix_lm=prefix_lm)[0, -1]
+            logits = forward(images[i:i + 1], jnp.asarray([seq], jnp.int32), pos[i:i + 1], lengths[i:i + 1])[0, -1]
             if step == 0:
                 np.testing.assert_allclose(first[i], logits, atol=1e-5, rtol=0)
             seq.append(int(np.asarray(logits).argmax()))

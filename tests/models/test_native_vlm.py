@@ -99,19 +99,21 @@ def test_vlm_mrope_positions_follow_the_rule_at_native_resolution():
     model = _mrope_vlm()
     images = jnp.zeros((2, 16, 24, 3))
     ids = jnp.ones((2, 5), jnp.int32)
-    variables = model.init(jax.random.key(0), images, ids)
+    variables = jax.jit(model.init)(jax.random.key(0), images, ids)  # one program: eager init costs seconds
+    visual_tokens = lambda x: model.apply(variables, x, method=VLM.visual_tokens)  # noqa: E731
+    positions = jax.jit(lambda grid, image_pos: model.apply(variables, 2, 5, grid, image_pos, method=VLM.positions),
+                        static_argnums=0)
     for hw, rows_cols in [((16, 24), (2, 3)), ((24, 8), (3, 1)), ((40, 16), (5, 2))]:
         m = rows_cols[0] * rows_cols[1]
         assert model.apply(variables, hw, method=VLM.num_visual_tokens) == m
-        tokens = model.apply(variables, jnp.zeros((1, *hw, 3)), method=VLM.visual_tokens)
+        tokens = jax.eval_shape(visual_tokens, jax.ShapeDtypeStruct((1, *hw, 3), jnp.float32))  # traced, not run
         assert tokens.shape[1] == m  # the count is the real shape, for every size
         for image_pos in ([1, 1], [2, 4]):
-            got = model.apply(variables, 2, 5, (hw[0] // 4, hw[1] // 4),
-                              jnp.asarray(image_pos), method=VLM.positions)
+            got = positions((hw[0] // 4, hw[1] // 4), jnp.asarray(image_pos))
             want, _ = rope.mrope_positions(_types(5, m, image_pos), [(1, *rows_cols)] * 2)
             np.testing.assert_array_equal(got, want, err_msg=f"{hw} {image_pos}")
     with pytest.raises(ValueError, match="not a multiple of 2"):
-        model.apply(variables, jnp.zeros((1, 12, 16, 3)), method=VLM.visual_tokens)
+        jax.eval_shape(visual_tokens, jax.ShapeDtypeStruct((1, 12, 16, 3), jnp.float32))  # raised while tracing
 
 
 def test_mrope_cached_decoding_equals_the_full_forward():
@@ -126,10 +128,11 @@ def test_mrope_cached_decoding_equals_the_full_forward():
     prompts = [[257, 70, 80], [257]]
     ids = jnp.asarray([[257, 70, 80], [257, 0, 0]], jnp.int32)
     lens = jnp.asarray([3, 1])
-    variables = model.init(jax.random.key(0), images, ids)
+    variables = jax.jit(model.init)(jax.random.key(0), images, ids)  # one program each: eager costs seconds
     m = model.apply(variables, (16, 24), method=VLM.num_visual_tokens)
     cache = lm_lib.init_cache(model.lm, 2, 3 + m + 3)
-    logits, cache = model.apply(variables, images, ids, lens, cache, method=VLM.prefill)
+    logits, cache = jax.jit(functools.partial(model.apply, method=VLM.prefill))(variables, images, ids, lens, cache)
+    step = jax.jit(functools.partial(model.apply, method=VLM.step))
     seqs = [list(p) for p in prompts]
     forward = jax.jit(lambda image, ids: model.apply(variables, image, ids))  # right-padded: one compile
     for i in range(3):
@@ -140,7 +143,7 @@ def test_mrope_cached_decoding_equals_the_full_forward():
         token = jnp.argmax(logits, -1).astype(jnp.int32)
         for b in range(2):
             seqs[b].append(int(token[b]))
-        logits, cache = model.apply(variables, token, lens + m + i, cache, method=VLM.step)
+        logits, cache = step(variables, token, lens + m + i, cache)
     out = decode.greedy_decode(model, variables, images, np.asarray(ids), np.asarray(lens), max_new_tokens=3,
                                eos_id=-1)
     assert out.tolist() == [s[len(p):] for s, p in zip(seqs, prompts, strict=True)]
@@ -269,7 +272,7 @@ def test_anyres_vlm_hands_the_lm_exactly_the_counted_tokens():
 
     cfg = _anyres_fixture()["tiny"]
     model = _anyres_vlm(cfg)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 20, 40, 3)), jnp.ones((1, 3), jnp.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 20, 40, 3)), jnp.ones((1, 3), jnp.int32))
     for case in cfg["cases"][::12]:  # 13 sizes (the counts of all 150 are checked above)
         hw = (case["height"], case["width"])
         case = {**case, "tokens": case["tokens"] - case["extra_tokens"]}  # no CLS token here
@@ -355,9 +358,10 @@ def test_a_padded_batch_gives_each_image_its_unpadded_text_logits():
                 connector={"name": "mlp"}, lm=dict(vocab_size=40, width=32, depth=2, num_heads=2))
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(1, 40, size=(2, 7)), jnp.int32)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), ids[:1])
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), ids[:1])
     images = [jnp.asarray(rng.uniform(-1, 1, size=(1, h, w, 3)), jnp.float32) for h, w in ((16, 24), (24, 32))]
-    feats = [model.apply(variables, x, method=VLM.features)[0][0] for x in images]
+    features = jax.jit(lambda x: model.apply(variables, x, method=VLM.features)[0])  # eager costs ~1 s a call
+    feats = [features(x)[0] for x in images]
     m = max(len(f) for f in feats)  # 6 and 12 tokens
     garbage = [jnp.asarray(rng.normal(size=(m - len(f), f.shape[-1])), jnp.float32) for f in feats]
     padded = jnp.stack([jnp.concatenate([g, f]) for g, f in zip(garbage, feats, strict=True)])

@@ -117,8 +117,9 @@ def test_packed_forward_equals_each_images_own_forward(case):
     assert pooled.shape[:2] == (batch.segment_ids.shape[0], 3)
     per_image = packing.unpack(pooled, batch)
     last = f"block_{model.arch().depth - 1:02d}"
+    apply = jax.jit(model.apply)  # one program an image size: eager dispatch costs seconds
     for i, image in enumerate(images):
-        ref, ref_out = model.apply({"params": params}, image[None])
+        ref, ref_out = apply({"params": params}, image[None])
         np.testing.assert_allclose(per_image[i], ref[0], atol=3e-5, rtol=1e-5, err_msg=f"image {i}")
         (r, k), = np.argwhere(np.asarray(batch.image_ids) == i)
         span = np.asarray(batch.segment_ids[r]) == k + 1
@@ -132,8 +133,9 @@ def test_packed_params_are_the_unpacked_models_and_padding_changes_nothing():
     packed_init = model.init(jax.random.key(0), packing.pack(images, 4, 24, 3))["params"]
     assert jax.tree.map(jnp.shape, unpacked_init) == jax.tree.map(jnp.shape, packed_init)
     np.testing.assert_array_equal(unpacked_init["pos_embedding"], packed_init["pos_embedding"])
-    short, _ = model.apply({"params": unpacked_init}, packing.pack(images, 4, 24, 3))
-    long, _ = model.apply({"params": unpacked_init}, packing.pack(images, 4, 40, 3, rows=[[0, 2, 3], [1], [4]]))
+    apply = jax.jit(model.apply)  # one program a row length: eager dispatch costs seconds
+    short, _ = apply({"params": unpacked_init}, packing.pack(images, 4, 24, 3))
+    long, _ = apply({"params": unpacked_init}, packing.pack(images, 4, 40, 3, rows=[[0, 2, 3], [1], [4]]))
     np.testing.assert_allclose(packing.unpack(long, packing.pack(images, 4, 40, 3, rows=[[0, 2, 3], [1], [4]])),
                                packing.unpack(short, packing.pack(images, 4, 24, 3)), atol=3e-5)
 
@@ -158,8 +160,9 @@ def test_flip_patch_dropout_is_the_forward_of_the_kept_patches(posemb):
                 patch_keep=0.4)
     images = np.stack(_images(3)[1:2] * 2)  # two 16x16 images: 16 patches, 6 kept each
     params = model.init(jax.random.key(0), images)["params"]
-    pooled, out = model.apply({"params": params}, images, train=True, rngs={"dropout": jax.random.key(5)})
-    _, full = model.apply({"params": params}, images)
+    apply = jax.jit(model.apply, static_argnames="train")  # one program each: eager dispatch costs seconds
+    pooled, out = apply({"params": params}, images, train=True, rngs={"dropout": jax.random.key(5)})
+    _, full = apply({"params": params}, images)
     assert out["with_posemb"].shape == (2, 1 + 6, 32)
     for b in range(2):
         # which patches were kept: the rows of the full forward's input that the dropped one has
@@ -170,9 +173,9 @@ def test_flip_patch_dropout_is_the_forward_of_the_kept_patches(posemb):
         keep = np.r_[0, 1 + kept, 17]  # CLS, the kept patches, the padding slot
         sub = packing.Packed(**{k: np.asarray(v)[:, keep] if k not in ("grids", "image_ids") else np.asarray(v)
                                 for k, v in vars(batch).items()})
-        ref, _ = model.apply({"params": params}, sub)
+        ref, _ = apply({"params": params}, sub)
         np.testing.assert_allclose(pooled[b], ref[0, 0], atol=3e-5, rtol=1e-5)
-    other, _ = model.apply({"params": params}, images, train=True, rngs={"dropout": jax.random.key(6)})
+    other, _ = apply({"params": params}, images, train=True, rngs={"dropout": jax.random.key(6)})
     assert not np.allclose(other, pooled)  # another draw keeps other patches
     with pytest.raises(ValueError, match="patch_keep"):
         ViT(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=4, patch_keep=0.0).init(jax.random.key(0), images)

@@ -184,8 +184,8 @@ def test_scan_and_loop_encoders_agree(remat_policy):
     scan_params["encoder"] = transformer.stack_blocks(scan_params["encoder"])
     assert jax.tree.structure(scan_params) == jax.tree.structure(
         jax.eval_shape(scan.init, jax.random.key(0), images)["params"])
-    a, out_a = loop.apply(variables, images)
-    b, out_b = scan.apply({"params": scan_params}, images)
+    a, out_a = jax.jit(loop.apply)(variables, images)  # one program each: eager dispatch costs seconds
+    b, out_b = jax.jit(scan.apply)({"params": scan_params}, images)
     np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(out_a["block_01"], out_b["block_01"], atol=1e-5)
     back = transformer.unstack_blocks(scan_params["encoder"])
@@ -194,8 +194,8 @@ def test_scan_and_loop_encoders_agree(remat_policy):
     # A random linear readout (a sum of squares of LayerNorm-ed features is constant).
     readout = jax.random.normal(jax.random.key(5), a.shape)
     loss = lambda m, p: jnp.sum(m.apply({"params": p}, images)[0] * readout)
-    ga = jax.grad(lambda p: loss(loop, p))(variables["params"])
-    gb = jax.grad(lambda p: loss(scan, p))(scan_params)
+    ga = jax.jit(jax.grad(lambda p: loss(loop, p)))(variables["params"])
+    gb = jax.jit(jax.grad(lambda p: loss(scan, p)))(scan_params)
     gb["encoder"] = transformer.unstack_blocks(gb["encoder"])
     # Gradients reach ~100 here; float32 sums in a different order agree to ~1e-5 relative.
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4), ga, gb)
@@ -259,7 +259,9 @@ def test_bfloat16_residual_stream_stays_bfloat16_and_close(scan, layerscale):
     assert b.dtype == jnp.float32
     rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a))
     assert 0 < rel < 0.02, rel  # bf16 residual adds on top of bf16 matmuls: a few bf16 steps
-    grads = jax.grad(lambda p: model.apply({"params": p}, images)[1]["encoded"].astype(jnp.float32).sum())(params)
+    # (jitted: dtypes and finiteness are the same either way; eager dispatch of the backward costs seconds)
+    grads = jax.jit(jax.grad(lambda p: model.apply({"params": p}, images)[1]["encoded"].astype(jnp.float32).sum()))(
+        params)
     assert all(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 
 
@@ -373,8 +375,10 @@ def test_every_variant_builds_and_counts_its_parameters(name):
     variant = f"{name}/14"
     model = vit.ViT(variant=variant, posemb_layout="with_cls")
     arch = vit.decode_variant(variant)
-    assert vit_tools.count_params(model) == _formula(arch, 16 * 16)
+    # Traced once: count_params is this eval_shape's tree.count (test_count_params_helper_matches_tree),
+    # and a giant's trace takes seconds.
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))["params"]
+    assert tree.count(shapes) == _formula(arch, 16 * 16)
     assert shapes["encoder"][f"block_{arch.depth - 1:02d}"]["mlp"]["fc1"]["kernel"].shape == (
         arch.width, arch.mlp_dim)
 
@@ -451,7 +455,6 @@ def test_openai_clip_vision_tower_layout_counts_like_open_clip():
     """OpenAI/open_clip ViT-B/16 visual tower: no patch bias, positions over CLS, LayerNorm before
     the encoder, a 768→512 projection without bias: 86,192,640 parameters."""
     model = vit.ViT(variant="B/16", embed_bias=False, posemb_layout="with_cls", pre_norm=True, norm_eps=1e-5)
-    tower = vit_tools.count_params(model)
-    assert tower == 86_192_640 - 768 * 512
-    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))["params"]
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))["params"]  # count_params'
+    assert tree.count(params) == 86_192_640 - 768 * 512
     assert set(params["embedding"]) == {"kernel"}
