@@ -1,5 +1,7 @@
 """The Llama-style LM and the VLM: masks, RoPE, token layout, answer-only loss, greedy decoding."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,6 +145,7 @@ def test_vlm_places_visual_tokens_after_bos(connector, vision_layer, use_cls):
     assert not np.allclose(moved[:, 1:6], logits[:, 1 + m:], atol=1e-4)
 
 
+@functools.cache  # one init per test process (~5 s eager); no test changes the variables
 def _vlm_and_variables():
     model = vlm_lib.VLM(VISION, {"name": "pool", "budget": 4}, LM_KW)
     images = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
