@@ -168,3 +168,12 @@ def test_the_tests_a_report_makes_that_the_cut_cannot_include_its_variant_rows(t
 def test_the_header_says_a_verdict_shown_in_some_layouts_only_is_no_difference_between_them(tmp_path):
     text = layouts.main(["easy=" + str(EASY), f"hard={sweep(tmp_path, 'hard', five)}"])
     assert "A test shown in some layouts only is not shown to differ between them" in text.split("\n")[0]
+
+
+def test_the_committed_layouts_table_is_written_again_from_the_sweeps_runs(tmp_path):
+    """``layouts.md`` (easy against hard) is what the code writes from the two sweeps' committed
+    runs.csv and setup.json, so its verdicts cannot drift from the runs."""
+    out = tmp_path / "layouts.md"
+    layouts.main([f"easy={ROOT / 'results/token_budget'}", f"hard={ROOT / 'results/token_budget/hard'}",
+                  "--out", str(out)])
+    assert out.read_text() == (ROOT / "results/token_budget/layouts.md").read_text()

@@ -21,11 +21,12 @@ def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     return dst
 
 
-def test_the_main_stage_report_is_written_again_from_its_runs_byte_for_byte(tmp_path):
-    out = _copy(ROOT / "results/token_budget", tmp_path / "tb")
+@pytest.mark.parametrize("folder, tests", [("", 80), ("hard", 39)])
+def test_the_main_stage_report_is_written_again_from_its_runs_byte_for_byte(tmp_path, folder, tests):
+    out = _copy(ROOT / "results/token_budget" / folder, tmp_path / "tb")
     written = sweep.main(["--report", "--out", str(out)])
-    assert written.read_text() == (ROOT / "results/token_budget/token_budget.md").read_text()
-    assert "All 80 tests of this report corrected together (Holm)" in written.read_text()
+    assert written.read_text() == (ROOT / "results/token_budget" / folder / "token_budget.md").read_text()
+    assert f"All {tests} tests of this report corrected together (Holm)" in written.read_text()
 
 
 def test_the_horizon_and_frozen_reports_are_written_again_from_their_runs(tmp_path):
