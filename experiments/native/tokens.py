@@ -313,9 +313,11 @@ def main(argv=None) -> pathlib.Path:
     context["seed_log"] = (str(out / "seeds.jsonl"), signature)
     context["seeds_done"] = store.seed_results([out / "cells.jsonl", out / "seeds.jsonl"], signature)
     results = run_cells(cell_job, keys, "cells.jsonl", "cells", args.seeds)
-    interim = dict(runs=sum(len(set(v) & set(args.seeds)) for v in results.values()), of=len(keys) * len(args.seeds),
-                   pending=[f"{p}@{b}" for p, b in keys if not results.get((p, b))])
+    interim = {}  # setup.json's record of what an --interim report's tables hold of the planned runs
     if args.interim:
+        interim["interim"] = dict(runs=sum(len(set(v) & set(args.seeds)) for v in results.values()),
+                                  of=len(keys) * len(args.seeds),
+                                  pending=[f"{p}@{b}" for p, b in keys if not results.get((p, b))])
         out = out / "interim"
         out.mkdir(exist_ok=True)
 
@@ -335,7 +337,7 @@ def main(argv=None) -> pathlib.Path:
                           else tower_dir), "tower_config": tower_cfg, "lm": lm_cfg, "chosen": chosen,
              "tuning": {f"{p}@{b}|{lr:g}": r[seed0]["accuracy"] for (p, b, lr), r in tuned.items()},
              "test_questions": int(len(test["ids"])), "wide_share": float(test["in_wide"].mean()),
-             "views": {k: v["length"] for k, v in views.items()}, **({"interim": interim} if args.interim else {})}
+             "views": {k: v["length"] for k, v in views.items()}, **interim}
     command = " ".join(["python", "-m", "experiments.native", *(sys.argv[1:] if argv is None else argv)])
     shown = {**setup, "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "command": command}
     outputs.write_outputs(out, "native_tokens", setup, to_markdown(rows, shown), {"runs.csv": rows})

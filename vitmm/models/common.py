@@ -78,7 +78,10 @@ def activation(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
 
 def xla_flops(compiled) -> float:
     """FLOPs of a compiled program by XLA's cost analysis (``jax.jit(f).lower(...).compile()``)."""
-    analysis = compiled.cost_analysis()
+    return _flops(compiled.cost_analysis())
+
+
+def _flops(analysis) -> float:
     if isinstance(analysis, (list, tuple)):  # older JAX: one dict per device program
         analysis = analysis[0]
     return float(analysis.get("flops", 0.0))
@@ -91,10 +94,7 @@ def lowered_flops(fn: Callable, *args) -> float:
     the matmuls it hands to cuBLAS (an H200's of SmolLM2-135M's prefill: 15.4 GFLOP a sequence
     against ~166 by this count and by hand); XLA:CPU's of its compiled program is within ~2.5% of
     this one (its passes fold some elementwise work)."""
-    analysis = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).cost_analysis()
-    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per device program
-        analysis = analysis[0]
-    return float(analysis.get("flops", 0.0))
+    return _flops(jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).cost_analysis())
 
 
 def traced_cost(init: Callable, apply: Callable, *args) -> tuple[dict, float]:
